@@ -1,0 +1,41 @@
+"""The asynchdf5 exception family.
+
+Every error the library raises on purpose derives from :class:`DataLayerError`; the subclasses say
+which stage failed. Messages name the file, the top, the rows or the transformer involved, and the
+original exception is always chained (``raise ... from exc``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "DataLayerError",
+    "ReadError",
+    "SchemaError",
+    "SourceError",
+    "TransformError",
+]
+
+
+class DataLayerError(Exception):
+    """Base class of every error raised by asynchdf5."""
+
+
+class ConfigurationError(DataLayerError, ValueError):
+    """A keyword property of a layer has a bad value (raised at construction)."""
+
+
+class SourceError(DataLayerError):
+    """The source list, or a file it names, is missing, unreadable, empty or not HDF5."""
+
+
+class SchemaError(DataLayerError):
+    """The tops do not match across files: missing, unequal row counts, shape/dtype, kind."""
+
+
+class ReadError(DataLayerError):
+    """Reading rows of a file failed during an epoch (truncated, deleted, I/O error)."""
+
+
+class TransformError(DataLayerError):
+    """A transformer raised, or returned an array with a different number of rows."""

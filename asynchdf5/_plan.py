@@ -1,0 +1,183 @@
+"""Planner: pure functions from (sample count, epoch, seed, shard) to the epoch's chunks and batches.
+
+No I/O happens here, so shuffling and sharding are testable without a file.
+
+Shards. The epoch's samples are laid out on a ring: ``shuffle=True`` rotates the ring by a random
+offset (the same on every rank, derived from the seed and the epoch); ``shuffle=False`` does not.
+The ring is cut into ``world_size`` contiguous shares, one per rank, in rank order. With
+``q = N // (world_size * batch_size)`` full rounds and ``r = N % (world_size * batch_size)``
+samples left over, rank ``k`` gets ``q * batch_size`` samples plus a near-even part of the leftover
+(``r // world_size``, plus one for the first ``r % world_size`` ranks). So every rank has ``q`` full
+batches, and then:
+
+* ``drop_last=True``: each rank drops its leftover (its last partial batch): ``q`` batches each.
+* ``drop_last=False``: each rank yields its leftover as a last, partial batch. If the leftover is
+  smaller than ``world_size`` (so some ranks got none), a rank without leftover splits its last
+  full batch into two (``batch_size - 1`` rows, then 1) so that every rank still yields ``q + 1``
+  batches: no sample is repeated or lost, and no batch is empty or larger than ``batch_size``.
+
+Chunks. Each rank's share is cut into chunks of ``chunk_size`` samples (contiguous on the ring,
+so one chunk is at most two ranges of the global index). With ``shuffle=True`` the chunk order is
+permuted and samples are permuted within each chunk. The first chunk of every epoch may be split
+into a ramp of growing sub-chunks (``first_rows``, doubling) so the first batch does not wait for
+a whole chunk to be read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._errors import ConfigurationError
+
+__all__ = ["ChunkPlan", "EpochPlan", "plan_epoch", "shard_share"]
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk of an epoch: global index ranges, read into one cache slot in that order."""
+
+    epoch: int
+    index: int  # position in the epoch's chunk order
+    ranges: tuple[tuple[int, int], ...]  # global [start, stop) ranges, concatenated in the slot
+    seed: tuple[int, ...] | None  # None: no within-chunk permutation
+
+    @property
+    def size(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+    def order(self) -> np.ndarray | None:
+        """Slot positions in the order they are served (``None``: in slot order)."""
+        if self.seed is None:
+            return None
+        return np.random.default_rng(self.seed).permutation(self.size)
+
+    def global_indices(self, positions: np.ndarray) -> np.ndarray:
+        """Global indices of the samples at ``positions`` of the slot."""
+        (a0, b0), *rest = self.ranges
+        out = positions.astype(np.int64) + a0
+        if rest:
+            (a1, _b1), = rest
+            first = b0 - a0
+            tail = positions >= first
+            out[tail] += a1 - b0
+        return out
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """What one rank serves in one epoch."""
+
+    epoch: int
+    n_samples: int  # samples of this rank's share
+    chunks: tuple[ChunkPlan, ...]
+    batch_size: int
+    full_batches: int  # batches of batch_size rows, then `tail`
+    tail: tuple[int, ...] = field(default=())
+
+    @property
+    def n_batches(self) -> int:
+        return self.full_batches + len(self.tail)
+
+    @property
+    def n_served(self) -> int:
+        """Samples actually yielded (less than ``n_samples`` with ``drop_last``)."""
+        return self.full_batches * self.batch_size + sum(self.tail)
+
+    def batch_sizes(self) -> Iterator[int]:
+        """The sizes of the epoch's batches, in order."""
+        for _ in range(self.full_batches):
+            yield self.batch_size
+        yield from self.tail
+
+
+def shard_share(n: int, batch_size: int, rank: int, world_size: int) -> tuple[int, int, int]:
+    """``(start, size, leftover)`` of rank's share of the ring of ``n`` samples."""
+    round_ = world_size * batch_size
+    q, r = divmod(n, round_)
+    base, extra = divmod(r, world_size)
+
+    def leftover(k: int) -> int:
+        return base + (1 if k < extra else 0)
+
+    start = rank * q * batch_size + sum(leftover(k) for k in range(rank))
+    return start, q * batch_size + leftover(rank), leftover(rank)
+
+
+def _batch_layout(
+    n: int, batch_size: int, rank: int, world_size: int, drop_last: bool
+) -> tuple[int, tuple[int, ...]]:
+    q, r = divmod(n, world_size * batch_size)
+    _, _, mine = shard_share(n, batch_size, rank, world_size)
+    if drop_last or r == 0:
+        return q, ()
+    if mine > 0:
+        return q, (mine,)
+    # Leftover smaller than world_size and none for this rank: split the last full batch.
+    if q == 0 or batch_size == 1:
+        raise ConfigurationError(
+            f"{n} samples cannot be split over world_size={world_size} ranks with the same "
+            f"number of batches at batch_size={batch_size} without repeating samples; use "
+            "drop_last=True"
+        )
+    return q - 1, (batch_size - 1, 1)
+
+
+def _seed_tuple(seed: int, epoch: int, *more: int) -> tuple[int, ...]:
+    return (seed, epoch, *more)
+
+
+def plan_epoch(
+    n: int,
+    *,
+    epoch: int,
+    batch_size: int,
+    chunk_size: int,
+    shuffle: bool,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    drop_last: bool = False,
+    first_rows: int | None = None,
+) -> EpochPlan:
+    """Plan epoch ``epoch`` of rank ``rank`` over ``n`` samples. Pure and deterministic."""
+    if n < world_size:
+        raise ConfigurationError(
+            f"the data set has {n} samples, fewer than world_size={world_size}"
+        )
+    full, tail = _batch_layout(n, batch_size, rank, world_size, drop_last)
+    start, size, _ = shard_share(n, batch_size, rank, world_size)
+    rng = np.random.default_rng(_seed_tuple(seed, epoch))
+    offset = int(rng.integers(n)) if shuffle else 0
+
+    # Chunk boundaries on this rank's share, ring coordinates relative to the share's start.
+    bounds = list(range(0, size, chunk_size)) + [size]
+    pieces = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    if shuffle:
+        perm = np.random.default_rng(_seed_tuple(seed, epoch, rank, 1)).permutation(len(pieces))
+        pieces = [pieces[int(i)] for i in perm]
+    if first_rows is not None and pieces and pieces[0][1] - pieces[0][0] > 2 * first_rows:
+        a, b = pieces[0]
+        ramp = []
+        step = first_rows
+        while b - a > 2 * step:
+            ramp.append((a, a + step))
+            a += step
+            step *= 2
+        ramp.append((a, b))
+        pieces = ramp + pieces[1:]
+
+    chunks = []
+    for i, (a, b) in enumerate(pieces):
+        g0 = (offset + start + a) % n
+        length = b - a
+        if g0 + length <= n:
+            ranges: tuple[tuple[int, int], ...] = ((g0, g0 + length),)
+        else:
+            ranges = ((g0, n), (0, g0 + length - n))
+        chunk_seed = _seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
+        chunks.append(ChunkPlan(epoch, i, ranges, chunk_seed))
+    return EpochPlan(epoch, size, tuple(chunks), batch_size, full, tail)
+

@@ -1,0 +1,193 @@
+"""Chunk reader: fills a cache slot with the rows of a chunk, for all tops.
+
+Two paths, chosen per file and top when the catalog is built:
+
+* ``pread``: contiguous, uncompressed, native-dtype data is read with ``os.preadv`` straight into
+  the slot, outside h5py's process-wide lock, so nobody else's h5py call waits on the loader.
+* ``h5py``: everything else (chunked or compressed data, other byte orders, unallocated or
+  external storage) is read with ``Dataset.read_direct``. **This holds h5py's lock** for the call,
+  so reads are cut into pieces of at most ``PIECE_BYTES``.
+
+All functions here block: the pipeline runs them in worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import h5py
+import numpy as np
+
+from ._batch import LoadedChunk
+from ._cache import Slot
+from ._catalog import Catalog, FileInfo, Segment
+from ._errors import ReadError
+from ._plan import ChunkPlan
+
+if TYPE_CHECKING:
+    from ._pipeline import Stats
+
+__all__ = ["PIECE_BYTES", "HDF5Reader", "HDF5Source", "ReadItem"]
+
+#: Largest read done in one call: bounds how long a read holds a thread (and, on the h5py path,
+#: h5py's lock), so cancellation and other h5py users are never held up for long.
+PIECE_BYTES = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Rows ``row_start:row_stop`` of ``top`` in ``file``, to land at ``out_start`` of the slot."""
+
+    top: str
+    file: FileInfo
+    row_start: int
+    row_stop: int
+    out_start: int
+
+    def describe(self) -> str:
+        return f"{self.file.path}: top {self.top!r}, rows {self.row_start}:{self.row_stop}"
+
+
+class HDF5Reader:
+    """Reads chunks of a catalogued source into slots."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        paths: dict[str, set[str]] = {t: set() for t in catalog.tops}
+        for f in catalog.files:
+            if f.nrows == 0:
+                continue
+            for top, layout in f.layouts.items():
+                paths[top].add("pread" if layout.offset is not None else "h5py")
+        #: Read path of each top ("pread", "h5py" or "pread+h5py" when files differ).
+        self.read_paths = {t: "+".join(sorted(p)) or "none" for t, p in paths.items()}
+
+    def items(self, chunk: ChunkPlan) -> list[ReadItem]:
+        """The reads that fill a slot with ``chunk``, each at most ``PIECE_BYTES``."""
+        segments: list[Segment] = []
+        out = 0
+        for a, b in chunk.ranges:
+            segments.extend(self.catalog.segments(a, b, out))
+            out += b - a
+        items = []
+        for top, info in self.catalog.tops.items():
+            step = max(1, PIECE_BYTES // max(1, info.row_bytes))
+            for seg in segments:
+                for r in range(seg.row_start, seg.row_stop, step):
+                    r1 = min(seg.row_stop, r + step)
+                    items.append(ReadItem(top, seg.file, r, r1, seg.out_start + r - seg.row_start))
+        return items
+
+    def read(self, items: Sequence[ReadItem], slot: dict[str, np.ndarray]) -> int:
+        """Read ``items`` into ``slot`` (blocking). Returns the bytes read."""
+        total = 0
+        for file, group in _by_file(items):
+            total += _read_file(file, group, slot)
+        return total
+
+
+def _by_file(items: Sequence[ReadItem]) -> Iterator[tuple[FileInfo, list[ReadItem]]]:
+    groups: dict[int, tuple[FileInfo, list[ReadItem]]] = {}
+    for it in items:
+        groups.setdefault(id(it.file), (it.file, []))[1].append(it)
+    return iter(groups.values())
+
+
+def _open_checked(file: FileInfo) -> int:
+    try:
+        fd = os.open(file.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as exc:
+        raise ReadError(f"{file.path}: the file was deleted after the source was opened") from exc
+    except OSError as exc:
+        raise ReadError(f"{file.path}: cannot open the file: {exc}") from exc
+    st = os.fstat(fd)
+    dev, ino, size = file.identity
+    if (st.st_dev, st.st_ino) != (dev, ino) or st.st_size != size:
+        os.close(fd)
+        what = "replaced" if (st.st_dev, st.st_ino) != (dev, ino) else "truncated or resized"
+        raise ReadError(
+            f"{file.path}: the file was {what} after the source was opened "
+            f"(size {size} -> {st.st_size} bytes)"
+        )
+    return fd
+
+
+def _read_file(file: FileInfo, items: list[ReadItem], slot: dict[str, np.ndarray]) -> int:
+    fd = _open_checked(file)
+    h5: h5py.File | None = None
+    total = 0
+    try:
+        for it in items:
+            dest = slot[it.top][it.out_start : it.out_start + it.row_stop - it.row_start]
+            offset = file.layouts[it.top].offset
+            try:
+                if offset is not None:
+                    total += _pread_into(fd, dest, offset + it.row_start * _row_bytes(dest))
+                else:
+                    if h5 is None:
+                        h5 = h5py.File(file.path, "r")
+                    dset: Any = h5[it.top]
+                    dset.read_direct(dest, np.s_[it.row_start : it.row_stop])
+                    total += dest.nbytes
+            except ReadError as exc:
+                raise ReadError(f"{it.describe()}: {exc}") from exc
+            except (OSError, ValueError, KeyError) as exc:
+                raise ReadError(f"{it.describe()}: read failed: {exc}") from exc
+    finally:
+        os.close(fd)
+        if h5 is not None:
+            h5.close()
+    return total
+
+
+def _row_bytes(a: np.ndarray) -> int:
+    return int(a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64)))
+
+
+def _pread_into(fd: int, dest: np.ndarray, offset: int) -> int:
+    """Fill ``dest`` (C-contiguous) from ``fd`` at ``offset`` with as few syscalls as possible."""
+    view = memoryview(dest.reshape(-1).view(np.uint8))
+    done = 0
+    n = len(view)
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise ReadError(
+                f"unexpected end of file at byte {offset + done} (the file is truncated)"
+            )
+        done += got
+    return n
+
+
+class HDF5Source:
+    """The pipeline's data source for HDF5 files: reads chunks into cache slots."""
+
+    def __init__(self, catalog: Catalog, slots: list[Slot]) -> None:
+        self.catalog = catalog
+        self.reader = HDF5Reader(catalog)
+        self.tops = catalog.tops
+        self.n_samples = catalog.n_samples
+        self.slots: list[Slot] | None = slots
+        self._limiter = anyio.CapacityLimiter(1)
+
+    async def load(self, chunk: ChunkPlan, slot: Slot | None, stats: Stats) -> LoadedChunk:
+        assert slot is not None
+        t0 = time.perf_counter()
+        # One worker-thread call per piece keeps each call short, so cancelling a run never waits
+        # for more than one piece.
+        for item in self.reader.items(chunk):
+            stats.bytes_read += await anyio.to_thread.run_sync(
+                self.reader.read, (item,), slot.arrays, limiter=self._limiter
+            )
+        order = await anyio.to_thread.run_sync(chunk.order, limiter=self._limiter)
+        stats.read_seconds += time.perf_counter() - t0
+        stats.chunks_read += 1
+        return LoadedChunk(chunk, order, slot.arrays)
+
+    def close(self) -> None:
+        self.slots = None
