@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -13,7 +13,15 @@ from ._catalog import TopInfo
 from ._errors import TransformError
 from ._plan import ChunkPlan
 
-__all__ = ["Batch", "BatchSpec", "LoadedChunk", "describe_transformer", "gather_batches"]
+__all__ = [
+    "Batch",
+    "BatchSpec",
+    "Finisher",
+    "LoadedChunk",
+    "apply_transformers",
+    "describe_transformer",
+    "gather_batches",
+]
 
 Transformer = Callable[[Any], Any]
 
@@ -105,10 +113,29 @@ def describe_transformer(fn: object) -> str:
     return repr(fn)
 
 
+class Finisher(Protocol):
+    """The last stage of a batch when a device is set (see ``_device.DeviceStage``)."""
+
+    def alloc(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """Host memory to gather a top's rows into (e.g. page-locked staging)."""
+        ...
+
+    def finish(self, data: dict[str, Any], indices: np.ndarray, epoch: int) -> dict[str, Any]:
+        """Upload ``data`` and run the transformers on the device (worker thread)."""
+        ...
+
+    def ready(self, batch: Batch) -> None:
+        """Called on the consumer's thread just before ``batch`` is yielded."""
+        ...
+
+    def close(self) -> None: ...
+
+
 def _gather_one(
-    spec: BatchSpec, tops: Mapping[str, TopInfo]
+    spec: BatchSpec, tops: Mapping[str, TopInfo], finisher: Finisher | None
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    out = {t.name: np.empty((spec.rows, *t.sample_shape), t.dtype) for t in tops.values()}
+    alloc = np.empty if finisher is None else finisher.alloc
+    out = {t.name: alloc((spec.rows, *t.sample_shape), t.dtype) for t in tops.values()}
     indices = np.empty(spec.rows, np.int64)
     at = 0
     for chunk, a, b in spec.pieces:
@@ -171,17 +198,17 @@ def gather_batches(
     tops: Mapping[str, TopInfo],
     transformers: Sequence[tuple[str, Transformer]],
     times: GatherTimes,
-    finish: Callable[[dict[str, Any], np.ndarray, int], dict[str, Any]] | None = None,
+    finisher: Finisher | None = None,
 ) -> list[Batch]:
     """Gather and transform ``specs`` (blocking; runs in a worker thread)."""
     out = []
     for spec in specs:
         t0 = time.perf_counter()
-        data, indices = _gather_one(spec, tops)
+        data, indices = _gather_one(spec, tops, finisher)
         t1 = time.perf_counter()
         result: dict[str, Any] = dict(data)
-        if finish is not None:
-            result = finish(result, indices, spec.epoch)
+        if finisher is not None:
+            result = finisher.finish(result, indices, spec.epoch)
         else:
             apply_transformers(result, transformers, spec.epoch, indices)
         times.gather += t1 - t0

@@ -28,7 +28,15 @@ import anyio
 import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from ._batch import Batch, BatchSpec, GatherTimes, LoadedChunk, Transformer, gather_batches
+from ._batch import (
+    Batch,
+    BatchSpec,
+    Finisher,
+    GatherTimes,
+    LoadedChunk,
+    Transformer,
+    gather_batches,
+)
 from ._cache import Slot
 from ._catalog import TopInfo
 from ._plan import ChunkPlan, EpochPlan
@@ -98,7 +106,7 @@ class Run:
         transformers: Sequence[tuple[str, Transformer]],
         prefetch: int,
         stats: Stats,
-        finish: Callable[[dict[str, Any], np.ndarray, int], dict[str, Any]] | None = None,
+        finisher: Finisher | None = None,
     ) -> None:
         self.source = source
         self.plan = plan
@@ -107,7 +115,7 @@ class Run:
         self.batch_size = batch_size
         self.transformers = list(transformers)
         self.stats = stats
-        self.finish = finish
+        self.finisher = finisher
         row_bytes = sum(t.row_bytes for t in source.tops.values())
         # Gather several batches per worker-thread call: a thread hop costs tens of µs, which
         # matters at thousands of batches per second. Groups of about 4 MiB, at most 16 batches.
@@ -125,15 +133,18 @@ class Run:
         """Run until cancelled or failed; always closes the item stream."""
         try:
             with self.scope:
+                send, recv = anyio.create_memory_object_stream[tuple[EpochPlan, LoadedChunk]](
+                    math.inf if self.source.slots is not None else 1
+                )
                 try:
                     async with anyio.create_task_group() as tg:
-                        send, recv = anyio.create_memory_object_stream[
-                            tuple[EpochPlan, LoadedChunk]
-                        ](math.inf if self.source.slots is not None else 1)
                         tg.start_soon(self._reader, send)
                         await self._batcher(recv)
-                except Exception as exc:  # noqa: BLE001 - every failure goes to the consumer
+                except Exception as exc:  # every failure goes to the consumer
                     await self._send.send(Failure(_leaf(exc)))
+                finally:
+                    send.close()
+                    recv.close()
         finally:
             self._send.close()
             self.done.set()
@@ -209,7 +220,7 @@ class Run:
                 self.source.tops,
                 self.transformers,
                 self.stats.times,
-                self.finish,
+                self.finisher,
                 limiter=self._gather_limiter,
             )
         finally:

@@ -10,7 +10,8 @@ samples left over, rank ``k`` gets ``q * batch_size`` samples plus a near-even p
 (``r // world_size``, plus one for the first ``r % world_size`` ranks). So every rank has ``q`` full
 batches, and then:
 
-* ``drop_last=True``: each rank drops its leftover (its last partial batch): ``q`` batches each.
+* ``drop_last=True``: the leftover is left out of the epoch (with ``shuffle=True`` the ring's
+  rotation changes which samples those are from epoch to epoch): ``q`` full batches each.
 * ``drop_last=False``: each rank yields its leftover as a last, partial batch. If the leftover is
   smaller than ``world_size`` (so some ranks got none), a rank without leftover splits its last
   full batch into two (``batch_size - 1`` rows, then 1) so that every rank still yields ``q + 1``
@@ -93,26 +94,25 @@ class EpochPlan:
         yield from self.tail
 
 
-def shard_share(n: int, batch_size: int, rank: int, world_size: int) -> tuple[int, int, int]:
-    """``(start, size, leftover)`` of rank's share of the ring of ``n`` samples."""
-    round_ = world_size * batch_size
-    q, r = divmod(n, round_)
+def shard_share(
+    n: int, batch_size: int, rank: int, world_size: int, drop_last: bool = False
+) -> tuple[int, int]:
+    """``(start, size)`` of rank's share of the ring of ``n`` samples."""
+    q, r = divmod(n, world_size * batch_size)
+    if drop_last:
+        return rank * q * batch_size, q * batch_size
     base, extra = divmod(r, world_size)
-
-    def leftover(k: int) -> int:
-        return base + (1 if k < extra else 0)
-
-    start = rank * q * batch_size + sum(leftover(k) for k in range(rank))
-    return start, q * batch_size + leftover(rank), leftover(rank)
+    start = rank * (q * batch_size + base) + min(rank, extra)
+    return start, q * batch_size + base + (1 if rank < extra else 0)
 
 
 def _batch_layout(
     n: int, batch_size: int, rank: int, world_size: int, drop_last: bool
 ) -> tuple[int, tuple[int, ...]]:
     q, r = divmod(n, world_size * batch_size)
-    _, _, mine = shard_share(n, batch_size, rank, world_size)
     if drop_last or r == 0:
         return q, ()
+    mine = shard_share(n, batch_size, rank, world_size)[1] - q * batch_size
     if mine > 0:
         return q, (mine,)
     # Leftover smaller than world_size and none for this rank: split the last full batch.
@@ -148,7 +148,7 @@ def plan_epoch(
             f"the data set has {n} samples, fewer than world_size={world_size}"
         )
     full, tail = _batch_layout(n, batch_size, rank, world_size, drop_last)
-    start, size, _ = shard_share(n, batch_size, rank, world_size)
+    start, size = shard_share(n, batch_size, rank, world_size, drop_last)
     rng = np.random.default_rng(_seed_tuple(seed, epoch))
     offset = int(rng.integers(n)) if shuffle else 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -16,7 +16,7 @@ import numpy as np
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from ._batch import Batch, LoadedChunk, Transformer
+from ._batch import Batch, Finisher, LoadedChunk, Transformer
 from ._cache import allocate_slots, slot_rows
 from ._catalog import TopInfo, build_catalog
 from ._errors import ConfigurationError, DataLayerError, SchemaError
@@ -127,6 +127,7 @@ class _Layer:
         rank: int,
         world_size: int,
         prefetch: int,
+        device: object = None,
     ) -> None:
         self.batch_size = _int("batch_size", batch_size, minimum=1)
         self.tops = _tops(tops)
@@ -162,6 +163,12 @@ class _Layer:
         self._stats = Stats()
         self._chunk_rows = self.chunk_size
         self._opened_at = 0.0
+        self.device = device
+        self._finisher: Finisher | None = None
+        if device is not None:
+            from ._device import DeviceStage
+
+            self._finisher = DeviceStage(device, self.transformers, self.batch_size, self.prefetch)
 
     # --- what subclasses provide ---------------------------------------------------------
 
@@ -258,11 +265,15 @@ class _Layer:
                 self._run.scope.cancel()
             return await tg.__aexit__(exc_type, exc, tb)
         finally:
+            if self._run is not None:
+                self._run.items.close()
             self._run = None
             self._current = None
             if self._source is not None:
                 self._source.close()
                 self._source = None
+            if self._finisher is not None:
+                self._finisher.close()
 
     async def aclose(self) -> None:
         """Stop the pipeline and release everything (what leaving ``async with`` does)."""
@@ -282,9 +293,6 @@ class _Layer:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _finish(self) -> Callable[[dict[str, Any], np.ndarray, int], dict[str, Any]] | None:
-        return None
-
     def _start_run(self, mode: Mode) -> Run:
         assert self._tg is not None and self._source is not None
         run = Run(
@@ -296,7 +304,7 @@ class _Layer:
             transformers=self.transformers,
             prefetch=self.prefetch,
             stats=self._stats,
-            finish=self._finish(),
+            finisher=self._finisher,
         )
         self._run = run
         self._tg.start_soon(run.main)
@@ -324,6 +332,8 @@ class _Layer:
             self._epoch = max(self._epoch, it.touched + 1)
         elif it.mode == "epoch":
             self._epoch += 1
+        if self._run is not None:
+            self._run.items.close()
         self._run = None
         self._current = None
 
@@ -368,6 +378,8 @@ class _EpochIterator:
                     stats.first_batch_seconds = time.perf_counter() - layer._opened_at
                 stats.batches += 1
                 stats.samples += len(item.indices)
+                if layer._finisher is not None:
+                    layer._finisher.ready(item)
                 return item
             if isinstance(item, EpochEnd):
                 layer._epoch = item.epoch + 1
@@ -417,6 +429,10 @@ class AsyncHDF5DataLayer(_Layer):
         warning.
     prefetch : int, default 8
         Batches gathered ahead of the consumer.
+    device : None, str, int or cupy.cuda.Device, optional
+        Put batches on this CUDA device as CuPy arrays (``"cuda"``, ``"cuda:1"``, ``1``); the
+        transformers then run on the device after the upload. Needs the ``cuda12`` or ``cuda13``
+        extra.
 
     Examples
     --------
@@ -442,6 +458,7 @@ class AsyncHDF5DataLayer(_Layer):
         world_size: int = 1,
         cache_bytes: int | None = None,
         prefetch: int = 8,
+        device: object = None,
     ) -> None:
         super().__init__(
             batch_size=batch_size,
@@ -454,6 +471,7 @@ class AsyncHDF5DataLayer(_Layer):
             rank=rank,
             world_size=world_size,
             prefetch=prefetch,
+            device=device,
         )
         self.cache_bytes = None if cache_bytes is None else _int(
             "cache_bytes", cache_bytes, minimum=1
@@ -473,7 +491,7 @@ class AsyncHDF5DataLayer(_Layer):
 
     async def _open_source(self) -> DataSource:
         catalog = await anyio.to_thread.run_sync(build_catalog, self.paths, self.tops)
-        _, share, _ = shard_share(catalog.n_samples, self.batch_size, 0, self.world_size)
+        _, share = shard_share(catalog.n_samples, self.batch_size, 0, self.world_size)
         self._chunk_rows = slot_rows(
             self.chunk_size, max(1, share), catalog.row_bytes, self.cache_bytes
         )
@@ -531,6 +549,7 @@ class MemoryDataLayer(_Layer):
         rank: int = 0,
         world_size: int = 1,
         prefetch: int = 8,
+        device: object = None,
     ) -> None:
         if not isinstance(data, Mapping) or not data:
             raise ConfigurationError("data must be a non-empty mapping of top name to array")
@@ -564,6 +583,7 @@ class MemoryDataLayer(_Layer):
             rank=rank,
             world_size=world_size,
             prefetch=prefetch,
+            device=device,
         )
         self._arrays = {k: arrays[k] for k in names}
         self._specs = specs

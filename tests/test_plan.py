@@ -1,0 +1,129 @@
+"""The planner is pure: shuffling and sharding are checked here without any file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asynchdf5 import ConfigurationError
+from asynchdf5._plan import EpochPlan, plan_epoch
+
+
+def served(plan: EpochPlan) -> np.ndarray:
+    """Global indices of the plan's share, in serving order."""
+    parts = [np.empty(0, np.int64)]
+    for c in plan.chunks:
+        order = c.order()
+        pos = np.arange(c.size) if order is None else order
+        parts.append(c.global_indices(pos))
+    return np.concatenate(parts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    batch_size=st.integers(1, 300),
+    chunk_mult=st.integers(1, 10),
+    world_size=st.integers(1, 6),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**32),
+    epoch=st.integers(0, 5),
+    ramp=st.one_of(st.none(), st.integers(1, 500)),
+)
+def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
+    n: int,
+    batch_size: int,
+    chunk_mult: int,
+    world_size: int,
+    shuffle: bool,
+    drop_last: bool,
+    seed: int,
+    epoch: int,
+    ramp: int | None,
+) -> None:
+    kw = dict(
+        epoch=epoch,
+        batch_size=batch_size,
+        chunk_size=batch_size * chunk_mult,
+        shuffle=shuffle,
+        seed=seed,
+        world_size=world_size,
+        drop_last=drop_last,
+        first_rows=ramp,
+    )
+    try:
+        plans = [plan_epoch(n, rank=r, **kw) for r in range(world_size)]  # type: ignore[arg-type]
+    except ConfigurationError as exc:
+        # Only the documented impossible cases may refuse.
+        q, r = divmod(n, world_size * batch_size)
+        assert n < world_size or (not drop_last and 0 < r < world_size and (q == 0 or batch_size == 1)), exc
+        return
+    everything = np.sort(np.concatenate([served(p) for p in plans]))
+    if drop_last:  # the leftover of fewer than world_size * batch_size samples is left out
+        assert len(np.unique(everything)) == len(everything)
+        assert np.isin(everything, np.arange(n)).all()
+        assert n - len(everything) < world_size * batch_size
+    else:
+        assert np.array_equal(everything, np.arange(n))
+    assert len({p.n_batches for p in plans}) == 1
+    for p in plans:
+        sizes = list(p.batch_sizes())
+        assert all(0 < s <= batch_size for s in sizes)
+        assert sum(sizes) == p.n_served <= p.n_samples
+        if drop_last:
+            assert all(s == batch_size for s in sizes)
+        assert p.n_served == p.n_samples
+        assert all(c.size <= kw["chunk_size"] for c in p.chunks)  # type: ignore[operator]
+        if not shuffle and world_size == 1 and not drop_last:
+            assert np.array_equal(served(p), np.arange(n))
+
+
+def test_same_seed_same_order_epochs_differ() -> None:
+    kw = dict(batch_size=10, chunk_size=100, shuffle=True)
+    a = served(plan_epoch(1000, epoch=0, seed=7, **kw))  # type: ignore[arg-type]
+    b = served(plan_epoch(1000, epoch=0, seed=7, **kw))  # type: ignore[arg-type]
+    c = served(plan_epoch(1000, epoch=1, seed=7, **kw))  # type: ignore[arg-type]
+    d = served(plan_epoch(1000, epoch=0, seed=8, **kw))  # type: ignore[arg-type]
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert not np.array_equal(a, d)
+
+
+def test_shuffle_rotates_chunk_boundaries_and_permutes_chunks() -> None:
+    starts = set()
+    orders = set()
+    for epoch in range(20):
+        p = plan_epoch(1000, epoch=epoch, batch_size=10, chunk_size=100, shuffle=True, seed=1)
+        starts.add(p.chunks[0].ranges[0][0] % 100)
+        orders.add(tuple(c.ranges[0][0] for c in p.chunks))
+        for c in p.chunks:  # a chunk is contiguous on the ring: at most two ranges
+            assert 1 <= len(c.ranges) <= 2
+    assert len(starts) > 1
+    assert len(orders) == 20
+
+
+def test_ramp_splits_only_the_first_chunk_into_growing_pieces() -> None:
+    p = plan_epoch(10_000, epoch=0, batch_size=10, chunk_size=4000, shuffle=False, seed=0,
+                   first_rows=100)
+    sizes = [c.size for c in p.chunks]
+    assert sizes[:5] == [100, 200, 400, 800, 2500]
+    assert sizes[5:] == [4000, 2000]
+
+
+def test_uneven_leftover_splits_a_batch_instead_of_repeating_or_dropping() -> None:
+    # 2 ranks, batch 4: 9 samples -> q = 1 round of 8, leftover 1 < world_size.
+    plans = [plan_epoch(9, epoch=0, batch_size=4, chunk_size=4, shuffle=False, seed=0,
+                        rank=r, world_size=2) for r in range(2)]
+    assert [list(p.batch_sizes()) for p in plans] == [[4, 1], [3, 1]]
+
+
+def test_impossible_split_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="drop_last=True"):
+        plan_epoch(3, epoch=0, batch_size=1, chunk_size=1, shuffle=False, seed=0, rank=1,
+                   world_size=2)
+    with pytest.raises(ConfigurationError, match="fewer than world_size"):
+        plan_epoch(2, epoch=0, batch_size=1, chunk_size=1, shuffle=False, seed=0, rank=0,
+                   world_size=3)
