@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from . import transforms
 from ._batch import Batch
+from ._cache import CacheBudgetWarning
 from ._errors import (
     ConfigurationError,
     DataLayerError,
@@ -20,6 +21,7 @@ from .layers import AsyncHDF5DataLayer, HDF5DataLayer, LayerStats, MemoryDataLay
 __all__ = [
     "AsyncHDF5DataLayer",
     "Batch",
+    "CacheBudgetWarning",
     "ConfigurationError",
     "DataLayerError",
     "HDF5DataLayer",

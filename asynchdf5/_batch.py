@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Executor
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from ._catalog import TopInfo
 from ._errors import TransformError
 from ._plan import ChunkPlan
 
 __all__ = [
     "Batch",
     "BatchSpec",
+    "Buffers",
     "Finisher",
     "LoadedChunk",
     "apply_transformers",
@@ -132,10 +133,9 @@ class Finisher(Protocol):
 
 
 def _gather_one(
-    spec: BatchSpec, tops: Mapping[str, TopInfo], finisher: Finisher | None
+    spec: BatchSpec, out: dict[str, np.ndarray]
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    alloc = np.empty if finisher is None else finisher.alloc
-    out = {t.name: alloc((spec.rows, *t.sample_shape), t.dtype) for t in tops.values()}
+    """Copy the rows of ``spec`` into ``out`` (one array per top); returns it and the indices."""
     indices = np.empty(spec.rows, np.int64)
     at = 0
     for chunk, a, b in spec.pieces:
@@ -193,25 +193,49 @@ class GatherTimes:
     transform: float = 0.0
 
 
+class Buffers(Protocol):
+    """Where gathered rows go: ``acquire(rows)`` gives one array per top."""
+
+    def acquire(self, rows: int) -> dict[str, np.ndarray]: ...
+
+
 def gather_batches(
     specs: Sequence[BatchSpec],
-    tops: Mapping[str, TopInfo],
+    buffers: Buffers,
     transformers: Sequence[tuple[str, Transformer]],
     times: GatherTimes,
     finisher: Finisher | None = None,
+    pool: Executor | None = None,
 ) -> list[Batch]:
-    """Gather and transform ``specs`` (blocking; runs in a worker thread)."""
+    """Gather and transform ``specs`` (blocking; runs in a worker thread).
+
+    With a ``pool``, half of the gathering runs on the pool's thread (``np.take`` releases the
+    GIL). Transformers always run here, one batch after the other: a transformer is never called
+    from two threads at once.
+    """
+    t0 = time.perf_counter()
+    outs = [buffers.acquire(spec.rows) for spec in specs]
+    half = len(specs) // 2 if pool is not None else 0
+    future = pool.submit(_gather_many, specs[:half], outs[:half]) if half and pool else None
+    try:
+        gathered = _gather_many(specs[half:], outs[half:])
+    finally:
+        before = future.result() if future is not None else []
+    t1 = time.perf_counter()
     out = []
-    for spec in specs:
-        t0 = time.perf_counter()
-        data, indices = _gather_one(spec, tops, finisher)
-        t1 = time.perf_counter()
+    for spec, (data, indices) in zip(specs, before + gathered, strict=True):
         result: dict[str, Any] = dict(data)
         if finisher is not None:
             result = finisher.finish(result, indices, spec.epoch)
         else:
             apply_transformers(result, transformers, spec.epoch, indices)
-        times.gather += t1 - t0
-        times.transform += time.perf_counter() - t1
         out.append(Batch(result, indices, spec.epoch))
+    times.gather += t1 - t0
+    times.transform += time.perf_counter() - t1
     return out
+
+
+def _gather_many(
+    specs: Sequence[BatchSpec], outs: Sequence[dict[str, np.ndarray]]
+) -> list[tuple[dict[str, np.ndarray], np.ndarray]]:
+    return [_gather_one(spec, out) for spec, out in zip(specs, outs, strict=True)]

@@ -1,25 +1,53 @@
-"""Host cache: preallocated slots holding whole chunks, within a memory budget."""
+"""Host memory: the cache slots holding whole chunks, and the ring of batch buffers.
+
+Both are allocated once and reused, so a long run's memory stays flat: the slots for every chunk
+of every epoch, the batch buffers for every batch once the consumer has let go of them.
+"""
 
 from __future__ import annotations
 
-import math
+import mmap
+import os
+import sys
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ._catalog import TopInfo
 
-__all__ = ["Slot", "allocate_slots", "slot_rows"]
+__all__ = [
+    "N_SLOTS",
+    "BatchBuffers",
+    "CacheBudgetWarning",
+    "Slot",
+    "allocate_slots",
+    "default_cache_bytes",
+    "slot_rows",
+]
 
 #: Slots: one being served while the next is read.
 N_SLOTS = 2
 
 
+class CacheBudgetWarning(UserWarning):
+    """``chunk_size`` samples per slot would not fit ``cache_bytes``: the chunks were shrunk."""
+
+
+def default_cache_bytes() -> int:
+    """The default budget of the host cache: a third of the machine's physical memory."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3)
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 4 * 2**30
+
+
 @dataclass(eq=False)
 class Slot:
-    """One cache slot: an array per top with room for ``rows`` samples."""
+    """One cache slot: an array per top with room for a chunk's samples."""
 
     index: int
     arrays: dict[str, np.ndarray]
@@ -29,33 +57,103 @@ class Slot:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-def slot_rows(
-    chunk_size: int, shard_samples: int, row_bytes: int, cache_bytes: int | None
-) -> int:
+def slot_rows(chunk_size: int, shard_samples: int, row_bytes: int, cache_bytes: int) -> int:
     """Rows per slot: ``chunk_size``, no more than the shard holds, shrunk to fit the budget."""
     rows = min(chunk_size, shard_samples)
-    if cache_bytes is not None:
-        fit = cache_bytes // (N_SLOTS * max(1, row_bytes))
-        if fit < rows:
-            warnings.warn(
-                f"chunk_size={chunk_size} samples of {row_bytes} bytes in {N_SLOTS} cache slots "
-                f"needs {N_SLOTS * rows * row_bytes / 2**30:.2f} GiB, more than "
-                f"cache_bytes={cache_bytes / 2**30:.2f} GiB; using chunks of {max(1, fit)} "
-                "samples instead",
-                ResourceWarning,
-                stacklevel=4,
-            )
-            rows = max(1, fit)
+    fit = cache_bytes // (N_SLOTS * max(1, row_bytes))
+    if fit < rows:
+        warnings.warn(
+            f"chunk_size={chunk_size} samples of {row_bytes} bytes in {N_SLOTS} cache slots "
+            f"would take {N_SLOTS * rows * row_bytes / 2**30:.2f} GiB, more than "
+            f"cache_bytes={cache_bytes / 2**30:.2f} GiB: using chunks of {max(1, fit)} samples",
+            CacheBudgetWarning,
+            stacklevel=2,
+        )
+        rows = max(1, fit)
     return rows
+
+
+def _anonymous(nbytes: int) -> np.ndarray:
+    """Page-aligned anonymous memory, with transparent huge pages asked for (fewer TLB misses
+    in the random gather, fewer page faults when the slot is first filled)."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # pragma: no cover - kernels without THP
+            pass
+    return np.frombuffer(buf, np.uint8)
 
 
 def allocate_slots(tops: Mapping[str, TopInfo], rows: int) -> list[Slot]:
     """Allocate the cache slots once; they are reused for every chunk of every epoch."""
-    return [
-        Slot(i, {t.name: np.empty((rows, *t.sample_shape), t.dtype) for t in tops.values()})
-        for i in range(N_SLOTS)
-    ]
+    slots = []
+    for i in range(N_SLOTS):
+        arrays = {}
+        for t in tops.values():
+            raw = _anonymous(rows * t.row_bytes)
+            arrays[t.name] = raw.view(t.dtype).reshape(rows, *t.sample_shape)
+        slots.append(Slot(i, arrays))
+    return slots
 
 
-def budget_note(rows: int, row_bytes: int) -> str:
-    return f"{N_SLOTS} slots x {rows} rows x {row_bytes} B = {math.ceil(N_SLOTS * rows * row_bytes / 2**20)} MiB"
+def _refcounts_are_reliable() -> bool:
+    gil = getattr(sys, "_is_gil_enabled", None)
+    return gil is None or bool(gil())
+
+
+class BatchBuffers:
+    """A pool of preallocated batch buffers, one array per top, reused once nobody holds them.
+
+    A buffer goes back into use only when the pool holds the last reference to it: a batch (or
+    any view of its arrays) that the consumer keeps is never overwritten. When every buffer is
+    held, a fresh one is allocated, and kept for reuse while the pool has fewer than ``depth``.
+    """
+
+    def __init__(self, tops: Mapping[str, TopInfo], rows: int, depth: int) -> None:
+        self._tops = list(tops.values())
+        self._rows = rows
+        self._depth = depth
+        self._pool: list[dict[str, np.ndarray]] = []
+        self._lock = threading.Lock()
+        self._reuse = _refcounts_are_reliable()
+
+    def _new(self) -> dict[str, np.ndarray]:
+        return {t.name: np.empty((self._rows, *t.sample_shape), t.dtype) for t in self._tops}
+
+    def acquire(self, rows: int) -> dict[str, np.ndarray]:
+        """Arrays of ``rows`` rows per top (views of a pooled buffer when one is free)."""
+        with self._lock:
+            if self._reuse:
+                for bufs in self._pool:
+                    if _unreferenced(bufs):
+                        return _rows(bufs, rows)
+                if len(self._pool) < self._depth:
+                    bufs = self._new()
+                    self._pool.append(bufs)
+                    return _rows(bufs, rows)
+        return _rows(self._new(), rows)
+
+    def alloc(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pool.clear()
+
+
+def _unreferenced(bufs: dict[str, np.ndarray]) -> bool:
+    """Whether the pool holds the only reference to each array (so no batch or view uses it)."""
+    for name in bufs:
+        # Two references: the pool's dict, and getrefcount's own argument.
+        if sys.getrefcount(bufs[name]) > 2:
+            return False
+    return True
+
+
+def _rows(bufs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    if rows == len(next(iter(bufs.values()))):
+        return dict(bufs)
+    return {k: v[:rows] for k, v in bufs.items()}

@@ -20,29 +20,32 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import anyio
 import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from ._batch import (
     Batch,
     BatchSpec,
+    Buffers,
     Finisher,
     GatherTimes,
     LoadedChunk,
     Transformer,
     gather_batches,
 )
-from ._cache import Slot
+from ._cache import BatchBuffers, Slot
 from ._catalog import TopInfo
 from ._plan import ChunkPlan, EpochPlan
 
 if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
+    from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]
 
 __all__ = ["DataSource", "EpochEnd", "Failure", "Mode", "Run", "Stats"]
 
@@ -83,9 +86,16 @@ class Stats:
 class DataSource(Protocol):
     """Where chunks come from: HDF5 files through the cache, or arrays in memory."""
 
-    tops: Mapping[str, TopInfo]
-    n_samples: int
-    slots: list[Slot] | None  # None: rows are read in place (in-memory data)
+    @property
+    def tops(self) -> Mapping[str, TopInfo]: ...
+
+    @property
+    def n_samples(self) -> int: ...
+
+    @property
+    def slots(self) -> list[Slot] | None:
+        """The cache slots; ``None`` when rows are read in place (in-memory data)."""
+        ...
 
     async def load(self, chunk: ChunkPlan, slot: Slot | None, stats: Stats) -> LoadedChunk: ...
 
@@ -107,6 +117,7 @@ class Run:
         prefetch: int,
         stats: Stats,
         finisher: Finisher | None = None,
+        gather_threads: int = 2,
     ) -> None:
         self.source = source
         self.plan = plan
@@ -118,9 +129,17 @@ class Run:
         self.finisher = finisher
         row_bytes = sum(t.row_bytes for t in source.tops.values())
         # Gather several batches per worker-thread call: a thread hop costs tens of µs, which
-        # matters at thousands of batches per second. Groups of about 4 MiB, at most 16 batches.
-        self.group = int(max(1, min(16, (4 * 2**20) // max(1, row_bytes * batch_size))))
+        # matters at thousands of batches per second. Groups of about 8 MiB, at most 16 batches.
+        self.group = int(max(1, min(16, (8 * 2**20) // max(1, row_bytes * batch_size))))
         capacity = max(prefetch, self.group)
+        # Batch buffers: enough for what can be in flight (the queue, one group being gathered,
+        # the batch the consumer holds), reused once the consumer lets go of them.
+        self.buffers: Buffers = (
+            BatchBuffers(source.tops, batch_size, capacity + self.group + 2)
+            if finisher is None
+            else _FinisherBuffers(finisher, source.tops)
+        )
+        self._pool = ThreadPoolExecutor(1, "asynchdf5-gather") if gather_threads > 1 else None
         self._send, self.items = anyio.create_memory_object_stream[Item](capacity)
         #: Epoch at the head of ``items`` when the consumer stands at an epoch boundary, else None.
         self.head_epoch: int | None = start_epoch
@@ -147,6 +166,9 @@ class Run:
                     recv.close()
         finally:
             self._send.close()
+            if self._pool is not None:
+                with anyio.CancelScope(shield=True):  # the thread is idle: this is quick
+                    await anyio.to_thread.run_sync(self._pool.shutdown)
             self.done.set()
 
     async def stop(self) -> None:
@@ -176,7 +198,7 @@ class Run:
         B = self.batch_size
         specs: list[BatchSpec] = []
         cur: BatchSpec | None = None
-        sizes = iter(())  # type: ignore[var-annotated]
+        sizes: Iterator[int] = iter(())
         need = 0
         async with recv:
             async for plan, chunk in recv:
@@ -217,10 +239,11 @@ class Run:
             batches = await anyio.to_thread.run_sync(
                 gather_batches,
                 specs,
-                self.source.tops,
+                self.buffers,
                 self.transformers,
                 self.stats.times,
                 self.finisher,
+                self._pool,
                 limiter=self._gather_limiter,
             )
         finally:
@@ -234,7 +257,18 @@ class Run:
                 await self._send.send(EpochEnd(spec.ends_epoch))
 
 
-def _releaser(free: ObjectSendStream[Slot], slot: Slot) -> Callable[[], None]:
+class _FinisherBuffers:
+    """Batch buffers from the device stage (page-locked staging memory)."""
+
+    def __init__(self, finisher: Finisher, tops: Mapping[str, TopInfo]) -> None:
+        self._finisher = finisher
+        self._tops = list(tops.values())
+
+    def acquire(self, rows: int) -> dict[str, np.ndarray]:
+        return {t.name: self._finisher.alloc((rows, *t.sample_shape), t.dtype) for t in self._tops}
+
+
+def _releaser(free: MemoryObjectSendStream[Slot], slot: Slot) -> Callable[[], None]:
     def release() -> None:
         try:
             free.send_nowait(slot)

@@ -17,7 +17,7 @@ from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ._batch import Batch, Finisher, LoadedChunk, Transformer
-from ._cache import allocate_slots, slot_rows
+from ._cache import allocate_slots, default_cache_bytes, slot_rows
 from ._catalog import TopInfo, build_catalog
 from ._errors import ConfigurationError, DataLayerError, SchemaError
 from ._pipeline import DataSource, EpochEnd, Failure, Mode, Run, Stats
@@ -425,8 +425,9 @@ class AsyncHDF5DataLayer(_Layer):
     rank, world_size : int, default 0, 1
         This process's shard of every epoch (see the docs on sharding).
     cache_bytes : int, optional
-        Memory budget of the host cache (two chunk slots); the chunk size shrinks to fit, with a
-        warning.
+        Memory budget of the host cache (two chunk slots); default: a third of the machine's
+        physical memory. When ``chunk_size`` samples per slot would not fit, the chunks shrink to
+        fit and a :class:`CacheBudgetWarning` says so.
     prefetch : int, default 8
         Batches gathered ahead of the consumer.
     device : None, str, int or cupy.cuda.Device, optional
@@ -492,9 +493,8 @@ class AsyncHDF5DataLayer(_Layer):
     async def _open_source(self) -> DataSource:
         catalog = await anyio.to_thread.run_sync(build_catalog, self.paths, self.tops)
         _, share = shard_share(catalog.n_samples, self.batch_size, 0, self.world_size)
-        self._chunk_rows = slot_rows(
-            self.chunk_size, max(1, share), catalog.row_bytes, self.cache_bytes
-        )
+        budget = self.cache_bytes if self.cache_bytes is not None else default_cache_bytes()
+        self._chunk_rows = slot_rows(self.chunk_size, max(1, share), catalog.row_bytes, budget)
         if self._chunk_rows < self.batch_size and self._chunk_rows < share:
             raise ConfigurationError(
                 f"cache_bytes={self.cache_bytes} cannot hold a batch of {self.batch_size} "

@@ -244,7 +244,7 @@ async def test_batch_is_a_read_only_mapping(driver: Any) -> None:
         b = (await d.epoch(limit=1))[0]
     assert list(b.keys()) == ["data", "label"] and len(b) == 2
     with pytest.raises(TypeError):
-        b["data"] = None  # type: ignore[index]
+        b["data"] = None  # type: ignore[index,unused-ignore]
     assert "rows=64" in repr(b)
 
 
