@@ -63,7 +63,7 @@ class FileInfo:
     nrows: int
     start: int  # global index of its row 0
     layouts: dict[str, Layout]
-    identity: tuple[int, int, int]  # (st_dev, st_ino, st_size) when catalogued
+    identity: tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) when catalogued
 
     def describe(self) -> str:
         return str(self.path)
@@ -207,7 +207,13 @@ def build_catalog(paths: Sequence[Path], tops: Sequence[str]) -> Catalog:
             st = os.stat(path)
             nrows = counts.pop()
             infos.append(
-                FileInfo(path, nrows, start, layouts, (st.st_dev, st.st_ino, st.st_size))
+                FileInfo(
+                    path,
+                    nrows,
+                    start,
+                    layouts,
+                    (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns),
+                )
             )
             start += nrows
     if start == 0:

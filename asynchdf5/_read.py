@@ -106,10 +106,18 @@ def _open_checked(file: FileInfo) -> int:
     except OSError as exc:
         raise ReadError(f"{file.path}: cannot open the file: {exc}") from exc
     st = os.fstat(fd)
-    dev, ino, size = file.identity
-    if (st.st_dev, st.st_ino) != (dev, ino) or st.st_size != size:
+    dev, ino, size, mtime = file.identity
+    # The mtime catches a file rewritten in place, or replaced by one of the same size that got
+    # the old inode number back (common right after a delete): its rows are not the catalogued
+    # ones, and on the pread path nothing else would notice.
+    if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != (dev, ino, size, mtime):
         os.close(fd)
-        what = "replaced" if (st.st_dev, st.st_ino) != (dev, ino) else "truncated or resized"
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            what = "replaced"
+        elif st.st_size != size:
+            what = "truncated or resized"
+        else:
+            what = "modified"
         raise ReadError(
             f"{file.path}: the file was {what} after the source was opened "
             f"(size {size} -> {st.st_size} bytes)"
@@ -136,7 +144,8 @@ def _read_file(file: FileInfo, items: list[ReadItem], slot: dict[str, np.ndarray
                     total += dest.nbytes
             except ReadError as exc:
                 raise ReadError(f"{it.describe()}: {exc}") from exc
-            except (OSError, ValueError, KeyError) as exc:
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
                 raise ReadError(f"{it.describe()}: read failed: {exc}") from exc
     finally:
         os.close(fd)
@@ -151,7 +160,7 @@ def _row_bytes(a: np.ndarray) -> int:
 
 def _pread_into(fd: int, dest: np.ndarray, offset: int) -> int:
     """Fill ``dest`` (C-contiguous) from ``fd`` at ``offset`` with as few syscalls as possible."""
-    view = memoryview(dest.reshape(-1).view(np.uint8))
+    view = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     done = 0
     n = len(view)
     while done < n:
