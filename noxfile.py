@@ -1,0 +1,87 @@
+"""Developer tasks: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``demo``.
+
+Every session runs on the interpreter nox itself runs on (no ``python=`` pin), so the one
+command ``python3 -m pip install nox && python3 -m nox -s tests`` works on any machine that has
+Python 3.10+ and pip. Virtual environments live under ``.nox/`` and are reused between runs;
+the install step runs every time, so a changed ``pyproject.toml`` is picked up.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.needs_version = ">=2024.4.15"
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+nox.options.reuse_venv = "yes"
+# uv creates environments and installs much faster where it is present; plain virtualenv
+# (which ships with nox) everywhere else, so a machine with only pip needs nothing more.
+nox.options.default_venv_backend = "uv|virtualenv"
+# A tool that is not installed in the session's environment is an error, never a silent
+# fallback to whatever happens to be on PATH.
+nox.options.error_on_external_run = True
+
+# PyPI's newest torch pulls several GB of CUDA wheels; the bench compares against the CPU
+# build that this project's machines keep as a local file, which only pip finds (not uv).
+TORCH = "torch==2.13.0"
+
+
+def install(session: nox.Session, *extras: str) -> None:
+    """Install the project in development mode, with ``extras``, into the session's environment.
+
+    Parameters
+    ----------
+    session
+        The running nox session.
+    *extras
+        Names of ``[project.optional-dependencies]`` groups to install with it.
+    """
+    session.install("-e", f".[{','.join(extras)}]" if extras else ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (``nox -s tests -- -k shuffle`` passes arguments to pytest)."""
+    install(session, "test", "codecs")
+    session.run("pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Check lint and formatting with ruff (``nox -s lint -- --fix`` fixes what it can)."""
+    session.install("ruff")
+    session.run("ruff", "check", *session.posargs, ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """Type-check the package, the tests and this file with ``mypy --strict``."""
+    install(session, "test", "codecs")
+    session.install("mypy", "nox")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the HTML documentation; any Sphinx warning fails the build."""
+    install(session, "docs")
+    out = os.path.join("docs", "_build", "html")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", out, *session.posargs)
+    session.log(f"open {os.path.join(out, 'index.html')}")
+
+
+@nox.session(venv_backend="virtualenv")
+def bench(session: nox.Session) -> None:
+    """Run the benchmarks against the raw-read limit and the usual loaders (PyTorch, h5py)."""
+    install(session, "bench", "codecs")
+    session.install(TORCH)
+    session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Write a sample data set and stream shuffled epochs from it (``python -m asynchdf5 demo``)."""
+    install(session)
+    session.run("python", "-m", "asynchdf5", "demo", *session.posargs)
