@@ -11,17 +11,26 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import h5py
 import numpy as np
 
+from ._codecs import unsupported_filters
 from ._errors import SchemaError, SourceError
 from ._source import is_hdf5_file
 
-__all__ = ["Catalog", "FileInfo", "Layout", "Segment", "TopInfo", "build_catalog"]
+__all__ = [
+    "Catalog",
+    "ChunkIndex",
+    "FileInfo",
+    "Layout",
+    "Segment",
+    "TopInfo",
+    "build_catalog",
+]
 
 LayoutKind = Literal["contiguous", "chunked", "other"]
 
@@ -40,19 +49,41 @@ class TopInfo:
         return int(self.dtype.itemsize * int(np.prod(self.sample_shape, dtype=np.int64)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layout:
-    """How one top is stored in one file.
+    """How one top is stored in one file, and so which read path it takes.
 
-    ``offset`` is the byte offset of row 0 when the rows can be read straight from the file with
-    ``os.preadv`` (contiguous, allocated, no external storage, the native dtype), else ``None``.
-    ``chunk_rows`` and ``filters`` describe chunked storage (for the raw-chunk reader).
+    * ``offset`` (path ``pread``): the byte offset of row 0 when the rows can be read straight
+      from the file with ``os.preadv`` (contiguous, allocated, no external storage, native dtype).
+    * ``chunks`` (path ``chunks``): for data chunked along the rows only, with every chunk
+      allocated and a filter pipeline that :mod:`._codecs` decodes: the byte offset, stored size
+      and filter mask of each chunk, by chunk number; ``chunk_rows`` rows per chunk.
+    * neither (path ``h5py``): h5py reads it, holding its lock.
     """
 
     kind: LayoutKind
     offset: int | None = None
     chunk_rows: int | None = None
     filters: tuple[int, ...] = ()
+    chunks: ChunkIndex | None = None
+    note: str = ""  # why the h5py fallback is taken
+
+    @property
+    def path(self) -> str:
+        if self.offset is not None:
+            return "pread"
+        if self.chunks is not None:
+            return "chunks"
+        return "h5py"
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkIndex:
+    """Where a dataset's chunks are stored: arrays indexed by chunk number along the rows."""
+
+    offsets: np.ndarray  # int64 byte offsets
+    sizes: np.ndarray  # int64 stored sizes
+    masks: np.ndarray  # uint32 filter masks
 
 
 @dataclass(frozen=True)
@@ -134,23 +165,53 @@ def _check_top(path: Path, name: str, obj: object) -> h5py.Dataset:
     return obj
 
 
+def _chunk_index(dset: h5py.Dataset, nchunks: int) -> ChunkIndex | None:
+    offsets = np.full(nchunks, -1, np.int64)
+    sizes = np.zeros(nchunks, np.int64)
+    masks = np.zeros(nchunks, np.uint32)
+    rows = dset.chunks[0]
+
+    def visit(info: Any) -> None:
+        k = info.chunk_offset[0] // rows
+        offsets[k], sizes[k], masks[k] = info.byte_offset, info.size, info.filter_mask
+
+    dsid = dset.id
+    if hasattr(dsid, "chunk_iter"):
+        dsid.chunk_iter(visit)
+    else:  # pragma: no cover - HDF5 < 1.12.3
+        for i in range(dsid.get_num_chunks()):
+            visit(dsid.get_chunk_info(i))
+    if (offsets < 0).any():
+        return None  # some chunks were never written: h5py supplies the fill value
+    return ChunkIndex(offsets, sizes, masks)
+
+
 def _layout(dset: h5py.Dataset, native: np.dtype[Any]) -> Layout:
     plist = dset.id.get_create_plist()
     kind = plist.get_layout()
+    external = plist.get_external_count() > 0
     if kind == h5py.h5d.CONTIGUOUS:
         offset = dset.id.get_offset()
-        direct = (
-            offset is not None
-            and plist.get_external_count() == 0
-            and dset.dtype == native
-            and dset.shape[0] > 0
-        )
-        return Layout("contiguous", offset if direct else None)
-    if kind == h5py.h5d.CHUNKED:
-        chunks = dset.chunks
-        filters = tuple(plist.get_filter(i)[0] for i in range(plist.get_nfilters()))
-        return Layout("chunked", None, chunks[0] if chunks else None, filters)
-    return Layout("other")
+        direct = offset is not None and not external and dset.dtype == native and dset.shape[0] > 0
+        return Layout("contiguous", offset if direct else None, note="" if direct else
+                      "unallocated, external or non-native byte order")
+    if kind != h5py.h5d.CHUNKED:
+        return Layout("other", note="compact or virtual layout")
+    chunks = dset.chunks
+    filters = tuple(plist.get_filter(i)[0] for i in range(plist.get_nfilters()))
+    layout = Layout("chunked", None, chunks[0], filters)
+    if dset.dtype != native:
+        return replace(layout, note="non-native byte order")
+    if tuple(chunks[1:]) != tuple(dset.shape[1:]):
+        return replace(layout, note=f"chunks {chunks} split the samples")
+    missing = unsupported_filters(filters)
+    if missing:
+        return replace(layout, note=f"no GIL-free decoder for {', '.join(missing)}")
+    nchunks = -(-dset.shape[0] // chunks[0])
+    index = _chunk_index(dset, nchunks) if nchunks else None
+    if index is None:
+        return replace(layout, note="chunks not all allocated (fill values)")
+    return replace(layout, chunks=index)
 
 
 def _open(path: Path) -> h5py.File:

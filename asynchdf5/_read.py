@@ -4,9 +4,11 @@ Two paths, chosen per file and top when the catalog is built:
 
 * ``pread``: contiguous, uncompressed, native-dtype data is read with ``os.preadv`` straight into
   the slot, outside h5py's process-wide lock, so nobody else's h5py call waits on the loader.
-* ``h5py``: everything else (chunked or compressed data, other byte orders, unallocated or
-  external storage) is read with ``Dataset.read_direct``. **This holds h5py's lock** for the call,
-  so reads are cut into pieces of at most ``PIECE_BYTES``.
+* ``chunks``: chunked (and compressed) data whose filters :mod:`._codecs` decodes: the stored
+  chunks are read with ``os.pread`` and decoded by a pool of threads, outside h5py's lock.
+* ``h5py``: everything else (chunks that split samples, unsupported filters, other byte orders,
+  unallocated or external storage) is read with ``Dataset.read_direct``. **This holds h5py's
+  lock** for the call, so reads are cut into pieces of at most ``PIECE_BYTES``.
 
 All functions here block: the pipeline runs them in worker threads.
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,7 +29,8 @@ import numpy as np
 
 from ._batch import LoadedChunk
 from ._cache import Slot
-from ._catalog import Catalog, FileInfo, Segment
+from ._catalog import Catalog, FileInfo, Layout, Segment
+from ._codecs import ChunkDecoder
 from ._errors import ReadError
 from ._plan import ChunkPlan
 
@@ -54,21 +59,37 @@ class ReadItem:
 
 
 class HDF5Reader:
-    """Reads chunks of a catalogued source into slots."""
+    """Reads chunks of a catalogued source into slots.
 
-    def __init__(self, catalog: Catalog) -> None:
+    Raw HDF5 chunks are read and decoded by a pool of ``threads`` worker threads, created on
+    first use and joined by :meth:`close`.
+    """
+
+    def __init__(self, catalog: Catalog, threads: int | None = None) -> None:
         self.catalog = catalog
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._decoders: dict[tuple[int, str], ChunkDecoder] = {}
         paths: dict[str, set[str]] = {t: set() for t in catalog.tops}
+        notes: dict[str, set[str]] = {t: set() for t in catalog.tops}
         for f in catalog.files:
             if f.nrows == 0:
                 continue
             for top, layout in f.layouts.items():
-                paths[top].add("pread" if layout.offset is not None else "h5py")
-        #: Read path of each top ("pread", "h5py" or "pread+h5py" when files differ).
+                paths[top].add(layout.path)
+                if layout.note:
+                    notes[top].add(layout.note)
+        #: Read path of each top: "pread", "chunks" or "h5py" ("+"-joined when files differ).
         self.read_paths = {t: "+".join(sorted(p)) or "none" for t, p in paths.items()}
+        #: Why a top falls back to h5py, when it does.
+        self.notes = {t: "; ".join(sorted(n)) for t, n in notes.items() if n}
 
     def items(self, chunk: ChunkPlan) -> list[ReadItem]:
-        """The reads that fill a slot with ``chunk``, each at most ``PIECE_BYTES``."""
+        """The reads that fill a slot with ``chunk``, each about ``PIECE_BYTES`` at most.
+
+        On the ``chunks`` path, pieces end on HDF5 chunk boundaries, so that no stored chunk is
+        decoded twice for one slot.
+        """
         segments: list[Segment] = []
         out = 0
         for a, b in chunk.ranges:
@@ -78,17 +99,101 @@ class HDF5Reader:
         for top, info in self.catalog.tops.items():
             step = max(1, PIECE_BYTES // max(1, info.row_bytes))
             for seg in segments:
-                for r in range(seg.row_start, seg.row_stop, step):
-                    r1 = min(seg.row_stop, r + step)
+                layout = seg.file.layouts[top]
+                align = layout.chunk_rows if layout.chunks is not None else None
+                if align:
+                    step = max(align, step // align * align)
+                r = seg.row_start
+                while r < seg.row_stop:
+                    r1 = min(seg.row_stop, (r // step + 1) * step if align else r + step)
                     items.append(ReadItem(top, seg.file, r, r1, seg.out_start + r - seg.row_start))
+                    r = r1
         return items
 
     def read(self, items: Sequence[ReadItem], slot: dict[str, np.ndarray]) -> int:
         """Read ``items`` into ``slot`` (blocking). Returns the bytes read."""
         total = 0
         for file, group in _by_file(items):
-            total += _read_file(file, group, slot)
+            total += self._read_file(file, group, slot)
         return total
+
+    def close(self) -> None:
+        """Join the decoding threads."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _decoder(self, file: FileInfo, top: str) -> ChunkDecoder:
+        key = (id(file), top)
+        dec = self._decoders.get(key)
+        if dec is None:
+            layout = file.layouts[top]
+            info = self.catalog.tops[top]
+            assert layout.chunk_rows is not None
+            dec = ChunkDecoder(layout.filters, info.dtype.itemsize,
+                               layout.chunk_rows * info.row_bytes)
+            self._decoders[key] = dec
+        return dec
+
+    def _read_file(self, file: FileInfo, items: list[ReadItem], slot: dict[str, np.ndarray]) -> int:
+        fd = _open_checked(file)
+        h5: h5py.File | None = None
+        total = 0
+        try:
+            for it in items:
+                dest = slot[it.top][it.out_start : it.out_start + it.row_stop - it.row_start]
+                layout = file.layouts[it.top]
+                try:
+                    if layout.offset is not None:
+                        total += _pread_into(
+                            fd, dest, layout.offset + it.row_start * _row_bytes(dest)
+                        )
+                    elif layout.chunks is not None:
+                        total += self._read_chunks(fd, it, layout, dest)
+                    else:
+                        if h5 is None:
+                            h5 = h5py.File(file.path, "r")
+                        dset: Any = h5[it.top]
+                        dset.read_direct(dest, np.s_[it.row_start : it.row_stop])
+                        total += dest.nbytes
+                except ReadError as exc:
+                    raise ReadError(f"{it.describe()}: {exc}") from exc
+                except (OSError, ValueError, KeyError, TypeError, zlib.error) as exc:
+                    # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
+                    raise ReadError(f"{it.describe()}: read failed: {exc}") from exc
+        finally:
+            os.close(fd)
+            if h5 is not None:
+                h5.close()
+        return total
+
+    def _read_chunks(self, fd: int, it: ReadItem, layout: Layout, dest: np.ndarray) -> int:
+        """Read and decode the stored chunks covering ``it``, on the pool's threads."""
+        index, rows = layout.chunks, layout.chunk_rows
+        assert index is not None and rows is not None
+        decoder = self._decoder(it.file, it.top)
+        flat = dest.reshape(len(dest), -1).view(np.uint8)
+        row_bytes = flat.shape[1]
+
+        def one(k: int) -> int:
+            size = int(index.sizes[k])
+            raw = os.pread(fd, size, int(index.offsets[k]))
+            if len(raw) != size:
+                raise ReadError(f"stored chunk {k} is cut short (the file is truncated)")
+            data = decoder.decode(raw, int(index.masks[k])).reshape(rows, row_bytes)
+            a, b = max(it.row_start, k * rows), min(it.row_stop, (k + 1) * rows)
+            flat[a - it.row_start : b - it.row_start] = data[a - k * rows : b - k * rows]
+            return size
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, "asynchdf5-decode")
+        ks = range(it.row_start // rows, (it.row_stop - 1) // rows + 1)
+        futures = [self._pool.submit(one, k) for k in ks]
+        errors = [f.exception() for f in futures]
+        for err in errors:
+            if err is not None:
+                raise err
+        return sum(f.result() for f in futures)
 
 
 def _by_file(items: Sequence[ReadItem]) -> Iterator[tuple[FileInfo, list[ReadItem]]]:
@@ -124,34 +229,6 @@ def _open_checked(file: FileInfo) -> int:
         )
     return fd
 
-
-def _read_file(file: FileInfo, items: list[ReadItem], slot: dict[str, np.ndarray]) -> int:
-    fd = _open_checked(file)
-    h5: h5py.File | None = None
-    total = 0
-    try:
-        for it in items:
-            dest = slot[it.top][it.out_start : it.out_start + it.row_stop - it.row_start]
-            offset = file.layouts[it.top].offset
-            try:
-                if offset is not None:
-                    total += _pread_into(fd, dest, offset + it.row_start * _row_bytes(dest))
-                else:
-                    if h5 is None:
-                        h5 = h5py.File(file.path, "r")
-                    dset: Any = h5[it.top]
-                    dset.read_direct(dest, np.s_[it.row_start : it.row_stop])
-                    total += dest.nbytes
-            except ReadError as exc:
-                raise ReadError(f"{it.describe()}: {exc}") from exc
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
-                raise ReadError(f"{it.describe()}: read failed: {exc}") from exc
-    finally:
-        os.close(fd)
-        if h5 is not None:
-            h5.close()
-    return total
 
 
 def _row_bytes(a: np.ndarray) -> int:
@@ -199,4 +276,5 @@ class HDF5Source:
         return LoadedChunk(chunk, order, slot.arrays)
 
     def close(self) -> None:
+        self.reader.close()
         self.slots = None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import sys
 import time
@@ -32,6 +33,8 @@ else:  # pragma: no cover
 
 __all__ = ["AsyncHDF5DataLayer", "HDF5DataLayer", "LayerStats", "MemoryDataLayer"]
 
+_log = logging.getLogger("asynchdf5")
+
 DEFAULT_TOPS = ("data", "label")
 #: Rows of the first chunk of an epoch are ramped up from about this many bytes, so the first
 #: batch waits for a small read rather than a whole chunk.
@@ -43,6 +46,10 @@ class LayerStats:
     """A snapshot of a layer's pipeline counters (:attr:`AsyncHDF5DataLayer.stats`).
 
     Times are seconds summed over the layer's life (worker-thread time for the stages).
+    ``read_paths`` says how each top is read: ``"pread"`` (contiguous data read straight into
+    the cache, outside h5py's lock), ``"chunks"`` (raw chunks read and decoded by a pool of
+    threads, outside h5py's lock) or ``"h5py"`` (h5py reads it, holding its lock; the reason is
+    in ``read_notes``). ``consumer_wait_seconds`` is the time ``async for`` waited for a batch.
     """
 
     read_seconds: float
@@ -56,6 +63,7 @@ class LayerStats:
     first_batch_seconds: float | None
     chunk_rows: int
     read_paths: dict[str, str] = field(default_factory=dict)
+    read_notes: dict[str, str] = field(default_factory=dict)
 
 
 def _int(name: str, value: object, *, minimum: int) -> int:
@@ -178,6 +186,9 @@ class _Layer:
     def _read_paths(self) -> dict[str, str]:
         return {}
 
+    def _read_notes(self) -> dict[str, str]:
+        return {}
+
     def _first_rows(self) -> int | None:
         return None
 
@@ -211,6 +222,7 @@ class _Layer:
             first_batch_seconds=s.first_batch_seconds,
             chunk_rows=self._chunk_rows,
             read_paths=self._read_paths(),
+            read_notes=self._read_notes(),
         )
 
     def plan(self, epoch: int) -> EpochPlan:
@@ -479,9 +491,13 @@ class AsyncHDF5DataLayer(_Layer):
         )
         self.paths = resolve_source(source)
         self._reader_paths: dict[str, str] = {}
+        self._reader_notes: dict[str, str] = {}
 
     def _read_paths(self) -> dict[str, str]:
         return dict(self._reader_paths)
+
+    def _read_notes(self) -> dict[str, str]:
+        return dict(self._reader_notes)
 
     def _first_rows(self) -> int | None:
         src = self._source
@@ -503,6 +519,10 @@ class AsyncHDF5DataLayer(_Layer):
         slots = allocate_slots(catalog.tops, self._chunk_rows)
         source = HDF5Source(catalog, slots)
         self._reader_paths = source.reader.read_paths
+        self._reader_notes = source.reader.notes
+        for top, path in self._reader_paths.items():
+            note = self._reader_notes.get(top)
+            _log.info("top %r is read by %s%s", top, path, f" ({note})" if note else "")
         return source
 
 
