@@ -1,0 +1,84 @@
+"""Host memory: slot sizing within the budget, and batch buffers that are never overwritten while
+the consumer holds them."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning
+from asynchdf5._cache import BatchBuffers, slot_rows
+from asynchdf5._catalog import TopInfo
+
+from .conftest import write_files
+
+pytestmark = pytest.mark.anyio
+
+TOPS = {"x": TopInfo("x", np.dtype(np.float32), (4,)), "y": TopInfo("y", np.dtype(np.int64), ())}
+
+
+def test_slot_rows_fit_the_budget_and_warn_when_shrunk() -> None:
+    assert slot_rows(1000, 500, 100, 10**9) == 500  # no more than the shard holds
+    with pytest.warns(CacheBudgetWarning, match="using chunks of 50 samples"):
+        assert slot_rows(1000, 5000, 100, 2 * 50 * 100) == 50
+
+
+def test_buffers_are_reused_only_once_released() -> None:
+    pool = BatchBuffers(TOPS, rows=8, depth=4)
+    first = pool.acquire(8)
+    held = first["x"]
+    del first
+    second = pool.acquire(8)
+    assert second["x"] is not held  # the consumer still holds `held`
+    del held, second
+    gc.collect()
+    third = pool.acquire(8)
+    assert len(pool._pool) == 2  # reused one of the two, allocated nothing new
+    view = third["x"][2:4]
+    del third
+    fourth = pool.acquire(8)
+    assert not np.shares_memory(fourth["x"], view)  # a view keeps its buffer in use
+
+
+def test_partial_batches_are_views_of_pooled_buffers() -> None:
+    pool = BatchBuffers(TOPS, rows=8, depth=2)
+    part = pool.acquire(3)
+    assert part["x"].shape == (3, 4) and part["y"].shape == (3,)
+
+
+async def test_kept_batches_stay_intact_across_epochs(tmp_path: Path) -> None:
+    src, n = write_files(tmp_path, [700, 300])
+    kept = []
+    async with AsyncHDF5DataLayer(src, batch_size=32, shuffle=True, seed=0, chunk_size=256) as L:
+        for _ in range(3):
+            async for i, batch in _enumerate(L):
+                if i % 3 == 0:
+                    kept.append(batch)
+    for b in kept:
+        np.testing.assert_array_equal(b["label"], b.indices)
+        np.testing.assert_array_equal(b["data"][:, 0, 0], b.indices * 10)
+
+
+async def test_cache_budget_shrinks_chunks(tmp_path: Path) -> None:
+    src, n = write_files(tmp_path, [1000])
+    row = 3 * 4 * 4 + 8
+    layer = AsyncHDF5DataLayer(src, batch_size=10, cache_bytes=2 * 100 * row)
+    with pytest.warns(CacheBudgetWarning):
+        await layer.__aenter__()
+    try:
+        assert layer.stats.chunk_rows == 100
+        seen = np.sort(np.concatenate([b.indices async for b in layer]))
+        np.testing.assert_array_equal(seen, np.arange(n))
+    finally:
+        await layer.aclose()
+
+
+async def _enumerate(layer: AsyncHDF5DataLayer) -> AsyncIterator[tuple[int, Batch]]:
+    i = 0
+    async for batch in layer:
+        yield i, batch
+        i += 1
