@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import Executor
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -143,7 +143,9 @@ def _gather_one(
         if chunk.order is None:
             pos = np.arange(a, b)
             indices[at : at + n] = chunk.plan.global_indices(pos)
-            rows: np.ndarray | slice = indices[at : at + n] if chunk.rows_are_global else slice(a, b)
+            rows: np.ndarray | slice = (
+                indices[at : at + n] if chunk.rows_are_global else slice(a, b)
+            )
         else:
             pos = chunk.order[a:b]
             indices[at : at + n] = chunk.plan.global_indices(pos)
@@ -206,8 +208,11 @@ def gather_batches(
     times: GatherTimes,
     finisher: Finisher | None = None,
     pool: Executor | None = None,
-) -> list[Batch]:
+) -> tuple[list[Batch], Exception | None]:
     """Gather and transform ``specs`` (blocking; runs in a worker thread).
+
+    Returns the batches and ``None`` or, when a batch fails, the complete batches before it and
+    the error, so that those are still delivered ahead of the error.
 
     With a ``pool``, half of the gathering runs on the pool's thread (``np.take`` releases the
     GIL). Transformers always run here, one batch after the other: a transformer is never called
@@ -223,16 +228,21 @@ def gather_batches(
         before = future.result() if future is not None else []
     t1 = time.perf_counter()
     out = []
+    error: Exception | None = None
     for spec, (data, indices) in zip(specs, before + gathered, strict=True):
         result: dict[str, Any] = dict(data)
-        if finisher is not None:
-            result = finisher.finish(result, indices, spec.epoch)
-        else:
-            apply_transformers(result, transformers, spec.epoch, indices)
+        try:
+            if finisher is not None:
+                result = finisher.finish(result, indices, spec.epoch)
+            else:
+                apply_transformers(result, transformers, spec.epoch, indices)
+        except Exception as exc:
+            error = exc
+            break
         out.append(Batch(result, indices, spec.epoch))
     times.gather += t1 - t0
     times.transform += time.perf_counter() - t1
-    return out
+    return out, error
 
 
 def _gather_many(

@@ -6,6 +6,7 @@ of every epoch, the batch buffers for every batch once the consumer has let go o
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
@@ -80,10 +81,8 @@ def _anonymous(nbytes: int) -> np.ndarray:
         return np.empty(0, np.uint8)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
+        with contextlib.suppress(OSError):  # kernels without transparent huge pages
             buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # pragma: no cover - kernels without THP
-            pass
     return np.frombuffer(buf, np.uint8)
 
 
@@ -146,11 +145,8 @@ class BatchBuffers:
 
 def _unreferenced(bufs: dict[str, np.ndarray]) -> bool:
     """Whether the pool holds the only reference to each array (so no batch or view uses it)."""
-    for name in bufs:
-        # Two references: the pool's dict, and getrefcount's own argument.
-        if sys.getrefcount(bufs[name]) > 2:
-            return False
-    return True
+    # Two references each: the pool's dict, and getrefcount's own argument.
+    return all(sys.getrefcount(bufs[name]) <= 2 for name in bufs)
 
 
 def _rows(bufs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:

@@ -193,8 +193,11 @@ def _layout(dset: h5py.Dataset, native: np.dtype[Any]) -> Layout:
     if kind == h5py.h5d.CONTIGUOUS:
         offset = dset.id.get_offset()
         direct = offset is not None and not external and dset.dtype == native and dset.shape[0] > 0
-        return Layout("contiguous", offset if direct else None, note="" if direct else
-                      "unallocated, external or non-native byte order")
+        return Layout(
+            "contiguous",
+            offset if direct else None,
+            note="" if direct else "unallocated, external or non-native byte order",
+        )
     if kind != h5py.h5d.CHUNKED:
         return Layout("other", note="compact or virtual layout")
     chunks = dset.chunks

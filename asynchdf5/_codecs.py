@@ -95,9 +95,7 @@ def _decoder(filter_id: int) -> Decode | None:
 def unsupported_filters(filters: Sequence[int]) -> list[str]:
     """Names of the filters in ``filters`` that cannot be decoded here."""
     return [
-        FILTER_NAMES.get(f, f"filter {f}")
-        for f in filters
-        if f != SHUFFLE and _decoder(f) is None
+        FILTER_NAMES.get(f, f"filter {f}") for f in filters if f != SHUFFLE and _decoder(f) is None
     ]
 
 
@@ -125,8 +123,10 @@ class ChunkDecoder:
             if decode is None:
                 data = _unshuffle(np.frombuffer(data, np.uint8), self.itemsize)
             else:
-                data = decode(data.tobytes() if isinstance(data, np.ndarray) else bytes(data),
-                              self.chunk_bytes)
+                data = decode(
+                    data.tobytes() if isinstance(data, np.ndarray) else bytes(data),
+                    self.chunk_bytes,
+                )
         out = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
         if out.size != self.chunk_bytes:
             raise ValueError(f"decoded chunk has {out.size} bytes, expected {self.chunk_bytes}")

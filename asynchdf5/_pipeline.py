@@ -18,12 +18,13 @@ batches that were complete before it, and ends the run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import anyio
 import numpy as np
@@ -67,6 +68,8 @@ class Failure:
 
 
 Item = Batch | EpochEnd | Failure
+#: What the reader hands the batcher: a loaded chunk, or the error that ended reading.
+_ChunkItem = tuple[EpochPlan, LoadedChunk] | Exception
 
 
 @dataclass
@@ -152,7 +155,7 @@ class Run:
         """Run until cancelled or failed; always closes the item stream."""
         try:
             with self.scope:
-                send, recv = anyio.create_memory_object_stream[tuple[EpochPlan, LoadedChunk]](
+                send, recv = anyio.create_memory_object_stream[_ChunkItem](
                     math.inf if self.source.slots is not None else 1
                 )
                 try:
@@ -177,7 +180,7 @@ class Run:
         await self.done.wait()
         self.items.close()
 
-    async def _reader(self, send: ObjectSendStream[tuple[EpochPlan, LoadedChunk]]) -> None:
+    async def _reader(self, send: ObjectSendStream[_ChunkItem]) -> None:
         slots = self.source.slots
         free_send, free_recv = anyio.create_memory_object_stream[Slot](len(slots or ()) or 1)
         for s in slots or ():
@@ -188,20 +191,29 @@ class Run:
                 plan = self.plan(epoch)
                 for chunk in plan.chunks:
                     slot = await free_recv.receive() if slots is not None else None
-                    loaded = await self.source.load(chunk, slot, self.stats)
+                    try:
+                        loaded = await self.source.load(chunk, slot, self.stats)
+                    except Exception as exc:
+                        # Queued behind the chunks already read, so that the batcher cuts and
+                        # sends their batches before it raises this.
+                        await send.send(exc)
+                        return
                     if slot is not None:
                         loaded.release = _releaser(free_send, slot)
                     await send.send((plan, loaded))
                 epoch += 1
 
-    async def _batcher(self, recv: ObjectReceiveStream[tuple[EpochPlan, LoadedChunk]]) -> None:
+    async def _batcher(self, recv: ObjectReceiveStream[_ChunkItem]) -> None:
         B = self.batch_size
         specs: list[BatchSpec] = []
         cur: BatchSpec | None = None
         sizes: Iterator[int] = iter(())
         need = 0
         async with recv:
-            async for plan, chunk in recv:
+            async for item in recv:
+                if isinstance(item, Exception):
+                    raise item
+                plan, chunk = item
                 if chunk.plan.index == 0 and self.mode == "epoch":
                     sizes = plan.batch_sizes()
                     need = next(sizes, 0)
@@ -236,7 +248,7 @@ class Run:
 
     async def _emit(self, specs: list[BatchSpec]) -> None:
         try:
-            batches = await anyio.to_thread.run_sync(
+            batches, error = await anyio.to_thread.run_sync(
                 gather_batches,
                 specs,
                 self.buffers,
@@ -251,10 +263,12 @@ class Run:
                 for chunk, _, _ in spec.pieces:
                     chunk.refs -= 1
                     chunk.done_with()
-        for spec, batch in zip(specs, batches, strict=True):
+        for spec, batch in zip(specs, batches, strict=False):  # fewer batches on an error
             await self._send.send(batch)
             if spec.ends_epoch is not None:
                 await self._send.send(EpochEnd(spec.ends_epoch))
+        if error is not None:
+            raise error
 
 
 class _FinisherBuffers:
@@ -270,10 +284,9 @@ class _FinisherBuffers:
 
 def _releaser(free: MemoryObjectSendStream[Slot], slot: Slot) -> Callable[[], None]:
     def release() -> None:
-        try:
+        # After the run is over the stream is closed; the slot is free anyway.
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
             free.send_nowait(slot)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass  # the run is over; the slot is free anyway
 
     return release
 
@@ -290,4 +303,3 @@ def _leaf(exc: BaseException) -> BaseException:
             if isinstance(leaf, DataLayerError):
                 return leaf
     return exc
-

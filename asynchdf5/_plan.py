@@ -1,4 +1,4 @@
-"""Planner: pure functions from (sample count, epoch, seed, shard) to the epoch's chunks and batches.
+"""Planner: pure functions from (samples, epoch, seed, shard) to the epoch's chunks and batches.
 
 No I/O happens here, so shuffling and sharding are testable without a file.
 
@@ -60,7 +60,7 @@ class ChunkPlan:
         (a0, b0), *rest = self.ranges
         out = positions.astype(np.int64) + a0
         if rest:
-            (a1, _b1), = rest
+            ((a1, _b1),) = rest
             first = b0 - a0
             tail = positions >= first
             out[tail] += a1 - b0
@@ -153,7 +153,7 @@ def plan_epoch(
     offset = int(rng.integers(n)) if shuffle else 0
 
     # Chunk boundaries on this rank's share, ring coordinates relative to the share's start.
-    bounds = list(range(0, size, chunk_size)) + [size]
+    bounds = [*range(0, size, chunk_size), size]
     pieces = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
     if shuffle:
         perm = np.random.default_rng(_seed_tuple(seed, epoch, rank, 1)).permutation(len(pieces))
@@ -180,4 +180,3 @@ def plan_epoch(
         chunk_seed = _seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
         chunks.append(ChunkPlan(epoch, i, ranges, chunk_seed))
     return EpochPlan(epoch, size, tuple(chunks), batch_size, full, tail)
-

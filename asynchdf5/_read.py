@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -130,8 +130,9 @@ class HDF5Reader:
             layout = file.layouts[top]
             info = self.catalog.tops[top]
             assert layout.chunk_rows is not None
-            dec = ChunkDecoder(layout.filters, info.dtype.itemsize,
-                               layout.chunk_rows * info.row_bytes)
+            dec = ChunkDecoder(
+                layout.filters, info.dtype.itemsize, layout.chunk_rows * info.row_bytes
+            )
             self._decoders[key] = dec
         return dec
 
@@ -180,7 +181,15 @@ class HDF5Reader:
             raw = os.pread(fd, size, int(index.offsets[k]))
             if len(raw) != size:
                 raise ReadError(f"stored chunk {k} is cut short (the file is truncated)")
-            data = decoder.decode(raw, int(index.masks[k])).reshape(rows, row_bytes)
+            try:
+                data = decoder.decode(raw, int(index.masks[k])).reshape(rows, row_bytes)
+            except Exception as exc:
+                # Each codec has its own error class (deflate.DeflateError, isal's IsalError,
+                # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
+                raise ReadError(
+                    f"stored chunk {k} ({size} bytes at offset {int(index.offsets[k])}) does "
+                    f"not decode: {type(exc).__name__}: {exc}"
+                ) from exc
             a, b = max(it.row_start, k * rows), min(it.row_stop, (k + 1) * rows)
             flat[a - it.row_start : b - it.row_start] = data[a - k * rows : b - k * rows]
             return size
@@ -228,7 +237,6 @@ def _open_checked(file: FileInfo) -> int:
             f"(size {size} -> {st.st_size} bytes)"
         )
     return fd
-
 
 
 def _row_bytes(a: np.ndarray) -> int:

@@ -112,9 +112,7 @@ def _transformers(value: object, tops: Sequence[str]) -> list[tuple[str, Transfo
                 f"transformers[{i}] is for top {top!r}, which is not one of tops={tuple(tops)!r}"
             )
         if not callable(fn):
-            raise ConfigurationError(
-                f"transformers[{i}] for top {top!r} is not callable: {fn!r}"
-            )
+            raise ConfigurationError(f"transformers[{i}] for top {top!r} is not callable: {fn!r}")
         out.append((str(top), fn))
     return out
 
@@ -250,8 +248,9 @@ class _Layer:
             first = self.plan(self._epoch)  # raises for impossible shard/batch settings
             if first.n_batches == 0:
                 raise ConfigurationError(
-                    f"drop_last=True with batch_size={self.batch_size} leaves no batch: this "
-                    f"rank's share holds only {first.n_samples} samples"
+                    f"drop_last=True with batch_size={self.batch_size} leaves no batch: the "
+                    f"source has {source.n_samples} samples, fewer than world_size x batch_size "
+                    f"= {self.world_size * self.batch_size}"
                 )
             tg = anyio.create_task_group()
             await tg.__aenter__()
@@ -275,7 +274,13 @@ class _Layer:
         try:
             if self._run is not None:
                 self._run.scope.cancel()
-            return await tg.__aexit__(exc_type, exc, tb)
+            if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()):
+                return await tg.__aexit__(exc_type, exc, tb)
+            # Any other exception leaving the body is the caller's own: handed to the task
+            # group, it would come out wrapped in an ExceptionGroup. The group only has to wait
+            # for the cancelled run; returning None re-raises the exception unchanged.
+            await tg.__aexit__(None, None, None)
+            return None
         finally:
             if self._run is not None:
                 self._run.items.close()
@@ -486,8 +491,8 @@ class AsyncHDF5DataLayer(_Layer):
             prefetch=prefetch,
             device=device,
         )
-        self.cache_bytes = None if cache_bytes is None else _int(
-            "cache_bytes", cache_bytes, minimum=1
+        self.cache_bytes = (
+            None if cache_bytes is None else _int("cache_bytes", cache_bytes, minimum=1)
         )
         self.paths = resolve_source(source)
         self._reader_paths: dict[str, str] = {}
@@ -716,4 +721,3 @@ async def _next_or_none(it: _EpochIterator) -> Batch | None:
         return await it.__anext__()
     except StopAsyncIteration:
         return None
-

@@ -51,7 +51,7 @@ def test_partial_batches_are_views_of_pooled_buffers() -> None:
 
 
 async def test_kept_batches_stay_intact_across_epochs(tmp_path: Path) -> None:
-    src, n = write_files(tmp_path, [700, 300])
+    src, _ = write_files(tmp_path, [700, 300])
     kept = []
     async with AsyncHDF5DataLayer(src, batch_size=32, shuffle=True, seed=0, chunk_size=256) as L:
         for _ in range(3):

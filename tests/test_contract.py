@@ -278,8 +278,14 @@ async def test_property_exactly_once_aligned_reproducible(
         return  # refused at open, covered by the bad-input tests
     if not drop_last and 0 < r < world_size and (q == 0 or batch_size == 1):
         return  # the documented impossible split
-    kw = dict(batch_size=batch_size, chunk_size=batch_size * chunk_mult, shuffle=shuffle,
-              seed=seed, world_size=world_size, drop_last=drop_last)
+    kw = dict(
+        batch_size=batch_size,
+        chunk_size=batch_size * chunk_mult,
+        shuffle=shuffle,
+        seed=seed,
+        world_size=world_size,
+        drop_last=drop_last,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         runs = []
         for attempt in range(2):

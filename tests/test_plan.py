@@ -59,7 +59,8 @@ def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
     except ConfigurationError as exc:
         # Only the documented impossible cases may refuse.
         q, r = divmod(n, world_size * batch_size)
-        assert n < world_size or (not drop_last and 0 < r < world_size and (q == 0 or batch_size == 1)), exc
+        impossible = not drop_last and 0 < r < world_size and (q == 0 or batch_size == 1)
+        assert n < world_size or impossible, exc
         return
     everything = np.sort(np.concatenate([served(p) for p in plans]))
     if drop_last:  # the leftover of fewer than world_size * batch_size samples is left out
@@ -106,8 +107,9 @@ def test_shuffle_rotates_chunk_boundaries_and_permutes_chunks() -> None:
 
 
 def test_ramp_splits_only_the_first_chunk_into_growing_pieces() -> None:
-    p = plan_epoch(10_000, epoch=0, batch_size=10, chunk_size=4000, shuffle=False, seed=0,
-                   first_rows=100)
+    p = plan_epoch(
+        10_000, epoch=0, batch_size=10, chunk_size=4000, shuffle=False, seed=0, first_rows=100
+    )
     sizes = [c.size for c in p.chunks]
     assert sizes[:5] == [100, 200, 400, 800, 2500]
     assert sizes[5:] == [4000, 2000]
@@ -115,15 +117,21 @@ def test_ramp_splits_only_the_first_chunk_into_growing_pieces() -> None:
 
 def test_uneven_leftover_splits_a_batch_instead_of_repeating_or_dropping() -> None:
     # 2 ranks, batch 4: 9 samples -> q = 1 round of 8, leftover 1 < world_size.
-    plans = [plan_epoch(9, epoch=0, batch_size=4, chunk_size=4, shuffle=False, seed=0,
-                        rank=r, world_size=2) for r in range(2)]
+    plans = [
+        plan_epoch(
+            9, epoch=0, batch_size=4, chunk_size=4, shuffle=False, seed=0, rank=r, world_size=2
+        )
+        for r in range(2)
+    ]
     assert [list(p.batch_sizes()) for p in plans] == [[4, 1], [3, 1]]
 
 
 def test_impossible_split_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="drop_last=True"):
-        plan_epoch(3, epoch=0, batch_size=1, chunk_size=1, shuffle=False, seed=0, rank=1,
-                   world_size=2)
+        plan_epoch(
+            3, epoch=0, batch_size=1, chunk_size=1, shuffle=False, seed=0, rank=1, world_size=2
+        )
     with pytest.raises(ConfigurationError, match="fewer than world_size"):
-        plan_epoch(2, epoch=0, batch_size=1, chunk_size=1, shuffle=False, seed=0, rank=0,
-                   world_size=3)
+        plan_epoch(
+            2, epoch=0, batch_size=1, chunk_size=1, shuffle=False, seed=0, rank=0, world_size=3
+        )

@@ -1,0 +1,1035 @@
+"""The catalogue of bad inputs: each raises the right error, names what is wrong, leaks nothing.
+
+Every error below is checked for its class *and* for a message that names the file, the top, the
+rows or the transformer involved. Configuration errors are raised at construction; source and
+schema errors when the layer is opened, before any batch; read and transform errors from the
+``async for`` (or ``for``) that was waiting, after only complete, correct batches. After leaving
+``async with`` (or ``with``) no task, busy thread or file descriptor of ours may be left behind.
+
+The fixture data make alignment checkable from the batch alone: row ``i`` of the source has
+``label == i`` and ``data == [10 * i, 10 * i + 1]``, so a batch is correct when its labels equal
+its ``indices`` and its data agree with both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import h5py
+import numpy as np
+import pytest
+
+import asynchdf5
+from asynchdf5 import (
+    AsyncHDF5DataLayer,
+    Batch,
+    ConfigurationError,
+    DataLayerError,
+    HDF5DataLayer,
+    ReadError,
+    SchemaError,
+    SourceError,
+    TransformError,
+)
+
+# --------------------------------------------------------------------------------------------
+# Fixture data
+# --------------------------------------------------------------------------------------------
+
+SIZES = (100, 150, 50)  # three files, 300 samples
+N = sum(SIZES)
+
+
+def rows(start: int, n: int) -> dict[str, np.ndarray]:
+    """Rows ``start:start + n`` of the source: the label is the global index."""
+    idx = np.arange(start, start + n, dtype=np.int64)
+    return {"data": (idx[:, None] * 10 + np.arange(2)).astype(np.float32), "label": idx}
+
+
+def write_h5(path: Path, start: int, n: int, *, layout: str = "contiguous", **extra: Any) -> Path:
+    """One HDF5 file with rows ``start:start + n``; ``extra`` datasets replace or add tops."""
+    kwargs: dict[str, Any] = {}
+    if layout == "chunked":
+        kwargs = {"chunks": True}
+    elif layout.startswith("gzip"):
+        kwargs = {"chunks": True, "compression": "gzip"}
+    with h5py.File(path, "w") as f:
+        for name, arr in rows(start, n).items():
+            if name not in extra:
+                # "gzip-split": chunks that split a sample, which only h5py reads.
+                shape = (1,) * (arr.ndim - 1) if layout == "gzip-split" else arr.shape[1:]
+                chunks = (8, *shape) if kwargs else None
+                f.create_dataset(name, data=arr, **{**kwargs, "chunks": chunks})
+        for name, value in extra.items():
+            if value is not None:
+                f.create_dataset(name, data=value)
+    return path
+
+
+def write_source(
+    folder: Path, sizes: Sequence[int] = SIZES, *, layout: str = "contiguous"
+) -> tuple[Path, list[Path]]:
+    """Files ``part{i}.h5`` with consecutive global indices, and a list file naming them."""
+    paths = []
+    start = 0
+    for i, n in enumerate(sizes):
+        paths.append(write_h5(folder / f"part{i}.h5", start, n, layout=layout))
+        start += n
+    lst = folder / "train.txt"
+    lst.write_text("# fixture\n\n" + "\n".join(p.name for p in paths) + "\n")
+    return lst, paths
+
+
+def write_list(folder: Path, names: Sequence[str]) -> Path:
+    lst = folder / "train.txt"
+    lst.write_text("\n".join(names) + "\n")
+    return lst
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """A list file naming three files, 300 samples."""
+    return write_source(tmp_path)
+
+
+def check_batch(batch: Batch, batch_size: int) -> None:
+    """A yielded batch is complete (every top has every row) and aligned (rows are its indices)."""
+    assert batch.indices.dtype == np.int64
+    assert batch.size == batch_size
+    assert set(batch) == {"data", "label"}
+    np.testing.assert_array_equal(batch["label"], batch.indices)
+    np.testing.assert_array_equal(batch["data"][:, 0], batch.indices * 10)
+    np.testing.assert_array_equal(batch["data"][:, 1], batch.indices * 10 + 1)
+
+
+def check_prefix(batches: Sequence[Batch], batch_size: int) -> np.ndarray:
+    """Unshuffled batches before an error: complete, correct and in source order from row 0."""
+    for b in batches:
+        check_batch(b, batch_size)
+    seen = np.concatenate([b.indices for b in batches]) if batches else np.empty(0, np.int64)
+    np.testing.assert_array_equal(seen, np.arange(len(seen)))
+    return seen
+
+
+def check_epoch(batches: Sequence[Batch], n: int, batch_size: int, epoch: int) -> None:
+    """A whole epoch: every sample exactly once, full batches but for the last."""
+    assert batches
+    for b in batches[:-1]:
+        check_batch(b, batch_size)
+    check_batch(batches[-1], batches[-1].size)
+    assert 0 < batches[-1].size <= batch_size
+    assert {b.epoch for b in batches} == {epoch}
+    seen = np.concatenate([b.indices for b in batches])
+    np.testing.assert_array_equal(np.sort(seen), np.arange(n))
+
+
+def check_message(exc: BaseException, *parts: object) -> None:
+    """The message names every one of ``parts`` (a path is matched by its full text)."""
+    msg = str(exc)
+    for p in parts:
+        assert str(p) in msg, f"{str(p)!r} not in message {msg!r}"
+
+
+# --------------------------------------------------------------------------------------------
+# What must be released: tasks, threads, file descriptors
+# --------------------------------------------------------------------------------------------
+
+# Worker threads linger by design, idle, after their last job: anyio's asyncio backend keeps an
+# idle "AnyIO worker thread" for up to ``WorkerThread.MAX_IDLE_TIME`` = 10 s (pruned only when a
+# later job starts, and all stopped when the event loop's root task ends), and trio's thread cache
+# keeps an idle "Trio thread N" for ``IDLE_TIMEOUT`` = 10 s, process-wide (anyio 4.16
+# ``_backends/_asyncio.py``, trio 0.35 ``_core/_thread_cache.py``). Inside a running event loop we
+# cannot wait them out in a fast test, so there the check is on *our* work instead: no thread that
+# appeared during the test may still be running asynchdf5, h5py or this module's code (a
+# transformer), and any other new thread — the layer's own pools, "asynchdf5-gather" and
+# "asynchdf5-decode", included — must be gone. Where the event loop itself ends (the sync
+# facade's own loop thread, on asyncio) every new thread must be gone.
+_OUR_CODE = (
+    str(Path(asynchdf5.__file__).parent),
+    str(Path(h5py.__file__).parent),
+    str(Path(__file__)),
+)
+_IDLE_POOL_NAME = re.compile(r"AnyIO worker thread|Trio thread \d+")
+GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    threads: frozenset[threading.Thread]
+    fds: int | None
+    tasks: frozenset[int] | None  # anyio task ids, inside an event loop
+
+
+def _fd_count() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # pragma: no cover - not Linux
+        return None
+
+
+def _running_our_code(t: threading.Thread) -> bool:
+    frame = sys._current_frames().get(t.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_OUR_CODE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def snapshot() -> Snapshot:
+    return Snapshot(frozenset(threading.enumerate()), _fd_count(), None)
+
+
+async def asnapshot() -> Snapshot:
+    tasks = frozenset(t.id for t in anyio.get_running_tasks())
+    return Snapshot(frozenset(threading.enumerate()), _fd_count(), tasks)
+
+
+def _leftovers(before: Snapshot, tasks: frozenset[int] | None, strict: bool) -> list[str]:
+    problems = []
+    for t in threading.enumerate():
+        if t in before.threads or not t.is_alive():
+            continue
+        if not strict and _IDLE_POOL_NAME.fullmatch(t.name) and not _running_our_code(t):
+            continue  # an idle pool worker, lingering by design (see above)
+        problems.append(f"thread {t.name!r} (busy={_running_our_code(t)})")
+    fds = _fd_count()
+    if before.fds is not None and fds is not None and fds > before.fds:
+        problems.append(f"{fds - before.fds} more open file descriptor(s): {_fd_names()}")
+    if before.tasks is not None and tasks is not None and tasks - before.tasks:
+        problems.append(f"{len(tasks - before.tasks)} more task(s)")
+    return problems
+
+
+def _fd_names() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since listed
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return out
+
+
+def assert_released(before: Snapshot, *, strict: bool = True) -> None:
+    """Outside an event loop: every thread and descriptor made since ``before`` is gone."""
+    deadline = time.monotonic() + GRACE_S
+    while (problems := _leftovers(before, None, strict)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not problems, problems
+
+
+async def aassert_released(before: Snapshot) -> None:
+    """Inside the event loop: no new task, no busy or unknown thread, no new descriptor."""
+    deadline = time.monotonic() + GRACE_S
+    while True:
+        tasks = frozenset(t.id for t in anyio.get_running_tasks())
+        problems = _leftovers(before, tasks, strict=False)
+        if not problems or time.monotonic() >= deadline:
+            break
+        await anyio.sleep(0.01)
+    assert not problems, problems
+
+
+def portal_threads() -> list[threading.Thread]:
+    """The sync facade's event loop threads (anyio names them ``<backend>-portal-<id>``)."""
+    return [t for t in threading.enumerate() if "-portal-" in t.name]
+
+
+async def open_must_fail(layer: AsyncHDF5DataLayer, exc_type: type[DataLayerError]) -> Any:
+    """Open ``layer``, expecting ``exc_type`` before the body runs; check nothing is left."""
+    before = await asnapshot()
+    with pytest.raises(exc_type) as info:
+        async with layer:
+            pytest.fail("the layer opened")
+    await aassert_released(before)
+    return info.value
+
+
+# --------------------------------------------------------------------------------------------
+# Source list and files: SourceError
+# --------------------------------------------------------------------------------------------
+
+
+def test_list_file_missing(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(SourceError) as info:
+        AsyncHDF5DataLayer(missing, batch_size=4)
+    check_message(info.value, missing, "does not exist")
+
+
+def test_list_file_is_a_directory(tmp_path: Path) -> None:
+    # Stands in for an unreadable list file where chmod cannot make one (see the next test).
+    with pytest.raises(SourceError) as info:
+        AsyncHDF5DataLayer(tmp_path, batch_size=4)
+    check_message(info.value, tmp_path, "directory")
+
+
+@pytest.mark.skipif(
+    hasattr(os, "geteuid") and os.geteuid() == 0,
+    reason="running as root: chmod 000 does not stop root from reading a file",
+)
+def test_list_file_unreadable(source: tuple[Path, list[Path]]) -> None:
+    lst, _ = source
+    lst.chmod(0)
+    try:
+        with pytest.raises(SourceError) as info:
+            AsyncHDF5DataLayer(lst, batch_size=4)
+    finally:
+        lst.chmod(0o644)
+    check_message(info.value, lst)
+
+
+def test_list_file_not_text(tmp_path: Path) -> None:
+    lst = tmp_path / "train.txt"
+    lst.write_bytes(b"\xff\xfe\x00garbage\x80")
+    with pytest.raises(SourceError) as info:
+        AsyncHDF5DataLayer(lst, batch_size=4)
+    check_message(info.value, lst)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n   \n", "# only\n  # comments\n\n"])
+def test_list_file_names_no_file(tmp_path: Path, text: str) -> None:
+    lst = tmp_path / "train.txt"
+    lst.write_text(text)
+    with pytest.raises(SourceError) as info:
+        AsyncHDF5DataLayer(lst, batch_size=4)
+    check_message(info.value, lst, "no HDF5 file")
+
+
+@pytest.mark.parametrize("empty", [[], ()])
+def test_empty_sequence(empty: Sequence[str]) -> None:
+    with pytest.raises(SourceError, match="empty sequence"):
+        AsyncHDF5DataLayer(empty, batch_size=4)
+
+
+@pytest.mark.parametrize("bad", [b"train.txt", 3, None, [Path("a.h5"), 3]])
+def test_source_of_wrong_type(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match="source"):
+        AsyncHDF5DataLayer(bad, batch_size=4)
+
+
+def _listed_bad_file(folder: Path, kind: str) -> Path:
+    """Write a good source whose second file is replaced by something bad; return that path."""
+    _, paths = write_source(folder)
+    bad = paths[1]
+    bad.unlink()
+    if kind == "text":
+        bad.write_text("data,label\n1,2\n")
+    elif kind == "zero-byte":
+        bad.touch()
+    elif kind == "directory":
+        bad.mkdir()
+    elif kind == "corrupt":
+        # The HDF5 signature, then garbage: passes the signature check, fails in HDF5.
+        bad.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(range(256)) * 8)
+    return bad
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("missing", "does not exist"),
+        ("text", "not an HDF5 file"),
+        ("zero-byte", "not an HDF5 file"),
+        ("directory", "directory"),
+        ("corrupt", "cannot open"),
+    ],
+)
+async def test_listed_file_bad(tmp_path: Path, kind: str, words: str) -> None:
+    bad = _listed_bad_file(tmp_path, kind)
+    layer = AsyncHDF5DataLayer(tmp_path / "train.txt", batch_size=10)
+    err = await open_must_fail(layer, SourceError)
+    check_message(err, bad, words)
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(
+    hasattr(os, "geteuid") and os.geteuid() == 0,
+    reason="running as root: chmod 000 does not stop root from reading a file",
+)
+async def test_listed_file_unreadable(source: tuple[Path, list[Path]]) -> None:
+    lst, paths = source
+    paths[1].chmod(0)
+    try:
+        err = await open_must_fail(AsyncHDF5DataLayer(lst, batch_size=10), SourceError)
+    finally:
+        paths[1].chmod(0o644)
+    check_message(err, paths[1], "not readable")
+
+
+# --------------------------------------------------------------------------------------------
+# Tops: SchemaError
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_top_missing_from_second_file(tmp_path: Path) -> None:
+    a = write_h5(tmp_path / "a.h5", 0, 100)
+    b = write_h5(tmp_path / "b.h5", 100, 100, label=None)
+    with h5py.File(b) as f:
+        assert "label" not in f
+    err = await open_must_fail(AsyncHDF5DataLayer([a, b], batch_size=10), SchemaError)
+    check_message(err, b, "'label'", "missing")
+
+
+@pytest.mark.anyio
+async def test_tops_of_one_file_have_different_row_counts(tmp_path: Path) -> None:
+    a = write_h5(tmp_path / "a.h5", 0, 100)
+    b = write_h5(tmp_path / "b.h5", 100, 100, label=np.arange(99, dtype=np.int64))
+    err = await open_must_fail(AsyncHDF5DataLayer([a, b], batch_size=10), SchemaError)
+    check_message(err, b, "'data': 100", "'label': 99")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (np.zeros((100, 3), np.float32), ["(3,)", "(2,)"]),  # sample shape differs
+        (np.zeros((100, 2, 1), np.float32), ["(2, 1)", "(2,)"]),  # rank differs
+        (np.zeros((100, 2), np.float64), ["float64", "float32"]),  # dtype differs
+    ],
+)
+async def test_top_sample_shape_or_dtype_differs_between_files(
+    tmp_path: Path, data: np.ndarray, words: list[str]
+) -> None:
+    a = write_h5(tmp_path / "a.h5", 0, 100)
+    b = write_h5(tmp_path / "b.h5", 100, 100, data=data)
+    err = await open_must_fail(AsyncHDF5DataLayer([a, b], batch_size=10), SchemaError)
+    check_message(err, a, b, "'data'", *words)
+
+
+def _bad_top(f: h5py.File, kind: str) -> None:
+    if kind == "0-d":
+        f.create_dataset("label", data=7)
+    elif kind == "empty dataspace":
+        f.create_dataset("label", data=h5py.Empty("i8"))
+    elif kind == "compound":
+        f.create_dataset("label", data=np.zeros(100, [("a", "i4"), ("b", "f4")]))
+    elif kind == "fixed string":
+        f.create_dataset("label", data=np.array([b"abc"] * 100, "S3"))
+    elif kind == "vlen string":
+        f.create_dataset("label", data=["abc"] * 100, dtype=h5py.string_dtype())
+    elif kind == "vlen":
+        d = f.create_dataset("label", (100,), dtype=h5py.vlen_dtype(np.int32))
+        d[0] = np.arange(3, dtype=np.int32)
+    elif kind == "group":
+        f.create_group("label")
+    elif kind == "array dtype":
+        f.create_dataset("label", (100,), dtype=np.dtype(("i4", (2,))))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("0-d", "0-d"),
+        ("empty dataspace", "0-d"),
+        ("compound", "compound"),
+        ("fixed string", "strings"),
+        ("vlen string", "strings"),
+        ("vlen", "variable-length"),
+        ("group", "Group"),
+        ("array dtype", "dtype"),
+    ],
+)
+async def test_unsupported_top(tmp_path: Path, kind: str, words: str) -> None:
+    a = write_h5(tmp_path / "a.h5", 0, 100)
+    b = tmp_path / "b.h5"
+    with h5py.File(b, "w") as f:
+        f.create_dataset("data", data=rows(100, 100)["data"])
+        _bad_top(f, kind)
+    err = await open_must_fail(AsyncHDF5DataLayer([a, b], batch_size=10), SchemaError)
+    check_message(err, b, "'label'", words)
+
+
+@pytest.mark.anyio
+async def test_every_file_empty(tmp_path: Path) -> None:
+    a = write_h5(tmp_path / "a.h5", 0, 0)
+    err = await open_must_fail(AsyncHDF5DataLayer([a], batch_size=10), SourceError)
+    check_message(err, "no samples")
+
+
+# --------------------------------------------------------------------------------------------
+# Keyword properties: ConfigurationError at construction
+# --------------------------------------------------------------------------------------------
+
+LayerClass = Callable[..., Any]
+LAYERS: list[LayerClass] = [AsyncHDF5DataLayer, HDF5DataLayer]
+
+
+def _ident(x: object) -> object:
+    return x
+
+
+CONFIG_CASES: list[tuple[dict[str, Any], list[str]]] = [
+    ({"batch_size": 0}, ["batch_size", ">= 1", "0"]),
+    ({"batch_size": -3}, ["batch_size", "-3"]),
+    ({"batch_size": 4.0}, ["batch_size", "int", "float"]),
+    ({"batch_size": True}, ["batch_size", "int", "bool"]),
+    ({"batch_size": "4"}, ["batch_size", "int", "str"]),
+    ({"batch_size": None}, ["batch_size", "int"]),
+    ({"batch_size": 10, "chunk_size": 9}, ["chunk_size=9", "batch_size=10"]),
+    ({"batch_size": 10, "chunk_size": 0}, ["chunk_size", ">= 1"]),
+    ({"batch_size": 4, "tops": ()}, ["tops", "empty"]),
+    ({"batch_size": 4, "tops": ("data", "label", "data")}, ["'data'", "twice"]),
+    ({"batch_size": 4, "tops": ("data", 3)}, ["tops"]),
+    ({"batch_size": 4, "transformers": [("nope", _ident)]}, ["transformers[0]", "'nope'"]),
+    ({"batch_size": 4, "transformers": [("label", 3)]}, ["transformers[0]", "'label'", "callable"]),
+    ({"batch_size": 4, "transformers": [_ident]}, ["transformers[0]", "pair"]),
+    ({"batch_size": 4, "transformers": [("label",)]}, ["transformers[0]", "pair"]),
+    ({"batch_size": 4, "transformers": [("label", _ident, 1)]}, ["transformers[0]", "pair"]),
+    (
+        {"batch_size": 4, "transformers": [("label", _ident), ("data", None)]},
+        ["transformers[1]", "'data'", "callable"],
+    ),
+    ({"batch_size": 4, "transformers": ("label", _ident)}, ["transformers[0]", "pair"]),
+    ({"batch_size": 4, "transformers": _ident}, ["transformers", "sequence"]),
+    ({"batch_size": 4, "transformers": {"label": _ident}}, ["transformers", "sequence"]),
+    ({"batch_size": 4, "rank": 2, "world_size": 2}, ["rank=2", "world_size"]),
+    ({"batch_size": 4, "rank": -1, "world_size": 2}, ["rank", "-1"]),
+    ({"batch_size": 4, "rank": 0, "world_size": 0}, ["world_size", "0"]),
+    ({"batch_size": 4, "rank": 1.0, "world_size": 2}, ["rank", "int"]),
+    ({"batch_size": 4, "shuffle": True, "world_size": 2}, ["shuffle", "world_size", "seed"]),
+    ({"batch_size": 4, "shuffle": "yes"}, ["shuffle"]),
+    ({"batch_size": 4, "drop_last": 1}, ["drop_last"]),
+    ({"batch_size": 4, "seed": -1}, ["seed", "-1"]),
+    ({"batch_size": 4, "prefetch": 0}, ["prefetch"]),
+    ({"batch_size": 4, "cache_bytes": 0}, ["cache_bytes"]),
+]
+
+
+@pytest.mark.parametrize("cls", LAYERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize(("kwargs", "words"), CONFIG_CASES)
+def test_bad_keyword_property(
+    source: tuple[Path, list[Path]], cls: LayerClass, kwargs: dict[str, Any], words: list[str]
+) -> None:
+    before = snapshot()
+    with pytest.raises(ConfigurationError) as info:
+        cls(source[0], **kwargs)
+    assert isinstance(info.value, ValueError)
+    check_message(info.value, *words)
+    assert_released(before)
+
+
+def test_shuffle_with_world_size_and_a_seed_is_fine(source: tuple[Path, list[Path]]) -> None:
+    AsyncHDF5DataLayer(source[0], batch_size=4, shuffle=True, world_size=2, rank=1, seed=3)
+
+
+# --- needs the sample count: ConfigurationError when the layer opens --------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("batch_size", "rank", "world_size"),
+    [(N + 1, 0, 1), (N, 1, 2), (100, 3, 4)],  # the last: 75 samples a rank, fewer than a batch
+)
+async def test_drop_last_leaves_no_batch(
+    source: tuple[Path, list[Path]], batch_size: int, rank: int, world_size: int
+) -> None:
+    layer = AsyncHDF5DataLayer(
+        source[0], batch_size=batch_size, drop_last=True, rank=rank, world_size=world_size
+    )
+    err = await open_must_fail(layer, ConfigurationError)
+    check_message(err, "drop_last", f"batch_size={batch_size}")
+
+
+@pytest.mark.anyio
+async def test_drop_last_error_names_the_sample_count(source: tuple[Path, list[Path]]) -> None:
+    layer = AsyncHDF5DataLayer(source[0], batch_size=N + 1, drop_last=True)
+    err = await open_must_fail(layer, ConfigurationError)
+    check_message(err, f"{N} samples")
+
+
+@pytest.mark.anyio
+async def test_world_size_larger_than_sample_count(source: tuple[Path, list[Path]]) -> None:
+    layer = AsyncHDF5DataLayer(source[0], batch_size=1, rank=0, world_size=N + 1)
+    err = await open_must_fail(layer, ConfigurationError)
+    check_message(err, f"{N} samples", f"world_size={N + 1}")
+
+
+@pytest.mark.anyio
+async def test_batch_larger_than_data_without_drop_last_is_one_batch(
+    source: tuple[Path, list[Path]],
+) -> None:
+    async with AsyncHDF5DataLayer(source[0], batch_size=N + 1) as layer:
+        batches = [b async for b in layer]
+    check_epoch(batches, N, N + 1, 0)
+    assert len(batches) == 1
+
+
+@pytest.mark.anyio
+async def test_open_twice(source: tuple[Path, list[Path]]) -> None:
+    layer = AsyncHDF5DataLayer(source[0], batch_size=10)
+    async with layer:
+        with pytest.raises(ConfigurationError, match="already open"):
+            await layer.__aenter__()
+
+
+@pytest.mark.anyio
+async def test_iterate_when_not_open(source: tuple[Path, list[Path]]) -> None:
+    layer = AsyncHDF5DataLayer(source[0], batch_size=10)
+    with pytest.raises(ConfigurationError, match="not open"):
+        async for _ in layer:
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# During an epoch: TransformError and ReadError, after only complete batches
+# --------------------------------------------------------------------------------------------
+
+
+async def collect_until_error(
+    layer: AsyncHDF5DataLayer,
+    exc_type: type[DataLayerError],
+    on_batch: Callable[[int], None] = lambda i: None,
+) -> tuple[list[Batch], Any]:
+    """Iterate one epoch of the open ``layer`` until it raises ``exc_type``."""
+    got: list[Batch] = []
+    with pytest.raises(exc_type) as info:
+        async for b in layer:
+            got.append(b)
+            on_batch(len(got))
+    return got, info.value
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fail_at", [0, 200])
+async def test_transformer_raises(source: tuple[Path, list[Path]], fail_at: int) -> None:
+    raised: list[BaseException] = []
+
+    def explode_on_row(x: np.ndarray) -> np.ndarray:
+        if x.max() >= fail_at:
+            raised.append(KeyError(f"row {fail_at}"))
+            raise raised[-1]
+        return x
+
+    before = await asnapshot()
+    layer = AsyncHDF5DataLayer(
+        source[0], batch_size=10, chunk_size=50, transformers=[("label", explode_on_row)]
+    )
+    async with layer:
+        got, err = await collect_until_error(layer, TransformError)
+    await aassert_released(before)
+    seen = check_prefix(got, 10)
+    # Batches are cut per chunk of 50, so every batch of the chunks before the failing row is
+    # delivered before the error.
+    assert len(seen) == fail_at
+    check_message(err, "'label'", "explode_on_row", "KeyError")
+    assert err.__cause__ is raised[0]
+
+
+@pytest.mark.anyio
+async def test_transformer_changes_row_count(source: tuple[Path, list[Path]]) -> None:
+    def drop_a_row(x: np.ndarray) -> np.ndarray:
+        return x[:-1] if x.max() >= 1200 else x  # data are 10 * index: from row 120 on
+
+    before = await asnapshot()
+    layer = AsyncHDF5DataLayer(
+        source[0], batch_size=10, chunk_size=20, transformers=[("data", drop_a_row)]
+    )
+    async with layer:
+        got, err = await collect_until_error(layer, TransformError)
+    await aassert_released(before)
+    assert len(check_prefix(got, 10)) == 120
+    check_message(err, "'data'", "drop_a_row", "9 rows", "batch of 10")
+
+
+@pytest.mark.anyio
+async def test_transformer_returns_no_array(source: tuple[Path, list[Path]]) -> None:
+    def to_list(x: np.ndarray) -> Any:
+        return x.tolist()
+
+    layer = AsyncHDF5DataLayer(source[0], batch_size=10, transformers=[("label", to_list)])
+    async with layer:
+        got, err = await collect_until_error(layer, TransformError)
+    assert got == []
+    check_message(err, "'label'", "to_list", "list")
+
+
+# The source for mid-epoch file faults: 3 files of 400 rows, read in chunks of 20 rows. The
+# pipeline runs ahead of the consumer by at most a few dozen batches (its item buffer and two
+# cache slots), so after the first batch the last file is not read yet.
+BIG = (400, 400, 400)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("layout", ["contiguous", "chunked", "gzip"])
+@pytest.mark.parametrize("fault", ["truncated", "deleted", "replaced"])
+async def test_file_changes_during_epoch(tmp_path: Path, layout: str, fault: str) -> None:
+    lst, paths = write_source(tmp_path, BIG, layout=layout)
+    victim = paths[2]
+
+    def break_file(i: int) -> None:
+        if i != 1:
+            return
+        if fault == "truncated":
+            os.truncate(victim, victim.stat().st_size // 2)
+        elif fault == "deleted":
+            os.remove(victim)
+        else:  # a different file under the same name (its inode number may be reused)
+            os.remove(victim)
+            write_h5(victim, 800, 399, layout=layout)
+
+    before = await asnapshot()
+    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:
+        got, err = await collect_until_error(layer, ReadError, break_file)
+    await aassert_released(before)
+    seen = check_prefix(got, 10)
+    assert 10 <= len(seen) <= 800
+    check_message(err, victim, "after the source was opened")
+    if fault != "replaced":
+        check_message(err, fault)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("layout", "path"), [("gzip", "chunks"), ("gzip-split", "h5py")])
+async def test_corrupt_chunk_during_epoch(tmp_path: Path, layout: str, path: str) -> None:
+    # Garbage over a compressed chunk, with the file's size and mtime kept, so only the read
+    # itself fails (in our decoder, or in h5py's): the error still names the file, top and rows.
+    lst, paths = write_source(tmp_path, BIG, layout=layout)
+    victim = paths[2]
+    with h5py.File(victim) as f:
+        info = f["data"].id.get_chunk_info_by_coord((80, 0))  # a chunk of rows 80:88
+    st = victim.stat()
+
+    def corrupt(i: int) -> None:
+        if i == 1:
+            with open(victim, "r+b") as fh:
+                fh.seek(info.byte_offset)
+                fh.write(b"\xff" * info.size)
+            os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    before = await asnapshot()
+    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:
+        assert layer.stats.read_paths["data"] == path
+        got, err = await collect_until_error(layer, ReadError, corrupt)
+    await aassert_released(before)
+    assert 10 <= len(check_prefix(got, 10)) <= 880
+    check_message(err, victim, "'data'", "rows 80:")
+    assert not isinstance(root_cause(err), DataLayerError)  # the codec's or h5py's own error
+
+
+@pytest.mark.anyio
+async def test_epoch_after_a_read_error_names_the_file_again(tmp_path: Path) -> None:
+    lst, paths = write_source(tmp_path, BIG)
+    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:
+        await collect_until_error(
+            layer, ReadError, lambda i: os.remove(paths[2]) if i == 1 else None
+        )
+        # The file stays gone: the next epoch fails the same way, and still yields only
+        # complete batches first.
+        got, err = await collect_until_error(layer, ReadError)
+    check_message(err, paths[2])
+    for b in got:
+        check_batch(b, 10)
+
+
+@pytest.mark.anyio
+async def test_every_batch_before_a_transform_error_is_delivered(
+    source: tuple[Path, list[Path]],
+) -> None:
+    def explode_on_row_230(x: np.ndarray) -> np.ndarray:
+        if x.max() >= 230:
+            raise ValueError("row 230")
+        return x
+
+    # Chunks of 100 rows: batches 20-29 are gathered in one worker-thread call.
+    layer = AsyncHDF5DataLayer(
+        source[0], batch_size=10, chunk_size=100, transformers=[("label", explode_on_row_230)]
+    )
+    async with layer:
+        got, _ = await collect_until_error(layer, TransformError)
+    assert len(check_prefix(got, 10)) == 230
+
+
+@pytest.mark.anyio
+async def test_every_batch_before_a_read_error_is_delivered(tmp_path: Path) -> None:
+    lst, paths = write_source(tmp_path, BIG)
+
+    async def slow_consumer() -> tuple[list[Batch], Any]:
+        got: list[Batch] = []
+        with pytest.raises(ReadError) as info:
+            async for b in layer:
+                got.append(b)
+                if len(got) == 1:
+                    os.remove(paths[2])
+                await anyio.sleep(0.005)  # keeps the pipeline's item buffer full
+        return got, info.value
+
+    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:
+        got, _ = await slow_consumer()
+    # Rows 0-799 come from the two intact files; each chunk is read whole before it is cut.
+    assert len(check_prefix(got, 10)) == 800
+
+
+# --------------------------------------------------------------------------------------------
+# Leaving early: break and cancellation
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("shuffle", [False, True])
+async def test_break_then_next_epoch_is_whole(
+    source: tuple[Path, list[Path]], shuffle: bool
+) -> None:
+    before = await asnapshot()
+    async with AsyncHDF5DataLayer(
+        source[0], batch_size=16, chunk_size=64, shuffle=shuffle, seed=5
+    ) as layer:
+        got = []
+        async for b in layer:
+            check_batch(b, 16)
+            got.append(b)
+            if len(got) == 3:
+                break
+        assert {b.epoch for b in got} == {0}
+        epoch1 = [b async for b in layer]
+        check_epoch(epoch1, N, 16, 1)
+        epoch2 = [b async for b in layer]
+        check_epoch(epoch2, N, 16, 2)
+        assert layer.epoch == 3
+        async for _ in layer:
+            break  # and leave `async with` from the middle of an epoch
+    await aassert_released(before)
+
+
+@pytest.mark.anyio
+async def test_break_in_the_last_batch_and_in_the_first(source: tuple[Path, list[Path]]) -> None:
+    async with AsyncHDF5DataLayer(source[0], batch_size=100) as layer:
+        async for b in layer:
+            if b.indices[-1] == N - 1:
+                break  # the epoch's last batch: the epoch is over anyway
+        async for b in layer:
+            assert b.epoch == 1
+            break
+        check_epoch([b async for b in layer], N, 100, 2)
+
+
+@pytest.mark.anyio
+async def test_cancel_scope_around_the_loop(source: tuple[Path, list[Path]]) -> None:
+    before = await asnapshot()
+    async with AsyncHDF5DataLayer(source[0], batch_size=10, chunk_size=30) as layer:
+        got = []
+        with anyio.CancelScope() as scope:
+            async for b in layer:
+                got.append(b)
+                if len(got) == 2:
+                    scope.cancel()
+                await anyio.sleep(0)
+        assert scope.cancelled_caught
+        check_prefix(got, 10)
+        check_epoch([b async for b in layer], N, 10, 1)
+    await aassert_released(before)
+
+
+def _slow(x: np.ndarray) -> np.ndarray:
+    time.sleep(0.01)
+    return x
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("deadline", [0.0, 0.005, 0.05])
+async def test_move_on_after_while_waiting_for_a_batch(
+    source: tuple[Path, list[Path]], deadline: float
+) -> None:
+    before = await asnapshot()
+    async with AsyncHDF5DataLayer(
+        source[0], batch_size=50, chunk_size=50, transformers=[("data", _slow)]
+    ) as layer:
+        got = []
+        with anyio.move_on_after(deadline):
+            async for b in layer:
+                got.append(b)
+        check_prefix(got, 50)
+        # Whatever was cut short, the next epoch is whole (or, if nothing was yielded, the
+        # same epoch starts over from its first batch).
+        epoch = 1 if got else 0
+        check_epoch([b async for b in layer], N, 50, epoch)
+    await aassert_released(before)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("deadline", [0.0, 0.003, 0.03])
+async def test_move_on_after_around_async_with(
+    source: tuple[Path, list[Path]], deadline: float
+) -> None:
+    before = await asnapshot()
+    got = []
+    with anyio.move_on_after(deadline):
+        async with AsyncHDF5DataLayer(
+            source[0], batch_size=50, chunk_size=50, transformers=[("data", _slow)]
+        ) as layer:
+            for _ in range(100):
+                async for b in layer:
+                    got.append(b)
+    await aassert_released(before)
+    for b in got:
+        check_batch(b, 50)
+
+
+@pytest.mark.anyio
+async def test_error_in_the_body_closes_everything(source: tuple[Path, list[Path]]) -> None:
+    before = await asnapshot()
+    with pytest.raises(RuntimeError, match="user code"):
+        async with AsyncHDF5DataLayer(source[0], batch_size=10, chunk_size=20) as layer:
+            async for _ in layer:
+                raise RuntimeError("user code")
+    await aassert_released(before)
+
+
+@pytest.mark.anyio
+async def test_error_in_the_body_is_not_wrapped(source: tuple[Path, list[Path]]) -> None:
+    with pytest.raises(RuntimeError, match="user code"):
+        async with AsyncHDF5DataLayer(source[0], batch_size=10) as layer:
+            async for _ in layer:
+                raise RuntimeError("user code")
+
+
+@pytest.mark.anyio
+async def test_uncaught_library_error_leaves_async_with_unwrapped(
+    source: tuple[Path, list[Path]],
+) -> None:
+    def explode(x: np.ndarray) -> np.ndarray:
+        raise ValueError("boom")
+
+    with pytest.raises(TransformError, match="explode"):
+        async with AsyncHDF5DataLayer(
+            source[0], batch_size=10, transformers=[("label", explode)]
+        ) as layer:
+            async for _ in layer:
+                pass
+
+
+# --------------------------------------------------------------------------------------------
+# The sync facade: the same errors, and its event loop thread is gone after `with`
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def facade_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def assert_facade_released(before: Snapshot, backend: str) -> None:
+    assert not [t for t in portal_threads() if t not in before.threads]
+    # On asyncio the facade's loop stops its worker threads when it ends; trio's thread cache is
+    # process-wide and keeps idle workers for 10 s (see above), so there only our code is checked.
+    assert_released(before, strict=backend == "asyncio")
+
+
+def test_facade_open_error(tmp_path: Path, facade_backend: str) -> None:
+    bad = _listed_bad_file(tmp_path, "text")
+    before = snapshot()
+    layer = HDF5DataLayer(tmp_path / "train.txt", batch_size=10, backend=facade_backend)
+    with pytest.raises(SourceError) as info:
+        with layer:
+            pytest.fail("the layer opened")
+    check_message(info.value, bad, "not an HDF5 file")
+    assert_facade_released(before, facade_backend)
+
+
+def test_facade_schema_error(tmp_path: Path, facade_backend: str) -> None:
+    a = write_h5(tmp_path / "a.h5", 0, 100)
+    b = write_h5(tmp_path / "b.h5", 100, 100, label=None)
+    before = snapshot()
+    with pytest.raises(SchemaError) as info:
+        with HDF5DataLayer([a, b], batch_size=10, backend=facade_backend):
+            pytest.fail("the layer opened")
+    check_message(info.value, b, "'label'")
+    assert_facade_released(before, facade_backend)
+
+
+def test_facade_open_config_error(source: tuple[Path, list[Path]], facade_backend: str) -> None:
+    before = snapshot()
+    with pytest.raises(ConfigurationError, match="world_size"):
+        with HDF5DataLayer(source[0], batch_size=1, world_size=N + 1, backend=facade_backend):
+            pytest.fail("the layer opened")
+    assert_facade_released(before, facade_backend)
+
+
+def test_facade_transform_error(source: tuple[Path, list[Path]], facade_backend: str) -> None:
+    def explode_on_row_150(x: np.ndarray) -> np.ndarray:
+        if x.max() >= 150:
+            raise ArithmeticError("row 150")
+        return x
+
+    before = snapshot()
+    got: list[Batch] = []
+    with HDF5DataLayer(
+        source[0],
+        batch_size=10,
+        chunk_size=50,
+        transformers=[("label", explode_on_row_150)],
+        backend=facade_backend,
+    ) as layer:
+        assert [t for t in portal_threads() if t not in before.threads]
+        with pytest.raises(TransformError) as info:
+            for b in layer:
+                got.append(b)
+    assert_facade_released(before, facade_backend)
+    assert len(check_prefix(got, 10)) == 150
+    check_message(info.value, "'label'", "explode_on_row_150", "ArithmeticError")
+    assert isinstance(info.value.__cause__, ArithmeticError)
+
+
+def test_facade_file_deleted_during_epoch(tmp_path: Path, facade_backend: str) -> None:
+    lst, paths = write_source(tmp_path, BIG)
+    before = snapshot()
+    got: list[Batch] = []
+    with HDF5DataLayer(lst, batch_size=10, chunk_size=20, backend=facade_backend) as layer:
+        with pytest.raises(ReadError) as info:
+            for b in layer:
+                got.append(b)
+                if len(got) == 1:
+                    os.remove(paths[2])
+    assert_facade_released(before, facade_backend)
+    assert 10 <= len(check_prefix(got, 10)) <= 800
+    check_message(info.value, paths[2], "deleted")
+
+
+def test_facade_break_then_next_epoch_is_whole(
+    source: tuple[Path, list[Path]], facade_backend: str
+) -> None:
+    before = snapshot()
+    with HDF5DataLayer(
+        source[0], batch_size=16, chunk_size=64, shuffle=True, seed=1, backend=facade_backend
+    ) as layer:
+        for i, b in enumerate(layer):
+            check_batch(b, 16)
+            if i == 2:
+                break
+        check_epoch(list(layer), N, 16, 1)
+        for _ in layer:
+            break
+    assert_facade_released(before, facade_backend)
+
+
+def test_facade_error_in_the_body(source: tuple[Path, list[Path]], facade_backend: str) -> None:
+    before = snapshot()
+    with pytest.raises(RuntimeError, match="user code"):
+        with HDF5DataLayer(source[0], batch_size=10, backend=facade_backend) as layer:
+            for _ in layer:
+                raise RuntimeError("user code")
+    assert_facade_released(before, facade_backend)
+
+
+def test_facade_iterate_when_not_open(source: tuple[Path, list[Path]]) -> None:
+    layer = HDF5DataLayer(source[0], batch_size=10)
+    with pytest.raises(ConfigurationError, match="not open"):
+        next(iter(layer))
