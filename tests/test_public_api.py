@@ -1,0 +1,40 @@
+"""The public names: ``__all__`` is sorted and complete, and importing never pulls in CuPy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import asynchdf5
+from asynchdf5 import transforms
+
+
+def _public(module: types.ModuleType) -> set[str]:
+    return {
+        name
+        for name, obj in vars(module).items()
+        if not name.startswith("_")
+        and not isinstance(obj, types.ModuleType)
+        and getattr(obj, "__module__", module.__name__).startswith("asynchdf5")
+    }
+
+
+def test_all_is_sorted_and_complete() -> None:
+    assert asynchdf5.__all__ == sorted(asynchdf5.__all__)
+    assert set(asynchdf5.__all__) == _public(asynchdf5) | {"transforms"}
+    assert transforms.__all__ == sorted(transforms.__all__)
+    for name in asynchdf5.__all__:
+        assert getattr(asynchdf5, name) is not None
+
+
+def test_errors_form_one_family() -> None:
+    for name in ("ConfigurationError", "SourceError", "SchemaError", "ReadError", "TransformError"):
+        assert issubclass(getattr(asynchdf5, name), asynchdf5.DataLayerError)
+    assert issubclass(asynchdf5.ConfigurationError, ValueError)
+
+
+def test_import_does_not_import_cupy() -> None:
+    code = "import sys, asynchdf5, asynchdf5.transforms; print('cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
