@@ -261,27 +261,38 @@ def _pread_into(fd: int, dest: np.ndarray, offset: int) -> int:
 class HDF5Source:
     """The pipeline's data source for HDF5 files: reads chunks into cache slots."""
 
-    def __init__(self, catalog: Catalog, slots: list[Slot]) -> None:
+    def __init__(self, catalog: Catalog, slots: list[Slot], read_threads: int = 2) -> None:
         self.catalog = catalog
         self.reader = HDF5Reader(catalog)
         self.tops = catalog.tops
         self.n_samples = catalog.n_samples
         self.slots: list[Slot] | None = slots
-        self._limiter = anyio.CapacityLimiter(1)
+        # Pieces of a chunk (several tops, several files) are read by up to `read_threads`
+        # threads at once: more requests in flight for the disk, more memcpy for a warm cache.
+        self._limiter = anyio.CapacityLimiter(read_threads)
 
     async def load(self, chunk: ChunkPlan, slot: Slot | None, stats: Stats) -> LoadedChunk:
         assert slot is not None
         t0 = time.perf_counter()
-        # One worker-thread call per piece keeps each call short, so cancelling a run never waits
-        # for more than one piece.
-        for item in self.reader.items(chunk):
+        order: list[np.ndarray | None] = [None]
+
+        async def read(item: ReadItem) -> None:
             stats.bytes_read += await anyio.to_thread.run_sync(
                 self.reader.read, (item,), slot.arrays, limiter=self._limiter
             )
-        order = await anyio.to_thread.run_sync(chunk.order, limiter=self._limiter)
+
+        async def permute() -> None:
+            order[0] = await anyio.to_thread.run_sync(chunk.order, limiter=self._limiter)
+
+        # One worker-thread call per piece keeps each call short, so cancelling a run never waits
+        # for more than a piece per thread.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(permute)
+            for item in self.reader.items(chunk):
+                tg.start_soon(read, item)
         stats.read_seconds += time.perf_counter() - t0
         stats.chunks_read += 1
-        return LoadedChunk(chunk, order, slot.arrays)
+        return LoadedChunk(chunk, order[0], slot.arrays)
 
     def close(self) -> None:
         self.reader.close()
