@@ -86,10 +86,10 @@ def _anonymous(nbytes: int) -> np.ndarray:
     return np.frombuffer(buf, np.uint8)
 
 
-def allocate_slots(tops: Mapping[str, TopInfo], rows: int) -> list[Slot]:
+def allocate_slots(tops: Mapping[str, TopInfo], rows: int, count: int = N_SLOTS) -> list[Slot]:
     """Allocate the cache slots once; they are reused for every chunk of every epoch."""
     slots = []
-    for i in range(N_SLOTS):
+    for i in range(count):
         arrays = {}
         for t in tops.values():
             raw = _anonymous(rows * t.row_bytes)

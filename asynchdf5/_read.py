@@ -90,11 +90,19 @@ class HDF5Reader:
         On the ``chunks`` path, pieces end on HDF5 chunk boundaries, so that no stored chunk is
         decoded twice for one slot.
         """
-        segments: list[Segment] = []
+        placed = []
         out = 0
         for a, b in chunk.ranges:
-            segments.extend(self.catalog.segments(a, b, out))
+            placed.append((a, b, out))
             out += b - a
+        return self.items_for(placed)
+
+    def items_for(self, ranges: Sequence[tuple[int, int, int]]) -> list[ReadItem]:
+        """The reads of global indices ``start:stop`` landing at ``out``, per ``(start, stop,
+        out)``."""
+        segments: list[Segment] = []
+        for a, b, out in ranges:
+            segments.extend(self.catalog.segments(a, b, out))
         items = []
         for top, info in self.catalog.tops.items():
             step = max(1, PIECE_BYTES // max(1, info.row_bytes))
@@ -259,27 +267,50 @@ def _pread_into(fd: int, dest: np.ndarray, offset: int) -> int:
 
 
 class HDF5Source:
-    """The pipeline's data source for HDF5 files: reads chunks into cache slots."""
+    """The pipeline's data source for HDF5 files: reads chunks into cache slots.
 
-    def __init__(self, catalog: Catalog, slots: list[Slot], read_threads: int = 2) -> None:
+    *Streaming* (``slots`` given): each chunk is read into a free slot, every epoch. *Resident*
+    (``resident`` arrays of every sample given instead): when the whole data set is one chunk and
+    fits the cache budget, each sample is read once, at its global index, the first time a chunk
+    needs it, and later epochs are served from memory without reading again.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        slots: list[Slot] | None,
+        resident: dict[str, np.ndarray] | None = None,
+        read_threads: int = 2,
+    ) -> None:
         self.catalog = catalog
         self.reader = HDF5Reader(catalog)
         self.tops = catalog.tops
         self.n_samples = catalog.n_samples
         self.slots: list[Slot] | None = slots
+        self.resident = resident
+        self._loaded: list[tuple[int, int]] = []  # sorted, disjoint: what `resident` holds
         # Pieces of a chunk (several tops, several files) are read by up to `read_threads`
         # threads at once: more requests in flight for the disk, more memcpy for a warm cache.
         self._limiter = anyio.CapacityLimiter(read_threads)
 
     async def load(self, chunk: ChunkPlan, slot: Slot | None, stats: Stats) -> LoadedChunk:
-        assert slot is not None
         t0 = time.perf_counter()
+        if self.resident is not None:
+            arrays = self.resident
+            items = self.reader.items_for(
+                [(a, b, a) for r0, r1 in chunk.ranges for a, b in _missing(self._loaded, r0, r1)]
+            )
+        else:
+            assert slot is not None
+            arrays = slot.arrays
+            items = self.reader.items(chunk)
         order: list[np.ndarray | None] = [None]
 
         async def read(item: ReadItem) -> None:
-            stats.bytes_read += await anyio.to_thread.run_sync(
-                self.reader.read, (item,), slot.arrays, limiter=self._limiter
+            n = await anyio.to_thread.run_sync(
+                self.reader.read, (item,), arrays, limiter=self._limiter
             )
+            stats.bytes_read += n  # not `+= await`: that reads the counter before awaiting
 
         async def permute() -> None:
             order[0] = await anyio.to_thread.run_sync(chunk.order, limiter=self._limiter)
@@ -288,12 +319,49 @@ class HDF5Source:
         # for more than a piece per thread.
         async with anyio.create_task_group() as tg:
             tg.start_soon(permute)
-            for item in self.reader.items(chunk):
+            for item in items:
                 tg.start_soon(read, item)
-        stats.read_seconds += time.perf_counter() - t0
-        stats.chunks_read += 1
-        return LoadedChunk(chunk, order[0], slot.arrays)
+        if self.resident is not None:
+            for a, b in chunk.ranges:
+                _add(self._loaded, a, b)
+        if items:
+            stats.read_seconds += time.perf_counter() - t0
+            stats.chunks_read += 1
+        return LoadedChunk(chunk, order[0], arrays, rows_are_global=self.resident is not None)
 
     def close(self) -> None:
         self.reader.close()
         self.slots = None
+        self.resident = None
+
+
+def _missing(loaded: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """The parts of ``a:b`` not covered by the sorted, disjoint intervals ``loaded``."""
+    out = []
+    pos = a
+    for s, e in loaded:
+        if e <= pos:
+            continue
+        if s >= b:
+            break
+        if s > pos:
+            out.append((pos, s))
+        pos = e
+        if pos >= b:
+            break
+    if pos < b:
+        out.append((pos, b))
+    return out
+
+
+def _add(loaded: list[tuple[int, int]], a: int, b: int) -> None:
+    """Add ``a:b`` to the sorted, disjoint intervals ``loaded``, merging neighbours."""
+    loaded.append((a, b))
+    loaded.sort()
+    merged = [loaded[0]]
+    for s, e in loaded[1:]:
+        if s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    loaded[:] = merged

@@ -46,10 +46,12 @@ class LayerStats:
     """A snapshot of a layer's pipeline counters (:attr:`AsyncHDF5DataLayer.stats`).
 
     Times are seconds summed over the layer's life (worker-thread time for the stages).
-    ``read_paths`` says how each top is read: ``"pread"`` (contiguous data read straight into
-    the cache, outside h5py's lock), ``"chunks"`` (raw chunks read and decoded by a pool of
-    threads, outside h5py's lock) or ``"h5py"`` (h5py reads it, holding its lock; the reason is
-    in ``read_notes``). ``consumer_wait_seconds`` is the time ``async for`` waited for a batch.
+    ``resident`` is True when the whole data set fits one chunk and the cache budget: it is then
+    read once and later epochs are served from memory. ``read_paths`` says how each top is read:
+    ``"pread"`` (contiguous data read straight into the cache, outside h5py's lock),
+    ``"chunks"`` (raw chunks read and decoded by a pool of threads, outside h5py's lock) or
+    ``"h5py"`` (h5py reads it, holding its lock; the reason is in ``read_notes``).
+    ``consumer_wait_seconds`` is the time ``async for`` waited for a batch.
     """
 
     read_seconds: float
@@ -62,6 +64,7 @@ class LayerStats:
     samples: int
     first_batch_seconds: float | None
     chunk_rows: int
+    resident: bool
     read_paths: dict[str, str] = field(default_factory=dict)
     read_notes: dict[str, str] = field(default_factory=dict)
 
@@ -168,6 +171,7 @@ class _Layer:
         self._current: _EpochIterator | None = None
         self._stats = Stats()
         self._chunk_rows = self.chunk_size
+        self._resident = False
         self._opened_at = 0.0
         self.device = device
         self._finisher: Finisher | None = None
@@ -219,6 +223,7 @@ class _Layer:
             samples=s.samples,
             first_batch_seconds=s.first_batch_seconds,
             chunk_rows=self._chunk_rows,
+            resident=self._resident,
             read_paths=self._read_paths(),
             read_notes=self._read_notes(),
         )
@@ -521,8 +526,15 @@ class AsyncHDF5DataLayer(_Layer):
                 f"cache_bytes={self.cache_bytes} cannot hold a batch of {self.batch_size} "
                 f"samples of {catalog.row_bytes} bytes in each of the cache slots"
             )
-        slots = allocate_slots(catalog.tops, self._chunk_rows)
-        source = HDF5Source(catalog, slots)
+        # The whole data set is one chunk and fits the budget: keep it, read each sample once.
+        self._resident = (
+            catalog.n_samples <= self.chunk_size and catalog.n_samples * catalog.row_bytes <= budget
+        )
+        if self._resident:
+            whole = allocate_slots(catalog.tops, catalog.n_samples, count=1)[0].arrays
+            source = HDF5Source(catalog, None, resident=whole)
+        else:
+            source = HDF5Source(catalog, allocate_slots(catalog.tops, self._chunk_rows))
         self._reader_paths = source.reader.read_paths
         self._reader_notes = source.reader.notes
         for top, path in self._reader_paths.items():

@@ -82,3 +82,25 @@ async def _enumerate(layer: AsyncHDF5DataLayer) -> AsyncIterator[tuple[int, Batc
     async for batch in layer:
         yield i, batch
         i += 1
+
+
+async def test_a_data_set_that_fits_one_chunk_is_read_once(tmp_path: Path) -> None:
+    src, n = write_files(tmp_path, [600, 400])
+    async with AsyncHDF5DataLayer(src, batch_size=64, shuffle=True, seed=1) as layer:
+        for _ in range(3):
+            idx = np.concatenate([b.indices async for b in layer])
+            np.testing.assert_array_equal(np.sort(idx), np.arange(n))
+        stats = layer.stats
+    assert stats.resident
+    assert stats.bytes_read == n * (3 * 4 * 4 + 8)  # every sample once, over three epochs
+
+
+async def test_streaming_rereads_every_epoch(tmp_path: Path) -> None:
+    src, n = write_files(tmp_path, [600, 400])
+    async with AsyncHDF5DataLayer(src, batch_size=64, chunk_size=300, shuffle=True) as layer:
+        for _ in range(3):
+            async for _batch in layer:
+                pass
+        stats = layer.stats
+    assert not stats.resident
+    assert stats.bytes_read >= 3 * n * (3 * 4 * 4 + 8)
