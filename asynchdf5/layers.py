@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import sys
@@ -10,14 +11,14 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from ._batch import Batch, Finisher, LoadedChunk, Transformer
+from ._batch import Batch, LoadedChunk, Transformer
 from ._cache import allocate_slots, default_cache_bytes, slot_rows
 from ._catalog import TopInfo, build_catalog
 from ._errors import ConfigurationError, DataLayerError, SchemaError
@@ -25,6 +26,9 @@ from ._pipeline import DataSource, EpochEnd, Failure, Mode, Run, Stats
 from ._plan import ChunkPlan, EpochPlan, plan_epoch, shard_share
 from ._read import HDF5Source
 from ._source import SourceLike, resolve_source
+
+if TYPE_CHECKING:
+    from ._device import DeviceStage
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -51,7 +55,9 @@ class LayerStats:
     ``"pread"`` (contiguous data read straight into the cache, outside h5py's lock),
     ``"chunks"`` (raw chunks read and decoded by a pool of threads, outside h5py's lock) or
     ``"h5py"`` (h5py reads it, holding its lock; the reason is in ``read_notes``).
-    ``consumer_wait_seconds`` is the time ``async for`` waited for a batch.
+    ``consumer_wait_seconds`` is the time ``async for`` waited for a batch. With a ``device``,
+    ``device_bytes`` (held now), ``device_bytes_in_use``, ``device_bytes_peak`` and
+    ``pinned_bytes`` report the device stage's memory (all 0 without one).
     """
 
     read_seconds: float
@@ -65,6 +71,10 @@ class LayerStats:
     first_batch_seconds: float | None
     chunk_rows: int
     resident: bool
+    device_bytes: int = 0
+    device_bytes_in_use: int = 0
+    device_bytes_peak: int = 0
+    pinned_bytes: int = 0
     read_paths: dict[str, str] = field(default_factory=dict)
     read_notes: dict[str, str] = field(default_factory=dict)
 
@@ -137,6 +147,7 @@ class _Layer:
         world_size: int,
         prefetch: int,
         device: object = None,
+        reuse_buffers: bool = False,
     ) -> None:
         self.batch_size = _int("batch_size", batch_size, minimum=1)
         self.tops = _tops(tops)
@@ -174,11 +185,23 @@ class _Layer:
         self._resident = False
         self._opened_at = 0.0
         self.device = device
-        self._finisher: Finisher | None = None
+        self.reuse_buffers = _bool("reuse_buffers", reuse_buffers)
+        if self.reuse_buffers and device is None:
+            raise ConfigurationError(
+                "reuse_buffers=True applies to device batches; set device= too (host batches "
+                "are reused only once you let go of them, without asking)"
+            )
+        self._finisher: DeviceStage | None = None
         if device is not None:
             from ._device import DeviceStage
 
-            self._finisher = DeviceStage(device, self.transformers, self.batch_size, self.prefetch)
+            self._finisher = DeviceStage(
+                device,
+                self.transformers,
+                self.batch_size,
+                self.prefetch,
+                reuse_buffers=self.reuse_buffers,
+            )
 
     # --- what subclasses provide ---------------------------------------------------------
 
@@ -224,9 +247,15 @@ class _Layer:
             first_batch_seconds=s.first_batch_seconds,
             chunk_rows=self._chunk_rows,
             resident=self._resident,
+            **self._device_memory(),
             read_paths=self._read_paths(),
             read_notes=self._read_notes(),
         )
+
+    def _device_memory(self) -> dict[str, int]:
+        if self._finisher is None:
+            return {}
+        return dataclasses.asdict(self._finisher.memory_stats)
 
     def plan(self, epoch: int) -> EpochPlan:
         """The plan of ``epoch`` for this rank: chunks and batch sizes (pure; no I/O)."""
@@ -482,6 +511,7 @@ class AsyncHDF5DataLayer(_Layer):
         cache_bytes: int | None = None,
         prefetch: int = 8,
         device: object = None,
+        reuse_buffers: bool = False,
     ) -> None:
         super().__init__(
             batch_size=batch_size,
@@ -495,6 +525,7 @@ class AsyncHDF5DataLayer(_Layer):
             world_size=world_size,
             prefetch=prefetch,
             device=device,
+            reuse_buffers=reuse_buffers,
         )
         self.cache_bytes = (
             None if cache_bytes is None else _int("cache_bytes", cache_bytes, minimum=1)
@@ -587,6 +618,7 @@ class MemoryDataLayer(_Layer):
         world_size: int = 1,
         prefetch: int = 8,
         device: object = None,
+        reuse_buffers: bool = False,
     ) -> None:
         if not isinstance(data, Mapping) or not data:
             raise ConfigurationError("data must be a non-empty mapping of top name to array")
@@ -621,6 +653,7 @@ class MemoryDataLayer(_Layer):
             world_size=world_size,
             prefetch=prefetch,
             device=device,
+            reuse_buffers=reuse_buffers,
         )
         self._arrays = {k: arrays[k] for k in names}
         self._specs = specs
@@ -721,10 +754,15 @@ class HDF5DataLayer:
         portal = self._portal
         if portal is None:
             raise ConfigurationError("the layer is not open: iterate inside `with layer:`")
+        finisher = self._layer._finisher
         while True:
             batch = portal.call(_next_or_none, it)
             if batch is None:
                 return
+            if finisher is not None:
+                # Order the upload before the work of *this* thread's current stream too (the
+                # portal thread's stream was made to wait already; that is harmless).
+                finisher.ready(batch)
             yield batch
 
 

@@ -1,0 +1,683 @@
+"""Tests of the GPU stage (``device=``): asynchdf5._device.
+
+Three kinds of test:
+
+* device specs and the configuration errors, with CuPy absent (run everywhere, CI included);
+* the stage's bookkeeping (staging reuse, events, the allocator, ``reuse_buffers``, close) run on
+  a small stand-in for CuPy over host memory, which checks the control flow but not CUDA
+  semantics (run everywhere);
+* the real thing, marked ``gpu``: skipped without CuPy or a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import subprocess
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asynchdf5 import (
+    AsyncHDF5DataLayer,
+    Batch,
+    ConfigurationError,
+    MemoryDataLayer,
+    TransformError,
+)
+from asynchdf5 import transforms as T
+from asynchdf5._device import STAGING_DEPTH, DeviceStage, _Staging, parse_device
+
+from .conftest import write_files
+
+RNG = np.random.default_rng(0)
+IMAGES = RNG.integers(0, 256, size=(203, 4, 5, 3), dtype=np.uint8)  # NHWC
+LABELS = np.arange(203, dtype=np.int64)
+MEAN = np.array([10.0, 20.0, 30.0])
+STD = np.array([2.0, 4.0, 8.0])
+TRANSFORMERS: list[tuple[str, Any]] = [
+    ("data", T.Scale(1 / 255)),
+    ("data", T.SubMean(mean=MEAN / 255)),
+    ("data", T.Normalize(mean=0.0, std=STD / 255)),
+    ("data", T.Transpose((2, 0, 1))),
+]
+
+
+def host_copy(x: Any) -> np.ndarray:
+    """A NumPy copy of a batch array from either CuPy or the stand-in."""
+    get = getattr(x, "get", None)
+    return np.array(get() if get is not None else x)
+
+
+async def run_epochs(layer: Any, epochs: int = 1, keep: bool = True) -> list[list[Batch]]:
+    out: list[list[Batch]] = []
+    async with layer:
+        for _ in range(epochs):
+            batches = []
+            async for batch in layer:
+                if keep:
+                    batches.append(batch)
+            out.append(batches)
+    return out
+
+
+def check_epoch(batches: list[Batch], n: int, data: np.ndarray | None = None) -> None:
+    """Every sample once; data and label rows belong to the same sample."""
+    indices = np.concatenate([b.indices for b in batches])
+    assert sorted(indices.tolist()) == list(range(n))
+    for b in batches:
+        assert isinstance(b.indices, np.ndarray)  # stays on the host
+        np.testing.assert_array_equal(host_copy(b["label"]), LABELS[b.indices])
+        if data is not None:
+            np.testing.assert_array_equal(host_copy(b["data"]), data[b.indices])
+
+
+# -- device specs and errors without CuPy -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "index"),
+    [("cuda", None), ("cuda:0", 0), ("cuda:3", 3), (0, 0), (2, 2), (np.int64(1), 1)],
+)
+def test_parse_device_accepts(spec: object, index: int | None) -> None:
+    assert parse_device(spec) == index
+
+
+@pytest.mark.parametrize(
+    "spec", ["cpu", "cuda:x", "cuda:", "cuda:-1", "gpu", "CUDA", " cuda", "cuda:١", -1, True, 1.0]
+)
+def test_parse_device_rejects(spec: object) -> None:
+    with pytest.raises(ConfigurationError, match="device="):
+        parse_device(spec)
+
+
+@pytest.fixture
+def no_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+
+
+@pytest.mark.parametrize("spec", ["cuda", "cuda:1", 0])
+def test_missing_cupy_is_a_configuration_error_with_install_hint(no_cupy: None, spec: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"needs CuPy.*asynchdf5\[cuda12\].*cuda13"):
+        MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=8, device=spec)
+    with pytest.raises(ValueError):  # ConfigurationError is a ValueError too
+        DeviceStage(spec, [], 8, 8)
+
+
+def test_malformed_spec_fails_before_cupy_is_imported(no_cupy: None) -> None:
+    with pytest.raises(ConfigurationError, match="not a CUDA device"):
+        MemoryDataLayer({"data": IMAGES}, batch_size=8, device="cpu")
+
+
+def test_hdf5_layer_checks_device_at_construction(tmp_path: Path, no_cupy: None) -> None:
+    src, _ = write_files(tmp_path, [50])
+    with pytest.raises(ConfigurationError, match="needs CuPy"):
+        AsyncHDF5DataLayer(src, batch_size=8, device="cuda:0")
+
+
+def test_reuse_buffers_needs_a_device() -> None:
+    x = np.zeros((10, 2), np.float32)
+    with pytest.raises(ConfigurationError, match="reuse_buffers"):
+        MemoryDataLayer({"data": x}, batch_size=2, reuse_buffers=True)
+
+
+def test_importing_asynchdf5_and_host_layers_never_import_cupy() -> None:
+    code = (
+        "import sys, numpy as np, asynchdf5\n"
+        "asynchdf5.MemoryDataLayer({'x': np.zeros((4, 2))}, batch_size=2, device=None)\n"
+        "print('cupy' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# -- a stand-in for CuPy ------------------------------------------------------------------------
+
+
+class FakeEvent:
+    def __init__(self, disable_timing: bool = False) -> None:
+        self.recorded_on: FakeStream | None = None
+        self.synchronized = False
+
+    @property
+    def done(self) -> bool:  # work on a busy stream never finishes (until synchronised)
+        return self.recorded_on is not None and not self.recorded_on.busy
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+
+class FakeStream:
+    def __init__(self, non_blocking: bool = False, name: str = "", busy: bool = False) -> None:
+        self.name = name or f"stream{id(self):x}"
+        self.non_blocking = non_blocking
+        self.busy = busy
+        self.waited: list[FakeEvent] = []
+        self.recorded: list[FakeEvent] = []
+
+    def record(self, event: FakeEvent | None = None) -> FakeEvent:
+        event = event or FakeEvent()
+        event.recorded_on = self
+        self.recorded.append(event)
+        return event
+
+    def wait_event(self, event: FakeEvent) -> None:
+        assert event.recorded_on is not None, "waiting on an event never recorded"
+        self.waited.append(event)
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> FakeStream:
+        FAKE.stack().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        FAKE.stack().pop()
+
+
+class FakeDevice:
+    def __init__(self, device: int | None = None) -> None:
+        self.id = 0 if device is None else int(device)
+
+    def __enter__(self) -> FakeDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+FakeDevice.__module__ = "cupy.cuda.device"  # parse_device tells a cupy.cuda.Device by its module
+
+
+class FakeMemory:
+    """Device memory: host bytes whose address stands in for the device pointer."""
+
+    live = 0
+    created = 0
+
+    def __init__(self, size: int) -> None:
+        self._buf = (ctypes.c_char * size)()
+        self.ptr, self.size = ctypes.addressof(self._buf), size
+        FakeMemory.live += 1
+        FakeMemory.created += 1
+
+    def __del__(self) -> None:
+        FakeMemory.live -= 1
+
+
+class FakeUnownedMemory:
+    def __init__(self, ptr: int, size: int, owner: object, device_id: int) -> None:
+        self.ptr, self.size, self.owner = ptr, size, owner
+
+
+class FakeMemoryPointer:
+    def __init__(self, mem: Any, offset: int) -> None:
+        self.mem, self.ptr = mem, mem.ptr + offset
+
+    def copy_from_host_async(self, src: int, size: int, stream: FakeStream) -> None:
+        assert FAKE.current_stream() is stream
+        ctypes.memmove(self.ptr, src, size)
+
+
+class FakePinnedMemory:
+    created = 0
+
+    def __init__(self, size: int) -> None:
+        self.buffer = bytearray(size)
+        FakePinnedMemory.created += 1
+
+
+class FakeArray(np.ndarray):
+    """A 'device' array: NumPy over memory from the current allocator."""
+
+    _memptr: Any = None
+
+    def __array_finalize__(self, obj: Any) -> None:
+        # Views share the parent's memory, as in CuPy; fresh results own none of ours.
+        self._memptr = getattr(obj, "_memptr", None) if self.base is not None else None
+
+    @property
+    def device(self) -> FakeDevice:  # type: ignore[override]
+        return FakeDevice(0)
+
+    @property
+    def data(self) -> Any:
+        return self._memptr
+
+    def get(self) -> np.ndarray:
+        return np.array(self.view(np.ndarray))
+
+
+FakeArray.__module__ = "cupy"  # what asynchdf5.transforms looks at to tell CuPy arrays
+
+
+class FakeCupy:
+    """The parts of CuPy the stage and the transforms use."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.null = FakeStream(name="null")
+        self.device_count = 1
+
+    def stack(self) -> list[FakeStream]:
+        if not hasattr(self.local, "stack"):
+            self.local.stack = []
+        stack: list[FakeStream] = self.local.stack
+        return stack
+
+    def current_stream(self) -> FakeStream:
+        stack = self.stack()
+        return stack[-1] if stack else self.null
+
+    def module(self) -> types.ModuleType:
+        fake = types.ModuleType("cupy")
+        runtime = types.SimpleNamespace(
+            getDeviceCount=lambda: self.device_count, getDevice=lambda: 0
+        )
+        memory = types.SimpleNamespace(OutOfMemoryError=MemoryError)
+        fake.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
+            runtime=runtime,
+            memory=memory,
+            Device=FakeDevice,
+            Stream=FakeStream,
+            Event=FakeEvent,
+            Memory=FakeMemory,
+            UnownedMemory=FakeUnownedMemory,
+            MemoryPointer=FakeMemoryPointer,
+            PinnedMemory=FakePinnedMemory,
+            PinnedMemoryPointer=lambda mem, offset: mem.buffer,
+            get_current_stream=self.current_stream,
+            using_allocator=self.using_allocator,
+        )
+        fake.ndarray = FakeArray  # type: ignore[attr-defined]
+        fake.empty = self.empty  # type: ignore[attr-defined]
+        fake.asarray = self.asarray  # type: ignore[attr-defined]
+        fake.ascontiguousarray = self.ascontiguousarray  # type: ignore[attr-defined]
+        fake.multiply = self.ufunc(np.multiply)  # type: ignore[attr-defined]
+        fake.subtract = self.ufunc(np.subtract)  # type: ignore[attr-defined]
+        return fake
+
+    @contextlib.contextmanager
+    def using_allocator(self, malloc: Callable[[int], Any]) -> Iterator[None]:
+        previous = getattr(self.local, "malloc", None)
+        self.local.malloc = malloc
+        try:
+            yield
+        finally:
+            self.local.malloc = previous
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> FakeArray:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        malloc = getattr(self.local, "malloc", None)
+        if malloc is None:
+            memptr = FakeMemoryPointer(FakeMemory(max(nbytes, 1)), 0)
+        else:
+            memptr = malloc(nbytes)
+        raw = (ctypes.c_char * max(nbytes, 1)).from_address(memptr.ptr)
+        base = np.frombuffer(raw, np.uint8, nbytes)
+        out: FakeArray = base.view(dtype).reshape(shape).view(FakeArray)
+        out._memptr = memptr
+        return out
+
+    def asarray(self, x: Any, dtype: Any = None) -> FakeArray:
+        host = np.asarray(x, dtype=dtype)
+        out = self.empty(host.shape, host.dtype)
+        out.view(np.ndarray)[...] = host
+        return out
+
+    def ascontiguousarray(self, x: Any) -> FakeArray:
+        return self.asarray(np.asarray(x))
+
+    def ufunc(self, fn: np.ufunc) -> Callable[..., FakeArray]:
+        def apply(a: Any, b: Any, dtype: Any = None) -> FakeArray:
+            a, b = np.asarray(a), np.asarray(b)
+            out = self.empty(np.broadcast_shapes(a.shape, b.shape), dtype or np.result_type(a, b))
+            fn(a, b, out=out.view(np.ndarray), dtype=dtype)
+            return out
+
+        return apply
+
+
+FAKE = FakeCupy()
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
+    fake = FakeCupy()
+    monkeypatch.setattr(sys.modules[__name__], "FAKE", fake)
+    monkeypatch.setitem(sys.modules, "cupy", fake.module())
+    FakeMemory.created = FakePinnedMemory.created = 0
+    yield fake
+
+
+def stage_of(layer: Any) -> DeviceStage:
+    stage = layer._finisher
+    assert isinstance(stage, DeviceStage)
+    return stage
+
+
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", 0])
+def test_stage_resolves_specs(fake_cupy: FakeCupy, spec: Any) -> None:
+    assert DeviceStage(spec, [], 8, 8).device_id == 0
+    assert DeviceStage(FakeDevice(0), [], 8, 8).device_id == 0
+
+
+def test_no_gpu_or_missing_index_is_a_configuration_error(fake_cupy: FakeCupy) -> None:
+    with pytest.raises(ConfigurationError, match="no CUDA device 1; this machine has 1"):
+        DeviceStage("cuda:1", [], 8, 8)
+    fake_cupy.device_count = 0
+    with pytest.raises(ConfigurationError, match="no CUDA GPU"):
+        DeviceStage("cuda", [], 8, 8)
+
+
+def test_cuda_runtime_error_is_a_configuration_error(
+    fake_cupy: FakeCupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> int:
+        raise RuntimeError("cudaErrorInsufficientDriver")
+
+    monkeypatch.setattr(sys.modules["cupy"].cuda.runtime, "getDeviceCount", broken)
+    with pytest.raises(ConfigurationError, match=r"no usable CUDA GPU.*InsufficientDriver"):
+        MemoryDataLayer({"data": IMAGES}, batch_size=8, device="cuda")
+
+
+def test_nothing_allocated_at_construction(fake_cupy: FakeCupy) -> None:
+    layer = MemoryDataLayer({"data": IMAGES}, batch_size=8, device="cuda")
+    assert FakeMemory.created == FakePinnedMemory.created == 0
+    assert stage_of(layer).memory_stats.device_bytes == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("shuffle", [False, True])
+async def test_fake_values_match_host_path(fake_cupy: FakeCupy, shuffle: bool) -> None:
+    kw: dict[str, Any] = dict(batch_size=16, shuffle=shuffle, seed=3, transformers=TRANSFORMERS)
+    data = {"data": IMAGES, "label": LABELS}
+    host = await run_epochs(MemoryDataLayer(data, **kw), epochs=2)
+    dev = await run_epochs(MemoryDataLayer(data, device="cuda", **kw), epochs=2)
+    for h_epoch, d_epoch in zip(host, dev, strict=True):
+        check_epoch(d_epoch, len(LABELS))
+        for h, d in zip(h_epoch, d_epoch, strict=True):
+            assert isinstance(d["data"], FakeArray)
+            np.testing.assert_array_equal(d.indices, h.indices)
+            np.testing.assert_allclose(host_copy(d["data"]), h["data"], rtol=1e-6)
+
+
+@pytest.mark.anyio
+async def test_fake_batches_ready_on_the_consumers_current_stream(fake_cupy: FakeCupy) -> None:
+    layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=32, device="cuda")
+    mine = FakeStream(name="training")
+    with mine:
+        (batches,) = await run_epochs(layer)
+    events = [b._data.event for b in batches]  # type: ignore[attr-defined]
+    assert mine.waited == events
+    (upload,) = {e.recorded_on for e in events}
+    assert upload is not None and upload not in (mine, fake_cupy.null)
+    assert upload.non_blocking  # never serialised with the legacy default stream
+
+
+#: Batches the pipeline holds at most, gathered but not yet yielded (prefetch 2, groups of 16
+#: small batches), plus the one the consumer holds and the one being gathered.
+IN_FLIGHT = max(2, 16) + 16 + 2
+MANY = {"data": np.zeros((4003, 4), np.uint8), "label": np.arange(4003)}
+BLOCKS = 2 * 512  # one batch of MANY: two tops, each block rounded up to 512 bytes
+
+
+@pytest.mark.anyio
+async def test_fake_device_memory_is_reused_and_bounded(fake_cupy: FakeCupy) -> None:
+    layer = MemoryDataLayer(MANY, batch_size=8, prefetch=2, device="cuda")
+    await run_epochs(layer, epochs=3, keep=False)
+    stats = stage_of(layer).memory_stats
+    assert FakeMemory.created <= IN_FLIGHT * 2 + 2  # 1500 batches: blocks come back, reused
+    assert FakePinnedMemory.created <= STAGING_DEPTH * 16 * 2  # groups of 16 batches, two tops
+    assert stats.device_bytes_peak <= IN_FLIGHT * BLOCKS
+    assert stats.pinned_bytes == 0  # closed
+    assert stats.device_bytes == stats.device_bytes_in_use  # closed: free blocks released
+
+
+@pytest.mark.anyio
+async def test_fake_reused_block_waits_for_the_consumer(fake_cupy: FakeCupy) -> None:
+    layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=8, device="cuda")
+    mine = FakeStream(name="training", busy=True)
+    with mine:
+        await run_epochs(layer, epochs=2, keep=False)
+    # Blocks freed by the consumer carry an event recorded on its stream, and the upload stream
+    # waits on it before writing into the block again.
+    upload = stage_of(layer)._memory._stream  # type: ignore[union-attr]
+    consumer_events = [e for e in upload.waited if e.recorded_on is mine]
+    assert consumer_events
+    assert all(e in mine.recorded for e in consumer_events)
+
+
+@pytest.mark.anyio
+async def test_fake_held_batches_are_never_overwritten(fake_cupy: FakeCupy) -> None:
+    data = {"data": IMAGES, "label": LABELS}
+    layer = MemoryDataLayer(data, batch_size=8, shuffle=True, seed=1, device="cuda")
+    epochs = await run_epochs(layer, epochs=2)
+    for batches in epochs:  # checked only now, after every later upload
+        check_epoch(batches, len(LABELS), IMAGES)
+
+
+@pytest.mark.anyio
+async def test_fake_reuse_buffers_bounds_memory_of_held_batches(fake_cupy: FakeCupy) -> None:
+    peaks = {}
+    for reuse in (False, True):
+        layer = MemoryDataLayer(MANY, batch_size=8, prefetch=2, device="cuda")
+        layer._finisher = DeviceStage("cuda", [], 8, 2, reuse_buffers=reuse)
+        await run_epochs(layer, epochs=1)  # holds every batch
+        peaks[reuse] = stage_of(layer).memory_stats.device_bytes_peak
+    assert peaks[False] >= 4003 // 8 * BLOCKS  # safe by default: nothing held is reused
+    assert peaks[True] <= IN_FLIGHT * BLOCKS
+
+
+def test_fake_staging_waits_for_a_copy_only_when_full(fake_cupy: FakeCupy) -> None:
+    staging = _Staging(sys.modules["cupy"])
+    busy = FakeStream(busy=True)  # copies on it never finish by themselves
+    a, b = staging.take(100), staging.take(52)  # one batch of two tops
+    first = busy.record(FakeEvent())
+    staging.copied([a.view(np.float32).reshape(5, 5), b, np.zeros(3)], first)
+    c, d = staging.take(100), staging.take(52)  # a's copy is not done: fresh buffers
+    assert FakePinnedMemory.created == 4 and not first.synchronized
+    staging.copied([c, d], busy.record(FakeEvent()))
+    e = staging.take(100)  # STAGING_DEPTH batches staged: wait for the oldest copy, reuse it
+    assert FakePinnedMemory.created == 4 and first.synchronized
+    assert e.ctypes.data == a.ctypes.data
+    assert staging.nbytes == 2 * (100 + 52)
+
+
+def test_fake_ready_twice_then_reuse_buffers_recycles(fake_cupy: FakeCupy) -> None:
+    stage = DeviceStage("cuda", [], 4, 2, reuse_buffers=True)
+    indices = np.arange(4)
+
+    def batch(value: float) -> Batch:
+        host = stage.alloc((4, 3), np.dtype(np.float32))
+        host[...] = value
+        return Batch(stage.finish({"x": host}, indices, 0), indices, 0)
+
+    first = batch(1.0)
+    stage.ready(first)
+    stage.ready(first)  # the sync facade may call it twice: nothing recycled
+    assert stage.memory_stats.device_bytes_in_use == 512
+    second = batch(2.0)
+    stage.ready(second)  # `first` is recycled although still held: the opt-in contract
+    assert stage.memory_stats.device_bytes_in_use == 512
+    batch(3.0)
+    assert FakeMemory.created == 2  # the third batch went into the first one's block
+    np.testing.assert_array_equal(host_copy(first["x"]), 3.0)
+    np.testing.assert_array_equal(host_copy(second["x"]), 2.0)
+    stage.close()
+    assert stage.memory_stats.pinned_bytes == 0
+
+
+@pytest.mark.anyio
+async def test_fake_transformer_error_is_wrapped(fake_cupy: FakeCupy) -> None:
+    def boom(x: Any) -> Any:
+        raise ZeroDivisionError("bad batch")
+
+    layer = MemoryDataLayer({"data": IMAGES}, batch_size=8, transformers=[("data", boom)])
+    layer._finisher = DeviceStage("cuda", layer.transformers, 8, 8)
+    async with layer:
+        with pytest.raises(TransformError, match="ZeroDivisionError: bad batch"):
+            async for _ in layer:
+                pass
+
+
+@pytest.mark.anyio
+async def test_fake_big_endian_and_odd_dtypes(fake_cupy: FakeCupy) -> None:
+    x = np.arange(60, dtype=">f8").reshape(20, 3)
+    flags = np.arange(20) % 3 == 0
+    layer = MemoryDataLayer({"x": x, "flag": flags}, batch_size=7, device="cuda")
+    (batches,) = await run_epochs(layer)
+    got = np.concatenate([host_copy(b["x"]) for b in batches])
+    np.testing.assert_array_equal(got, x)
+    assert got.dtype == np.float64 and got.dtype.isnative
+    np.testing.assert_array_equal(np.concatenate([host_copy(b["flag"]) for b in batches]), flags)
+
+
+@pytest.mark.anyio
+async def test_fake_layer_reopens_after_close(fake_cupy: FakeCupy) -> None:
+    layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=32, device="cuda")
+    for _ in range(2):  # close frees the staging and the stream; the next open makes new ones
+        (batches,) = await run_epochs(layer)
+        check_epoch(batches, len(LABELS), IMAGES)
+        assert stage_of(layer).memory_stats.pinned_bytes == 0
+
+
+# -- on a real GPU ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cupy_gpu() -> Any:
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, driver too old, no runtime library
+        pytest.skip(f"no usable CUDA GPU: {exc}")
+    if count == 0:
+        pytest.skip("no CUDA GPU")
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+@pytest.mark.parametrize("shuffle", [False, True])
+async def test_gpu_memory_layer_matches_host(cupy_gpu: Any, shuffle: bool) -> None:
+    kw: dict[str, Any] = dict(batch_size=16, shuffle=shuffle, seed=5)
+    data = {"data": IMAGES, "label": LABELS}
+    host = await run_epochs(MemoryDataLayer(data, **kw), epochs=2)
+    dev = await run_epochs(MemoryDataLayer(data, device="cuda", **kw), epochs=2)
+    for h_epoch, d_epoch in zip(host, dev, strict=True):
+        check_epoch(d_epoch, len(LABELS), IMAGES)
+        for h, d in zip(h_epoch, d_epoch, strict=True):
+            assert isinstance(d["data"], cupy_gpu.ndarray)
+            assert d["data"].device.id == 0
+            np.testing.assert_array_equal(d.indices, h.indices)
+            np.testing.assert_array_equal(cupy_gpu.asnumpy(d["data"]), h["data"])
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+async def test_gpu_hdf5_layer_matches_host(cupy_gpu: Any, tmp_path: Path) -> None:
+    src, n = write_files(tmp_path, [300, 0, 250])
+    kw: dict[str, Any] = dict(batch_size=32, shuffle=True, seed=2, chunk_size=128)
+    host = await run_epochs(AsyncHDF5DataLayer(src, **kw), epochs=2)
+    dev = await run_epochs(AsyncHDF5DataLayer(src, device=0, **kw), epochs=2)
+    for h_epoch, d_epoch in zip(host, dev, strict=True):
+        assert sorted(np.concatenate([b.indices for b in d_epoch]).tolist()) == list(range(n))
+        for h, d in zip(h_epoch, d_epoch, strict=True):
+            np.testing.assert_array_equal(d.indices, h.indices)
+            for top in ("data", "label"):
+                np.testing.assert_array_equal(cupy_gpu.asnumpy(d[top]), h[top])
+            label = cupy_gpu.asnumpy(d["label"])
+            np.testing.assert_array_equal(cupy_gpu.asnumpy(d["data"])[:, 0, 0], label * 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+async def test_gpu_transforms_match_host(cupy_gpu: Any) -> None:
+    kw: dict[str, Any] = dict(batch_size=16, shuffle=True, seed=4, transformers=TRANSFORMERS)
+    data = {"data": IMAGES, "label": LABELS}
+    (host,) = await run_epochs(MemoryDataLayer(data, **kw))
+    (dev,) = await run_epochs(MemoryDataLayer(data, device="cuda", **kw))
+    for h, d in zip(host, dev, strict=True):
+        out = d["data"]
+        assert out.dtype == h["data"].dtype == np.float32 and out.flags.c_contiguous
+        np.testing.assert_allclose(cupy_gpu.asnumpy(out), h["data"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+@pytest.mark.parametrize("keep", [False, True])
+async def test_gpu_batches_survive_a_busy_consumer_stream(cupy_gpu: Any, keep: bool) -> None:
+    """No upload overwrites a batch that the consumer's queued kernels still read, or that it
+    still holds: the consumer's own stream lags far behind the host (matmuls before each read),
+    and batches are dropped (or kept) as soon as their read is queued."""
+    layer = MemoryDataLayer(
+        {"data": IMAGES, "label": LABELS},
+        batch_size=8,
+        shuffle=True,
+        seed=9,
+        prefetch=2,
+        device="cuda",
+    )
+    stream = cupy_gpu.cuda.Stream(non_blocking=True)
+    sums, indices, kept = [], [], []
+    with stream:
+        work = cupy_gpu.ones((2048, 2048), cupy_gpu.float32)
+        async with layer:
+            for _ in range(2):
+                async for batch in layer:
+                    for _ in range(4):  # ones @ ones / 2048 == ones: busy, and stable
+                        work = work @ work / 2048
+                    sums.append(batch["data"].astype(cupy_gpu.int64).sum())
+                    indices.append(batch.indices)
+                    if keep:
+                        kept.append(batch)
+        expected = [int(IMAGES[i].astype(np.int64).sum()) for i in indices]
+        assert [int(s) for s in sums] == expected
+        for b in kept:  # read only now, after every later upload
+            np.testing.assert_array_equal(cupy_gpu.asnumpy(b["data"]), IMAGES[b.indices])
+    assert stage_of(layer).memory_stats.device_bytes_peak > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+async def test_gpu_torch_from_dlpack(cupy_gpu: Any) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=32, device="cuda")
+    async with layer:
+        async for batch in layer:
+            x = torch.from_dlpack(batch["data"])
+            assert x.is_cuda and x.data_ptr() == batch["data"].data.ptr  # no copy
+            np.testing.assert_array_equal(x.cpu().numpy(), IMAGES[batch.indices])
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+async def test_gpu_jax_dlpack(cupy_gpu: Any) -> None:
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("jax has no GPU backend")
+    layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=32, device="cuda")
+    async with layer:
+        async for batch in layer:
+            x = importlib.import_module("jax.dlpack").from_dlpack(batch["data"])
+            np.testing.assert_array_equal(np.asarray(x), IMAGES[batch.indices])
+
+
+@pytest.mark.gpu
+def test_gpu_device_out_of_range(cupy_gpu: Any) -> None:
+    count = cupy_gpu.cuda.runtime.getDeviceCount()
+    with pytest.raises(ConfigurationError, match=f"no CUDA device {count}"):
+        MemoryDataLayer({"data": IMAGES}, batch_size=8, device=count)
+    assert DeviceStage(cupy_gpu.cuda.Device(0), [], 8, 8).device_id == 0
