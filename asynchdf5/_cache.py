@@ -6,7 +6,6 @@ of every epoch, the batch buffers for every batch once the consumer has let go o
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import sys
@@ -75,14 +74,16 @@ def slot_rows(chunk_size: int, shard_samples: int, row_bytes: int, cache_bytes: 
 
 
 def _anonymous(nbytes: int) -> np.ndarray:
-    """Page-aligned anonymous memory, with transparent huge pages asked for (fewer TLB misses
-    in the random gather, fewer page faults when the slot is first filled)."""
+    """Page-aligned anonymous memory, untouched until it is first written.
+
+    No ``MADV_HUGEPAGE``: on this project's machines (2-vCPU VMs) it made the first fill of a slot
+    about 4x slower (0.34 vs 1.26 GB/s for ``preadv`` into fresh memory) and later fills about
+    30% slower, for a gather gain under 3% (measured with ``/tmp``-style micro-benchmarks,
+    2026-11-21; see benchmarks/RESULTS.md).
+    """
     if nbytes == 0:
         return np.empty(0, np.uint8)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # kernels without transparent huge pages
-            buf.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(buf, np.uint8)
 
 
