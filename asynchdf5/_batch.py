@@ -132,24 +132,53 @@ class Finisher(Protocol):
     def close(self) -> None: ...
 
 
-def _gather_one(
-    spec: BatchSpec, out: dict[str, np.ndarray]
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Copy the rows of ``spec`` into ``out`` (one array per top); returns it and the indices."""
-    indices = np.empty(spec.rows, np.int64)
-    at = 0
-    for chunk, a, b in spec.pieces:
-        n = b - a
-        if chunk.order is None:
-            pos = np.arange(a, b)
-            indices[at : at + n] = chunk.plan.global_indices(pos)
-            rows: np.ndarray | slice = (
-                indices[at : at + n] if chunk.rows_are_global else slice(a, b)
-            )
+Piece = tuple["LoadedChunk", int, int]
+
+
+def _merge(pieces: Sequence[Piece]) -> list[Piece]:
+    """Join pieces that continue each other (consecutive batches of one chunk): one ``take``."""
+    out: list[Piece] = []
+    for chunk, a, b in pieces:
+        if out and out[-1][0] is chunk and out[-1][2] == a:
+            out[-1] = (chunk, out[-1][1], b)
         else:
-            pos = chunk.order[a:b]
-            indices[at : at + n] = chunk.plan.global_indices(pos)
-            rows = indices[at : at + n] if chunk.rows_are_global else pos
+            out.append((chunk, a, b))
+    return out
+
+
+def _split(pieces: Sequence[Piece], rows: int) -> tuple[list[Piece], list[Piece]]:
+    """The first ``rows`` rows of ``pieces``, and the rest."""
+    head: list[Piece] = []
+    tail: list[Piece] = []
+    left = rows
+    for chunk, a, b in pieces:
+        if left >= b - a:
+            head.append((chunk, a, b))
+            left -= b - a
+        elif left > 0:
+            head.append((chunk, a, a + left))
+            tail.append((chunk, a + left, b))
+            left = 0
+        else:
+            tail.append((chunk, a, b))
+    return head, tail
+
+
+def _gather(
+    pieces: Sequence[Piece], out: dict[str, np.ndarray], indices: np.ndarray, at: int = 0
+) -> None:
+    """Copy the rows of ``pieces`` into ``out`` and their global indices into ``indices``,
+    from row ``at`` on."""
+    for chunk, a, b in pieces:
+        n = b - a
+        idx = indices[at : at + n]
+        pos = np.arange(a, b) if chunk.order is None else chunk.order[a:b]
+        chunk.plan.global_indices(pos, out=idx)
+        rows: np.ndarray | slice
+        if chunk.rows_are_global:
+            rows = idx
+        else:
+            rows = slice(a, b) if chunk.order is None else pos
         for name, dest in out.items():
             src = chunk.arrays[name]
             if isinstance(rows, slice):
@@ -157,7 +186,11 @@ def _gather_one(
             else:
                 np.take(src, rows, axis=0, out=dest[at : at + n])
         at += n
-    return out, indices
+
+
+#: Below this many bytes a group is gathered on one thread: handing half to another thread costs
+#: more than it saves (and the two would contend for the GIL between small copies).
+PARALLEL_BYTES = 2 * 2**20
 
 
 def apply_transformers(
@@ -214,22 +247,48 @@ def gather_batches(
     Returns the batches and ``None`` or, when a batch fails, the complete batches before it and
     the error, so that those are still delivered ahead of the error.
 
-    With a ``pool``, half of the gathering runs on the pool's thread (``np.take`` releases the
-    GIL). Transformers always run here, one batch after the other: a transformer is never called
-    from two threads at once.
+    With a ``pool`` and a group of at least ``PARALLEL_BYTES``, half of the rows are gathered on
+    the pool's thread (``np.take`` releases the GIL). Transformers always run here, one batch
+    after the other: a transformer is never called from two threads at once.
     """
     t0 = time.perf_counter()
-    outs = [buffers.acquire(spec.rows) for spec in specs]
-    half = len(specs) // 2 if pool is not None else 0
-    future = pool.submit(_gather_many, specs[:half], outs[:half]) if half and pool else None
-    try:
-        gathered = _gather_many(specs[half:], outs[half:])
-    finally:
-        before = future.result() if future is not None else []
+    parts: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
+    if finisher is None:
+        # The whole group in one buffer, with one `take` per top per run of rows: per-batch
+        # Python work is what limits small batches. The batches are views of the buffer.
+        total = sum(spec.rows for spec in specs)
+        group = buffers.acquire(total)
+        indices = np.empty(total, np.int64)
+        pieces = _merge([p for spec in specs for p in spec.pieces])
+        nbytes = sum(a.nbytes for a in group.values())
+        future = None
+        if pool is not None and nbytes >= PARALLEL_BYTES:
+            head, pieces = _split(pieces, total // 2)
+            future = pool.submit(_gather, head, group, indices)
+            at = total // 2
+        else:
+            at = 0
+        try:
+            _gather(pieces, group, indices, at)
+        finally:
+            if future is not None:
+                future.result()
+        at = 0
+        for spec in specs:
+            end = at + spec.rows
+            parts.append(({k: v[at:end] for k, v in group.items()}, indices[at:end]))
+            at = end
+    else:
+        # Device staging is per batch: each batch's copy is queued from its own buffers.
+        for spec in specs:
+            staging = buffers.acquire(spec.rows)
+            idx = np.empty(spec.rows, np.int64)
+            _gather(spec.pieces, staging, idx)
+            parts.append((staging, idx))
     t1 = time.perf_counter()
-    out = []
+    out: list[Batch] = []
     error: Exception | None = None
-    for spec, (data, indices) in zip(specs, before + gathered, strict=True):
+    for spec, (data, indices) in zip(specs, parts, strict=True):
         result: dict[str, Any] = dict(data)
         try:
             if finisher is not None:
@@ -243,9 +302,3 @@ def gather_batches(
     times.gather += t1 - t0
     times.transform += time.perf_counter() - t1
     return out, error
-
-
-def _gather_many(
-    specs: Sequence[BatchSpec], outs: Sequence[dict[str, np.ndarray]]
-) -> list[tuple[dict[str, np.ndarray], np.ndarray]]:
-    return [_gather_one(spec, out) for spec, out in zip(specs, outs, strict=True)]

@@ -119,6 +119,7 @@ class BatchBuffers:
         self._pool: list[dict[str, np.ndarray]] = []
         self._lock = threading.Lock()
         self._reuse = _refcounts_are_reliable()
+        self._next = 0  # round-robin: the oldest buffer is the likeliest to be free
 
     def _new(self) -> dict[str, np.ndarray]:
         return {t.name: np.empty((self._rows, *t.sample_shape), t.dtype) for t in self._tops}
@@ -127,8 +128,11 @@ class BatchBuffers:
         """Arrays of ``rows`` rows per top (views of a pooled buffer when one is free)."""
         with self._lock:
             if self._reuse:
-                for bufs in self._pool:
+                n = len(self._pool)
+                for i in range(n):
+                    bufs = self._pool[(self._next + i) % n]
                     if _unreferenced(bufs):
+                        self._next = (self._next + i + 1) % n
                         return _rows(bufs, rows)
                 if len(self._pool) < self._depth:
                     bufs = self._new()

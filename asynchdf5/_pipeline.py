@@ -70,6 +70,9 @@ class Failure:
 Item = Batch | EpochEnd | Failure
 #: What the reader hands the batcher: a loaded chunk, or the error that ended reading.
 _ChunkItem = tuple[EpochPlan, LoadedChunk] | Exception
+#: What the batcher hands the gatherer, and the gatherer the sender; errors travel in order.
+_GroupItem = list[BatchSpec] | EpochEnd | Exception
+_DoneItem = tuple[list[BatchSpec], list[Batch]] | EpochEnd | Exception
 
 
 @dataclass
@@ -138,7 +141,7 @@ class Run:
         # Batch buffers: enough for what can be in flight (the queue, one group being gathered,
         # the batch the consumer holds), reused once the consumer lets go of them.
         self.buffers: Buffers = (
-            BatchBuffers(source.tops, batch_size, capacity + self.group + 2)
+            BatchBuffers(source.tops, batch_size * self.group, -(-capacity // self.group) + 4)
             if finisher is None
             else _FinisherBuffers(finisher, source.tops)
         )
@@ -158,15 +161,19 @@ class Run:
                 send, recv = anyio.create_memory_object_stream[_ChunkItem](
                     math.inf if self.source.slots is not None else 1
                 )
+                groups_send, groups_recv = anyio.create_memory_object_stream[_GroupItem](1)
+                done_send, done_recv = anyio.create_memory_object_stream[_DoneItem](1)
                 try:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._reader, send)
-                        await self._batcher(recv)
+                        tg.start_soon(self._batcher, recv, groups_send)
+                        tg.start_soon(self._gatherer, groups_recv, done_send)
+                        await self._sender(done_recv)
                 except Exception as exc:  # every failure goes to the consumer
                     await self._send.send(Failure(_leaf(exc)))
                 finally:
-                    send.close()
-                    recv.close()
+                    for stream in (send, recv, groups_send, groups_recv, done_send, done_recv):
+                        stream.close()
         finally:
             self._send.close()
             if self._pool is not None:
@@ -180,7 +187,7 @@ class Run:
         await self.done.wait()
         self.items.close()
 
-    async def _reader(self, send: ObjectSendStream[_ChunkItem]) -> None:
+    async def _reader_(self, send: ObjectSendStream[_ChunkItem]) -> None:
         slots = self.source.slots
         free_send, free_recv = anyio.create_memory_object_stream[Slot](len(slots or ()) or 1)
         for s in slots or ():
@@ -203,16 +210,20 @@ class Run:
                     await send.send((plan, loaded))
                 epoch += 1
 
-    async def _batcher(self, recv: ObjectReceiveStream[_ChunkItem]) -> None:
+    async def _batcher_(
+        self, recv: ObjectReceiveStream[_ChunkItem], groups: ObjectSendStream[_GroupItem]
+    ) -> None:
+        """Cut the chunks' serving orders into batches, in groups for the gatherer."""
         B = self.batch_size
         specs: list[BatchSpec] = []
         cur: BatchSpec | None = None
         sizes: Iterator[int] = iter(())
         need = 0
-        async with recv:
+        async with recv, groups:
             async for item in recv:
                 if isinstance(item, Exception):
-                    raise item
+                    await groups.send(item)  # behind the groups already cut
+                    return
                 plan, chunk = item
                 if chunk.plan.index == 0 and self.mode == "epoch":
                     sizes = plan.batch_sizes()
@@ -233,7 +244,7 @@ class Run:
                         cur = None
                         need = next(sizes, 0) if self.mode == "epoch" else B
                         if len(specs) >= self.group:
-                            await self._emit(specs)
+                            await groups.send(specs)
                             specs = []
                 chunk.cut = True
                 chunk.done_with()
@@ -241,34 +252,75 @@ class Run:
                 if last and cur is not None:
                     cur.ends_epoch = plan.epoch  # stream mode: the batch wraps into the next epoch
                 if specs:
-                    await self._emit(specs)
+                    await groups.send(specs)
                     specs = []
                 if last and cur is None:
-                    await self._send.send(EpochEnd(plan.epoch))
+                    await groups.send(EpochEnd(plan.epoch))
 
-    async def _emit(self, specs: list[BatchSpec]) -> None:
-        try:
-            batches, error = await anyio.to_thread.run_sync(
-                gather_batches,
-                specs,
-                self.buffers,
-                self.transformers,
-                self.stats.times,
-                self.finisher,
-                self._pool,
-                limiter=self._gather_limiter,
-            )
-        finally:
-            for spec in specs:
-                for chunk, _, _ in spec.pieces:
-                    chunk.refs -= 1
-                    chunk.done_with()
-        for spec, batch in zip(specs, batches, strict=False):  # fewer batches on an error
-            await self._send.send(batch)
-            if spec.ends_epoch is not None:
-                await self._send.send(EpochEnd(spec.ends_epoch))
-        if error is not None:
-            raise error
+    async def _gatherer_(
+        self, groups: ObjectReceiveStream[_GroupItem], done: ObjectSendStream[_DoneItem]
+    ) -> None:
+        """Gather and transform each group in a worker thread. It runs while the sender hands
+        the previous group to the consumer, so the event loop's work and the gathering overlap."""
+        async with groups, done:
+            async for item in groups:
+                if not isinstance(item, list):
+                    await done.send(item)
+                    if isinstance(item, Exception):
+                        return
+                    continue
+                try:
+                    batches, error = await anyio.to_thread.run_sync(
+                        gather_batches,
+                        item,
+                        self.buffers,
+                        self.transformers,
+                        self.stats.times,
+                        self.finisher,
+                        self._pool,
+                        limiter=self._gather_limiter,
+                    )
+                finally:
+                    for spec in item:
+                        for chunk, _, _ in spec.pieces:
+                            chunk.refs -= 1
+                            chunk.done_with()
+                await done.send((item, batches))
+                if error is not None:
+                    await done.send(error)  # after the complete batches before it
+                    return
+
+    async def _reader(self, send: ObjectSendStream[_ChunkItem]) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError):  # downstream ended: stop quietly
+            await self._reader_(send)
+
+    async def _batcher(
+        self, recv: ObjectReceiveStream[_ChunkItem], groups: ObjectSendStream[_GroupItem]
+    ) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError):  # downstream ended: stop quietly
+            await self._batcher_(recv, groups)
+
+    async def _gatherer(
+        self, groups: ObjectReceiveStream[_GroupItem], done: ObjectSendStream[_DoneItem]
+    ) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError):  # downstream ended: stop quietly
+            await self._gatherer_(groups, done)
+
+    async def _sender(self, done: ObjectReceiveStream[_DoneItem]) -> None:
+        """Hand batches and epoch markers to the consumer, in order; raise a forwarded error."""
+        send = self._send
+        async with done:
+            async for item in done:
+                if isinstance(item, Exception):
+                    raise item
+                if isinstance(item, EpochEnd):
+                    await send.send(item)
+                    continue
+                specs, batches = item
+                for spec, batch in zip(specs, batches, strict=False):  # fewer on an error
+                    await _put(send, batch)
+                    if spec.ends_epoch is not None:
+                        await _put(send, EpochEnd(spec.ends_epoch))
 
 
 class _FinisherBuffers:
@@ -280,6 +332,14 @@ class _FinisherBuffers:
 
     def acquire(self, rows: int) -> dict[str, np.ndarray]:
         return {t.name: self._finisher.alloc((rows, *t.sample_shape), t.dtype) for t in self._tops}
+
+
+async def _put(send: MemoryObjectSendStream[Item], item: Item) -> None:
+    """Queue ``item``; only wait (and pass through the event loop) when the queue is full."""
+    try:
+        send.send_nowait(item)
+    except anyio.WouldBlock:
+        await send.send(item)
 
 
 def _releaser(free: MemoryObjectSendStream[Slot], slot: Slot) -> Callable[[], None]:

@@ -26,6 +26,7 @@ a whole chunk to be read.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -45,8 +46,9 @@ class ChunkPlan:
     ranges: tuple[tuple[int, int], ...]  # global [start, stop) ranges, concatenated in the slot
     seed: tuple[int, ...] | None  # None: no within-chunk permutation
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
+        """Samples in the chunk."""
         return sum(b - a for a, b in self.ranges)
 
     def order(self) -> np.ndarray | None:
@@ -55,10 +57,10 @@ class ChunkPlan:
             return None
         return np.random.default_rng(self.seed).permutation(self.size)
 
-    def global_indices(self, positions: np.ndarray) -> np.ndarray:
-        """Global indices of the samples at ``positions`` of the slot."""
+    def global_indices(self, positions: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Global indices of the samples at ``positions`` of the slot (into ``out``, if given)."""
         (a0, b0), *rest = self.ranges
-        out = positions.astype(np.int64) + a0
+        out = np.add(positions, a0, out=out, dtype=np.int64, casting="unsafe")
         if rest:
             ((a1, _b1),) = rest
             first = b0 - a0
