@@ -1,0 +1,153 @@
+"""Access to a data set's files for the baselines: byte ranges, page-cache control, h5py rows.
+
+This is benchmark plumbing, deliberately plain: the baselines are what a careful user would write
+with h5py, over the same files the library reads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import h5py
+import numpy as np
+import numpy.typing as npt
+
+from benchmarks.data import TOPS, DatasetFiles
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """``length`` bytes at ``offset`` of ``path``."""
+
+    path: Path
+    offset: int
+    length: int
+
+
+def byte_ranges(files: DatasetFiles, coalesce: bool = True) -> list[ByteRange]:
+    """The bytes that hold every top of every file, as h5py reports their location.
+
+    Contiguous datasets are one range each; chunked ones one range per stored chunk. With
+    ``coalesce``, ranges that touch are merged, so that a reader can issue large calls.
+    """
+    out: list[ByteRange] = []
+    for path in files.paths:
+        spans: list[tuple[int, int]] = []
+
+        def add_chunk(info: h5py.h5d.StoreInfo, spans: list[tuple[int, int]] = spans) -> None:
+            spans.append((info.byte_offset, info.size))
+
+        with h5py.File(path, "r") as f:
+            for top in TOPS:
+                dsid = f[top].id
+                if dsid.get_offset() is not None:
+                    spans.append((dsid.get_offset(), dsid.get_storage_size()))
+                else:
+                    dsid.chunk_iter(add_chunk)
+        spans.sort()
+        for offset, length in spans:
+            last = out[-1] if out else None
+            if coalesce and last and last.path == path and last.offset + last.length == offset:
+                out[-1] = ByteRange(path, last.offset, last.length + length)
+            else:
+                out.append(ByteRange(path, offset, length))
+    return out
+
+
+def evict(files: DatasetFiles) -> None:
+    """Drop the files' pages from the page cache (they must be clean: the generator syncs)."""
+    for path in files.paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm(files: DatasetFiles, buffer_bytes: int = 4 << 20) -> None:
+    """Read every file once so that its pages are in the page cache."""
+    buf = memoryview(bytearray(buffer_bytes))
+    for path in files.paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            offset = 0
+            while n := os.preadv(fd, [buf], offset):
+                offset += n
+        finally:
+            os.close(fd)
+
+
+class H5Rows:
+    """Rows of one top over all files of a data set, read through h5py.
+
+    Global row ``i`` is row ``i - start[f]`` of file ``f``; reads that straddle files are split.
+    """
+
+    def __init__(self, files: DatasetFiles, top: str, rdcc_nbytes: int | None = None) -> None:
+        kw = {} if rdcc_nbytes is None else {"rdcc_nbytes": rdcc_nbytes}
+        self.files = [h5py.File(p, "r", **kw) for p in files.paths]
+        self.dsets: list[h5py.Dataset] = [f[top] for f in self.files]
+        self.starts = np.concatenate([[0], np.cumsum([len(d) for d in self.dsets])]).astype(
+            np.int64
+        )
+        self.shape: tuple[int, ...] = (int(self.starts[-1]), *self.dsets[0].shape[1:])
+        self.dtype = self.dsets[0].dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def empty(self, n: int) -> npt.NDArray[np.generic]:
+        """An uninitialised array for ``n`` rows."""
+        return np.empty((n, *self.shape[1:]), self.dtype)
+
+    def read_direct(self, start: int, stop: int, out: npt.NDArray[np.generic]) -> None:
+        """Read rows ``[start, stop)`` into ``out[: stop - start]`` with ``Dataset.read_direct``."""
+        for f, dset in enumerate(self.dsets):
+            lo, hi = max(start, int(self.starts[f])), min(stop, int(self.starts[f + 1]))
+            if lo < hi:
+                base = int(self.starts[f])
+                dset.read_direct(out, np.s_[lo - base : hi - base], np.s_[lo - start : hi - start])
+
+    def slab(self, start: int, stop: int) -> npt.NDArray[np.generic]:
+        """Rows ``[start, stop)`` by slicing (``dset[a:b]``), the way most code reads."""
+        parts = []
+        for f, dset in enumerate(self.dsets):
+            lo, hi = max(start, int(self.starts[f])), min(stop, int(self.starts[f + 1]))
+            if lo < hi:
+                base = int(self.starts[f])
+                parts.append(dset[lo - base : hi - base])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def fancy(self, sorted_idx: npt.NDArray[np.int64]) -> npt.NDArray[np.generic]:
+        """Rows at increasing indices, one h5py fancy-index read per file touched."""
+        cuts = np.searchsorted(sorted_idx, self.starts)
+        parts = []
+        for f, dset in enumerate(self.dsets):
+            sel = sorted_idx[cuts[f] : cuts[f + 1]]
+            if len(sel):
+                parts.append(dset[sel - self.starts[f]])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def row(self, i: int) -> npt.NDArray[np.generic]:
+        """One row (``dset[i]``), as a per-sample ``__getitem__`` reads it."""
+        f = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.dsets[f][i - int(self.starts[f])]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def __enter__(self) -> H5Rows:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
