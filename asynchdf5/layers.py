@@ -23,7 +23,7 @@ from ._batch import Batch, LoadedChunk, Transformer
 from ._cache import allocate_slots, default_cache_bytes, slot_rows
 from ._catalog import TopInfo, build_catalog
 from ._errors import ConfigurationError, DataLayerError, SchemaError
-from ._pipeline import DataSource, EpochEnd, Failure, Mode, Run, Stats
+from ._pipeline import DataSource, EpochEnd, Failure, Item, Mode, Run, Stats
 from ._plan import ChunkPlan, EpochPlan, plan_epoch, shard_share
 from ._read import HDF5Source
 from ._source import SourceLike, resolve_source
@@ -398,6 +398,7 @@ class _EpochIterator:
         self.mode: Mode = mode
         self._run: Run | None = None
         self._done = False
+        self._pending: Item | None = None  # taken from the queue, handled on the next call
         self.touched: int | None = None  # latest epoch a yielded batch belonged to
 
     def __aiter__(self) -> _EpochIterator:
@@ -413,33 +414,10 @@ class _EpochIterator:
                 raise StopAsyncIteration
             self._run = await layer._begin(self)
         run = self._run
-        stats = layer._stats
         while True:
-            t0 = time.perf_counter()
-            try:
-                # A ready batch is taken without a trip through the event loop (that trip costs
-                # as much as the rest of a small batch); cancellation is still honoured, and the
-                # queue holds a bounded number, after which receive() yields to other tasks.
-                await anyio.lowlevel.checkpoint_if_cancelled()
-                try:
-                    item = run.items.receive_nowait()
-                except anyio.WouldBlock:
-                    item = await run.items.receive()
-            except (anyio.EndOfStream, anyio.ClosedResourceError):
-                self._done = True
-                raise DataLayerError("the pipeline stopped (the layer was closed)") from None
-            finally:
-                stats.consumer_wait_seconds += time.perf_counter() - t0
+            item = await self._receive(run)
             if isinstance(item, Batch):
-                run.head_epoch = None
-                self.touched = item.epoch
-                if stats.first_batch_seconds is None:
-                    stats.first_batch_seconds = time.perf_counter() - layer._opened_at
-                stats.batches += 1
-                stats.samples += len(item.indices)
-                if layer._finisher is not None:
-                    layer._finisher.ready(item)
-                return item
+                return self._accept(item)
             if isinstance(item, EpochEnd):
                 layer._epoch = item.epoch + 1
                 run.head_epoch = item.epoch + 1
@@ -452,6 +430,63 @@ class _EpochIterator:
             self._done = True
             layer._on_failure(self)
             raise item.error
+
+    async def _receive(self, run: Run) -> Item:
+        if self._pending is not None:
+            item, self._pending = self._pending, None
+            return item
+        stats = self._layer._stats
+        t0 = time.perf_counter()
+        try:
+            # A ready batch is taken without a trip through the event loop (that trip costs as
+            # much as the rest of a small batch); cancellation is still honoured, and the queue
+            # holds a bounded number, after which receive() yields to other tasks.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            try:
+                return run.items.receive_nowait()
+            except anyio.WouldBlock:
+                return await run.items.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._done = True
+            raise DataLayerError("the pipeline stopped (the layer was closed)") from None
+        finally:
+            stats.consumer_wait_seconds += time.perf_counter() - t0
+
+    def _accept(self, batch: Batch) -> Batch:
+        layer = self._layer
+        stats = layer._stats
+        assert self._run is not None
+        self._run.head_epoch = None
+        self.touched = batch.epoch
+        if stats.first_batch_seconds is None:
+            stats.first_batch_seconds = time.perf_counter() - layer._opened_at
+        stats.batches += 1
+        stats.samples += len(batch.indices)
+        if layer._finisher is not None:
+            layer._finisher.ready(batch)
+        return batch
+
+    async def next_batches(self, limit: int) -> list[Batch]:
+        """The next batch and up to ``limit - 1`` more that are ready now; ``[]`` at the end.
+
+        For the sync facade: one trip across its thread bridge per handful of batches, never
+        more than are already gathered (an epoch is never collected).
+        """
+        try:
+            out = [await self.__anext__()]
+        except StopAsyncIteration:
+            return []
+        run = self._run
+        while len(out) < limit and run is not None and self._layer._current is self:
+            try:
+                item = run.items.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            if not isinstance(item, Batch):
+                self._pending = item  # an epoch end or a failure: the next call handles it
+                break
+            out.append(self._accept(item))
+        return out
 
 
 class AsyncHDF5DataLayer(_Layer):
@@ -764,18 +799,12 @@ class HDF5DataLayer:
             raise ConfigurationError("the layer is not open: iterate inside `with layer:`")
         finisher = self._layer._finisher
         while True:
-            batch = portal.call(_next_or_none, it)
-            if batch is None:
+            batches = portal.call(it.next_batches, 16)
+            if not batches:
                 return
-            if finisher is not None:
-                # Order the upload before the work of *this* thread's current stream too (the
-                # portal thread's stream was made to wait already; that is harmless).
-                finisher.ready(batch)
-            yield batch
-
-
-async def _next_or_none(it: _EpochIterator) -> Batch | None:
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return None
+            for batch in batches:
+                if finisher is not None:
+                    # Order the upload before the work of *this* thread's current stream too
+                    # (the portal thread's stream was made to wait already; that is harmless).
+                    finisher.ready(batch)
+                yield batch
