@@ -1,4 +1,4 @@
-"""Peak RSS after 1 and after 10 epochs with a given cache budget (``python -m benchmarks.rss_epochs``).
+"""Peak RSS after 1 and after 10 epochs under a cache budget (`python -m benchmarks.rss_epochs`).
 
 Checks the bounded-memory claim: peak RSS stays within ``cache_bytes`` plus a small constant, and
 does not grow from epoch 1 to epoch 10. Uses the contiguous image set the suite generates.
@@ -42,9 +42,7 @@ async def run(source: str, cache_bytes: int, epochs: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument(
-        "--source", default="/tmp/asynchdf5-bench/contiguous-1000000/contiguous.h5"
-    )
+    p.add_argument("--source", default="/tmp/asynchdf5-bench/contiguous-1000000/contiguous.h5")
     p.add_argument("--cache-mib", type=int, default=1024)
     p.add_argument("--epochs", type=int, default=10)
     a = p.parse_args()
