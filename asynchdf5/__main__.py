@@ -250,7 +250,7 @@ async def stream_async(settings: Settings) -> tuple[list[EpochReport], float, An
                     bar.update(len(data))
             reports.append(check.finish())
             print_epoch(reports[-1], settings)
-        stats = getattr(layer, "stats", None)
+        stats = layer.stats
     return reports, opened, stats
 
 
@@ -270,7 +270,7 @@ def stream_sync(settings: Settings) -> tuple[list[EpochReport], float, Any]:
                     bar.update(len(data))
             reports.append(check.finish())
             print_epoch(reports[-1], settings)
-        stats = getattr(layer, "stats", None)
+        stats = layer.stats
     return reports, opened, stats
 
 

@@ -13,7 +13,6 @@ import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -139,13 +138,6 @@ class BatchBuffers:
                     self._pool.append(bufs)
                     return _rows(bufs, rows)
         return _rows(self._new(), rows)
-
-    def alloc(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        return np.empty(shape, dtype)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._pool.clear()
 
 
 def _unreferenced(bufs: dict[str, np.ndarray]) -> bool:

@@ -96,9 +96,6 @@ class FileInfo:
     layouts: dict[str, Layout]
     identity: tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) when catalogued
 
-    def describe(self) -> str:
-        return str(self.path)
-
 
 @dataclass(frozen=True)
 class Segment:

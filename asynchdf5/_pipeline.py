@@ -21,10 +21,10 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import anyio
 import numpy as np
@@ -43,6 +43,7 @@ from ._batch import (
 )
 from ._cache import BatchBuffers, Slot
 from ._catalog import TopInfo
+from ._errors import DataLayerError
 from ._plan import ChunkPlan, EpochPlan
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -151,7 +152,6 @@ class Run:
         self.head_epoch: int | None = start_epoch
         self.scope = anyio.CancelScope()
         self.done = anyio.Event()
-        self._read_limiter = anyio.CapacityLimiter(1)
         self._gather_limiter = anyio.CapacityLimiter(1)
 
     async def main(self) -> None:
@@ -165,9 +165,9 @@ class Run:
                 done_send, done_recv = anyio.create_memory_object_stream[_DoneItem](1)
                 try:
                     async with anyio.create_task_group() as tg:
-                        tg.start_soon(self._reader, send)
-                        tg.start_soon(self._batcher, recv, groups_send)
-                        tg.start_soon(self._gatherer, groups_recv, done_send)
+                        tg.start_soon(_upstream, self._reader, send)
+                        tg.start_soon(_upstream, self._batcher, recv, groups_send)
+                        tg.start_soon(_upstream, self._gatherer, groups_recv, done_send)
                         await self._sender(done_recv)
                 except Exception as exc:  # every failure goes to the consumer
                     await self._send.send(Failure(_leaf(exc)))
@@ -187,7 +187,7 @@ class Run:
         await self.done.wait()
         self.items.close()
 
-    async def _reader_(self, send: ObjectSendStream[_ChunkItem]) -> None:
+    async def _reader(self, send: ObjectSendStream[_ChunkItem]) -> None:
         slots = self.source.slots
         free_send, free_recv = anyio.create_memory_object_stream[Slot](len(slots or ()) or 1)
         for s in slots or ():
@@ -210,7 +210,7 @@ class Run:
                     await send.send((plan, loaded))
                 epoch += 1
 
-    async def _batcher_(
+    async def _batcher(
         self, recv: ObjectReceiveStream[_ChunkItem], groups: ObjectSendStream[_GroupItem]
     ) -> None:
         """Cut the chunks' serving orders into batches, in groups for the gatherer."""
@@ -257,7 +257,7 @@ class Run:
                 if last and cur is None:
                     await groups.send(EpochEnd(plan.epoch))
 
-    async def _gatherer_(
+    async def _gatherer(
         self, groups: ObjectReceiveStream[_GroupItem], done: ObjectSendStream[_DoneItem]
     ) -> None:
         """Gather and transform each group in a worker thread. It runs while the sender hands
@@ -289,22 +289,6 @@ class Run:
                 if error is not None:
                     await done.send(error)  # after the complete batches before it
                     return
-
-    async def _reader(self, send: ObjectSendStream[_ChunkItem]) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError):  # downstream ended: stop quietly
-            await self._reader_(send)
-
-    async def _batcher(
-        self, recv: ObjectReceiveStream[_ChunkItem], groups: ObjectSendStream[_GroupItem]
-    ) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError):  # downstream ended: stop quietly
-            await self._batcher_(recv, groups)
-
-    async def _gatherer(
-        self, groups: ObjectReceiveStream[_GroupItem], done: ObjectSendStream[_DoneItem]
-    ) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError):  # downstream ended: stop quietly
-            await self._gatherer_(groups, done)
 
     async def _sender(self, done: ObjectReceiveStream[_DoneItem]) -> None:
         """Hand batches and epoch markers to the consumer, in order; raise a forwarded error."""
@@ -351,13 +335,18 @@ def _releaser(free: MemoryObjectSendStream[Slot], slot: Slot) -> Callable[[], No
     return release
 
 
+async def _upstream(stage: Callable[..., Awaitable[None]], *args: Any) -> None:
+    """Run a stage that feeds another; when the one downstream has ended (its stream closed),
+    stop quietly: the downstream stage reports whatever ended it."""
+    with contextlib.suppress(anyio.BrokenResourceError):
+        await stage(*args)
+
+
 def _leaf(exc: BaseException) -> BaseException:
     """The one real error inside (nested) exception groups, preferring asynchdf5's own."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     if isinstance(exc, BaseExceptionGroup):
-        from ._errors import DataLayerError
-
         for sub in exc.exceptions:
             leaf = _leaf(sub)
             if isinstance(leaf, DataLayerError):

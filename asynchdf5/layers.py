@@ -22,6 +22,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ._batch import Batch, LoadedChunk, Transformer
 from ._cache import allocate_slots, default_cache_bytes, slot_rows
 from ._catalog import TopInfo, build_catalog
+from ._codecs import deflate_backend
 from ._errors import ConfigurationError, DataLayerError, SchemaError
 from ._pipeline import DataSource, EpochEnd, Failure, Item, Mode, Run, Stats
 from ._plan import ChunkPlan, EpochPlan, plan_epoch, shard_share
@@ -613,6 +614,8 @@ class AsyncHDF5DataLayer(_Layer):
         self._reader_notes = source.reader.notes
         for top, path in self._reader_paths.items():
             note = self._reader_notes.get(top)
+            if "chunks" in path:
+                note = f"deflate decoder: {deflate_backend()}" + (f"; {note}" if note else "")
             _log.info("top %r is read by %s%s", top, path, f" ({note})" if note else "")
         return source
 
