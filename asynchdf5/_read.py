@@ -105,12 +105,12 @@ class HDF5Reader:
             segments.extend(self.catalog.segments(a, b, out))
         items = []
         for top, info in self.catalog.tops.items():
-            step = max(1, PIECE_BYTES // max(1, info.row_bytes))
+            piece = max(1, PIECE_BYTES // max(1, info.row_bytes))
             for seg in segments:
                 layout = seg.file.layouts[top]
                 align = layout.chunk_rows if layout.chunks is not None else None
-                if align:
-                    step = max(align, step // align * align)
+                # Per segment: files of one top may be chunked differently, or not at all.
+                step = max(align, piece // align * align) if align else piece
                 r = seg.row_start
                 while r < seg.row_stop:
                     r1 = min(seg.row_stop, (r // step + 1) * step if align else r + step)
