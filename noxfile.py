@@ -9,6 +9,7 @@ the install step runs every time, so a changed ``pyproject.toml`` is picked up.
 from __future__ import annotations
 
 import os
+import sys
 
 import nox
 
@@ -42,8 +43,13 @@ def install(session: nox.Session, *extras: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite (``nox -s tests -- -k shuffle`` passes arguments to pytest)."""
-    install(session, "test", "codecs")
+    """Run the test suite (``nox -s tests -- -k shuffle`` passes arguments to pytest).
+
+    On Linux the ``cuda12`` extra (CuPy) is installed too, GPU or not: without a GPU the tests
+    then check asynchdf5 against the real CuPy that users install (its API, its error when no
+    GPU is usable, that importing asynchdf5 does not import it); the ``gpu``-marked ones skip.
+    """
+    install(session, "test", "codecs", *(["cuda12"] if sys.platform == "linux" else []))
     session.run("pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
 
 

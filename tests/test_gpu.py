@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
+import inspect
+import re
 import subprocess
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +37,7 @@ from asynchdf5 import (
     TransformError,
 )
 from asynchdf5 import transforms as T
-from asynchdf5._device import STAGING_DEPTH, DeviceStage, _Staging, parse_device
+from asynchdf5._device import STAGING_DEPTH, DeviceStage, _DeviceMemory, _Staging, parse_device
 
 from .conftest import write_files
 
@@ -142,7 +146,7 @@ def test_importing_asynchdf5_and_host_layers_never_import_cupy() -> None:
 
 
 class FakeEvent:
-    def __init__(self, disable_timing: bool = False) -> None:
+    def __init__(self, *, disable_timing: bool = False) -> None:
         self.recorded_on: FakeStream | None = None
         self.synchronized = False
 
@@ -155,7 +159,7 @@ class FakeEvent:
 
 
 class FakeStream:
-    def __init__(self, non_blocking: bool = False, name: str = "", busy: bool = False) -> None:
+    def __init__(self, *, non_blocking: bool = False, name: str = "", busy: bool = False) -> None:
         self.name = name or f"stream{id(self):x}"
         self.non_blocking = non_blocking
         self.busy = busy
@@ -222,9 +226,9 @@ class FakeMemoryPointer:
     def __init__(self, mem: Any, offset: int) -> None:
         self.mem, self.ptr = mem, mem.ptr + offset
 
-    def copy_from_host_async(self, src: int, size: int, stream: FakeStream) -> None:
+    def copy_from_host_async(self, mem: int, size: int, stream: FakeStream) -> None:
         assert FAKE.current_stream() is stream
-        ctypes.memmove(self.ptr, src, size)
+        ctypes.memmove(self.ptr, mem, size)
 
 
 class FakePinnedMemory:
@@ -306,9 +310,9 @@ class FakeCupy:
         return fake
 
     @contextlib.contextmanager
-    def using_allocator(self, malloc: Callable[[int], Any]) -> Iterator[None]:
+    def using_allocator(self, allocator: Callable[[int], Any]) -> Iterator[None]:
         previous = getattr(self.local, "malloc", None)
-        self.local.malloc = malloc
+        self.local.malloc = allocator
         try:
             yield
         finally:
@@ -328,18 +332,18 @@ class FakeCupy:
         out._memptr = memptr
         return out
 
-    def asarray(self, x: Any, dtype: Any = None) -> FakeArray:
-        host = np.asarray(x, dtype=dtype)
+    def asarray(self, a: Any, dtype: Any = None) -> FakeArray:
+        host = np.asarray(a, dtype=dtype)
         out = self.empty(host.shape, host.dtype)
         out.view(np.ndarray)[...] = host
         return out
 
-    def ascontiguousarray(self, x: Any) -> FakeArray:
-        return self.asarray(np.asarray(x))
+    def ascontiguousarray(self, a: Any) -> FakeArray:
+        return self.asarray(np.asarray(a))
 
     def ufunc(self, fn: np.ufunc) -> Callable[..., FakeArray]:
-        def apply(a: Any, b: Any, dtype: Any = None) -> FakeArray:
-            a, b = np.asarray(a), np.asarray(b)
+        def apply(x1: Any, x2: Any, /, *, dtype: Any = None) -> FakeArray:
+            a, b = np.asarray(x1), np.asarray(x2)
             out = self.empty(np.broadcast_shapes(a.shape, b.shape), dtype or np.result_type(a, b))
             fn(a, b, out=out.view(np.ndarray), dtype=dtype)
             return out
@@ -549,6 +553,217 @@ async def test_fake_layer_reopens_after_close(fake_cupy: FakeCupy) -> None:
         (batches,) = await run_epochs(layer)
         check_epoch(batches, len(LABELS), IMAGES)
         assert stage_of(layer).memory_stats.pinned_bytes == 0
+
+
+# -- the real CuPy, without a GPU ---------------------------------------------------------------
+#
+# CI installs the ``cuda12`` extra (``nox -s tests`` on Linux) on a machine without a GPU. CuPy
+# imports there, and everything that touches no driver works: these tests hold the stand-in above
+# to CuPy's real API and check the parts of the stage that need no device.
+
+
+@pytest.fixture
+def cupy_no_gpu() -> Any:
+    cupy = pytest.importorskip("cupy")
+    try:
+        usable = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # CUDARuntimeError: no driver, driver too old
+        usable = False
+    if usable:
+        pytest.skip("a CUDA GPU is usable here: the gpu-marked tests cover the real thing")
+    return cupy
+
+
+def test_real_cupy_without_a_gpu_is_a_configuration_error(cupy_no_gpu: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"device='cuda'.*no usable CUDA GPU") as info:
+        MemoryDataLayer({"data": IMAGES}, batch_size=8, device="cuda")
+    assert "CUDARuntimeError" in str(info.value) or "no CUDA GPU" in str(info.value)
+    assert "device=None" in str(info.value)  # says how to go on without one
+    with pytest.raises(ConfigurationError, match="no usable CUDA GPU"):
+        DeviceStage(0, [], 8, 8)
+
+
+def test_importing_asynchdf5_does_not_import_installed_cupy(cupy_no_gpu: Any) -> None:
+    code = (
+        "import sys, importlib.util, numpy as np, asynchdf5, asynchdf5.transforms as T\n"
+        "assert importlib.util.find_spec('cupy') is not None\n"
+        "layer = asynchdf5.MemoryDataLayer({'x': np.zeros((4, 2))}, batch_size=2,\n"
+        "                                  transformers=[('x', T.Scale(2.0))])\n"
+        "print('cupy' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _doc_signature(obj: Any) -> inspect.Signature:
+    """The signature in the first docstring line of a Cython object: ``f(int a, b=1, *, c)``."""
+    lines = (getattr(obj, "__doc__", None) or "").strip().splitlines()
+    match = re.match(r"[\w.]+\((.*)\)", lines[0] if lines else "")
+    if match is None:
+        raise ValueError(f"no signature in the docstring of {obj!r}")
+    kind: inspect._ParameterKind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params: list[inspect.Parameter] = []
+    for part in (p.strip().replace("\\*", "*") for p in match.group(1).split(",")):
+        if part in ("", "self"):
+            continue
+        if part == "/":
+            params = [p.replace(kind=inspect.Parameter.POSITIONAL_ONLY) for p in params]
+        elif part == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+        else:
+            decl, eq, default = part.partition("=")
+            name = decl.split()[-1]
+            params.append(
+                inspect.Parameter(name, kind, default=default if eq else inspect.Parameter.empty)
+            )
+    return inspect.Signature(params)
+
+
+def _signature(obj: Any) -> inspect.Signature:
+    if isinstance(obj, property):
+        obj = obj.fget
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # a Cython class or method: signature in the docstring
+        init = getattr(obj, "__init__", None) if isinstance(obj, type) else None
+        try:
+            sig = _doc_signature(obj)
+        except ValueError:
+            sig = _doc_signature(init)
+    params = [p for name, p in sig.parameters.items() if name != "self"]
+    return sig.replace(parameters=params)
+
+
+#: Parameters of the stand-in that only the tests use (the code under test never passes them).
+TEST_ONLY = {"FakeStream": {"name", "busy"}}
+
+
+def _check_call_shape(label: str, fake: Any, real: Any, test_only: set[str]) -> list[str]:
+    """Every call valid on ``fake`` (without test-only arguments) is valid on ``real``."""
+    problems = []
+    f, r = _signature(fake), _signature(real)
+    real_params = list(r.parameters.values())
+    positional = [
+        p for p in f.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    for i, p in enumerate(positional):
+        q = real_params[i] if i < len(real_params) else None
+        if q is None or q.kind not in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD):
+            problems.append(f"{label}: argument {i} ({p.name}) is not positional in CuPy {r}")
+        elif q.name != p.name and not (p.kind == q.kind == p.POSITIONAL_ONLY):
+            problems.append(f"{label}: argument {i} is {q.name!r} in CuPy {r}, {p.name!r} here")
+    by_name = {q.name: q for q in real_params if q.kind != q.POSITIONAL_ONLY}
+    for p in f.parameters.values():
+        if p.kind == p.KEYWORD_ONLY and p.name not in test_only and p.name not in by_name:
+            problems.append(f"{label}: CuPy takes no keyword {p.name!r}: {r}")
+    given = {p.name for p in f.parameters.values()} | set(range(len(positional)))
+    for i, q in enumerate(real_params):
+        if q.default is q.empty and q.kind != q.VAR_POSITIONAL and not ({q.name, i} & given):
+            problems.append(f"{label}: CuPy requires {q.name!r}, which the stand-in lacks: {r}")
+    return problems
+
+
+def _members(cls: type) -> dict[str, Any]:
+    """Methods and properties a stand-in class defines (what code under test may use)."""
+    keep = {"__enter__", "__exit__"}
+    return {
+        name: value
+        for name, value in vars(cls).items()
+        if (not name.startswith("_") or name in keep)
+        and (callable(value) or isinstance(value, property))
+    }
+
+
+def test_stand_in_matches_real_cupy_api(cupy_no_gpu: Any) -> None:
+    """What the stage and transforms call on the stand-in exists in CuPy with the same shape."""
+    fake = FakeCupy().module()
+    pairs: list[tuple[str, Any, Any]] = []
+    for name in ("ndarray", "empty", "asarray", "ascontiguousarray", "multiply", "subtract"):
+        pairs.append((f"cupy.{name}", getattr(fake, name), getattr(cupy_no_gpu, name)))
+    for name, value in vars(fake.cuda).items():
+        pairs.append((f"cupy.cuda.{name}", value, getattr(cupy_no_gpu.cuda, name)))
+    pairs.append(
+        ("cupy.cuda.memory.OutOfMemoryError", MemoryError, cupy_no_gpu.cuda.memory.OutOfMemoryError)
+    )
+    problems = []
+    for label, f, r in pairs:
+        if isinstance(f, types.SimpleNamespace):  # runtime, memory: functions and classes
+            for sub, value in vars(f).items():
+                real = getattr(r, sub, None)
+                if real is None:
+                    problems.append(f"{label}.{sub} does not exist in CuPy")
+                elif callable(value) and not isinstance(value, type):
+                    problems += _check_call_shape(f"{label}.{sub}", value, real, set())
+            continue
+        if isinstance(f, type) and issubclass(f, BaseException):
+            assert issubclass(r, BaseException), label
+            continue
+        if isinstance(f, type) and not issubclass(f, np.ndarray):
+            problems += _check_call_shape(label, f, r, TEST_ONLY.get(f.__name__, set()))
+        if isinstance(f, type):
+            for member, value in _members(f).items():
+                real = getattr(r, member, None)
+                if real is None:
+                    problems.append(f"{label}.{member} does not exist in CuPy")
+                elif isinstance(value, property) != isinstance(
+                    real, (property, types.GetSetDescriptorType)
+                ):
+                    problems.append(f"{label}.{member}: a property in one, a method in the other")
+                elif not isinstance(value, property) and member not in ("__enter__", "__exit__"):
+                    problems += _check_call_shape(f"{label}.{member}", value, real, set())
+        elif callable(f):
+            problems += _check_call_shape(label, f, r, set())
+    # Attributes the stage reads off CuPy objects (instance attributes of the stand-in).
+    for path in (
+        "cuda.Device.id",
+        "cuda.Memory.ptr",
+        "cuda.MemoryPointer.mem",
+        "cuda.MemoryPointer.ptr",
+    ):
+        obj: Any = cupy_no_gpu
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            problems.append(f"cupy.{path} does not exist")
+    assert not problems, "\n".join(problems)
+
+
+def test_real_cupy_arrays_hold_the_lease_of_their_block(cupy_no_gpu: Any) -> None:
+    """The allocator's contract with CuPy: a block goes back only when no array or view uses it.
+
+    Device memory is host bytes here (``cupy.cuda.Memory`` needs a driver); the pointer, the
+    ``UnownedMemory`` that owns the lease, the arrays and their views are CuPy's own.
+    """
+    cp = cupy_no_gpu
+    FakeMemory.created = 0
+    memory = _DeviceMemory(cp, 0, FakeStream(non_blocking=True))
+    fake_cuda = types.SimpleNamespace(**{**vars(cp.cuda), "Memory": FakeMemory})
+    memory._cupy = types.SimpleNamespace(cuda=fake_cuda)  # type: ignore[assignment]
+    ptr = memory.malloc(100)
+    assert isinstance(ptr, cp.cuda.MemoryPointer)
+    a = cp.ndarray((25,), np.float32, memptr=ptr)
+    del ptr
+    views = [a[3:], a.reshape(5, 5).T, a[::2]]
+    (lease,) = memory.leases_of([views[1]])
+    assert memory.leases_of([a]) == [lease] and lease.size == 512 == memory.in_use
+    block, lease_alive = lease.mem.ptr, weakref.ref(lease)
+    del a, lease
+    gc.collect()
+    assert lease_alive() is not None and memory.in_use == 512  # the views still use the block
+    views.pop()
+    views.pop()
+    gc.collect()
+    assert lease_alive() is not None
+    views.clear()
+    gc.collect()
+    assert lease_alive() is None
+    assert memory.in_use == 0 and memory.reserved == 512  # back on the free list, kept
+    again = memory.malloc(512)  # the same block, reused
+    assert again.ptr == block and FakeMemory.created == 1
+    del again
+    gc.collect()
+    memory.close()
+    assert memory.reserved == 0
 
 
 # -- on a real GPU ------------------------------------------------------------------------------
