@@ -11,6 +11,7 @@ from ._cache import CacheBudgetWarning
 from ._errors import (
     ConfigurationError,
     DataLayerError,
+    DeviceError,
     ReadError,
     SchemaError,
     SourceError,
@@ -24,6 +25,7 @@ __all__ = [
     "CacheBudgetWarning",
     "ConfigurationError",
     "DataLayerError",
+    "DeviceError",
     "HDF5DataLayer",
     "LayerStats",
     "MemoryDataLayer",

@@ -10,7 +10,10 @@ The stage is the last one of the pipeline (the :class:`~asynchdf5._batch.Finishe
 * Copies and transformers run on the stage's own non-blocking stream; the consumer's stream
   waits on an event. Nothing in the hot path synchronises the device.
 * Device arrays come from :class:`_DeviceMemory`, which reuses a block the consumer has freed only
-  once the consumer's stream has passed the point where it was freed.
+  once the consumer's stream has passed the point where it was freed. That point is recorded in
+  the consumer's thread, at the next hand-off: no CUDA call runs in a finaliser or in whatever
+  thread happens to drop the last reference (with per-thread default streams, a stream handle
+  means a different stream in each thread).
 
 CuPy is imported inside functions only, so importing asynchdf5 never imports it.
 """
@@ -18,11 +21,12 @@ CuPy is imported inside functions only, so importing asynchdf5 never imports it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -30,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ._batch import Batch, Transformer, apply_transformers
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, DataLayerError, DeviceError, SchemaError
 
 __all__ = ["INSTALL_HINT", "DeviceMemoryStats", "DeviceStage", "parse_device", "resolve_device"]
 
@@ -44,6 +48,8 @@ _CUDA = re.compile(r"cuda(?::([0-9]+))?")
 STAGING_DEPTH = 2
 #: Device blocks are rounded up to this many bytes, so that batches of one shape share blocks.
 BLOCK_ALIGN = 512
+#: ``cudaErrorMemoryAllocation``: what ``cudaMalloc`` (``cupy.cuda.Memory``) fails with.
+_CUDA_OUT_OF_MEMORY = 2
 
 
 def parse_device(device: object) -> int | None:
@@ -182,6 +188,10 @@ class _Staging:
         self._count += 1
         return _Pinned(np.ndarray((nbytes,), np.uint8, self._cupy.cuda.PinnedMemoryPointer(mem, 0)))
 
+    def owns(self, array: np.ndarray) -> bool:
+        """Whether ``array`` is (a view at the start of) a buffer lent and not yet copied."""
+        return array.ctypes.data in self._lent
+
     def copied(self, arrays: Iterable[Any], event: Any) -> None:
         """The copies reading ``arrays`` (views of lent buffers) end at ``event``."""
         for a in arrays:
@@ -199,17 +209,17 @@ class _Staging:
 class _Lease:
     """Owns one device block while arrays use it (CuPy's ``UnownedMemory`` holds the lease)."""
 
-    __slots__ = ("__weakref__", "mem", "pool", "returned", "serial", "shared", "size")
+    __slots__ = ("__weakref__", "mem", "pool", "returned", "serial", "size", "stream")
 
     def __init__(self, pool: _DeviceMemory, mem: Any, size: int, serial: int) -> None:
         self.pool, self.mem, self.size, self.serial = pool, mem, size, serial
-        self.shared = False  # handed to the consumer: used on its stream
+        self.stream: Any = None  # the consumer's stream, once handed to it
         self.returned = False
 
     def give_back(self) -> None:
         if not self.returned:
             self.returned = True
-            self.pool.release(self.mem, self.size, self.shared)
+            self.pool.release(self.mem, self.size, self.stream)
 
     def __del__(self) -> None:  # the last array using the block is gone
         # At interpreter exit CuPy may be half torn down; a finaliser must not raise.
@@ -223,17 +233,18 @@ class _DeviceMemory:
     CuPy's pool keeps one free list per stream (cupy/cupy#8068): a block the consumer frees after
     using it on its own stream would go back to the upload stream's list, and the next upload
     could overwrite it while the consumer's kernels still read it. Here a block freed after it
-    was handed to the consumer gets an event recorded on the consumer's stream at that moment,
-    and the upload stream waits on that event before reusing the block (PyTorch's
-    ``record_stream`` idea): no host wait, no device synchronisation.
+    was handed to the consumer waits in ``pending`` until the consumer's next hand-off, which
+    records an event on the consumer's stream, in the consumer's thread; the upload stream waits
+    on that event before reusing the block (PyTorch's ``record_stream`` idea): no host wait, no
+    device synchronisation, and no CUDA call where the last reference happens to drop.
     """
 
     def __init__(self, cupy: ModuleType, device_id: int, stream: Any) -> None:
         self._cupy, self._device_id, self._stream = cupy, device_id, stream
         self._lock = threading.RLock()  # a release can run inside malloc (GC)
         self._free: dict[int, deque[tuple[Any, Any]]] = {}  # size -> (block, event or None)
+        self._pending: list[tuple[Any, int, Any]] = []  # (block, size, consumer stream)
         self._leases: weakref.WeakValueDictionary[int, _Lease] = weakref.WeakValueDictionary()
-        self.consumer: Any = None  # the stream batches were last made ready on
         self.serial = 0  # which batch is being finished
         self.closed = False
         self.reserved = self.in_use = self.peak = 0
@@ -245,11 +256,7 @@ class _DeviceMemory:
         with self._lock:
             block = self._take(size)
         if block is None:
-            try:
-                mem = cp.cuda.Memory(size)
-            except cp.cuda.memory.OutOfMemoryError:
-                self._drop_free()  # blocks cached for other sizes
-                mem = cp.cuda.Memory(size)
+            mem = self._cuda_malloc(size)
             with self._lock:
                 self.reserved += size
         else:
@@ -265,6 +272,23 @@ class _DeviceMemory:
             cp.cuda.UnownedMemory(mem.ptr, size, lease, self._device_id), 0
         )
 
+    def _cuda_malloc(self, size: int) -> Any:
+        """A new block; out of memory, free what is cached here and in CuPy's pool, then retry."""
+        cp = self._cupy
+        for attempt in range(3):
+            try:
+                return cp.cuda.Memory(size)
+            except cp.cuda.runtime.CUDARuntimeError as exc:
+                if getattr(exc, "status", None) != _CUDA_OUT_OF_MEMORY or attempt == 2:
+                    raise
+            if attempt == 0:
+                self._drop_free()
+            else:  # batches nobody refers to any more, and blocks CuPy's own pool caches
+                gc.collect()
+                self._drop_free()
+                cp.get_default_memory_pool().free_all_blocks()
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def _take(self, size: int) -> tuple[Any, Any] | None:
         blocks = self._free.get(size)
         if not blocks:
@@ -276,17 +300,36 @@ class _DeviceMemory:
                 return item[0], None
         return blocks.popleft()
 
-    def release(self, mem: Any, size: int, shared: bool) -> None:
-        event = None
-        if shared and not self.closed and self.consumer is not None:
-            with self._cupy.cuda.Device(self._device_id):
-                event = self._cupy.cuda.Event(disable_timing=True)
-                self.consumer.record(event)
+    def release(self, mem: Any, size: int, stream: Any) -> None:
+        """A lease's last array is gone (any thread, a finaliser too): no CUDA call here."""
         with self._lock:
             self.in_use -= size
             if self.closed:
-                self.reserved -= size  # `mem` goes out of scope: cudaFree
+                self.reserved -= size
+            elif stream is None:  # never handed out: used on the upload stream alone
+                self._free.setdefault(size, deque()).append((mem, None))
+                return
             else:
+                self._pending.append((mem, size, stream))
+                return
+        if stream is not None:  # after close: the consumer's kernels may still read it
+            with contextlib.suppress(Exception):
+                self._cupy.cuda.Device(self._device_id).synchronize()
+        del mem  # cudaFree
+
+    def hand_off(self) -> None:
+        """In the consumer's thread: blocks it freed become reusable after its work so far."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        events: dict[int, Any] = {}
+        for mem, size, stream in pending:
+            event = events.get(id(stream))
+            if event is None:
+                event = events[id(stream)] = self._cupy.cuda.Event(disable_timing=True)
+                stream.record(event)
+            with self._lock:
                 self._free.setdefault(size, deque()).append((mem, event))
 
     def leases_of(self, arrays: Iterable[Any]) -> list[_Lease]:
@@ -297,13 +340,26 @@ class _DeviceMemory:
         return [lease for lease in found if lease is not None]
 
     def _drop_free(self) -> None:
+        """Free the cached blocks, once the consumer's work that used them is done."""
         with self._lock:
             dropped, self._free = self._free, {}
             self.reserved -= sum(size * len(blocks) for size, blocks in dropped.items())
-        dropped.clear()  # outside the lock: cudaFree synchronises the device
+        # Outside the lock: waits on the consumer's events, and cudaFree may synchronise.
+        for blocks in dropped.values():
+            for _, event in blocks:
+                if event is not None:
+                    event.synchronize()
+        dropped.clear()
 
     def close(self) -> None:
-        self.closed = True
+        """Free every cached and pending block (after the device is idle, if any is pending)."""
+        with self._lock:
+            self.closed = True
+            pending, self._pending = self._pending, []
+            self.reserved -= sum(size for _, size, _ in pending)
+        if pending:  # used on the consumer's streams, with no event: wait for the device
+            self._cupy.cuda.Device(self._device_id).synchronize()
+        pending.clear()
         self._drop_free()
 
 
@@ -327,8 +383,9 @@ class _Resources:
         self.memory = _DeviceMemory(cupy, index, self.stream)
         self._event = cupy.cuda.Event
 
-    def record(self) -> Any:
-        event = self._event(disable_timing=True)
+    def record(self, *, block: bool = False) -> Any:
+        """An event at the upload stream's current end (``block``: host waits on it sleep)."""
+        event = self._event(block=block, disable_timing=True)
         self.stream.record(event)
         return event
 
@@ -382,12 +439,34 @@ class DeviceStage:
             self._memory = gpu.memory
         return gpu
 
+    @contextlib.contextmanager
+    def _failures(self, what: str) -> Iterator[None]:
+        """Turn a CUDA failure into :class:`~asynchdf5.DeviceError` saying what was being done."""
+        try:
+            yield
+        except DataLayerError:
+            raise
+        except Exception as exc:
+            hint = ""
+            if getattr(exc, "status", None) == _CUDA_OUT_OF_MEMORY or isinstance(exc, MemoryError):
+                stats = self.memory_stats
+                hint = (
+                    f"; the layer holds {stats.device_bytes} bytes of device memory, "
+                    f"{stats.device_bytes_in_use} in batches not yet freed (in flight or held by "
+                    "you): hold fewer batches, or lower prefetch or batch_size, or set "
+                    "reuse_buffers=True"
+                )
+            raise DeviceError(
+                f"{what} on CUDA device {self.device_id} failed: {type(exc).__name__}: {exc}{hint}"
+            ) from exc
+
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         """Pinned host memory for one top of the batch being gathered."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes == 0:
             return np.empty(shape, dtype)
-        with self._lock:
+        what = f"allocating {nbytes} bytes of pinned host memory for rows of shape {shape}"
+        with self._lock, self._failures(what):
             gpu = self._open()
             with gpu.device:
                 raw = gpu.staging.take(nbytes)
@@ -402,41 +481,75 @@ class DeviceStage:
             with gpu.device, gpu.stream, cp.cuda.using_allocator(memory.malloc):
                 memory.serial += 1
                 out = _DeviceData()
-                staged = list(data.values())
+                staged = []
                 for name, host in data.items():
-                    if not host.dtype.isnative:  # CuPy has no byte-swapped dtypes
-                        host = host.astype(host.dtype.newbyteorder("="))
-                    host = np.ascontiguousarray(host)
-                    dev = cp.empty(host.shape, host.dtype)
-                    if host.nbytes:  # from pageable memory too: the call copies it before return
-                        dev.data.copy_from_host_async(host.ctypes.data, host.nbytes, gpu.stream)
+                    rows = len(indices)
+                    what = (
+                        f"uploading top {name!r} ({host.nbytes} bytes, a batch of {rows} rows, "
+                        f"first global index {int(indices[0]) if rows else None}, epoch {epoch})"
+                    )
+                    with self._failures(what):
+                        if host.nbytes:
+                            host = self._pinned(gpu.staging, host)
+                            staged.append(host)
+                        dev = cp.empty(host.shape, host.dtype.newbyteorder("="))
+                        if host.nbytes:
+                            dev.data.copy_from_host_async(host.ctypes.data, host.nbytes, gpu.stream)
                     out[name] = dev
-                gpu.staging.copied(staged, gpu.record())
+                gpu.staging.copied(staged, gpu.record(block=True))
                 apply_transformers(out, self.transformers, epoch, indices)
                 out.event = gpu.record()
                 out.leases = memory.leases_of(out.values())
                 out.serial = memory.serial
         return out
 
+    @staticmethod
+    def _pinned(staging: _Staging, host: np.ndarray) -> np.ndarray:
+        """``host`` in a pinned staging buffer, C-contiguous and in native byte order.
+
+        Rows are gathered into staging already; anything else is copied in, since an async copy
+        from pageable memory may still read it after the call returns.
+        """
+        if not staging.owns(host) or not host.flags.c_contiguous:
+            pinned = staging.take(host.nbytes).view(host.dtype).reshape(host.shape)
+            pinned[...] = host
+            host = pinned
+        if not host.dtype.isnative:  # CuPy has no byte-swapped dtypes: swap in place
+            host = host.byteswap(inplace=True).view(host.dtype.newbyteorder("="))
+        return host
+
+    def check(self, dtypes: dict[str, np.dtype[Any]]) -> None:
+        """Raise :class:`~asynchdf5.SchemaError` for a top CuPy cannot hold (before any batch)."""
+        for name, dtype in dtypes.items():
+            if dtype.char in "gG":  # long double: no CUDA type, no DLPack type
+                raise SchemaError(
+                    f"top {name!r} has dtype {dtype} (long double), which CuPy cannot hold on "
+                    "the device; cast it in the file, or use device=None"
+                )
+
     def ready(self, batch: Batch) -> None:
-        """Make the calling thread's current stream (on the device) wait for ``batch``."""
+        """Hand ``batch`` to the calling thread: its current stream waits for the upload.
+
+        Runs in the consumer's thread, right before the batch is yielded: blocks the consumer
+        freed since the last hand-off get their event on its stream here.
+        """
         data = batch._data
         if not isinstance(data, _DeviceData):
             return
         with self._device:
             stream = self._cupy.cuda.get_current_stream()
             stream.wait_event(data.event)
-        if self._memory is not None:
-            self._memory.consumer = stream
-        for lease in data.leases:
-            lease.shared = True
-        if self.reuse_buffers:
-            previous = self._yielded() if self._yielded is not None else None
-            if previous is not None and previous is not data:
-                for lease in previous.leases:
-                    if lease.serial == previous.serial:  # made for it, not a cached constant
-                        lease.give_back()
-            self._yielded = weakref.ref(data)
+            for lease in data.leases:
+                lease.stream = stream
+            if self.reuse_buffers:
+                previous = self._yielded() if self._yielded is not None else None
+                if previous is not None and previous is not data:
+                    for lease in previous.leases:
+                        if lease.serial == previous.serial:  # made for it, not a constant
+                            lease.give_back()
+                self._yielded = weakref.ref(data)
+            if self._memory is not None:
+                self._memory.hand_off()
 
     @property
     def memory_stats(self) -> DeviceMemoryStats:
@@ -456,5 +569,5 @@ class DeviceStage:
                 return
             with gpu.device:
                 gpu.stream.synchronize()  # copies still reading staging (this stream only)
-            gpu.staging.close()
-            gpu.memory.close()
+                gpu.staging.close()
+                gpu.memory.close()

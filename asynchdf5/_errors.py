@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigurationError",
     "DataLayerError",
+    "DeviceError",
     "ReadError",
     "SchemaError",
     "SourceError",
@@ -39,3 +40,7 @@ class ReadError(DataLayerError):
 
 class TransformError(DataLayerError):
     """A transformer raised, or returned an array with a different number of rows."""
+
+
+class DeviceError(DataLayerError):
+    """Uploading a batch to the GPU failed during an epoch (out of device memory, a CUDA error)."""

@@ -281,6 +281,8 @@ class _Layer:
         source = await self._open_source()
         try:
             self._source = source
+            if self._finisher is not None:
+                self._finisher.check({name: top.dtype for name, top in source.tops.items()})
             first = self.plan(self._epoch)  # raises for impossible shard/batch settings
             if first.n_batches == 0:
                 raise ConfigurationError(
@@ -397,6 +399,9 @@ class _EpochIterator:
     def __init__(self, layer: _Layer, mode: Mode) -> None:
         self._layer = layer
         self.mode: Mode = mode
+        # Device batches are handed to the thread that yields them (its CUDA stream waits for
+        # the upload); the sync facade yields in another thread than this one, and does it there.
+        self.hand_off = True
         self._run: Run | None = None
         self._done = False
         self._pending: Item | None = None  # taken from the queue, handled on the next call
@@ -463,7 +468,7 @@ class _EpochIterator:
             stats.first_batch_seconds = time.perf_counter() - layer._opened_at
         stats.batches += 1
         stats.samples += len(batch.indices)
-        if layer._finisher is not None:
+        if layer._finisher is not None and self.hand_off:
             layer._finisher.ready(batch)
         return batch
 
@@ -801,13 +806,12 @@ class HDF5DataLayer:
         if portal is None:
             raise ConfigurationError("the layer is not open: iterate inside `with layer:`")
         finisher = self._layer._finisher
+        it.hand_off = False  # the portal thread is not the consumer: this one is
         while True:
             batches = portal.call(it.next_batches, 16)
             if not batches:
                 return
             for batch in batches:
                 if finisher is not None:
-                    # Order the upload before the work of *this* thread's current stream too
-                    # (the portal thread's stream was made to wait already; that is harmless).
-                    finisher.ready(batch)
+                    finisher.ready(batch)  # this thread's current stream waits for the upload
                 yield batch

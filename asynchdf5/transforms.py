@@ -103,7 +103,13 @@ class _Constant:
         key = (x.device.id if xp is not np else None, dtype)
         copy = self._copies.get(key)
         if copy is None:
-            copy = self.host.astype(dtype) if xp is np else xp.asarray(self.host, dtype=dtype)
+            if xp is np:
+                copy = self.host.astype(dtype)
+            else:
+                copy = xp.asarray(self.host, dtype=dtype)
+                # Written on this thread's current stream (a layer's upload stream), but kept
+                # for later batches, maybe another layer's on another stream: wait once for it.
+                xp.cuda.get_current_stream().synchronize()
             self._copies[key] = copy
         return copy
 

@@ -24,8 +24,9 @@ import types
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import anyio
 import numpy as np
 import pytest
 
@@ -33,7 +34,10 @@ from asynchdf5 import (
     AsyncHDF5DataLayer,
     Batch,
     ConfigurationError,
+    DeviceError,
+    HDF5DataLayer,
     MemoryDataLayer,
+    SchemaError,
     TransformError,
 )
 from asynchdf5 import transforms as T
@@ -146,8 +150,10 @@ def test_importing_asynchdf5_and_host_layers_never_import_cupy() -> None:
 
 
 class FakeEvent:
-    def __init__(self, *, disable_timing: bool = False) -> None:
+    def __init__(self, *, block: bool = False, disable_timing: bool = False) -> None:
+        self.block = block
         self.recorded_on: FakeStream | None = None
+        self.recorded_by: int | None = None  # the thread that recorded it
         self.synchronized = False
 
     @property
@@ -169,6 +175,7 @@ class FakeStream:
     def record(self, event: FakeEvent | None = None) -> FakeEvent:
         event = event or FakeEvent()
         event.recorded_on = self
+        event.recorded_by = threading.get_ident()
         self.recorded.append(event)
         return event
 
@@ -188,8 +195,13 @@ class FakeStream:
 
 
 class FakeDevice:
+    synchronized = 0  # device-wide synchronisations (never in the hot path)
+
     def __init__(self, device: int | None = None) -> None:
         self.id = 0 if device is None else int(device)
+
+    def synchronize(self) -> None:
+        FakeDevice.synchronized += 1
 
     def __enter__(self) -> FakeDevice:
         return self
@@ -201,11 +213,23 @@ class FakeDevice:
 FakeDevice.__module__ = "cupy.cuda.device"  # parse_device tells a cupy.cuda.Device by its module
 
 
+class FakeCUDARuntimeError(RuntimeError):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"CUDA error {status}")
+        self.status = status
+
+
 class FakeMemory:
     """Device memory: host bytes whose address stands in for the device pointer."""
 
     live = 0
     created = 0
+    capacity: int | None = None  # blocks cudaMalloc gives before it runs out of memory
+
+    def __new__(cls, size: int) -> FakeMemory:
+        if cls.capacity is not None and cls.live >= cls.capacity:  # before __del__ can run
+            raise FakeCUDARuntimeError(2)  # cudaErrorMemoryAllocation
+        return super().__new__(cls)
 
     def __init__(self, size: int) -> None:
         self._buf = (ctypes.c_char * size)()
@@ -228,15 +252,31 @@ class FakeMemoryPointer:
 
     def copy_from_host_async(self, mem: int, size: int, stream: FakeStream) -> None:
         assert FAKE.current_stream() is stream
+        assert FakePinnedMemory.holds(mem, size), "an async copy from pageable memory"
         ctypes.memmove(self.ptr, mem, size)
+
+
+class _PinnedBytes(bytearray):
+    """Host bytes standing in for page-locked memory (weakly referable, unlike bytearray)."""
 
 
 class FakePinnedMemory:
     created = 0
+    live: ClassVar[weakref.WeakValueDictionary[int, _PinnedBytes]] = weakref.WeakValueDictionary()
 
     def __init__(self, size: int) -> None:
-        self.buffer = bytearray(size)
+        self.buffer = _PinnedBytes(size)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer)) if size else 0
+        FakePinnedMemory.live[start] = self.buffer
         FakePinnedMemory.created += 1
+
+    @classmethod
+    def holds(cls, address: int, size: int) -> bool:
+        """Whether ``size`` bytes at ``address`` lie in one live pinned buffer."""
+        return any(
+            start <= address and address + size <= start + len(buf)
+            for start, buf in list(cls.live.items())
+        )
 
 
 class FakeArray(np.ndarray):
@@ -270,6 +310,8 @@ class FakeCupy:
         self.local = threading.local()
         self.null = FakeStream(name="null")
         self.device_count = 1
+        self.pool = types.SimpleNamespace(freed=0)
+        self.pool.free_all_blocks = lambda: setattr(self.pool, "freed", self.pool.freed + 1)
 
     def stack(self) -> list[FakeStream]:
         if not hasattr(self.local, "stack"):
@@ -284,7 +326,9 @@ class FakeCupy:
     def module(self) -> types.ModuleType:
         fake = types.ModuleType("cupy")
         runtime = types.SimpleNamespace(
-            getDeviceCount=lambda: self.device_count, getDevice=lambda: 0
+            getDeviceCount=lambda: self.device_count,
+            getDevice=lambda: 0,
+            CUDARuntimeError=FakeCUDARuntimeError,
         )
         memory = types.SimpleNamespace(OutOfMemoryError=MemoryError)
         fake.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
@@ -302,6 +346,7 @@ class FakeCupy:
             using_allocator=self.using_allocator,
         )
         fake.ndarray = FakeArray  # type: ignore[attr-defined]
+        fake.get_default_memory_pool = lambda: self.pool  # type: ignore[attr-defined]
         fake.empty = self.empty  # type: ignore[attr-defined]
         fake.asarray = self.asarray  # type: ignore[attr-defined]
         fake.ascontiguousarray = self.ascontiguousarray  # type: ignore[attr-defined]
@@ -359,8 +404,9 @@ def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
     fake = FakeCupy()
     monkeypatch.setattr(sys.modules[__name__], "FAKE", fake)
     monkeypatch.setitem(sys.modules, "cupy", fake.module())
-    FakeMemory.created = FakePinnedMemory.created = 0
+    FakeMemory.created = FakePinnedMemory.created = FakeDevice.synchronized = 0
     yield fake
+    FakeMemory.capacity = None
 
 
 def stage_of(layer: Any) -> DeviceStage:
@@ -555,6 +601,134 @@ async def test_fake_layer_reopens_after_close(fake_cupy: FakeCupy) -> None:
         assert stage_of(layer).memory_stats.pinned_bytes == 0
 
 
+@pytest.mark.parametrize("reuse", [False, True])
+def test_fake_sync_facade_hands_batches_off_in_the_loops_thread(
+    fake_cupy: FakeCupy, tmp_path: Path, reuse: bool
+) -> None:
+    """The ``for`` loop's thread, not the portal's, is the consumer: its stream waits for each
+    upload, blocks it frees are ordered on its stream, and ``reuse_buffers`` recycles a batch
+    only once the loop has moved past it (the portal takes up to 16 batches at a time)."""
+    src, n = write_files(tmp_path, [700])
+    layer = HDF5DataLayer(src, batch_size=8, device="cuda")
+    layer._layer._finisher = DeviceStage("cuda", [], 8, 8, reuse_buffers=reuse)
+    training = FakeStream(non_blocking=True, name="training", busy=True)  # never catches up
+    seen = []
+    with layer, training:
+        for batch in layer:
+            # Read the moment it arrives: nothing may have been written over it yet.
+            np.testing.assert_array_equal(host_copy(batch["label"]), batch.indices)
+            seen.append(batch.indices)
+    assert sorted(np.concatenate(seen).tolist()) == list(range(n))
+    assert len(training.waited) == len(seen)  # every batch's upload, on the loop thread's stream
+    upload = stage_of(layer._layer)._memory._stream  # type: ignore[union-attr]
+    released = [e for e in upload.waited if e.recorded_on is not None]
+    assert released  # blocks came back from the consumer and were reused
+    assert {e.recorded_on.name for e in released} == {"training"}
+    assert not fake_cupy.null.recorded  # nothing recorded on the portal thread's stream
+    mine = threading.get_ident()
+    assert {e.recorded_by for e in released} == {mine}
+
+
+@pytest.mark.anyio
+async def test_fake_blocks_freed_in_other_threads_are_ordered_in_the_consumers(
+    fake_cupy: FakeCupy,
+) -> None:
+    """A batch dropped in another thread (autograd, a GC pass in the gather thread) records
+    nothing there: with per-thread default streams that would be another stream."""
+    layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=8, device="cuda")
+    training = FakeStream(non_blocking=True, name="training", busy=True)
+    handed: list[Batch] = []
+    with training:
+        async with layer:
+            for _ in range(2):
+                async for batch in layer:
+                    handed.append(batch)
+                    if len(handed) == 4:  # dropped by a worker thread
+                        dropped, handed[:] = list(handed), []
+                        await anyio.to_thread.run_sync(dropped.clear)
+    upload = stage_of(layer)._memory._stream  # type: ignore[union-attr]
+    released = [e for e in upload.waited if e.recorded_on is training]
+    assert released
+    assert {e.recorded_by for e in training.recorded} == {threading.get_ident()}
+
+
+@pytest.fixture
+def no_automatic_gc() -> Iterator[None]:
+    gc.collect()  # blocks other tests left to the collector
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_fake_out_of_device_memory_frees_cached_blocks_then_retries(
+    fake_cupy: FakeCupy, no_automatic_gc: None
+) -> None:
+    memory = _DeviceMemory(sys.modules["cupy"], 0, FakeStream(non_blocking=True))
+    base = FakeMemory.live
+    held, cached = memory.malloc(1000), memory.malloc(3000)
+    cycle: list[Any] = [memory.malloc(4096)]
+    cycle.append(cycle)  # garbage only the collector finds
+    del cached, cycle  # the 3072-byte block goes to the cache
+    FakeMemory.capacity = FakeMemory.live  # the device is full
+    first = memory.malloc(2000)  # dropping the cache makes room
+    assert FakeMemory.live - base == 3 and memory.reserved == 1024 + 2048 + 4096
+    assert fake_cupy.pool.freed == 0
+    second = memory.malloc(512)  # collect garbage, free CuPy's own pool, try again
+    assert fake_cupy.pool.freed == 1 and memory.reserved == 1024 + 2048 + 512
+    with pytest.raises(FakeCUDARuntimeError) as info:  # nothing left to free: CuPy's error
+        memory.malloc(512)
+    assert info.value.status == 2
+    assert memory.in_use == 1024 + 2048 + 512
+    del held, first, second
+
+
+@pytest.mark.anyio
+async def test_fake_out_of_device_memory_is_a_device_error(fake_cupy: FakeCupy) -> None:
+    FakeMemory.capacity = 0
+    layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=8, device="cuda")
+    async with layer:
+        with pytest.raises(DeviceError) as info:
+            async for _ in layer:
+                pass
+    message = str(info.value)
+    assert "uploading top 'data'" in message and "a batch of 8 rows" in message
+    assert "CUDA device 0" in message and "reuse_buffers=True" in message
+    assert isinstance(info.value.__cause__, FakeCUDARuntimeError)
+    assert fake_cupy.pool.freed == 1  # CuPy's own cache was given back first
+
+
+@pytest.mark.anyio
+async def test_fake_long_double_top_is_a_schema_error_before_any_batch(
+    fake_cupy: FakeCupy, tmp_path: Path
+) -> None:
+    x = np.zeros((20, 2), np.longdouble)
+    if x.dtype == np.float64:
+        pytest.skip("long double is double on this platform")
+    layer = MemoryDataLayer({"x": x, "y": np.arange(20)}, batch_size=4, device="cuda")
+    with pytest.raises(SchemaError, match=r"top 'x'.*long double"):
+        async with layer:
+            pass
+    assert FakeMemory.created == FakePinnedMemory.created == 0
+
+
+def test_fake_blocks_the_consumer_used_are_freed_once_the_device_is_idle(
+    fake_cupy: FakeCupy, no_automatic_gc: None
+) -> None:
+    cp = sys.modules["cupy"]
+    memory = _DeviceMemory(cp, 0, FakeStream(non_blocking=True))
+    training = FakeStream(non_blocking=True, name="training", busy=True)
+    used, unused, after = memory.malloc(512), memory.malloc(1024), memory.malloc(2048)
+    for lease in memory.leases_of([types.SimpleNamespace(data=p) for p in (used, after)]):
+        lease.stream = training  # handed to the consumer
+    del lease, used, unused  # freed since the last hand-off: pending, and the cache
+    assert not training.recorded and FakeDevice.synchronized == 0  # no CUDA call on release
+    memory.close()
+    assert FakeDevice.synchronized == 1  # the consumer's work on the pending block is done
+    assert memory.reserved == 2048  # only the block still in use
+    del after  # dropped after close: freed at once, once the device is idle
+    assert FakeDevice.synchronized == 2 and memory.reserved == 0 and memory.in_use == 0
+
+
 # -- the real CuPy, without a GPU ---------------------------------------------------------------
 #
 # CI installs the ``cuda12`` extra (``nox -s tests`` on Linux) on a machine without a GPU. CuPy
@@ -678,8 +852,9 @@ def test_stand_in_matches_real_cupy_api(cupy_no_gpu: Any) -> None:
     """What the stage and transforms call on the stand-in exists in CuPy with the same shape."""
     fake = FakeCupy().module()
     pairs: list[tuple[str, Any, Any]] = []
-    for name in ("ndarray", "empty", "asarray", "ascontiguousarray", "multiply", "subtract"):
-        pairs.append((f"cupy.{name}", getattr(fake, name), getattr(cupy_no_gpu, name)))
+    for name, value in vars(fake).items():
+        if not name.startswith("__") and name != "cuda":
+            pairs.append((f"cupy.{name}", value, getattr(cupy_no_gpu, name)))
     for name, value in vars(fake.cuda).items():
         pairs.append((f"cupy.cuda.{name}", value, getattr(cupy_no_gpu.cuda, name)))
     pairs.append(

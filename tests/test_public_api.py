@@ -29,7 +29,8 @@ def test_all_is_sorted_and_complete() -> None:
 
 
 def test_errors_form_one_family() -> None:
-    for name in ("ConfigurationError", "SourceError", "SchemaError", "ReadError", "TransformError"):
+    errors = ("ConfigurationError", "SourceError", "SchemaError", "ReadError", "TransformError")
+    for name in (*errors, "DeviceError"):
         assert issubclass(getattr(asynchdf5, name), asynchdf5.DataLayerError)
     assert issubclass(asynchdf5.ConfigurationError, ValueError)
 
