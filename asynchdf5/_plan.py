@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.random  # numpy imports it lazily: not on the event loop at the first plan
 
 from ._errors import ConfigurationError
 
