@@ -12,6 +12,7 @@ import os
 import sys
 
 import nox
+import nox.command
 
 nox.needs_version = ">=2024.4.15"
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
@@ -48,8 +49,14 @@ def tests(session: nox.Session) -> None:
     On Linux the ``cuda12`` extra (CuPy) is installed too, GPU or not: without a GPU the tests
     then check asynchdf5 against the real CuPy that users install (its API, its error when no
     GPU is usable, that importing asynchdf5 does not import it); the ``gpu``-marked ones skip.
+    Where CuPy cannot be installed (offline, no wheel for this Python), those tests skip too.
     """
-    install(session, "test", "codecs", *(["cuda12"] if sys.platform == "linux" else []))
+    install(session, "test", "codecs")
+    if sys.platform == "linux":
+        try:
+            install(session, "test", "codecs", "cuda12")
+        except nox.command.CommandFailed:
+            session.warn("CuPy could not be installed: the tests against the real CuPy skip")
     session.run("pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
 
 

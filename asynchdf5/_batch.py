@@ -129,6 +129,10 @@ class Finisher(Protocol):
         """Called on the consumer's thread just before ``batch`` is yielded."""
         ...
 
+    def abandon(self) -> None:
+        """The batch being gathered or finished failed: take back what ``alloc`` gave for it."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -251,50 +255,41 @@ def gather_batches(
     the pool's thread (``np.take`` releases the GIL). Transformers always run here, one batch
     after the other: a transformer is never called from two threads at once.
     """
+    if finisher is not None:
+        return _gather_and_finish(specs, buffers, finisher, times)
     t0 = time.perf_counter()
-    parts: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
-    if finisher is None:
-        # The whole group in one buffer, with one `take` per top per run of rows: per-batch
-        # Python work is what limits small batches. The batches are views of the buffer.
-        total = sum(spec.rows for spec in specs)
-        group = buffers.acquire(total)
-        indices = np.empty(total, np.int64)
-        pieces = _merge([p for spec in specs for p in spec.pieces])
-        nbytes = sum(a.nbytes for a in group.values())
-        future = None
-        if pool is not None and nbytes >= PARALLEL_BYTES:
-            head, pieces = _split(pieces, total // 2)
-            future = pool.submit(_gather, head, group, indices)
-            at = total // 2
-        else:
-            at = 0
-        try:
-            _gather(pieces, group, indices, at)
-        finally:
-            if future is not None:
-                future.result()
-        at = 0
-        for spec in specs:
-            end = at + spec.rows
-            parts.append(({k: v[at:end] for k, v in group.items()}, indices[at:end]))
-            at = end
+    # The whole group in one buffer, with one `take` per top per run of rows: per-batch Python
+    # work is what limits small batches. The batches are views of the buffer.
+    total = sum(spec.rows for spec in specs)
+    group = buffers.acquire(total)
+    indices = np.empty(total, np.int64)
+    pieces = _merge([p for spec in specs for p in spec.pieces])
+    nbytes = sum(a.nbytes for a in group.values())
+    future = None
+    if pool is not None and nbytes >= PARALLEL_BYTES:
+        head, pieces = _split(pieces, total // 2)
+        future = pool.submit(_gather, head, group, indices)
+        at = total // 2
     else:
-        # Device staging is per batch: each batch's copy is queued from its own buffers.
-        for spec in specs:
-            staging = buffers.acquire(spec.rows)
-            idx = np.empty(spec.rows, np.int64)
-            _gather(spec.pieces, staging, idx)
-            parts.append((staging, idx))
+        at = 0
+    try:
+        _gather(pieces, group, indices, at)
+    finally:
+        if future is not None:
+            future.result()
+    parts: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
+    at = 0
+    for spec in specs:
+        end = at + spec.rows
+        parts.append(({k: v[at:end] for k, v in group.items()}, indices[at:end]))
+        at = end
     t1 = time.perf_counter()
     out: list[Batch] = []
     error: Exception | None = None
     for spec, (data, indices) in zip(specs, parts, strict=True):
         result: dict[str, Any] = dict(data)
         try:
-            if finisher is not None:
-                result = finisher.finish(result, indices, spec.epoch)
-            else:
-                apply_transformers(result, transformers, spec.epoch, indices)
+            apply_transformers(result, transformers, spec.epoch, indices)
         except Exception as exc:
             error = exc
             break
@@ -302,3 +297,27 @@ def gather_batches(
     times.gather += t1 - t0
     times.transform += time.perf_counter() - t1
     return out, error
+
+
+def _gather_and_finish(
+    specs: Sequence[BatchSpec], buffers: Buffers, finisher: Finisher, times: GatherTimes
+) -> tuple[list[Batch], Exception | None]:
+    """Device batches: each is gathered into its own staging buffers and its upload queued at
+    once, so copies start early; a failure (staging, upload, transformer) keeps the complete
+    batches before it, and gives the failed batch's buffers back."""
+    out: list[Batch] = []
+    for spec in specs:
+        t0 = time.perf_counter()
+        try:
+            staging = buffers.acquire(spec.rows)
+            indices = np.empty(spec.rows, np.int64)
+            _gather(spec.pieces, staging, indices)
+            t1 = time.perf_counter()
+            data = finisher.finish(dict(staging), indices, spec.epoch)
+        except Exception as exc:
+            finisher.abandon()
+            return out, exc
+        times.gather += t1 - t0
+        times.transform += time.perf_counter() - t1
+        out.append(Batch(data, indices, spec.epoch))
+    return out, None

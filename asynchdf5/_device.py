@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ._batch import Batch, Transformer, apply_transformers
-from ._errors import ConfigurationError, DataLayerError, DeviceError, SchemaError
+from ._errors import ConfigurationError, DeviceError, SchemaError
 
 __all__ = ["INSTALL_HINT", "DeviceMemoryStats", "DeviceStage", "parse_device", "resolve_device"]
 
@@ -44,7 +44,7 @@ INSTALL_HINT = (
 )
 _ACCEPTED = "None (NumPy batches), 'cuda', 'cuda:N', an int N >= 0 or a cupy.cuda.Device"
 _CUDA = re.compile(r"cuda(?::([0-9]+))?")
-#: Groups of batches staged in pinned memory: one being gathered, one whose copies run.
+#: Batches staged in pinned memory: one being gathered, one whose copies run.
 STAGING_DEPTH = 2
 #: Device blocks are rounded up to this many bytes, so that batches of one shape share blocks.
 BLOCK_ALIGN = 512
@@ -150,8 +150,8 @@ def _done(buf: _Pinned) -> bool:
 class _Staging:
     """Page-locked host buffers that rows are gathered into; reused once their copy is done.
 
-    The pipeline asks for the buffers of a whole group of batches before it finishes any of
-    them, so a buffer is matched to its batch by address when the batch's copy is enqueued.
+    A buffer is matched to its batch by address when the batch's copy is enqueued; a batch
+    that fails half-way gives its buffers back with :meth:`reclaim`.
     """
 
     def __init__(self, cupy: ModuleType) -> None:
@@ -191,6 +191,13 @@ class _Staging:
     def owns(self, array: np.ndarray) -> bool:
         """Whether ``array`` is (a view at the start of) a buffer lent and not yet copied."""
         return array.ctypes.data in self._lent
+
+    def reclaim(self, event: Any) -> None:
+        """Every lent buffer goes back, reusable after ``event`` (a batch failed half-way)."""
+        for buf in self._lent.values():
+            buf.event = event
+            self._free.setdefault(buf.array.nbytes, deque()).append(buf)
+        self._lent.clear()
 
     def copied(self, arrays: Iterable[Any], event: Any) -> None:
         """The copies reading ``arrays`` (views of lent buffers) end at ``event``."""
@@ -285,6 +292,7 @@ class _DeviceMemory:
                 self._drop_free()
             else:  # batches nobody refers to any more, and blocks CuPy's own pool caches
                 gc.collect()
+                self._drop_pending()
                 self._drop_free()
                 cp.get_default_memory_pool().free_all_blocks()
         raise AssertionError("unreachable")  # pragma: no cover
@@ -330,7 +338,12 @@ class _DeviceMemory:
                 event = events[id(stream)] = self._cupy.cuda.Event(disable_timing=True)
                 stream.record(event)
             with self._lock:
-                self._free.setdefault(size, deque()).append((mem, event))
+                if not self.closed:
+                    self._free.setdefault(size, deque()).append((mem, event))
+                    continue
+                self.reserved -= size  # closed meanwhile (another thread): free it here
+            event.synchronize()
+        pending.clear()  # cudaFree of the blocks freed after close
 
     def leases_of(self, arrays: Iterable[Any]) -> list[_Lease]:
         """The leases of the blocks that ``arrays`` live in (those from this allocator)."""
@@ -339,12 +352,25 @@ class _DeviceMemory:
         found = (self._leases.get(ptr) for ptr in ptrs if isinstance(ptr, int))
         return [lease for lease in found if lease is not None]
 
+    def _drop_pending(self) -> None:
+        """Free the blocks the consumer freed since the last hand-off, once the device is idle."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self.reserved -= sum(size for _, size, _ in pending)
+        if pending:  # used on the consumer's streams, with no event yet
+            self._cupy.cuda.Device(self._device_id).synchronize()
+        pending.clear()
+
     def _drop_free(self) -> None:
-        """Free the cached blocks, once the consumer's work that used them is done."""
+        """Free the cached blocks, once the work that used them is done."""
         with self._lock:
             dropped, self._free = self._free, {}
             self.reserved -= sum(size * len(blocks) for size, blocks in dropped.items())
-        # Outside the lock: waits on the consumer's events, and cudaFree may synchronise.
+        if not dropped:
+            return
+        # Outside the lock: waits on the GPU, and cudaFree may synchronise. Blocks last used on
+        # the upload stream (transformer temporaries) wait for it; the others for the consumer.
+        self._stream.synchronize()
         for blocks in dropped.values():
             for _, event in blocks:
                 if event is not None:
@@ -355,11 +381,7 @@ class _DeviceMemory:
         """Free every cached and pending block (after the device is idle, if any is pending)."""
         with self._lock:
             self.closed = True
-            pending, self._pending = self._pending, []
-            self.reserved -= sum(size for _, size, _ in pending)
-        if pending:  # used on the consumer's streams, with no event: wait for the device
-            self._cupy.cuda.Device(self._device_id).synchronize()
-        pending.clear()
+        self._drop_pending()
         self._drop_free()
 
 
@@ -440,22 +462,31 @@ class DeviceStage:
         return gpu
 
     @contextlib.contextmanager
-    def _failures(self, what: str) -> Iterator[None]:
-        """Turn a CUDA failure into :class:`~asynchdf5.DeviceError` saying what was being done."""
+    def _failures(self, what: str, *, pinned: bool = False) -> Iterator[None]:
+        """Turn a CUDA error or an out-of-memory into :class:`~asynchdf5.DeviceError`.
+
+        The message says what was being done and, out of memory, what the layer holds. Anything
+        else (a bug) passes unchanged.
+        """
+        cuda = self._cupy.cuda
         try:
             yield
-        except DataLayerError:
-            raise
-        except Exception as exc:
+        except (cuda.runtime.CUDARuntimeError, cuda.driver.CUDADriverError, MemoryError) as exc:
             hint = ""
             if getattr(exc, "status", None) == _CUDA_OUT_OF_MEMORY or isinstance(exc, MemoryError):
                 stats = self.memory_stats
-                hint = (
-                    f"; the layer holds {stats.device_bytes} bytes of device memory, "
-                    f"{stats.device_bytes_in_use} in batches not yet freed (in flight or held by "
-                    "you): hold fewer batches, or lower prefetch or batch_size, or set "
-                    "reuse_buffers=True"
-                )
+                if pinned:
+                    hint = (
+                        f"; out of page-locked host memory, the layer holds {stats.pinned_bytes} "
+                        "bytes of it: lower batch_size, or check the memory lock limit (ulimit -l)"
+                    )
+                else:
+                    hint = (
+                        f"; the layer holds {stats.device_bytes} bytes of device memory, "
+                        f"{stats.device_bytes_in_use} in batches not yet freed (in flight or held "
+                        "by you): hold fewer batches, or lower prefetch or batch_size, or set "
+                        "reuse_buffers=True"
+                    )
             raise DeviceError(
                 f"{what} on CUDA device {self.device_id} failed: {type(exc).__name__}: {exc}{hint}"
             ) from exc
@@ -466,7 +497,7 @@ class DeviceStage:
         if nbytes == 0:
             return np.empty(shape, dtype)
         what = f"allocating {nbytes} bytes of pinned host memory for rows of shape {shape}"
-        with self._lock, self._failures(what):
+        with self._lock, self._failures(what, pinned=True):
             gpu = self._open()
             with gpu.device:
                 raw = gpu.staging.take(nbytes)
@@ -482,26 +513,38 @@ class DeviceStage:
                 memory.serial += 1
                 out = _DeviceData()
                 staged = []
+                rows = len(indices)
+                batch = (
+                    f"a batch of {rows} rows, first global index "
+                    f"{int(indices[0]) if rows else None}, epoch {epoch}"
+                )
                 for name, host in data.items():
-                    rows = len(indices)
-                    what = (
-                        f"uploading top {name!r} ({host.nbytes} bytes, a batch of {rows} rows, "
-                        f"first global index {int(indices[0]) if rows else None}, epoch {epoch})"
-                    )
-                    with self._failures(what):
+                    what = f"uploading top {name!r} ({host.nbytes} bytes, {batch})"
+                    with self._failures(what, pinned=not gpu.staging.owns(host)):
                         if host.nbytes:
                             host = self._pinned(gpu.staging, host)
                             staged.append(host)
+                    with self._failures(what):
                         dev = cp.empty(host.shape, host.dtype.newbyteorder("="))
                         if host.nbytes:
                             dev.data.copy_from_host_async(host.ctypes.data, host.nbytes, gpu.stream)
                     out[name] = dev
-                gpu.staging.copied(staged, gpu.record(block=True))
+                with self._failures(f"queueing the copies of {batch}"):
+                    gpu.staging.copied(staged, gpu.record(block=True))
                 apply_transformers(out, self.transformers, epoch, indices)
-                out.event = gpu.record()
+                with self._failures(f"queueing the transformers of {batch}"):
+                    out.event = gpu.record()
                 out.leases = memory.leases_of(out.values())
                 out.serial = memory.serial
         return out
+
+    def abandon(self) -> None:
+        """The batch being gathered or finished failed: its staging buffers go back (no wait)."""
+        with self._lock:
+            gpu = self._gpu
+            if gpu is not None:
+                with gpu.device, contextlib.suppress(Exception):
+                    gpu.staging.reclaim(gpu.record(block=True))
 
     @staticmethod
     def _pinned(staging: _Staging, host: np.ndarray) -> np.ndarray:
@@ -536,7 +579,7 @@ class DeviceStage:
         data = batch._data
         if not isinstance(data, _DeviceData):
             return
-        with self._device:
+        with self._device, self._failures("handing a batch to the consumer's stream"):
             stream = self._cupy.cuda.get_current_stream()
             stream.wait_event(data.event)
             for lease in data.leases:

@@ -222,23 +222,24 @@ class FakeCUDARuntimeError(RuntimeError):
 class FakeMemory:
     """Device memory: host bytes whose address stands in for the device pointer."""
 
-    live = 0
     created = 0
     capacity: int | None = None  # blocks cudaMalloc gives before it runs out of memory
 
     def __new__(cls, size: int) -> FakeMemory:
-        if cls.capacity is not None and cls.live >= cls.capacity:  # before __del__ can run
+        if cls.capacity is not None and fake_blocks() >= cls.capacity:
             raise FakeCUDARuntimeError(2)  # cudaErrorMemoryAllocation
         return super().__new__(cls)
 
     def __init__(self, size: int) -> None:
         self._buf = (ctypes.c_char * size)()
         self.ptr, self.size = ctypes.addressof(self._buf), size
-        FakeMemory.live += 1
         FakeMemory.created += 1
 
-    def __del__(self) -> None:
-        FakeMemory.live -= 1
+
+def fake_blocks() -> int:
+    """``FakeMemory`` blocks not yet freed. Counted from the objects that exist, not with
+    ``__del__``, which the collector also runs for blocks a lease's finaliser keeps (PEP 442)."""
+    return sum(1 for o in gc.get_objects() if type(o) is FakeMemory)
 
 
 class FakeUnownedMemory:
@@ -331,8 +332,10 @@ class FakeCupy:
             CUDARuntimeError=FakeCUDARuntimeError,
         )
         memory = types.SimpleNamespace(OutOfMemoryError=MemoryError)
+        driver = types.SimpleNamespace(CUDADriverError=type("CUDADriverError", (RuntimeError,), {}))
         fake.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
             runtime=runtime,
+            driver=driver,
             memory=memory,
             Device=FakeDevice,
             Stream=FakeStream,
@@ -474,9 +477,11 @@ async def test_fake_batches_ready_on_the_consumers_current_stream(fake_cupy: Fak
     assert upload.non_blocking  # never serialised with the legacy default stream
 
 
-#: Batches the pipeline holds at most, gathered but not yet yielded (prefetch 2, groups of 16
-#: small batches), plus the one the consumer holds and the one being gathered.
-IN_FLIGHT = max(2, 16) + 16 + 2
+#: Batches alive at most (docs/gpu.md, "Memory"): prefetch 2, groups of g = 16 small batches:
+#: the queue to the consumer (max(prefetch, g)), the group the sender holds, the group gathered
+#: and waiting, the group being gathered; plus the consumer's batch, the one it just dropped
+#: (freed at the next hand-off) and a transformer's temporaries.
+IN_FLIGHT = max(2, 16) + 3 * 16 + 3
 MANY = {"data": np.zeros((4003, 4), np.uint8), "label": np.arange(4003)}
 BLOCKS = 2 * 512  # one batch of MANY: two tops, each block rounded up to 512 bytes
 
@@ -554,7 +559,7 @@ def test_fake_ready_twice_then_reuse_buffers_recycles(fake_cupy: FakeCupy) -> No
 
     first = batch(1.0)
     stage.ready(first)
-    stage.ready(first)  # the sync facade may call it twice: nothing recycled
+    stage.ready(first)  # handed off twice: nothing recycled
     assert stage.memory_stats.device_bytes_in_use == 512
     second = batch(2.0)
     stage.ready(second)  # `first` is recycled although still held: the opt-in contract
@@ -624,7 +629,8 @@ def test_fake_sync_facade_hands_batches_off_in_the_loops_thread(
     released = [e for e in upload.waited if e.recorded_on is not None]
     assert released  # blocks came back from the consumer and were reused
     assert {e.recorded_on.name for e in released} == {"training"}
-    assert not fake_cupy.null.recorded  # nothing recorded on the portal thread's stream
+    assert not fake_cupy.null.recorded  # nothing recorded on the portal thread's stream,
+    assert not fake_cupy.null.waited  # and it never waited for an upload
     mine = threading.get_ident()
     assert {e.recorded_by for e in released} == {mine}
 
@@ -664,22 +670,32 @@ def test_fake_out_of_device_memory_frees_cached_blocks_then_retries(
     fake_cupy: FakeCupy, no_automatic_gc: None
 ) -> None:
     memory = _DeviceMemory(sys.modules["cupy"], 0, FakeStream(non_blocking=True))
-    base = FakeMemory.live
+    base = fake_blocks()
     held, cached = memory.malloc(1000), memory.malloc(3000)
     cycle: list[Any] = [memory.malloc(4096)]
     cycle.append(cycle)  # garbage only the collector finds
     del cached, cycle  # the 3072-byte block goes to the cache
-    FakeMemory.capacity = FakeMemory.live  # the device is full
+    FakeMemory.capacity = fake_blocks()  # the device is full
     first = memory.malloc(2000)  # dropping the cache makes room
-    assert FakeMemory.live - base == 3 and memory.reserved == 1024 + 2048 + 4096
+    assert fake_blocks() - base == 3 and memory.reserved == 1024 + 2048 + 4096
     assert fake_cupy.pool.freed == 0
     second = memory.malloc(512)  # collect garbage, free CuPy's own pool, try again
     assert fake_cupy.pool.freed == 1 and memory.reserved == 1024 + 2048 + 512
+    FakeMemory.capacity = None
+    handed: list[Any] = [memory.malloc(512)]
+    (lease,) = memory.leases_of([types.SimpleNamespace(data=handed[0])])
+    lease.stream = FakeStream(non_blocking=True, name="training")  # the consumer had it
+    handed.append(handed)
+    del handed, lease  # garbage, freed by the collector into the pending list
+    FakeMemory.capacity = fake_blocks()
+    synced = FakeDevice.synchronized
+    third = memory.malloc(512)  # pending blocks are freed once the device is idle
+    assert FakeDevice.synchronized == synced + 1
     with pytest.raises(FakeCUDARuntimeError) as info:  # nothing left to free: CuPy's error
         memory.malloc(512)
     assert info.value.status == 2
-    assert memory.in_use == 1024 + 2048 + 512
-    del held, first, second
+    assert memory.in_use == 1024 + 2048 + 512 + 512
+    del held, first, second, third
 
 
 @pytest.mark.anyio
@@ -727,6 +743,57 @@ def test_fake_blocks_the_consumer_used_are_freed_once_the_device_is_idle(
     assert memory.reserved == 2048  # only the block still in use
     del after  # dropped after close: freed at once, once the device is idle
     assert FakeDevice.synchronized == 2 and memory.reserved == 0 and memory.in_use == 0
+
+
+@pytest.mark.anyio
+async def test_fake_pinned_allocation_failure_comes_after_the_complete_batches(
+    fake_cupy: FakeCupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=8, device="cuda")
+    stage = stage_of(layer)
+    calls = 0
+    take = _Staging.take
+
+    def failing(self: _Staging, nbytes: int) -> np.ndarray:
+        nonlocal calls
+        calls += 1
+        if calls == 2 * 7 + 2:  # the second top of the 8th batch
+            raise FakeCUDARuntimeError(2)  # cudaHostAlloc: out of memory
+        return take(self, nbytes)
+
+    monkeypatch.setattr(_Staging, "take", failing)
+    got = []
+    async with layer:
+        with pytest.raises(DeviceError, match=r"pinned host memory.*ulimit -l"):
+            async for batch in layer:
+                await anyio.sleep(0.001)  # a slow consumer: the error waits behind the batches
+                got.append(batch.indices)
+        assert stage._gpu is not None and not stage._gpu.staging._lent  # given back
+    assert len(got) == 7
+    np.testing.assert_array_equal(np.concatenate(got), np.arange(56))
+
+
+def test_fake_finish_copies_host_arrays_into_pinned_memory(fake_cupy: FakeCupy) -> None:
+    """Arrays not gathered into staging (plain, strided, byte-swapped) are copied into pinned
+    buffers first: the stand-in's copy asserts that it reads pinned memory."""
+    stage = DeviceStage("cuda", [], 5, 2)
+    plain = np.arange(15, dtype=np.float32).reshape(5, 3)
+    strided = np.arange(30, dtype=np.int16).reshape(5, 6)[:, ::2]
+    swapped = np.arange(5, dtype=">i4")
+    data: dict[str, np.ndarray] = {
+        "plain": plain,
+        "strided": strided,
+        "swapped": swapped,
+        "empty": np.zeros((5, 0)),
+    }
+    out = stage.finish(dict(data), np.arange(5), 0)
+    for name, host in data.items():
+        got = host_copy(out[name])
+        np.testing.assert_array_equal(got, host)
+        assert got.dtype.isnative and got.dtype.kind == host.dtype.kind
+    assert swapped.dtype == ">i4" and swapped[1] == 1  # the caller's array is left alone
+    assert stage._gpu is not None and not stage._gpu.staging._lent  # all copies queued
+    stage.close()
 
 
 # -- the real CuPy, without a GPU ---------------------------------------------------------------
