@@ -1106,6 +1106,40 @@ async def test_gpu_batches_survive_a_busy_consumer_stream(cupy_gpu: Any, keep: b
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("reuse", [False, True])
+def test_gpu_sync_facade_on_a_busy_consumer_stream(
+    cupy_gpu: Any, tmp_path: Path, reuse: bool
+) -> None:
+    """The sync facade hands each batch to the ``for`` loop's thread and stream: with that
+    stream lagging far behind the host, every batch still reads its own rows (with
+    ``reuse_buffers``, as long as it is used before the next one is asked for)."""
+    src, n = write_files(tmp_path, [500, 300])
+    layer = HDF5DataLayer(
+        src,
+        batch_size=8,
+        shuffle=True,
+        seed=3,
+        prefetch=2,
+        chunk_size=256,
+        device="cuda",
+        reuse_buffers=reuse,
+    )
+    stream = cupy_gpu.cuda.Stream(non_blocking=True)
+    sums, indices = [], []
+    with stream, layer:
+        work = cupy_gpu.ones((2048, 2048), cupy_gpu.float32)
+        for _ in range(2):
+            for batch in layer:
+                for _ in range(4):  # ones @ ones / 2048 == ones: busy, and stable
+                    work = work @ work / 2048
+                sums.append(batch["label"].sum())  # the label is the global index
+                indices.append(batch.indices)
+        got = [int(s) for s in sums]  # synchronises, after every upload
+    assert got == [int(i.sum()) for i in indices]
+    np.testing.assert_array_equal(np.sort(np.concatenate(indices)), np.repeat(np.arange(n), 2))
+
+
+@pytest.mark.gpu
 @pytest.mark.anyio
 async def test_gpu_torch_from_dlpack(cupy_gpu: Any) -> None:
     torch = pytest.importorskip("torch")
