@@ -465,13 +465,26 @@ class _EpochIterator:
         assert self._run is not None
         self._run.head_epoch = None
         self.touched = batch.epoch
+        if layer._finisher is not None and self.hand_off:
+            try:
+                layer._finisher.ready(batch)
+            except BaseException:
+                self.fail()
+                raise
         if stats.first_batch_seconds is None:
             stats.first_batch_seconds = time.perf_counter() - layer._opened_at
         stats.batches += 1
         stats.samples += len(batch.indices)
-        if layer._finisher is not None and self.hand_off:
-            layer._finisher.ready(batch)
         return batch
+
+    def fail(self) -> None:
+        """A batch could not be handed over: this iteration ends as after a pipeline failure
+        (the run is cancelled; the next ``async for`` starts the next epoch whole)."""
+        self._done = True
+        if self._run is not None:
+            self._run.scope.cancel()
+        if self._layer._current is self:
+            self._layer._on_failure(self)
 
     async def next_batches(self, limit: int) -> list[Batch]:
         """The next batch and up to ``limit - 1`` more that are ready now; ``[]`` at the end.
@@ -812,7 +825,13 @@ class HDF5DataLayer:
             batches = portal.call(it.next_batches, 16)
             if not batches:
                 return
-            for batch in batches:
+            batches.reverse()
+            while batches:  # popped: a batch the loop is done with is not held here
+                batch = batches.pop()
                 if finisher is not None:
-                    finisher.ready(batch)  # this thread's current stream waits for the upload
+                    try:  # this thread's current stream waits for the upload
+                        finisher.ready(batch)
+                    except BaseException:
+                        portal.call(it.fail)
+                        raise
                 yield batch
