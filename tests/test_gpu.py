@@ -891,6 +891,27 @@ def test_fake_reclaimed_staging_is_reused_only_after_its_copies(fake_cupy: FakeC
     assert b.ctypes.data != a.ctypes.data and FakePinnedMemory.created == 2
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("reuse", [False, True])
+async def test_fake_stream_mode_on_the_device(fake_cupy: FakeCupy, reuse: bool) -> None:
+    """``layer.stream()``: full batches across epochs, each read as it arrives (with
+    ``reuse_buffers``, a batch is valid until the next one is asked for)."""
+    layer = MemoryDataLayer(
+        {"data": IMAGES, "label": LABELS}, batch_size=16, shuffle=True, seed=2, device="cuda"
+    )
+    layer._finisher = DeviceStage("cuda", [], 16, 8, reuse_buffers=reuse)
+    seen = []
+    async with layer:
+        async for batch in layer.stream():
+            assert len(batch.indices) == 16
+            np.testing.assert_array_equal(host_copy(batch["data"]), IMAGES[batch.indices])
+            seen.append(batch.indices)
+            if len(seen) == 40:  # 640 samples: three epochs and a bit
+                break
+    counts = np.bincount(np.concatenate(seen), minlength=len(LABELS))
+    assert counts.min() >= 3 and counts.max() <= 4  # every sample once per epoch passed
+
+
 # -- the real CuPy, without a GPU ---------------------------------------------------------------
 #
 # CI installs the ``cuda12`` extra (``nox -s tests`` on Linux) on a machine without a GPU. CuPy
