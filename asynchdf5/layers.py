@@ -389,6 +389,7 @@ class _Layer:
         elif it.mode == "epoch":
             self._epoch += 1
         if self._run is not None:
+            self._run.scope.cancel()  # a no-op when the run itself failed: it is over
             self._run.items.close()
         self._run = None
         self._current = None
@@ -434,8 +435,7 @@ class _EpochIterator:
                     raise StopAsyncIteration
                 continue
             assert isinstance(item, Failure)
-            self._done = True
-            layer._on_failure(self)
+            self.fail()
             raise item.error
 
     async def _receive(self, run: Run) -> Item:
@@ -478,11 +478,9 @@ class _EpochIterator:
         return batch
 
     def fail(self) -> None:
-        """A batch could not be handed over: this iteration ends as after a pipeline failure
-        (the run is cancelled; the next ``async for`` starts the next epoch whole)."""
+        """The pipeline failed, or a batch could not be handed over: this iteration ends, the
+        run is stopped, and the next ``async for`` starts the next epoch whole."""
         self._done = True
-        if self._run is not None:
-            self._run.scope.cancel()
         if self._layer._current is self:
             self._layer._on_failure(self)
 
