@@ -35,7 +35,7 @@ import numpy.random  # numpy imports it lazily: not on the event loop at the fir
 
 from ._errors import ConfigurationError
 
-__all__ = ["ChunkPlan", "EpochPlan", "plan_epoch", "shard_share"]
+__all__ = ["ChunkPlan", "EpochPlan", "check_split", "plan_epoch", "shard_share"]
 
 
 @dataclass(frozen=True)
@@ -114,22 +114,42 @@ def shard_share(
     return start, q * batch_size + base + (1 if rank < extra else 0)
 
 
+def check_split(n: int, batch_size: int, world_size: int, drop_last: bool) -> None:
+    """Raise :class:`ConfigurationError` when no rank can plan an epoch of ``n`` samples.
+
+    Decided from values that are the same on every rank, so every rank raises, or none does:
+    a rank that raised alone would leave the others blocked in their collectives.
+    """
+    if n < world_size:
+        raise ConfigurationError(
+            f"the data set has {n} samples, fewer than world_size={world_size}"
+        )
+    q, r = divmod(n, world_size * batch_size)
+    if drop_last and q == 0:
+        raise ConfigurationError(
+            f"drop_last=True with batch_size={batch_size} leaves no batch: the source has {n} "
+            f"samples, fewer than world_size x batch_size = {world_size * batch_size}"
+        )
+    if not drop_last and 0 < r < world_size and (q == 0 or batch_size == 1):
+        raise ConfigurationError(
+            f"{n} samples cannot be split over world_size={world_size} ranks with the same "
+            f"number of batches at batch_size={batch_size} without repeating samples; use "
+            "drop_last=True"
+        )
+
+
 def _batch_layout(
     n: int, batch_size: int, rank: int, world_size: int, drop_last: bool
 ) -> tuple[int, tuple[int, ...]]:
+    check_split(n, batch_size, world_size, drop_last)
     q, r = divmod(n, world_size * batch_size)
     if drop_last or r == 0:
         return q, ()
     mine = shard_share(n, batch_size, rank, world_size)[1] - q * batch_size
     if mine > 0:
         return q, (mine,)
-    # Leftover smaller than world_size and none for this rank: split the last full batch.
-    if q == 0 or batch_size == 1:
-        raise ConfigurationError(
-            f"{n} samples cannot be split over world_size={world_size} ranks with the same "
-            f"number of batches at batch_size={batch_size} without repeating samples; use "
-            "drop_last=True"
-        )
+    # Leftover smaller than world_size and none for this rank: split the last full batch
+    # (check_split made sure there is one, of at least two rows).
     return q - 1, (batch_size - 1, 1)
 
 
@@ -149,14 +169,23 @@ def plan_epoch(
     world_size: int = 1,
     drop_last: bool = False,
     first_rows: int | None = None,
+    stream: bool = False,
 ) -> EpochPlan:
-    """Plan epoch ``epoch`` of rank ``rank`` over ``n`` samples. Pure and deterministic."""
-    if n < world_size:
-        raise ConfigurationError(
-            f"the data set has {n} samples, fewer than world_size={world_size}"
-        )
-    full, tail = _batch_layout(n, batch_size, rank, world_size, drop_last)
-    start, size = shard_share(n, batch_size, rank, world_size, drop_last)
+    """Plan epoch ``epoch`` of rank ``rank`` over ``n`` samples. Pure and deterministic.
+
+    With ``stream=True`` (for :meth:`AsyncHDF5DataLayer.stream`) the epoch is the rank's whole
+    share, whatever ``drop_last``: stream batches are always full and wrap across epochs, so no
+    sample is ever left out; the plan's batch counts are those of full batches.
+    """
+    tail: tuple[int, ...]
+    if stream:
+        if n < world_size:
+            check_split(n, batch_size, world_size, False)
+        start, size = shard_share(n, batch_size, rank, world_size)
+        full, tail = size // batch_size, ()
+    else:
+        full, tail = _batch_layout(n, batch_size, rank, world_size, drop_last)
+        start, size = shard_share(n, batch_size, rank, world_size, drop_last)
     rng = np.random.default_rng(_seed_tuple(seed, epoch))
     offset = int(rng.integers(n)) if shuffle else 0
 

@@ -60,7 +60,7 @@ def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
         # Only the documented impossible cases may refuse.
         q, r = divmod(n, world_size * batch_size)
         impossible = not drop_last and 0 < r < world_size and (q == 0 or batch_size == 1)
-        assert n < world_size or impossible, exc
+        assert n < world_size or impossible or (drop_last and q == 0), exc
         return
     everything = np.sort(np.concatenate([served(p) for p in plans]))
     if drop_last:  # the leftover of fewer than world_size * batch_size samples is left out
@@ -135,3 +135,68 @@ def test_impossible_split_is_a_configuration_error() -> None:
         plan_epoch(
             2, epoch=0, batch_size=1, chunk_size=1, shuffle=False, seed=0, rank=0, world_size=3
         )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    batch_size=st.integers(1, 40),
+    world_size=st.integers(1, 8),
+    drop_last=st.booleans(),
+    stream=st.booleans(),
+)
+def test_every_rank_gets_the_same_answer(
+    n: int, batch_size: int, world_size: int, drop_last: bool, stream: bool
+) -> None:
+    """A configuration is refused on every rank or on none (a rank refusing alone would leave
+    the others waiting in their collectives forever)."""
+    outcomes = []
+    for rank in range(world_size):
+        try:
+            plan_epoch(
+                n,
+                epoch=0,
+                batch_size=batch_size,
+                chunk_size=batch_size,
+                shuffle=False,
+                seed=0,
+                rank=rank,
+                world_size=world_size,
+                drop_last=drop_last,
+                stream=stream,
+            )
+            outcomes.append("ok")
+        except ConfigurationError as exc:
+            outcomes.append(str(exc))
+    assert len(set(outcomes)) == 1, outcomes
+
+
+@given(
+    n=st.integers(1, 500),
+    batch_size=st.integers(1, 40),
+    world_size=st.integers(1, 4),
+    drop_last=st.booleans(),
+)
+def test_stream_plans_ignore_drop_last(
+    n: int, batch_size: int, world_size: int, drop_last: bool
+) -> None:
+    """stream() batches are always full and wrap across epochs: no sample is ever left out."""
+    if n < world_size:
+        return
+    plans = [
+        plan_epoch(
+            n,
+            epoch=1,
+            batch_size=batch_size,
+            chunk_size=7,
+            shuffle=True,
+            seed=3,
+            rank=r,
+            world_size=world_size,
+            drop_last=drop_last,
+            stream=True,
+        )
+        for r in range(world_size)
+    ]
+    everything = np.sort(np.concatenate([served(p) for p in plans]))
+    np.testing.assert_array_equal(everything, np.arange(n))
