@@ -1,4 +1,5 @@
-"""Developer tasks: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``demo``.
+"""Developer tasks: ``nox -s tests``, ``stress``, ``lint``, ``typecheck``, ``docs``, ``bench``,
+``demo``.
 
 Every session runs on the interpreter nox itself runs on (no ``python=`` pin), so the one
 command ``python3 -m pip install nox && python3 -m nox -s tests`` works on any machine that has
@@ -60,6 +61,25 @@ def tests(session: nox.Session) -> None:
             session.warn("CuPy could not be installed: the tests against the real CuPy skip")
             install(session, "test", "codecs")
     session.run("pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
+
+
+@nox.session
+def stress(session: nox.Session) -> None:
+    """The whole-pipeline property tests with thousands of examples (nightly-style).
+
+    ``tests/test_invariants.py`` draws 100 examples per backend in ``nox -s tests``; here it
+    draws ``ASYNCHDF5_STRESS_EXAMPLES`` (default 2000) per backend, each under a deadline, so a
+    configuration that hangs fails instead of freezing. ``nox -s stress -- -x`` stops at the first.
+    """
+    install(session, "test", "codecs")
+    examples = os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", "2000")
+    session.run(
+        "pytest",
+        "tests/test_invariants.py",
+        "tests/test_plan.py",
+        *session.posargs,
+        env={"ASYNCHDF5_STRESS_EXAMPLES": examples, "PYTHONFAULTHANDLER": "1"},
+    )
 
 
 @nox.session

@@ -17,9 +17,11 @@ __all__ = [
     "Batch",
     "BatchSpec",
     "Buffers",
+    "Carry",
     "Finisher",
     "LoadedChunk",
     "apply_transformers",
+    "carry",
     "describe_transformer",
     "gather_batches",
 ]
@@ -96,11 +98,27 @@ class LoadedChunk:
 
 
 @dataclass(eq=False)
+class Carry:
+    """Rows of an incomplete batch copied out of the chunks they came from (see :func:`carry`),
+    in serving order, with their global indices."""
+
+    arrays: Mapping[str, np.ndarray]
+    indices: np.ndarray
+    refs: int = 0
+
+    def done_with(self) -> None:
+        """Nothing to give back: the carry is the batch's own memory."""
+
+
+Piece = tuple["LoadedChunk | Carry", int, int]
+
+
+@dataclass(eq=False)
 class BatchSpec:
     """A batch to gather: pieces ``(chunk, start, stop)`` of chunks' serving orders."""
 
     epoch: int
-    pieces: list[tuple[LoadedChunk, int, int]] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
     rows: int = 0
     ends_epoch: int | None = None  # an epoch whose last sample is in this batch
 
@@ -134,9 +152,6 @@ class Finisher(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-Piece = tuple["LoadedChunk", int, int]
 
 
 def _merge(pieces: Sequence[Piece]) -> list[Piece]:
@@ -176,9 +191,15 @@ def _gather(
     for chunk, a, b in pieces:
         n = b - a
         idx = indices[at : at + n]
+        rows: np.ndarray | slice
+        if isinstance(chunk, Carry):  # rows and indices in serving order
+            idx[:] = chunk.indices[a:b]
+            for name, dest in out.items():
+                dest[at : at + n] = chunk.arrays[name][a:b]
+            at += n
+            continue
         pos = np.arange(a, b) if chunk.order is None else chunk.order[a:b]
         chunk.plan.global_indices(pos, out=idx)
-        rows: np.ndarray | slice
         if chunk.rows_are_global:
             rows = idx
         else:
@@ -190,6 +211,20 @@ def _gather(
             else:
                 np.take(src, rows, axis=0, out=dest[at : at + n])
         at += n
+
+
+def carry(spec: BatchSpec, tops: Mapping[str, tuple[tuple[int, ...], np.dtype[Any]]]) -> Carry:
+    """Copy the rows cut so far into an incomplete batch out of the chunks they are in.
+
+    The batcher calls this when it has cut every row of a chunk and the batch it is building
+    still needs rows from the next one: the copy (fewer than ``batch_size`` rows) lets the
+    chunk's cache slot go back to the reader without waiting for that next chunk. Blocking:
+    run in a worker thread.
+    """
+    arrays = {name: np.empty((spec.rows, *shape), dtype) for name, (shape, dtype) in tops.items()}
+    indices = np.empty(spec.rows, np.int64)
+    _gather(spec.pieces, arrays, indices)
+    return Carry(arrays, indices)
 
 
 #: Below this many bytes a group is gathered on one thread: handing half to another thread costs

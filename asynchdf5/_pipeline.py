@@ -39,6 +39,7 @@ from ._batch import (
     GatherTimes,
     LoadedChunk,
     Transformer,
+    carry,
     gather_batches,
 )
 from ._cache import BatchBuffers, Slot
@@ -110,7 +111,20 @@ class DataSource(Protocol):
 
 
 class Run:
-    """The background pipeline from ``start_epoch`` on, in one mode."""
+    """The background pipeline from ``start_epoch`` on, in one mode.
+
+    **Nothing waits on itself.** The reader needs a free cache slot to read the next chunk, and
+    a slot is freed when every row of its chunk has been cut and every batch cut from it has been
+    gathered. The invariant that keeps this from ever waiting on a later chunk: *no incomplete
+    batch holds a slot across a chunk boundary*. When the batcher has cut the last row of a
+    chunk and the batch it is building is still short (chunks and batches need not line up:
+    ramped first chunks, a short last chunk, a stream wrapping into the next epoch), it copies
+    that batch's rows (fewer than ``batch_size``) into a carry buffer of their own and lets go
+    of the chunk (:meth:`_carry`). So each batch holds at most one slot, and a slot comes back
+    once the batches fully inside its chunk are gathered, which depends only on the consumer
+    taking batches, never on a chunk still to be read. Any number of slots >= 1 makes progress;
+    two let the next chunk be read while this one is served.
+    """
 
     def __init__(
         self,
@@ -153,6 +167,7 @@ class Run:
         self.scope = anyio.CancelScope()
         self.done = anyio.Event()
         self._gather_limiter = anyio.CapacityLimiter(1)
+        self._row_specs = {t.name: (t.sample_shape, t.dtype) for t in source.tops.values()}
 
     async def main(self) -> None:
         """Run until cancelled or failed; always closes the item stream."""
@@ -247,15 +262,27 @@ class Run:
                             await groups.send(specs)
                             specs = []
                 chunk.cut = True
-                chunk.done_with()
                 last = chunk.plan.index == len(plan.chunks) - 1
                 if last and cur is not None:
                     cur.ends_epoch = plan.epoch  # stream mode: the batch wraps into the next epoch
                 if specs:
                     await groups.send(specs)
                     specs = []
+                if cur is not None:
+                    await self._carry(cur)  # the invariant: see the class docstring
+                chunk.done_with()
                 if last and cur is None:
                     await groups.send(EpochEnd(plan.epoch))
+
+    async def _carry(self, spec: BatchSpec) -> None:
+        """Move the rows of the incomplete batch ``spec`` out of the chunks they are in, into a
+        carry buffer of its own, and let go of those chunks."""
+        held = spec.pieces
+        carried = await anyio.to_thread.run_sync(carry, spec, self._row_specs)
+        spec.pieces = [(carried, 0, spec.rows)]
+        for chunk, _, _ in held:
+            chunk.refs -= 1
+            chunk.done_with()
 
     async def _gatherer(
         self, groups: ObjectReceiveStream[_GroupItem], done: ObjectSendStream[_DoneItem]

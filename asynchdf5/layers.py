@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 import sys
@@ -26,7 +27,7 @@ from ._catalog import TopInfo, build_catalog
 from ._codecs import deflate_backend
 from ._errors import ConfigurationError, DataLayerError, SchemaError
 from ._pipeline import DataSource, EpochEnd, Failure, Item, Mode, Run, Stats
-from ._plan import ChunkPlan, EpochPlan, plan_epoch, shard_share
+from ._plan import ChunkPlan, EpochPlan, check_split, plan_epoch, shard_share
 from ._read import HDF5Source
 from ._source import SourceLike, resolve_source
 
@@ -260,8 +261,11 @@ class _Layer:
             return {}
         return dataclasses.asdict(self._finisher.memory_stats)
 
-    def plan(self, epoch: int) -> EpochPlan:
-        """The plan of ``epoch`` for this rank: chunks and batch sizes (pure; no I/O)."""
+    def plan(self, epoch: int, *, stream: bool = False) -> EpochPlan:
+        """The plan of ``epoch`` for this rank: chunks and batch sizes (pure; no I/O).
+
+        ``stream=True``: the plan that :meth:`stream` follows (``drop_last`` does not apply).
+        """
         return plan_epoch(
             self.n_samples,
             epoch=epoch,
@@ -273,6 +277,7 @@ class _Layer:
             world_size=self.world_size,
             drop_last=self.drop_last,
             first_rows=self._first_rows(),
+            stream=stream,
         )
 
     async def __aenter__(self) -> Self:
@@ -284,13 +289,8 @@ class _Layer:
             self._source = source
             if self._finisher is not None:
                 self._finisher.check({name: top.dtype for name, top in source.tops.items()})
-            first = self.plan(self._epoch)  # raises for impossible shard/batch settings
-            if first.n_batches == 0:
-                raise ConfigurationError(
-                    f"drop_last=True with batch_size={self.batch_size} leaves no batch: the "
-                    f"source has {source.n_samples} samples, fewer than world_size x batch_size "
-                    f"= {self.world_size * self.batch_size}"
-                )
+            # The same answer on every rank: decided from the configuration and the catalog.
+            check_split(source.n_samples, self.batch_size, self.world_size, self.drop_last)
             tg = anyio.create_task_group()
             await tg.__aenter__()
         except BaseException:
@@ -353,7 +353,7 @@ class _Layer:
         assert self._tg is not None and self._source is not None
         run = Run(
             self._source,
-            self.plan,
+            functools.partial(self.plan, stream=mode == "stream"),
             mode=mode,
             start_epoch=self._epoch,
             batch_size=self.batch_size,
