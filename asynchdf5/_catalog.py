@@ -1,18 +1,30 @@
 """Catalog: the files of a source, their tops, shapes, dtypes and storage layout.
 
-Built once when a layer is opened, in a worker thread (h5py is only ever called off the event loop).
-It records what the reader needs to read rows without asking h5py again: for each file and top the
-storage layout and, for contiguous data, the byte offset of row 0. The catalog maps the global
-index (files concatenated in source order) to file rows.
+Built once when a layer is opened, in a worker thread (h5py is only ever called off the event
+loop). For each file and top it records exactly where the bytes are, so that the reader never asks
+h5py again on the fast paths, and never guesses: a layout is taken by a fast path only when every
+byte of it is accounted for here; anything else is read by h5py (which converts, fills and
+resolves as HDF5 does), and a layout whose data would silently come out as fill values (a missing
+external file, a virtual dataset whose source is gone) is refused with a :class:`SourceError`.
+
+* ``pread``: data stored contiguously as exactly the numpy dtype's bytes (in either byte order): in
+  the file itself, in the target file of an external link, or in external raw files. Read straight
+  into the cache slot.
+* ``chunks``: chunked along the rows only (each chunk holds whole samples), every chunk allocated,
+  with a filter pipeline that :mod:`._codecs` decodes (fletcher32 checksums verified). A partial
+  last chunk stored unfiltered (``H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS``) is read as stored.
+* ``h5py``: everything else (compact and virtual layouts, chunks that split samples, filters
+  without a GIL-free decoder, types stored with another precision or padding, unwritten chunks).
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
+import functools
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import h5py
@@ -20,19 +32,25 @@ import numpy as np
 
 from ._codecs import unsupported_filters
 from ._errors import SchemaError, SourceError
-from ._source import is_hdf5_file
+from ._sources import Source, StoredFile
 
 __all__ = [
     "Catalog",
     "ChunkIndex",
+    "Extent",
     "FileInfo",
     "Layout",
+    "ReadPath",
     "Segment",
     "TopInfo",
     "build_catalog",
 ]
 
-LayoutKind = Literal["contiguous", "chunked", "other"]
+ReadPath = Literal["pread", "chunks", "h5py"]
+#: ``H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS`` (H5Dpublic.h): partial edge chunks stored unfiltered.
+_DONT_FILTER_PARTIAL_CHUNKS = 0x0002
+#: How many of a file's datasets a "top is missing" message lists.
+_LIST_AT_MOST = 20
 
 
 @dataclass(frozen=True)
@@ -50,51 +68,62 @@ class TopInfo:
 
 
 @dataclass(frozen=True, eq=False)
-class Layout:
-    """How one top is stored in one file, and so which read path it takes.
+class Extent:
+    """Bytes ``start:start + size`` of a dataset's data, stored at ``offset`` of ``file``."""
 
-    * ``offset`` (path ``pread``): the byte offset of row 0 when the rows can be read straight
-      from the file with ``os.preadv`` (contiguous, allocated, no external storage, native dtype).
-    * ``chunks`` (path ``chunks``): for data chunked along the rows only, with every chunk
-      allocated and a filter pipeline that :mod:`._codecs` decodes: the byte offset, stored size
-      and filter mask of each chunk, by chunk number; ``chunk_rows`` rows per chunk.
-    * neither (path ``h5py``): h5py reads it, holding its lock.
-    """
-
-    kind: LayoutKind
-    offset: int | None = None
-    chunk_rows: int | None = None
-    filters: tuple[int, ...] = ()
-    chunks: ChunkIndex | None = None
-    note: str = ""  # why the h5py fallback is taken
-
-    @property
-    def path(self) -> str:
-        if self.offset is not None:
-            return "pread"
-        if self.chunks is not None:
-            return "chunks"
-        return "h5py"
+    file: StoredFile
+    offset: int
+    start: int
+    size: int
 
 
 @dataclass(frozen=True, eq=False)
 class ChunkIndex:
     """Where a dataset's chunks are stored: arrays indexed by chunk number along the rows."""
 
+    file: StoredFile
+    rows: int  # rows per chunk
     offsets: np.ndarray  # int64 byte offsets
     sizes: np.ndarray  # int64 stored sizes
-    masks: np.ndarray  # uint32 filter masks
+    masks: np.ndarray  # uint32 filter masks (bit i set: filter i was skipped for that chunk)
+    #: The last chunk is partial and stored without its filters (DONT_FILTER_PARTIAL_CHUNKS).
+    raw_last: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """How one top is stored in one file, and so which read path it takes.
+
+    ``swap``: stored in the other byte order (swapped in place after a fast read). For the
+    ``h5py`` path: ``dataset`` is the open dataset to read, ``file`` the file holding it, and
+    ``depends`` the files whose bytes that read uses besides (external raw files, virtual
+    sources), which HDF5 opens by name; all are checked after every read.
+    """
+
+    path: ReadPath
+    storage: str  # what `inspect` and the log show: "contiguous", "chunked (100, 3)", ...
+    filters: tuple[int, ...] = ()
+    swap: bool = False
+    extents: tuple[Extent, ...] = ()
+    chunks: ChunkIndex | None = None
+    dataset: Any = None  # h5py.Dataset (h5py ships no types)
+    file: StoredFile | None = None
+    depends: tuple[StoredFile, ...] = ()
+    note: str = ""  # why the h5py path is taken
+
+
+@dataclass(frozen=True, eq=False)
 class FileInfo:
-    """One file of the source: its path, identity, row count and the layout of each top."""
+    """One file of the source: its row count, where its rows start, and each top's layout."""
 
-    path: Path
+    file: StoredFile
     nrows: int
     start: int  # global index of its row 0
     layouts: dict[str, Layout]
-    identity: tuple[int, int, int, int]  # (st_dev, st_ino, st_size, st_mtime_ns) when catalogued
+
+    @property
+    def name(self) -> str:
+        return self.file.name
 
 
 @dataclass(frozen=True)
@@ -107,12 +136,15 @@ class Segment:
     out_start: int
 
 
+@dataclass
 class Catalog:
     """Files and tops of a source; maps global index ranges to file segments."""
 
-    def __init__(self, files: Sequence[FileInfo], tops: dict[str, TopInfo]) -> None:
-        self.files = list(files)
-        self.tops = tops
+    files: list[FileInfo]
+    tops: dict[str, TopInfo]
+    n_samples: int = field(init=False)
+
+    def __post_init__(self) -> None:
         self.n_samples = sum(f.nrows for f in self.files)
         # Files with rows only: 0-row files contribute nothing to the global index.
         self._nonempty = [f for f in self.files if f.nrows > 0]
@@ -122,6 +154,23 @@ class Catalog:
     def row_bytes(self) -> int:
         """Bytes of one sample over all tops."""
         return sum(t.row_bytes for t in self.tops.values())
+
+    def read_paths(self) -> dict[str, str]:
+        """Read path of each top ("+"-joined when files differ)."""
+        paths: dict[str, set[str]] = {t: set() for t in self.tops}
+        for f in self._nonempty:
+            for top, layout in f.layouts.items():
+                paths[top].add(layout.path)
+        return {t: "+".join(sorted(p)) or "none" for t, p in paths.items()}
+
+    def read_notes(self) -> dict[str, str]:
+        """Why a top is read by h5py, when it is."""
+        notes: dict[str, set[str]] = {t: set() for t in self.tops}
+        for f in self._nonempty:
+            for top, layout in f.layouts.items():
+                if layout.note:
+                    notes[top].add(layout.note)
+        return {t: "; ".join(sorted(n)) for t, n in notes.items() if n}
 
     def segments(self, start: int, stop: int, out_start: int = 0) -> list[Segment]:
         """The file segments covering global indices ``start:stop``, in order."""
@@ -138,39 +187,329 @@ class Catalog:
         return out
 
 
-def _check_top(path: Path, name: str, obj: object) -> h5py.Dataset:
+# --- checks ------------------------------------------------------------------------------------
+
+
+def _datasets(h5: h5py.File) -> list[str]:
+    found: list[str] = []
+
+    def visit(name: str, obj: object) -> None:
+        if isinstance(obj, h5py.Dataset):
+            found.append("/" + name)
+
+    h5.visititems(visit)
+    return found
+
+
+def _missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
+    have = _datasets(h5)
+    listed = ", ".join(repr(d) for d in have[:_LIST_AT_MOST])
+    if len(have) > _LIST_AT_MOST:
+        listed += f", ... ({len(have)} in all)"
+    return SchemaError(
+        f"{name}: top {top!r} is missing (no such dataset in the file); the file has "
+        + (f"the datasets {listed}" if have else "no datasets")
+    )
+
+
+def _check_top(name: str, h5: h5py.File, top: str) -> h5py.Dataset:
+    try:
+        obj = h5.get(top)
+    except (KeyError, OSError) as exc:  # a dangling soft or external link
+        raise SchemaError(f"{name}: top {top!r} cannot be opened: {exc}") from exc
     if obj is None:
-        raise SchemaError(f"{path}: top {name!r} is missing (no such dataset in the file)")
+        link = h5.get(top, getlink=True)
+        if isinstance(link, h5py.ExternalLink):
+            raise SourceError(
+                f"{name}: top {top!r} is an external link to {link.path!r} in "
+                f"{link.filename!r}, which cannot be opened (missing, or no such dataset there)"
+            )
+        if isinstance(link, h5py.SoftLink):
+            raise SchemaError(
+                f"{name}: top {top!r} is a soft link to {link.path!r}, which does not exist"
+            )
+        raise _missing_top(name, h5, top)
     if not isinstance(obj, h5py.Dataset):
-        raise SchemaError(f"{path}: top {name!r} is a {type(obj).__name__}, not a dataset")
+        raise SchemaError(f"{name}: top {top!r} is a {type(obj).__name__}, not a dataset")
     dt = obj.dtype
     if obj.shape is None or len(obj.shape) == 0:
         raise SchemaError(
-            f"{path}: top {name!r} is a scalar (0-d) dataset; a top needs one row per sample"
+            f"{name}: top {top!r} is a scalar (0-d) dataset; a top needs one row per sample"
         )
     if dt.names is not None:
-        raise SchemaError(f"{path}: top {name!r} has a compound dtype {dt}; not supported")
+        raise SchemaError(f"{name}: top {top!r} has a compound dtype {dt}; not supported")
     if h5py.check_vlen_dtype(dt) is not None or h5py.check_string_dtype(dt) is not None:
         raise SchemaError(
-            f"{path}: top {name!r} holds strings or variable-length data ({dt}); not supported"
+            f"{name}: top {top!r} holds strings or variable-length data ({dt}); not supported"
         )
     if dt.kind not in "biufc" or dt.subdtype is not None:
         raise SchemaError(
-            f"{path}: top {name!r} has dtype {dt}; only bool, integer, float and complex are "
+            f"{name}: top {top!r} has dtype {dt}; only bool, integer, float and complex are "
             "supported"
         )
     return obj
 
 
-def _chunk_index(dset: h5py.Dataset, nchunks: int) -> ChunkIndex | None:
+def _stored_as_numpy(dset: h5py.Dataset) -> bool:
+    """Whether the stored type is exactly the standard type of the dataset's numpy dtype, so its
+    bytes can be used without conversion (not, e.g., a 20-bit integer in 4 bytes)."""
+    ftype = dset.id.get_type()
+    plain = np.dtype(dset.dtype.str)  # without h5py's enum metadata
+    try:
+        if ftype.equal(h5py.h5t.py_create(dset.dtype)):
+            return True
+        # Enum values are stored as their base integers.
+        return bool(
+            ftype.get_class() == h5py.h5t.ENUM
+            and plain.kind in "iu"
+            and ftype.get_super().equal(h5py.h5t.py_create(plain))
+        )
+    except (TypeError, ValueError):
+        return False
+
+
+# --- the libhdf5 that h5py uses, for what h5py does not wrap -----------------------------------
+
+
+@functools.cache
+def _get_chunk_opts() -> Callable[[int], int | None] | None:
+    """``H5Pget_chunk_opts`` of the libhdf5 h5py loaded, or None where it cannot be found."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:  # Linux: the very library h5py loaded
+            paths = sorted(
+                {
+                    line.split()[-1]
+                    for line in maps
+                    if "/libhdf5" in line and "libhdf5_hl" not in line and line.count("/")
+                }
+            )
+    except OSError:
+        pass
+    if not paths:  # wheels elsewhere keep it beside h5py
+        base = os.path.dirname(os.path.dirname(h5py.__file__))
+        for folder in ("h5py.libs", os.path.join("h5py", ".dylibs")):
+            d = os.path.join(base, folder)
+            if os.path.isdir(d):
+                paths += [os.path.join(d, n) for n in sorted(os.listdir(d)) if "hdf5_hl" not in n]
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).H5Pget_chunk_opts
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_uint)]
+        fn.restype = ctypes.c_int
+
+        def get(plist_id: int, fn: Any = fn) -> int | None:
+            opts = ctypes.c_uint(0)
+            return int(opts.value) if fn(plist_id, ctypes.byref(opts)) >= 0 else None
+
+        return get
+    return None
+
+
+def _chunk_opts(plist: Any) -> int | None:
+    get = _get_chunk_opts()
+    return None if get is None else get(plist.id)
+
+
+# --- layouts -----------------------------------------------------------------------------------
+
+
+def _prefixed(name: str, owner: str, prefix: str | bytes | None, env: str) -> str | None:
+    """``name`` under an HDF5 prefix property or environment variable (``${ORIGIN}``: the
+    folder of ``owner``), or None when neither is set."""
+    if isinstance(prefix, bytes):
+        prefix = prefix.decode()
+    prefix = prefix or os.environ.get(env) or ""
+    if not prefix:
+        return None
+    if prefix.startswith("${ORIGIN}"):
+        prefix = os.path.dirname(owner) + prefix[len("${ORIGIN}") :]
+    return os.path.join(prefix, name)
+
+
+def _external_extents(
+    source: Source, file: StoredFile, dset: h5py.Dataset, top: str, nbytes: int
+) -> tuple[Extent, ...]:
+    """The external raw files of ``dset`` (``H5Pset_external``), each checked to hold the bytes
+    the dataset needs: HDF5 would read zeros past the end of a short or missing one."""
+    plist = dset.id.get_create_plist()
+    prefix = dset.id.get_access_plist().get_efile_prefix()
+    extents = []
+    start = 0
+    for i in range(plist.get_external_count()):
+        if start >= nbytes:
+            break
+        raw_name, offset, size = plist.get_external(i)
+        name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+        if not os.path.isabs(name):  # as HDF5 does: a prefix, else the working directory
+            name = _prefixed(name, file.name, prefix, "HDF5_EXTFILE_PREFIX") or os.path.abspath(
+                name
+            )
+        used = min(size, nbytes - start)
+        if not source.exists(name):
+            raise SourceError(
+                f"{file.name}: top {top!r} keeps its data in the external file {name!r}, which "
+                "does not exist (HDF5 would read zeros in its place)"
+            )
+        ext = source.open(name, hdf5=False)
+        if ext.size < offset + used:
+            raise SourceError(
+                f"{file.name}: top {top!r} keeps bytes {start}:{start + used} of its data in the "
+                f"external file {name!r} from offset {offset}, but that file has only {ext.size} "
+                "bytes (HDF5 would read zeros in place of the rest)"
+            )
+        extents.append(Extent(ext, int(offset), start, int(used)))
+        start += used
+    if start < nbytes:
+        raise SourceError(
+            f"{file.name}: top {top!r} needs {nbytes} bytes of external storage, its external "
+            f"files hold {start}"
+        )
+    return tuple(extents)
+
+
+def _virtual_sources(
+    source: Source, file: StoredFile, dset: h5py.Dataset, top: str
+) -> tuple[StoredFile, ...]:
+    """The source files of a virtual dataset, each checked to exist and to hold the rows mapped
+    from it: HDF5 reads fill values where a source is missing or short."""
+    plist = dset.id.get_create_plist()
+    prefix = dset.id.get_access_plist().get_virtual_prefix()
+    depends: dict[str, StoredFile] = {}
+    for i in range(plist.get_virtual_count()):
+        fname = plist.get_virtual_filename(i)
+        dname = plist.get_virtual_dsetname(i)
+        where = f"{file.name}: top {top!r} is a virtual dataset whose mapping {i}"
+        if "%" in fname or "%" in dname:
+            raise SourceError(
+                f"{where} names its sources with a printf-style pattern ({fname!r}, {dname!r}), "
+                "which cannot be checked for missing sources: write a virtual dataset with "
+                "explicit source names, or copy the data into a plain dataset"
+            )
+        if fname == ".":
+            stored = file
+        else:
+            candidates = [fname] if os.path.isabs(fname) else []
+            if not candidates:
+                pre = _prefixed(fname, file.name, prefix, "HDF5_VDS_PREFIX")
+                candidates = [c for c in (pre,) if c is not None]
+                candidates += [os.path.join(os.path.dirname(file.name), fname)]
+                candidates += [os.path.abspath(fname)]
+            name = next((c for c in candidates if source.exists(c)), None)
+            if name is None:
+                raise SourceError(
+                    f"{where} reads from {fname!r}, which does not exist (HDF5 would read fill "
+                    "values in place of its rows)"
+                )
+            stored = depends.get(name) or source.open(name)
+        src = stored.h5py_file().get(dname)
+        if not isinstance(src, h5py.Dataset):
+            raise SourceError(
+                f"{where} reads dataset {dname!r} of {stored.name!r}, which has no such dataset "
+                "(HDF5 would read fill values in place of its rows)"
+            )
+        space = plist.get_virtual_srcspace(i)
+        if space.get_select_type() == h5py.h5s.SEL_ALL:  # the whole source, as many elements
+            need = plist.get_virtual_vspace(i).get_select_npoints()
+            if src.size < need:
+                raise SourceError(
+                    f"{where} maps {need} elements from {dname!r} in {stored.name!r}, which has "
+                    f"only {src.size} (shape {src.shape}; HDF5 would read fill values for the rest)"
+                )
+        elif space.get_select_type() != h5py.h5s.SEL_NONE:
+            _, end = space.get_select_bounds()
+            if any(e >= n for e, n in zip(end, src.shape, strict=False)):
+                raise SourceError(
+                    f"{where} reads up to index {tuple(end)} of {dname!r} in {stored.name!r}, "
+                    f"which has shape {src.shape} (HDF5 would read fill values beyond it)"
+                )
+        if stored is not file:
+            depends[stored.name] = stored
+    return tuple(depends.values())
+
+
+def _h5py(storage: str, file: StoredFile, dset: h5py.Dataset, note: str, **kw: Any) -> Layout:
+    return Layout("h5py", storage, dataset=dset, file=file, note=note, **kw)
+
+
+def _layout(source: Source, file: StoredFile, dset: h5py.Dataset, top: str) -> Layout:
+    plist = dset.id.get_create_plist()
+    kind = plist.get_layout()
+    nrows = int(dset.shape[0])
+    row_bytes = dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64))
+    nbytes = nrows * row_bytes
+    exact = _stored_as_numpy(dset)
+    swap = not dset.dtype.isnative and dset.dtype.itemsize > 1
+    if kind == h5py.h5d.VIRTUAL:
+        depends = _virtual_sources(source, file, dset, top)
+        return _h5py("virtual", file, dset, "virtual dataset", depends=depends)
+    if kind == h5py.h5d.COMPACT:
+        return _h5py("compact", file, dset, "compact layout")
+    if kind == h5py.h5d.CONTIGUOUS:
+        if plist.get_external_count() > 0:
+            extents = _external_extents(source, file, dset, top, nbytes)
+            files = tuple({id(e.file): e.file for e in extents}.values())
+            storage = f"external ({len(files)} file{'s' if len(files) != 1 else ''})"
+            if not exact:
+                return _h5py(storage, file, dset, "stored type needs conversion", depends=files)
+            return Layout("pread", storage, swap=swap, extents=extents)
+        offset = dset.id.get_offset()
+        if offset is None or nbytes == 0:  # never written: HDF5 supplies the fill value
+            return _h5py("contiguous", file, dset, "not allocated (fill values)")
+        if not exact:
+            return _h5py("contiguous", file, dset, "stored type needs conversion")
+        if offset + nbytes > file.size:
+            raise SourceError(
+                f"{file.name}: top {top!r} is stored at bytes {offset}:{offset + nbytes}, beyond "
+                f"the end of the file ({file.size} bytes): the file is truncated"
+            )
+        return Layout("pread", "contiguous", swap=swap, extents=(Extent(file, offset, 0, nbytes),))
+    # Chunked.
+    chunks = tuple(int(c) for c in dset.chunks)
+    filters = tuple(plist.get_filter(i)[0] for i in range(plist.get_nfilters()))
+    storage = f"chunked {chunks}"
+    if not exact:
+        return _h5py(storage, file, dset, "stored type needs conversion", filters=filters)
+    if chunks[1:] != tuple(dset.shape[1:]):
+        return _h5py(storage, file, dset, f"chunks {chunks} split the samples", filters=filters)
+    missing = unsupported_filters(filters)
+    if missing:
+        note = f"no GIL-free decoder for {', '.join(missing)}"
+        return _h5py(storage, file, dset, note, filters=filters)
+    rows = chunks[0]
+    raw_last = False
+    if filters and nrows % rows:
+        opts = _chunk_opts(plist)
+        if opts is None:
+            note = "cannot tell whether the partial last chunk is filtered (libhdf5 not found)"
+            return _h5py(storage, file, dset, note, filters=filters)
+        raw_last = bool(opts & _DONT_FILTER_PARTIAL_CHUNKS)
+    index = _chunk_index(file, dset, -(-nrows // rows), rows, raw_last) if nrows else None
+    if index is None:
+        note = "chunks not all written (fill values)"
+        return _h5py(storage, file, dset, note, filters=filters)
+    end = int((index.offsets + index.sizes).max()) if len(index.offsets) else 0
+    if end > file.size:
+        raise SourceError(
+            f"{file.name}: top {top!r} has chunks stored up to byte {end}, beyond the end of the "
+            f"file ({file.size} bytes): the file is truncated"
+        )
+    return Layout("chunks", storage, filters=filters, swap=swap, chunks=index)
+
+
+def _chunk_index(
+    file: StoredFile, dset: h5py.Dataset, nchunks: int, rows: int, raw_last: bool
+) -> ChunkIndex | None:
     offsets = np.full(nchunks, -1, np.int64)
     sizes = np.zeros(nchunks, np.int64)
     masks = np.zeros(nchunks, np.uint32)
-    rows = dset.chunks[0]
 
     def visit(info: Any) -> None:
         k = info.chunk_offset[0] // rows
-        offsets[k], sizes[k], masks[k] = info.byte_offset, info.size, info.filter_mask
+        if k < nchunks:  # chunks beyond the extent (a dataset shrunk) are not data
+            offsets[k], sizes[k], masks[k] = info.byte_offset, info.size, info.filter_mask
 
     dsid = dset.id
     if hasattr(dsid, "chunk_iter"):
@@ -180,103 +519,75 @@ def _chunk_index(dset: h5py.Dataset, nchunks: int) -> ChunkIndex | None:
             visit(dsid.get_chunk_info(i))
     if (offsets < 0).any():
         return None  # some chunks were never written: h5py supplies the fill value
-    return ChunkIndex(offsets, sizes, masks)
+    return ChunkIndex(file, rows, offsets, sizes, masks, raw_last)
 
 
-def _layout(dset: h5py.Dataset, native: np.dtype[Any]) -> Layout:
-    plist = dset.id.get_create_plist()
-    kind = plist.get_layout()
-    external = plist.get_external_count() > 0
-    if kind == h5py.h5d.CONTIGUOUS:
-        offset = dset.id.get_offset()
-        direct = offset is not None and not external and dset.dtype == native and dset.shape[0] > 0
-        return Layout(
-            "contiguous",
-            offset if direct else None,
-            note="" if direct else "unallocated, external or non-native byte order",
-        )
-    if kind != h5py.h5d.CHUNKED:
-        return Layout("other", note="compact or virtual layout")
-    chunks = dset.chunks
-    filters = tuple(plist.get_filter(i)[0] for i in range(plist.get_nfilters()))
-    layout = Layout("chunked", None, chunks[0], filters)
-    if dset.dtype != native:
-        return replace(layout, note="non-native byte order")
-    if tuple(chunks[1:]) != tuple(dset.shape[1:]):
-        return replace(layout, note=f"chunks {chunks} split the samples")
-    missing = unsupported_filters(filters)
-    if missing:
-        return replace(layout, note=f"no GIL-free decoder for {', '.join(missing)}")
-    nchunks = -(-dset.shape[0] // chunks[0])
-    index = _chunk_index(dset, nchunks) if nchunks else None
-    if index is None:
-        return replace(layout, note="chunks not all allocated (fill values)")
-    return replace(layout, chunks=index)
+# --- the catalog -------------------------------------------------------------------------------
 
 
-def _open(path: Path) -> h5py.File:
-    if not path.exists():
-        raise SourceError(f"HDF5 file {str(path)!r} (named in the source) does not exist")
-    if path.is_dir():
-        raise SourceError(f"{str(path)!r} (named in the source) is a directory, not an HDF5 file")
-    if not os.access(path, os.R_OK):
-        raise SourceError(f"HDF5 file {str(path)!r} is not readable (permission denied)")
-    try:
-        if not is_hdf5_file(path):
-            raise SourceError(f"{str(path)!r} (named in the source) is not an HDF5 file")
-        return h5py.File(path, "r")
-    except SourceError:
-        raise
-    except OSError as exc:
-        raise SourceError(f"cannot open HDF5 file {str(path)!r}: {exc}") from exc
+def _physical(source: Source, file: StoredFile, dset: h5py.Dataset) -> tuple[StoredFile, Any]:
+    """The file that holds ``dset`` and the dataset opened there: the target of an external
+    link is another file, whose own bytes the reader must read."""
+    target = os.path.abspath(dset.file.filename)
+    if target == file.name:
+        return file, dset
+    other = source.open(target)
+    return other, other.h5py_file()[dset.name]
 
 
-def build_catalog(paths: Sequence[Path], tops: Sequence[str]) -> Catalog:
-    """Open every file once, check the tops and record their layout. Blocking: run in a thread."""
+def build_catalog(source: Source, entries: Sequence[str], tops: Sequence[str]) -> Catalog:
+    """Open every file once, check the tops and record their layout. Blocking: run in a thread.
+
+    Raises :class:`SourceError` (a file missing, unreadable, not HDF5, or data that would come
+    out as fill values) or :class:`SchemaError` (tops missing or not matching across files).
+    """
     infos: list[FileInfo] = []
     specs: dict[str, TopInfo] = {}
-    first_file: dict[str, Path] = {}
+    first_file: dict[str, str] = {}
+    touched: dict[int, StoredFile] = {}  # files whose h5py handle was opened
+    needed: set[int] = set()  # ... and those the h5py read path goes on using
     start = 0
-    for path in paths:
-        with _open(path) as f:
-            rows: dict[str, int] = {}
-            layouts: dict[str, Layout] = {}
-            for name in tops:
-                dset = _check_top(path, name, f.get(name))
-                native = dset.dtype.newbyteorder("=")
-                shape = tuple(int(s) for s in dset.shape[1:])
-                spec = specs.get(name)
-                if spec is None:
-                    specs[name] = TopInfo(name, native, shape)
-                    first_file[name] = path
-                elif spec.sample_shape != shape or spec.dtype != native:
-                    raise SchemaError(
-                        f"{path}: top {name!r} has samples of shape {shape} and dtype {native}, "
-                        f"but {first_file[name]} has shape {spec.sample_shape} and dtype "
-                        f"{spec.dtype}; a top must have the same sample shape and dtype in every "
-                        "file"
-                    )
-                rows[name] = int(dset.shape[0])
-                layouts[name] = _layout(dset, native)
-            counts = set(rows.values())
-            if len(counts) > 1:
-                detail = ", ".join(f"{k!r}: {v}" for k, v in rows.items())
+    for entry in entries:
+        file = source.open(entry)
+        h5 = file.h5py_file()
+        touched[id(file)] = file
+        rows: dict[str, int] = {}
+        layouts: dict[str, Layout] = {}
+        for name in tops:
+            dset = _check_top(file.name, h5, name)
+            native = dset.dtype.newbyteorder("=")
+            shape = tuple(int(s) for s in dset.shape[1:])
+            spec = specs.get(name)
+            if spec is None:
+                specs[name] = TopInfo(name, np.dtype(native.str), shape)
+                first_file[name] = file.name
+            elif spec.sample_shape != shape or spec.dtype != native:
                 raise SchemaError(
-                    f"{path}: the tops have different row counts ({detail}); row r of every top "
-                    "must be the same sample"
+                    f"{file.name}: top {name!r} has samples of shape {shape} and dtype {native}, "
+                    f"but {first_file[name]} has shape {spec.sample_shape} and dtype "
+                    f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
                 )
-            st = os.stat(path)
-            nrows = counts.pop()
-            infos.append(
-                FileInfo(
-                    path,
-                    nrows,
-                    start,
-                    layouts,
-                    (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns),
-                )
+            rows[name] = int(dset.shape[0])
+            holder, dset = _physical(source, file, dset)
+            layout = layouts[name] = _layout(source, holder, dset, name)
+            touched[id(holder)] = holder
+            for dep in layout.depends:
+                touched[id(dep)] = dep
+            if layout.path == "h5py":
+                needed.add(id(holder))
+        counts = set(rows.values())
+        if len(counts) > 1:
+            detail = ", ".join(f"{k!r}: {v} rows" for k, v in rows.items())
+            raise SchemaError(
+                f"{file.name}: the tops have different row counts ({detail}); row r of every "
+                "top must be the same sample"
             )
-            start += nrows
+        nrows = counts.pop()
+        infos.append(FileInfo(file, nrows, start, layouts))
+        start += nrows
+    for key, stored in touched.items():  # the fast paths read through the source, not h5py
+        if key not in needed:
+            stored.close_h5py()
     if start == 0:
         raise SourceError(
             f"the source's {len(infos)} file(s) hold no samples (every top has 0 rows)"

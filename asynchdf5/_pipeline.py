@@ -107,7 +107,9 @@ class DataSource(Protocol):
 
     async def load(self, chunk: ChunkPlan, slot: Slot | None, stats: Stats) -> LoadedChunk: ...
 
-    def close(self) -> None: ...
+    async def aclose(self) -> None:
+        """Release threads and files (shielded from cancellation)."""
+        ...
 
 
 class Run:

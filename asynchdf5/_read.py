@@ -1,273 +1,119 @@
 """Chunk reader: fills a cache slot with the rows of a chunk, for all tops.
 
-Two paths, chosen per file and top when the catalog is built:
+The catalog says how each top of each file is stored; from that, the reader turns a chunk into
+byte ranges and hands them to the source (the seam: local files, remote objects), which moves the
+bytes and checks that the files did not change:
 
-* ``pread``: contiguous, uncompressed, native-dtype data is read with ``os.preadv`` straight into
-  the slot, outside h5py's process-wide lock, so nobody else's h5py call waits on the loader.
-* ``chunks``: chunked (and compressed) data whose filters :mod:`._codecs` decodes: the stored
-  chunks are read with ``os.pread`` and decoded by a pool of threads, outside h5py's lock.
-* ``h5py``: everything else (chunks that split samples, unsupported filters, other byte orders,
-  unallocated or external storage) is read with ``Dataset.read_direct``. **This holds h5py's
-  lock** for the call, so reads are cut into pieces of at most ``PIECE_BYTES``.
-
-All functions here block: the pipeline runs them in worker threads.
+* ``pread``: contiguous data is fetched straight into the slot (and byte-swapped in place when
+  stored in the other byte order), outside h5py's process-wide lock.
+* ``chunks``: each stored chunk is fetched and decoded by a pool of threads (:mod:`._codecs`,
+  checksums verified), outside h5py's lock; a partial last chunk stored unfiltered is copied as is.
+* ``h5py``: everything else is read with ``Dataset.read_direct``. **This holds h5py's lock** for
+  the call, so reads are cut into pieces of at most ``PIECE_BYTES``. The files it used are
+  checked afterwards, by name too for those HDF5 opens by name (external raw files, virtual
+  sources): a source that vanished would have come out as fill values.
 """
 
 from __future__ import annotations
 
 import os
 import time
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import h5py
+import anyio.to_thread
 import numpy as np
 
 from ._batch import LoadedChunk
 from ._cache import Slot
-from ._catalog import Catalog, FileInfo, Layout, Segment
-from ._codecs import ChunkDecoder
+from ._catalog import Catalog, Layout, Segment, TopInfo
+from ._codecs import ChecksumError, ChunkDecoder
 from ._errors import ReadError
 from ._plan import ChunkPlan
+from ._sources import ByteRange, Source
+from ._sources._local import PIECE_BYTES
 
 if TYPE_CHECKING:
     from ._pipeline import Stats
 
-__all__ = ["PIECE_BYTES", "HDF5Reader", "HDF5Source", "ReadItem"]
-
-#: Largest read done in one call: bounds how long a read holds a thread (and, on the h5py path,
-#: h5py's lock), so cancellation and other h5py users are never held up for long.
-PIECE_BYTES = 32 * 2**20
+__all__ = ["HDF5Reader"]
 
 
-@dataclass(frozen=True)
-class ReadItem:
-    """Rows ``row_start:row_stop`` of ``top`` in ``file``, to land at ``out_start`` of the slot."""
+def _byte_view(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
-    top: str
-    file: FileInfo
-    row_start: int
-    row_stop: int
-    out_start: int
 
-    def describe(self) -> str:
-        return f"{self.file.path}: top {self.top!r}, rows {self.row_start}:{self.row_stop}"
+class _H5pyRead:
+    """Rows ``r0:r1`` of a top read by h5py into ``dest`` (blocking)."""
+
+    __slots__ = ("about", "dest", "layout", "r0", "r1")
+
+    def __init__(self, layout: Layout, r0: int, r1: int, dest: np.ndarray, about: str) -> None:
+        self.layout, self.r0, self.r1, self.dest, self.about = layout, r0, r1, dest, about
+
+    def __call__(self) -> int:
+        layout = self.layout
+        assert layout.file is not None
+        try:
+            layout.dataset.read_direct(self.dest, np.s_[self.r0 : self.r1])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
+            self._check()  # a file that changed is the cause to report
+            raise ReadError(f"{layout.file.name}: {self.about}: read failed: {exc}") from exc
+        self._check()
+        return int(self.dest.nbytes)
+
+    def _check(self) -> None:
+        """The files this read used are as catalogued (by name, those HDF5 opens by name)."""
+        layout = self.layout
+        assert layout.file is not None
+        try:
+            layout.file.check()
+            for dep in layout.depends:
+                dep.check(by_name=True)
+        except ReadError as exc:
+            raise ReadError(f"{self.about}: {exc}") from exc
+
+
+class _Decode:
+    """Decode one stored chunk and copy its rows ``first:first + len(part)`` into ``part``
+    (rows of a slot, as bytes), byte-swapping them to ``swap_as`` if given. Runs on a codec
+    thread."""
+
+    __slots__ = ("decoder", "first", "mask", "part", "swap_as", "what")
+
+    def __init__(
+        self,
+        decoder: ChunkDecoder,
+        mask: int,
+        part: np.ndarray,
+        first: int,
+        swap_as: np.dtype[Any] | None,
+        what: str,
+    ) -> None:
+        self.decoder, self.mask, self.part, self.first = decoder, mask, part, first
+        self.swap_as, self.what = swap_as, what
+
+    def __call__(self, raw: bytes | memoryview) -> None:
+        try:
+            data = self.decoder.decode(raw, self.mask)
+        except ChecksumError as exc:
+            raise ReadError(f"{self.what}: {exc}") from exc
+        except Exception as exc:
+            # Each codec has its own error class (deflate.DeflateError, isal's IsalError,
+            # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
+            raise ReadError(f"{self.what} does not decode: {type(exc).__name__}: {exc}") from exc
+        part = self.part
+        rows = data.reshape(-1, part.shape[1])
+        part[...] = rows[self.first : self.first + len(part)]
+        if self.swap_as is not None:
+            part.view(self.swap_as).byteswap(inplace=True)
 
 
 class HDF5Reader:
-    """Reads chunks of a catalogued source into slots.
-
-    Raw HDF5 chunks are read and decoded by a pool of ``threads`` worker threads, created on
-    first use and joined by :meth:`close`.
-    """
-
-    def __init__(self, catalog: Catalog, threads: int | None = None) -> None:
-        self.catalog = catalog
-        self.threads = threads or min(8, os.cpu_count() or 1)
-        self._pool: ThreadPoolExecutor | None = None
-        self._decoders: dict[tuple[int, str], ChunkDecoder] = {}
-        paths: dict[str, set[str]] = {t: set() for t in catalog.tops}
-        notes: dict[str, set[str]] = {t: set() for t in catalog.tops}
-        for f in catalog.files:
-            if f.nrows == 0:
-                continue
-            for top, layout in f.layouts.items():
-                paths[top].add(layout.path)
-                if layout.note:
-                    notes[top].add(layout.note)
-        #: Read path of each top: "pread", "chunks" or "h5py" ("+"-joined when files differ).
-        self.read_paths = {t: "+".join(sorted(p)) or "none" for t, p in paths.items()}
-        #: Why a top falls back to h5py, when it does.
-        self.notes = {t: "; ".join(sorted(n)) for t, n in notes.items() if n}
-
-    def items(self, chunk: ChunkPlan) -> list[ReadItem]:
-        """The reads that fill a slot with ``chunk``, each about ``PIECE_BYTES`` at most.
-
-        On the ``chunks`` path, pieces end on HDF5 chunk boundaries, so that no stored chunk is
-        decoded twice for one slot.
-        """
-        placed = []
-        out = 0
-        for a, b in chunk.ranges:
-            placed.append((a, b, out))
-            out += b - a
-        return self.items_for(placed)
-
-    def items_for(self, ranges: Sequence[tuple[int, int, int]]) -> list[ReadItem]:
-        """The reads of global indices ``start:stop`` landing at ``out``, per ``(start, stop,
-        out)``."""
-        segments: list[Segment] = []
-        for a, b, out in ranges:
-            segments.extend(self.catalog.segments(a, b, out))
-        items = []
-        for top, info in self.catalog.tops.items():
-            piece = max(1, PIECE_BYTES // max(1, info.row_bytes))
-            for seg in segments:
-                layout = seg.file.layouts[top]
-                align = layout.chunk_rows if layout.chunks is not None else None
-                # Per segment: files of one top may be chunked differently, or not at all.
-                step = max(align, piece // align * align) if align else piece
-                r = seg.row_start
-                while r < seg.row_stop:
-                    r1 = min(seg.row_stop, (r // step + 1) * step if align else r + step)
-                    items.append(ReadItem(top, seg.file, r, r1, seg.out_start + r - seg.row_start))
-                    r = r1
-        return items
-
-    def read(self, items: Sequence[ReadItem], slot: dict[str, np.ndarray]) -> int:
-        """Read ``items`` into ``slot`` (blocking). Returns the bytes read."""
-        total = 0
-        for file, group in _by_file(items):
-            total += self._read_file(file, group, slot)
-        return total
-
-    def close(self) -> None:
-        """Join the decoding threads."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
-    def _decoder(self, file: FileInfo, top: str) -> ChunkDecoder:
-        key = (id(file), top)
-        dec = self._decoders.get(key)
-        if dec is None:
-            layout = file.layouts[top]
-            info = self.catalog.tops[top]
-            assert layout.chunk_rows is not None
-            dec = ChunkDecoder(
-                layout.filters, info.dtype.itemsize, layout.chunk_rows * info.row_bytes
-            )
-            self._decoders[key] = dec
-        return dec
-
-    def _read_file(self, file: FileInfo, items: list[ReadItem], slot: dict[str, np.ndarray]) -> int:
-        fd = _open_checked(file)
-        h5: h5py.File | None = None
-        total = 0
-        try:
-            for it in items:
-                dest = slot[it.top][it.out_start : it.out_start + it.row_stop - it.row_start]
-                layout = file.layouts[it.top]
-                try:
-                    if layout.offset is not None:
-                        total += _pread_into(
-                            fd, dest, layout.offset + it.row_start * _row_bytes(dest)
-                        )
-                    elif layout.chunks is not None:
-                        total += self._read_chunks(fd, it, layout, dest)
-                    else:
-                        if h5 is None:
-                            h5 = h5py.File(file.path, "r")
-                        dset: Any = h5[it.top]
-                        dset.read_direct(dest, np.s_[it.row_start : it.row_stop])
-                        total += dest.nbytes
-                except ReadError as exc:
-                    raise ReadError(f"{it.describe()}: {exc}") from exc
-                except (OSError, ValueError, KeyError, TypeError, zlib.error) as exc:
-                    # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
-                    raise ReadError(f"{it.describe()}: read failed: {exc}") from exc
-        finally:
-            os.close(fd)
-            if h5 is not None:
-                h5.close()
-        return total
-
-    def _read_chunks(self, fd: int, it: ReadItem, layout: Layout, dest: np.ndarray) -> int:
-        """Read and decode the stored chunks covering ``it``, on the pool's threads."""
-        index, rows = layout.chunks, layout.chunk_rows
-        assert index is not None and rows is not None
-        decoder = self._decoder(it.file, it.top)
-        flat = dest.reshape(len(dest), -1).view(np.uint8)
-        row_bytes = flat.shape[1]
-
-        def one(k: int) -> int:
-            size = int(index.sizes[k])
-            raw = os.pread(fd, size, int(index.offsets[k]))
-            if len(raw) != size:
-                raise ReadError(f"stored chunk {k} is cut short (the file is truncated)")
-            try:
-                data = decoder.decode(raw, int(index.masks[k])).reshape(rows, row_bytes)
-            except Exception as exc:
-                # Each codec has its own error class (deflate.DeflateError, isal's IsalError,
-                # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
-                raise ReadError(
-                    f"stored chunk {k} ({size} bytes at offset {int(index.offsets[k])}) does "
-                    f"not decode: {type(exc).__name__}: {exc}"
-                ) from exc
-            a, b = max(it.row_start, k * rows), min(it.row_stop, (k + 1) * rows)
-            flat[a - it.row_start : b - it.row_start] = data[a - k * rows : b - k * rows]
-            return size
-
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, "asynchdf5-decode")
-        ks = range(it.row_start // rows, (it.row_stop - 1) // rows + 1)
-        futures = [self._pool.submit(one, k) for k in ks]
-        errors = [f.exception() for f in futures]
-        for err in errors:
-            if err is not None:
-                raise err
-        return sum(f.result() for f in futures)
-
-
-def _by_file(items: Sequence[ReadItem]) -> Iterator[tuple[FileInfo, list[ReadItem]]]:
-    groups: dict[int, tuple[FileInfo, list[ReadItem]]] = {}
-    for it in items:
-        groups.setdefault(id(it.file), (it.file, []))[1].append(it)
-    return iter(groups.values())
-
-
-def _open_checked(file: FileInfo) -> int:
-    try:
-        fd = os.open(file.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError as exc:
-        raise ReadError(f"{file.path}: the file was deleted after the source was opened") from exc
-    except OSError as exc:
-        raise ReadError(f"{file.path}: cannot open the file: {exc}") from exc
-    st = os.fstat(fd)
-    dev, ino, size, mtime = file.identity
-    # The mtime catches a file rewritten in place, or replaced by one of the same size that got
-    # the old inode number back (common right after a delete): its rows are not the catalogued
-    # ones, and on the pread path nothing else would notice.
-    if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != (dev, ino, size, mtime):
-        os.close(fd)
-        if (st.st_dev, st.st_ino) != (dev, ino):
-            what = "replaced"
-        elif st.st_size != size:
-            what = "truncated or resized"
-        else:
-            what = "modified"
-        raise ReadError(
-            f"{file.path}: the file was {what} after the source was opened "
-            f"(size {size} -> {st.st_size} bytes)"
-        )
-    return fd
-
-
-def _row_bytes(a: np.ndarray) -> int:
-    return int(a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64)))
-
-
-def _pread_into(fd: int, dest: np.ndarray, offset: int) -> int:
-    """Fill ``dest`` (C-contiguous) from ``fd`` at ``offset`` with as few syscalls as possible."""
-    view = memoryview(dest.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-    done = 0
-    n = len(view)
-    while done < n:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise ReadError(
-                f"unexpected end of file at byte {offset + done} (the file is truncated)"
-            )
-        done += got
-    return n
-
-
-class HDF5Source:
-    """The pipeline's data source for HDF5 files: reads chunks into cache slots.
+    """Reads chunks of a catalogued source into cache slots (the pipeline's data source).
 
     *Streaming* (``slots`` given): each chunk is read into a free slot, every epoch. *Resident*
     (``resident`` arrays of every sample given instead): when the whole data set is one chunk and
@@ -278,61 +124,204 @@ class HDF5Source:
     def __init__(
         self,
         catalog: Catalog,
+        source: Source,
         slots: list[Slot] | None,
         resident: dict[str, np.ndarray] | None = None,
         read_threads: int = 2,
+        decode_threads: int | None = None,
     ) -> None:
         self.catalog = catalog
-        self.reader = HDF5Reader(catalog)
-        self.tops = catalog.tops
+        self.source = source
+        self.tops: Mapping[str, TopInfo] = catalog.tops
         self.n_samples = catalog.n_samples
         self.slots: list[Slot] | None = slots
         self.resident = resident
         self._loaded: list[tuple[int, int]] = []  # sorted, disjoint: what `resident` holds
-        # Pieces of a chunk (several tops, several files) are read by up to `read_threads`
-        # threads at once: more requests in flight for the disk, more memcpy for a warm cache.
+        # Pieces of a chunk (several tops, several files) move on up to `read_threads` threads at
+        # once: more requests in flight for the disk, more memcpy for a warm cache.
         self._limiter = anyio.CapacityLimiter(read_threads)
+        self._decode_threads = decode_threads or min(8, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._decoders: dict[int, ChunkDecoder] = {}
+
+    # --- what a chunk needs ---------------------------------------------------------------
+
+    def plan_reads(
+        self, placed: Sequence[tuple[int, int, int]], arrays: Mapping[str, np.ndarray]
+    ) -> tuple[list[ByteRange], list[_H5pyRead], list[Callable[[], None]]]:
+        """The reads that put global rows ``start:stop`` at row ``out`` of ``arrays``, for each
+        ``(start, stop, out)``: byte ranges for the source, h5py reads, and steps to run after
+        the byte ranges are in (byte swaps)."""
+        segments: list[Segment] = []
+        for a, b, out in placed:
+            segments.extend(self.catalog.segments(a, b, out))
+        ranges: list[ByteRange] = []
+        h5reads: list[_H5pyRead] = []
+        after: list[Callable[[], None]] = []
+        for top, info in self.tops.items():
+            for seg in segments:
+                layout = seg.file.layouts[top]
+                n = seg.row_stop - seg.row_start
+                dest = arrays[top][seg.out_start : seg.out_start + n]
+                about = f"top {top!r}, rows {seg.row_start}:{seg.row_stop}"
+                if layout.path == "pread":
+                    ranges += _direct(layout, seg.row_start, seg.row_stop, dest, info, about)
+                    if layout.swap:
+                        after.append(_swapper(dest))
+                elif layout.path == "chunks":
+                    ranges += self._chunks(layout, seg.row_start, seg.row_stop, dest, info, about)
+                else:
+                    step = max(1, PIECE_BYTES // max(1, info.row_bytes))
+                    for r in range(seg.row_start, seg.row_stop, step):
+                        r1 = min(seg.row_stop, r + step)
+                        part = dest[r - seg.row_start : r1 - seg.row_start]
+                        h5reads.append(
+                            _H5pyRead(layout, r, r1, part, f"top {top!r}, rows {r}:{r1}")
+                        )
+        return ranges, h5reads, after
+
+    def _decoder(self, layout: Layout, info: TopInfo) -> ChunkDecoder:
+        dec = self._decoders.get(id(layout))
+        if dec is None:
+            assert layout.chunks is not None
+            chunk_bytes = layout.chunks.rows * info.row_bytes
+            dec = self._decoders[id(layout)] = ChunkDecoder(
+                layout.filters, info.dtype.itemsize, chunk_bytes
+            )
+        return dec
+
+    def _chunks(
+        self, layout: Layout, r0: int, r1: int, dest: np.ndarray, info: TopInfo, about: str
+    ) -> list[ByteRange]:
+        """One range per stored chunk covering rows ``r0:r1``, decoded into ``dest``."""
+        index = layout.chunks
+        assert index is not None
+        rows = index.rows
+        flat = dest.reshape(len(dest), -1).view(np.uint8)
+        last = len(index.offsets) - 1
+        unfiltered = (1 << len(layout.filters)) - 1  # every filter skipped
+        out = []
+        for k in range(r0 // rows, (r1 - 1) // rows + 1):
+            offset, size = int(index.offsets[k]), int(index.sizes[k])
+            mask = unfiltered if (index.raw_last and k == last) else int(index.masks[k])
+            a, b = max(r0, k * rows), min(r1, (k + 1) * rows)
+            what = f"{about}: stored chunk {k} ({size} bytes at offset {offset})"
+            place = _Decode(
+                self._decoder(layout, info),
+                mask,
+                flat[a - r0 : b - r0],
+                a - k * rows,
+                info.dtype.newbyteorder("S") if layout.swap else None,
+                f"{index.file.name}: {what}",
+            )
+            out.append(ByteRange(index.file, offset, size, what, then=place))
+        return out
+
+    # --- reading ------------------------------------------------------------------------------
+
+    async def fill(
+        self, placed: Sequence[tuple[int, int, int]], arrays: Mapping[str, np.ndarray]
+    ) -> int:
+        """Read global rows into ``arrays`` (see :meth:`plan_reads`); returns the bytes read."""
+        ranges, h5reads, after = self.plan_reads(placed, arrays)
+        if self._pool is None and ranges:
+            self._pool = ThreadPoolExecutor(self._decode_threads, "asynchdf5-decode")
+        total = [0]
+
+        async def fetch() -> None:
+            assert self._pool is not None
+            total[0] += await self.source.fetch(ranges, self._pool, self._limiter)
+            for step in after:
+                step()  # in place on bytes just read: microseconds per megabyte
+
+        async def h5read(read: _H5pyRead) -> None:
+            total[0] += await anyio.to_thread.run_sync(read, limiter=self._limiter)
+
+        # One worker-thread call per piece keeps each call short, so cancelling a run never waits
+        # for more than a piece per thread.
+        async with anyio.create_task_group() as tg:
+            if ranges:
+                tg.start_soon(fetch)
+            for read in h5reads:
+                tg.start_soon(h5read, read)
+        return total[0]
 
     async def load(self, chunk: ChunkPlan, slot: Slot | None, stats: Stats) -> LoadedChunk:
         t0 = time.perf_counter()
         if self.resident is not None:
             arrays = self.resident
-            items = self.reader.items_for(
-                [(a, b, a) for r0, r1 in chunk.ranges for a, b in _missing(self._loaded, r0, r1)]
-            )
+            placed = [
+                (a, b, a) for r0, r1 in chunk.ranges for a, b in _missing(self._loaded, r0, r1)
+            ]
         else:
             assert slot is not None
             arrays = slot.arrays
-            items = self.reader.items(chunk)
+            placed = []
+            out = 0
+            for a, b in chunk.ranges:
+                placed.append((a, b, out))
+                out += b - a
         order: list[np.ndarray | None] = [None]
 
-        async def read(item: ReadItem) -> None:
-            n = await anyio.to_thread.run_sync(
-                self.reader.read, (item,), arrays, limiter=self._limiter
-            )
-            stats.bytes_read += n  # not `+= await`: that reads the counter before awaiting
+        async def read() -> None:
+            stats.bytes_read += await self.fill(placed, arrays)
 
         async def permute() -> None:
             order[0] = await anyio.to_thread.run_sync(chunk.order, limiter=self._limiter)
 
-        # One worker-thread call per piece keeps each call short, so cancelling a run never waits
-        # for more than a piece per thread.
         async with anyio.create_task_group() as tg:
             tg.start_soon(permute)
-            for item in items:
-                tg.start_soon(read, item)
+            if placed:
+                tg.start_soon(read)
         if self.resident is not None:
             for a, b in chunk.ranges:
                 _add(self._loaded, a, b)
-        if items:
+        if placed:
             stats.read_seconds += time.perf_counter() - t0
             stats.chunks_read += 1
         return LoadedChunk(chunk, order[0], arrays, rows_are_global=self.resident is not None)
 
     def close(self) -> None:
-        self.reader.close()
+        """Join the decoding threads and close the files (blocking)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self.source.close()
         self.slots = None
         self.resident = None
+
+    async def aclose(self) -> None:
+        """:meth:`close` in a worker thread (h5py handles are closed too), shielded."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.close)
+
+
+def _direct(
+    layout: Layout, r0: int, r1: int, dest: np.ndarray, info: TopInfo, about: str
+) -> list[ByteRange]:
+    """Byte ranges of rows ``r0:r1`` over the layout's extents, straight into ``dest``; none
+    larger than ``PIECE_BYTES``."""
+    view = _byte_view(dest)
+    lo, hi = r0 * info.row_bytes, r1 * info.row_bytes
+    out = []
+    for ext in layout.extents:
+        a, b = max(lo, ext.start), min(hi, ext.start + ext.size)
+        while a < b:
+            c = min(b, a + PIECE_BYTES)
+            out.append(
+                ByteRange(
+                    ext.file, ext.offset + a - ext.start, c - a, about, into=view[a - lo : c - lo]
+                )
+            )
+            a = c
+    return out
+
+
+def _swapper(dest: np.ndarray) -> Callable[[], None]:
+    def swap() -> None:
+        dest.view(dest.dtype.newbyteorder("S")).byteswap(inplace=True)
+
+    return swap
 
 
 def _missing(loaded: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:

@@ -23,13 +23,13 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ._batch import Batch, LoadedChunk, Transformer
 from ._cache import allocate_slots, default_cache_bytes, slot_rows
-from ._catalog import TopInfo, build_catalog
+from ._catalog import Catalog, TopInfo, build_catalog
 from ._codecs import deflate_backend
 from ._errors import ConfigurationError, DataLayerError, SchemaError
 from ._pipeline import DataSource, EpochEnd, Failure, Item, Mode, Run, Stats
 from ._plan import ChunkPlan, EpochPlan, check_split, plan_epoch, shard_share
-from ._read import HDF5Source
-from ._source import SourceLike, resolve_source
+from ._read import HDF5Reader
+from ._sources import LocalSource, SourceLike, resolve_source
 
 if TYPE_CHECKING:
     from ._device import DeviceStage
@@ -295,7 +295,7 @@ class _Layer:
             await tg.__aenter__()
         except BaseException:
             self._source = None
-            source.close()
+            await source.aclose()
             raise
         self._tg = tg
         self._start_run("epoch")
@@ -325,9 +325,9 @@ class _Layer:
                 self._run.items.close()
             self._run = None
             self._current = None
-            if self._source is not None:
-                self._source.close()
-                self._source = None
+            source, self._source = self._source, None
+            if source is not None:
+                await source.aclose()
             if self._finisher is not None:
                 self._finisher.close()
 
@@ -609,7 +609,21 @@ class AsyncHDF5DataLayer(_Layer):
         return max(self.batch_size, RAMP_BYTES // max(1, row_bytes))
 
     async def _open_source(self) -> DataSource:
-        catalog = await anyio.to_thread.run_sync(build_catalog, self.paths, self.tops)
+        files = LocalSource()
+        try:
+            catalog = await anyio.to_thread.run_sync(build_catalog, files, self.paths, self.tops)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(files.close)
+            raise
+        try:
+            return self._reader(catalog, files)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(files.close)
+            raise
+
+    def _reader(self, catalog: Catalog, files: LocalSource) -> HDF5Reader:
         _, share = shard_share(catalog.n_samples, self.batch_size, 0, self.world_size)
         budget = self.cache_bytes if self.cache_bytes is not None else default_cache_bytes()
         self._chunk_rows = slot_rows(self.chunk_size, max(1, share), catalog.row_bytes, budget)
@@ -624,17 +638,17 @@ class AsyncHDF5DataLayer(_Layer):
         )
         if self._resident:
             whole = allocate_slots(catalog.tops, catalog.n_samples, count=1)[0].arrays
-            source = HDF5Source(catalog, None, resident=whole)
+            reader = HDF5Reader(catalog, files, None, resident=whole)
         else:
-            source = HDF5Source(catalog, allocate_slots(catalog.tops, self._chunk_rows))
-        self._reader_paths = source.reader.read_paths
-        self._reader_notes = source.reader.notes
+            reader = HDF5Reader(catalog, files, allocate_slots(catalog.tops, self._chunk_rows))
+        self._reader_paths = catalog.read_paths()
+        self._reader_notes = catalog.read_notes()
         for top, path in self._reader_paths.items():
             note = self._reader_notes.get(top)
             if "chunks" in path:
                 note = f"deflate decoder: {deflate_backend()}" + (f"; {note}" if note else "")
             _log.info("top %r is read by %s%s", top, path, f" ({note})" if note else "")
-        return source
+        return reader
 
 
 class _MemorySource:
@@ -651,7 +665,7 @@ class _MemorySource:
         order = await anyio.to_thread.run_sync(chunk.order)
         return LoadedChunk(chunk, order, self.arrays, rows_are_global=True)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         pass
 
 

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 import pytest
+
+from ._leaks import assert_released, snapshot
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test: no thread of ours still running, and no more open file descriptors, after it
+    (idle pool workers of anyio and trio, lingering by design, excepted; see ``_leaks``).
+
+    A test that hands something over to a later one on purpose opts out with
+    ``@pytest.mark.leaks_ok``.
+    """
+    if request.node.get_closest_marker("leaks_ok") is not None:
+        yield
+        return
+    before = snapshot()
+    yield
+    assert_released(before, strict=False)
 
 
 @pytest.fixture(params=["asyncio", "trio"])

@@ -13,14 +13,10 @@ its ``indices`` and its data agree with both.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,214 +25,34 @@ import h5py
 import numpy as np
 import pytest
 
-import asynchdf5
 from asynchdf5 import (
     AsyncHDF5DataLayer,
     Batch,
     ConfigurationError,
     DataLayerError,
     HDF5DataLayer,
-    ReadError,
     SchemaError,
     SourceError,
     TransformError,
 )
 
-# --------------------------------------------------------------------------------------------
-# Fixture data
-# --------------------------------------------------------------------------------------------
-
-SIZES = (100, 150, 50)  # three files, 300 samples
-N = sum(SIZES)
-
-
-def rows(start: int, n: int) -> dict[str, np.ndarray]:
-    """Rows ``start:start + n`` of the source: the label is the global index."""
-    idx = np.arange(start, start + n, dtype=np.int64)
-    return {"data": (idx[:, None] * 10 + np.arange(2)).astype(np.float32), "label": idx}
-
-
-def write_h5(path: Path, start: int, n: int, *, layout: str = "contiguous", **extra: Any) -> Path:
-    """One HDF5 file with rows ``start:start + n``; ``extra`` datasets replace or add tops."""
-    kwargs: dict[str, Any] = {}
-    if layout == "chunked":
-        kwargs = {"chunks": True}
-    elif layout.startswith("gzip"):
-        kwargs = {"chunks": True, "compression": "gzip"}
-    with h5py.File(path, "w") as f:
-        for name, arr in rows(start, n).items():
-            if name not in extra:
-                # "gzip-split": chunks that split a sample, which only h5py reads.
-                shape = (1,) * (arr.ndim - 1) if layout == "gzip-split" else arr.shape[1:]
-                chunks = (8, *shape) if kwargs else None
-                f.create_dataset(name, data=arr, **{**kwargs, "chunks": chunks})
-        for name, value in extra.items():
-            if value is not None:
-                f.create_dataset(name, data=value)
-    return path
-
-
-def write_source(
-    folder: Path, sizes: Sequence[int] = SIZES, *, layout: str = "contiguous"
-) -> tuple[Path, list[Path]]:
-    """Files ``part{i}.h5`` with consecutive global indices, and a list file naming them."""
-    paths = []
-    start = 0
-    for i, n in enumerate(sizes):
-        paths.append(write_h5(folder / f"part{i}.h5", start, n, layout=layout))
-        start += n
-    lst = folder / "train.txt"
-    lst.write_text("# fixture\n\n" + "\n".join(p.name for p in paths) + "\n")
-    return lst, paths
-
-
-def write_list(folder: Path, names: Sequence[str]) -> Path:
-    lst = folder / "train.txt"
-    lst.write_text("\n".join(names) + "\n")
-    return lst
+from ._files import (
+    N,
+    check_batch,
+    check_epoch,
+    check_message,
+    check_prefix,
+    rows,
+    write_h5,
+    write_source,
+)
+from ._leaks import Snapshot, aassert_released, asnapshot, assert_released, snapshot
 
 
 @pytest.fixture
 def source(tmp_path: Path) -> tuple[Path, list[Path]]:
     """A list file naming three files, 300 samples."""
     return write_source(tmp_path)
-
-
-def check_batch(batch: Batch, batch_size: int) -> None:
-    """A yielded batch is complete (every top has every row) and aligned (rows are its indices)."""
-    assert batch.indices.dtype == np.int64
-    assert batch.size == batch_size
-    assert set(batch) == {"data", "label"}
-    np.testing.assert_array_equal(batch["label"], batch.indices)
-    np.testing.assert_array_equal(batch["data"][:, 0], batch.indices * 10)
-    np.testing.assert_array_equal(batch["data"][:, 1], batch.indices * 10 + 1)
-
-
-def check_prefix(batches: Sequence[Batch], batch_size: int) -> np.ndarray:
-    """Unshuffled batches before an error: complete, correct and in source order from row 0."""
-    for b in batches:
-        check_batch(b, batch_size)
-    seen = np.concatenate([b.indices for b in batches]) if batches else np.empty(0, np.int64)
-    np.testing.assert_array_equal(seen, np.arange(len(seen)))
-    return seen
-
-
-def check_epoch(batches: Sequence[Batch], n: int, batch_size: int, epoch: int) -> None:
-    """A whole epoch: every sample exactly once, full batches but for the last."""
-    assert batches
-    for b in batches[:-1]:
-        check_batch(b, batch_size)
-    check_batch(batches[-1], batches[-1].size)
-    assert 0 < batches[-1].size <= batch_size
-    assert {b.epoch for b in batches} == {epoch}
-    seen = np.concatenate([b.indices for b in batches])
-    np.testing.assert_array_equal(np.sort(seen), np.arange(n))
-
-
-def check_message(exc: BaseException, *parts: object) -> None:
-    """The message names every one of ``parts`` (a path is matched by its full text)."""
-    msg = str(exc)
-    for p in parts:
-        assert str(p) in msg, f"{str(p)!r} not in message {msg!r}"
-
-
-# --------------------------------------------------------------------------------------------
-# What must be released: tasks, threads, file descriptors
-# --------------------------------------------------------------------------------------------
-
-# Worker threads linger by design, idle, after their last job: anyio's asyncio backend keeps an
-# idle "AnyIO worker thread" for up to ``WorkerThread.MAX_IDLE_TIME`` = 10 s (pruned only when a
-# later job starts, and all stopped when the event loop's root task ends), and trio's thread cache
-# keeps an idle "Trio thread N" for ``IDLE_TIMEOUT`` = 10 s, process-wide (anyio 4.16
-# ``_backends/_asyncio.py``, trio 0.35 ``_core/_thread_cache.py``). Inside a running event loop we
-# cannot wait them out in a fast test, so there the check is on *our* work instead: no thread that
-# appeared during the test may still be running asynchdf5, h5py or this module's code (a
-# transformer), and any other new thread — the layer's own pools, "asynchdf5-gather" and
-# "asynchdf5-decode", included — must be gone. Where the event loop itself ends (the sync
-# facade's own loop thread, on asyncio) every new thread must be gone.
-_OUR_CODE = (
-    str(Path(asynchdf5.__file__).parent),
-    str(Path(h5py.__file__).parent),
-    str(Path(__file__)),
-)
-_IDLE_POOL_NAME = re.compile(r"AnyIO worker thread|Trio thread \d+")
-GRACE_S = 2.0
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    threads: frozenset[threading.Thread]
-    fds: int | None
-    tasks: frozenset[int] | None  # anyio task ids, inside an event loop
-
-
-def _fd_count() -> int | None:
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:  # pragma: no cover - not Linux
-        return None
-
-
-def _running_our_code(t: threading.Thread) -> bool:
-    frame = sys._current_frames().get(t.ident or -1)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_OUR_CODE):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def snapshot() -> Snapshot:
-    return Snapshot(frozenset(threading.enumerate()), _fd_count(), None)
-
-
-async def asnapshot() -> Snapshot:
-    tasks = frozenset(t.id for t in anyio.get_running_tasks())
-    return Snapshot(frozenset(threading.enumerate()), _fd_count(), tasks)
-
-
-def _leftovers(before: Snapshot, tasks: frozenset[int] | None, strict: bool) -> list[str]:
-    problems = []
-    for t in threading.enumerate():
-        if t in before.threads or not t.is_alive():
-            continue
-        if not strict and _IDLE_POOL_NAME.fullmatch(t.name) and not _running_our_code(t):
-            continue  # an idle pool worker, lingering by design (see above)
-        problems.append(f"thread {t.name!r} (busy={_running_our_code(t)})")
-    fds = _fd_count()
-    if before.fds is not None and fds is not None and fds > before.fds:
-        problems.append(f"{fds - before.fds} more open file descriptor(s): {_fd_names()}")
-    if before.tasks is not None and tasks is not None and tasks - before.tasks:
-        problems.append(f"{len(tasks - before.tasks)} more task(s)")
-    return problems
-
-
-def _fd_names() -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # closed since listed
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
-    return out
-
-
-def assert_released(before: Snapshot, *, strict: bool = True) -> None:
-    """Outside an event loop: every thread and descriptor made since ``before`` is gone."""
-    deadline = time.monotonic() + GRACE_S
-    while (problems := _leftovers(before, None, strict)) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not problems, problems
-
-
-async def aassert_released(before: Snapshot) -> None:
-    """Inside the event loop: no new task, no busy or unknown thread, no new descriptor."""
-    deadline = time.monotonic() + GRACE_S
-    while True:
-        tasks = frozenset(t.id for t in anyio.get_running_tasks())
-        problems = _leftovers(before, tasks, strict=False)
-        if not problems or time.monotonic() >= deadline:
-            break
-        await anyio.sleep(0.01)
-    assert not problems, problems
 
 
 def portal_threads() -> list[threading.Thread]:
@@ -663,84 +479,6 @@ BIG = (400, 400, 400)
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("layout", ["contiguous", "chunked", "gzip"])
-@pytest.mark.parametrize("fault", ["truncated", "deleted", "replaced"])
-async def test_file_changes_during_epoch(tmp_path: Path, layout: str, fault: str) -> None:
-    lst, paths = write_source(tmp_path, BIG, layout=layout)
-    victim = paths[2]
-
-    def break_file(i: int) -> None:
-        if i != 1:
-            return
-        if fault == "truncated":
-            os.truncate(victim, victim.stat().st_size // 2)
-        elif fault == "deleted":
-            os.remove(victim)
-        else:  # a different file under the same name (its inode number may be reused)
-            os.remove(victim)
-            write_h5(victim, 800, 399, layout=layout)
-
-    before = await asnapshot()
-    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:
-        got, err = await collect_until_error(layer, ReadError, break_file)
-    await aassert_released(before)
-    seen = check_prefix(got, 10)
-    assert 10 <= len(seen) <= 800
-    check_message(err, victim, "after the source was opened")
-    if fault != "replaced":
-        check_message(err, fault)
-
-
-def root_cause(exc: BaseException) -> BaseException:
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    return exc
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize(("layout", "path"), [("gzip", "chunks"), ("gzip-split", "h5py")])
-async def test_corrupt_chunk_during_epoch(tmp_path: Path, layout: str, path: str) -> None:
-    # Garbage over a compressed chunk, with the file's size and mtime kept, so only the read
-    # itself fails (in our decoder, or in h5py's): the error still names the file, top and rows.
-    lst, paths = write_source(tmp_path, BIG, layout=layout)
-    victim = paths[2]
-    with h5py.File(victim) as f:
-        info = f["data"].id.get_chunk_info_by_coord((80, 0))  # a chunk of rows 80:88
-    st = victim.stat()
-
-    def corrupt(i: int) -> None:
-        if i == 1:
-            with open(victim, "r+b") as fh:
-                fh.seek(info.byte_offset)
-                fh.write(b"\xff" * info.size)
-            os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-    before = await asnapshot()
-    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:
-        assert layer.stats.read_paths["data"] == path
-        got, err = await collect_until_error(layer, ReadError, corrupt)
-    await aassert_released(before)
-    assert 10 <= len(check_prefix(got, 10)) <= 880
-    check_message(err, victim, "'data'", "rows 80:")
-    assert not isinstance(root_cause(err), DataLayerError)  # the codec's or h5py's own error
-
-
-@pytest.mark.anyio
-async def test_epoch_after_a_read_error_names_the_file_again(tmp_path: Path) -> None:
-    lst, paths = write_source(tmp_path, BIG)
-    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:
-        await collect_until_error(
-            layer, ReadError, lambda i: os.remove(paths[2]) if i == 1 else None
-        )
-        # The file stays gone: the next epoch fails the same way, and still yields only
-        # complete batches first.
-        got, err = await collect_until_error(layer, ReadError)
-    check_message(err, paths[2])
-    for b in got:
-        check_batch(b, 10)
-
-
-@pytest.mark.anyio
 async def test_every_batch_before_a_transform_error_is_delivered(
     source: tuple[Path, list[Path]],
 ) -> None:
@@ -756,26 +494,6 @@ async def test_every_batch_before_a_transform_error_is_delivered(
     async with layer:
         got, _ = await collect_until_error(layer, TransformError)
     assert len(check_prefix(got, 10)) == 230
-
-
-@pytest.mark.anyio
-async def test_every_batch_before_a_read_error_is_delivered(tmp_path: Path) -> None:
-    lst, paths = write_source(tmp_path, BIG)
-
-    async def slow_consumer() -> tuple[list[Batch], Any]:
-        got: list[Batch] = []
-        with pytest.raises(ReadError) as info:
-            async for b in layer:
-                got.append(b)
-                if len(got) == 1:
-                    os.remove(paths[2])
-                await anyio.sleep(0.005)  # keeps the pipeline's item buffer full
-        return got, info.value
-
-    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:
-        got, _ = await slow_consumer()
-    # Rows 0-799 come from the two intact files; each chunk is read whole before it is cut.
-    assert len(check_prefix(got, 10)) == 800
 
 
 # --------------------------------------------------------------------------------------------
@@ -986,21 +704,6 @@ def test_facade_transform_error(source: tuple[Path, list[Path]], facade_backend:
     assert len(check_prefix(got, 10)) == 150
     check_message(info.value, "'label'", "explode_on_row_150", "ArithmeticError")
     assert isinstance(info.value.__cause__, ArithmeticError)
-
-
-def test_facade_file_deleted_during_epoch(tmp_path: Path, facade_backend: str) -> None:
-    lst, paths = write_source(tmp_path, BIG)
-    before = snapshot()
-    got: list[Batch] = []
-    with HDF5DataLayer(lst, batch_size=10, chunk_size=20, backend=facade_backend) as layer:
-        with pytest.raises(ReadError) as info:
-            for b in layer:
-                got.append(b)
-                if len(got) == 1:
-                    os.remove(paths[2])
-    assert_facade_released(before, facade_backend)
-    assert 10 <= len(check_prefix(got, 10)) <= 800
-    check_message(info.value, paths[2], "deleted")
 
 
 def test_facade_break_then_next_epoch_is_whole(

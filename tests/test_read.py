@@ -25,7 +25,8 @@ def _plugin(name: str) -> dict[str, Any]:
 LAYOUTS: dict[str, tuple[str, Any]] = {
     # name: (expected read path of "data", dataset keyword arguments or a factory)
     "contiguous": ("pread", {}),
-    "contiguous-big-endian": ("h5py", {"dtype": ">f4"}),
+    "contiguous-big-endian": ("pread", {"dtype": ">f4"}),
+    "gzip-big-endian": ("chunks", {"chunks": (256, 3, 4), "compression": "gzip", "dtype": ">f4"}),
     "chunked": ("chunks", {"chunks": (256, 3, 4)}),
     "gzip": ("chunks", {"chunks": (256, 3, 4), "compression": "gzip"}),
     "gzip-shuffle": ("chunks", {"chunks": (200, 3, 4), "compression": "gzip", "shuffle": True}),

@@ -1,0 +1,103 @@
+"""The source seam: where the bytes of HDF5 files come from.
+
+A :class:`Source` opens the files of a source (each a :class:`StoredFile`, with a fingerprint
+taken when it is opened) and fetches byte ranges of them: into a buffer (data stored
+contiguously, read straight into a cache slot) or handed as bytes to a callable (a raw chunk to
+decode). The catalog reads metadata through each file's h5py handle, the chunk reader plans the
+byte ranges, and the source decides how they move: local files with ``preadv`` on worker threads,
+remote objects with concurrent ranged requests. Nothing above this seam knows which.
+
+Integrity is the source's job too: a file that changed since it was opened (rewritten in place,
+truncated) is a :class:`~asynchdf5.ReadError` when its bytes are fetched, never wrong rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import anyio
+
+if TYPE_CHECKING:
+    import h5py
+
+__all__ = ["ByteRange", "Source", "StoredFile"]
+
+
+class StoredFile(Protocol):
+    """One file of a source, opened once for the layer's life."""
+
+    #: The path or URL, as messages show it.
+    name: str
+
+    @property
+    def size(self) -> int:
+        """Bytes in the file when it was opened."""
+        ...
+
+    def h5py_file(self) -> h5py.File:
+        """The file opened with h5py (blocking; opened on first use and kept until
+        :meth:`close_h5py`). It reads the same bytes as :meth:`Source.fetch`, even when the
+        path is replaced meanwhile."""
+        ...
+
+    def close_h5py(self) -> None:
+        """Close the h5py handle, if open (blocking)."""
+        ...
+
+    def check(self, *, by_name: bool = False) -> None:
+        """Raise :class:`~asynchdf5.ReadError` if the file changed since it was opened
+        (blocking). ``by_name``: also if its name now names another file, or none (for files
+        that HDF5 itself opens by name, such as the sources of a virtual dataset)."""
+        ...
+
+
+@dataclass(eq=False, slots=True)
+class ByteRange:
+    """``size`` bytes at ``offset`` of ``file``, to fetch.
+
+    The bytes go into ``into`` (a writable buffer of ``size`` bytes), or, when ``into`` is None,
+    to ``then`` (as ``bytes`` or a read-only buffer). ``then`` runs on a worker thread once the
+    bytes are in (for ``into``, with ``into``); its exceptions propagate. ``about`` says which
+    rows of which top the range holds, for error messages.
+    """
+
+    file: StoredFile
+    offset: int
+    size: int
+    about: str
+    into: memoryview | None = None
+    then: Callable[[bytes | memoryview], None] | None = None
+
+
+class Source(Protocol):
+    """Where the bytes of a layer's HDF5 files come from (local files, remote objects)."""
+
+    def open(self, name: str, *, hdf5: bool = True) -> StoredFile:
+        """Open ``name`` (blocking). ``hdf5=False``: a file of raw bytes (external storage).
+
+        Raises :class:`~asynchdf5.SourceError` naming the file when it is missing, unreadable or
+        (with ``hdf5``) not HDF5.
+        """
+        ...
+
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` names a file (blocking)."""
+        ...
+
+    async def fetch(
+        self, ranges: Sequence[ByteRange], work: Executor, limiter: anyio.CapacityLimiter
+    ) -> int:
+        """Fetch every range (concurrently, in any order), then check the files they came from.
+
+        ``then`` callables run on ``work``'s threads; at most ``limiter``'s tokens of worker
+        threads move bytes at a time. Returns the bytes fetched. Raises
+        :class:`~asynchdf5.ReadError` naming the file and the range's ``about``.
+        """
+        ...
+
+    def close(self) -> None:
+        """Close every file it opened (blocking)."""
+        ...

@@ -1,0 +1,119 @@
+"""The source property: a source list file, an HDF5 file, or a sequence of them, resolved to the
+entries (absolute paths, or URLs) that a source opens.
+
+Resolved when a layer is constructed, so a later ``os.chdir`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Union
+
+from .._errors import ConfigurationError, SourceError
+
+__all__ = ["HDF5_SIGNATURE", "SourceLike", "is_hdf5_file", "is_url", "resolve_source"]
+
+SourceLike = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
+
+#: The 8-byte signature an HDF5 file starts with (at offset 0, 512, 1024, 2048, ... when a user
+#: block precedes it).
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(entry: str) -> bool:
+    """Whether ``entry`` is a URL (``s3://...``, ``https://...``), not a local path."""
+    return _URL.match(entry) is not None
+
+
+def is_hdf5_file(path: Path) -> bool:
+    """Whether ``path`` starts with the HDF5 signature (at offset 0 or a user-block offset)."""
+    with open(path, "rb") as f:
+        offset = 0
+        size = os.fstat(f.fileno()).st_size
+        while offset + 8 <= size:
+            f.seek(offset)
+            if f.read(8) == HDF5_SIGNATURE:
+                return True
+            offset = 512 if offset == 0 else offset * 2
+    return False
+
+
+def _local(entry: str | os.PathLike[str], base: Path | None = None) -> str:
+    """``entry`` as an absolute path (relative to ``base``, else to the working directory)."""
+    path = Path(os.fspath(entry)).expanduser()
+    if not path.is_absolute():
+        path = (base or Path.cwd()) / path
+    return os.path.normpath(path)
+
+
+def _read_list_file(path: Path) -> list[str]:
+    try:
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first path.
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise SourceError(
+            f"source {str(path)!r} is neither an HDF5 file nor a source list file (it is not "
+            "UTF-8 text); pass a list file naming HDF5 files, an HDF5 file, or a sequence of paths"
+        ) from exc
+    except OSError as exc:
+        raise SourceError(f"cannot read source list file {str(path)!r}: {exc}") from exc
+    entries = []
+    for line in text.splitlines():  # "\n", "\r\n" and "\r" alike
+        entry = line.strip()
+        if not entry or entry.startswith("#"):
+            continue
+        entries.append(entry if is_url(entry) else _local(entry, path.parent))
+    if not entries:
+        raise SourceError(f"source list file {str(path)!r} names no HDF5 file")
+    return entries
+
+
+def resolve_source(source: SourceLike) -> list[str]:
+    """Resolve ``source`` to the entries it names, in order: absolute paths, or URLs.
+
+    A ``str`` or path is a source list file (one path or URL per line; blank lines and lines
+    starting with ``#`` are ignored; surrounding whitespace is stripped; relative paths are
+    relative to the list file's folder), or an HDF5 file (a one-file source), or a URL of one.
+    A sequence names the files directly (relative paths: relative to the working directory now).
+    """
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if is_url(text):
+            return [text]
+        path = Path(_local(text))
+        if not path.exists():
+            raise SourceError(
+                f"source {text!r} does not exist (expected a source list file naming HDF5 files, "
+                "or an HDF5 file)"
+            )
+        if path.is_dir():
+            raise SourceError(
+                f"source {text!r} is a directory; pass a source list file, an HDF5 file or a "
+                "sequence of HDF5 paths"
+            )
+        if not os.access(path, os.R_OK):
+            raise SourceError(f"source {text!r} is not readable (permission denied)")
+        if is_hdf5_file(path):
+            return [str(path)]
+        return _read_list_file(path)
+    if isinstance(source, (bytes, bytearray)) or not isinstance(source, Sequence):
+        raise ConfigurationError(
+            f"source must be a path to a source list file or an HDF5 file, or a sequence of HDF5 "
+            f"paths, not {type(source).__name__}"
+        )
+    entries = []
+    for item in source:
+        if not isinstance(item, (str, os.PathLike)):
+            raise ConfigurationError(
+                f"source entries must be paths, not {type(item).__name__}: {item!r}"
+            )
+        text = os.fspath(item)
+        entries.append(text if is_url(text) else _local(text))
+    if not entries:
+        raise SourceError("source is an empty sequence: name at least one HDF5 file")
+    return entries

@@ -1,0 +1,297 @@
+"""Local files: one file descriptor per file for the layer's life, ``preadv`` on worker threads.
+
+Each file is opened once, and its fingerprint (device, inode, size, mtime, ctime) taken from the
+open descriptor. Every fetch reads from that descriptor and then checks the fingerprint again
+(one ``fstat``): a file rewritten in place or truncated is a :class:`~asynchdf5.ReadError`,
+even when its size and mtime were restored (the ctime cannot be). A file deleted or replaced by
+a rename keeps being read, consistently, from the descriptor opened first.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, Future
+from typing import NamedTuple
+
+import anyio
+import anyio.to_thread
+import h5py
+
+from .._errors import DataLayerError, ReadError, SourceError
+from ._base import ByteRange
+from ._entries import HDF5_SIGNATURE
+
+__all__ = ["PIECE_BYTES", "LocalFile", "LocalSource"]
+
+#: Bytes moved per worker-thread call: bounds how long a call holds a thread, so cancelling a
+#: run never waits for more than this per thread.
+PIECE_BYTES = 32 * 2**20
+
+
+class Fingerprint(NamedTuple):
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    nlink: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> Fingerprint:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
+
+    def change(self, now: Fingerprint) -> str | None:
+        """How the file changed from this fingerprint to ``now`` (None: its bytes did not).
+
+        The change time catches a rewrite whose size and modification time were restored (the
+        change time cannot be set back). Deleting or renaming over the file moves it too, by
+        changing its link count; that leaves its bytes alone, so it is not a change.
+        """
+        if (now.dev, now.ino) != (self.dev, self.ino):
+            return "replaced"
+        if now.size != self.size:
+            return f"truncated or resized ({self.size} -> {now.size} bytes)"
+        if now.mtime_ns != self.mtime_ns:
+            return "modified"
+        if now.ctime_ns != self.ctime_ns and now.nlink == self.nlink:
+            return (
+                "changed in place (its change time moved: rewritten with its modification time "
+                "set back, or its permissions changed)"
+            )
+        return None
+
+
+class LocalFile:
+    """A local file, open for reading, with the fingerprint it had when opened."""
+
+    def __init__(self, name: str, fd: int, fingerprint: Fingerprint) -> None:
+        self.name = name
+        self.fd = fd
+        self.fingerprint = fingerprint
+        self._h5: h5py.File | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def size(self) -> int:
+        return self.fingerprint.size
+
+    def h5py_file(self) -> h5py.File:
+        with self._lock:
+            if self._h5 is None:
+                try:
+                    h5 = h5py.File(self.name, "r")
+                except OSError as exc:
+                    raise SourceError(f"cannot open HDF5 file {self.name!r}: {exc}") from exc
+                # By path: HDF5 resolves external links and sources relative to the file's folder.
+                # It must be the file our descriptor has open, not one renamed into its place.
+                try:
+                    st = os.fstat(h5.id.get_vfd_handle())
+                except Exception:  # a driver without a descriptor: compare the path instead
+                    st = os.stat(self.name)
+                if (st.st_dev, st.st_ino) != (self.fingerprint.dev, self.fingerprint.ino):
+                    h5.close()
+                    raise SourceError(f"{self.name}: the file was replaced while it was opened")
+                self._h5 = h5
+            return self._h5
+
+    def close_h5py(self) -> None:
+        with self._lock:
+            h5, self._h5 = self._h5, None
+        if h5 is not None:
+            h5.close()
+
+    def check(self, *, by_name: bool = False) -> None:
+        try:
+            now = Fingerprint.of(os.fstat(self.fd))
+        except OSError as exc:
+            raise ReadError(f"{self.name}: cannot check the file: {exc}") from exc
+        change = self.fingerprint.change(now)
+        if change is None and by_name:
+            try:
+                named = Fingerprint.of(os.stat(self.name))
+            except FileNotFoundError:
+                change = "deleted"
+            except OSError as exc:
+                raise ReadError(f"{self.name}: cannot check the file: {exc}") from exc
+            else:
+                change = self.fingerprint.change(named)
+        if change is not None:
+            raise ReadError(f"{self.name}: the file was {change} after the source was opened")
+
+    def close(self) -> None:
+        self.close_h5py()
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class LocalSource:
+    """The files of a source on local (or network-mounted) file systems."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, LocalFile] = {}
+        self._lock = threading.Lock()
+
+    def exists(self, name: str) -> bool:
+        return os.path.isfile(name)
+
+    def open(self, name: str, *, hdf5: bool = True) -> LocalFile:
+        with self._lock:
+            found = self._files.get(name)
+        if found is not None:
+            return found
+        kind = "HDF5 file" if hdf5 else "file"
+        if os.path.isdir(name):
+            raise SourceError(f"{name!r} (named in the source) is a directory, not an HDF5 file")
+        try:
+            fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError as exc:
+            raise SourceError(f"{kind} {name!r} does not exist") from exc
+        except PermissionError as exc:
+            raise SourceError(f"{kind} {name!r} is not readable (permission denied)") from exc
+        except OSError as exc:
+            hint = ""
+            if exc.errno == errno.EMFILE:
+                hint = (
+                    f" (this process may open no more files; the source keeps each of its "
+                    f"{len(self._files)}+ files open: raise the limit with `ulimit -n`)"
+                )
+            raise SourceError(f"cannot open {kind} {name!r}: {exc}{hint}") from exc
+        try:
+            file = LocalFile(name, fd, Fingerprint.of(os.fstat(fd)))
+            if hdf5 and not is_hdf5_file_fd(fd):
+                raise SourceError(f"{name!r} (named in the source) is not an HDF5 file")
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            self._files.setdefault(name, file)
+            return self._files[name]
+
+    async def fetch(
+        self, ranges: Sequence[ByteRange], work: Executor, limiter: anyio.CapacityLimiter
+    ) -> int:
+        async with anyio.create_task_group() as tg:
+            for batch in _batches(ranges):
+                tg.start_soon(self._fetch_in_thread, batch, work, limiter)
+        return sum(r.size for r in ranges)
+
+    @staticmethod
+    async def _fetch_in_thread(
+        batch: list[ByteRange], work: Executor, limiter: anyio.CapacityLimiter
+    ) -> None:
+        await anyio.to_thread.run_sync(_fetch, batch, work, limiter=limiter)
+
+    def close(self) -> None:
+        with self._lock:
+            files, self._files = list(self._files.values()), {}
+        for f in files:
+            f.close()
+
+
+def is_hdf5_file_fd(fd: int) -> bool:
+    """:func:`is_hdf5_file` on an open descriptor."""
+    size = os.fstat(fd).st_size
+    offset = 0
+    while offset + 8 <= size:
+        if os.pread(fd, 8, offset) == HDF5_SIGNATURE:
+            return True
+        offset = 512 if offset == 0 else offset * 2
+    return False
+
+
+def _batches(ranges: Sequence[ByteRange]) -> Iterator[list[ByteRange]]:
+    """Consecutive ranges, about ``PIECE_BYTES`` per batch (one worker-thread call each)."""
+    batch: list[ByteRange] = []
+    size = 0
+    for r in ranges:
+        if batch and size + r.size > PIECE_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(r)
+        size += r.size
+    if batch:
+        yield batch
+
+
+def _fetch(batch: list[ByteRange], work: Executor) -> None:
+    """Read a batch of ranges (blocking); raw bytes go to their ``then`` on ``work``'s threads.
+
+    Every ``then`` handed to ``work`` has finished when this returns, errors or not: nothing
+    writes into a cache slot after its chunk was given up.
+    """
+    pending: list[tuple[ByteRange, Future[None]]] = []
+    files: dict[int, LocalFile] = {}
+    error: BaseException | None = None
+    try:
+        for r in batch:
+            f = r.file
+            assert isinstance(f, LocalFile)
+            files[id(f)] = f
+            if r.into is not None:
+                _preadv(f, r)
+                if r.then is not None:
+                    r.then(r.into)
+            else:
+                assert r.then is not None
+                raw = _pread(f, r)
+                pending.append((r, work.submit(r.then, raw)))
+    except BaseException as exc:
+        error = exc
+    for _, future in pending:
+        failed = future.exception()
+        if failed is not None and error is None:
+            error = failed
+    # After the reads: catches a change before or during them. Checked on a failed read too,
+    # since a file that changed (say, truncated) is the cause to report, not the short read.
+    for r in batch:
+        f = r.file
+        if id(f) in files:
+            del files[id(f)]
+            try:
+                f.check()
+            except ReadError as exc:
+                raise ReadError(f"{r.about}: {exc}") from exc
+    if error is not None:
+        raise _read_error(error, batch[0])
+
+
+def _read_error(exc: BaseException, r: ByteRange) -> BaseException:
+    if isinstance(exc, DataLayerError) or not isinstance(exc, Exception):
+        return exc
+    err = ReadError(f"{r.file.name}: {r.about}: read failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def _preadv(f: LocalFile, r: ByteRange) -> None:
+    assert r.into is not None
+    view = r.into.cast("B") if r.into.format != "B" else r.into
+    done = 0
+    while done < r.size:
+        try:
+            got = os.preadv(f.fd, [view[done:]], r.offset + done)
+        except OSError as exc:
+            raise ReadError(f"{f.name}: {r.about}: read failed: {exc}") from exc
+        if got == 0:
+            raise ReadError(
+                f"{f.name}: {r.about}: unexpected end of file at byte {r.offset + done} "
+                "(the file is truncated)"
+            )
+        done += got
+
+
+def _pread(f: LocalFile, r: ByteRange) -> bytes:
+    try:
+        raw = os.pread(f.fd, r.size, r.offset)
+    except OSError as exc:
+        raise ReadError(f"{f.name}: {r.about}: read failed: {exc}") from exc
+    if len(raw) != r.size:
+        raise ReadError(
+            f"{f.name}: {r.about}: {r.size} bytes at offset {r.offset} are cut short "
+            "(the file is truncated)"
+        )
+    return raw

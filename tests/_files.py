@@ -1,0 +1,117 @@
+"""Shared test data: HDF5 files whose rows encode their global index, and checks on batches.
+
+Row ``i`` of a source has ``label == i`` and ``data == [10 * i, 10 * i + 1]``, so a batch is
+correct when its labels equal its ``indices`` and its data agree with both: alignment and
+exactly-once are checkable from the batches alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from asynchdf5 import Batch
+
+#: The layouts ``write_h5`` writes, and the read path the layer takes for each.
+LAYOUTS = {
+    "contiguous": "pread",
+    "chunked": "chunks",
+    "gzip": "chunks",
+    "fletcher32": "chunks",
+    "gzip-split": "h5py",  # chunks that split a sample: only h5py reads them
+    "fletcher32-split": "h5py",
+}
+
+
+SIZES = (100, 150, 50)  # three files, 300 samples
+N = sum(SIZES)
+
+
+def rows(start: int, n: int) -> dict[str, np.ndarray]:
+    """Rows ``start:start + n`` of the source: the label is the global index."""
+    idx = np.arange(start, start + n, dtype=np.int64)
+    return {"data": (idx[:, None] * 10 + np.arange(2)).astype(np.float32), "label": idx}
+
+
+def write_h5(path: Path, start: int, n: int, *, layout: str = "contiguous", **extra: Any) -> Path:
+    """One HDF5 file with rows ``start:start + n``; ``extra`` datasets replace or add tops."""
+    kwargs: dict[str, Any] = {}
+    if layout == "chunked":
+        kwargs = {"chunks": True}
+    elif layout.startswith("gzip"):
+        kwargs = {"chunks": True, "compression": "gzip"}
+    elif layout.startswith("fletcher32"):
+        kwargs = {"chunks": True, "fletcher32": True}
+    with h5py.File(path, "w") as f:
+        for name, arr in rows(start, n).items():
+            if name not in extra:
+                # "...-split": chunks that split a sample, which only h5py reads.
+                shape = (1,) * (arr.ndim - 1) if layout.endswith("-split") else arr.shape[1:]
+                chunks = (8, *shape) if kwargs else None
+                f.create_dataset(name, data=arr, **{**kwargs, "chunks": chunks})
+        for name, value in extra.items():
+            if value is not None:
+                f.create_dataset(name, data=value)
+    return path
+
+
+def write_source(
+    folder: Path, sizes: Sequence[int] = SIZES, *, layout: str = "contiguous"
+) -> tuple[Path, list[Path]]:
+    """Files ``part{i}.h5`` with consecutive global indices, and a list file naming them."""
+    paths = []
+    start = 0
+    for i, n in enumerate(sizes):
+        paths.append(write_h5(folder / f"part{i}.h5", start, n, layout=layout))
+        start += n
+    lst = folder / "train.txt"
+    lst.write_text("# fixture\n\n" + "\n".join(p.name for p in paths) + "\n")
+    return lst, paths
+
+
+def write_list(folder: Path, names: Sequence[str]) -> Path:
+    lst = folder / "train.txt"
+    lst.write_text("\n".join(names) + "\n")
+    return lst
+
+
+def check_batch(batch: Batch, batch_size: int) -> None:
+    """A yielded batch is complete (every top has every row) and aligned (rows are its indices)."""
+    assert batch.indices.dtype == np.int64
+    assert batch.size == batch_size
+    assert set(batch) == {"data", "label"}
+    np.testing.assert_array_equal(batch["label"], batch.indices)
+    np.testing.assert_array_equal(batch["data"][:, 0], batch.indices * 10)
+    np.testing.assert_array_equal(batch["data"][:, 1], batch.indices * 10 + 1)
+
+
+def check_prefix(batches: Sequence[Batch], batch_size: int) -> np.ndarray:
+    """Unshuffled batches before an error: complete, correct and in source order from row 0."""
+    for b in batches:
+        check_batch(b, batch_size)
+    seen = np.concatenate([b.indices for b in batches]) if batches else np.empty(0, np.int64)
+    np.testing.assert_array_equal(seen, np.arange(len(seen)))
+    return seen
+
+
+def check_epoch(batches: Sequence[Batch], n: int, batch_size: int, epoch: int) -> None:
+    """A whole epoch: every sample exactly once, full batches but for the last."""
+    assert batches
+    for b in batches[:-1]:
+        check_batch(b, batch_size)
+    check_batch(batches[-1], batches[-1].size)
+    assert 0 < batches[-1].size <= batch_size
+    assert {b.epoch for b in batches} == {epoch}
+    seen = np.concatenate([b.indices for b in batches])
+    np.testing.assert_array_equal(np.sort(seen), np.arange(n))
+
+
+def check_message(exc: BaseException, *parts: object) -> None:
+    """The message names every one of ``parts`` (a path is matched by its full text)."""
+    msg = str(exc)
+    for p in parts:
+        assert str(p) in msg, f"{str(p)!r} not in message {msg!r}"
