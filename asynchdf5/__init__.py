@@ -1,6 +1,7 @@
 """asynchdf5: shuffled minibatches from HDF5 files at disk speed, for ``async for`` training loops.
 
-Public names are re-exported here; the implementation lives in ``_``-prefixed modules.
+Public names are re-exported here; the implementation lives in ``_``-prefixed modules, one per
+stage of the pipeline (see the architecture page of the documentation).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from ._errors import (
     ReadError,
     SchemaError,
     SourceError,
+    StateError,
     TransformError,
 )
-from .layers import AsyncHDF5DataLayer, HDF5DataLayer, LayerStats, MemoryDataLayer
+from ._iterator import EpochIterator
+from ._layer import AsyncHDF5DataLayer, HDF5DataLayer, MemoryDataLayer
+from ._stats import LayerStats
 
 __all__ = [
     "AsyncHDF5DataLayer",
@@ -26,14 +30,24 @@ __all__ = [
     "ConfigurationError",
     "DataLayerError",
     "DeviceError",
+    "EpochIterator",
     "HDF5DataLayer",
     "LayerStats",
     "MemoryDataLayer",
     "ReadError",
     "SchemaError",
     "SourceError",
+    "StateError",
     "TransformError",
     "transforms",
 ]
 
 __version__ = "0.1.0"
+
+# Public classes say where users find them: asynchdf5.ReadError in a traceback, not
+# asynchdf5._errors.ReadError (anyio and httpx do the same).
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type):
+        _obj.__module__ = __name__
+del _name, _obj

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import anyio
 import h5py
@@ -218,7 +218,7 @@ class Settings:
     shuffle: bool
     chunk_size: int
     seed: int
-    backend: str
+    backend: Literal["asyncio", "trio"]
 
     def layer_kwargs(self) -> dict[str, Any]:
         return {

@@ -1,15 +1,13 @@
-"""Host memory: the cache slots holding whole chunks, and the ring of batch buffers.
+"""Host cache: the slots that hold whole chunks, and the memory budget they must fit.
 
-Both are allocated once and reused, so a long run's memory stays flat: the slots for every chunk
-of every epoch, the batch buffers for every batch once the consumer has let go of them.
+Slots are allocated once and reused for every chunk of every epoch, so a long run's memory stays
+flat whatever the data set's size: ``N_SLOTS x chunk rows x bytes per sample``.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import sys
-import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +18,6 @@ from ._catalog import TopInfo
 
 __all__ = [
     "N_SLOTS",
-    "BatchBuffers",
     "CacheBudgetWarning",
     "Slot",
     "allocate_slots",
@@ -96,57 +93,3 @@ def allocate_slots(tops: Mapping[str, TopInfo], rows: int, count: int = N_SLOTS)
             arrays[t.name] = raw.view(t.dtype).reshape(rows, *t.sample_shape)
         slots.append(Slot(i, arrays))
     return slots
-
-
-def _refcounts_are_reliable() -> bool:
-    gil = getattr(sys, "_is_gil_enabled", None)
-    return gil is None or bool(gil())
-
-
-class BatchBuffers:
-    """A pool of preallocated batch buffers, one array per top, reused once nobody holds them.
-
-    A buffer goes back into use only when the pool holds the last reference to it: a batch (or
-    any view of its arrays) that the consumer keeps is never overwritten. When every buffer is
-    held, a fresh one is allocated, and kept for reuse while the pool has fewer than ``depth``.
-    """
-
-    def __init__(self, tops: Mapping[str, TopInfo], rows: int, depth: int) -> None:
-        self._tops = list(tops.values())
-        self._rows = rows
-        self._depth = depth
-        self._pool: list[dict[str, np.ndarray]] = []
-        self._lock = threading.Lock()
-        self._reuse = _refcounts_are_reliable()
-        self._next = 0  # round-robin: the oldest buffer is the likeliest to be free
-
-    def _new(self) -> dict[str, np.ndarray]:
-        return {t.name: np.empty((self._rows, *t.sample_shape), t.dtype) for t in self._tops}
-
-    def acquire(self, rows: int) -> dict[str, np.ndarray]:
-        """Arrays of ``rows`` rows per top (views of a pooled buffer when one is free)."""
-        with self._lock:
-            if self._reuse:
-                n = len(self._pool)
-                for i in range(n):
-                    bufs = self._pool[(self._next + i) % n]
-                    if _unreferenced(bufs):
-                        self._next = (self._next + i + 1) % n
-                        return _rows(bufs, rows)
-                if len(self._pool) < self._depth:
-                    bufs = self._new()
-                    self._pool.append(bufs)
-                    return _rows(bufs, rows)
-        return _rows(self._new(), rows)
-
-
-def _unreferenced(bufs: dict[str, np.ndarray]) -> bool:
-    """Whether the pool holds the only reference to each array (so no batch or view uses it)."""
-    # Two references each: the pool's dict, and getrefcount's own argument.
-    return all(sys.getrefcount(bufs[name]) <= 2 for name in bufs)
-
-
-def _rows(bufs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
-    if rows == len(next(iter(bufs.values()))):
-        return dict(bufs)
-    return {k: v[:rows] for k, v in bufs.items()}

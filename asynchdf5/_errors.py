@@ -14,6 +14,7 @@ __all__ = [
     "ReadError",
     "SchemaError",
     "SourceError",
+    "StateError",
     "TransformError",
 ]
 
@@ -23,11 +24,19 @@ class DataLayerError(Exception):
 
 
 class ConfigurationError(DataLayerError, ValueError):
-    """A keyword property of a layer has a bad value (raised at construction)."""
+    """A keyword property has a bad value (at construction), or the properties cannot work with
+    the source (at ``async with``: no batch to yield, a cache budget too small for a batch)."""
+
+
+class StateError(DataLayerError, RuntimeError):
+    """The layer is used in a state that does not allow it: opened twice, iterated when not
+    open or by two consumers at once, an iterator used after its layer closed."""
 
 
 class SourceError(DataLayerError):
-    """The source list, or a file it names, is missing, unreadable, empty or not HDF5."""
+    """The source list, or a file it names, is missing, unreadable, empty or not HDF5, or
+    data it points to (an external link's target, external storage, a virtual dataset's
+    source) cannot be read as stored."""
 
 
 class SchemaError(DataLayerError):

@@ -5,15 +5,19 @@ batch cuts, an :class:`EpochEnd` marker after each epoch) or ``"stream"`` (full 
 across epochs). A run lives in the layer's task group; the layer replaces it when the consumer
 leaves an epoch early or switches mode, and cancels it when the layer closes.
 
-Data moves one way::
+Data moves one way, through four tasks and bounded memory object streams::
 
-    reader task ──(LoadedChunk)──▶ batcher task ──(Batch | EpochEnd | Failure)──▶ consumer
+    reader ──(LoadedChunk)──▶ batcher ──(BatchSpec group)──▶ gatherer ──(Batch group)──▶ sender
+                                                                                          │
+                                                      consumer ◀──(Batch | EpochEnd | Failure)
 
-The reader fills a free cache slot per chunk (blocking reads in worker threads); the batcher cuts
-the chunk's serving order into batches and gathers and transforms them in groups in a worker
-thread, ahead of the consumer by up to ``prefetch`` batches; a slot goes back to the reader once
-every batch cut from it is gathered. A failure in any stage is sent to the consumer, after the
-batches that were complete before it, and ends the run.
+The reader fills a free cache slot per chunk (the :class:`~._read.Reader` does the I/O in worker
+threads) while drawing the chunk's serving order; the batcher cuts that order into batches; the
+gatherer has the :class:`~._delivery.Delivery` gather, transform (and upload) them in groups in a
+worker thread, ahead of the consumer by up to ``prefetch`` batches; the sender queues them for the
+consumer. A slot goes back to the reader once every batch cut from it is gathered. A failure in
+any stage is sent to the consumer, after the batches that were complete before it, and ends the
+run.
 """
 
 from __future__ import annotations
@@ -21,36 +25,29 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import anyio
+import anyio.to_thread
 import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ._batch import (
-    Batch,
-    BatchSpec,
-    Buffers,
-    Finisher,
-    GatherTimes,
-    LoadedChunk,
-    Transformer,
-    carry,
-    gather_batches,
-)
-from ._cache import BatchBuffers, Slot
-from ._catalog import TopInfo
+from ._batch import Batch, BatchSpec, LoadedChunk, carry
+from ._cache import Slot
+from ._delivery import Delivery
 from ._errors import DataLayerError
 from ._plan import ChunkPlan, EpochPlan
+from ._read import Reader
+from ._stats import Stats
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]
 
-__all__ = ["DataSource", "EpochEnd", "Failure", "Mode", "Run", "Stats"]
+__all__ = ["EpochEnd", "Failure", "Item", "Mode", "Run"]
 
 Mode = Literal["epoch", "stream"]
 
@@ -77,41 +74,6 @@ _GroupItem = list[BatchSpec] | EpochEnd | Exception
 _DoneItem = tuple[list[BatchSpec], list[Batch]] | EpochEnd | Exception
 
 
-@dataclass
-class Stats:
-    """Counters the stages update (the layer reports a snapshot)."""
-
-    read_seconds: float = 0.0
-    bytes_read: int = 0
-    chunks_read: int = 0
-    times: GatherTimes = field(default_factory=GatherTimes)
-    consumer_wait_seconds: float = 0.0
-    batches: int = 0
-    samples: int = 0
-    first_batch_seconds: float | None = None
-
-
-class DataSource(Protocol):
-    """Where chunks come from: HDF5 files through the cache, or arrays in memory."""
-
-    @property
-    def tops(self) -> Mapping[str, TopInfo]: ...
-
-    @property
-    def n_samples(self) -> int: ...
-
-    @property
-    def slots(self) -> list[Slot] | None:
-        """The cache slots; ``None`` when rows are read in place (in-memory data)."""
-        ...
-
-    async def load(self, chunk: ChunkPlan, slot: Slot | None, stats: Stats) -> LoadedChunk: ...
-
-    async def aclose(self) -> None:
-        """Release threads and files (shielded from cancellation)."""
-        ...
-
-
 class Run:
     """The background pipeline from ``start_epoch`` on, in one mode.
 
@@ -130,38 +92,34 @@ class Run:
 
     def __init__(
         self,
-        source: DataSource,
+        reader: Reader,
+        slots: list[Slot] | None,
         plan: Callable[[int], EpochPlan],
         *,
         mode: Mode,
         start_epoch: int,
         batch_size: int,
-        transformers: Sequence[tuple[str, Transformer]],
+        delivery: Delivery,
         prefetch: int,
         stats: Stats,
-        finisher: Finisher | None = None,
         gather_threads: int = 2,
     ) -> None:
-        self.source = source
+        self.reader = reader
+        self.slots = slots
         self.plan = plan
         self.mode: Mode = mode
         self.start_epoch = start_epoch
         self.batch_size = batch_size
-        self.transformers = list(transformers)
+        self.delivery = delivery
         self.stats = stats
-        self.finisher = finisher
-        row_bytes = sum(t.row_bytes for t in source.tops.values())
+        row_bytes = sum(t.row_bytes for t in reader.tops.values())
         # Gather several batches per worker-thread call: a thread hop costs tens of µs, which
         # matters at thousands of batches per second. Groups of about 8 MiB, at most 16 batches.
         self.group = int(max(1, min(16, (8 * 2**20) // max(1, row_bytes * batch_size))))
         capacity = max(prefetch, self.group)
         # Batch buffers: enough for what can be in flight (the queue, one group being gathered,
         # the batch the consumer holds), reused once the consumer lets go of them.
-        self.buffers: Buffers = (
-            BatchBuffers(source.tops, batch_size * self.group, -(-capacity // self.group) + 4)
-            if finisher is None
-            else _FinisherBuffers(finisher, source.tops)
-        )
+        delivery.start(reader.tops, batch_size * self.group, -(-capacity // self.group) + 4)
         self._pool = ThreadPoolExecutor(1, "asynchdf5-gather") if gather_threads > 1 else None
         self._send, self.items = anyio.create_memory_object_stream[Item](capacity)
         #: Epoch at the head of ``items`` when the consumer stands at an epoch boundary, else None.
@@ -169,14 +127,14 @@ class Run:
         self.scope = anyio.CancelScope()
         self.done = anyio.Event()
         self._gather_limiter = anyio.CapacityLimiter(1)
-        self._row_specs = {t.name: (t.sample_shape, t.dtype) for t in source.tops.values()}
+        self._row_specs = {t.name: (t.sample_shape, t.dtype) for t in reader.tops.values()}
 
     async def main(self) -> None:
         """Run until cancelled or failed; always closes the item stream."""
         try:
             with self.scope:
                 send, recv = anyio.create_memory_object_stream[_ChunkItem](
-                    math.inf if self.source.slots is not None else 1
+                    math.inf if self.slots is not None else 1
                 )
                 groups_send, groups_recv = anyio.create_memory_object_stream[_GroupItem](1)
                 done_send, done_recv = anyio.create_memory_object_stream[_DoneItem](1)
@@ -205,7 +163,7 @@ class Run:
         self.items.close()
 
     async def _reader(self, send: ObjectSendStream[_ChunkItem]) -> None:
-        slots = self.source.slots
+        slots = self.slots
         free_send, free_recv = anyio.create_memory_object_stream[Slot](len(slots or ()) or 1)
         for s in slots or ():
             free_send.send_nowait(s)
@@ -216,7 +174,7 @@ class Run:
                 for chunk in plan.chunks:
                     slot = await free_recv.receive() if slots is not None else None
                     try:
-                        loaded = await self.source.load(chunk, slot, self.stats)
+                        loaded = await self._load(chunk, slot)
                     except Exception as exc:
                         # Queued behind the chunks already read, so that the batcher cuts and
                         # sends their batches before it raises this.
@@ -226,6 +184,25 @@ class Run:
                         loaded.release = _releaser(free_send, slot)
                     await send.send((plan, loaded))
                 epoch += 1
+
+    async def _load(self, chunk: ChunkPlan, slot: Slot | None) -> LoadedChunk:
+        """Read a chunk into ``slot`` (or in place), and draw its serving order meanwhile."""
+        order: list[np.ndarray | None] = [None]
+        where: list[Any] = [None]
+
+        async def read() -> None:
+            where[0] = await self.reader.read(
+                chunk, slot.arrays if slot is not None else None, self.stats.read
+            )
+
+        async def permute() -> None:
+            order[0] = await anyio.to_thread.run_sync(chunk.order)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(permute)
+            tg.start_soon(read)
+        arrays, rows_are_global = where[0]
+        return LoadedChunk(chunk, order[0], arrays, rows_are_global=rows_are_global)
 
     async def _batcher(
         self, recv: ObjectReceiveStream[_ChunkItem], groups: ObjectSendStream[_GroupItem]
@@ -300,12 +277,9 @@ class Run:
                     continue
                 try:
                     batches, error = await anyio.to_thread.run_sync(
-                        gather_batches,
+                        self.delivery.make,
                         item,
-                        self.buffers,
-                        self.transformers,
-                        self.stats.times,
-                        self.finisher,
+                        self.stats.gather,
                         self._pool,
                         limiter=self._gather_limiter,
                     )
@@ -334,17 +308,6 @@ class Run:
                     await _put(send, batch)
                     if spec.ends_epoch is not None:
                         await _put(send, EpochEnd(spec.ends_epoch))
-
-
-class _FinisherBuffers:
-    """Batch buffers from the device stage (page-locked staging memory)."""
-
-    def __init__(self, finisher: Finisher, tops: Mapping[str, TopInfo]) -> None:
-        self._finisher = finisher
-        self._tops = list(tops.values())
-
-    def acquire(self, rows: int) -> dict[str, np.ndarray]:
-        return {t.name: self._finisher.alloc((rows, *t.sample_shape), t.dtype) for t in self._tops}
 
 
 async def _put(send: MemoryObjectSendStream[Item], item: Item) -> None:

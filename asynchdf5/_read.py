@@ -20,25 +20,21 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.to_thread
 import numpy as np
 
-from ._batch import LoadedChunk
-from ._cache import Slot
 from ._catalog import Catalog, Layout, Segment, TopInfo
 from ._codecs import ChecksumError, ChunkDecoder
 from ._errors import ReadError
 from ._plan import ChunkPlan
 from ._sources import ByteRange, Source
 from ._sources._local import PIECE_BYTES
+from ._stats import ReadStats
 
-if TYPE_CHECKING:
-    from ._pipeline import Stats
-
-__all__ = ["HDF5Reader"]
+__all__ = ["HDF5Reader", "MemoryReader", "Reader"]
 
 
 def _byte_view(a: np.ndarray) -> memoryview:
@@ -112,20 +108,55 @@ class _Decode:
             part.view(self.swap_as).byteswap(inplace=True)
 
 
-class HDF5Reader:
-    """Reads chunks of a catalogued source into cache slots (the pipeline's data source).
+class Reader(Protocol):
+    """What the pipeline reads chunks from (an HDF5 source through the cache, or arrays)."""
 
-    *Streaming* (``slots`` given): each chunk is read into a free slot, every epoch. *Resident*
-    (``resident`` arrays of every sample given instead): when the whole data set is one chunk and
-    fits the cache budget, each sample is read once, at its global index, the first time a chunk
-    needs it, and later epochs are served from memory without reading again.
+    @property
+    def tops(self) -> Mapping[str, TopInfo]: ...
+
+    @property
+    def n_samples(self) -> int: ...
+
+    @property
+    def in_place(self) -> bool:
+        """Rows are served from the reader's own arrays, at their global indices (no cache
+        slots are needed)."""
+        ...
+
+    @property
+    def read_paths(self) -> Mapping[str, str]:
+        """How each top is read (see :class:`~asynchdf5.LayerStats`)."""
+        ...
+
+    @property
+    def read_notes(self) -> Mapping[str, str]: ...
+
+    async def read(
+        self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
+    ) -> tuple[Mapping[str, np.ndarray], bool]:
+        """Put the chunk's rows in memory: into ``into`` (a cache slot's arrays, rows in the
+        chunk's range order), or in place. Returns the arrays holding them and whether rows are
+        at their global indices there."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release threads and files (shielded from cancellation)."""
+        ...
+
+
+class HDF5Reader:
+    """Reads chunks of a catalogued source (the pipeline's :class:`Reader` of HDF5 files).
+
+    *Streaming* (no ``resident`` arrays): each chunk is read into the cache slot the pipeline
+    gives, every epoch. *Resident* (``resident`` arrays of every sample given): when the whole
+    data set is one chunk and fits the cache budget, each sample is read once, at its global
+    index, the first time a chunk needs it, and later epochs are served from memory.
     """
 
     def __init__(
         self,
         catalog: Catalog,
         source: Source,
-        slots: list[Slot] | None,
         resident: dict[str, np.ndarray] | None = None,
         read_threads: int = 2,
         decode_threads: int | None = None,
@@ -134,7 +165,8 @@ class HDF5Reader:
         self.source = source
         self.tops: Mapping[str, TopInfo] = catalog.tops
         self.n_samples = catalog.n_samples
-        self.slots: list[Slot] | None = slots
+        self.read_paths = catalog.read_paths()
+        self.read_notes = catalog.read_notes()
         self.resident = resident
         self._loaded: list[tuple[int, int]] = []  # sorted, disjoint: what `resident` holds
         # Pieces of a chunk (several tops, several files) move on up to `read_threads` threads at
@@ -246,40 +278,35 @@ class HDF5Reader:
                 tg.start_soon(h5read, read)
         return total[0]
 
-    async def load(self, chunk: ChunkPlan, slot: Slot | None, stats: Stats) -> LoadedChunk:
+    async def read(
+        self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
+    ) -> tuple[Mapping[str, np.ndarray], bool]:
         t0 = time.perf_counter()
         if self.resident is not None:
-            arrays = self.resident
+            arrays: Mapping[str, np.ndarray] = self.resident
             placed = [
                 (a, b, a) for r0, r1 in chunk.ranges for a, b in _missing(self._loaded, r0, r1)
             ]
         else:
-            assert slot is not None
-            arrays = slot.arrays
+            assert into is not None
+            arrays = into
             placed = []
             out = 0
             for a, b in chunk.ranges:
                 placed.append((a, b, out))
                 out += b - a
-        order: list[np.ndarray | None] = [None]
-
-        async def read() -> None:
-            stats.bytes_read += await self.fill(placed, arrays)
-
-        async def permute() -> None:
-            order[0] = await anyio.to_thread.run_sync(chunk.order, limiter=self._limiter)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(permute)
-            if placed:
-                tg.start_soon(read)
+        if placed:
+            stats.bytes += await self.fill(placed, arrays)
+            stats.seconds += time.perf_counter() - t0
+            stats.chunks += 1
         if self.resident is not None:
             for a, b in chunk.ranges:
                 _add(self._loaded, a, b)
-        if placed:
-            stats.read_seconds += time.perf_counter() - t0
-            stats.chunks_read += 1
-        return LoadedChunk(chunk, order[0], arrays, rows_are_global=self.resident is not None)
+        return arrays, self.resident is not None
+
+    @property
+    def in_place(self) -> bool:
+        return self.resident is not None
 
     def close(self) -> None:
         """Join the decoding threads and close the files (blocking)."""
@@ -287,13 +314,33 @@ class HDF5Reader:
         if pool is not None:
             pool.shutdown(wait=True)
         self.source.close()
-        self.slots = None
         self.resident = None
 
     async def aclose(self) -> None:
         """:meth:`close` in a worker thread (h5py handles are closed too), shielded."""
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self.close)
+
+
+class MemoryReader:
+    """Arrays in memory (``MemoryDataLayer``): rows are served in place, nothing is read."""
+
+    in_place = True
+    read_paths: Mapping[str, str] = {}
+    read_notes: Mapping[str, str] = {}
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], tops: Mapping[str, TopInfo]) -> None:
+        self.arrays = arrays
+        self.tops = tops
+        self.n_samples = len(next(iter(arrays.values())))
+
+    async def read(
+        self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
+    ) -> tuple[Mapping[str, np.ndarray], bool]:
+        return self.arrays, True
+
+    async def aclose(self) -> None:
+        pass
 
 
 def _direct(

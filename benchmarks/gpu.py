@@ -125,7 +125,7 @@ async def _layer_throughput(
         finish()  # the last copies are part of the work
         seconds = time.perf_counter() - t0
         # Private until the layer reports it (LayerStats): the stage's memory, before close.
-        stats = getattr(getattr(layer, "_finisher", None), "memory_stats", None)
+        stats = getattr(getattr(layer, "_delivery", None), "memory_stats", None)
     return count - warmup, seconds, stats
 
 

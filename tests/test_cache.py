@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning
-from asynchdf5._cache import BatchBuffers, slot_rows
+from asynchdf5._cache import slot_rows
 from asynchdf5._catalog import TopInfo
+from asynchdf5._delivery import BatchBuffers
 
 from .conftest import write_files
 

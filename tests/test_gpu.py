@@ -1,4 +1,4 @@
-"""Tests of the GPU stage (``device=``): asynchdf5._device.
+"""Tests of the GPU stage (``device=``): asynchdf5._delivery._cuda.
 
 Three kinds of test:
 
@@ -41,7 +41,13 @@ from asynchdf5 import (
     TransformError,
 )
 from asynchdf5 import transforms as T
-from asynchdf5._device import STAGING_DEPTH, DeviceStage, _DeviceMemory, _Staging, parse_device
+from asynchdf5._delivery._cuda import (
+    STAGING_DEPTH,
+    CudaDelivery,
+    _DeviceMemory,
+    _Staging,
+    parse_device,
+)
 
 from .conftest import write_files
 
@@ -116,7 +122,7 @@ def test_missing_cupy_is_a_configuration_error_with_install_hint(no_cupy: None, 
     with pytest.raises(ConfigurationError, match=r"needs CuPy.*asynchdf5\[cuda12\].*cuda13"):
         MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=8, device=spec)
     with pytest.raises(ValueError):  # ConfigurationError is a ValueError too
-        DeviceStage(spec, [], 8, 8)
+        CudaDelivery(spec, [], 8, 8)
 
 
 def test_malformed_spec_fails_before_cupy_is_imported(no_cupy: None) -> None:
@@ -412,24 +418,24 @@ def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
     FakeMemory.capacity = None
 
 
-def stage_of(layer: Any) -> DeviceStage:
-    stage = layer._finisher
-    assert isinstance(stage, DeviceStage)
+def stage_of(layer: Any) -> CudaDelivery:
+    stage = layer._delivery
+    assert isinstance(stage, CudaDelivery)
     return stage
 
 
 @pytest.mark.parametrize("spec", ["cuda", "cuda:0", 0])
 def test_stage_resolves_specs(fake_cupy: FakeCupy, spec: Any) -> None:
-    assert DeviceStage(spec, [], 8, 8).device_id == 0
-    assert DeviceStage(FakeDevice(0), [], 8, 8).device_id == 0
+    assert CudaDelivery(spec, [], 8, 8).device_id == 0
+    assert CudaDelivery(FakeDevice(0), [], 8, 8).device_id == 0
 
 
 def test_no_gpu_or_missing_index_is_a_configuration_error(fake_cupy: FakeCupy) -> None:
     with pytest.raises(ConfigurationError, match="no CUDA device 1; this machine has 1"):
-        DeviceStage("cuda:1", [], 8, 8)
+        CudaDelivery("cuda:1", [], 8, 8)
     fake_cupy.device_count = 0
     with pytest.raises(ConfigurationError, match="no CUDA GPU"):
-        DeviceStage("cuda", [], 8, 8)
+        CudaDelivery("cuda", [], 8, 8)
 
 
 def test_cuda_runtime_error_is_a_configuration_error(
@@ -526,7 +532,7 @@ async def test_fake_reuse_buffers_bounds_memory_of_held_batches(fake_cupy: FakeC
     peaks = {}
     for reuse in (False, True):
         layer = MemoryDataLayer(MANY, batch_size=8, prefetch=2, device="cuda")
-        layer._finisher = DeviceStage("cuda", [], 8, 2, reuse_buffers=reuse)
+        layer._delivery = CudaDelivery("cuda", [], 8, 2, reuse_buffers=reuse)
         await run_epochs(layer, epochs=1)  # holds every batch
         peaks[reuse] = stage_of(layer).memory_stats.device_bytes_peak
     assert peaks[False] >= 4003 // 8 * BLOCKS  # safe by default: nothing held is reused
@@ -549,7 +555,7 @@ def test_fake_staging_waits_for_a_copy_only_when_full(fake_cupy: FakeCupy) -> No
 
 
 def test_fake_ready_twice_then_reuse_buffers_recycles(fake_cupy: FakeCupy) -> None:
-    stage = DeviceStage("cuda", [], 4, 2, reuse_buffers=True)
+    stage = CudaDelivery("cuda", [], 4, 2, reuse_buffers=True)
     indices = np.arange(4)
 
     def batch(value: float) -> Batch:
@@ -578,7 +584,7 @@ async def test_fake_transformer_error_is_wrapped(fake_cupy: FakeCupy) -> None:
         raise ZeroDivisionError("bad batch")
 
     layer = MemoryDataLayer({"data": IMAGES}, batch_size=8, transformers=[("data", boom)])
-    layer._finisher = DeviceStage("cuda", layer.transformers, 8, 8)
+    layer._delivery = CudaDelivery("cuda", layer.config.transformers, 8, 8)
     async with layer:
         with pytest.raises(TransformError, match="ZeroDivisionError: bad batch"):
             async for _ in layer:
@@ -615,7 +621,7 @@ def test_fake_sync_facade_hands_batches_off_in_the_loops_thread(
     only once the loop has moved past it (the portal takes up to 16 batches at a time)."""
     src, n = write_files(tmp_path, [700])
     layer = HDF5DataLayer(src, batch_size=8, device="cuda")
-    layer._layer._finisher = DeviceStage("cuda", [], 8, 8, reuse_buffers=reuse)
+    layer._delivery = CudaDelivery("cuda", [], 8, 8, reuse_buffers=reuse)
     training = FakeStream(non_blocking=True, name="training", busy=True)  # never catches up
     seen = []
     with layer, training:
@@ -625,7 +631,7 @@ def test_fake_sync_facade_hands_batches_off_in_the_loops_thread(
             seen.append(batch.indices)
     assert sorted(np.concatenate(seen).tolist()) == list(range(n))
     assert len(training.waited) == len(seen)  # every batch's upload, on the loop thread's stream
-    upload = stage_of(layer._layer)._memory._stream  # type: ignore[union-attr]
+    upload = stage_of(layer)._memory._stream  # type: ignore[union-attr]
     released = [e for e in upload.waited if e.recorded_on is not None]
     assert released  # blocks came back from the consumer and were reused
     assert {e.recorded_on.name for e in released} == {"training"}
@@ -776,7 +782,7 @@ async def test_fake_pinned_allocation_failure_comes_after_the_complete_batches(
 def test_fake_finish_copies_host_arrays_into_pinned_memory(fake_cupy: FakeCupy) -> None:
     """Arrays not gathered into staging (plain, strided, byte-swapped) are copied into pinned
     buffers first: the stand-in's copy asserts that it reads pinned memory."""
-    stage = DeviceStage("cuda", [], 5, 2)
+    stage = CudaDelivery("cuda", [], 5, 2)
     plain = np.arange(15, dtype=np.float32).reshape(5, 3)
     strided = np.arange(30, dtype=np.int16).reshape(5, 6)[:, ::2]
     swapped = np.arange(5, dtype=">i4")
@@ -820,7 +826,9 @@ async def test_fake_hand_off_failure_ends_the_epoch(fake_cupy: FakeCupy) -> None
                 async for batch in layer:
                     got.append(batch)
             assert len(got) == 4 and layer.stats.batches == 4  # the failed one never counted
-            assert layer._run is None  # the pipeline was stopped, as after any failure
+            assert (
+                layer._session is not None and layer._session.run is None
+            )  # the pipeline was stopped, as after any failure
             (epoch,) = [[b async for b in layer]]  # the next loop: the next epoch, whole
     assert {b.epoch for b in epoch} == {1}
     check_epoch(epoch, len(LABELS), IMAGES)
@@ -834,7 +842,9 @@ def test_fake_sync_hand_off_failure_ends_the_epoch(fake_cupy: FakeCupy, tmp_path
         with pytest.raises(DeviceError, match="handing a batch"):
             for batch in layer:
                 got.append(batch)
-        assert len(got) == 19 and layer._layer._run is None  # stopped
+        assert (
+            len(got) == 19 and layer._session is not None and layer._session.run is None
+        )  # stopped
         epoch = list(layer)
     assert {b.epoch for b in epoch} == {1}
     assert sorted(np.concatenate([b.indices for b in epoch]).tolist()) == list(range(n))
@@ -861,13 +871,13 @@ def test_fake_hand_off_racing_close_frees_what_it_took(
 def test_fake_errors_that_are_not_cuda_pass_unchanged(
     fake_cupy: FakeCupy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stage = DeviceStage("cuda", [], 4, 2)
+    stage = CudaDelivery("cuda", [], 4, 2)
     x = np.zeros((4, 3), np.float32)
 
     def broken(staging: _Staging, host: np.ndarray) -> np.ndarray:
         raise TypeError("a bug")
 
-    monkeypatch.setattr(DeviceStage, "_pinned", staticmethod(broken))
+    monkeypatch.setattr(CudaDelivery, "_pinned", staticmethod(broken))
     with pytest.raises(TypeError, match="a bug"):  # not dressed up as a DeviceError
         stage.finish({"x": x}, np.arange(4), 0)
     monkeypatch.undo()
@@ -899,7 +909,7 @@ async def test_fake_stream_mode_on_the_device(fake_cupy: FakeCupy, reuse: bool) 
     layer = MemoryDataLayer(
         {"data": IMAGES, "label": LABELS}, batch_size=16, shuffle=True, seed=2, device="cuda"
     )
-    layer._finisher = DeviceStage("cuda", [], 16, 8, reuse_buffers=reuse)
+    layer._delivery = CudaDelivery("cuda", [], 16, 8, reuse_buffers=reuse)
     seen = []
     async with layer:
         async for batch in layer.stream():
@@ -937,7 +947,7 @@ def test_real_cupy_without_a_gpu_is_a_configuration_error(cupy_no_gpu: Any) -> N
     assert "CUDARuntimeError" in str(info.value) or "no CUDA GPU" in str(info.value)
     assert "device=None" in str(info.value)  # says how to go on without one
     with pytest.raises(ConfigurationError, match="no usable CUDA GPU"):
-        DeviceStage(0, [], 8, 8)
+        CudaDelivery(0, [], 8, 8)
 
 
 def test_importing_asynchdf5_does_not_import_installed_cupy(cupy_no_gpu: Any) -> None:
@@ -1251,7 +1261,7 @@ def test_gpu_sync_facade_on_a_busy_consumer_stream(
                 sums.append(batch["label"].sum())  # the label is the global index
                 indices.append(batch.indices)
         got = [int(s) for s in sums]  # synchronises, after every upload
-        held = stage_of(layer._layer).memory_stats.device_bytes
+        held = stage_of(layer).memory_stats.device_bytes
     assert got == [int(i.sum()) for i in indices]
     np.testing.assert_array_equal(np.sort(np.concatenate(indices)), np.repeat(np.arange(n), 2))
     # 200 batches of two 512-byte blocks were uploaded: blocks came back and were reused.
@@ -1290,4 +1300,4 @@ def test_gpu_device_out_of_range(cupy_gpu: Any) -> None:
     count = cupy_gpu.cuda.runtime.getDeviceCount()
     with pytest.raises(ConfigurationError, match=f"no CUDA device {count}"):
         MemoryDataLayer({"data": IMAGES}, batch_size=8, device=count)
-    assert DeviceStage(cupy_gpu.cuda.Device(0), [], 8, 8).device_id == 0
+    assert CudaDelivery(cupy_gpu.cuda.Device(0), [], 8, 8).device_id == 0

@@ -1,6 +1,6 @@
-"""Optional GPU upload (``device=``): batches become CuPy arrays while the consumer trains.
+"""CUDA delivery (``device=``): batches become CuPy arrays while the consumer trains.
 
-The stage is the last one of the pipeline (the :class:`~asynchdf5._batch.Finisher` of a layer)::
+The delivery is the last stage of the pipeline::
 
     gather thread:   rows ─▶ pinned staging ─▶ async copy ─▶ transformers ─▶ event  (upload stream)
     consumer thread: ready(batch): the consumer's current stream waits on that event
@@ -24,19 +24,25 @@ import contextlib
 import gc
 import re
 import threading
+import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from ._batch import Batch, Transformer, apply_transformers
-from ._errors import ConfigurationError, DeviceError, SchemaError
+from .._batch import Batch, BatchSpec, gather_rows
+from .._catalog import TopInfo
+from .._errors import ConfigurationError, DeviceError, SchemaError
+from .._stats import GatherStats
+from .._transform import apply_transformers
+from ..transforms import Transformer
 
-__all__ = ["INSTALL_HINT", "DeviceMemoryStats", "DeviceStage", "parse_device", "resolve_device"]
+__all__ = ["INSTALL_HINT", "CudaDelivery", "DeviceMemoryStats", "parse_device", "resolve_device"]
 
 INSTALL_HINT = (
     'install CuPy with pip install "asynchdf5[cuda12]" (CUDA 12) or '
@@ -412,7 +418,7 @@ class _Resources:
         return event
 
 
-class DeviceStage:
+class CudaDelivery:
     """Uploads gathered batches to a CUDA device and runs the transformers there.
 
     Parameters
@@ -453,6 +459,47 @@ class DeviceStage:
         self._gpu: _Resources | None = None
         self._memory: _DeviceMemory | None = None  # kept after close, for the stats
         self._yielded: weakref.ReferenceType[_DeviceData] | None = None
+        self._tops: list[TopInfo] = []
+
+    # --- the Delivery protocol ----------------------------------------------------------------
+
+    def start(self, tops: Mapping[str, TopInfo], group_rows: int, depth: int) -> None:
+        """Staging is allocated per batch, on first use (page-locked memory is reused)."""
+        self._tops = list(tops.values())
+
+    def make(
+        self, specs: Sequence[BatchSpec], stats: GatherStats, helper: Executor | None
+    ) -> tuple[list[Batch], Exception | None]:
+        """Each batch is gathered into its own staging buffers and its upload queued at once,
+        so copies start early; a failure (staging, upload, transformer) keeps the complete
+        batches before it, and gives the failed batch's buffers back."""
+        out: list[Batch] = []
+        for spec in specs:
+            t0 = time.perf_counter()
+            try:
+                staging = {
+                    t.name: self.alloc((spec.rows, *t.sample_shape), t.dtype) for t in self._tops
+                }
+                indices = np.empty(spec.rows, np.int64)
+                gather_rows(spec.pieces, staging, indices)
+                t1 = time.perf_counter()
+                data = self.finish(dict(staging), indices, spec.epoch)
+            except Exception as exc:
+                self.abandon()
+                return out, exc
+            stats.gather_seconds += t1 - t0
+            stats.transform_seconds += time.perf_counter() - t1
+            out.append(Batch(data, indices, spec.epoch))
+        return out, None
+
+    def hand_off(self, batch: Batch) -> None:
+        """See :meth:`ready`."""
+        self.ready(batch)
+
+    def memory(self) -> dict[str, int]:
+        return asdict(self.memory_stats)
+
+    # --- the stage's own work -----------------------------------------------------------------
 
     def _open(self) -> _Resources:
         gpu = self._gpu
@@ -561,9 +608,10 @@ class DeviceStage:
             host = host.byteswap(inplace=True).view(host.dtype.newbyteorder("="))
         return host
 
-    def check(self, dtypes: dict[str, np.dtype[Any]]) -> None:
+    def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Raise :class:`~asynchdf5.SchemaError` for a top CuPy cannot hold (before any batch)."""
-        for name, dtype in dtypes.items():
+        for name, top in tops.items():
+            dtype = top.dtype
             if dtype.char in "gG":  # long double: no CUDA type, no DLPack type
                 raise SchemaError(
                     f"top {name!r} has dtype {dtype} (long double), which CuPy cannot hold on "

@@ -1,0 +1,333 @@
+"""The keyword properties: parsed and checked once, into a frozen :class:`LayerConfig`.
+
+Every layer class takes its properties through :meth:`LayerConfig.parse`, so a value is checked
+the same way (and a bad one gets the same message) whichever class it is given to. The table of
+properties in the documentation (``docs/properties.md``) is generated from :data:`PROPERTIES`
+(``python -m asynchdf5._config docs/properties.md`` rewrites it; a test keeps it current).
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from ._delivery import parse_device
+from ._errors import ConfigurationError
+from .transforms import Transformer
+
+__all__ = ["DEFAULT_TOPS", "PROPERTIES", "LayerConfig", "Property", "property_table"]
+
+DEFAULT_TOPS = ("data", "label")
+Backend = Literal["asyncio", "trio"]
+
+
+@dataclass(frozen=True)
+class Property:
+    """One keyword property, as the documentation lists it."""
+
+    name: str
+    default: str  # as shown in the docs
+    doc: str
+    #: Which layers take it: "all", or "hdf5" (not MemoryDataLayer).
+    layers: Literal["all", "hdf5"] = "all"
+
+
+PROPERTIES: tuple[Property, ...] = (
+    Property(
+        "source",
+        "required",
+        "The HDF5 files: the path of a *source list* file (one HDF5 path per line; blank lines and "
+        "lines starting with `#` are ignored; relative paths are relative to the list file's "
+        "folder), the path of one HDF5 file, or a sequence of HDF5 paths. Relative paths are "
+        "resolved when the layer is constructed. See [source](semantics.md#the-source).",
+        "hdf5",
+    ),
+    Property(
+        "batch_size",
+        "required",
+        "Samples per batch. Every batch is full except, with `drop_last=False`, the last of an "
+        "epoch.",
+    ),
+    Property(
+        "tops",
+        '`("data", "label")`',
+        "Names of the datasets to read from every file (group paths allowed, e.g. "
+        '`"images/train"`); they are also the keys of every batch, in this order.',
+    ),
+    Property(
+        "shuffle",
+        "`False`",
+        "`False`: batches in source order. `True`: each epoch, the chunk boundaries are rotated, "
+        "the chunk order permuted, and the samples permuted within each chunk. See "
+        "[shuffle](semantics.md#shuffle).",
+    ),
+    Property(
+        "chunk_size",
+        "`2**20`",
+        "Samples per chunk: the unit read from disk and held in the host cache. Larger chunks "
+        "shuffle more globally and read in larger requests; smaller ones need less memory and "
+        "start faster.",
+        "hdf5",
+    ),
+    Property(
+        "transformers",
+        "`()`",
+        "`(top, callable)` pairs, applied in order to each batch's array of that top, in a worker "
+        "thread. A callable takes an array of shape `(rows, *sample_shape)` and returns one with "
+        "the same number of rows. Built-ins: {mod}`asynchdf5.transforms`.",
+    ),
+    Property(
+        "seed",
+        "`None`",
+        "Seed of the shuffle. The same seed gives the same batches on every run; each epoch draws "
+        "its own order from the seed and the epoch number. `None` draws a fresh seed. Required "
+        "with `shuffle=True` and `world_size > 1`, so that all ranks agree on the epoch's order.",
+    ),
+    Property(
+        "drop_last",
+        "`False`",
+        "Leave out the last, partial batch of each epoch (and only it). Does not apply to "
+        "`stream()`, whose batches are always full.",
+    ),
+    Property(
+        "rank",
+        "`0`",
+        "This process's shard, `0 <= rank < world_size`, for data-parallel training.",
+    ),
+    Property(
+        "world_size",
+        "`1`",
+        "Number of shards. The shards of an epoch are disjoint, cover every sample together, and "
+        "give every rank the same number of batches. See [shards](semantics.md#shards).",
+    ),
+    Property(
+        "cache_bytes",
+        "`None`",
+        "Memory budget of the host cache, in bytes. `None`: a third of the machine's physical "
+        "memory. Streaming, the cache is two chunk slots (the one served and the one being read) "
+        "of `chunk_size` samples (or of the whole shard, if smaller); when they would not fit, the "
+        "chunk size shrinks to fit, with a {class}`~asynchdf5.CacheBudgetWarning`; a budget that "
+        "cannot hold one batch per slot is a {class}`~asynchdf5.ConfigurationError` at "
+        "`async with`. When the whole data set is one chunk (at most `chunk_size` samples) and "
+        "fits the budget, it is kept *resident*: read once, in the first epoch, and served from "
+        "memory after that (`layer.stats.resident`).",
+        "hdf5",
+    ),
+    Property(
+        "prefetch",
+        "`8`",
+        "Batches gathered (and transformed) ahead of the consumer.",
+    ),
+    Property(
+        "device",
+        "`None`",
+        'Where batches are delivered. `None`: NumPy arrays in host memory. `"cuda"`, '
+        '`"cuda:N"`, an `int` or a `cupy.cuda.Device`: CuPy arrays on that GPU, uploaded from '
+        "pinned memory on a separate CUDA stream. Needs CuPy "
+        '(`pip install "asynchdf5[cuda12]"`). See {doc}`gpu`.',
+    ),
+    Property(
+        "reuse_buffers",
+        "`False`",
+        "With a `device` only: let the next batch reuse a batch's device memory as soon as it is "
+        "asked for, even if the old batch is still held (device memory stays bounded whatever you "
+        "keep; you promise to be done with each batch by then). Host batches never need it: their "
+        "buffers are reused only once nothing refers to them.",
+    ),
+    Property(
+        "backend",
+        '`"asyncio"`',
+        "The anyio backend of the event loop that runs the pipeline when the layer is used with "
+        '`with` / `for` (the sync interface): `"asyncio"` or `"trio"`. Unused with `async with`, '
+        "which runs on the caller's event loop.",
+    ),
+)
+
+
+def property_table(layers: Literal["all", "hdf5"] = "hdf5") -> str:
+    """The Markdown table of the properties that ``layers`` take (``"hdf5"``: all of them)."""
+    rows = ["| property | default | meaning |", "| --- | --- | --- |"]
+    for p in PROPERTIES:
+        if layers == "hdf5" or p.layers == "all":
+            rows.append(f"| `{p.name}` | {p.default} | {p.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def _int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ConfigurationError(f"{name} must be an int, not {type(value).__name__}: {value!r}")
+    if value < minimum:
+        raise ConfigurationError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigurationError(f"{name} must be True or False, not {value!r}")
+    return bool(value)
+
+
+def _tops(tops: object) -> tuple[str, ...]:
+    if isinstance(tops, str):
+        tops = (tops,)
+    if not isinstance(tops, Sequence) or not all(isinstance(t, str) for t in tops):
+        raise ConfigurationError(f"tops must be a sequence of dataset names, not {tops!r}")
+    if not tops:
+        raise ConfigurationError("tops is empty: name at least one dataset")
+    seen: set[str] = set()
+    for t in tops:
+        if t in seen:
+            raise ConfigurationError(f"top {t!r} is listed twice in tops={tuple(tops)!r}")
+        seen.add(t)
+    return tuple(tops)
+
+
+def _transformers(value: object, tops: Sequence[str]) -> tuple[tuple[str, Transformer], ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ConfigurationError(
+            f"transformers must be a sequence of (top, callable) pairs, not {value!r}"
+        )
+    out = []
+    for i, pair in enumerate(value):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ConfigurationError(
+                f"transformers[{i}] must be a (top, callable) pair, not {pair!r}"
+            )
+        top, fn = pair
+        if top not in tops:
+            raise ConfigurationError(
+                f"transformers[{i}] is for top {top!r}, which is not one of tops={tuple(tops)!r}"
+            )
+        if not callable(fn):
+            raise ConfigurationError(f"transformers[{i}] for top {top!r} is not callable: {fn!r}")
+        out.append((str(top), fn))
+    return tuple(out)
+
+
+def _backend(value: object) -> Backend:
+    if value not in ("asyncio", "trio"):
+        raise ConfigurationError(f'backend must be "asyncio" or "trio", not {value!r}')
+    if value == "trio" and "trio" not in sys.modules:
+        try:
+            import trio  # noqa: F401
+        except ImportError as exc:
+            raise ConfigurationError(
+                'backend="trio" needs trio, which is not installed (pip install trio)'
+            ) from exc
+    return "trio" if value == "trio" else "asyncio"
+
+
+# --- the configuration -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """Every keyword property of a layer, checked (see :data:`PROPERTIES` for their meaning).
+
+    ``seed`` is always an int here: a fresh one is drawn when the property is None.
+    """
+
+    batch_size: int
+    tops: tuple[str, ...]
+    shuffle: bool
+    chunk_size: int
+    transformers: tuple[tuple[str, Transformer], ...]
+    seed: int
+    drop_last: bool
+    rank: int
+    world_size: int
+    cache_bytes: int | None
+    prefetch: int
+    device: object
+    reuse_buffers: bool
+    backend: Backend
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        batch_size: object,
+        tops: object = DEFAULT_TOPS,
+        shuffle: object = False,
+        chunk_size: object = 2**20,
+        transformers: object = (),
+        seed: object = None,
+        drop_last: object = False,
+        rank: object = 0,
+        world_size: object = 1,
+        cache_bytes: object = None,
+        prefetch: object = 8,
+        device: object = None,
+        reuse_buffers: object = False,
+        backend: object = "asyncio",
+    ) -> LayerConfig:
+        """Check every property; raise :class:`ConfigurationError` naming the first bad one."""
+        batch = _int("batch_size", batch_size, minimum=1)
+        names = _tops(tops)
+        chunk = _int("chunk_size", chunk_size, minimum=1)
+        if chunk < batch:
+            raise ConfigurationError(
+                f"chunk_size={chunk} is smaller than batch_size={batch}; a chunk must hold at "
+                "least one batch"
+            )
+        world = _int("world_size", world_size, minimum=1)
+        this = _int("rank", rank, minimum=0)
+        if this >= world:
+            raise ConfigurationError(f"rank={this} is outside 0 ... world_size-1 = {world - 1}")
+        mixed = _bool("shuffle", shuffle)
+        if seed is None:
+            if world > 1 and mixed:
+                raise ConfigurationError(
+                    "shuffle=True with world_size > 1 needs an explicit seed, the same on every "
+                    "rank, so that the ranks' shards stay disjoint"
+                )
+            seed = secrets.randbits(63)
+        reuse = _bool("reuse_buffers", reuse_buffers)
+        if device is not None:
+            parse_device(device)  # a malformed spec fails before CuPy is imported
+        elif reuse:
+            raise ConfigurationError(
+                "reuse_buffers=True applies to device batches; set device= too (host batches "
+                "are reused only once you let go of them, without asking)"
+            )
+        return cls(
+            batch_size=batch,
+            tops=names,
+            shuffle=mixed,
+            chunk_size=chunk,
+            transformers=_transformers(transformers, names),
+            seed=_int("seed", seed, minimum=0),
+            drop_last=_bool("drop_last", drop_last),
+            rank=this,
+            world_size=world,
+            cache_bytes=None
+            if cache_bytes is None
+            else _int("cache_bytes", cache_bytes, minimum=1),
+            prefetch=_int("prefetch", prefetch, minimum=1),
+            device=device,
+            reuse_buffers=reuse,
+            backend=_backend(backend),
+        )
+
+
+def _write_table(path: str) -> None:
+    """Rewrite the generated table between the markers of ``path`` (a docs page)."""
+    begin, end = "<!-- properties: begin -->\n", "<!-- properties: end -->\n"
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(head + begin + property_table() + end + tail)
+
+
+if __name__ == "__main__":  # pragma: no cover - a maintainer's tool
+    _write_table(sys.argv[1])

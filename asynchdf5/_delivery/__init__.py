@@ -1,0 +1,80 @@
+"""The delivery seam: where batches go, and the last work done on them on the way.
+
+A :class:`Delivery` turns the batches the batcher cut into the arrays the consumer receives:
+host NumPy arrays (:class:`HostDelivery`), or CuPy arrays uploaded from pinned memory on the
+layer's own CUDA stream (:class:`CudaDelivery`). It runs the transformer chain where the arrays
+are, and hands each batch over in the consumer's thread. Nothing above this seam knows which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+from typing import Protocol
+
+from .._batch import Batch, BatchSpec
+from .._catalog import TopInfo
+from .._stats import GatherStats
+from ..transforms import Transformer
+from ._cuda import INSTALL_HINT, CudaDelivery, DeviceMemoryStats, parse_device
+from ._host import BatchBuffers, HostDelivery
+
+__all__ = [
+    "INSTALL_HINT",
+    "BatchBuffers",
+    "CudaDelivery",
+    "Delivery",
+    "DeviceMemoryStats",
+    "HostDelivery",
+    "make_delivery",
+    "parse_device",
+]
+
+
+class Delivery(Protocol):
+    """Where batches go (host memory, a CUDA device)."""
+
+    def check(self, tops: Mapping[str, TopInfo]) -> None:
+        """Raise :class:`~asynchdf5.SchemaError` for a top this delivery cannot carry (at open,
+        before any batch)."""
+        ...
+
+    def start(self, tops: Mapping[str, TopInfo], group_rows: int, depth: int) -> None:
+        """Prepare for a run: groups of up to ``group_rows`` rows, about ``depth`` groups in
+        flight at once (idempotent)."""
+        ...
+
+    def make(
+        self, specs: Sequence[BatchSpec], stats: GatherStats, helper: Executor | None
+    ) -> tuple[list[Batch], Exception | None]:
+        """Gather, transform (and upload) ``specs`` (blocking: a worker thread). Returns the
+        complete batches and the error that stopped it, if one did: the batches before an
+        error are still delivered, and only they. ``helper``: a second thread to gather on."""
+        ...
+
+    def hand_off(self, batch: Batch) -> None:
+        """In the consumer's thread, right before ``batch`` is yielded."""
+        ...
+
+    def memory(self) -> dict[str, int]:
+        """Device memory held (the device fields of :class:`~asynchdf5.LayerStats`)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the delivery holds (blocking)."""
+        ...
+
+
+def make_delivery(
+    device: object,
+    transformers: Sequence[tuple[str, Transformer]],
+    batch_size: int,
+    prefetch: int,
+    *,
+    reuse_buffers: bool,
+) -> Delivery:
+    """The delivery for ``device`` (None: host). A device is resolved now (CuPy imported, the
+    GPU checked), so a layer fails at construction when it cannot deliver there."""
+    if device is None:
+        return HostDelivery(transformers)
+    return CudaDelivery(device, transformers, batch_size, prefetch, reuse_buffers=reuse_buffers)

@@ -1,0 +1,110 @@
+"""Where the time goes: counters that each stage writes into its own part of, and the snapshot
+that a layer hands out (:class:`LayerStats`).
+
+One owner (a layer's :class:`Stats`), one writer per part: the reader writes :class:`ReadStats`,
+the gathering stage :class:`GatherStats`, the epoch iterator :class:`ConsumerStats`. A snapshot
+copies them into a frozen :class:`LayerStats`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["ConsumerStats", "GatherStats", "LayerStats", "ReadStats", "Stats"]
+
+
+@dataclass
+class ReadStats:
+    """Written by the chunk reader."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    chunks: int = 0
+
+
+@dataclass
+class GatherStats:
+    """Written by the gathering stage (delivery)."""
+
+    gather_seconds: float = 0.0
+    transform_seconds: float = 0.0
+
+
+@dataclass
+class ConsumerStats:
+    """Written by the epoch iterator, as batches are handed over."""
+
+    wait_seconds: float = 0.0
+    batches: int = 0
+    samples: int = 0
+    first_batch_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """A snapshot of a layer's pipeline counters (:attr:`AsyncHDF5DataLayer.stats`).
+
+    Times are seconds summed over the layer's life (worker-thread time for the stages).
+    ``resident`` is True when the whole data set fits one chunk and the cache budget: it is then
+    read once and later epochs are served from memory. ``read_paths`` says how each top is read:
+    ``"pread"`` (stored bytes read straight into the cache, outside h5py's lock),
+    ``"chunks"`` (raw chunks read and decoded by a pool of threads, outside h5py's lock) or
+    ``"h5py"`` (h5py reads it, holding its lock; the reason is in ``read_notes``).
+    ``consumer_wait_seconds`` is the time ``async for`` waited for a batch. With a ``device``,
+    ``device_bytes`` (held now), ``device_bytes_in_use``, ``device_bytes_peak`` and
+    ``pinned_bytes`` report the device stage's memory (all 0 without one).
+    """
+
+    read_seconds: float
+    gather_seconds: float
+    transform_seconds: float
+    consumer_wait_seconds: float
+    bytes_read: int
+    chunks_read: int
+    batches: int
+    samples: int
+    first_batch_seconds: float | None
+    chunk_rows: int
+    resident: bool
+    device_bytes: int = 0
+    device_bytes_in_use: int = 0
+    device_bytes_peak: int = 0
+    pinned_bytes: int = 0
+    read_paths: dict[str, str] = field(default_factory=dict)
+    read_notes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Stats:
+    """A layer's counters; each stage is given its own part to write."""
+
+    read: ReadStats = field(default_factory=ReadStats)
+    gather: GatherStats = field(default_factory=GatherStats)
+    consumer: ConsumerStats = field(default_factory=ConsumerStats)
+
+    def snapshot(
+        self,
+        *,
+        chunk_rows: int,
+        resident: bool,
+        device: Mapping[str, int],
+        read_paths: Mapping[str, str],
+        read_notes: Mapping[str, str],
+    ) -> LayerStats:
+        return LayerStats(
+            read_seconds=self.read.seconds,
+            gather_seconds=self.gather.gather_seconds,
+            transform_seconds=self.gather.transform_seconds,
+            consumer_wait_seconds=self.consumer.wait_seconds,
+            bytes_read=self.read.bytes,
+            chunks_read=self.read.chunks,
+            batches=self.consumer.batches,
+            samples=self.consumer.samples,
+            first_batch_seconds=self.consumer.first_batch_seconds,
+            chunk_rows=chunk_rows,
+            resident=resident,
+            read_paths=dict(read_paths),
+            read_notes=dict(read_notes),
+            **device,
+        )

@@ -1,0 +1,240 @@
+"""Using a layer in a state that does not allow it is a StateError, never a backend's internal
+error, a hang, or a silently truncated epoch (issue 9, section 3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from asynchdf5 import (
+    AsyncHDF5DataLayer,
+    Batch,
+    DataLayerError,
+    HDF5DataLayer,
+    MemoryDataLayer,
+    StateError,
+)
+
+from ._files import N, check_epoch, write_source
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    return write_source(tmp_path)[0]
+
+
+def test_state_error_is_a_data_layer_error_and_a_runtime_error() -> None:
+    assert issubclass(StateError, DataLayerError) and issubclass(StateError, RuntimeError)
+
+
+async def test_open_twice_in_the_same_task(source: Path) -> None:
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    async with layer:
+        with pytest.raises(StateError, match="already open"):
+            await layer.__aenter__()
+        check_epoch([b async for b in layer], N, 10, 0)  # still usable
+
+
+async def test_open_while_another_task_has_it_open(source: Path) -> None:
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    errors: list[BaseException] = []
+
+    async def second() -> None:
+        try:
+            async with layer:
+                pass
+        except StateError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with layer, anyio.create_task_group() as tg:
+            tg.start_soon(second)
+    assert len(errors) == 1 and "already open" in str(errors[0])
+
+
+async def test_two_tasks_opening_at_once(source: Path) -> None:
+    """One opens it, the other gets a StateError (not asyncio's RuntimeError or trio's
+    TrioInternalError from a task group entered twice)."""
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    outcomes: list[str] = []
+    opened = anyio.Event()
+    done = anyio.Event()
+
+    async def user() -> None:
+        try:
+            async with layer:
+                outcomes.append("opened")
+                opened.set()
+                await done.wait()
+        except StateError:
+            outcomes.append("StateError")
+            done.set()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(user)
+            tg.start_soon(user)
+    assert sorted(outcomes) == ["StateError", "opened"]
+
+
+async def test_iterate_when_not_open(source: Path) -> None:
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    with pytest.raises(StateError, match="not open"):
+        async for _ in layer:
+            pass
+    with pytest.raises(StateError, match="not open"):
+        async for _ in layer.stream():
+            pass
+    with pytest.raises(StateError, match="known once the layer is open"):
+        _ = layer.n_samples
+
+
+def test_sync_iterate_when_not_open(source: Path) -> None:
+    layer = HDF5DataLayer(source, batch_size=10)
+    with pytest.raises(StateError, match="not open"):
+        next(iter(layer))
+
+
+async def test_second_consumer_while_an_epoch_is_iterated(source: Path) -> None:
+    """The first consumer's epoch is not truncated: the second gets a StateError instead."""
+    async with AsyncHDF5DataLayer(source, batch_size=10, shuffle=True, seed=1) as layer:
+        first = aiter(layer)
+        got = [await anext(first) for _ in range(3)]
+        with pytest.raises(StateError, match="another iterator"):
+            async for _ in layer:
+                pass
+        with pytest.raises(StateError, match="another iterator"):
+            async for _ in layer.stream():
+                pass
+        got += [b async for b in first]  # the first goes on to the end of its epoch
+        check_epoch(got, N, 10, 0)
+
+
+async def test_two_tasks_iterating_at_once(source: Path) -> None:
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    results: dict[str, list[Batch] | BaseException] = {}
+    started = anyio.Event()
+
+    async def consume(name: str) -> None:
+        got: list[Batch] = []
+        try:
+            async for b in layer:
+                got.append(b)
+                started.set()
+                await anyio.sleep(0.001)
+            results[name] = got
+        except StateError as exc:
+            results[name] = exc
+
+    async def second() -> None:
+        await started.wait()
+        await consume("second")
+
+    with anyio.fail_after(20):
+        async with layer, anyio.create_task_group() as tg:
+            tg.start_soon(consume, "first")
+            tg.start_soon(second)
+    assert isinstance(results["second"], StateError)
+    first = results["first"]
+    assert isinstance(first, list)
+    check_epoch(first, N, 10, 0)
+
+
+async def test_an_iterator_closed_early_lets_the_next_one_start(source: Path) -> None:
+    async with AsyncHDF5DataLayer(source, batch_size=10) as layer:
+        it = aiter(layer)
+        await anext(it)
+        await it.aclose()  # held, but closed: not a consumer any more
+        batches = [b async for b in layer]
+        check_epoch(batches, N, 10, 1)  # the epoch left early is over
+        with pytest.raises(StopAsyncIteration):
+            await anext(it)
+
+
+async def test_iterator_after_close(source: Path) -> None:
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    async with layer:
+        it = aiter(layer)
+        await anext(it)
+        stream = layer.stream()
+    with pytest.raises(StateError, match="closed"):
+        await anext(it)
+    with pytest.raises(StateError, match="not open"):
+        await anext(stream)
+    async with layer:  # reopened: the old iterator stays over, a new one works
+        with pytest.raises(StopAsyncIteration):
+            await anext(it)
+        assert len([b async for b in layer]) == N // 10
+
+
+async def test_iterator_waiting_when_the_layer_closes(source: Path) -> None:
+    """A consumer task waiting for a batch while another task closes the layer's scope gets a
+    StateError or a cancellation, never a hang."""
+    layer = MemoryDataLayer({"x": np.arange(100)}, batch_size=10, transformers=[("x", lambda x: x)])
+    with anyio.fail_after(10):
+        async with layer:
+            it = aiter(layer)
+            await anext(it)
+        with pytest.raises(StateError):
+            await anext(it)
+
+
+async def test_sync_iteration_of_a_layer_opened_with_async_with(source: Path) -> None:
+    async with HDF5DataLayer(source, batch_size=10) as layer:
+        with pytest.raises(StateError, match="async for"):
+            next(iter(layer))
+
+
+async def test_async_with_on_a_layer_open_with_with(source: Path) -> None:
+    layer = HDF5DataLayer(source, batch_size=10)
+    with layer:
+        with pytest.raises(StateError, match="already open"):
+            async with layer:
+                pass
+        assert len(list(layer)) == N // 10
+
+
+def test_with_twice(source: Path) -> None:
+    layer = HDF5DataLayer(source, batch_size=10)
+    with layer:
+        with pytest.raises(StateError, match="already open"):
+            layer.__enter__()
+        assert len(list(layer)) == N // 10
+    with layer:  # and again, after closing
+        assert len(list(layer)) == N // 10
+
+
+async def test_close_from_another_task(source: Path) -> None:
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    errors: list[BaseException] = []
+
+    async def closer() -> None:
+        try:
+            await layer.aclose()
+        except StateError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with layer:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(closer)
+            assert len([b async for b in layer]) == N // 10
+    assert len(errors) == 1 and "task that opened it" in str(errors[0])
+
+
+def test_memory_layer_works_with_with_and_for() -> None:
+    layer = MemoryDataLayer({"x": np.arange(95), "y": np.arange(95) * 2}, batch_size=10)
+    with layer:
+        for epoch in range(2):
+            batches = list(layer)
+            assert [len(b.indices) for b in batches] == [10] * 9 + [5]
+            assert {b.epoch for b in batches} == {epoch}
+            for b in batches:
+                np.testing.assert_array_equal(b["y"], b["x"] * 2)
+        streamed = [b for _, b in zip(range(12), layer.stream(), strict=False)]
+        assert all(len(b.indices) == 10 for b in streamed)
