@@ -716,3 +716,60 @@ def test_facade_error_in_the_body(source: tuple[Path, list[Path]], facade_backen
             for _ in layer:
                 raise RuntimeError("user code")
     assert_facade_released(before, facade_backend)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks that must agree across ranks, budgets, and messages that say what the user needs
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("sizes", "batch_size", "world_size", "drop_last"),
+    [
+        ((3,), 4, 2, False),  # q == 0, leftover 3 >= 2: every rank gets one partial batch
+        ((1,), 4, 2, False),  # fewer samples than ranks
+        ((5,), 1, 3, False),  # batch_size 1, leftover 2 < 3: impossible
+        ((7,), 4, 2, True),  # drop_last leaves no batch
+        ((9,), 4, 2, False),  # leftover 1 < 2 with q == 1: the (B-1, 1) split
+    ],
+)
+async def test_every_rank_gets_the_same_answer(
+    tmp_path: Path, sizes: tuple[int, ...], batch_size: int, world_size: int, drop_last: bool
+) -> None:
+    """An impossible split fails on every rank, or on none: a rank failing alone would leave
+    the others waiting in their collectives forever."""
+    lst, _ = write_source(tmp_path, sizes)
+    outcomes = []
+    counts = []
+    for rank in range(world_size):
+        layer = AsyncHDF5DataLayer(
+            lst, batch_size=batch_size, rank=rank, world_size=world_size, drop_last=drop_last
+        )
+        try:
+            async with layer:
+                counts.append(len([b async for b in layer]))
+            outcomes.append("ok")
+        except ConfigurationError as exc:
+            outcomes.append(str(exc))
+    assert len(set(outcomes)) == 1, outcomes
+    assert len(set(counts)) <= 1
+
+
+@pytest.mark.anyio
+async def test_a_sample_larger_than_the_cache_budget(tmp_path: Path) -> None:
+    path = write_h5(tmp_path / "big.h5", 0, 10, data=np.zeros((10, 1000), np.float64))
+    layer = AsyncHDF5DataLayer([path], batch_size=1, cache_bytes=4000)
+    err = await open_must_fail(layer, ConfigurationError)
+    check_message(err, "cache_bytes=4000", "8008 bytes", "raise cache_bytes")
+
+
+@pytest.mark.anyio
+async def test_a_missing_top_lists_the_datasets_the_file_has(tmp_path: Path) -> None:
+    path = tmp_path / "nested.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("images/train", data=np.zeros((5, 2)))
+        f.create_dataset("meta/labels", data=np.arange(5))
+    layer = AsyncHDF5DataLayer([path], batch_size=2, tops=("images/train", "label"))
+    err = await open_must_fail(layer, SchemaError)
+    check_message(err, path, "'label'", "'/images/train'", "'/meta/labels'")

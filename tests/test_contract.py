@@ -216,6 +216,16 @@ async def test_stream_yields_full_batches_across_epochs(driver: Any) -> None:
         assert d.epochs_done == 4
 
 
+async def test_stream_ignores_drop_last(driver: Any) -> None:
+    """stream() batches are always full and wrap across epochs: drop_last leaves nothing out."""
+    async with driver(batch_size=96, drop_last=True, shuffle=True, seed=4, chunk_size=300) as d:
+        batches = await d.stream(42)  # 4032 samples: 4 epochs and a bit
+        assert all(len(b.indices) == 96 for b in batches)
+        idx = check_aligned(batches)
+        for e in range(4):
+            np.testing.assert_array_equal(np.sort(idx[e * 1000 : (e + 1) * 1000]), np.arange(1000))
+
+
 async def test_break_then_next_epoch_is_whole(driver: Any) -> None:
     async with driver(shuffle=True, seed=9, chunk_size=100, batch_size=50) as d:
         part = await d.epoch(limit=3)

@@ -88,8 +88,8 @@ def resolve_source(source: SourceLike) -> list[str]:
         path = Path(_local(text))
         if not path.exists():
             raise SourceError(
-                f"source {text!r} does not exist (expected a source list file naming HDF5 files, "
-                "or an HDF5 file)"
+                f"source {text!r} does not exist (it should be an HDF5 file, or a text file "
+                "listing HDF5 files)"
             )
         if path.is_dir():
             raise SourceError(

@@ -1,0 +1,97 @@
+"""The source property: list files, paths and URLs resolved once, at construction."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asynchdf5 import AsyncHDF5DataLayer, SourceError
+from asynchdf5._sources import resolve_source
+
+from ._files import check_message, write_h5
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path) -> Iterator[Path]:
+    """A working directory to change into (restored after the test)."""
+    cwd = os.getcwd()
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    try:
+        yield other
+    finally:
+        os.chdir(cwd)
+
+
+def _files(folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    return [write_h5(folder / "a.h5", 0, 30), write_h5(folder / "b.h5", 30, 20)]
+
+
+async def test_relative_paths_are_resolved_at_construction(tmp_path: Path, elsewhere: Path) -> None:
+    data = tmp_path / "data"
+    _files(data)
+    (data / "train.txt").write_text("a.h5\nb.h5\n")
+    os.chdir(tmp_path)
+    by_list = AsyncHDF5DataLayer(Path("data/train.txt"), batch_size=10)
+    by_paths = AsyncHDF5DataLayer(["data/a.h5", Path("data/b.h5")], batch_size=10)
+    one = AsyncHDF5DataLayer("data/a.h5", batch_size=10)
+    os.chdir(elsewhere)  # later changes of the working directory change nothing
+    for layer, n in ((by_list, 50), (by_paths, 50), (one, 30)):
+        async with layer:
+            assert sum([len(b.indices) async for b in layer]) == n
+
+
+@pytest.mark.parametrize(
+    ("encoding", "newline"),
+    [("utf-8-sig", "\r\n"), ("utf-8-sig", "\n"), ("utf-8", "\r\n"), ("utf-8", "\r")],
+    ids=["bom-crlf", "bom-lf", "crlf", "cr"],
+)
+def test_list_file_with_a_bom_or_crlf(tmp_path: Path, encoding: str, newline: str) -> None:
+    a, b = _files(tmp_path)
+    lst = tmp_path / "train.txt"
+    lst.write_bytes(newline.join(["# files", "a.h5", "", "  b.h5  ", ""]).encode(encoding))
+    assert resolve_source(lst) == [str(a), str(b)]
+
+
+def test_an_hdf5_file_is_a_one_file_source(tmp_path: Path) -> None:
+    a, _ = _files(tmp_path)
+    assert resolve_source(a) == [str(a)]
+
+
+def test_a_missing_path_is_not_called_a_list_file(tmp_path: Path) -> None:
+    missing = tmp_path / "train.h5"
+    with pytest.raises(SourceError) as info:
+        AsyncHDF5DataLayer(missing, batch_size=4)
+    check_message(info.value, missing, "does not exist", "an HDF5 file")
+    assert f"list file {str(missing)!r}" not in str(info.value)
+
+
+def test_a_file_that_is_neither_is_named_as_such(tmp_path: Path) -> None:
+    junk = tmp_path / "train.bin"
+    junk.write_bytes(b"\x00\xff" * 100)
+    with pytest.raises(SourceError) as info:
+        AsyncHDF5DataLayer(junk, batch_size=4)
+    check_message(info.value, junk, "neither an HDF5 file nor a source list file")
+
+
+def test_urls_are_kept_as_urls(tmp_path: Path) -> None:
+    lst = tmp_path / "train.txt"
+    lst.write_text("s3://bucket/a.h5\nlocal.h5\n")
+    assert resolve_source(lst) == ["s3://bucket/a.h5", str(tmp_path / "local.h5")]
+    assert resolve_source("memory://x/y.h5") == ["memory://x/y.h5"]
+
+
+def test_a_listed_path_is_relative_to_the_list_not_the_working_directory(
+    tmp_path: Path, elsewhere: Path
+) -> None:
+    _files(tmp_path / "sub")
+    lst = tmp_path / "sub" / "train.txt"
+    lst.write_text("a.h5\n../sub/b.h5\n")
+    os.chdir(elsewhere)
+    assert resolve_source(lst) == [str(tmp_path / "sub" / "a.h5"), str(tmp_path / "sub" / "b.h5")]
