@@ -84,10 +84,13 @@ def stress(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Check lint and formatting with ruff (``nox -s lint -- --fix`` fixes what it can)."""
-    session.install("ruff")
+    """Check lint and formatting with ruff (``nox -s lint -- --fix`` fixes what it can), and the
+    import contract: the pipeline's stages import only downward (``[tool.importlinter]``)."""
+    session.install("ruff", "import-linter")
+    session.install("--no-deps", "-e", ".")
     session.run("ruff", "check", *session.posargs, ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("lint-imports")
 
 
 @nox.session
@@ -118,5 +121,5 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """Write a sample data set and stream shuffled epochs from it (``python -m asynchdf5 demo``)."""
-    install(session)
+    install(session, "cli")
     session.run("python", "-m", "asynchdf5", "demo", *session.posargs)

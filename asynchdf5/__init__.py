@@ -19,8 +19,9 @@ from ._errors import (
     StateError,
     TransformError,
 )
+from ._hdf5 import AsyncHDF5DataLayer, HDF5DataLayer
 from ._iterator import EpochIterator
-from ._layer import AsyncHDF5DataLayer, HDF5DataLayer, MemoryDataLayer
+from ._memory import MemoryDataLayer
 from ._stats import LayerStats
 
 __all__ = [

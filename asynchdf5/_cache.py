@@ -15,13 +15,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._catalog import TopInfo
+from ._errors import ConfigurationError
+from ._plan import shard_share
 
 __all__ = [
     "N_SLOTS",
     "CacheBudgetWarning",
+    "CachePlan",
     "Slot",
     "allocate_slots",
     "default_cache_bytes",
+    "size_cache",
     "slot_rows",
 ]
 
@@ -93,3 +97,42 @@ def allocate_slots(tops: Mapping[str, TopInfo], rows: int, count: int = N_SLOTS)
             arrays[t.name] = raw.view(t.dtype).reshape(rows, *t.sample_shape)
         slots.append(Slot(i, arrays))
     return slots
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How a source is cached: chunks of ``chunk_rows`` samples, or ``resident`` (read once)."""
+
+    chunk_rows: int
+    resident: bool
+    budget: int
+
+
+def size_cache(
+    n: int,
+    row_bytes: int,
+    *,
+    batch_size: int,
+    world_size: int,
+    chunk_size: int,
+    cache_bytes: int | None,
+) -> CachePlan:
+    """Size the cache for ``n`` samples of ``row_bytes`` (the same answer on every rank).
+
+    Raises :class:`ConfigurationError` when the budget cannot hold a batch in each slot; warns
+    (:class:`CacheBudgetWarning`) when the chunks must shrink to fit it.
+    """
+    share = shard_share(n, batch_size, 0, world_size)[1]  # rank 0's: the same on every rank
+    budget = cache_bytes if cache_bytes is not None else default_cache_bytes()
+    rows = min(batch_size, max(1, share))
+    need = N_SLOTS * rows * row_bytes
+    if need > budget:
+        raise ConfigurationError(
+            f"cache_bytes={budget} cannot hold what the pipeline needs: {N_SLOTS} cache slots of "
+            f"a batch each, {rows} samples of {row_bytes} bytes per slot, {need} bytes; raise "
+            "cache_bytes or lower batch_size"
+        )
+    chunk_rows = slot_rows(chunk_size, max(1, share), row_bytes, budget)
+    # The whole data set is one chunk and fits the budget: keep it, read each sample once.
+    resident = n <= chunk_size and n * row_bytes <= budget
+    return CachePlan(chunk_rows, resident, budget)

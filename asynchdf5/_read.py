@@ -26,9 +26,10 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from ._catalog import Catalog, Layout, Segment, TopInfo
+from ._catalog import Catalog, Segment, TopInfo
 from ._codecs import ChecksumError, ChunkDecoder
 from ._errors import ReadError
+from ._layout import Layout
 from ._plan import ChunkPlan
 from ._sources import ByteRange, Source
 from ._sources._local import PIECE_BYTES

@@ -1,0 +1,150 @@
+"""The HDF5 layers: :class:`AsyncHDF5DataLayer` and its sync face :class:`HDF5DataLayer`.
+
+Opening one builds the catalog of its files (in a worker thread), sizes the host cache for it,
+and hands the pipeline an :class:`~._read.HDF5Reader` over the files' source.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Literal
+
+import anyio
+import anyio.to_thread
+
+from ._cache import Slot, allocate_slots, size_cache
+from ._catalog import build_catalog
+from ._codecs import deflate_backend
+from ._config import DEFAULT_TOPS, LayerConfig
+from ._layer import _Layer
+from ._read import HDF5Reader, Reader
+from ._sources import LocalSource, SourceLike, resolve_source
+from .transforms import Transformer
+
+if sys.version_info >= (3, 11):
+    from typing import Self
+else:  # pragma: no cover
+    from typing_extensions import Self
+
+__all__ = ["AsyncHDF5DataLayer", "HDF5DataLayer"]
+
+_log = logging.getLogger("asynchdf5")
+
+
+class AsyncHDF5DataLayer(_Layer):
+    """Shuffled minibatches from HDF5 files, for ``async for`` in a training coroutine.
+
+    A background pipeline reads large chunks of the source into a host cache, cuts them into
+    batches in a worker thread, runs the transformers and hands the batches to ``async for``.
+    Works on asyncio and trio (through anyio); ``with`` and ``for`` work too, on an event loop
+    in a background thread (see :class:`HDF5DataLayer`). The keyword properties are documented
+    in the user guide's property table.
+
+    Examples
+    --------
+    >>> import anyio, asynchdf5
+    >>> async def main(path):
+    ...     async with asynchdf5.AsyncHDF5DataLayer(path, batch_size=32) as layer:
+    ...         async for batch in layer:
+    ...             ...
+    """
+
+    def __init__(
+        self,
+        source: SourceLike,
+        *,
+        batch_size: int,
+        tops: Sequence[str] = DEFAULT_TOPS,
+        shuffle: bool = False,
+        chunk_size: int = 2**20,
+        transformers: Sequence[tuple[str, Transformer]] = (),
+        seed: int | None = None,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        cache_bytes: int | None = None,
+        prefetch: int = 8,
+        device: object = None,
+        reuse_buffers: bool = False,
+        backend: Literal["asyncio", "trio"] = "asyncio",
+    ) -> None:
+        config = LayerConfig.parse(
+            batch_size=batch_size,
+            tops=tops,
+            shuffle=shuffle,
+            chunk_size=chunk_size,
+            transformers=transformers,
+            seed=seed,
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+            cache_bytes=cache_bytes,
+            prefetch=prefetch,
+            device=device,
+            reuse_buffers=reuse_buffers,
+            backend=backend,
+        )
+        #: The files (absolute paths, or URLs), resolved at construction.
+        self.paths = resolve_source(source)
+        super().__init__(config)
+
+    async def _open_reader(self) -> tuple[Reader, list[Slot] | None]:
+        files = LocalSource()
+        try:
+            catalog = await anyio.to_thread.run_sync(
+                build_catalog, files, self.paths, self.config.tops
+            )
+            c = self.config
+            n, row_bytes = catalog.n_samples, catalog.row_bytes
+            cache = size_cache(
+                n,
+                row_bytes,
+                batch_size=c.batch_size,
+                world_size=c.world_size,
+                chunk_size=c.chunk_size,
+                cache_bytes=c.cache_bytes,
+            )
+            slots: list[Slot] | None = None
+            if cache.resident:
+                whole = allocate_slots(catalog.tops, n, count=1)[0].arrays
+                reader = HDF5Reader(catalog, files, resident=whole)
+            else:
+                slots = allocate_slots(catalog.tops, cache.chunk_rows)
+                reader = HDF5Reader(catalog, files)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(files.close)
+            raise
+        self._n_samples, self._row_bytes = n, row_bytes
+        self._chunk_rows, self._resident = cache.chunk_rows, cache.resident
+        for top, path in reader.read_paths.items():
+            note = reader.read_notes.get(top)
+            if "chunks" in path:
+                note = f"deflate decoder: {deflate_backend()}" + (f"; {note}" if note else "")
+            _log.info("top %r is read by %s%s", top, path, f" ({note})" if note else "")
+        return reader, slots
+
+
+class HDF5DataLayer(AsyncHDF5DataLayer):
+    """Shuffled minibatches from HDF5 files, for ordinary ``with`` / ``for`` loops.
+
+    The same keyword properties as :class:`AsyncHDF5DataLayer` (``backend`` picks the event loop
+    the pipeline runs on, in a background thread). Every call crosses one bridge to that loop;
+    iterating takes the batches the pipeline has ready, a handful per trip.
+
+    Examples
+    --------
+    >>> import asynchdf5
+    >>> def train(path):
+    ...     with asynchdf5.HDF5DataLayer(path, batch_size=32, shuffle=True, seed=0) as layer:
+    ...         for epoch in range(3):
+    ...             for batch in layer:
+    ...                 ...
+    """
+
+    @property
+    def layer(self) -> Self:
+        """The layer itself (kept from when the sync facade wrapped an async layer)."""
+        return self

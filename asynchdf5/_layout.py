@@ -1,0 +1,358 @@
+"""Storage layouts: exactly where the bytes of one top of one file are, so the reader never guesses.
+
+Read from h5py's metadata when the catalog is built (:func:`describe`). A layout takes a fast
+path only when every byte of it is accounted for:
+
+* ``pread``: data stored contiguously as exactly the numpy dtype's bytes (in either byte order):
+  in the file itself, in the target file of an external link, or in external raw files (each
+  checked to exist and to hold the bytes: HDF5 would read zeros in place of missing ones).
+* ``chunks``: chunked along the rows only (each chunk holds whole samples), every chunk written,
+  with a filter pipeline that :mod:`._codecs` decodes (fletcher32 verified). A partial last chunk
+  stored unfiltered (``H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS``, which h5py does not expose: read
+  from the libhdf5 that h5py loaded, through ctypes) is read as stored.
+* ``h5py``: everything else (compact and virtual layouts, chunks that split samples, filters
+  without a GIL-free decoder, types stored with another precision or padding, unwritten chunks),
+  with the files that HDF5 opens by name listed so that the reader can check them after each
+  read; a virtual dataset whose source is missing or short is refused
+  (:class:`~asynchdf5.SourceError`): HDF5 would read fill values in its place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import h5py
+import numpy as np
+
+from ._codecs import unsupported_filters
+from ._errors import SourceError
+from ._sources import Source, StoredFile
+
+__all__ = ["ChunkIndex", "Extent", "Layout", "ReadPath", "describe"]
+
+ReadPath = Literal["pread", "chunks", "h5py"]
+#: ``H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS`` (H5Dpublic.h): partial edge chunks stored unfiltered.
+_DONT_FILTER_PARTIAL_CHUNKS = 0x0002
+
+
+@dataclass(frozen=True, eq=False)
+class Extent:
+    """Bytes ``start:start + size`` of a dataset's data, stored at ``offset`` of ``file``."""
+
+    file: StoredFile
+    offset: int
+    start: int
+    size: int
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkIndex:
+    """Where a dataset's chunks are stored: arrays indexed by chunk number along the rows."""
+
+    file: StoredFile
+    rows: int  # rows per chunk
+    offsets: np.ndarray  # int64 byte offsets
+    sizes: np.ndarray  # int64 stored sizes
+    masks: np.ndarray  # uint32 filter masks (bit i set: filter i was skipped for that chunk)
+    #: The last chunk is partial and stored without its filters (DONT_FILTER_PARTIAL_CHUNKS).
+    raw_last: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """How one top is stored in one file, and so which read path it takes.
+
+    ``swap``: stored in the other byte order (swapped in place after a fast read). For the
+    ``h5py`` path: ``dataset`` is the open dataset to read, ``file`` the file holding it, and
+    ``depends`` the files whose bytes that read uses besides (external raw files, virtual
+    sources), which HDF5 opens by name; all are checked after every read.
+    """
+
+    path: ReadPath
+    storage: str  # what `inspect` and the log show: "contiguous", "chunked (100, 3)", ...
+    filters: tuple[int, ...] = ()
+    swap: bool = False
+    extents: tuple[Extent, ...] = ()
+    chunks: ChunkIndex | None = None
+    dataset: Any = None  # h5py.Dataset (h5py ships no types)
+    file: StoredFile | None = None
+    depends: tuple[StoredFile, ...] = ()
+    note: str = ""  # why the h5py path is taken
+
+
+def _stored_as_numpy(dset: h5py.Dataset) -> bool:
+    """Whether the stored type is exactly the standard type of the dataset's numpy dtype, so its
+    bytes can be used without conversion (not, e.g., a 20-bit integer in 4 bytes)."""
+    ftype = dset.id.get_type()
+    plain = np.dtype(dset.dtype.str)  # without h5py's enum metadata
+    try:
+        if ftype.equal(h5py.h5t.py_create(dset.dtype)):
+            return True
+        # Enum values are stored as their base integers.
+        return bool(
+            ftype.get_class() == h5py.h5t.ENUM
+            and plain.kind in "iu"
+            and ftype.get_super().equal(h5py.h5t.py_create(plain))
+        )
+    except (TypeError, ValueError):
+        return False
+
+
+# --- the libhdf5 that h5py uses, for what h5py does not wrap -----------------------------------
+
+
+@functools.cache
+def _get_chunk_opts() -> Callable[[int], int | None] | None:
+    """``H5Pget_chunk_opts`` of the libhdf5 h5py loaded, or None where it cannot be found."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:  # Linux: the very library h5py loaded
+            paths = sorted(
+                {
+                    line.split()[-1]
+                    for line in maps
+                    if "/libhdf5" in line and "libhdf5_hl" not in line and line.count("/")
+                }
+            )
+    except OSError:
+        pass
+    if not paths:  # wheels elsewhere keep it beside h5py
+        base = os.path.dirname(os.path.dirname(h5py.__file__))
+        for folder in ("h5py.libs", os.path.join("h5py", ".dylibs")):
+            d = os.path.join(base, folder)
+            if os.path.isdir(d):
+                paths += [os.path.join(d, n) for n in sorted(os.listdir(d)) if "hdf5_hl" not in n]
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).H5Pget_chunk_opts
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_uint)]
+        fn.restype = ctypes.c_int
+
+        def get(plist_id: int, fn: Any = fn) -> int | None:
+            opts = ctypes.c_uint(0)
+            return int(opts.value) if fn(plist_id, ctypes.byref(opts)) >= 0 else None
+
+        return get
+    return None
+
+
+def _chunk_opts(plist: Any) -> int | None:
+    get = _get_chunk_opts()
+    return None if get is None else get(plist.id)
+
+
+# --- layouts -----------------------------------------------------------------------------------
+
+
+def _prefixed(name: str, owner: str, prefix: str | bytes | None, env: str) -> str | None:
+    """``name`` under an HDF5 prefix property or environment variable (``${ORIGIN}``: the
+    folder of ``owner``), or None when neither is set."""
+    if isinstance(prefix, bytes):
+        prefix = prefix.decode()
+    prefix = prefix or os.environ.get(env) or ""
+    if not prefix:
+        return None
+    if prefix.startswith("${ORIGIN}"):
+        prefix = os.path.dirname(owner) + prefix[len("${ORIGIN}") :]
+    return os.path.join(prefix, name)
+
+
+def _external_extents(
+    source: Source, file: StoredFile, dset: h5py.Dataset, top: str, nbytes: int
+) -> tuple[Extent, ...]:
+    """The external raw files of ``dset`` (``H5Pset_external``), each checked to hold the bytes
+    the dataset needs: HDF5 would read zeros past the end of a short or missing one."""
+    plist = dset.id.get_create_plist()
+    prefix = dset.id.get_access_plist().get_efile_prefix()
+    extents = []
+    start = 0
+    for i in range(plist.get_external_count()):
+        if start >= nbytes:
+            break
+        raw_name, offset, size = plist.get_external(i)
+        name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+        if not os.path.isabs(name):  # as HDF5 does: a prefix, else the working directory
+            name = _prefixed(name, file.name, prefix, "HDF5_EXTFILE_PREFIX") or os.path.abspath(
+                name
+            )
+        used = min(size, nbytes - start)
+        if not source.exists(name):
+            raise SourceError(
+                f"{file.name}: top {top!r} keeps its data in the external file {name!r}, which "
+                "does not exist (HDF5 would read zeros in its place)"
+            )
+        ext = source.open(name, hdf5=False)
+        if ext.size < offset + used:
+            raise SourceError(
+                f"{file.name}: top {top!r} keeps bytes {start}:{start + used} of its data in the "
+                f"external file {name!r} from offset {offset}, but that file has only {ext.size} "
+                "bytes (HDF5 would read zeros in place of the rest)"
+            )
+        extents.append(Extent(ext, int(offset), start, int(used)))
+        start += used
+    if start < nbytes:
+        raise SourceError(
+            f"{file.name}: top {top!r} needs {nbytes} bytes of external storage, its external "
+            f"files hold {start}"
+        )
+    return tuple(extents)
+
+
+def _virtual_sources(
+    source: Source, file: StoredFile, dset: h5py.Dataset, top: str
+) -> tuple[StoredFile, ...]:
+    """The source files of a virtual dataset, each checked to exist and to hold the rows mapped
+    from it: HDF5 reads fill values where a source is missing or short."""
+    plist = dset.id.get_create_plist()
+    prefix = dset.id.get_access_plist().get_virtual_prefix()
+    depends: dict[str, StoredFile] = {}
+    for i in range(plist.get_virtual_count()):
+        fname = plist.get_virtual_filename(i)
+        dname = plist.get_virtual_dsetname(i)
+        where = f"{file.name}: top {top!r} is a virtual dataset whose mapping {i}"
+        if "%" in fname or "%" in dname:
+            raise SourceError(
+                f"{where} names its sources with a printf-style pattern ({fname!r}, {dname!r}), "
+                "which cannot be checked for missing sources: write a virtual dataset with "
+                "explicit source names, or copy the data into a plain dataset"
+            )
+        if fname == ".":
+            stored = file
+        else:
+            candidates = [fname] if os.path.isabs(fname) else []
+            if not candidates:
+                pre = _prefixed(fname, file.name, prefix, "HDF5_VDS_PREFIX")
+                candidates = [c for c in (pre,) if c is not None]
+                candidates += [os.path.join(os.path.dirname(file.name), fname)]
+                candidates += [os.path.abspath(fname)]
+            name = next((c for c in candidates if source.exists(c)), None)
+            if name is None:
+                raise SourceError(
+                    f"{where} reads from {fname!r}, which does not exist (HDF5 would read fill "
+                    "values in place of its rows)"
+                )
+            stored = depends.get(name) or source.open(name)
+        src = stored.h5py_file().get(dname)
+        if not isinstance(src, h5py.Dataset):
+            raise SourceError(
+                f"{where} reads dataset {dname!r} of {stored.name!r}, which has no such dataset "
+                "(HDF5 would read fill values in place of its rows)"
+            )
+        space = plist.get_virtual_srcspace(i)
+        if space.get_select_type() == h5py.h5s.SEL_ALL:  # the whole source, as many elements
+            need = plist.get_virtual_vspace(i).get_select_npoints()
+            if src.size < need:
+                raise SourceError(
+                    f"{where} maps {need} elements from {dname!r} in {stored.name!r}, which has "
+                    f"only {src.size} (shape {src.shape}; HDF5 would read fill values for the rest)"
+                )
+        elif space.get_select_type() != h5py.h5s.SEL_NONE:
+            _, end = space.get_select_bounds()
+            if any(e >= n for e, n in zip(end, src.shape, strict=False)):
+                raise SourceError(
+                    f"{where} reads up to index {tuple(end)} of {dname!r} in {stored.name!r}, "
+                    f"which has shape {src.shape} (HDF5 would read fill values beyond it)"
+                )
+        if stored is not file:
+            depends[stored.name] = stored
+    return tuple(depends.values())
+
+
+def _h5py(storage: str, file: StoredFile, dset: h5py.Dataset, note: str, **kw: Any) -> Layout:
+    return Layout("h5py", storage, dataset=dset, file=file, note=note, **kw)
+
+
+def describe(source: Source, file: StoredFile, dset: h5py.Dataset, top: str) -> Layout:
+    """The layout of top ``top`` of ``file``, stored as ``dset`` (blocking: h5py calls)."""
+    plist = dset.id.get_create_plist()
+    kind = plist.get_layout()
+    nrows = int(dset.shape[0])
+    row_bytes = dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64))
+    nbytes = nrows * row_bytes
+    exact = _stored_as_numpy(dset)
+    swap = not dset.dtype.isnative and dset.dtype.itemsize > 1
+    if kind == h5py.h5d.VIRTUAL:
+        depends = _virtual_sources(source, file, dset, top)
+        return _h5py("virtual", file, dset, "virtual dataset", depends=depends)
+    if kind == h5py.h5d.COMPACT:
+        return _h5py("compact", file, dset, "compact layout")
+    if kind == h5py.h5d.CONTIGUOUS:
+        if plist.get_external_count() > 0:
+            extents = _external_extents(source, file, dset, top, nbytes)
+            files = tuple({id(e.file): e.file for e in extents}.values())
+            storage = f"external ({len(files)} file{'s' if len(files) != 1 else ''})"
+            if not exact:
+                return _h5py(storage, file, dset, "stored type needs conversion", depends=files)
+            return Layout("pread", storage, swap=swap, extents=extents)
+        offset = dset.id.get_offset()
+        if offset is None or nbytes == 0:  # never written: HDF5 supplies the fill value
+            return _h5py("contiguous", file, dset, "not allocated (fill values)")
+        if not exact:
+            return _h5py("contiguous", file, dset, "stored type needs conversion")
+        if offset + nbytes > file.size:
+            raise SourceError(
+                f"{file.name}: top {top!r} is stored at bytes {offset}:{offset + nbytes}, beyond "
+                f"the end of the file ({file.size} bytes): the file is truncated"
+            )
+        return Layout("pread", "contiguous", swap=swap, extents=(Extent(file, offset, 0, nbytes),))
+    # Chunked.
+    chunks = tuple(int(c) for c in dset.chunks)
+    filters = tuple(plist.get_filter(i)[0] for i in range(plist.get_nfilters()))
+    storage = f"chunked {chunks}"
+    if not exact:
+        return _h5py(storage, file, dset, "stored type needs conversion", filters=filters)
+    if chunks[1:] != tuple(dset.shape[1:]):
+        return _h5py(storage, file, dset, f"chunks {chunks} split the samples", filters=filters)
+    missing = unsupported_filters(filters)
+    if missing:
+        note = f"no GIL-free decoder for {', '.join(missing)}"
+        return _h5py(storage, file, dset, note, filters=filters)
+    rows = chunks[0]
+    raw_last = False
+    if filters and nrows % rows:
+        opts = _chunk_opts(plist)
+        if opts is None:
+            note = "cannot tell whether the partial last chunk is filtered (libhdf5 not found)"
+            return _h5py(storage, file, dset, note, filters=filters)
+        raw_last = bool(opts & _DONT_FILTER_PARTIAL_CHUNKS)
+    index = _chunk_index(file, dset, -(-nrows // rows), rows, raw_last) if nrows else None
+    if index is None:
+        note = "chunks not all written (fill values)"
+        return _h5py(storage, file, dset, note, filters=filters)
+    end = int((index.offsets + index.sizes).max()) if len(index.offsets) else 0
+    if end > file.size:
+        raise SourceError(
+            f"{file.name}: top {top!r} has chunks stored up to byte {end}, beyond the end of the "
+            f"file ({file.size} bytes): the file is truncated"
+        )
+    return Layout("chunks", storage, filters=filters, swap=swap, chunks=index)
+
+
+def _chunk_index(
+    file: StoredFile, dset: h5py.Dataset, nchunks: int, rows: int, raw_last: bool
+) -> ChunkIndex | None:
+    offsets = np.full(nchunks, -1, np.int64)
+    sizes = np.zeros(nchunks, np.int64)
+    masks = np.zeros(nchunks, np.uint32)
+
+    def visit(info: Any) -> None:
+        k = info.chunk_offset[0] // rows
+        if k < nchunks:  # chunks beyond the extent (a dataset shrunk) are not data
+            offsets[k], sizes[k], masks[k] = info.byte_offset, info.size, info.filter_mask
+
+    dsid = dset.id
+    if hasattr(dsid, "chunk_iter"):
+        dsid.chunk_iter(visit)
+    else:  # pragma: no cover - HDF5 < 1.12.3
+        for i in range(dsid.get_num_chunks()):
+            visit(dsid.get_chunk_info(i))
+    if (offsets < 0).any():
+        return None  # some chunks were never written: h5py supplies the fill value
+    return ChunkIndex(file, rows, offsets, sizes, masks, raw_last)

@@ -1,0 +1,101 @@
+"""The in-memory layer: :class:`MemoryDataLayer`, arrays served in place (Mocha's
+MemoryDataLayer; also the test double for everything above the reader)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from ._cache import Slot
+from ._catalog import TopInfo
+from ._config import LayerConfig
+from ._errors import ConfigurationError, SchemaError
+from ._layer import _Layer
+from ._read import MemoryReader, Reader
+from .transforms import Transformer
+
+__all__ = ["MemoryDataLayer"]
+
+
+class MemoryDataLayer(_Layer):
+    """The same interface and semantics as :class:`AsyncHDF5DataLayer`, over arrays in memory.
+
+    Works with ``async with`` / ``async for`` and with ``with`` / ``for``.
+
+    Parameters
+    ----------
+    data : mapping of str to array
+        One array per top, rows = samples, all with the same number of rows.
+    batch_size, tops, shuffle, transformers, seed, drop_last, rank, world_size, prefetch, ...
+        As for :class:`AsyncHDF5DataLayer`; ``tops`` defaults to every key of ``data``. The
+        whole data set is one chunk, served in place.
+    """
+
+    def __init__(
+        self,
+        data: Mapping[str, Any],
+        *,
+        batch_size: int,
+        tops: Sequence[str] | None = None,
+        shuffle: bool = False,
+        transformers: Sequence[tuple[str, Transformer]] = (),
+        seed: int | None = None,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch: int = 8,
+        device: object = None,
+        reuse_buffers: bool = False,
+        backend: Literal["asyncio", "trio"] = "asyncio",
+    ) -> None:
+        if not isinstance(data, Mapping) or not data:
+            raise ConfigurationError("data must be a non-empty mapping of top name to array")
+        arrays = {str(k): np.asarray(v) for k, v in data.items()}
+        config = LayerConfig.parse(
+            batch_size=batch_size,
+            tops=tuple(arrays) if tops is None else tops,
+            shuffle=shuffle,
+            chunk_size=batch_size,  # set below: the whole data set is one chunk
+            transformers=transformers,
+            seed=seed,
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+            prefetch=prefetch,
+            device=device,
+            reuse_buffers=reuse_buffers,
+            backend=backend,
+        )
+        n = _check_arrays(arrays, config.tops)
+        super().__init__(dataclasses.replace(config, chunk_size=max(n, config.batch_size)))
+        self._arrays = {k: arrays[k] for k in config.tops}
+        self._specs = {k: TopInfo(k, a.dtype, tuple(a.shape[1:])) for k, a in self._arrays.items()}
+        self._n_samples = n
+        self._row_bytes = sum(t.row_bytes for t in self._specs.values())
+        self._resident = True
+
+    async def _open_reader(self) -> tuple[Reader, list[Slot] | None]:
+        return MemoryReader(self._arrays, self._specs), None
+
+
+def _check_arrays(arrays: Mapping[str, np.ndarray], tops: Sequence[str]) -> int:
+    """The number of samples of the arrays that ``tops`` name (checked: SchemaError)."""
+    rows: dict[str, int] = {}
+    for name in tops:
+        if name not in arrays:
+            raise SchemaError(f"top {name!r} is not a key of data ({sorted(arrays)})")
+        a = arrays[name]
+        if a.ndim == 0:
+            raise SchemaError(f"top {name!r} is a 0-d array; a top needs one row per sample")
+        if a.dtype.kind not in "biufc" or a.dtype.names is not None:
+            raise SchemaError(f"top {name!r} has dtype {a.dtype}; not supported")
+        rows[name] = len(a)
+    if len(set(rows.values())) > 1:
+        raise SchemaError(f"the tops have different row counts: {rows}")
+    n = next(iter(rows.values()))
+    if n == 0:
+        raise SchemaError("the arrays hold no samples")
+    return n
