@@ -3,13 +3,15 @@
 Every layer class takes its properties through :meth:`LayerConfig.parse`, so a value is checked
 the same way (and a bad one gets the same message) whichever class it is given to. The table of
 properties in the documentation (``docs/properties.md``) is generated from :data:`PROPERTIES`
-(``python -m asynchdf5._config docs/properties.md`` rewrites it; a test keeps it current).
+(``nox -s docs`` rewrites it with :func:`write_property_table`; a test keeps it current).
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -20,7 +22,15 @@ from ._delivery import parse_device
 from ._errors import ConfigurationError
 from .transforms import Transformer
 
-__all__ = ["DEFAULT_TOPS", "PROPERTIES", "LayerConfig", "Property", "property_table"]
+__all__ = [
+    "DEFAULT_TOPS",
+    "PROPERTIES",
+    "LayerConfig",
+    "Property",
+    "document",
+    "property_table",
+    "write_property_table",
+]
 
 DEFAULT_TOPS = ("data", "label")
 Backend = Literal["asyncio", "trio"]
@@ -318,8 +328,42 @@ class LayerConfig:
         )
 
 
-def _write_table(path: str) -> None:
-    """Rewrite the generated table between the markers of ``path`` (a docs page)."""
+_MARKDOWN = re.compile(r"\{(\w+)\}`([^`]+)`|\[([^\]]+)\]\(([\w-]+)\.md[^)]*\)|`([^`]+)`")
+
+
+def _rst(markdown: str) -> str:
+    """A property's Markdown doc as reStructuredText for a numpydoc docstring."""
+
+    def convert(m: re.Match[str]) -> str:
+        role, target, link, page, code = m.groups()
+        if role is not None:
+            return f":{role}:`{target}`"
+        if link is not None:
+            return f":doc:`{link} <{page}>`"
+        return f"``{code}``"
+
+    return _MARKDOWN.sub(convert, markdown)
+
+
+def document(cls: type, layers: Literal["all", "hdf5"], first: str = "") -> None:
+    """Put a numpydoc ``Parameters`` section, made from :data:`PROPERTIES`, into ``cls``'s
+    docstring (before its ``Examples``): ``first`` documents parameters before the properties."""
+    lines = ["Parameters", "----------"]
+    if first:
+        lines += first.strip("\n").split("\n")
+    for p in PROPERTIES:
+        if layers == "hdf5" or p.layers == "all":
+            default = "" if p.default == "required" else f", default {_rst(p.default)}"
+            lines.append(f"{p.name}{default}")
+            lines += textwrap.wrap(_rst(p.doc), 88, initial_indent="    ", subsequent_indent="    ")
+    section = "\n".join("    " + line if line else "" for line in lines) + "\n\n"
+    doc = cls.__doc__ or ""
+    at = doc.find("    Examples\n    --------")
+    cls.__doc__ = doc[:at] + section + doc[at:] if at >= 0 else doc + "\n" + section
+
+
+def write_property_table(path: str) -> None:
+    """Rewrite the generated table between the markers of ``path`` (``nox -s docs`` does)."""
     begin, end = "<!-- properties: begin -->\n", "<!-- properties: end -->\n"
     with open(path, encoding="utf-8") as f:
         text = f.read()
@@ -327,7 +371,3 @@ def _write_table(path: str) -> None:
     _, _, tail = rest.partition(end)
     with open(path, "w", encoding="utf-8") as f:
         f.write(head + begin + property_table() + end + tail)
-
-
-if __name__ == "__main__":  # pragma: no cover - a maintainer's tool
-    _write_table(sys.argv[1])

@@ -17,7 +17,7 @@ import anyio.to_thread
 from ._cache import Slot, allocate_slots, size_cache
 from ._catalog import build_catalog
 from ._codecs import deflate_backend
-from ._config import DEFAULT_TOPS, LayerConfig
+from ._config import DEFAULT_TOPS, LayerConfig, document
 from ._layer import _Layer
 from ._read import HDF5Reader, Reader
 from ._sources import LocalSource, SourceLike, resolve_source
@@ -148,3 +148,7 @@ class HDF5DataLayer(AsyncHDF5DataLayer):
     def layer(self) -> Self:
         """The layer itself (kept from when the sync facade wrapped an async layer)."""
         return self
+
+
+document(AsyncHDF5DataLayer, "hdf5")
+document(HDF5DataLayer, "hdf5")

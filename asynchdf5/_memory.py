@@ -11,7 +11,7 @@ import numpy as np
 
 from ._cache import Slot
 from ._catalog import TopInfo
-from ._config import LayerConfig
+from ._config import LayerConfig, document
 from ._errors import ConfigurationError, SchemaError
 from ._layer import _Layer
 from ._read import MemoryReader, Reader
@@ -23,15 +23,8 @@ __all__ = ["MemoryDataLayer"]
 class MemoryDataLayer(_Layer):
     """The same interface and semantics as :class:`AsyncHDF5DataLayer`, over arrays in memory.
 
-    Works with ``async with`` / ``async for`` and with ``with`` / ``for``.
-
-    Parameters
-    ----------
-    data : mapping of str to array
-        One array per top, rows = samples, all with the same number of rows.
-    batch_size, tops, shuffle, transformers, seed, drop_last, rank, world_size, prefetch, ...
-        As for :class:`AsyncHDF5DataLayer`; ``tops`` defaults to every key of ``data``. The
-        whole data set is one chunk, served in place.
+    Works with ``async with`` / ``async for`` and with ``with`` / ``for``. The whole data set
+    is one chunk, served in place; ``tops`` defaults to every key of ``data``.
     """
 
     def __init__(
@@ -99,3 +92,11 @@ def _check_arrays(arrays: Mapping[str, np.ndarray], tops: Sequence[str]) -> int:
     if n == 0:
         raise SchemaError("the arrays hold no samples")
     return n
+
+
+document(
+    MemoryDataLayer,
+    "all",
+    first="""data : mapping of str to array
+    One array per top, rows = samples, all with the same number of rows.""",
+)

@@ -30,9 +30,32 @@ def test_all_is_sorted_and_complete() -> None:
 
 def test_errors_form_one_family() -> None:
     errors = ("ConfigurationError", "SourceError", "SchemaError", "ReadError", "TransformError")
-    for name in (*errors, "DeviceError"):
+    for name in (*errors, "DeviceError", "StateError"):
         assert issubclass(getattr(asynchdf5, name), asynchdf5.DataLayerError)
     assert issubclass(asynchdf5.ConfigurationError, ValueError)
+    assert issubclass(asynchdf5.StateError, RuntimeError)
+
+
+def test_public_classes_say_where_users_find_them() -> None:
+    """``asynchdf5.ReadError`` in reprs and tracebacks, not ``asynchdf5._errors.ReadError``."""
+    for name in asynchdf5.__all__:
+        obj = getattr(asynchdf5, name)
+        if isinstance(obj, type):
+            assert obj.__module__ == "asynchdf5", name
+            assert repr(obj) == f"<class 'asynchdf5.{name}'>"
+    layer = asynchdf5.MemoryDataLayer({"x": [1, 2, 3]}, batch_size=2)
+    assert repr(layer).startswith("<asynchdf5.MemoryDataLayer object")
+    assert repr(layer.stream()).startswith("<asynchdf5.EpochIterator")
+
+
+def test_the_sync_and_async_layers_take_the_same_properties() -> None:
+    """One typed signature: HDF5DataLayer is AsyncHDF5DataLayer's sync face."""
+    import inspect
+
+    sync = inspect.signature(asynchdf5.HDF5DataLayer)
+    both = inspect.signature(asynchdf5.AsyncHDF5DataLayer)
+    assert sync == both
+    assert "backend" in both.parameters and "batch_size" in both.parameters
 
 
 def test_import_does_not_import_cupy() -> None:
