@@ -53,13 +53,13 @@ def tests(session: nox.Session) -> None:
     Where CuPy cannot be installed (offline, no wheel for this Python), those tests skip too.
     """
     if sys.platform != "linux":
-        install(session, "test", "codecs")
+        install(session, "test", "codecs", "remote")
     else:
         try:
-            install(session, "test", "codecs", "cuda12")
+            install(session, "test", "codecs", "remote", "cuda12")
         except nox.command.CommandFailed:
             session.warn("CuPy could not be installed: the tests against the real CuPy skip")
-            install(session, "test", "codecs")
+            install(session, "test", "codecs", "remote")
     session.run("pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
 
 
@@ -96,7 +96,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """Type-check the package, the tests and this file with ``mypy --strict``."""
-    install(session, "test", "codecs")
+    install(session, "test", "codecs", "remote")
     session.install("mypy", "nox")
     session.run("mypy", *session.posargs)
 

@@ -13,7 +13,6 @@ See :mod:`._layout` for how each top's storage is described, and which read path
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,10 +198,9 @@ def _check_top(name: str, h5: h5py.File, top: str) -> h5py.Dataset:
 def _physical(source: Source, file: StoredFile, dset: h5py.Dataset) -> tuple[StoredFile, Any]:
     """The file that holds ``dset`` and the dataset opened there: the target of an external
     link is another file, whose own bytes the reader must read."""
-    target = os.path.abspath(dset.file.filename)
-    if target == file.name:
+    if dset.file.id == file.h5py_file().id:
         return file, dset
-    other = source.open(target)
+    other = source.open_link_target(dset.file.filename, file)
     return other, other.h5py_file()[dset.name]
 
 

@@ -8,13 +8,14 @@ properties in the documentation (``docs/properties.md``) is generated from :data
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -150,6 +151,28 @@ PROPERTIES: tuple[Property, ...] = (
         "buffers are reused only once nothing refers to them.",
     ),
     Property(
+        "storage_options",
+        "`None`",
+        "For remote sources (fsspec URLs such as `s3://...`, extra `asynchdf5[remote]`): a dict "
+        "of options passed to fsspec, e.g. credentials, `endpoint_url`, or `anon=True`. See "
+        "[remote sources](remote.md).",
+        "hdf5",
+    ),
+    Property(
+        "remote_cache",
+        "`None`",
+        "For remote sources: a local folder where fetched bytes are kept, so that later epochs "
+        "read them from local disk; `None` streams every epoch from the remote store.",
+        "hdf5",
+    ),
+    Property(
+        "remote_cache_bytes",
+        "`None`",
+        "For remote sources with a `remote_cache`: the most bytes kept there (least recently "
+        "used first out); `None`: up to 90% of the folder's free space when the layer opens.",
+        "hdf5",
+    ),
+    Property(
         "backend",
         '`"asyncio"`',
         "The anyio backend of the event loop that runs the pipeline when the layer is used with "
@@ -222,6 +245,24 @@ def _transformers(value: object, tops: Sequence[str]) -> tuple[tuple[str, Transf
     return tuple(out)
 
 
+def _options(value: object) -> Mapping[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigurationError(
+            f"storage_options must be a dict of fsspec options, not {type(value).__name__}"
+        )
+    return dict(value)
+
+
+def _folder(name: str, value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigurationError(f"{name} must be a folder path, not {value!r}")
+    return os.path.abspath(os.path.expanduser(os.fspath(value)))
+
+
 def _backend(value: object) -> Backend:
     if value not in ("asyncio", "trio"):
         raise ConfigurationError(f'backend must be "asyncio" or "trio", not {value!r}')
@@ -259,6 +300,9 @@ class LayerConfig:
     device: object
     reuse_buffers: bool
     backend: Backend
+    storage_options: Mapping[str, Any] | None = None
+    remote_cache: str | None = None
+    remote_cache_bytes: int | None = None
 
     @classmethod
     def parse(
@@ -278,6 +322,9 @@ class LayerConfig:
         device: object = None,
         reuse_buffers: object = False,
         backend: object = "asyncio",
+        storage_options: object = None,
+        remote_cache: object = None,
+        remote_cache_bytes: object = None,
     ) -> LayerConfig:
         """Check every property; raise :class:`ConfigurationError` naming the first bad one."""
         batch = _int("batch_size", batch_size, minimum=1)
@@ -325,6 +372,11 @@ class LayerConfig:
             device=device,
             reuse_buffers=reuse,
             backend=_backend(backend),
+            storage_options=_options(storage_options),
+            remote_cache=_folder("remote_cache", remote_cache),
+            remote_cache_bytes=None
+            if remote_cache_bytes is None
+            else _int("remote_cache_bytes", remote_cache_bytes, minimum=1),
         )
 
 
@@ -353,8 +405,8 @@ def document(cls: type, layers: Literal["all", "hdf5"], first: str = "") -> None
         lines += first.strip("\n").split("\n")
     for p in PROPERTIES:
         if layers == "hdf5" or p.layers == "all":
-            default = "" if p.default == "required" else f", default {_rst(p.default)}"
-            lines.append(f"{p.name}{default}")
+            default = "required" if p.default == "required" else f"default {_rst(p.default)}"
+            lines.append(f"{p.name} : {default}")
             lines += textwrap.wrap(_rst(p.doc), 88, initial_indent="    ", subsequent_indent="    ")
     section = "\n".join("    " + line if line else "" for line in lines) + "\n\n"
     doc = cls.__doc__ or ""

@@ -7,9 +7,10 @@ and hands the pipeline an :class:`~._read.HDF5Reader` over the files' source.
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -20,7 +21,7 @@ from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig, document
 from ._layer import _Layer
 from ._read import HDF5Reader, Reader
-from ._sources import LocalSource, SourceLike, resolve_source
+from ._sources import SourceLike, open_source, resolve_source
 from .transforms import Transformer
 
 if sys.version_info >= (3, 11):
@@ -69,6 +70,9 @@ class AsyncHDF5DataLayer(_Layer):
         device: object = None,
         reuse_buffers: bool = False,
         backend: Literal["asyncio", "trio"] = "asyncio",
+        storage_options: Mapping[str, Any] | None = None,
+        remote_cache: str | os.PathLike[str] | None = None,
+        remote_cache_bytes: int | None = None,
     ) -> None:
         config = LayerConfig.parse(
             batch_size=batch_size,
@@ -85,13 +89,22 @@ class AsyncHDF5DataLayer(_Layer):
             device=device,
             reuse_buffers=reuse_buffers,
             backend=backend,
+            storage_options=storage_options,
+            remote_cache=remote_cache,
+            remote_cache_bytes=remote_cache_bytes,
         )
         #: The files (absolute paths, or URLs), resolved at construction.
         self.paths = resolve_source(source)
         super().__init__(config)
 
     async def _open_reader(self) -> tuple[Reader, list[Slot] | None]:
-        files = LocalSource()
+        c = self.config
+        files = open_source(
+            self.paths,
+            storage_options=c.storage_options,
+            cache=c.remote_cache,
+            cache_bytes=c.remote_cache_bytes,
+        )
         try:
             catalog = await anyio.to_thread.run_sync(
                 build_catalog, files, self.paths, self.config.tops

@@ -83,6 +83,12 @@ class Source(Protocol):
         """
         ...
 
+    def open_link_target(self, filename: str, link_file: StoredFile) -> StoredFile:
+        """The file that HDF5 opened, as ``filename``, to follow an external link in
+        ``link_file`` (blocking). A source that cannot read such a file the way HDF5 did
+        raises :class:`~asynchdf5.SourceError` naming the link."""
+        ...
+
     def exists(self, name: str) -> bool:
         """Whether ``name`` names a file (blocking)."""
         ...

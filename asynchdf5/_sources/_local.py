@@ -21,7 +21,7 @@ import anyio.to_thread
 import h5py
 
 from .._errors import DataLayerError, ReadError, SourceError
-from ._base import ByteRange
+from ._base import ByteRange, StoredFile
 from ._entries import HDF5_SIGNATURE
 
 __all__ = ["PIECE_BYTES", "LocalFile", "LocalSource"]
@@ -137,6 +137,10 @@ class LocalSource:
 
     def exists(self, name: str) -> bool:
         return os.path.isfile(name)
+
+    def open_link_target(self, filename: str, link_file: StoredFile) -> LocalFile:
+        # HDF5 opened the target by this name, relative to the working directory if relative.
+        return self.open(os.path.abspath(filename))
 
     def open(self, name: str, *, hdf5: bool = True) -> LocalFile:
         with self._lock:
