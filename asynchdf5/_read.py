@@ -253,7 +253,10 @@ class HDF5Reader:
     # --- reading ------------------------------------------------------------------------------
 
     async def fill(
-        self, placed: Sequence[tuple[int, int, int]], arrays: Mapping[str, np.ndarray]
+        self,
+        placed: Sequence[tuple[int, int, int]],
+        arrays: Mapping[str, np.ndarray],
+        stats: ReadStats,
     ) -> int:
         """Read global rows into ``arrays`` (see :meth:`plan_reads`); returns the bytes read."""
         ranges, h5reads, after = self.plan_reads(placed, arrays)
@@ -263,7 +266,7 @@ class HDF5Reader:
 
         async def fetch() -> None:
             assert self._pool is not None
-            total[0] += await self.source.fetch(ranges, self._pool, self._limiter)
+            total[0] += await self.source.fetch(ranges, self._pool, self._limiter, stats)
             for step in after:
                 step()  # in place on bytes just read: microseconds per megabyte
 
@@ -297,7 +300,7 @@ class HDF5Reader:
                 placed.append((a, b, out))
                 out += b - a
         if placed:
-            stats.bytes += await self.fill(placed, arrays)
+            stats.bytes += await self.fill(placed, arrays, stats)
             stats.seconds += time.perf_counter() - t0
             stats.chunks += 1
         if self.resident is not None:

@@ -21,6 +21,7 @@ class ReadStats:
     seconds: float = 0.0
     bytes: int = 0
     chunks: int = 0
+    retries: int = 0  # transient errors of a remote source, retried
 
 
 @dataclass
@@ -53,7 +54,8 @@ class LayerStats:
     ``"h5py"`` (h5py reads it, holding its lock; the reason is in ``read_notes``).
     ``consumer_wait_seconds`` is the time ``async for`` waited for a batch. With a ``device``,
     ``device_bytes`` (held now), ``device_bytes_in_use``, ``device_bytes_peak`` and
-    ``pinned_bytes`` report the device stage's memory (all 0 without one).
+    ``pinned_bytes`` report the device stage's memory (all 0 without one). ``read_retries``
+    counts the transient errors (timeouts, throttling, 5xx) a remote source retried.
     """
 
     read_seconds: float
@@ -71,6 +73,7 @@ class LayerStats:
     device_bytes_in_use: int = 0
     device_bytes_peak: int = 0
     pinned_bytes: int = 0
+    read_retries: int = 0
     read_paths: dict[str, str] = field(default_factory=dict)
     read_notes: dict[str, str] = field(default_factory=dict)
 
@@ -104,6 +107,7 @@ class Stats:
             first_batch_seconds=self.consumer.first_batch_seconds,
             chunk_rows=chunk_rows,
             resident=resident,
+            read_retries=self.read.retries,
             read_paths=dict(read_paths),
             read_notes=dict(read_notes),
             **device,

@@ -23,6 +23,8 @@ import anyio
 if TYPE_CHECKING:
     import h5py
 
+    from .._stats import ReadStats
+
 __all__ = ["ByteRange", "Source", "StoredFile"]
 
 
@@ -94,13 +96,18 @@ class Source(Protocol):
         ...
 
     async def fetch(
-        self, ranges: Sequence[ByteRange], work: Executor, limiter: anyio.CapacityLimiter
+        self,
+        ranges: Sequence[ByteRange],
+        work: Executor,
+        limiter: anyio.CapacityLimiter,
+        stats: ReadStats,
     ) -> int:
         """Fetch every range (concurrently, in any order), then check the files they came from.
 
         ``then`` callables run on ``work``'s threads; at most ``limiter``'s tokens of worker
-        threads move bytes at a time. Returns the bytes fetched. Raises
-        :class:`~asynchdf5.ReadError` naming the file and the range's ``about``.
+        threads move bytes at a time. Returns the bytes fetched; transient errors retried are
+        counted in ``stats.retries``. Raises :class:`~asynchdf5.ReadError` naming the file and
+        the range's ``about``.
         """
         ...
 

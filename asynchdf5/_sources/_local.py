@@ -21,6 +21,7 @@ import anyio.to_thread
 import h5py
 
 from .._errors import DataLayerError, ReadError, SourceError
+from .._stats import ReadStats
 from ._base import ByteRange, StoredFile
 from ._entries import HDF5_SIGNATURE
 
@@ -176,7 +177,11 @@ class LocalSource:
             return self._files[name]
 
     async def fetch(
-        self, ranges: Sequence[ByteRange], work: Executor, limiter: anyio.CapacityLimiter
+        self,
+        ranges: Sequence[ByteRange],
+        work: Executor,
+        limiter: anyio.CapacityLimiter,
+        stats: ReadStats,
     ) -> int:
         async with anyio.create_task_group() as tg:
             for batch in _batches(ranges):
