@@ -116,23 +116,33 @@ def size_cache(
     world_size: int,
     chunk_size: int,
     cache_bytes: int | None,
+    rows: int | None = None,
 ) -> CachePlan:
     """Size the cache for ``n`` samples of ``row_bytes`` (the same answer on every rank).
 
     Raises :class:`ConfigurationError` when the budget cannot hold a batch in each slot; warns
-    (:class:`CacheBudgetWarning`) when the chunks must shrink to fit it.
+    (:class:`CacheBudgetWarning`) when the chunks must shrink to fit it. ``rows``: chunks of
+    exactly that many rows (a resumed run's), or a :class:`ConfigurationError`.
     """
     share = shard_share(n, batch_size, 0, world_size)[1]  # rank 0's: the same on every rank
     budget = cache_bytes if cache_bytes is not None else default_cache_bytes()
-    rows = min(batch_size, max(1, share))
-    need = N_SLOTS * rows * row_bytes
+    batch_rows = min(batch_size, max(1, share))
+    need = N_SLOTS * batch_rows * row_bytes
     if need > budget:
         raise ConfigurationError(
             f"cache_bytes={budget} cannot hold what the pipeline needs: {N_SLOTS} cache slots of "
-            f"a batch each, {rows} samples of {row_bytes} bytes per slot, {need} bytes; raise "
-            "cache_bytes or lower batch_size"
+            f"a batch each, {batch_rows} samples of {row_bytes} bytes per slot, {need} bytes; "
+            "raise cache_bytes or lower batch_size"
         )
-    chunk_rows = slot_rows(chunk_size, max(1, share), row_bytes, budget)
+    if rows is not None:
+        if N_SLOTS * rows * row_bytes > budget:
+            raise ConfigurationError(
+                f"the saved run cached chunks of {rows} samples of {row_bytes} bytes; "
+                f"cache_bytes={budget} cannot hold {N_SLOTS} of them: raise cache_bytes"
+            )
+        chunk_rows = rows
+    else:
+        chunk_rows = slot_rows(chunk_size, max(1, share), row_bytes, budget)
     # The whole data set is one chunk and fits the budget: keep it, read each sample once.
     resident = n <= chunk_size and n * row_bytes <= budget
     return CachePlan(chunk_rows, resident, budget)

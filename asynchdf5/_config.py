@@ -8,6 +8,7 @@ properties in the documentation (``docs/properties.md``) is generated from :data
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
@@ -20,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._delivery import parse_device
+from ._distributed import broadcast_seed, detect, torch_distributed
 from ._errors import ConfigurationError
 from .transforms import Transformer
 
@@ -33,7 +35,11 @@ __all__ = [
     "write_property_table",
 ]
 
+_log = logging.getLogger("asynchdf5")
+
 DEFAULT_TOPS = ("data", "label")
+#: ``block_size=None``: blocks of about this many bytes of samples (see benchmarks/RESULTS.md).
+BLOCK_BYTES = 4 * 2**20
 Backend = Literal["asyncio", "trio"]
 
 
@@ -73,9 +79,10 @@ PROPERTIES: tuple[Property, ...] = (
     Property(
         "shuffle",
         "`False`",
-        "`False`: batches in source order. `True`: each epoch, the chunk boundaries are rotated, "
-        "the chunk order permuted, and the samples permuted within each chunk. See "
-        "[shuffle](semantics.md#shuffle).",
+        "`False`: batches in source order. `True`: each epoch draws a new order: the samples are "
+        "cut into blocks of `block_size` contiguous samples, the blocks are permuted, each cached "
+        "chunk is filled from the next blocks (drawn from all over the data set) and its samples "
+        "are permuted. See [shuffle](semantics.md#shuffle).",
     ),
     Property(
         "chunk_size",
@@ -83,6 +90,15 @@ PROPERTIES: tuple[Property, ...] = (
         "Samples per chunk: the unit read from disk and held in the host cache. Larger chunks "
         "shuffle more globally and read in larger requests; smaller ones need less memory and "
         "start faster.",
+        "hdf5",
+    ),
+    Property(
+        "block_size",
+        "`None`",
+        "With `shuffle=True`: samples per contiguous block read from disk (the CorgiPile idea: "
+        "block-wise random reads into the cache, then a shuffle within it). Smaller blocks mix "
+        "better, larger ones read faster. `None`: blocks of about "
+        f"{BLOCK_BYTES // 2**20} MiB of samples (see [choosing properties](semantics.md#shuffle)).",
         "hdf5",
     ),
     Property(
@@ -96,7 +112,8 @@ PROPERTIES: tuple[Property, ...] = (
         "seed",
         "`None`",
         "Seed of the shuffle. The same seed gives the same batches on every run; each epoch draws "
-        "its own order from the seed and the epoch number. `None` draws a fresh seed. Required "
+        "its own order from the seed and the epoch number. `None` draws a fresh seed (with an "
+        "initialised `torch.distributed`, rank 0's, broadcast to every rank). Otherwise required "
         "with `shuffle=True` and `world_size > 1`, so that all ranks agree on the epoch's order.",
     ),
     Property(
@@ -107,14 +124,18 @@ PROPERTIES: tuple[Property, ...] = (
     ),
     Property(
         "rank",
-        "`0`",
-        "This process's shard, `0 <= rank < world_size`, for data-parallel training.",
+        "`None`",
+        "This process's shard, `0 <= rank < world_size`, for data-parallel training. `None`: "
+        "detected, from an initialised `torch.distributed`, else torchrun's `RANK`, else Open "
+        "MPI's, PMI's or Slurm's variables, else 0. `layer.rank` says what was chosen.",
     ),
     Property(
         "world_size",
-        "`1`",
+        "`None`",
         "Number of shards. The shards of an epoch are disjoint, cover every sample together, and "
-        "give every rank the same number of batches. See [shards](semantics.md#shards).",
+        "give every rank the same number of batches. See [shards](semantics.md#shards). `None`: "
+        "detected like `rank` (else 1); an explicit value that contradicts an initialised "
+        "`torch.distributed` is a {class}`~asynchdf5.ConfigurationError`.",
     ),
     Property(
         "cache_bytes",
@@ -245,6 +266,37 @@ def _transformers(value: object, tops: Sequence[str]) -> tuple[tuple[str, Transf
     return tuple(out)
 
 
+def _shard(rank: object, world_size: object) -> tuple[int, int, str]:
+    """World size, rank and where they came from: explicit values override what the launcher
+    says, but must agree with an initialised torch.distributed."""
+    world = None if world_size is None else _int("world_size", world_size, minimum=1)
+    this = None if rank is None else _int("rank", rank, minimum=0)
+    found = detect() if world is None or this is None else None
+    if torch_distributed() is not None:  # the group's own answer: explicit values must agree
+        group = found or detect()
+        for name, mine, theirs in (
+            ("rank", this, group.rank),
+            ("world_size", world, group.world_size),
+        ):
+            if mine is not None and mine != theirs:
+                raise ConfigurationError(
+                    f"{name}={mine} contradicts the initialised torch.distributed group, where it "
+                    f"is {theirs}; leave {name}=None to take it from there"
+                )
+    if world is None:
+        assert found is not None
+        world = found.world_size
+    if this is None:
+        assert found is not None
+        this = found.rank
+    if this >= world:
+        raise ConfigurationError(f"rank={this} is outside 0 ... world_size-1 = {world - 1}")
+    source = "explicit" if found is None else found.source
+    if found is not None:
+        _log.info("asynchdf5: rank %d of %d (%s)", this, world, source)
+    return world, this, source
+
+
 def _options(value: object) -> Mapping[str, Any] | None:
     if value is None:
         return None
@@ -303,6 +355,11 @@ class LayerConfig:
     storage_options: Mapping[str, Any] | None = None
     remote_cache: str | None = None
     remote_cache_bytes: int | None = None
+    block_size: int | None = None
+    #: Where rank and world_size came from: "explicit", or what :func:`detect` found.
+    rank_source: str = "explicit"
+    #: The seed property was given (not drawn): a state to resume must have the same one.
+    seed_given: bool = True
 
     @classmethod
     def parse(
@@ -315,8 +372,8 @@ class LayerConfig:
         transformers: object = (),
         seed: object = None,
         drop_last: object = False,
-        rank: object = 0,
-        world_size: object = 1,
+        rank: object = None,
+        world_size: object = None,
         cache_bytes: object = None,
         prefetch: object = 8,
         device: object = None,
@@ -325,6 +382,7 @@ class LayerConfig:
         storage_options: object = None,
         remote_cache: object = None,
         remote_cache_bytes: object = None,
+        block_size: object = None,
     ) -> LayerConfig:
         """Check every property; raise :class:`ConfigurationError` naming the first bad one."""
         batch = _int("batch_size", batch_size, minimum=1)
@@ -335,18 +393,20 @@ class LayerConfig:
                 f"chunk_size={chunk} is smaller than batch_size={batch}; a chunk must hold at "
                 "least one batch"
             )
-        world = _int("world_size", world_size, minimum=1)
-        this = _int("rank", rank, minimum=0)
-        if this >= world:
-            raise ConfigurationError(f"rank={this} is outside 0 ... world_size-1 = {world - 1}")
+        world, this, source = _shard(rank, world_size)
         mixed = _bool("shuffle", shuffle)
+        given = seed is not None
         if seed is None:
             if world > 1 and mixed:
-                raise ConfigurationError(
-                    "shuffle=True with world_size > 1 needs an explicit seed, the same on every "
-                    "rank, so that the ranks' shards stay disjoint"
-                )
-            seed = secrets.randbits(63)
+                if torch_distributed() is None:
+                    raise ConfigurationError(
+                        "shuffle=True with world_size > 1 needs an explicit seed, the same on "
+                        "every rank, so that the ranks' shards stay disjoint (with an initialised "
+                        "torch.distributed, rank 0's seed is broadcast instead)"
+                    )
+                seed = broadcast_seed(secrets.randbits(63))
+            else:
+                seed = secrets.randbits(63)
         reuse = _bool("reuse_buffers", reuse_buffers)
         if device is not None:
             parse_device(device)  # a malformed spec fails before CuPy is imported
@@ -377,6 +437,9 @@ class LayerConfig:
             remote_cache_bytes=None
             if remote_cache_bytes is None
             else _int("remote_cache_bytes", remote_cache_bytes, minimum=1),
+            block_size=None if block_size is None else _int("block_size", block_size, minimum=1),
+            rank_source=source,
+            seed_given=given,
         )
 
 

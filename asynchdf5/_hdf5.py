@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -16,12 +17,12 @@ import anyio
 import anyio.to_thread
 
 from ._cache import Slot, allocate_slots, size_cache
-from ._catalog import build_catalog
+from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
-from ._config import DEFAULT_TOPS, LayerConfig, document
-from ._layer import _Layer
+from ._config import BLOCK_BYTES, DEFAULT_TOPS, LayerConfig, document
+from ._layer import DataShape, _Layer, first_rows
 from ._read import HDF5Reader, Reader
-from ._sources import SourceLike, open_source, resolve_source
+from ._sources import Source, SourceLike, open_source, resolve_source
 from .transforms import Transformer
 
 if sys.version_info >= (3, 11):
@@ -63,8 +64,8 @@ class AsyncHDF5DataLayer(_Layer):
         transformers: Sequence[tuple[str, Transformer]] = (),
         seed: int | None = None,
         drop_last: bool = False,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         cache_bytes: int | None = None,
         prefetch: int = 8,
         device: object = None,
@@ -73,6 +74,7 @@ class AsyncHDF5DataLayer(_Layer):
         storage_options: Mapping[str, Any] | None = None,
         remote_cache: str | os.PathLike[str] | None = None,
         remote_cache_bytes: int | None = None,
+        block_size: int | None = None,
     ) -> None:
         config = LayerConfig.parse(
             batch_size=batch_size,
@@ -92,52 +94,97 @@ class AsyncHDF5DataLayer(_Layer):
             storage_options=storage_options,
             remote_cache=remote_cache,
             remote_cache_bytes=remote_cache_bytes,
+            block_size=block_size,
         )
         #: The files (absolute paths, or URLs), resolved at construction.
         self.paths = resolve_source(source)
         super().__init__(config)
 
-    async def _open_reader(self) -> tuple[Reader, list[Slot] | None]:
+    def _source(self) -> Source:
         c = self.config
-        files = open_source(
+        return open_source(
             self.paths,
             storage_options=c.storage_options,
             cache=c.remote_cache,
             cache_bytes=c.remote_cache_bytes,
         )
+
+    def _shape_of(self, catalog: Catalog) -> DataShape:
+        """The data's shape, and how it is cached: as a loaded state says, else as the
+        properties and the budget give."""
+        c = self.config
+        n, row_bytes = catalog.n_samples, catalog.row_bytes
+        forced = self._shape if self._resume is not None else None
+        cache = size_cache(
+            n,
+            row_bytes,
+            batch_size=c.batch_size,
+            world_size=c.world_size,
+            chunk_size=c.chunk_size,
+            cache_bytes=c.cache_bytes,
+            rows=forced.chunk_rows if forced is not None else None,
+        )
+        if forced is not None:
+            block, first = forced.block_rows, forced.first_rows
+        else:
+            block = (c.block_size or max(1, BLOCK_BYTES // row_bytes)) if c.shuffle else None
+            first = first_rows(c.batch_size, row_bytes)
+        return DataShape(
+            n_samples=n,
+            row_bytes=row_bytes,
+            files=tuple((os.path.basename(f.name), f.nrows) for f in catalog.files),
+            tops=tuple((t.name, t.dtype.str, tuple(t.sample_shape)) for t in catalog.tops.values()),
+            chunk_rows=cache.chunk_rows,
+            block_rows=block,
+            first_rows=first,
+            resident=cache.resident,
+        )
+
+    def _look(self) -> DataShape:
+        # A worker thread: h5py is never called on an event loop's thread, even from here.
+        out: list[DataShape | BaseException] = []
+
+        def look() -> None:
+            files = self._source()
+            try:
+                out.append(self._shape_of(build_catalog(files, self.paths, self.config.tops)))
+            except BaseException as exc:
+                out.append(exc)
+            finally:
+                files.close()
+
+        thread = threading.Thread(target=look, name="asynchdf5-metadata")
+        thread.start()
+        thread.join()
+        (result,) = out
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
+        files = self._source()
         try:
             catalog = await anyio.to_thread.run_sync(
                 build_catalog, files, self.paths, self.config.tops
             )
-            c = self.config
-            n, row_bytes = catalog.n_samples, catalog.row_bytes
-            cache = size_cache(
-                n,
-                row_bytes,
-                batch_size=c.batch_size,
-                world_size=c.world_size,
-                chunk_size=c.chunk_size,
-                cache_bytes=c.cache_bytes,
-            )
+            shape = self._shape_of(catalog)
             slots: list[Slot] | None = None
-            if cache.resident:
-                whole = allocate_slots(catalog.tops, n, count=1)[0].arrays
+            if shape.resident:
+                whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
-                slots = allocate_slots(catalog.tops, cache.chunk_rows)
+                slots = allocate_slots(catalog.tops, shape.chunk_rows)
                 reader = HDF5Reader(catalog, files)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(files.close)
             raise
-        self._n_samples, self._row_bytes = n, row_bytes
-        self._chunk_rows, self._resident = cache.chunk_rows, cache.resident
         for top, path in reader.read_paths.items():
             note = reader.read_notes.get(top)
             if "chunks" in path:
                 note = f"deflate decoder: {deflate_backend()}" + (f"; {note}" if note else "")
             _log.info("top %r is read by %s%s", top, path, f" ({note})" if note else "")
-        return reader, slots
+        return reader, slots, shape
 
 
 class HDF5DataLayer(AsyncHDF5DataLayer):

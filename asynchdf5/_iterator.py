@@ -69,6 +69,12 @@ class Session:
         self.run: Run | None = None
         self._consumer: weakref.ReferenceType[EpochIterator] | None = None
         self._touched: int | None = None  # latest epoch the consumer got a batch of
+        # Where the consumer is: batches yielded to it (not prefetched), in its epoch; for a
+        # stream, the samples yielded since it began at epoch `_start`.
+        self._mode: Mode = "epoch"
+        self._start = epoch
+        self._batches = 0
+        self._samples = 0
 
     # --- the run ------------------------------------------------------------------------------
 
@@ -108,6 +114,7 @@ class Session:
             )
         self._settle()
         self._consumer = weakref.ref(it)
+        self._mode, self._start, self._batches, self._samples = it.mode, self.epoch, 0, 0
         run = self.run
         if run is None or run.mode != it.mode or run.head_epoch != self.epoch:
             if run is not None:
@@ -133,10 +140,44 @@ class Session:
         if self.run is not None:
             self.run.head_epoch = None
 
+    def yielded(self, it: EpochIterator, batch: Batch) -> None:
+        """``batch`` reached the consumer (in the consumer's thread)."""
+        if it.mode == "epoch" and batch.epoch != self._start:
+            self._start, self._batches, self._samples = batch.epoch, 0, 0
+        self._batches += 1
+        self._samples += len(batch.indices)
+
+    def position(self) -> tuple[Mode, int, int, int]:
+        """``(mode, epoch, batches, samples)``: where the consumer is. An epoch: its batches and
+        samples yielded so far; a stream: the samples of ``epoch`` yielded (batches 0). With no
+        live consumer: the next epoch, from its start."""
+        if self.consumer() is None:
+            touched = self._touched
+            epoch = self.epoch if touched is None else max(self.epoch, touched + 1)
+            return "epoch", epoch, 0, 0
+        if self._mode == "epoch":
+            return "epoch", self._start, self._batches, self._samples
+        first = self.plan(self._start, True).n_samples  # left of the stream's first epoch
+        if self._samples < first:
+            return "stream", self._start, 0, self._samples
+        share = self.plan(self._start + 1, True).n_samples
+        rest = self._samples - first
+        return "stream", self._start + 1 + rest // share, 0, rest % share
+
+    def restart_at(self, epoch: int) -> None:
+        """Serve ``epoch`` next, from a fresh plan (a state was loaded between epochs)."""
+        self.epoch = epoch
+        self._touched = None
+        self._start, self._batches, self._samples = epoch, 0, 0
+        if self.run is not None:
+            self.run.head_epoch = None  # the next iteration replaces the run
+
     def epoch_ended(self, it: EpochIterator, epoch: int) -> None:
         """Every batch of ``epoch`` has been handed over."""
         self.epoch = epoch + 1
         self._touched = None
+        if it.mode == "epoch":
+            self._start, self._batches, self._samples = epoch + 1, 0, 0
         if self.run is not None:
             self.run.head_epoch = epoch + 1
         if it.mode == "epoch":
@@ -298,8 +339,14 @@ class EpochIterator:
             except BaseException:
                 self.fail()
                 raise
+            session.yielded(self, batch)
         session.handed(self, batch)
         return batch
+
+    def yielded(self, batch: Batch) -> None:
+        """The sync bridge handed ``batch`` to its ``for`` loop (in that loop's thread)."""
+        if self._session is not None:
+            self._session.yielded(self, batch)
 
     def fail(self) -> None:
         """The pipeline failed, or a batch could not be handed over: this iteration ends, the

@@ -9,12 +9,14 @@ layer closes; each ``async for`` (or ``for``) is one :class:`~._iterator.EpochIt
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import anyio.lowlevel
@@ -24,10 +26,11 @@ from ._batch import Batch
 from ._cache import Slot
 from ._config import LayerConfig
 from ._delivery import make_delivery
-from ._errors import StateError
+from ._errors import ConfigurationError, StateError
 from ._iterator import EpochIterator, Session
-from ._plan import EpochPlan, check_split, plan_epoch
+from ._plan import EpochPlan, check_split, plan_epoch, skip_samples
 from ._read import Reader
+from ._resume import FORMAT, Resume, epoch_plan, parse_state
 from ._stats import LayerStats, Stats
 from ._sync import SyncInterface
 
@@ -36,13 +39,49 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     from typing_extensions import Self
 
-__all__ = ["RAMP_BYTES"]
+__all__ = ["RAMP_BYTES", "DataShape", "first_rows"]
 
 _log = logging.getLogger("asynchdf5")
 
 #: Rows of the first chunk of an epoch are ramped up from about this many bytes, so the first
 #: batch waits for a small read rather than a whole chunk.
 RAMP_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What a layer knows of its data once it has looked at it: sizes, and the effective rows
+    of its chunks, blocks and first reads (which, with the seed, fix every epoch's order)."""
+
+    n_samples: int
+    row_bytes: int
+    files: tuple[tuple[str, int], ...]  # (file name, rows)
+    tops: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, sample shape)
+    chunk_rows: int
+    block_rows: int | None
+    first_rows: int | None
+    resident: bool
+
+    def fingerprint(self, config: LayerConfig) -> dict[str, Any]:
+        """What a saved state must agree with (see :mod:`._resume`)."""
+        return {
+            "n_samples": self.n_samples,
+            "files": [[name, rows] for name, rows in self.files],
+            "tops": [[name, dtype, list(shape)] for name, dtype, shape in self.tops],
+            "batch_size": config.batch_size,
+            "shuffle": config.shuffle,
+            "drop_last": config.drop_last,
+            "chunk_size": config.chunk_size,
+            "block_size": config.block_size,
+            "chunk_rows": self.chunk_rows,
+            "block_rows": self.block_rows,
+            "first_rows": self.first_rows,
+        }
+
+
+def first_rows(batch_size: int, row_bytes: int) -> int:
+    """Rows of an epoch's first read: about :data:`RAMP_BYTES`, at least a batch."""
+    return max(batch_size, RAMP_BYTES // max(1, row_bytes))
 
 
 class _Layer(SyncInterface):
@@ -62,18 +101,27 @@ class _Layer(SyncInterface):
         self._session: Session | None = None
         self._opener: int | None = None  # the task that opened the layer
         self._epoch = 0
-        self._n_samples: int | None = None
-        self._row_bytes = 0
-        self._chunk_rows = config.chunk_size
-        self._resident = False
+        self._shape: DataShape | None = None
+        self._resume: Resume | None = None
         self._read_paths: Mapping[str, str] = {}
         self._read_notes: Mapping[str, str] = {}
 
     # --- what subclasses provide --------------------------------------------------------------
 
-    async def _open_reader(self) -> tuple[Reader, list[Slot] | None]:
-        """Open the data, size the cache; the reader and its cache slots (None: in place)."""
+    async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
+        """Open the data, size the cache; the reader, its cache slots (None: in place), and
+        what was learned of the data."""
         raise NotImplementedError
+
+    def _look(self) -> DataShape:
+        """What the data is like, without opening the pipeline (blocking: may read the files'
+        metadata, in a worker thread)."""
+        raise NotImplementedError
+
+    def _data_shape(self) -> DataShape:
+        if self._shape is None:
+            self._shape = self._look()
+        return self._shape
 
     # --- configuration ------------------------------------------------------------------------
 
@@ -111,17 +159,24 @@ class _Layer(SyncInterface):
 
     @property
     def n_samples(self) -> int:
-        """Samples in the whole source (all ranks); known once the layer has been opened."""
-        if self._n_samples is None:
-            raise StateError("the number of samples is known once the layer is open")
-        return self._n_samples
+        """Samples in the whole source (all ranks); reads the files' metadata on first use if
+        the layer was never opened."""
+        return self._data_shape().n_samples
+
+    def __len__(self) -> int:
+        """Batches that the next epoch yields on this rank (after ``drop_last`` and sharding,
+        and what is left of it when a state was loaded). Reads the files' metadata on first use
+        if the layer was never opened: blocking, so call it outside the event loop, or after
+        ``async with``."""
+        return self.plan(self.epoch).n_batches
 
     @property
     def stats(self) -> LayerStats:
         """Counters of the pipeline so far (see :class:`LayerStats`)."""
+        shape = self._shape
         return self._stats.snapshot(
-            chunk_rows=self._chunk_rows,
-            resident=self._resident,
+            chunk_rows=shape.chunk_rows if shape is not None else self.config.chunk_size,
+            resident=shape.resident if shape is not None else False,
             device=self._delivery.memory(),
             read_paths=self._read_paths,
             read_notes=self._read_notes,
@@ -133,19 +188,127 @@ class _Layer(SyncInterface):
         ``stream=True``: the plan that :meth:`stream` follows (``drop_last`` does not apply).
         """
         c = self.config
-        return plan_epoch(
-            self.n_samples,
-            epoch=epoch,
-            batch_size=c.batch_size,
-            chunk_size=self._chunk_rows,
-            shuffle=c.shuffle,
-            seed=c.seed,
+        shape = self._data_shape()
+
+        def fresh(rank: int, world_size: int, stream: bool = stream) -> EpochPlan:
+            return plan_epoch(
+                shape.n_samples,
+                epoch=epoch,
+                batch_size=c.batch_size,
+                chunk_size=shape.chunk_rows,
+                shuffle=c.shuffle,
+                seed=c.seed,
+                rank=rank,
+                world_size=world_size,
+                drop_last=c.drop_last,
+                first_rows=shape.first_rows,
+                stream=stream,
+                block_size=shape.block_rows,
+            )
+
+        r = self._resume
+        if r is None or epoch != r.epoch:
+            return fresh(c.rank, c.world_size)
+        if r.mode == "stream":
+            return skip_samples(fresh(c.rank, c.world_size, stream=True), r.samples)
+        return epoch_plan(
+            r.chain,
+            lambda rank, world: fresh(rank, world, stream=False),
             rank=c.rank,
             world_size=c.world_size,
-            drop_last=c.drop_last,
-            first_rows=max(c.batch_size, RAMP_BYTES // max(1, self._row_bytes)),
-            stream=stream,
+            drop_last=c.drop_last and not stream,
         )
+
+    # --- resume -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the consumer is, as plain values (JSON-serialisable): pass it to
+        :meth:`load_state_dict` of a layer over the same files and properties, and its next
+        batch is exactly the one that would have come next here. Only batches handed to the
+        consumer count, never prefetched ones."""
+        shape = self._data_shape()
+        c = self.config
+        session = self._session
+        mode, epoch, batches, samples = (
+            session.position() if session is not None else ("epoch", self._epoch, 0, 0)
+        )
+        r = self._resume
+        chain: list[list[int]] = [[c.world_size, batches]]
+        if r is not None and epoch == r.epoch:
+            if r.mode == "stream" or mode == "stream":
+                if r.world_size != c.world_size:
+                    raise StateError(
+                        "a stream resumed on another world size cannot be saved before the "
+                        "epoch it resumed in is over"
+                    )
+                if r.mode == "stream" and mode == "stream":
+                    samples += r.samples
+            else:
+                steps = [list(step) for step in r.chain]
+                if steps[-1][0] == c.world_size:
+                    steps[-1][1] += batches
+                else:
+                    steps.append([c.world_size, batches])
+                chain = steps
+        return {
+            "format": FORMAT,
+            "mode": mode,
+            "epoch": epoch,
+            "batches": chain[-1][1],
+            "samples": samples,
+            "chain": chain,
+            "seed": c.seed,
+            "rank": c.rank,
+            "world_size": c.world_size,
+            "fingerprint": shape.fingerprint(c),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`): the next batch is the one that
+        would have come next in the run that saved it, and every later epoch is that run's.
+
+        Allowed when the layer is not iterating: before ``async with`` (best: the cache is
+        then sized for the saved run's chunks), or between epochs. A state from other files
+        or other properties is a :class:`ConfigurationError` that says what differs. A state
+        from a run with another ``world_size`` (every rank of which was at the same batch
+        count) continues that epoch over this run's ranks: see the docs on elastic resume.
+        """
+        r = parse_state(state)
+        session = self._session
+        if session is not None and session.consumer() is not None:
+            raise StateError("load_state_dict while an iterator is live: finish or close it first")
+        shape = self._data_shape()
+        c = self.config
+        differs = r.differences(shape.fingerprint(c))
+        if c.seed_given and r.seed != c.seed:
+            differs.append(f"seed: saved {r.seed}, now {c.seed}")
+        if differs:
+            raise ConfigurationError(
+                "the state was saved by a layer over other data or with other properties: "
+                + "; ".join(differs)
+            )
+        if r.mode == "stream" and r.world_size != c.world_size:
+            raise ConfigurationError(
+                f"a stream's state resumes on the same world size only (saved "
+                f"{r.world_size}, now {c.world_size}); save it from epoch iteration instead"
+            )
+        saved = r.fingerprint
+        rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
+        if rows != (shape.chunk_rows, shape.block_rows, shape.first_rows):
+            if session is not None and saved["chunk_rows"] > shape.chunk_rows:
+                raise ConfigurationError(
+                    f"the saved run cached chunks of {saved['chunk_rows']} rows, this open "
+                    f"layer's cache holds {shape.chunk_rows}: load the state before opening it"
+                )
+            self._shape = dataclasses.replace(
+                shape, chunk_rows=rows[0], block_rows=rows[1], first_rows=rows[2]
+            )
+        if not c.seed_given:
+            self.config = dataclasses.replace(c, seed=r.seed)
+        self._resume = r
+        self._epoch = r.epoch
+        if session is not None:
+            session.restart_at(r.epoch)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -185,7 +348,7 @@ class _Layer(SyncInterface):
         self._state = "opening"  # before any await: a second opener sees it at once
         try:
             opened_at = time.perf_counter()
-            reader, slots = await self._open_reader()
+            reader, slots, shape = await self._open_reader()
             try:
                 self._delivery.check(reader.tops)
                 # The same answer on every rank: decided from the configuration and the catalog.
@@ -199,6 +362,7 @@ class _Layer(SyncInterface):
         except BaseException:
             self._state = "closed"
             raise
+        self._shape = shape
         self._read_paths, self._read_notes = reader.read_paths, reader.read_notes
         self._opener = anyio.get_current_task().id
         self._session = Session(

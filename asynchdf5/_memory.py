@@ -13,7 +13,7 @@ from ._cache import Slot
 from ._catalog import TopInfo
 from ._config import LayerConfig, document
 from ._errors import ConfigurationError, SchemaError
-from ._layer import _Layer
+from ._layer import DataShape, _Layer
 from ._read import MemoryReader, Reader
 from .transforms import Transformer
 
@@ -37,8 +37,8 @@ class MemoryDataLayer(_Layer):
         transformers: Sequence[tuple[str, Transformer]] = (),
         seed: int | None = None,
         drop_last: bool = False,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         prefetch: int = 8,
         device: object = None,
         reuse_buffers: bool = False,
@@ -66,12 +66,23 @@ class MemoryDataLayer(_Layer):
         super().__init__(dataclasses.replace(config, chunk_size=max(n, config.batch_size)))
         self._arrays = {k: arrays[k] for k in config.tops}
         self._specs = {k: TopInfo(k, a.dtype, tuple(a.shape[1:])) for k, a in self._arrays.items()}
-        self._n_samples = n
-        self._row_bytes = sum(t.row_bytes for t in self._specs.values())
-        self._resident = True
+        self._shape = DataShape(
+            n_samples=n,
+            row_bytes=sum(t.row_bytes for t in self._specs.values()),
+            files=(("<memory>", n),),
+            tops=tuple((t.name, t.dtype.str, t.sample_shape) for t in self._specs.values()),
+            chunk_rows=self.config.chunk_size,
+            block_rows=None,  # one chunk, in place: blocks would change nothing
+            first_rows=None,  # nothing to read: no ramp
+            resident=True,
+        )
 
-    async def _open_reader(self) -> tuple[Reader, list[Slot] | None]:
-        return MemoryReader(self._arrays, self._specs), None
+    def _look(self) -> DataShape:
+        assert self._shape is not None
+        return self._shape
+
+    async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
+        return MemoryReader(self._arrays, self._specs), None, self._look()
 
 
 def _check_arrays(arrays: Mapping[str, np.ndarray], tops: Sequence[str]) -> int:

@@ -102,6 +102,7 @@ def _bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:
                 except BaseException:
                     portal.call(it.fail)
                     raise
+                it.yielded(batch)  # counts for state_dict() once the loop has it
                 yield batch
     finally:
         if not it.done:  # left early (break) or failed in the loop's body

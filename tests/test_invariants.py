@@ -67,6 +67,7 @@ class Case:
     world_size: int
     ramp_rows: int | None  # rows of the first ramp step (None: the default ramp)
     cache_rows: int | None  # cache budget in rows per slot (None: the default budget)
+    block_size: int | None  # samples per shuffled block (None: the default, in bytes)
     stream_batches: int  # batches to take from stream() per rank
 
     @property
@@ -107,6 +108,7 @@ def cases(draw: st.DrawFn) -> Case:
         world_size=draw(st.integers(1, 4)),
         ramp_rows=draw(st.one_of(st.none(), st.integers(1, 3 * batch_size))),
         cache_rows=draw(st.one_of(st.none(), st.none(), st.integers(batch_size, chunk_size + 9))),
+        block_size=draw(st.one_of(st.none(), st.integers(1, 2 * chunk_size))),
         stream_batches=draw(st.integers(1, 40)),
     )
 
@@ -167,7 +169,7 @@ def make_layer(case: Case, paths: list[Path], rank: int) -> Any:
         return MemoryDataLayer({"data": data, "label": idx}, **kw)
     if case.cache_rows is not None:
         kw["cache_bytes"] = 2 * case.cache_rows * ROW_BYTES
-    return AsyncHDF5DataLayer(paths, chunk_size=case.chunk_size, **kw)
+    return AsyncHDF5DataLayer(paths, chunk_size=case.chunk_size, block_size=case.block_size, **kw)
 
 
 def aligned(batch: Batch, case: Case) -> np.ndarray:
@@ -273,6 +275,7 @@ async def test_known_hangs(
         world_size=1,
         ramp_rows=None,
         cache_rows=None,
+        block_size=None,
         stream_batches=3 * sum(sizes) // batch_size,
     )
     with anyio.fail_after(DEADLINE):

@@ -1,0 +1,140 @@
+"""Resume: where a consumer is, as a small state of plain values, and the plans that continue it.
+
+Because the planner is pure, a position is a handful of integers (the epoch, the batches yielded
+in it) plus what is needed to check that the files and properties are the same. Loading a state
+makes the next batch exactly the one that would have come next: same indices, same bytes.
+
+Elastic resume: a state saved by every rank of a run at the same batch count, loaded into a run
+of another world size, continues the epoch over the new ranks: every sample the old run had not
+yet yielded, each exactly once, in equal batch counts per rank (:func:`~._plan.elastic_plan`). A
+run resumed that way may itself be saved and resumed again, so a state carries the *chain* of
+(world size, batches) steps of its epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import ConfigurationError
+from ._plan import EpochPlan, elastic_plan, resume_plan
+
+__all__ = ["FORMAT", "Resume", "epoch_plan", "parse_state"]
+
+FORMAT = "asynchdf5.state/1"
+
+#: What a state's fingerprint holds, and what each entry means in an error message.
+_WHAT = {
+    "n_samples": "the number of samples",
+    "files": "the files (names and row counts)",
+    "tops": "the tops (names, dtypes, sample shapes)",
+    "batch_size": "batch_size",
+    "shuffle": "shuffle",
+    "drop_last": "drop_last",
+    "chunk_size": "chunk_size",
+    "block_size": "block_size",
+    "chunk_rows": "the rows per cached chunk",
+    "block_rows": "the rows per shuffled block",
+    "first_rows": "the rows of the first read of an epoch",
+}
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A loaded state: where to continue."""
+
+    mode: str  # "epoch" or "stream"
+    epoch: int
+    chain: tuple[tuple[int, int], ...]  # epoch mode: (world size, batches yielded) steps
+    samples: int  # stream mode: samples of `epoch` yielded on this rank
+    seed: int
+    rank: int
+    fingerprint: Mapping[str, Any]
+
+    @property
+    def world_size(self) -> int:
+        return self.chain[-1][0]
+
+    def differences(self, now: Mapping[str, Any]) -> list[str]:
+        """What differs between the saved fingerprint and ``now``'s, in words."""
+        out = []
+        for key, what in _WHAT.items():
+            if key in ("chunk_rows", "block_rows", "first_rows"):
+                continue  # effective values: the state's are adopted (see the layer)
+            saved, current = self.fingerprint.get(key), now.get(key)
+            if saved != current:
+                out.append(f"{what}: saved {_short(saved)}, now {_short(current)}")
+        return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _int(state: Mapping[str, Any], key: str, minimum: int = 0) -> int:
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"the state's {key!r} must be an int >= {minimum}, not {value!r}")
+    return value
+
+
+def parse_state(state: object) -> Resume:
+    """Check a state's shape (:class:`ConfigurationError` when it is not one of ours)."""
+    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+        raise ConfigurationError(
+            f"not an asynchdf5 layer state (expected a dict with format={FORMAT!r}, as "
+            "layer.state_dict() returns)"
+        )
+    mode = state.get("mode")
+    if mode not in ("epoch", "stream"):
+        raise ConfigurationError(f"the state's mode must be 'epoch' or 'stream', not {mode!r}")
+    chain_in = state.get("chain")
+    if (
+        not isinstance(chain_in, Sequence)
+        or not chain_in
+        or not all(
+            isinstance(step, Sequence) and len(step) == 2 and all(isinstance(x, int) for x in step)
+            for step in chain_in
+        )
+    ):
+        raise ConfigurationError(f"the state's 'chain' is malformed: {chain_in!r}")
+    chain = tuple((int(w), int(k)) for w, k in chain_in)
+    fingerprint = state.get("fingerprint")
+    if not isinstance(fingerprint, Mapping):
+        raise ConfigurationError("the state has no fingerprint")
+    return Resume(
+        mode=str(mode),
+        epoch=_int(state, "epoch"),
+        chain=chain,
+        samples=_int(state, "samples"),
+        seed=_int(state, "seed"),
+        rank=_int(state, "rank"),
+        fingerprint=dict(fingerprint),
+    )
+
+
+def epoch_plan(
+    chain: Sequence[tuple[int, int]],
+    plan: Callable[[int, int], EpochPlan],
+    *,
+    rank: int,
+    world_size: int,
+    drop_last: bool,
+) -> EpochPlan:
+    """The plan of this rank, ``world_size`` ranks, for an epoch whose first steps were
+    ``chain``: ``plan(rank, world_size)`` gives the epoch's plans from the start; each step
+    ``(w, k)``: ``w`` ranks yielded ``k`` batches each, then the rest was re-split."""
+    (first_world, _), *_ = chain
+    plans = [plan(r, first_world) for r in range(first_world)]
+    for (_, batches), (next_world, _) in itertools.pairwise(chain):
+        plans = [
+            elastic_plan(plans, batches, rank=r, world_size=next_world, drop_last=drop_last)
+            for r in range(next_world)
+        ]
+    last_world, batches = chain[-1]
+    if world_size == last_world:
+        return resume_plan(plans[rank], batches)
+    return elastic_plan(plans, batches, rank=rank, world_size=world_size, drop_last=drop_last)
