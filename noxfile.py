@@ -43,7 +43,7 @@ def install(session: nox.Session, *extras: str) -> None:
     session.install("-e", f".[{','.join(extras)}]" if extras else ".")
 
 
-@nox.session
+@nox.session(venv_backend="virtualenv")  # pip: it finds the local torch file, uv does not
 def tests(session: nox.Session) -> None:
     """Run the test suite (``nox -s tests -- -k shuffle`` passes arguments to pytest).
 
@@ -52,14 +52,18 @@ def tests(session: nox.Session) -> None:
     GPU is usable, that importing asynchdf5 does not import it); the ``gpu``-marked ones skip.
     Where CuPy cannot be installed (offline, no wheel for this Python), those tests skip too.
     """
+    # PyTorch first, pinned: the CPU build on this project's machines (see TORCH); then the
+    # torch extra is satisfied by it, and torchdata (StatefulDataLoader) comes on top.
+    session.install(TORCH, "torchdata")
+    extras = ("test", "codecs", "remote", "torch")
     if sys.platform != "linux":
-        install(session, "test", "codecs", "remote")
+        install(session, *extras)
     else:
         try:
-            install(session, "test", "codecs", "remote", "cuda12")
+            install(session, *extras, "cuda12")
         except nox.command.CommandFailed:
             session.warn("CuPy could not be installed: the tests against the real CuPy skip")
-            install(session, "test", "codecs", "remote")
+            install(session, *extras)
     session.run("pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
 
 

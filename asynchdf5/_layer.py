@@ -219,6 +219,19 @@ class _Layer(SyncInterface):
             drop_last=c.drop_last and not stream,
         )
 
+    def set_epoch(self, epoch: int) -> None:
+        """Serve ``epoch`` next, from its first batch (as ``DistributedSampler.set_epoch`` does
+        for PyTorch; epochs otherwise advance by themselves). Not while an iterator is live."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigurationError(f"epoch must be an int >= 0, not {epoch!r}")
+        session = self._session
+        if session is not None and session.consumer() is not None:
+            raise StateError("set_epoch while an iterator is live: finish or close it first")
+        self._resume = None
+        self._epoch = epoch
+        if session is not None:
+            session.restart_at(epoch)
+
     # --- resume -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
