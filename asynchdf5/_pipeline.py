@@ -68,7 +68,8 @@ class Failure:
 
 Item = Batch | EpochEnd | Failure
 #: What the reader hands the batcher: a loaded chunk, or the error that ended reading.
-_ChunkItem = tuple[EpochPlan, LoadedChunk] | Exception
+#: An epoch with no chunk (the rest of an epoch resumed after its last batch) is its plan alone.
+_ChunkItem = tuple[EpochPlan, LoadedChunk] | EpochPlan | Exception
 #: What the batcher hands the gatherer, and the gatherer the sender; errors travel in order.
 _GroupItem = list[BatchSpec] | EpochEnd | Exception
 _DoneItem = tuple[list[BatchSpec], list[Batch]] | EpochEnd | Exception
@@ -171,6 +172,8 @@ class Run:
             epoch = self.start_epoch
             while True:
                 plan = self.plan(epoch)
+                if not plan.chunks:
+                    await send.send(plan)  # nothing to read: the batcher ends the epoch
                 for chunk in plan.chunks:
                     slot = await free_recv.receive() if slots is not None else None
                     try:
@@ -218,6 +221,9 @@ class Run:
                 if isinstance(item, Exception):
                     await groups.send(item)  # behind the groups already cut
                     return
+                if isinstance(item, EpochPlan):  # an empty epoch
+                    await groups.send(EpochEnd(item.epoch))
+                    continue
                 plan, chunk = item
                 if chunk.plan.index == 0 and self.mode == "epoch":
                     sizes = plan.batch_sizes()

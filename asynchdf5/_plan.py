@@ -366,12 +366,17 @@ def elastic_plan(
     from where it stood, a chunk partly served keeping the rest of its serving order), and cut
     into this run's shares and batches by the same rules as an epoch (:func:`shard_share`,
     equal batch counts, the remainder rule). A chunk cut by a share boundary is read by both
-    ranks, each serving its part.
+    ranks, each serving its part. With ``drop_last``, a rest smaller than a batch per rank is
+    left out, as any epoch's leftover is; without it, a rest that cannot be split in equal batch
+    counts without repeating samples is a :class:`ConfigurationError` (on every rank alike).
     """
     batch_size = old[0].batch_size
     rest = [resume_plan(p, batches) for p in old]
     walk: list[ChunkPlan] = [c for p in rest for c in p.chunks]
     total = sum(p.n_served for p in rest)
+    if total == 0 or (drop_last and total < world_size * batch_size):
+        # Nothing left, or (drop_last) less than a batch per rank: the leftover is left out.
+        return EpochPlan(old[0].epoch, 0, (), batch_size, 0, ())
     full, tail = _batch_layout(total, batch_size, rank, world_size, drop_last)
     start, size = shard_share(total, batch_size, rank, world_size, drop_last)
     mine: list[ChunkPlan] = []

@@ -1,0 +1,360 @@
+"""Resume: state_dict() / load_state_dict(), exact and elastic, on every layer class.
+
+An uninterrupted run is the reference: a layer stopped after ``k`` batches of an epoch, saved and
+loaded into a fresh layer, must yield exactly the reference's remaining batches (indices and
+bytes), then the reference's later epochs. Elastic: every rank of a ``W``-rank run saved at the
+same batch count, loaded into ``W'`` ranks: the rest of the epoch covers what the old ranks had
+not yet yielded, each sample once, in equal batch counts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asynchdf5 import (
+    AsyncHDF5DataLayer,
+    Batch,
+    ConfigurationError,
+    HDF5DataLayer,
+    MemoryDataLayer,
+    StateError,
+)
+
+from ._files import rows, write_h5
+
+pytestmark = pytest.mark.anyio
+
+SIZES = (400, 0, 350, 251)
+N = sum(SIZES)
+
+
+def write(folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, start = [], 0
+    for i, n in enumerate(SIZES):
+        paths.append(
+            write_h5(
+                folder / f"part{i}.h5", start, n, layout="gzip" if i % 2 and n else "contiguous"
+            )
+        )
+        start += n
+    return paths
+
+
+def memory_layer(**kw: Any) -> MemoryDataLayer:
+    return MemoryDataLayer(rows(0, N), **kw)
+
+
+def snapshot(batches: Sequence[Batch]) -> list[tuple[list[int], bytes]]:
+    """What a run yielded: each batch's indices and data bytes."""
+    return [(b.indices.tolist(), np.ascontiguousarray(b["data"]).tobytes()) for b in batches]
+
+
+async def run(layer: Any, epochs: int, stop: int | None = None) -> tuple[list[Any], dict[str, Any]]:
+    """``epochs`` epochs; with ``stop``, the last one only up to ``stop`` batches. Returns what
+    each epoch yielded and the state at the end (while the last iterator is live)."""
+    out = []
+    state: dict[str, Any] = {}
+    async with layer:
+        for e in range(epochs):
+            it = aiter(layer)
+            got = []
+            last = e == epochs - 1
+            while True:
+                if last and stop is not None and len(got) == stop:
+                    state = layer.state_dict()
+                    break
+                try:
+                    got.append(await anext(it))
+                except StopAsyncIteration:
+                    break
+            out.append(snapshot(got))
+            if last and stop is None:
+                state = layer.state_dict()
+    return out, state
+
+
+KINDS = ["hdf5", "memory"]
+
+
+def make(kind: str, folder: Path, **kw: Any) -> Any:
+    kw.setdefault("batch_size", 32)
+    if kind == "memory":
+        return memory_layer(**kw)
+    kw.setdefault("chunk_size", 128)
+    return AsyncHDF5DataLayer(write(folder), **kw)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    ("shuffle", "block_size", "drop_last", "stop"),
+    [
+        (True, 16, False, 5),
+        (True, None, False, 0),
+        (True, 16, True, 29),  # the last batch of the epoch
+        (False, None, False, 7),
+        (True, 1, False, 13),
+    ],
+)
+async def test_resume_is_exact(
+    tmp_path: Path,
+    kind: str,
+    shuffle: bool,
+    block_size: int | None,
+    drop_last: bool,
+    stop: int,
+) -> None:
+    kw: dict[str, Any] = dict(shuffle=shuffle, seed=7, drop_last=drop_last)
+    if kind == "hdf5":
+        kw["block_size"] = block_size
+    reference, _ = await run(make(kind, tmp_path / "a", **kw), 3)
+    head, state = await run(make(kind, tmp_path / "b", **kw), 2, stop=stop)
+    assert head[0] == reference[0] and head[1] == reference[1][:stop]
+    assert state["epoch"] == 1 and state["batches"] == stop
+    state = json.loads(json.dumps(state))  # plain values
+    resumed = make(kind, tmp_path / "c", **kw)
+    resumed.load_state_dict(state)
+    assert len(resumed) == len(reference[1]) - stop
+    tail, _ = await run(resumed, 2)
+    assert tail[0] == reference[1][stop:]  # the rest of the epoch, batch for batch
+    assert tail[1] == reference[2]  # and the next epoch is the reference's
+
+
+async def test_a_drawn_seed_adopts_the_saved_one(tmp_path: Path) -> None:
+    reference, _ = await run(memory_layer(batch_size=50, shuffle=True, seed=3), 2)
+    _, state = await run(memory_layer(batch_size=50, shuffle=True, seed=3), 1, stop=4)
+    layer = memory_layer(batch_size=50, shuffle=True)  # seed=None: drawn
+    layer.load_state_dict(state)
+    assert layer.seed == 3
+    tail, _ = await run(layer, 2)
+    assert tail[0] == reference[0][4:] and tail[1] == reference[1]
+
+
+async def test_state_between_epochs_and_load_on_an_open_layer(tmp_path: Path) -> None:
+    reference, _ = await run(memory_layer(batch_size=40, shuffle=True, seed=9), 4)
+    layer = memory_layer(batch_size=40, shuffle=True, seed=9)
+    async with layer:
+        [b async for b in layer]
+        state = layer.state_dict()  # between epochs: epoch 1 from its start
+        assert (state["epoch"], state["batches"]) == (1, 0)
+        [b async for b in layer]
+        [b async for b in layer]
+        layer.load_state_dict(state)  # back to epoch 1, on the open layer
+        again = snapshot([b async for b in layer])
+    assert again == reference[1]
+
+
+async def test_only_batches_handed_over_count(tmp_path: Path) -> None:
+    """The pipeline runs ahead by prefetch batches; the state counts what the consumer got."""
+    layer = make("hdf5", tmp_path, prefetch=16)
+    async with layer:
+        it = aiter(layer)
+        for _ in range(3):
+            await anext(it)
+        assert layer.state_dict()["batches"] == 3
+
+
+def test_sync_bridge_counts_what_the_for_loop_got(tmp_path: Path) -> None:
+    """The bridge takes up to 16 ready batches per trip; only those the loop got count."""
+    layer = HDF5DataLayer(write(tmp_path), batch_size=10, chunk_size=200, shuffle=True, seed=2)
+    with layer:
+        for i, _ in enumerate(layer):
+            if i == 2:
+                state = layer.state_dict()
+                break
+    assert state["batches"] == 3
+    reference = HDF5DataLayer(
+        write(tmp_path / "r"), batch_size=10, chunk_size=200, shuffle=True, seed=2
+    )
+    with reference:
+        expected = [b.indices.tolist() for b in reference][3:]
+    resumed = HDF5DataLayer(
+        write(tmp_path / "s"), batch_size=10, chunk_size=200, shuffle=True, seed=2
+    )
+    resumed.load_state_dict(state)
+    with resumed:
+        assert [b.indices.tolist() for b in resumed] == expected
+
+
+async def test_stream_resume(tmp_path: Path) -> None:
+    def layer() -> MemoryDataLayer:
+        return memory_layer(batch_size=64, shuffle=True, seed=4)
+
+    async def stream(lay: Any, count: int, state_after: int | None = None) -> tuple[list[Any], Any]:
+        got, state = [], None
+        async with lay:
+            async for b in lay.stream():
+                got.append(b)
+                if len(got) == state_after:
+                    state = lay.state_dict()
+                if len(got) == count:
+                    break
+        return snapshot(got), state
+
+    reference, _ = await stream(layer(), 40)
+    _, state = await stream(layer(), 25, state_after=25)
+    assert state["mode"] == "stream"
+    resumed = layer()
+    resumed.load_state_dict(state)
+    rest, _ = await stream(resumed, 15)
+    assert rest == reference[25:]
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"batch_size": 16}, "batch_size"),
+        ({"seed": 8}, "seed"),
+        ({"shuffle": False}, "shuffle"),
+        ({"block_size": 8}, "block_size"),
+        ({"files": True}, "the files"),
+    ],
+)
+async def test_a_state_from_other_data_or_properties(
+    tmp_path: Path, change: dict[str, Any], words: str
+) -> None:
+    kw: dict[str, Any] = dict(batch_size=32, shuffle=True, seed=7, chunk_size=128, block_size=16)
+    _, state = await run(AsyncHDF5DataLayer(write(tmp_path / "a"), **kw), 1, stop=3)
+    paths = write(tmp_path / "b")
+    change = dict(change)  # the parametrized dict is shared by both backends' runs
+    if change.pop("files", False):
+        paths = paths[:2]
+    layer = AsyncHDF5DataLayer(paths, **{**kw, **change})
+    with pytest.raises(ConfigurationError, match=words):
+        layer.load_state_dict(state)
+
+
+def test_a_state_that_is_not_one() -> None:
+    layer = memory_layer(batch_size=8)
+    for bad in ({}, {"format": "other"}, [], None):
+        with pytest.raises(ConfigurationError, match="not an asynchdf5 layer state"):
+            layer.load_state_dict(bad)  # type: ignore[arg-type]
+
+
+async def test_load_while_iterating_is_a_state_error() -> None:
+    layer = memory_layer(batch_size=8)
+    async with layer:
+        it = aiter(layer)
+        await anext(it)
+        state = layer.state_dict()
+        with pytest.raises(StateError, match="iterator is live"):
+            layer.load_state_dict(state)
+        with pytest.raises(StateError, match="iterator is live"):
+            layer.set_epoch(3)
+
+
+async def test_set_epoch(tmp_path: Path) -> None:
+    reference, _ = await run(memory_layer(batch_size=100, shuffle=True, seed=1), 4)
+    layer = memory_layer(batch_size=100, shuffle=True, seed=1)
+    layer.set_epoch(3)
+    got, _ = await run(layer, 1)
+    assert got[0] == reference[3]
+
+
+async def test_len(tmp_path: Path) -> None:
+    paths = write(tmp_path)
+    assert len(AsyncHDF5DataLayer(paths, batch_size=100)) == 11  # read from the metadata
+    assert len(AsyncHDF5DataLayer(paths, batch_size=100, drop_last=True)) == 10
+    layers = [AsyncHDF5DataLayer(paths, batch_size=100, rank=r, world_size=3) for r in range(3)]
+    assert [len(x) for x in layers] == [4, 4, 4]
+    async with layers[0] as layer:
+        assert len(layer) == len([b async for b in layer])
+
+
+# --- elastic resume ----------------------------------------------------------------------------
+
+
+async def stop_all_ranks(
+    world: int, stop: int, **kw: Any
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """Every rank of a ``world``-rank run: one whole epoch, then ``stop`` batches of the next;
+    their states, and the samples yielded in that second epoch."""
+    states, seen = [], []
+    for rank in range(world):
+        (_, second), state = await run(
+            memory_layer(rank=rank, world_size=world, **kw), 2, stop=stop
+        )
+        states.append(state)
+        seen += [i for idx, _ in second for i in idx]
+    return states, seen
+
+
+async def finish_epoch(world: int, state: dict[str, Any], **kw: Any) -> tuple[list[int], list[int]]:
+    """The rest of the epoch on every rank of a ``world``-rank run loaded from ``state``: the
+    samples yielded, and each rank's batch count."""
+    seen, counts = [], []
+    for rank in range(world):
+        layer = memory_layer(rank=rank, world_size=world, **kw)
+        layer.load_state_dict(state)
+        expected = len(layer)
+        (rest,), _ = await run(layer, 1)
+        assert len(rest) == expected
+        counts.append(len(rest))
+        seen += [i for idx, _ in rest for i in idx]
+    return seen, counts
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    old=st.integers(1, 4),
+    new=st.integers(1, 5),
+    stop=st.integers(0, 6),
+    batch_size=st.sampled_from([7, 32, 64]),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+)
+async def test_elastic_resume_yields_the_rest_exactly_once(
+    old: int, new: int, stop: int, batch_size: int, shuffle: bool, drop_last: bool
+) -> None:
+    kw: dict[str, Any] = dict(batch_size=batch_size, shuffle=shuffle, seed=11, drop_last=drop_last)
+    per_rank = len(memory_layer(rank=0, world_size=old, **kw))
+    stop = min(stop, per_rank)
+    states, before = await stop_all_ranks(old, stop, **kw)
+    try:
+        after, counts = await finish_epoch(new, states[-1], **kw)
+    except ConfigurationError as exc:
+        # Without drop_last, a rest that cannot be split in equal counts (e.g. fewer samples
+        # left than ranks) is refused, the same way on every rank.
+        assert not drop_last
+        assert "cannot be split" in str(exc) or "fewer than world_size" in str(exc)
+        return
+    assert len(set(counts)) == 1, counts  # equal batch counts on the new ranks
+    everything = before + after
+    assert len(everything) == len(set(everything)), "a sample was yielded twice"
+    if drop_last:
+        assert N - len(everything) < max(old, new) * batch_size * 2
+    else:
+        assert sorted(everything) == list(range(N))
+
+
+async def test_elastic_then_normal_epochs_and_chains() -> None:
+    kw: dict[str, Any] = dict(batch_size=20, shuffle=True, seed=5)
+    states, before = await stop_all_ranks(3, 4, **kw)  # 3 ranks, 4 batches of epoch 1
+    # 2 ranks take over epoch 1, save after 3 more batches each; then 4 ranks finish it.
+    states2, middle = [], []
+    for rank in range(2):
+        layer = memory_layer(rank=rank, world_size=2, **kw)
+        layer.load_state_dict(states[rank])
+        (part,), state = await run(layer, 1, stop=3)
+        assert state["chain"] == [[3, 4], [2, 3]]
+        states2.append(state)
+        middle += [i for idx, _ in part for i in idx]
+    after, counts = await finish_epoch(4, states2[0], **kw)
+    assert len(set(counts)) == 1
+    assert sorted(before + middle + after) == list(range(N))
+    # Epoch 2 on the 4 ranks is a normal 4-rank epoch.
+    layer = memory_layer(rank=1, world_size=4, **kw)
+    layer.load_state_dict(states2[0])
+    _, _ = await run(layer, 1)
+    fresh = memory_layer(rank=1, world_size=4, **kw)
+    fresh.set_epoch(2)
+    async with layer, fresh:
+        assert snapshot([b async for b in layer]) == snapshot([b async for b in fresh])
