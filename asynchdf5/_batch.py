@@ -18,6 +18,7 @@ __all__ = [
     "Batch",
     "BatchSpec",
     "Carry",
+    "GroupSpec",
     "LoadedChunk",
     "Piece",
     "carry",
@@ -113,12 +114,42 @@ Piece = tuple["LoadedChunk | Carry", int, int]
 
 @dataclass(eq=False)
 class BatchSpec:
-    """A batch to gather: pieces ``(chunk, start, stop)`` of chunks' serving orders."""
+    """A batch being cut: pieces ``(chunk, start, stop)`` of chunks' serving orders."""
 
     epoch: int
     pieces: list[Piece] = field(default_factory=list)
     rows: int = 0
     ends_epoch: int | None = None  # an epoch whose last sample is in this batch
+
+
+@dataclass(eq=False)
+class GroupSpec:
+    """Batches gathered in one go: the pieces holding all their rows, in order, and each batch's
+    size and epoch. A run of whole batches from one chunk is one piece (the batcher's Python
+    work per batch is a few list items, not an object)."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
+    #: Batch number -> the epoch that ends with it (a stream batch wrapping into the next).
+    ends: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return sum(self.sizes)
+
+    def add(self, chunk: LoadedChunk | Carry, start: int, stop: int) -> None:
+        """Rows ``start:stop`` of ``chunk``'s serving order (joined to the last piece when they
+        continue it); the chunk is held until the group is gathered."""
+        chunk.refs += 1
+        self.pieces.append((chunk, start, stop))
+
+    def batch_pieces(self) -> Iterator[list[Piece]]:
+        """The pieces of each batch, in order."""
+        rest: list[Piece] = list(self.pieces)
+        for size in self.sizes:
+            head, rest = split_pieces(rest, size)
+            yield head
 
 
 def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:

@@ -194,6 +194,7 @@ class Session:
         if self.run is not None:
             self.run.scope.cancel()  # a no-op when the run itself failed: it is over
             self.run.items.close()
+            self.run.ready.clear()
         self.run = None
 
     def left(self, it: EpochIterator) -> None:
@@ -216,6 +217,7 @@ class Session:
         self.closed = True
         if self.run is not None:
             self.run.items.close()
+            self.run.ready.clear()
         self.run = None
         self._settle()
         try:
@@ -260,7 +262,6 @@ class EpochIterator:
         self.done = False
         self._session: Session | None = None
         self._run: Run | None = None
-        self._pending: Item | None = None  # taken from the queue, handled on the next call
 
     def __repr__(self) -> str:
         state = "done" if self.done else "open"
@@ -270,6 +271,15 @@ class EpochIterator:
         return self
 
     async def __anext__(self) -> Batch:
+        run = self._run
+        if run is not None and run.ready and not self.done:
+            # The fast path: a batch of the group taken last time, handed over without a trip
+            # through the event loop (cancellation is checked when the next group is taken).
+            item = run.ready[0]
+            if type(item) is Batch:
+                run.ready.popleft()
+                assert self._session is not None
+                return self._accept(self._session, item)
         if self.done:
             raise StopAsyncIteration
         try:
@@ -311,26 +321,28 @@ class EpochIterator:
             raise item.error
 
     async def _receive(self, session: Session, run: Run) -> Item:
-        if self._pending is not None:
-            item, self._pending = self._pending, None
-            return item
-        consumer = session.stats.consumer
-        t0 = time.perf_counter()
+        """The next item: from the group taken last, else the next group (waiting for it)."""
+        ready = run.ready
+        if ready:
+            return ready.popleft()
         try:
-            # A ready batch is taken without a trip through the event loop (that trip costs as
-            # much as the rest of a small batch); cancellation is still honoured, and the queue
-            # holds a bounded number, after which receive() yields to other tasks.
+            # A checkpoint per group, not per batch: cancellation is honoured here, and a
+            # consumer that never waits still lets other tasks run once per group.
             await anyio.lowlevel.checkpoint_if_cancelled()
             try:
-                return run.items.receive_nowait()
+                group = run.items.receive_nowait()
             except anyio.WouldBlock:
-                return await run.items.receive()
+                t0 = time.perf_counter()
+                try:
+                    group = await run.items.receive()
+                finally:
+                    session.stats.consumer.wait_seconds += time.perf_counter() - t0
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             raise StateError(
                 "this iterator's layer was closed while it waited for a batch"
             ) from None
-        finally:
-            consumer.wait_seconds += time.perf_counter() - t0
+        ready.extend(group)
+        return ready.popleft()
 
     def _accept(self, session: Session, batch: Batch) -> Batch:
         if not self.bridged:
@@ -381,14 +393,17 @@ class EpochIterator:
             return []
         session, run = self._session, self._run
         assert session is not None and run is not None
+        ready = run.ready
         while len(out) < limit and not self.done and session.run is run:
-            try:
-                item = run.items.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
+            if not ready:
+                try:
+                    ready.extend(run.items.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+            item = ready[0]
             if not isinstance(item, Batch):
-                self._pending = item  # an epoch end or a failure: the next call handles it
-                break
+                break  # an epoch end or a failure: the next call handles it
+            ready.popleft()
             out.append(self._accept(session, item))
         return out
 

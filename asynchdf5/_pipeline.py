@@ -22,10 +22,11 @@ run.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,7 +37,7 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ._batch import Batch, BatchSpec, LoadedChunk, carry
+from ._batch import Batch, BatchSpec, GroupSpec, LoadedChunk, carry
 from ._cache import Slot
 from ._delivery import Delivery
 from ._errors import DataLayerError
@@ -50,6 +51,12 @@ if sys.version_info < (3, 11):  # pragma: no cover
 __all__ = ["EpochEnd", "Failure", "Item", "Mode", "Run"]
 
 Mode = Literal["epoch", "stream"]
+
+#: A group (the batches gathered in one worker-thread call, and handed to the consumer as one
+#: queue item) holds about this many bytes ...
+GROUP_BYTES = 8 * 2**20
+#: ... and at most this many batches.
+GROUP_BATCHES = 64
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,8 @@ Item = Batch | EpochEnd | Failure
 #: An epoch with no chunk (the rest of an epoch resumed after its last batch) is its plan alone.
 _ChunkItem = tuple[EpochPlan, LoadedChunk] | EpochPlan | Exception
 #: What the batcher hands the gatherer, and the gatherer the sender; errors travel in order.
-_GroupItem = list[BatchSpec] | EpochEnd | Exception
-_DoneItem = tuple[list[BatchSpec], list[Batch]] | EpochEnd | Exception
+_GroupItem = GroupSpec | EpochEnd | Exception
+_DoneItem = tuple[GroupSpec, list[Batch]] | EpochEnd | Exception
 
 
 class Run:
@@ -115,14 +122,19 @@ class Run:
         self.stats = stats
         row_bytes = sum(t.row_bytes for t in reader.tops.values())
         # Gather several batches per worker-thread call: a thread hop costs tens of µs, which
-        # matters at thousands of batches per second. Groups of about 8 MiB, at most 16 batches.
-        self.group = int(max(1, min(16, (8 * 2**20) // max(1, row_bytes * batch_size))))
+        # matters at thousands of batches per second. Groups of about GROUP_BYTES.
+        self.group = int(max(1, min(GROUP_BATCHES, GROUP_BYTES // max(1, row_bytes * batch_size))))
         capacity = max(prefetch, self.group)
+        groups = -(-capacity // self.group)  # the queue holds whole groups
         # Batch buffers: enough for what can be in flight (the queue, one group being gathered,
-        # the batch the consumer holds), reused once the consumer lets go of them.
-        delivery.start(reader.tops, batch_size * self.group, -(-capacity // self.group) + 4)
+        # the group the consumer takes batches from), reused once the consumer lets go of them.
+        delivery.start(reader.tops, batch_size * self.group, groups + 4)
         self._pool = ThreadPoolExecutor(1, "asynchdf5-gather") if gather_threads > 1 else None
-        self._send, self.items = anyio.create_memory_object_stream[Item](capacity)
+        # Batches reach the consumer a group at a time (one list per gathered group, epoch markers
+        # in order): a stream operation per batch costs more than a small batch's gathering.
+        self._send, self.items = anyio.create_memory_object_stream[list[Item]](groups)
+        #: The consumer's side of the current group: items taken from ``items``, not yet served.
+        self.ready: collections.deque[Item] = collections.deque()
         #: Epoch at the head of ``items`` when the consumer stands at an epoch boundary, else None.
         self.head_epoch: int | None = start_epoch
         self.scope = anyio.CancelScope()
@@ -146,7 +158,7 @@ class Run:
                         tg.start_soon(_upstream, self._gatherer, groups_recv, done_send)
                         await self._sender(done_recv)
                 except Exception as exc:  # every failure goes to the consumer
-                    await self._send.send(Failure(_leaf(exc)))
+                    await self._send.send([Failure(_leaf(exc))])
                 finally:
                     for stream in (send, recv, groups_send, groups_recv, done_send, done_recv):
                         stream.close()
@@ -162,6 +174,7 @@ class Run:
         self.scope.cancel()
         await self.done.wait()
         self.items.close()
+        self.ready.clear()
 
     async def _reader(self, send: ObjectSendStream[_ChunkItem]) -> None:
         slots = self.slots
@@ -210,12 +223,29 @@ class Run:
     async def _batcher(
         self, recv: ObjectReceiveStream[_ChunkItem], groups: ObjectSendStream[_GroupItem]
     ) -> None:
-        """Cut the chunks' serving orders into batches, in groups for the gatherer."""
+        """Cut the chunks' serving orders into batches, in groups for the gatherer.
+
+        Runs of whole batches within a chunk are cut at once (one piece, a size per batch); only
+        a batch that straddles chunks (or, in a stream, epochs) is cut piece by piece, and
+        carried out of its chunk when that chunk ends (the invariant: see the class docstring).
+        """
         B = self.batch_size
-        specs: list[BatchSpec] = []
+        stream = self.mode == "stream"
+        group = GroupSpec()
         cur: BatchSpec | None = None
-        sizes: Iterator[int] = iter(())
-        need = 0
+        full = 0  # whole batches left in the epoch (epoch mode)
+        tail: collections.deque[int] = collections.deque()  # then these sizes
+        need = 0  # the size of the batch being cut
+
+        def next_size() -> int:
+            nonlocal full
+            if stream:
+                return B
+            if full:
+                full -= 1
+                return B
+            return tail.popleft() if tail else 0
+
         async with recv, groups:
             async for item in recv:
                 if isinstance(item, Exception):
@@ -225,34 +255,54 @@ class Run:
                     await groups.send(EpochEnd(item.epoch))
                     continue
                 plan, chunk = item
-                if chunk.plan.index == 0 and self.mode == "epoch":
-                    sizes = plan.batch_sizes()
-                    need = next(sizes, 0)
-                elif self.mode == "stream":
+                epoch = chunk.plan.epoch
+                if chunk.plan.index == 0 and not stream:
+                    full, tail = plan.full_batches, collections.deque(plan.tail)
+                    need = next_size()
+                elif stream:
                     need = B
+                size = chunk.size
                 pos = 0
-                while pos < chunk.size and need:
-                    if cur is None:
-                        cur = BatchSpec(chunk.plan.epoch)
-                    take = min(need - cur.rows, chunk.size - pos)
-                    cur.pieces.append((chunk, pos, pos + take))
-                    chunk.refs += 1
-                    cur.rows += take
-                    pos += take
-                    if cur.rows == need:
-                        specs.append(cur)
+                while pos < size and need:
+                    if cur is None and need == B and size - pos >= B:
+                        # A run of whole batches: `need` is the first of them.
+                        k = (size - pos) // B
+                        room = max(1, self.group - len(group.sizes))
+                        k = min(k, room, k if stream else full + 1)
+                        group.add(chunk, pos, pos + k * B)
+                        group.sizes += [B] * k
+                        group.epochs += [epoch] * k
+                        pos += k * B
+                        if not stream:
+                            full -= k - 1
+                        need = next_size()
+                    else:
+                        if cur is None:
+                            cur = BatchSpec(epoch)
+                        take = min(need - cur.rows, size - pos)
+                        cur.pieces.append((chunk, pos, pos + take))
+                        chunk.refs += 1
+                        cur.rows += take
+                        pos += take
+                        if cur.rows < need:
+                            continue
+                        if cur.ends_epoch is not None:
+                            group.ends[len(group.sizes)] = cur.ends_epoch
+                        group.pieces += cur.pieces  # refs were taken as they were cut
+                        group.sizes.append(need)
+                        group.epochs.append(cur.epoch)
                         cur = None
-                        need = next(sizes, 0) if self.mode == "epoch" else B
-                        if len(specs) >= self.group:
-                            await groups.send(specs)
-                            specs = []
+                        need = next_size()
+                    if len(group.sizes) >= self.group:
+                        await groups.send(group)
+                        group = GroupSpec()
                 chunk.cut = True
                 last = chunk.plan.index == len(plan.chunks) - 1
                 if last and cur is not None:
                     cur.ends_epoch = plan.epoch  # stream mode: the batch wraps into the next epoch
-                if specs:
-                    await groups.send(specs)
-                    specs = []
+                if group.sizes:
+                    await groups.send(group)
+                    group = GroupSpec()
                 if cur is not None:
                     await self._carry(cur)  # the invariant: see the class docstring
                 chunk.done_with()
@@ -276,7 +326,7 @@ class Run:
         the previous group to the consumer, so the event loop's work and the gathering overlap."""
         async with groups, done:
             async for item in groups:
-                if not isinstance(item, list):
+                if not isinstance(item, GroupSpec):
                     await done.send(item)
                     if isinstance(item, Exception):
                         return
@@ -290,38 +340,33 @@ class Run:
                         limiter=self._gather_limiter,
                     )
                 finally:
-                    for spec in item:
-                        for chunk, _, _ in spec.pieces:
-                            chunk.refs -= 1
-                            chunk.done_with()
+                    for chunk, _, _ in item.pieces:
+                        chunk.refs -= 1
+                        chunk.done_with()
                 await done.send((item, batches))
                 if error is not None:
                     await done.send(error)  # after the complete batches before it
                     return
 
     async def _sender(self, done: ObjectReceiveStream[_DoneItem]) -> None:
-        """Hand batches and epoch markers to the consumer, in order; raise a forwarded error."""
+        """Hand batches and epoch markers to the consumer, a group at a time, in order; raise a
+        forwarded error."""
         send = self._send
         async with done:
             async for item in done:
                 if isinstance(item, Exception):
                     raise item
                 if isinstance(item, EpochEnd):
-                    await send.send(item)
+                    await send.send([item])
                     continue
-                specs, batches = item
-                for spec, batch in zip(specs, batches, strict=False):  # fewer on an error
-                    await _put(send, batch)
-                    if spec.ends_epoch is not None:
-                        await _put(send, EpochEnd(spec.ends_epoch))
-
-
-async def _put(send: MemoryObjectSendStream[Item], item: Item) -> None:
-    """Queue ``item``; only wait (and pass through the event loop) when the queue is full."""
-    try:
-        send.send_nowait(item)
-    except anyio.WouldBlock:
-        await send.send(item)
+                spec, batches = item
+                group: list[Item] = []
+                for i, batch in enumerate(batches):  # fewer than spec.sizes on an error
+                    group.append(batch)
+                    if i in spec.ends:
+                        group.append(EpochEnd(spec.ends[i]))
+                if group:
+                    await send.send(group)
 
 
 def _releaser(free: MemoryObjectSendStream[Slot], slot: Slot) -> Callable[[], None]:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Protocol
 
-from .._batch import Batch, BatchSpec
+from .._batch import Batch, GroupSpec
 from .._catalog import TopInfo
 from .._stats import GatherStats
 from ..transforms import Transformer
@@ -45,11 +45,12 @@ class Delivery(Protocol):
         ...
 
     def make(
-        self, specs: Sequence[BatchSpec], stats: GatherStats, helper: Executor | None
+        self, group: GroupSpec, stats: GatherStats, helper: Executor | None
     ) -> tuple[list[Batch], Exception | None]:
-        """Gather, transform (and upload) ``specs`` (blocking: a worker thread). Returns the
-        complete batches and the error that stopped it, if one did: the batches before an
-        error are still delivered, and only they. ``helper``: a second thread to gather on."""
+        """Gather, transform (and upload) the batches of ``group`` (blocking: a worker thread).
+        Returns the complete batches and the error that stopped it, if one did: the batches
+        before an error are still delivered, and only they. ``helper``: a second thread to
+        gather on."""
         ...
 
     def hand_off(self, batch: Batch) -> None:

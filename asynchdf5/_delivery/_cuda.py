@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .._batch import Batch, BatchSpec, gather_rows
+from .._batch import Batch, GroupSpec, gather_rows
 from .._catalog import TopInfo
 from .._errors import ConfigurationError, DeviceError, SchemaError
 from .._stats import GatherStats
@@ -185,28 +185,28 @@ class CudaDelivery:
         self._tops = list(tops.values())
 
     def make(
-        self, specs: Sequence[BatchSpec], stats: GatherStats, helper: Executor | None
+        self, group: GroupSpec, stats: GatherStats, helper: Executor | None
     ) -> tuple[list[Batch], Exception | None]:
         """Each batch is gathered into its own staging buffers and its upload queued at once,
         so copies start early; a failure (staging, upload, transformer) keeps the complete
         batches before it, and gives the failed batch's buffers back."""
         out: list[Batch] = []
-        for spec in specs:
+        for pieces, size, epoch in zip(
+            group.batch_pieces(), group.sizes, group.epochs, strict=True
+        ):
             t0 = time.perf_counter()
             try:
-                staging = {
-                    t.name: self.alloc((spec.rows, *t.sample_shape), t.dtype) for t in self._tops
-                }
-                indices = np.empty(spec.rows, np.int64)
-                gather_rows(spec.pieces, staging, indices)
+                staging = {t.name: self.alloc((size, *t.sample_shape), t.dtype) for t in self._tops}
+                indices = np.empty(size, np.int64)
+                gather_rows(pieces, staging, indices)
                 t1 = time.perf_counter()
-                data = self.finish(dict(staging), indices, spec.epoch)
+                data = self.finish(dict(staging), indices, epoch)
             except Exception as exc:
                 self.abandon()
                 return out, exc
             stats.gather_seconds += t1 - t0
             stats.transform_seconds += time.perf_counter() - t1
-            out.append(Batch(data, indices, spec.epoch))
+            out.append(Batch(data, indices, epoch))
         return out, None
 
     def hand_off(self, batch: Batch) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .._batch import Batch, BatchSpec, gather_rows, merge_pieces, split_pieces
+from .._batch import Batch, GroupSpec, gather_rows, merge_pieces, split_pieces
 from .._catalog import TopInfo
 from .._stats import GatherStats
 from .._transform import apply_transformers
@@ -95,9 +95,9 @@ class HostDelivery:
             self._shape = (group_rows, depth)
 
     def make(
-        self, specs: Sequence[BatchSpec], stats: GatherStats, helper: Executor | None
+        self, group: GroupSpec, stats: GatherStats, helper: Executor | None
     ) -> tuple[list[Batch], Exception | None]:
-        """Gather and transform ``specs`` (blocking; runs in a worker thread).
+        """Gather and transform ``group`` (blocking; runs in a worker thread).
 
         Returns the batches and ``None`` or, when a batch fails, the complete batches before it
         and the error, so that those are still delivered ahead of the error. The whole group is
@@ -109,19 +109,19 @@ class HostDelivery:
         """
         assert self._buffers is not None, "start() first"
         t0 = time.perf_counter()
-        total = sum(spec.rows for spec in specs)
-        group = self._buffers.acquire(total)
+        total = group.rows
+        arrays = self._buffers.acquire(total)
         indices = np.empty(total, np.int64)
-        pieces = merge_pieces([p for spec in specs for p in spec.pieces])
-        nbytes = sum(a.nbytes for a in group.values())
+        pieces = merge_pieces(group.pieces)
+        nbytes = sum(a.nbytes for a in arrays.values())
         future = None
         at = 0
         if helper is not None and nbytes >= PARALLEL_BYTES:
             head, pieces = split_pieces(pieces, total // 2)
-            future = helper.submit(gather_rows, head, group, indices)
+            future = helper.submit(gather_rows, head, arrays, indices)
             at = total // 2
         try:
-            gather_rows(pieces, group, indices, at)
+            gather_rows(pieces, arrays, indices, at)
         finally:
             if future is not None:
                 future.result()
@@ -129,17 +129,19 @@ class HostDelivery:
         out: list[Batch] = []
         error: Exception | None = None
         at = 0
-        for spec in specs:
-            end = at + spec.rows
-            data: dict[str, Any] = {k: v[at:end] for k, v in group.items()}
+        transformers = self.transformers
+        for size, epoch in zip(group.sizes, group.epochs, strict=True):
+            end = at + size
+            data: dict[str, Any] = {k: v[at:end] for k, v in arrays.items()}
             rows = indices[at:end]
             at = end
-            try:
-                apply_transformers(data, self.transformers, spec.epoch, rows)
-            except Exception as exc:
-                error = exc
-                break
-            out.append(Batch(data, rows, spec.epoch))
+            if transformers:
+                try:
+                    apply_transformers(data, transformers, epoch, rows)
+                except Exception as exc:
+                    error = exc
+                    break
+            out.append(Batch(data, rows, epoch))
         stats.gather_seconds += t1 - t0
         stats.transform_seconds += time.perf_counter() - t1
         return out, error
