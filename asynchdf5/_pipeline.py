@@ -55,8 +55,7 @@ Mode = Literal["epoch", "stream"]
 #: A group (the batches gathered in one worker-thread call, and handed to the consumer as one
 #: queue item) holds about this many bytes ...
 GROUP_BYTES = 8 * 2**20
-#: ... and at most this many batches.
-GROUP_BATCHES = 64
+#: ... and at most ``Delivery.group_batches`` batches.
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,9 @@ class Run:
         row_bytes = sum(t.row_bytes for t in reader.tops.values())
         # Gather several batches per worker-thread call: a thread hop costs tens of µs, which
         # matters at thousands of batches per second. Groups of about GROUP_BYTES.
-        self.group = int(max(1, min(GROUP_BATCHES, GROUP_BYTES // max(1, row_bytes * batch_size))))
+        self.group = int(
+            max(1, min(delivery.group_batches, GROUP_BYTES // max(1, row_bytes * batch_size)))
+        )
         capacity = max(prefetch, self.group)
         groups = -(-capacity // self.group)  # the queue holds whole groups
         # Batch buffers: enough for what can be in flight (the queue, one group being gathered,

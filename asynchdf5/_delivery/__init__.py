@@ -34,6 +34,9 @@ __all__ = [
 class Delivery(Protocol):
     """Where batches go (host memory, a CUDA device)."""
 
+    #: The most batches gathered per worker-thread call, and handed over as one queue item.
+    group_batches: int
+
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Raise :class:`~asynchdf5.SchemaError` for a top this delivery cannot carry (at open,
         before any batch)."""

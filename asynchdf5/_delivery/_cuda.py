@@ -158,6 +158,10 @@ class CudaDelivery:
         device before the first batch.
     """
 
+    #: Batches are staged and uploaded one by one: a group only bounds what is in flight, and
+    #: device memory (docs/gpu.md) grows with it.
+    group_batches = 16
+
     def __init__(
         self,
         device: object,

@@ -81,6 +81,9 @@ def _rows(bufs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
 class HostDelivery:
     """Batches of NumPy arrays in host memory; the transformers run on them after gathering."""
 
+    #: Small batches cost Python work per group, not per batch: big groups (bounded in bytes).
+    group_batches = 64
+
     def __init__(self, transformers: Sequence[tuple[str, Transformer]]) -> None:
         self.transformers = list(transformers)
         self._buffers: BatchBuffers | None = None
