@@ -179,11 +179,32 @@ class AsyncHDF5DataLayer(_Layer):
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(files.close)
             raise
+        c = self.config
+        slot_bytes = 2 * shape.chunk_rows * shape.row_bytes
+        _log.info(
+            "opened %d file(s), %d samples of %d bytes, tops %s; rank %d of %d; cache: %s",
+            len(catalog.files),
+            shape.n_samples,
+            shape.row_bytes,
+            ", ".join(f"{t.name} {t.dtype}{t.sample_shape}" for t in catalog.tops.values()),
+            c.rank,
+            c.world_size,
+            "resident (read once)"
+            if shape.resident
+            else f"2 slots of {shape.chunk_rows} samples ({slot_bytes} bytes)",
+        )
         for top, path in reader.read_paths.items():
             note = reader.read_notes.get(top)
             if "chunks" in path:
                 note = f"deflate decoder: {deflate_backend()}" + (f"; {note}" if note else "")
             _log.info("top %r is read by %s%s", top, path, f" ({note})" if note else "")
+            if "h5py" in path:
+                _log.warning(
+                    "top %r is read through h5py, which holds its process-wide lock and decodes "
+                    "on one thread (%s); `asynchdf5 inspect` says why and how to repack it",
+                    top,
+                    reader.read_notes.get(top, "see read_notes"),
+                )
         return reader, slots, shape
 
 

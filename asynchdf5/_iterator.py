@@ -71,6 +71,8 @@ class Session:
         self._touched: int | None = None  # latest epoch the consumer got a batch of
         # Where the consumer is: batches yielded to it (not prefetched), in its epoch; for a
         # stream, the samples yielded since it began at epoch `_start`.
+        #: When the consumer last got a batch (its step time runs from there to its next ask).
+        self.last_handed: float | None = None
         self._mode: Mode = "epoch"
         self._start = epoch
         self._batches = 0
@@ -271,6 +273,12 @@ class EpochIterator:
         return self
 
     async def __anext__(self) -> Batch:
+        session = self._session
+        if session is not None and session.last_handed is not None:
+            # The consumer's own step: from the last batch handed over to this ask.
+            now = time.perf_counter()
+            session.stats.consumer.step_seconds += now - session.last_handed
+            session.last_handed = None
         run = self._run
         if run is not None and run.ready and not self.done:
             # The fast path: a batch of the group taken last time, handed over without a trip
@@ -353,12 +361,19 @@ class EpochIterator:
                 raise
             session.yielded(self, batch)
         session.handed(self, batch)
+        if not self.bridged:
+            session.last_handed = time.perf_counter()
         return batch
 
     def yielded(self, batch: Batch) -> None:
         """The sync bridge handed ``batch`` to its ``for`` loop (in that loop's thread)."""
         if self._session is not None:
             self._session.yielded(self, batch)
+
+    def stepped(self, seconds: float) -> None:
+        """The sync bridge's ``for`` loop spent ``seconds`` on a batch before asking again."""
+        if self._session is not None:
+            self._session.stats.consumer.step_seconds += seconds
 
     def fail(self) -> None:
         """The pipeline failed, or a batch could not be handed over: this iteration ends, the

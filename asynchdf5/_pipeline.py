@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +51,8 @@ if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]
 
 __all__ = ["EpochEnd", "Failure", "Item", "Mode", "Run"]
+
+_log = logging.getLogger("asynchdf5")
 
 Mode = Literal["epoch", "stream"]
 
@@ -182,6 +186,8 @@ class Run:
         free_send, free_recv = anyio.create_memory_object_stream[Slot](len(slots or ()) or 1)
         for s in slots or ():
             free_send.send_nowait(s)
+        times = self.stats.read.stage
+        clock = time.perf_counter
         async with send, free_send, free_recv:
             epoch = self.start_epoch
             while True:
@@ -189,7 +195,9 @@ class Run:
                 if not plan.chunks:
                     await send.send(plan)  # nothing to read: the batcher ends the epoch
                 for chunk in plan.chunks:
+                    t0 = clock()
                     slot = await free_recv.receive() if slots is not None else None
+                    t1 = clock()
                     try:
                         loaded = await self._load(chunk, slot)
                     except Exception as exc:
@@ -197,9 +205,21 @@ class Run:
                         # sends their batches before it raises this.
                         await send.send(exc)
                         return
+                    t2 = clock()
+                    if _log.isEnabledFor(logging.DEBUG):
+                        _log.debug(
+                            "epoch %d chunk %d: %d samples in %d range(s) read in %.1f ms",
+                            chunk.epoch,
+                            chunk.index,
+                            chunk.rows,
+                            len(chunk.ranges),
+                            (t2 - t1) * 1e3,
+                        )
                     if slot is not None:
                         loaded.release = _releaser(free_send, slot)
                     await send.send((plan, loaded))
+                    times.blocked += t1 - t0 + clock() - t2
+                    times.busy += t2 - t1
                 epoch += 1
 
     async def _load(self, chunk: ChunkPlan, slot: Slot | None) -> LoadedChunk:
@@ -325,12 +345,18 @@ class Run:
     ) -> None:
         """Gather and transform each group in a worker thread. It runs while the sender hands
         the previous group to the consumer, so the event loop's work and the gathering overlap."""
+        times = self.stats.gather.stage
+        clock = time.perf_counter
         async with groups, done:
+            t0 = clock()
             async for item in groups:
+                t1 = clock()
+                times.starved += t1 - t0
                 if not isinstance(item, GroupSpec):
                     await done.send(item)
                     if isinstance(item, Exception):
                         return
+                    t0 = clock()
                     continue
                 try:
                     batches, error = await anyio.to_thread.run_sync(
@@ -344,7 +370,11 @@ class Run:
                     for chunk, _, _ in item.pieces:
                         chunk.refs -= 1
                         chunk.done_with()
+                t2 = clock()
                 await done.send((item, batches))
+                t0 = clock()
+                times.busy += t2 - t1
+                times.blocked += t0 - t2
                 if error is not None:
                     await done.send(error)  # after the complete batches before it
                     return

@@ -11,13 +11,58 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["ConsumerStats", "GatherStats", "LayerStats", "ReadStats", "Stats"]
+__all__ = [
+    "ConsumerStats",
+    "GatherStats",
+    "LayerStats",
+    "ReadStats",
+    "StageStats",
+    "StageTimes",
+    "Stats",
+]
+
+
+@dataclass
+class StageTimes:
+    """Where one stage's time went (written by that stage only)."""
+
+    busy: float = 0.0  # doing its own work
+    starved: float = 0.0  # waiting for its input: the stage before it is slower
+    blocked: float = 0.0  # waiting for room downstream: the stage after it is slower
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """Seconds one stage of the pipeline spent working and waiting (see :class:`LayerStats`).
+
+    Attributes
+    ----------
+    busy_seconds
+        Doing its own work: reading chunks, gathering and transforming batches; for the
+        consumer, its own training step (the time between taking a batch and asking for the
+        next).
+    starved_seconds
+        Waiting for its input, because the stage before it was slower (the consumer: waiting
+        for a batch).
+    blocked_seconds
+        Waiting for room downstream, because the stage after it was slower (the reader: for a
+        free cache slot).
+    """
+
+    busy_seconds: float
+    starved_seconds: float
+    blocked_seconds: float
+
+
+def _stage(t: StageTimes) -> StageStats:
+    return StageStats(t.busy, t.starved, t.blocked)
 
 
 @dataclass
 class ReadStats:
-    """Written by the chunk reader."""
+    """Written by the chunk reader (``stage``: by the pipeline's reader task)."""
 
+    stage: StageTimes = field(default_factory=StageTimes)
     seconds: float = 0.0
     bytes: int = 0
     chunks: int = 0
@@ -26,8 +71,9 @@ class ReadStats:
 
 @dataclass
 class GatherStats:
-    """Written by the gathering stage (delivery)."""
+    """Written by the gathering stage (delivery; ``stage``: by the pipeline's gatherer task)."""
 
+    stage: StageTimes = field(default_factory=StageTimes)
     gather_seconds: float = 0.0
     transform_seconds: float = 0.0
 
@@ -37,6 +83,7 @@ class ConsumerStats:
     """Written by the epoch iterator, as batches are handed over."""
 
     wait_seconds: float = 0.0
+    step_seconds: float = 0.0  # between handing a batch over and being asked for the next
     batches: int = 0
     samples: int = 0
     first_batch_seconds: float | None = None
@@ -76,6 +123,30 @@ class LayerStats:
     read_retries: int = 0
     read_paths: dict[str, str] = field(default_factory=dict)
     read_notes: dict[str, str] = field(default_factory=dict)
+    #: ``"read"``, ``"gather"`` and ``"consumer"``: where each stage's time went.
+    stages: dict[str, StageStats] = field(default_factory=dict)
+
+    def bottleneck(self) -> str:
+        """In words, which stage holds the others up (from :attr:`stages`)."""
+        if not self.stages or self.batches == 0:
+            return "no batch yet"
+        consumer = self.stages["consumer"]
+        if consumer.starved_seconds <= 0.1 * max(consumer.busy_seconds, 1e-9):
+            return (
+                "your training step: the pipeline keeps ahead of it (the consumer waited "
+                f"{consumer.starved_seconds:.3g} s for batches in {consumer.busy_seconds:.3g} s "
+                "of steps)"
+            )
+        read, gather = self.stages["read"], self.stages["gather"]
+        if gather.starved_seconds > gather.busy_seconds:
+            return (
+                f"reading: the reader was busy {read.busy_seconds:.3g} s (disk, network or "
+                "decompression on the h5py path; see read_paths); the batches waited for chunks"
+            )
+        return (
+            f"gathering and transforming: {gather.busy_seconds:.3g} s in the worker thread "
+            f"(gather {self.gather_seconds:.3g} s, transformers {self.transform_seconds:.3g} s)"
+        )
 
 
 @dataclass
@@ -110,5 +181,10 @@ class Stats:
             read_retries=self.read.retries,
             read_paths=dict(read_paths),
             read_notes=dict(read_notes),
+            stages={
+                "read": _stage(self.read.stage),
+                "gather": _stage(self.gather.stage),
+                "consumer": StageStats(self.consumer.step_seconds, self.consumer.wait_seconds, 0.0),
+            },
             **device,
         )

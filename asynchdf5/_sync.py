@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
@@ -103,7 +104,9 @@ def _bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:
                     portal.call(it.fail)
                     raise
                 it.yielded(batch)  # counts for state_dict() once the loop has it
+                t0 = time.perf_counter()
                 yield batch
+                it.stepped(time.perf_counter() - t0)
     finally:
         if not it.done:  # left early (break) or failed in the loop's body
             with contextlib.suppress(Exception):  # the bridge may be gone already

@@ -1,0 +1,78 @@
+"""layer.stats: where each stage's time went, and the bottleneck in words; the asynchdf5 logger."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from asynchdf5 import AsyncHDF5DataLayer, MemoryDataLayer
+
+from ._files import write_source
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_slow_consumer_is_the_bottleneck(tmp_path: Path) -> None:
+    lst, _ = write_source(tmp_path, (2000, 2000))
+    async with AsyncHDF5DataLayer(lst, batch_size=100, chunk_size=1000) as layer:
+        async for _ in layer:
+            await anyio.sleep(0.01)  # the training step
+        stats = layer.stats
+    consumer = stats.stages["consumer"]
+    assert consumer.busy_seconds >= 40 * 0.01
+    assert consumer.starved_seconds < consumer.busy_seconds
+    assert stats.stages["read"].blocked_seconds > 0  # the reader waited for free slots
+    assert stats.bottleneck().startswith("your training step")
+
+
+async def test_a_slow_transformer_is_the_bottleneck() -> None:
+    def slow(x: np.ndarray) -> np.ndarray:
+        time.sleep(0.005)
+        return x
+
+    layer = MemoryDataLayer({"x": np.arange(2000)}, batch_size=50, transformers=[("x", slow)])
+    async with layer:
+        async for _ in layer:
+            pass
+        stats = layer.stats
+    gather = stats.stages["gather"]
+    assert gather.busy_seconds >= 40 * 0.005
+    assert stats.stages["consumer"].starved_seconds > stats.stages["consumer"].busy_seconds
+    assert stats.bottleneck().startswith("gathering and transforming")
+
+
+def test_the_sync_interface_counts_the_for_loops_steps(tmp_path: Path) -> None:
+    layer = MemoryDataLayer({"x": np.arange(500)}, batch_size=50)
+    with layer:
+        for _ in layer:
+            time.sleep(0.01)
+        stats = layer.stats
+    assert stats.stages["consumer"].busy_seconds >= 10 * 0.01
+
+
+async def test_logging(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    lst, _ = write_source(tmp_path, (300, 300), layout="gzip-split")
+    with caplog.at_level(logging.DEBUG, logger="asynchdf5"):
+        async with AsyncHDF5DataLayer(lst, batch_size=50, chunk_size=200) as layer:
+            async for _ in layer:
+                pass
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert any(lvl == "INFO" and "opened 2 file(s), 600 samples" in m for lvl, m in messages)
+    assert any(lvl == "INFO" and "top 'label' is read by" in m for lvl, m in messages)
+    assert any(lvl == "WARNING" and "top 'data' is read through h5py" in m for lvl, m in messages)
+    assert any(lvl == "DEBUG" and "chunk 0:" in m for lvl, m in messages)
+
+
+async def test_silent_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A library's logger has no handler of its own: nothing reaches stderr unless asked."""
+    lst, _ = write_source(tmp_path, (100,))
+    assert not logging.getLogger("asynchdf5").handlers
+    async with AsyncHDF5DataLayer(lst, batch_size=50) as layer:
+        async for _ in layer:
+            pass
+    assert capsys.readouterr().err == ""
