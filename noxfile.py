@@ -55,7 +55,7 @@ def tests(session: nox.Session) -> None:
     # PyTorch first, pinned: the CPU build on this project's machines (see TORCH); then the
     # torch extra is satisfied by it, and torchdata (StatefulDataLoader) comes on top.
     session.install(TORCH, "torchdata")
-    extras = ("test", "codecs", "remote", "torch")
+    extras = ("test", "codecs", "remote", "torch", "pack")
     if sys.platform != "linux":
         install(session, *extras)
     else:
@@ -97,10 +97,11 @@ def lint(session: nox.Session) -> None:
     session.run("lint-imports")
 
 
-@nox.session
+@nox.session(venv_backend="virtualenv")  # pip: it finds the local torch file
 def typecheck(session: nox.Session) -> None:
     """Type-check the package, the tests and this file with ``mypy --strict``."""
-    install(session, "test", "codecs", "remote")
+    session.install(TORCH, "torchdata")
+    install(session, "test", "codecs", "remote", "torch", "pack")
     session.install("mypy", "nox")
     session.run("mypy", *session.posargs)
 
