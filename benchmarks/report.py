@@ -492,8 +492,20 @@ def render(results: Sequence[Result], all_files: Sequence[DatasetFiles], info: R
     return "\n".join(out)
 
 
+BEGIN, END = "<!-- suite report: begin -->\n", "<!-- suite report: end -->\n"
+
+
 def write(text: str, path: Path) -> None:
-    """Write the report, creating the folder if needed."""
+    """Put the report between the markers of ``path`` (at its top if it has none): the sections
+    written by hand after them (targets, other benchmarks' figures) stay as they are."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    old = path.read_text() if path.exists() else ""
+    block = BEGIN + text.rstrip("\n") + "\n" + END
+    if BEGIN in old and END in old:
+        head, _, rest = old.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        new = head + block + tail
+    else:
+        new = block + ("\n" + old if old else "")
+    path.write_text(new)
     print(f"# report written to {path}", file=sys.stderr)

@@ -1,0 +1,366 @@
+"""Shuffle quality of the planner's epoch orders (``python -m benchmarks.shuffle_quality``).
+
+No file is read: the orders come from :func:`asynchdf5._plan.plan_epoch` alone, with the sizes an
+:class:`~asynchdf5.AsyncHDF5DataLayer` would use for an image row (uint8 3x32x32 + int64 label,
+3,080 bytes): batch 256, ``chunk_size`` 2**20, ``first_rows`` = max(batch, 8 MiB // row bytes),
+and ``block_size`` = ``BLOCK_BYTES // row_bytes`` by default, or another block size.
+
+The data set is *class-sorted*: sample ``i`` of ``N`` has label ``i * 10 // N`` (10 classes in
+contiguous runs), the worst case for a loader that reads contiguous stretches. For every mode
+(no shuffle, the old contiguous-chunk mode, blocks of several sizes, and a full random
+permutation cut into batches of 256) and several (seed, epoch) pairs it measures:
+
+* the mean per-batch label entropy divided by log(10) (1: every batch holds the 10 classes in
+  equal parts; a batch of 256 drawn uniformly gets about 0.98-0.99, being finite), and the 5th
+  percentile over the batches;
+* Mosaic streaming's shuffle-quality metric: the Shannon entropy, in bits, of the histogram of
+  the absolute differences between neighbouring global indices of the epoch's order (as in
+  ``get_entropy`` of mosaicml/streaming ``simulation/core/shuffle_quality.py``: ``np.diff``,
+  ``abs``, ``bincount``, ``-sum(p log2 p)``). That file also takes a harmonic mean with the same
+  entropy of the shard ids; there are no shards here, so only the sample-level entropy is
+  reported.
+
+The serving order of an epoch is the concatenation, in chunk order, of each chunk's
+``global_indices(order())``; batches are consecutive cuts of it (``EpochPlan.batch_sizes``), as
+the layer's batcher cuts them across chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from asynchdf5._config import BLOCK_BYTES
+from asynchdf5._layer import RAMP_BYTES
+from asynchdf5._plan import plan_epoch
+
+__all__ = [
+    "BATCH_SIZE",
+    "CHUNK_SIZE",
+    "CLASSES",
+    "IMAGE_ROW_BYTES",
+    "TABULAR_ROW_BYTES",
+    "Mode",
+    "OrderSpec",
+    "batch_label_entropy",
+    "epoch_order",
+    "labels_of",
+    "modes",
+    "mosaic_entropy",
+]
+
+#: Bytes of one image sample: uint8 3x32x32 data + int64 label.
+IMAGE_ROW_BYTES = 3 * 32 * 32 + 8
+#: Bytes of one tabular sample: float32 x 64 + int64 label (the benchmark suite's tabular set).
+TABULAR_ROW_BYTES = 64 * 4 + 8
+BATCH_SIZE = 256
+CHUNK_SIZE = 2**20
+CLASSES = 10
+#: The start of an epoch whose batches are averaged apart (the ramp of the first chunk).
+FIRST_BATCHES = 100
+
+Kind = Literal["sequential", "planner", "permutation"]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way of ordering an epoch.
+
+    ``kind``: ``"sequential"`` (``shuffle=False``), ``"planner"`` (``shuffle=True`` with
+    ``block_size``; ``None`` is the old mode, one contiguous stretch per chunk) or
+    ``"permutation"`` (``np.random.permutation`` of all samples).
+    """
+
+    name: str
+    kind: Kind
+    block_size: int | None = None
+    default: bool = False
+    ramp: bool = True  # the first chunk split into growing sub-chunks, as the layer does
+
+
+@dataclass(frozen=True)
+class OrderSpec:
+    """The sizes an epoch order depends on (besides the mode, seed and epoch)."""
+
+    n: int
+    batch_size: int = BATCH_SIZE
+    chunk_size: int = CHUNK_SIZE
+    row_bytes: int = IMAGE_ROW_BYTES
+
+    @property
+    def first_rows(self) -> int:
+        """As the layer computes it (:func:`asynchdf5._layer.first_rows`)."""
+        return max(self.batch_size, RAMP_BYTES // max(1, self.row_bytes))
+
+    @property
+    def default_block(self) -> int:
+        """``block_size=None``'s block, in samples, as the layer computes it."""
+        return max(1, BLOCK_BYTES // self.row_bytes)
+
+
+def _mib(nbytes: float) -> str:
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:g} MiB"
+    return f"{nbytes / 2**10:g} KiB"
+
+
+def modes(
+    spec: OrderSpec, block_bytes: Sequence[int] | None = None, *, extra: bool = True
+) -> list[Mode]:
+    """The modes compared: no shuffle, the old mode, blocks of ``block_bytes`` (default 64 KiB to
+    256 MiB, x4), and a full permutation; with ``extra``, also the default block of a tabular row
+    and the old and default modes without the first chunk's ramp."""
+    if block_bytes is None:
+        block_bytes = [2**16 * 4**k for k in range(7)]  # 64 KiB ... 256 MiB
+    out = [
+        Mode("no shuffle (shuffle=False)", "sequential"),
+        Mode("old mode: one contiguous stretch per chunk", "planner", None),
+    ]
+    blocks: dict[int, Mode] = {}
+    for nbytes in block_bytes:
+        rows = max(1, nbytes // spec.row_bytes)
+        default = nbytes == BLOCK_BYTES
+        label = f"blocks of {_mib(nbytes)} ({rows:,} samples)" + (" **default**" if default else "")
+        blocks[rows] = Mode(label, "planner", rows, default)
+    tab = max(1, BLOCK_BYTES // TABULAR_ROW_BYTES)
+    if extra and spec.row_bytes != TABULAR_ROW_BYTES and tab not in blocks:
+        blocks[tab] = Mode(
+            f"blocks of {tab:,} samples (the default for a {TABULAR_ROW_BYTES}-byte tabular row)",
+            "planner",
+            tab,
+        )
+    out += [blocks[k] for k in sorted(blocks)]
+    if not extra:
+        return [*out, Mode(f"full random permutation, batches of {spec.batch_size}", "permutation")]
+    # The first chunk's ramp (sub-chunks of first_rows, doubling) serves its first rows from a
+    # few blocks (or short stretches): the same two modes without it show what it costs.
+    out.append(Mode("old mode, without the first-chunk ramp", "planner", None, ramp=False))
+    default_rows = spec.default_block
+    out.append(
+        Mode(
+            f"default blocks ({default_rows:,}), without the ramp",
+            "planner",
+            default_rows,
+            ramp=False,
+        )
+    )
+    out.append(Mode(f"full random permutation, batches of {spec.batch_size}", "permutation"))
+    return out
+
+
+def epoch_order(mode: Mode, spec: OrderSpec, seed: int, epoch: int) -> npt.NDArray[np.int64]:
+    """The global indices of epoch ``epoch`` in the order they are served."""
+    if mode.kind == "permutation":
+        rng = np.random.default_rng((seed, epoch, 12345))
+        perm: npt.NDArray[np.int64] = rng.permutation(spec.n).astype(np.int64)
+        return perm
+    plan = plan_epoch(
+        spec.n,
+        epoch=epoch,
+        batch_size=spec.batch_size,
+        chunk_size=spec.chunk_size,
+        shuffle=mode.kind == "planner",
+        seed=seed,
+        first_rows=spec.first_rows if mode.ramp else None,
+        block_size=mode.block_size,
+    )
+    out = np.empty(sum(c.size for c in plan.chunks), np.int64)
+    at = 0
+    for chunk in plan.chunks:
+        positions = chunk.order()
+        if positions is None:
+            positions = np.arange(chunk.rows, dtype=np.int64)
+        chunk.global_indices(positions, out=out[at : at + len(positions)])
+        at += len(positions)
+    return out
+
+
+def labels_of(indices: npt.NDArray[np.int64], n: int) -> npt.NDArray[np.int64]:
+    """Labels of a class-sorted data set: sample ``i`` of ``n`` is class ``i * 10 // n``."""
+    labels: npt.NDArray[np.int64] = indices * CLASSES // n
+    return labels
+
+
+def batch_label_entropy(labels: npt.NDArray[np.int64], batch_size: int) -> npt.NDArray[np.float64]:
+    """Label entropy of each full batch (consecutive cuts of ``labels``) divided by log(10)."""
+    nb = len(labels) // batch_size
+    rows = np.repeat(np.arange(nb, dtype=np.int64), batch_size)
+    counts = np.bincount(rows * CLASSES + labels[: nb * batch_size], minlength=nb * CLASSES)
+    p = counts.reshape(nb, CLASSES) / batch_size
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(p > 0, p * np.log(p), 0.0)
+    h: npt.NDArray[np.float64] = -terms.sum(axis=1) / math.log(CLASSES)
+    return h
+
+
+def mosaic_entropy(order: npt.NDArray[np.int64]) -> float:
+    """Mosaic streaming's metric: entropy (bits) of the histogram of ``|diff(order)|``."""
+    freqs = np.bincount(np.abs(np.diff(order)))
+    freqs = freqs[freqs != 0]
+    p = freqs / (len(order) - 1)
+    return float(-(p * np.log2(p)).sum())
+
+
+@dataclass(frozen=True)
+class Quality:
+    """One mode's figures, averaged over the (seed, epoch) pairs."""
+
+    mode: Mode
+    entropy: float  # mean per-batch label entropy / log(10)
+    entropy_sd: float  # standard deviation of that mean over the pairs
+    entropy_p5: float  # 5th percentile of the per-batch entropies, pooled
+    entropy_first: float  # mean over the first FIRST_BATCHES batches of each epoch
+    mosaic_bits: float
+    orders: int
+    seconds: float  # per order: planning, chunk permutations, global indices
+
+
+def measure(mode: Mode, spec: OrderSpec, pairs: Sequence[tuple[int, int]]) -> Quality:
+    """Average one mode's figures over the (seed, epoch) pairs."""
+    means, mosaic, pooled, first = [], [], [], []
+    plan_s = 0.0
+    for seed, epoch in pairs:
+        t0 = time.perf_counter()
+        order = epoch_order(mode, spec, seed, epoch)
+        plan_s += time.perf_counter() - t0
+        h = batch_label_entropy(labels_of(order, spec.n), spec.batch_size)
+        means.append(float(h.mean()))
+        pooled.append(h)
+        first.append(float(h[:FIRST_BATCHES].mean()))
+        mosaic.append(mosaic_entropy(order))
+    return Quality(
+        mode=mode,
+        entropy=float(np.mean(means)),
+        entropy_sd=float(np.std(means)),
+        entropy_p5=float(np.percentile(np.concatenate(pooled), 5)) + 0.0,
+        entropy_first=float(np.mean(first)) + 0.0,
+        mosaic_bits=float(np.mean(mosaic)),
+        orders=len(pairs),
+        seconds=plan_s / len(pairs),
+    )
+
+
+def pairs_of(seeds: int, epochs: int) -> list[tuple[int, int]]:
+    return [(s, e) for s in range(seeds) for e in range(epochs)]
+
+
+def quality_table(results: Sequence[Quality], chunk_size: int) -> list[str]:
+    """Markdown rows: the figures, and their ratio to the full permutation's."""
+    full = next(r for r in results if r.mode.kind == "permutation")
+    lines = [
+        "| mode | blocks per chunk | batch label entropy / log 10 | ÷ full permutation "
+        f"| 5th pct batch | first {FIRST_BATCHES} batches | Mosaic entropy (bits) "
+        "| ÷ full permutation |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        per_chunk = "—"
+        if r.mode.kind == "planner":
+            per_chunk = (
+                "1" if r.mode.block_size is None else f"{chunk_size / r.mode.block_size:,.0f}"
+            )
+        lines.append(
+            f"| {r.mode.name} | {per_chunk} | {r.entropy:.3f} ± {r.entropy_sd:.3f} "
+            f"| {r.entropy / full.entropy:.3f} | {r.entropy_p5:.3f} | {r.entropy_first:.3f} "
+            f"| {r.mosaic_bits:.2f} "
+            f"| {r.mosaic_bits / full.mosaic_bits:.3f} |"
+        )
+    return lines
+
+
+def header(argv: Sequence[str], module: str, started: str, wall_s: float) -> list[str]:
+    """The machine and command, in RESULTS.md's style (no first-touch probe: not timed here)."""
+    from benchmarks.report import collect_facts
+
+    facts = collect_facts()
+    keep = ("CPU", "RAM", "OS", "Python", "numpy / h5py / HDF5", "torch", "asynchdf5")
+    rows = [
+        ("date (UTC)", started),
+        ("command", f"`{shlex.join(['python', '-m', module, *argv])}`"),
+        *((k, facts[k]) for k in keep if k in facts),
+        ("wall time", f"{wall_s:.0f} s"),
+    ]
+    return ["|  |  |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.shuffle_quality",
+        description="Per-batch label entropy and Mosaic's index-difference entropy of the "
+        "planner's epoch orders on class-sorted data (no files needed). Prints markdown.",
+    )
+    p.add_argument("--samples", type=int, default=2_000_000, help="N (default 2,000,000)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1 (default 3)")
+    p.add_argument("--epochs", type=int, default=2, help="epochs 0..E-1 of each seed (default 2)")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    p.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
+    p.add_argument(
+        "--row-bytes",
+        type=int,
+        default=IMAGE_ROW_BYTES,
+        help=f"bytes per sample, for the default block and first_rows (default {IMAGE_ROW_BYTES})",
+    )
+    p.add_argument("--output", help="also write the markdown to this file")
+    return p
+
+
+def run(args: argparse.Namespace) -> tuple[OrderSpec, list[Quality]]:
+    """Measure every mode with the sizes the arguments give."""
+    spec = OrderSpec(args.samples, args.batch_size, args.chunk_size, args.row_bytes)
+    pairs = pairs_of(args.seeds, args.epochs)
+    results = []
+    for mode in modes(spec):
+        q = measure(mode, spec, pairs)
+        print(f"# {mode.name}: {q.entropy:.3f}, {q.mosaic_bits:.2f} bits", file=sys.stderr)
+        results.append(q)
+    return spec, results
+
+
+def describe(spec: OrderSpec, results: Sequence[Quality]) -> str:
+    """The sizes behind the table, in a sentence."""
+    plan_s = np.mean([r.seconds for r in results if r.mode.kind == "planner"])
+    return (
+        f"N = {spec.n:,} class-sorted samples (label = i * 10 // N), batch {spec.batch_size}, "
+        f"chunk_size {spec.chunk_size:,}, first_rows {spec.first_rows:,}, row {spec.row_bytes} "
+        f"bytes (default block {spec.default_block:,} samples); mean ± sd over "
+        f"{results[0].orders} (seed, epoch) pairs. One epoch's order took {plan_s:.2f} s to "
+        "compute on average (plan, chunk permutations, global indices)."
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    started, t0 = utc_now(), time.perf_counter()
+    spec, results = run(args)
+    lines = [
+        *header(argv, "benchmarks.shuffle_quality", started, time.perf_counter() - t0),
+        "",
+        describe(spec, results),
+        "",
+        *quality_table(results, spec.chunk_size),
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
