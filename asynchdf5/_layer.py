@@ -232,6 +232,19 @@ class _Layer(SyncInterface):
         if session is not None:
             session.restart_at(epoch)
 
+    def _set_shard(self, rank: int, world_size: int, *, seed_given: bool | None = None) -> None:
+        """Serve shard ``rank`` of ``world_size`` (a DataLoader worker's share of its rank's, for
+        :mod:`asynchdf5.torch`): only on a closed layer, whatever torch.distributed says."""
+        if self._state != "closed":
+            raise StateError("a layer's shard can change only while it is closed")
+        if not 0 <= rank < world_size:
+            raise ConfigurationError(
+                f"rank={rank} is outside 0 ... world_size-1 = {world_size - 1}"
+            )
+        c = self.config
+        given = c.seed_given if seed_given is None else seed_given
+        self.config = dataclasses.replace(c, rank=rank, world_size=world_size, seed_given=given)
+
     # --- resume -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,604 @@
+"""``asynchdf5.torch``: the datasets with PyTorch's DataLoader and torchdata's StatefulDataLoader.
+
+The rows encode their global index (``label == i``, ``data == [10 i, 10 i + 1]``), so every
+batch is checked for alignment and every epoch for exactly-once from the tensors alone. Worker
+processes are real (forked; spawned in one slow test). Real ``torchrun`` runs are in
+``test_torchrun``.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import pickle
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import asynchdf5.torch
+from asynchdf5 import ConfigurationError, StateError
+from asynchdf5.torch import HDF5IterableDataset, MemoryIterableDataset
+
+from . import _fake_cupy
+from ._fake_cupy import FakeCupy, FakeDevice, FakeMemory, FakePinnedMemory
+from ._files import rows, write_source
+from ._leaks import assert_released, snapshot
+
+pytestmark = [pytest.mark.timeout(60)]
+
+SIZES = (250, 13, 337)  # three files: shards and batches cut across them
+N = sum(SIZES)
+BATCH = 32
+
+Dataset = HDF5IterableDataset | MemoryIterableDataset
+Tensors = dict[str, torch.Tensor]
+
+
+@pytest.fixture(params=["memory", "hdf5"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    (tmp_path / "data").mkdir()
+    src, _ = write_source(tmp_path / "data", SIZES)
+    return src
+
+
+_made: list[Dataset] = []
+
+
+@pytest.fixture(autouse=True)
+def close_datasets() -> Iterator[None]:
+    """Close every dataset a test made (before the leak check), whatever happened."""
+    yield
+    while _made:
+        _made.pop().close()
+
+
+def make(kind: str, source: Path, **kw: Any) -> Dataset:
+    """A dataset over the same samples, from memory or from the files."""
+    kw.setdefault("batch_size", BATCH)
+    kw.setdefault("indices", True)
+    ds: Dataset
+    if kind == "memory":
+        ds = MemoryIterableDataset(rows(0, N), **kw)
+    else:
+        ds = HDF5IterableDataset(source, **kw)
+    _made.append(ds)
+    return ds
+
+
+def check(batch: Tensors) -> list[int]:
+    """One batch: tensors, aligned rows; its indices."""
+    idx, data, label = batch["indices"], batch["data"], batch["label"]
+    assert isinstance(data, torch.Tensor) and data.dtype == torch.float32
+    assert idx.dtype == label.dtype == torch.int64
+    assert torch.equal(label, idx)
+    assert torch.equal(data[:, 0], (idx * 10).float())
+    assert torch.equal(data[:, 1], (idx * 10 + 1).float())
+    return [int(i) for i in idx]
+
+
+def epoch(loader: Iterable[Tensors]) -> list[Tensors]:
+    return list(loader)
+
+
+def indices(batches: Iterable[Tensors]) -> list[list[int]]:
+    return [check(b) for b in batches]
+
+
+def exactly_once(batches: Iterable[Tensors]) -> None:
+    seen = np.concatenate([np.asarray(i, np.int64) for i in indices(batches)])
+    np.testing.assert_array_equal(np.sort(seen), np.arange(N))
+
+
+def same(a: list[Tensors], b: list[Tensors]) -> None:
+    """The same batches: indices and bytes."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert torch.equal(x[key], y[key]), key
+
+
+# --- the module --------------------------------------------------------------------------------
+
+
+def test_import_without_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # what an absent module looks like
+    monkeypatch.delitem(sys.modules, "asynchdf5.torch")
+    with pytest.raises(ImportError, match=r'pip install "asynchdf5\[torch\]"'):
+        importlib.import_module("asynchdf5.torch")
+
+
+def test_importing_asynchdf5_never_imports_torch() -> None:
+    code = "import sys, asynchdf5; print('torch' in sys.modules, 'asynchdf5.torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_public_names() -> None:
+    assert asynchdf5.torch.__all__ == ["HDF5IterableDataset", "MemoryIterableDataset"]
+    assert issubclass(HDF5IterableDataset, torch.utils.data.IterableDataset)
+    assert issubclass(MemoryIterableDataset, torch.utils.data.IterableDataset)
+
+
+# --- DataLoader --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("workers", "batches"), [(0, 19), (2, 20)])
+def test_dataloader_serves_every_sample_once_per_epoch(
+    kind: str, source: Path, workers: int, batches: int
+) -> None:
+    """600 samples in batches of 32: 19 batches; with two workers, each serves 300 samples in
+    10 batches (its own last partial batch): 20, and len(loader) says so."""
+    ds = make(kind, source, shuffle=True, seed=1, num_workers=workers)
+    loader = DataLoader(ds, batch_size=None, num_workers=workers)
+    assert len(ds) == len(loader) == batches
+    orders = []
+    for e in range(2):
+        assert ds.epoch == e
+        got = epoch(loader)
+        assert len(got) == batches
+        exactly_once(got)
+        orders.append(indices(got))
+    assert orders[0] != orders[1]  # each epoch its own order
+    assert ds.epoch == 2
+    ds.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_trio_backend(source: Path, workers: int) -> None:
+    ds = make("hdf5", source, shuffle=True, seed=12, backend="trio", num_workers=workers)
+    for _ in range(2):
+        exactly_once(epoch(DataLoader(ds, batch_size=None, num_workers=workers)))
+
+
+def test_unshuffled_batches_come_in_source_order(source: Path) -> None:
+    with make("hdf5", source) as ds:
+        got = np.concatenate([np.asarray(i) for i in indices(DataLoader(ds, batch_size=None))])
+    np.testing.assert_array_equal(got, np.arange(N))
+
+
+def test_batches_without_indices_hold_the_tops(source: Path) -> None:
+    with make("hdf5", source, indices=False) as ds:
+        batch = next(iter(DataLoader(ds, batch_size=None)))
+    assert set(batch) == {"data", "label"}
+    assert batch["data"].shape == (BATCH, 2)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_epochs_advance_and_set_epoch_with_workers(
+    kind: str, source: Path, persistent: bool
+) -> None:
+    """Fresh workers every epoch (or persistent ones) go on with the next epoch, and
+    set_epoch in the main process reaches them."""
+
+    def loader(ds: Dataset) -> DataLoader[Tensors]:
+        return DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+
+    a = make(kind, source, shuffle=True, seed=3, num_workers=2)
+    la = loader(a)
+    first = [indices(epoch(la)) for _ in range(3)]
+    assert a.epoch == 3
+    assert len({str(e) for e in first}) == 3
+    a.set_epoch(1)
+    assert a.epoch == 1
+    assert indices(epoch(la)) == first[1]
+    assert indices(epoch(la)) == first[2]
+    del la
+
+    b = make(kind, source, shuffle=True, seed=3, num_workers=2)
+    b.set_epoch(2)
+    assert indices(epoch(loader(b))) == first[2]
+
+
+def test_set_epoch_without_workers(kind: str, source: Path) -> None:
+    a = make(kind, source, shuffle=True, seed=3)
+    b = make(kind, source, shuffle=True, seed=3)
+    with a, b:
+        loader = DataLoader(a, batch_size=None)
+        first = [indices(epoch(loader)) for _ in range(3)]
+        b.set_epoch(2)
+        assert b.epoch == 2
+        assert indices(epoch(DataLoader(b, batch_size=None))) == first[2]
+        # An epoch left suspended (its iterator still referenced) is abandoned.
+        it = iter(loader)
+        next(it)
+        a.set_epoch(1)
+        assert indices(epoch(loader)) == first[1]
+        with pytest.raises(StopIteration):
+            next(it)
+
+
+def test_a_new_iteration_abandons_a_suspended_one(source: Path) -> None:
+    """As with a layer, leaving an epoch early: the next iteration is the next epoch."""
+    a = make("hdf5", source, shuffle=True, seed=4)
+    b = make("hdf5", source, shuffle=True, seed=4)
+    with a, b:
+        full = [indices(epoch(DataLoader(b, batch_size=None))) for _ in range(2)]
+        loader = DataLoader(a, batch_size=None)
+        it = iter(loader)
+        assert check(next(it)) == full[0][0]
+        assert indices(epoch(loader)) == full[1]
+
+
+def test_workers_under_an_initialised_process_group(tmp_path: Path) -> None:
+    """Forked workers inherit the initialised group (its rank and world size) and still serve
+    their own shares of it; with shuffle=True and seed=None the workers agree on the seed."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ds = MemoryIterableDataset(
+            rows(0, N), batch_size=BATCH, shuffle=True, indices=True, num_workers=2
+        )
+        assert (ds.rank, ds.world_size) == (0, 1)
+        exactly_once(epoch(DataLoader(ds, batch_size=None, num_workers=2)))
+    finally:
+        dist.destroy_process_group()
+    del store
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def resource_tracker() -> None:
+    """multiprocessing's resource tracker, which spawning starts once per process and keeps
+    (with a pipe to it): started before the leak check's snapshot of open descriptors."""
+    import multiprocessing.resource_tracker
+
+    multiprocessing.resource_tracker.ensure_running()
+
+
+@pytest.mark.slow
+def test_spawned_workers(resource_tracker: None, source: Path) -> None:
+    """The "spawn" start method: the dataset is pickled to the workers, the next epoch is
+    shared through shared memory all the same."""
+    ds = make("hdf5", source, shuffle=True, seed=5, num_workers=2)
+    loader = DataLoader(
+        ds, batch_size=None, num_workers=2, multiprocessing_context="spawn", persistent_workers=True
+    )
+    first = epoch(loader)
+    exactly_once(first)
+    second = epoch(loader)
+    exactly_once(second)
+    assert indices(first) != indices(second)
+    assert ds.epoch == 2
+
+
+# --- tensors -----------------------------------------------------------------------------------
+
+
+def test_tensors_share_the_batch_memory() -> None:
+    """Zero-copy: each tensor is the array the layer made (here, what a transformer returned)."""
+    made: list[tuple[int, int]] = []
+
+    def record(x: np.ndarray) -> np.ndarray:
+        made.append((x.ctypes.data, x.nbytes))
+        return x
+
+    ds = MemoryIterableDataset(rows(0, N), batch_size=BATCH, transformers=[("data", record)])
+    with ds:
+        batches = epoch(DataLoader(ds, batch_size=None))
+    # (the layer goes on gathering the next epoch's first batches meanwhile)
+    assert [(b["data"].data_ptr(), b["data"].nbytes) for b in batches] == made[: len(batches)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_kept_tensors_are_never_overwritten(kind: str, source: Path, workers: int) -> None:
+    """A training loop may keep batches: the layer reuses a buffer only once no tensor refers
+    to it (small batches, a short prefetch: buffers would come round again many times)."""
+    ds = make(kind, source, batch_size=8, prefetch=2, shuffle=True, seed=6, num_workers=workers)
+    loader = DataLoader(ds, batch_size=None, num_workers=workers)
+    kept = [epoch(loader) for _ in range(3)]
+    for got in kept:
+        exactly_once(got)  # checks every kept tensor's values against its indices
+    ds.close()
+
+
+def test_conversion_copies_only_what_torch_cannot_share() -> None:
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t = asynchdf5.torch._tensor(a)
+    assert t.data_ptr() == a.ctypes.data
+    readonly = a.copy()
+    readonly.flags.writeable = False
+    for odd in (readonly, a[::-1], np.broadcast_to(a[0], (3, 4))):
+        t = asynchdf5.torch._tensor(odd)  # no warning, no error: a copy
+        assert torch.equal(t, torch.from_numpy(np.array(odd)))
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+
+def stateful(kind: str, source: Path, workers: int, **kw: Any) -> StatefulDataLoader:
+    ds = make(kind, source, shuffle=True, seed=7, num_workers=workers)
+    return StatefulDataLoader(ds, batch_size=None, num_workers=workers, **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("k", [0, 7, 18])
+def test_stateful_dataloader_resumes_mid_epoch_exactly(
+    kind: str, source: Path, workers: int, k: int
+) -> None:
+    """torchdata's pattern: the state taken in the loop after batch k, then the job dies; a new
+    loader over a new dataset continues with batch k + 1, the same bytes, and the next epoch
+    is the uninterrupted run's."""
+    whole = stateful(kind, source, workers)
+    reference = [epoch(whole), epoch(whole)]
+
+    first = stateful(kind, source, workers)
+    for i, _ in enumerate(first):
+        if i == k:
+            state = first.state_dict()
+            break
+    del first
+
+    again = stateful(kind, source, workers)
+    again.load_state_dict(state)
+    same(epoch(again), reference[0][k + 1 :])
+    same(epoch(again), reference[1])
+
+
+@pytest.mark.parametrize(("workers", "every"), [(0, 1), (2, 1), (2, 3)])
+def test_stateful_dataloader_state_taken_while_the_run_goes_on(
+    kind: str, source: Path, workers: int, every: int
+) -> None:
+    """The other pattern: ``next()`` k times, the state, and the same loop goes on unchanged;
+    with ``snapshot_every_n_steps`` > 1 the loader replays the batches since its snapshot."""
+    whole = stateful(kind, source, workers)
+    reference = epoch(whole)
+
+    run = stateful(kind, source, workers, snapshot_every_n_steps=every)
+    it = iter(run)
+    got = [next(it) for _ in range(8)]
+    state = run.state_dict()
+    got += list(it)
+    same(got, reference)  # taking the state changed nothing
+
+    again = stateful(kind, source, workers, snapshot_every_n_steps=every)
+    again.load_state_dict(state)
+    same(epoch(again), reference[8:])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("when", ["after the last batch", "after the epoch"])
+def test_stateful_dataloader_state_at_the_end_of_an_epoch(
+    source: Path, workers: int, when: str
+) -> None:
+    """A state taken after the last batch (before the loop asked for more), or after the loop
+    ended: the resumed loader has nothing left of that epoch, then the next epoch whole."""
+    whole = stateful("hdf5", source, workers)
+    reference = [epoch(whole), epoch(whole)]
+
+    run = stateful("hdf5", source, workers)
+    it = iter(run)
+    for _ in range(len(reference[0])):
+        next(it)
+    if when == "after the epoch":
+        with pytest.raises(StopIteration):
+            next(it)
+    state = run.state_dict()
+    del it, run
+
+    again = stateful("hdf5", source, workers)
+    again.load_state_dict(state)
+    rest = epoch(again)
+    if rest:  # the "after the epoch" state: the loader goes straight to the next epoch
+        same(rest, reference[1])
+    else:
+        same(epoch(again), reference[1])
+
+
+def test_dataset_state_with_a_plain_dataloader(kind: str, source: Path) -> None:
+    """num_workers=0: the dataset's own state, saved as JSON, resumes a plain DataLoader."""
+    import json
+
+    a = make(kind, source, shuffle=True, seed=8)
+    loader = DataLoader(a, batch_size=None)
+    reference = epoch(loader)
+    assert a.state_dict()["epoch"] == 1
+    b = make(kind, source, shuffle=True, seed=8)
+    it = iter(DataLoader(b, batch_size=None))
+    for _ in range(5):
+        next(it)
+    state = json.loads(json.dumps(b.state_dict()))
+    assert (state["epoch"], state["batches"]) == (0, 5)
+
+    c = make(kind, source, shuffle=True, seed=8)
+    c.load_state_dict(state)
+    assert len(c) == len(reference)  # the epoch's, as StatefulDataLoader counts (5 are done)
+    same(epoch(DataLoader(c, batch_size=None)), reference[5:])
+    for ds in (a, b, c):
+        ds.close()
+
+
+def test_seed_none_takes_the_saved_seed(source: Path) -> None:
+    a = make("hdf5", source, shuffle=True)  # seed=None: drawn
+    reference = epoch(DataLoader(a, batch_size=None))
+    a.set_epoch(0)
+    it = iter(DataLoader(a, batch_size=None))
+    next(it)
+    state = a.state_dict()
+    del it
+    b = make("hdf5", source, shuffle=True)
+    assert b.seed != a.seed
+    b.load_state_dict(state)
+    assert b.seed == a.seed
+    same(epoch(DataLoader(b, batch_size=None)), reference[1:])
+    a.close()
+    b.close()
+
+
+# --- copies, closing ---------------------------------------------------------------------------
+
+
+def test_pickled_dataset_goes_on_from_the_next_epoch(
+    source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy (here pickled, after the working directory changed: the paths were resolved at
+    construction) builds its own layer and serves what the original serves next."""
+    monkeypatch.chdir(source.parent)
+    ds = HDF5IterableDataset("train.txt", batch_size=BATCH, shuffle=True, seed=9, indices=True)
+    monkeypatch.chdir(source.parent.parent)
+    loader = DataLoader(ds, batch_size=None)
+    epoch(loader)  # the original's layer is open now
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.epoch == 1
+    theirs = epoch(DataLoader(copy, batch_size=None))
+    same(epoch(loader), theirs)
+    copy.close()
+    ds.close()
+
+
+def test_close_releases_everything_and_the_next_epoch_reopens(source: Path) -> None:
+    reference = make("hdf5", source, shuffle=True, seed=10)
+    with reference:
+        ref = [epoch(DataLoader(reference, batch_size=None)) for _ in range(2)]
+    before = snapshot()
+    ds = make("hdf5", source, shuffle=True, seed=10)
+    loader = DataLoader(ds, batch_size=None)
+    it = iter(loader)
+    next(it)  # the pipeline runs now, in the middle of an epoch
+    ds.close()
+    assert_released(before)
+    with pytest.raises(StopIteration):  # the abandoned epoch's iterator is over
+        next(it)
+    same(epoch(loader), ref[1])  # reopened: the epoch after the abandoned one
+    ds.close()
+    ds.close()  # idempotent
+    assert_released(before)
+
+
+def test_garbage_collection_closes_the_pipeline(source: Path) -> None:
+    before = snapshot()
+    ds = HDF5IterableDataset(source, batch_size=BATCH)  # (not kept by make's list)
+    it = iter(DataLoader(ds, batch_size=None))
+    next(it)
+    del ds, it
+    gc.collect()
+    assert_released(before)
+
+
+def test_leaving_the_with_block_closes(source: Path) -> None:
+    before = snapshot()
+    with make("memory", source) as ds:
+        next(iter(DataLoader(ds, batch_size=None)))
+    assert_released(before)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_workers_must_match_the_dataset(source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker of a DataLoader with another num_workers than the dataset's refuses to serve
+    (in this process, as a worker: through a real worker the error is the same, but torch then
+    takes 10 s to stop its workers)."""
+    ds = make("memory", source)  # made for num_workers=0
+    worker = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets
+    info = SimpleNamespace(id=1, num_workers=2)
+    monkeypatch.setattr(asynchdf5.torch, "get_worker_info", lambda: info)
+    with pytest.raises(ConfigurationError, match="pass the DataLoader's num_workers"):
+        next(iter(worker))
+
+
+def test_with_workers_the_main_process_neither_iterates_nor_saves(source: Path) -> None:
+    ds = make("memory", source, num_workers=2)
+    with pytest.raises(StateError, match="iterate it through that DataLoader"):
+        iter(ds)
+    with pytest.raises(StateError, match="StatefulDataLoader"):
+        ds.state_dict()
+    with pytest.raises(StateError, match="StatefulDataLoader"):
+        ds.load_state_dict({})
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"num_workers": -1}, "num_workers must be an int >= 0"),
+        ({"num_workers": True}, "num_workers must be an int >= 0"),
+        ({"indices": 1}, "indices must be True or False"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"shuffle": True, "world_size": 2, "rank": 0}, "explicit seed"),
+    ],
+)
+def test_bad_properties_fail_at_construction(source: Path, kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        make("hdf5", source, **kw)
+
+
+def test_indices_must_not_shadow_a_top() -> None:
+    with pytest.raises(ConfigurationError, match="already a top's name"):
+        MemoryIterableDataset({"indices": np.arange(4)}, batch_size=2, indices=True)
+
+
+# --- device batches ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
+    """The stand-in for CuPy of ``_fake_cupy`` as ``cupy``, its counters at zero."""
+    fake = FakeCupy()
+    monkeypatch.setattr(_fake_cupy, "FAKE", fake)
+    monkeypatch.setitem(sys.modules, "cupy", fake.module())
+    FakeMemory.created = FakePinnedMemory.created = FakeDevice.synchronized = 0
+    yield fake
+    FakeMemory.capacity = None
+
+
+def test_device_batches_go_through_dlpack(fake_cupy: FakeCupy) -> None:
+    """The stand-in's "device" arrays are host memory: DLPack gives CPU tensors over them."""
+    made: list[int] = []
+
+    def record(x: Any) -> Any:
+        made.append(x.ctypes.data)
+        return x
+
+    data = rows(0, N)
+    ds = MemoryIterableDataset(
+        data, batch_size=BATCH, device="cuda", indices=True, transformers=[("data", record)]
+    )
+    with ds:
+        batches = epoch(DataLoader(ds, batch_size=None))
+    exactly_once(batches)
+    assert [b["data"].data_ptr() for b in batches] == made[: len(batches)]
+
+
+def test_device_batches_need_num_workers_0(fake_cupy: FakeCupy) -> None:
+    with pytest.raises(ConfigurationError, match="device batches need num_workers=0"):
+        MemoryIterableDataset(rows(0, N), batch_size=BATCH, device="cuda", num_workers=2)
+
+
+@pytest.fixture
+def cupy_gpu() -> Any:
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, driver too old, no runtime library
+        pytest.skip(f"no usable CUDA GPU: {exc}")
+    if count == 0:
+        pytest.skip("no CUDA GPU")
+    return cupy
+
+
+@pytest.mark.gpu
+def test_gpu_batches_are_cuda_tensors(cupy_gpu: Any, source: Path) -> None:
+    host = make("hdf5", source, shuffle=True, seed=11)
+    dev = make("hdf5", source, shuffle=True, seed=11, device="cuda")
+    with host, dev:
+        h = epoch(DataLoader(host, batch_size=None))
+        d = epoch(DataLoader(dev, batch_size=None))
+    for hb, db in zip(h, d, strict=True):
+        assert db["data"].is_cuda and db["label"].is_cuda and not db["indices"].is_cuda
+        for key in hb:
+            assert torch.equal(db[key].cpu(), hb[key])
