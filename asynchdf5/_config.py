@@ -98,7 +98,8 @@ PROPERTIES: tuple[Property, ...] = (
         "With `shuffle=True`: samples per contiguous block read from disk (the CorgiPile idea: "
         "block-wise random reads into the cache, then a shuffle within it). Smaller blocks mix "
         "better, larger ones read faster. `None`: blocks of about "
-        f"{BLOCK_BYTES // 2**20} MiB of samples (see [choosing properties](semantics.md#shuffle)).",
+        f"{BLOCK_BYTES // 2**20} MiB of samples (see [choosing properties](choosing.md) and "
+        "[shuffle quality](shuffle.md)).",
         "hdf5",
     ),
     Property(

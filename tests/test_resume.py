@@ -66,7 +66,7 @@ async def run(layer: Any, epochs: int, stop: int | None = None) -> tuple[list[An
     async with layer:
         for e in range(epochs):
             it = aiter(layer)
-            got = []
+            got: list[Batch] = []
             last = e == epochs - 1
             while True:
                 if last and stop is not None and len(got) == stop:
@@ -234,7 +234,8 @@ async def test_a_state_from_other_data_or_properties(
 
 def test_a_state_that_is_not_one() -> None:
     layer = memory_layer(batch_size=8)
-    for bad in ({}, {"format": "other"}, [], None):
+    bads: list[object] = [{}, {"format": "other"}, [], None]
+    for bad in bads:
         with pytest.raises(ConfigurationError, match="not an asynchdf5 layer state"):
             layer.load_state_dict(bad)  # type: ignore[arg-type]
 

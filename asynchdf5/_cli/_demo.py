@@ -27,15 +27,10 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-try:  # imported now: a first import inside the first epoch would count in its time
-    from tqdm import tqdm
-except ImportError:  # the `cli` extra is not installed: no progress bar
-    tqdm = None
-
 from .. import AsyncHDF5DataLayer, DataLayerError, HDF5DataLayer
 from .. import transforms as T
 from ._sample import SAMPLE_BYTES, label_of, marker_of, write_dataset
-from ._util import plural, positive
+from ._util import Bar, plural, positive, progress_bar
 
 # --- checking and timing one epoch -------------------------------------------------------------
 
@@ -120,27 +115,10 @@ class EpochCheck:
         )
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-
 @contextmanager
-def progress(epoch: int, epochs: int, total: int) -> Iterator[Any]:
-    """A tqdm bar for one epoch, counted in samples (shown only on a terminal, and only with
-    the ``cli`` extra installed)."""
-    if tqdm is None:
-        yield _NoBar()
-        return
-    with tqdm(
-        total=total,
-        unit="sample",
-        unit_scale=True,
-        desc=f"epoch {epoch}/{epochs}",
-        leave=False,
-        disable=None,
-        file=sys.stderr,
-    ) as bar:
+def progress(epoch: int, epochs: int, total: int) -> Iterator[Bar]:
+    """A bar for one epoch, counted in samples (on a terminal, with the ``cli`` extra)."""
+    with progress_bar(total, f"epoch {epoch}/{epochs}", "sample", leave=False) as bar:
         yield bar
 
 

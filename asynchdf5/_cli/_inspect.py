@@ -1,0 +1,361 @@
+"""``asynchdf5 inspect``: what the layer will find in a source, and how it will read it.
+
+The analysis opens the files through the layer's own source seam and describes every top with
+the layer's own layout code (:func:`asynchdf5._layout.describe`, the function the catalog calls),
+so the read path shown is the one the layer takes; then it builds the catalog exactly as the
+layer does (:func:`asynchdf5._catalog.build_catalog`), so a source the layer would refuse is
+reported with the layer's own message. :mod:`._bench` reuses the analysis for its layout hints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import DataLayerError
+from .._catalog import _check_top, _physical, _refuse_external_links, build_catalog
+from .._codecs import FILTER_NAMES
+from .._config import DEFAULT_TOPS
+from .._layout import describe
+from .._sources import Source, open_source, resolve_source
+from ._hints import PATH_WORDS, explain
+from ._util import mib, plural, table, write_json
+
+__all__ = [
+    "FileReport",
+    "Report",
+    "TopReport",
+    "add_parser",
+    "analyze",
+    "render",
+]
+
+#: The JSON document's format name and version (bumped when a field changes meaning).
+FORMAT = "asynchdf5.inspect/1"
+
+
+@dataclass
+class TopReport:
+    """One top of one file, as the layer will read it."""
+
+    name: str
+    rows: int | None = None
+    sample_shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    bytes: int | None = None  # rows x sample bytes: what the layer delivers
+    stored_bytes: int | None = None  # what the file stores (compressed size, when filtered)
+    storage: str | None = None  # the layout's own words: "contiguous", "chunked (64, 3)", ...
+    chunk_shape: tuple[int, ...] | None = None
+    chunk_bytes: int | None = None
+    filters: list[str] = field(default_factory=list)
+    read_path: str | None = None  # "pread", "chunks" or "h5py"
+    reason: str = ""
+    hints: list[str] = field(default_factory=list)
+    stored_in: str | None = None  # another file, when an external link leads there
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "rows": self.rows,
+            "sample_shape": None if self.sample_shape is None else list(self.sample_shape),
+            "dtype": self.dtype,
+            "bytes": self.bytes,
+            "stored_bytes": self.stored_bytes,
+            "storage": self.storage,
+            "chunk_shape": None if self.chunk_shape is None else list(self.chunk_shape),
+            "chunk_bytes": self.chunk_bytes,
+            "filters": self.filters,
+            "read_path": self.read_path,
+            "reason": self.reason,
+            "hints": self.hints,
+            "stored_in": self.stored_in,
+            "error": self.error,
+        }
+
+
+@dataclass
+class FileReport:
+    """One file of the source."""
+
+    path: str
+    tops: list[TopReport] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def samples(self) -> int | None:
+        rows = {t.rows for t in self.tops}
+        if self.error is not None or len(rows) != 1:
+            return None
+        return rows.pop()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "samples": self.samples,
+            "error": self.error,
+            "tops": [t.to_json() for t in self.tops],
+        }
+
+
+@dataclass
+class Report:
+    """A source, file by file and top by top, with the layer's verdict."""
+
+    source: str
+    tops: tuple[str, ...]
+    entries: list[str] = field(default_factory=list)
+    files: list[FileReport] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    #: From the layer's catalog (empty when it refused the source).
+    read_paths: dict[str, str] = field(default_factory=dict)
+    samples: int | None = None
+    sample_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def hints(self) -> list[str]:
+        """Each distinct hint, prefixed by its top, in order."""
+        seen: dict[str, None] = {}
+        for f in self.files:
+            for t in f.tops:
+                for h in t.hints:
+                    seen.setdefault(f"{t.name}: {h}", None)
+        return list(seen)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "source": self.source,
+            "tops": list(self.tops),
+            "ok": self.ok,
+            "samples": self.samples,
+            "sample_bytes": self.sample_bytes,
+            "bytes": None
+            if self.samples is None or self.sample_bytes is None
+            else self.samples * self.sample_bytes,
+            "read_paths": self.read_paths,
+            "files": [f.to_json() for f in self.files],
+            "hints": self.hints(),
+            "problems": self.problems,
+        }
+
+
+def _filter_names(filters: Sequence[int]) -> list[str]:
+    return [FILTER_NAMES.get(f, f"filter {f}") for f in filters]
+
+
+# --- the analysis ------------------------------------------------------------------------------
+
+
+def _top(source: Source, file: Any, name: str) -> TopReport:
+    """One top of one open file (raises the layer's SourceError / SchemaError)."""
+    h5 = file.h5py_file()
+    if not file.local:
+        _refuse_external_links(file.name, h5, name)
+    dset = _check_top(file.name, h5, name)
+    holder, dset = _physical(source, file, dset)
+    layout = describe(source, holder, dset, name)
+    shape = tuple(int(s) for s in dset.shape[1:])
+    dtype = dset.dtype.newbyteorder("=")
+    row_bytes = dtype.itemsize * math.prod(shape)
+    t = TopReport(
+        name=name,
+        rows=int(dset.shape[0]),
+        sample_shape=shape,
+        dtype=str(dtype),
+        bytes=int(dset.shape[0]) * row_bytes,
+        stored_bytes=int(dset.id.get_storage_size()),
+        storage=layout.storage,
+        filters=_filter_names(layout.filters),
+        read_path=layout.path,
+        stored_in=None if holder is file else holder.name,
+    )
+    if dset.chunks is not None:
+        t.chunk_shape = tuple(int(c) for c in dset.chunks)
+        t.chunk_bytes = dtype.itemsize * math.prod(t.chunk_shape)
+    explain(t, layout)
+    return t
+
+
+def _file(source: Source, entry: str, tops: Sequence[str]) -> FileReport:
+    report = FileReport(entry)
+    try:
+        file = source.open(entry)
+        file.h5py_file()
+    except DataLayerError as exc:
+        report.error = str(exc)
+        return report
+    for name in tops:
+        try:
+            report.tops.append(_top(source, file, name))
+        except DataLayerError as exc:
+            report.tops.append(TopReport(name, error=str(exc)))
+        except (OSError, KeyError, ValueError) as exc:  # h5py on a damaged file
+            report.tops.append(TopReport(name, error=f"{entry}: top {name!r}: {exc}"))
+    return report
+
+
+def analyze(
+    source: str | Sequence[str],
+    tops: Sequence[str] = DEFAULT_TOPS,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> Report:
+    """Describe ``source`` file by file and top by top, and build the layer's catalog of it.
+
+    Blocking (h5py): call it outside an event loop. Never raises the layer's errors: they are
+    the report's ``problems``.
+    """
+    shown = source if isinstance(source, str) else ", ".join(source)
+    report = Report(shown, tuple(tops))
+    try:
+        report.entries = resolve_source(source, storage_options=storage_options)
+    except DataLayerError as exc:
+        report.problems.append(str(exc))
+        return report
+    files = open_source(report.entries, storage_options=storage_options)
+    try:
+        report.files = [_file(files, e, tops) for e in report.entries]
+    finally:
+        files.close()
+    for f in report.files:
+        found = [f.error] if f.error else [t.error for t in f.tops if t.error]
+        report.problems.extend(p for p in found if p and p not in report.problems)
+    # The layer's verdict, from the layer's catalog, on a source of its own as the layer opens.
+    files = open_source(report.entries, storage_options=storage_options)
+    try:
+        catalog = build_catalog(files, report.entries, tops)
+    except DataLayerError as exc:
+        if str(exc) not in report.problems:
+            report.problems.append(str(exc))
+    else:
+        report.read_paths = catalog.read_paths()
+        report.samples = catalog.n_samples
+        report.sample_bytes = catalog.row_bytes
+    finally:
+        files.close()
+    return report
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None or value == [] else str(value)
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "-" if shape is None else "(" + ", ".join(map(str, shape)) + ")"
+
+
+def render(report: Report) -> str:
+    """The report as text: a table per file, then why each top takes its read path, hints and
+    problems."""
+    out: list[str] = []
+    head = f"source {report.source}: {plural(len(report.entries), 'file')}"
+    if report.samples is not None and report.sample_bytes is not None:
+        head += (
+            f", {plural(report.samples, 'sample')} of {report.sample_bytes:,} bytes "
+            f"({mib(report.samples * report.sample_bytes)})"
+        )
+    out.append(head + f"; tops {', '.join(report.tops)}")
+    for f in report.files:
+        out.append("")
+        if f.error is not None:
+            out.append(f"{f.path}: {f.error}")
+            continue
+        samples = f.samples
+        out.append(f"{f.path}: " + ("-" if samples is None else plural(samples, "sample")))
+        rows = []
+        for t in f.tops:
+            if t.error is not None:
+                rows.append([t.name, "error: see problems", "", "", "", "", "", "", ""])
+                continue
+            path = f"{PATH_WORDS.get(t.read_path or '', '-')} ({t.read_path})"
+            stored = _cell(t.stored_bytes and mib(t.stored_bytes))
+            rows.append(
+                [
+                    t.name,
+                    f"{t.rows:,}",
+                    _shape(t.sample_shape),
+                    _cell(t.dtype),
+                    mib(t.bytes or 0),
+                    stored,
+                    _cell(t.storage) + (f" in {t.stored_in}" if t.stored_in else ""),
+                    ", ".join(t.filters) or "-",
+                    path,
+                ]
+            )
+        headers = ["top", "samples", "sample shape", "dtype", "bytes", "stored", "layout"]
+        out.append(table([*headers, "filters", "read path"], rows))
+    reasons: dict[str, list[str]] = {}
+    for f in report.files:
+        for t in f.tops:
+            if t.error is None and t.read_path is not None:
+                line = f"{PATH_WORDS[t.read_path]} ({t.read_path}): {t.reason}"
+                if line not in reasons.setdefault(t.name, []):
+                    reasons[t.name].append(line)
+    if reasons:
+        out += ["", "read paths (as the layer will read each top):"]
+        out += [f"  {top}: {line}" for top, lines in reasons.items() for line in lines]
+    hints = report.hints()
+    if hints:
+        out += ["", "hints:"] + [f"  {h}" for h in hints]
+    if report.problems:
+        out += ["", f"problems ({len(report.problems)}), as the layer reports them:"]
+        out += [f"  {p}" for p in report.problems]
+        out += ["", "FAILED: the layer would refuse this source"]
+    else:
+        paths = ", ".join(f"{t} by {p}" for t, p in report.read_paths.items())
+        out += ["", f"OK: the layer reads {paths}"]
+    return "\n".join(out)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def add_parser(commands: Any) -> None:
+    """Register ``inspect`` with the command line's subcommands."""
+    p = commands.add_parser(
+        "inspect",
+        help="show a source's files, tops and layouts, and how the layer will read them",
+        description=(
+            "For a source list file or HDF5 files: a table per file and per top (samples, "
+            "sample shape, dtype, bytes, layout, filters) with the read path the layer will "
+            "take (direct read, raw-chunk parallel decode, or the h5py fallback) and why, hints "
+            "for slow layouts, and the problems the layer would refuse the source for, in the "
+            "layer's own words. Exits 1 when there is a problem."
+        ),
+    )
+    p.add_argument(
+        "source",
+        nargs="+",
+        metavar="SOURCE",
+        help="a source list file (one HDF5 path per line), or one or more HDF5 files",
+    )
+    p.add_argument(
+        "--tops",
+        nargs="+",
+        default=list(DEFAULT_TOPS),
+        metavar="TOP",
+        help="the datasets to read, as the layer's `tops` (default: %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    sources: list[str] = args.source
+    source: str | list[str] = sources[0] if len(sources) == 1 else sources
+    report = analyze(source, args.tops)
+    if args.json:
+        write_json(report.to_json())
+    else:
+        print(render(report))
+    return 0 if report.ok else 1

@@ -1,0 +1,298 @@
+"""The command line: ``inspect`` (read paths, hints and problems in the layer's own words, as a
+table and as JSON), ``bench`` end to end, ``demo`` ended by Ctrl-C, SIGTERM or SIGHUP, and what
+every command shares (signals, exit statuses)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+from asynchdf5 import DataLayerError, HDF5DataLayer
+from asynchdf5._cli import main
+from asynchdf5._cli._hints import SEEK_BYTES
+from asynchdf5._cli._util import size_in_bytes
+
+from ._files import LAYOUTS, N, write_h5, write_source
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_main(args: Sequence[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    status = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def inspect_json(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, dict[str, Any]]:
+    status, out, _ = run_main(["inspect", "--json", *args], capsys)
+    doc: dict[str, Any] = json.loads(out)
+    return status, doc
+
+
+def layer_error(source: Path | list[str]) -> str:
+    """The message the layer raises for ``source`` (at construction or at ``with``)."""
+    with pytest.raises(DataLayerError) as info:
+        with HDF5DataLayer(source, batch_size=4):
+            pass
+    return str(info.value)
+
+
+# --- inspect -----------------------------------------------------------------------------------
+
+TOP_KEYS = {
+    "name", "rows", "sample_shape", "dtype", "bytes", "stored_bytes", "storage", "chunk_shape",
+    "chunk_bytes", "filters", "read_path", "reason", "hints", "stored_in", "error",
+}  # fmt: skip
+DOC_KEYS = {
+    "format", "source", "tops", "ok", "samples", "sample_bytes", "bytes", "read_paths", "files",
+    "hints", "problems",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_inspect_shows_the_layers_read_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str
+) -> None:
+    source, paths = write_source(tmp_path, layout=layout)
+    status, doc = inspect_json(capsys, source)
+    assert status == 0 and doc["ok"] and doc["problems"] == []
+    assert set(doc) == DOC_KEYS and doc["format"] == "asynchdf5.inspect/1"
+    assert doc["samples"] == N and doc["sample_bytes"] == 2 * 4 + 8
+    assert doc["read_paths"]["data"] == LAYOUTS[layout]  # the layer's own choice
+    assert [f["path"] for f in doc["files"]] == [str(p) for p in paths]
+    top = doc["files"][0]["tops"][0]
+    assert set(top) == TOP_KEYS
+    assert top["name"] == "data" and top["rows"] == 100 and top["sample_shape"] == [2]
+    assert top["dtype"] == "float32" and top["bytes"] == 800 and top["reason"]
+    if layout.endswith("-split"):
+        assert top["read_path"] == "h5py" and top["chunk_shape"] == [8, 1]
+        assert any("splits each sample" in h and "asynchdf5 pack" in h for h in top["hints"])
+    if layout == "gzip":
+        assert top["filters"] == ["shuffle", "gzip"] or "gzip" in top["filters"]
+    status, text, _ = run_main(["inspect", source], capsys)
+    assert status == 0
+    assert f"source {source}: 3 files, {N} samples of 16 bytes" in text
+    assert re.search(r"data\s+100\s+\(2\)\s+float32", text)
+    assert "OK: the layer reads data by " + LAYOUTS[layout] in text
+
+
+def test_inspect_hints_for_slow_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    n = 400
+    with h5py.File(tmp_path / "slow.h5", "w") as f:
+        f.create_dataset("data", data=np.zeros((n, 3, 8, 8), np.uint8), chunks=(1, 3, 8, 8))
+        f.create_dataset("label", data=np.arange(n, dtype=">i8"))  # big-endian: swapped
+    status, doc = inspect_json(capsys, tmp_path / "slow.h5")
+    assert status == 0
+    data, label = doc["files"][0]["tops"]
+    assert data["read_path"] == "chunks" and data["chunk_bytes"] == 192 < SEEK_BYTES
+    assert doc["hints"] == ["data: " + data["hints"][0]]
+    assert "every read is a seek" in data["hints"][0] and "(1, 3, 8, 8)" in data["hints"][0]
+    assert label["read_path"] == "pread" and "swapped" in label["reason"]
+    status, text, _ = run_main(["inspect", tmp_path / "slow.h5"], capsys)
+    assert "hints:\n  data: chunk shape (1, 3, 8, 8) is 1 sample" in text
+
+
+def test_inspect_plugin_filter_without_a_fast_decoder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hdf5plugin = pytest.importorskip("hdf5plugin")
+    with h5py.File(tmp_path / "lz4.h5", "w") as f:
+        f.create_dataset("data", data=np.zeros((100, 64)), chunks=(50, 64), **hdf5plugin.LZ4())
+        f.create_dataset("label", data=np.arange(100))
+    status, doc = inspect_json(capsys, tmp_path / "lz4.h5")
+    assert status == 0  # slow, but the layer reads it
+    top = doc["files"][0]["tops"][0]
+    assert top["read_path"] == "h5py" and top["filters"] == ["lz4"]
+    assert "lz4" in top["reason"]
+    assert "asynchdf5 pack --compression lz4" in top["hints"][0]
+
+
+def test_inspect_external_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_h5(tmp_path / "target.h5", 0, 50)
+    with h5py.File(tmp_path / "links.h5", "w") as f:
+        f["data"] = h5py.ExternalLink("target.h5", "/data")
+        f["label"] = h5py.ExternalLink("target.h5", "/label")
+    status, doc = inspect_json(capsys, tmp_path / "links.h5")
+    assert status == 0 and doc["read_paths"] == {"data": "pread", "label": "pread"}
+    assert doc["files"][0]["tops"][0]["stored_in"] == str(tmp_path / "target.h5")
+
+
+def test_inspect_reports_problems_in_the_layers_words(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_h5(tmp_path / "a.h5", 0, 10)
+    write_h5(tmp_path / "wide.h5", 10, 10, data=np.zeros((10, 3), np.float32))
+    write_h5(tmp_path / "nolabel.h5", 20, 10, label=None, other=np.arange(10))
+    (tmp_path / "notes.h5").write_text("not HDF5")
+    cases = {
+        "shape": ["a.h5", "wide.h5"],
+        "missing top": ["a.h5", "nolabel.h5"],
+        "not hdf5": ["a.h5", "notes.h5"],
+        "missing file": ["a.h5", "gone.h5"],
+    }
+    for case, names in cases.items():
+        source = tmp_path / f"{case}.txt"
+        source.write_text("\n".join(names))
+        expected = layer_error(source)
+        status, doc = inspect_json(capsys, source)
+        assert status == 1 and not doc["ok"], case
+        assert expected in doc["problems"], (case, expected, doc["problems"])
+        status, text, err = run_main(["inspect", source], capsys)
+        assert status == 1 and expected in text and "FAILED" in text and not err
+    status, doc = inspect_json(capsys, tmp_path / "nowhere.txt")  # no source at all
+    assert status == 1 and doc["problems"] == [layer_error(tmp_path / "nowhere.txt")]
+    assert doc["files"] == []
+
+
+def test_inspect_several_files_and_tops(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, paths = write_source(tmp_path)
+    status, doc = inspect_json(capsys, *paths, "--tops", "label")
+    assert status == 0 and doc["tops"] == ["label"] and doc["sample_bytes"] == 8
+    assert len(doc["files"]) == 3 and doc["samples"] == N
+
+
+# --- bench -------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_bench_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source, _ = write_source(tmp_path)
+    status, out, err = run_main(
+        ["bench", source, "--json", "--batch-size", 32, "--chunk-size", 64, "--epochs", 2], capsys
+    )
+    assert status == 0, err
+    doc = json.loads(out)
+    assert doc["ok"] and doc["format"] == "asynchdf5.bench/1"
+    assert doc["samples"] == N and doc["bytes"] == N * 16 and doc["stored_bytes"] == N * 16
+    assert doc["properties"]["batch_size"] == 32 and doc["properties"]["chunk_size"] == 64
+    layer = doc["layer"]
+    assert [e["epoch"] for e in layer["epochs"]] == [1, 2]
+    assert all(e["samples"] == N for e in layer["epochs"])
+    for key in ("open_seconds", "first_batch_seconds", "samples_per_s", "mb_per_s"):
+        assert layer[key] > 0
+    assert doc["raw_read"]["bytes"] == N * 16 and doc["raw_read"]["samples_per_s"] > 0
+    assert doc["in_ram"]["samples"] == N and doc["in_ram"]["load_seconds"] >= 0
+    assert doc["raw_read_skipped"] is None and doc["in_ram_skipped"] is None
+    assert set(doc["ratios"]) == {"layer_to_raw_read", "layer_to_in_ram"}
+    stats = doc["stats"]
+    assert set(stats["stages"]) == {"read", "gather", "consumer"}
+    assert set(stats["stages"]["read"]) == {"busy_seconds", "starved_seconds", "blocked_seconds"}
+    assert stats["bottleneck"] and stats["read_paths"] == {"data": "pread", "label": "pread"}
+    assert stats["chunk_rows"] == 64 and not stats["resident"]
+    assert doc["hints"] == [] and doc["layout_is_bottleneck"] is False
+
+
+@pytest.mark.timeout(60)
+def test_bench_text_with_a_slow_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source, _ = write_source(tmp_path, layout="gzip-split")
+    status, out, err = run_main(
+        ["bench", source, "--batch-size", 16, "--no-in-ram", "--backend", "trio"], capsys
+    )
+    assert status == 0, err
+    assert re.search(r"layer, epoch 1\s+[\d,]+\s+[\d,.]+", out)
+    assert "raw read (preadv, 1 thread)" in out and "in RAM skipped: --no-in-ram" in out
+    assert "bottleneck: " in out and "where the time went" in out
+    assert "splits each sample" in out  # the layout hint
+    assert "read paths: data by h5py, label by chunks" in out
+
+
+def test_bench_refuses_a_bad_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "list.txt").write_text("missing.h5\n")
+    status, out, _ = run_main(["bench", tmp_path / "list.txt"], capsys)
+    assert status == 1 and "does not exist" in out and "FAILED" in out
+    status, out, _ = run_main(["bench", tmp_path / "list.txt", "--json"], capsys)
+    doc = json.loads(out)
+    assert status == 1 and not doc["ok"] and doc["inspect"]["problems"]
+
+
+# --- demo and signals --------------------------------------------------------------------------
+
+
+def _demo(args: Sequence[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "asynchdf5", "demo", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("sig", "args", "when"),
+    [
+        ("SIGINT", [], "epoch 1/"),
+        ("SIGTERM", ["--backend", "trio"], "epoch 1/"),
+        ("SIGTERM", ["--sync"], "epoch 1/"),
+        ("SIGHUP", ["--samples", "300000"], "writing"),
+    ],
+)
+def test_demo_ends_on_a_signal_with_one_line_and_no_temporary_folder(
+    sig: str, args: list[str], when: str
+) -> None:
+    if not hasattr(signal, sig):
+        pytest.skip(f"no {sig} here")
+    signum = getattr(signal, sig)
+    proc = _demo(["--samples", "20000", "--epochs", "1000", *args])
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(when):
+                break
+        folder = re.search(r"to (\S+asynchdf5-demo-\S+)$", lines[0].strip())
+        assert folder is not None, lines
+        assert Path(folder.group(1)).is_dir()
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signum, stderr
+    assert stderr.strip() == f"asynchdf5 demo: interrupted ({sig})"
+    assert not Path(folder.group(1)).exists()
+
+
+def test_main_puts_the_signal_handlers_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    write_h5(tmp_path / "a.h5", 0, 10)
+    assert run_main(["inspect", tmp_path / "a.h5"], capsys)[0] == 0
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.timeout(60)
+def test_python_m_asynchdf5_lists_the_commands() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "asynchdf5", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0
+    for command in ("inspect", "pack", "bench", "demo"):
+        assert command in proc.stdout
+
+
+def test_sizes_in_bytes() -> None:
+    assert size_in_bytes("4GiB") == 4 * 2**30
+    assert size_in_bytes("512mib") == 512 * 2**20
+    assert size_in_bytes("2e9") == 2 * 10**9
+    assert size_in_bytes("1.5kB") == 1500
+    with pytest.raises(argparse.ArgumentTypeError):
+        size_in_bytes("lots")
