@@ -13,6 +13,7 @@ See :mod:`._layout` for how each top's storage is described, and which read path
 from __future__ import annotations
 
 import bisect
+import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,6 +193,38 @@ def _check_top(name: str, h5: h5py.File, top: str) -> h5py.Dataset:
     return obj
 
 
+def _refuse_external_links(name: str, h5: h5py.File, top: str) -> None:
+    """In a file that is not local, a top reached through an external link is refused before
+    HDF5 follows the link: it would look the target up on the local file system (and h5py's
+    file-object driver would read the remote file again in its place). The path is walked link
+    by link, soft links resolved by hand, so that HDF5 never traverses an external one."""
+    parts = [p for p in top.split("/") if p]
+    here, i, hops = "/", 0, 0
+    while i < len(parts):
+        where = posixpath.join(here, parts[i])
+        try:
+            link = h5.get(where, getlink=True)
+        except (KeyError, OSError, TypeError):
+            return  # not there (or not a group on the way): _check_top says so
+        if isinstance(link, h5py.ExternalLink):
+            raise SourceError(
+                f"{name}: top {top!r} goes through the external link {where!r} to "
+                f"{link.path!r} in {link.filename!r}; external links, external storage and "
+                "virtual datasets in remote files are not supported: HDF5 would look the files "
+                "they name up on the local file system. Copy the data into the file (h5repack), "
+                "or name the target file in the source"
+            )
+        if isinstance(link, h5py.SoftLink):
+            hops += 1
+            if hops > 32:
+                return  # a loop of soft links: HDF5 refuses it itself
+            target = posixpath.normpath(posixpath.join(here, link.path))
+            parts = [p for p in target.split("/") if p] + parts[i + 1 :]
+            here, i = "/", 0
+            continue
+        here, i = where, i + 1
+
+
 # --- the catalog -------------------------------------------------------------------------------
 
 
@@ -223,6 +256,8 @@ def build_catalog(source: Source, entries: Sequence[str], tops: Sequence[str]) -
         rows: dict[str, int] = {}
         layouts: dict[str, Layout] = {}
         for name in tops:
+            if not file.local:
+                _refuse_external_links(file.name, h5, name)
             dset = _check_top(file.name, h5, name)
             native = dset.dtype.newbyteorder("=")
             shape = tuple(int(s) for s in dset.shape[1:])

@@ -265,6 +265,17 @@ def _virtual_sources(
     return tuple(depends.values())
 
 
+def _refuse_names(file: StoredFile, top: str, what: str) -> None:
+    """Stored names are local paths to HDF5: in a remote file they would name local files,
+    never what the file means, so such layouts are refused there."""
+    if not file.local:
+        raise SourceError(
+            f"{file.name}: top {top!r} {what}; external storage, virtual datasets and external "
+            "links in remote files are not supported: HDF5 would look the files they name up "
+            "on the local file system. Copy the data into the file (h5repack) before uploading it"
+        )
+
+
 def _h5py(storage: str, file: StoredFile, dset: h5py.Dataset, note: str, **kw: Any) -> Layout:
     return Layout("h5py", storage, dataset=dset, file=file, note=note, **kw)
 
@@ -279,12 +290,14 @@ def describe(source: Source, file: StoredFile, dset: h5py.Dataset, top: str) -> 
     exact = _stored_as_numpy(dset)
     swap = not dset.dtype.isnative and dset.dtype.itemsize > 1
     if kind == h5py.h5d.VIRTUAL:
+        _refuse_names(file, top, "is a virtual dataset")
         depends = _virtual_sources(source, file, dset, top)
         return _h5py("virtual", file, dset, "virtual dataset", depends=depends)
     if kind == h5py.h5d.COMPACT:
         return _h5py("compact", file, dset, "compact layout")
     if kind == h5py.h5d.CONTIGUOUS:
         if plist.get_external_count() > 0:
+            _refuse_names(file, top, "keeps its data in external raw files")
             extents = _external_extents(source, file, dset, top, nbytes)
             files = tuple({id(e.file): e.file for e in extents}.values())
             storage = f"external ({len(files)} file{'s' if len(files) != 1 else ''})"

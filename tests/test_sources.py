@@ -95,3 +95,16 @@ def test_a_listed_path_is_relative_to_the_list_not_the_working_directory(
     lst.write_text("a.h5\n../sub/b.h5\n")
     os.chdir(elsewhere)
     assert resolve_source(lst) == [str(tmp_path / "sub" / "a.h5"), str(tmp_path / "sub" / "b.h5")]
+
+
+def test_a_file_url_source_is_a_local_path(tmp_path: Path) -> None:
+    a, b = _files(tmp_path)
+    (tmp_path / "train.txt").write_text("a.h5\nb.h5\n")
+    assert resolve_source((tmp_path / "train.txt").as_uri()) == [str(a), str(b)]
+    assert resolve_source(a.as_uri()) == [str(a)]
+
+
+def test_a_url_named_like_hdf5_is_not_read_at_construction() -> None:
+    # Nothing there, and no request made: it is checked when the layer opens.
+    assert resolve_source("s3://no-such-bucket/x/data.h5") == ["s3://no-such-bucket/x/data.h5"]
+    assert resolve_source("gs://b/y.hdf5?generation=1") == ["gs://b/y.hdf5?generation=1"]

@@ -1,7 +1,8 @@
 """The source seam: where the bytes of a layer's HDF5 files come from.
 
 :class:`Source` is the protocol (open a file, fetch byte ranges of it, close); ``_local`` keeps
-local files behind it. The catalog and the chunk reader above the seam work with any source.
+local files behind it, ``_remote`` fsspec URLs. The catalog and the chunk reader above the seam
+work with any source.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from typing import Any
 from ._base import ByteRange, Source, StoredFile
 from ._entries import SourceLike, is_hdf5_file, is_url, resolve_source
 from ._local import LocalSource
+from ._remote import RemoteSource
 
 __all__ = [
     "ByteRange",
     "LocalSource",
+    "RemoteSource",
     "Source",
     "SourceLike",
     "StoredFile",
@@ -36,8 +39,11 @@ def open_source(
     """The source for ``entries`` (absolute paths, or URLs): local files, or remote objects.
 
     ``storage_options``, ``cache`` and ``cache_bytes`` are the layer's ``storage_options``,
-    ``remote_cache`` and ``remote_cache_bytes`` properties (remote sources only).
+    ``remote_cache`` and ``remote_cache_bytes`` properties (remote sources only). Any URL among
+    the entries makes it a :class:`RemoteSource`, which reads the local paths (and ``file://``
+    URLs) among them as local files. Cheap: nothing is opened, nothing imported (fsspec comes
+    with the first remote open, in a worker thread).
     """
     if any(is_url(e) for e in entries):
-        raise NotImplementedError("remote sources (fsspec URLs) are not built yet")
+        return RemoteSource(storage_options, cache=cache, cache_bytes=cache_bytes)
     return LocalSource()

@@ -35,6 +35,14 @@ class StoredFile(Protocol):
     name: str
 
     @property
+    def local(self) -> bool:
+        """Whether the file is on the local file system, where HDF5 resolves the names stored
+        in it (external links, external raw storage, virtual dataset sources) as the file means
+        them. A remote object's stored names would be looked up locally, never what the file
+        means, so the catalog refuses such layouts in it."""
+        ...
+
+    @property
     def size(self) -> int:
         """Bytes in the file when it was opened."""
         ...

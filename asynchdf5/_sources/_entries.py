@@ -1,16 +1,19 @@
 """The source property: a source list file, an HDF5 file, or a sequence of them, resolved to the
 entries (absolute paths, or URLs) that a source opens.
 
-Resolved when a layer is constructed, so a later ``os.chdir`` changes nothing.
+Resolved when a layer is constructed, so a later ``os.chdir`` changes nothing. A source list file
+may itself be a URL (read through fsspec, with the layer's ``storage_options``, at
+construction); the relative entries of a remote list are relative to the list's URL.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 from .._errors import ConfigurationError, SourceError
 
@@ -51,40 +54,88 @@ def _local(entry: str | os.PathLike[str], base: Path | None = None) -> str:
     return os.path.normpath(path)
 
 
-def _read_list_file(path: Path) -> list[str]:
+def _parse_list(data: bytes, shown: str, resolve: Callable[[str], str]) -> list[str]:
+    """The entries of a source list file's ``data``, each resolved by ``resolve`` (URLs as they
+    are)."""
     try:
         # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first path.
-        text = path.read_text(encoding="utf-8-sig")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise SourceError(
-            f"source {str(path)!r} is neither an HDF5 file nor a source list file (it is not "
+            f"source {shown!r} is neither an HDF5 file nor a source list file (it is not "
             "UTF-8 text); pass a list file naming HDF5 files, an HDF5 file, or a sequence of paths"
         ) from exc
-    except OSError as exc:
-        raise SourceError(f"cannot read source list file {str(path)!r}: {exc}") from exc
     entries = []
     for line in text.splitlines():  # "\n", "\r\n" and "\r" alike
         entry = line.strip()
         if not entry or entry.startswith("#"):
             continue
-        entries.append(entry if is_url(entry) else _local(entry, path.parent))
+        entries.append(entry if is_url(entry) else resolve(entry))
     if not entries:
-        raise SourceError(f"source list file {str(path)!r} names no HDF5 file")
+        raise SourceError(f"source list file {shown!r} names no HDF5 file")
     return entries
 
 
-def resolve_source(source: SourceLike) -> list[str]:
+def _read_list_file(path: Path) -> list[str]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SourceError(f"cannot read source list file {str(path)!r}: {exc}") from exc
+    return _parse_list(data, str(path), lambda entry: _local(entry, path.parent))
+
+
+def join_url(base: str, entry: str) -> str:
+    """``entry`` (a relative path, or one from the root) resolved against the URL ``base``, as a
+    link in a web page is: ``a/b.h5`` beside ``base``, ``/a/b.h5`` from its bucket or host."""
+    scheme, _, rest = base.partition("://")
+    host, _, path = rest.partition("/")
+    if entry.startswith("/"):
+        joined = posixpath.normpath(entry)
+    else:
+        joined = posixpath.normpath(posixpath.join("/" + posixpath.dirname(path), entry))
+    if joined.startswith("//"):  # normpath keeps a leading "//"
+        joined = "/" + joined.lstrip("/")
+    return f"{scheme}://{host}{joined}"
+
+
+#: A URL whose path ends so names an HDF5 file: kept as it is, checked when the layer opens
+#: (no request at construction). Any other URL is read now: a source list file, or HDF5.
+HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5", ".nc", ".nc4")
+
+
+def _resolve_url(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
+    """A source given as one URL: an HDF5 object, or a source list file (read now)."""
+    # Imported here: the remote source needs fsspec, which is optional, and imports this module.
+    from ._remote import file_url_path, read_source_url
+
+    path = file_url_path(url)
+    if path is not None:  # a local file: local paths, relative to its folder
+        return resolve_source(path)
+    if url.split("?", 1)[0].lower().endswith(HDF5_SUFFIXES):
+        return [url]
+    data = read_source_url(url, storage_options)
+    if data is None:
+        return [url]
+    return _parse_list(data, url, lambda entry: join_url(url, entry))
+
+
+def resolve_source(
+    source: SourceLike, *, storage_options: Mapping[str, Any] | None = None
+) -> list[str]:
     """Resolve ``source`` to the entries it names, in order: absolute paths, or URLs.
 
     A ``str`` or path is a source list file (one path or URL per line; blank lines and lines
     starting with ``#`` are ignored; surrounding whitespace is stripped; relative paths are
-    relative to the list file's folder), or an HDF5 file (a one-file source), or a URL of one.
-    A sequence names the files directly (relative paths: relative to the working directory now).
+    relative to the list file's folder), or an HDF5 file (a one-file source). Either may be a
+    URL: one ending in an HDF5 suffix (``.h5``, ``.hdf5``, ...) is kept as it is, any other is
+    read now through fsspec with ``storage_options`` (the relative entries of a remote list file
+    are relative to its URL; a ``file://`` URL is a local path). A sequence names the files
+    directly (relative paths: relative to the working directory now).
     """
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
         if is_url(text):
-            return [text]
+            return _resolve_url(text, storage_options)
         path = Path(_local(text))
         if not path.exists():
             raise SourceError(

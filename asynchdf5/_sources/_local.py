@@ -68,6 +68,8 @@ class Fingerprint(NamedTuple):
 class LocalFile:
     """A local file, open for reading, with the fingerprint it had when opened."""
 
+    local = True  # HDF5 resolves the names stored in it on this file system
+
     def __init__(self, name: str, fd: int, fingerprint: Fingerprint) -> None:
         self.name = name
         self.fd = fd

@@ -1,0 +1,50 @@
+"""Remote objects behind the source seam: fsspec URLs (``s3://``, ``gs://``, ``az://``,
+``https://``, ``memory://``, ...).
+
+**Where requests run.** A :class:`RemoteSource` runs every request on an asyncio event loop of its
+own, in a thread it starts when it opens its first remote object and joins when it closes
+(``_loop``). The fsspec filesystem is created on that loop (``asynchronous=True``, never from
+fsspec's instance cache), so its connection pool, retries and sockets belong to the source and
+end with it: no process-wide IO thread, no pool shared with another layer. The layer's event loop
+(asyncio or trio) never waits for bytes: :meth:`RemoteSource.fetch` hands one coroutine per call
+to the source's loop and waits for it in a worker thread. h5py reads metadata (at open) and the
+h5py read path through a blocking file object (``_files``), in worker threads only. Filesystems
+without an async implementation (``memory://``, ...) run in a small pool of the source's own.
+
+**How bytes move** (``_fetch``, ``_source``). The ranges of one fetch are grouped by object,
+ranges closer than ``gap_bytes`` are coalesced, and the runs are cut into parts of at most
+``part_bytes``, fetched concurrently, at most ``requests`` at a time per source. Bytes bound for
+the cache slot are copied there as the HTTP body arrives (one copy); raw chunks to decode land
+in reused buffers (``bytes_in_flight`` of them at most) and go to the layer's codec threads.
+
+**Integrity.** Each object's version (its ETag, or what fsspec reports: generation, version id,
+modification time) is recorded at open. On S3 every GET is conditional (``If-Match``): an object
+changed since is refused by the store itself (``_stores``); elsewhere each fetch ends with one
+metadata request per object. An object changed or deleted is a :class:`~asynchdf5.ReadError`
+naming the URL, the top and the rows. Transient errors (timeouts, lost connections, 5xx,
+throttling) are retried with exponential backoff and jitter (``_transfer``), and counted in the
+reader's ``ReadStats.retries`` (``_errors`` sorts what the stores answer).
+
+**Errors at open** (missing object or bucket, bad credentials) are a
+:class:`~asynchdf5.SourceError` naming the URL; no message ever shows a value of
+``storage_options`` or a password in a URL.
+
+**remote_cache**: see :class:`DiskCache` (``_cache``).
+"""
+
+from __future__ import annotations
+
+from ._cache import DiskCache
+from ._files import RemoteFile
+from ._source import RemoteSource, file_url_path, read_source_url
+from ._transfer import TRANSFER, Transfer
+
+__all__ = [
+    "TRANSFER",
+    "DiskCache",
+    "RemoteFile",
+    "RemoteSource",
+    "Transfer",
+    "file_url_path",
+    "read_source_url",
+]
