@@ -1,0 +1,427 @@
+"""Remote sources against an S3 API on localhost: ``python -m benchmarks.remote``.
+
+The server is moto's, in a subprocess (``tests/_s3.py``), with a latency injected into every
+request: its WSGI middleware sleeps ``--latency`` seconds (default 20 ms, a realistic object
+store round trip) in the request's own server thread before handling it, so concurrent requests
+wait concurrently, as on a real link. moto reads a whole object for every ranged GET; the server
+runs with ``--fast-ranges``, which serves ranged GETs of stored objects in O(range) straight from
+moto's store (the same for every loader measured).
+
+For each data set (the suite's image set, contiguous; and its gzip set), stored in one object:
+
+* **parallel download** (the limit): the object's bytes fetched into memory with ranged GETs of
+  8 MiB, 16 in flight (aiobotocore on one event loop, each piece copied once into a buffer
+  allocated and touched beforehand), best of three;
+* **asynchdf5 remote**: ``AsyncHDF5DataLayer`` on the ``s3://`` URL, shuffled, batches of 256,
+  ``chunk_size`` 2^16 (streamed through the cache, as a set larger than memory must be): epoch 1
+  from the layer's construction (the open included), then epoch 2, best of two layers; and with
+  a ``remote_cache``, whose epoch 2 reads local disk;
+* **h5py over an fsspec file object** (the usual user path): ``h5py.File(fs.open(url))`` with
+  s3fs, a sorted fancy-index read per shuffled batch; with s3fs's default file cache (readahead,
+  50 MiB blocks) and with small blocks (``block_size=256 KiB``, ``cache_type="blockcache"``),
+  each time-bounded (``--budget``) and extrapolated to an epoch;
+* **download first, then train locally**: the object downloaded to a local file (as the limit
+  does, written with ``pwrite``), then the same layer over the local file, to the end of its
+  first epoch; its second epoch is shown as the pipeline's own pace on this machine.
+
+Prints Markdown; ``--json PATH`` also writes the figures. ``--quick``: a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import h5py
+import numpy as np
+
+from asynchdf5 import AsyncHDF5DataLayer
+from benchmarks import data
+from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests._s3: the server the tests use
+
+from tests._s3 import KEY_ID, REGION, SECRET, S3Server  # noqa: E402
+
+BUCKET = "bench"
+PART = 8 * 2**20
+IN_FLIGHT = 16
+BATCH = 256
+CHUNK = 2**16
+
+
+@dataclass
+class Row:
+    """One measurement."""
+
+    set: str
+    loader: str
+    seconds: float  # an epoch (extrapolated where ``extrapolated``)
+    samples: int
+    stored_bytes: int
+    first_batch: float | None = None
+    extrapolated: bool = False
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.stored_bytes / self.seconds / 1e6
+
+
+def _spec(name: str, samples: int) -> DatasetSpec:
+    gzip = name == "gzip"
+    return DatasetSpec(
+        name=name,
+        title=f"image, {samples:,} x uint8 3x32x32 + int64 label, "
+        + ("chunked (1024 samples), gzip 4 + shuffle" if gzip else "contiguous"),
+        kind="image",
+        samples=samples,
+        shape=IMAGE_SHAPE,
+        dtype="uint8",
+        layout="gzip" if gzip else "contiguous",
+    )
+
+
+def _options(server: S3Server) -> dict[str, Any]:
+    return server.storage_options()
+
+
+# --- the limit: a plain parallel download -----------------------------------------------------
+
+
+def _client(server: S3Server) -> Any:
+    from aiobotocore.config import AioConfig  # type: ignore[import-untyped]
+    from aiobotocore.session import get_session  # type: ignore[import-untyped]
+
+    config = AioConfig(max_pool_connections=IN_FLIGHT, retries={"total_max_attempts": 3})
+    return get_session().create_client(
+        "s3",
+        endpoint_url=server.endpoint,
+        region_name=REGION,
+        aws_access_key_id=KEY_ID,
+        aws_secret_access_key=SECRET,
+        config=config,
+    )
+
+
+async def _download(s3: Any, key: str, size: int, into: Callable[[int, memoryview], None]) -> None:
+    """The object's bytes in ranged GETs of ``PART``, ``IN_FLIGHT`` at a time, each piece handed
+    to ``into`` as it arrives (copied once, as asynchdf5 does)."""
+    sem = asyncio.Semaphore(IN_FLIGHT)
+
+    async def part(start: int) -> None:
+        stop = min(size, start + PART)
+        async with sem:
+            resp = await s3.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={start}-{stop - 1}")
+            body = resp["Body"]
+            try:
+                content = body.raw_stream.content
+                pos = start
+                while piece := await content.readany():
+                    into(pos, memoryview(piece))
+                    pos += len(piece)
+            finally:
+                body.close()
+
+    await asyncio.gather(*(part(a) for a in range(0, size, PART)))
+
+
+def download_limit(server: S3Server, key: str, size: int, runs: int = 3) -> float:
+    """Seconds to fetch the object's bytes into memory: best of ``runs``, into a buffer
+    allocated and touched beforehand, with a client made beforehand (neither is timed)."""
+    buf = np.ones(size, np.uint8)  # touched: the first touch of fresh pages is not timed
+    view = buf.data
+
+    def into(start: int, piece: memoryview) -> None:
+        view[start : start + len(piece)] = piece
+
+    async def run() -> float:
+        best = float("inf")
+        async with _client(server) as s3:
+            await s3.head_object(Bucket=BUCKET, Key=key)  # connects
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                await _download(s3, key, size, into)
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+    best = asyncio.run(run())
+    gc.collect()
+    return best
+
+
+def download_to(server: S3Server, key: str, size: int, path: Path) -> float:
+    """Seconds to download the object into a local file (from a fresh client, as a script
+    would)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def into(start: int, piece: memoryview) -> None:
+        os.pwrite(fd, piece, start)
+
+    async def run() -> None:
+        async with _client(server) as s3:
+            await _download(s3, key, size, into)
+
+    try:
+        t0 = time.perf_counter()
+        asyncio.run(run())
+        os.fsync(fd)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
+# --- asynchdf5 --------------------------------------------------------------------------------
+
+
+def asynchdf5_epochs(
+    source: Any, epochs: int = 2, **kw: Any
+) -> tuple[list[float], float, dict[str, Any]]:
+    """Seconds of each epoch (the first from construction), the first batch, and the stats."""
+    times: list[float] = []
+    first: list[float] = []
+    stats: dict[str, Any] = {}
+
+    async def run() -> None:
+        t0 = time.perf_counter()
+        layer = AsyncHDF5DataLayer(
+            source, batch_size=BATCH, shuffle=True, seed=0, chunk_size=CHUNK, **kw
+        )
+        async with layer:
+            for _ in range(epochs):
+                async for _batch in layer:
+                    if not first:
+                        first.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+            s = layer.stats
+            stats.update(read_retries=s.read_retries, read_paths=s.read_paths)
+
+    anyio.run(run)
+    gc.collect()
+    return times, first[0], stats
+
+
+# --- h5py over an fsspec file object ----------------------------------------------------------
+
+
+def h5py_fsspec(
+    server: S3Server, url: str, n: int, budget: float, **open_kw: Any
+) -> tuple[float, int, float]:
+    """A shuffled epoch of sorted fancy-index batch reads through ``fs.open(url)``, time-bounded:
+    (seconds per sample, samples read, first batch seconds)."""
+    import s3fs  # type: ignore[import-untyped]
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **_options(server))
+    perm = np.random.default_rng(0).permutation(n)
+    read = 0
+    t0 = time.perf_counter()
+    first = 0.0
+    with fs.open(url, "rb", **open_kw) as f, h5py.File(f, "r") as h5:
+        dset, label = h5["data"], h5["label"]
+        for b in range(0, n, BATCH):
+            idx = np.sort(perm[b : b + BATCH])
+            dset[idx]
+            label[idx]
+            read += len(idx)
+            elapsed = time.perf_counter() - t0
+            if not first:
+                first = elapsed
+            if elapsed > budget:
+                break
+    elapsed = time.perf_counter() - t0
+    del fs
+    gc.collect()
+    return elapsed / read, read, first
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def measure(
+    server: S3Server, spec: DatasetSpec, files: data.DatasetFiles, args: argparse.Namespace
+) -> list[Row]:
+    """Every loader on one data set, its object uploaded first (then the latency is on)."""
+    path = files.paths[0]
+    key = f"{spec.name}-{spec.samples}/{path.name}"
+    url = f"s3://{BUCKET}/{key}"
+    size = path.stat().st_size
+    n = spec.samples
+    rows: list[Row] = []
+
+    def row(loader: str, seconds: float, **kw: Any) -> None:
+        rows.append(Row(spec.name, loader, seconds, n, size, **kw))
+
+    def log(what: str) -> None:
+        print(f"# {spec.name}: {what}", file=sys.stderr, flush=True)
+
+    server.faults(latency=0)
+    with server.client() as s3:
+        from boto3.s3.transfer import TransferConfig  # type: ignore[import-untyped]
+
+        config = TransferConfig(multipart_chunksize=64 * 2**20)
+        s3.upload_file(str(path), BUCKET, key, Config=config)
+    server.faults(latency=args.latency)
+
+    log("parallel download")
+    limit = download_limit(server, key, size)
+    row(
+        f"parallel download: {PART >> 20} MiB ranged GETs, {IN_FLIGHT} in flight (best of 3)", limit
+    )
+
+    log("asynchdf5 remote")
+    opts = _options(server)
+    runs = [asynchdf5_epochs([url], storage_options=opts) for _ in range(2)]
+    e1 = min(runs, key=lambda r: r[0][0])
+    row("asynchdf5 remote, epoch 1 from construction (best of 2)", e1[0][0], first_batch=e1[1])
+    row("asynchdf5 remote, epoch 2 (best of 2)", min(r[0][1] for r in runs), extra=e1[2])
+
+    log("asynchdf5 remote with remote_cache")
+    cache = Path(tempfile.mkdtemp(prefix="asynchdf5-remote-cache-", dir=args.data_dir))
+    try:
+        (c1, c2), c_first, _ = asynchdf5_epochs([url], storage_options=opts, remote_cache=cache)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    row("asynchdf5 remote + remote_cache, epoch 1", c1, first_batch=c_first)
+    row("asynchdf5 remote + remote_cache, epoch 2 (from local disk)", c2)
+
+    for label, kw in (
+        ("s3fs defaults: readahead, 50 MiB blocks", {}),
+        ("256 KiB blocks, blockcache", {"block_size": 2**18, "cache_type": "blockcache"}),
+    ):
+        log(f"h5py over fs.open, {label}")
+        per, read, h_first = h5py_fsspec(server, url, n, args.budget, **kw)
+        part = read < n
+        row(
+            f"h5py over fs.open(url) ({label}), a fancy-index read per batch",
+            per * n,
+            first_batch=h_first,
+            extrapolated=part,
+            note=f"extrapolated from {read:,} samples" if part else "",
+        )
+
+    log("download, then local")
+    local = Path(args.data_dir) / f"remote-download-{spec.name}.h5"
+    try:
+        t_dl = download_to(server, key, size, local)
+        (l1, l2), _, _ = asynchdf5_epochs(local)
+    finally:
+        local.unlink(missing_ok=True)
+    note = f"download {t_dl:.2f} s + local epoch {l1:.2f} s"
+    row("download to local disk, then asynchdf5 epoch 1 on it", t_dl + l1, note=note)
+    row("(reference) asynchdf5 on the local file, epoch 2", l2, note="the pipeline's own pace")
+    server.faults(latency=0)
+    with server.client() as s3:
+        s3.delete_object(Bucket=BUCKET, Key=key)
+    return rows
+
+
+def report(rows: list[Row], args: argparse.Namespace, wall: float) -> str:
+    """The Markdown section for RESULTS.md."""
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    versions = f"{platform.python_version()} / {h5py.__version__} / {_version('s3fs')}"
+    out = [
+        "## Remote sources (issue 14): S3 on localhost with injected latency",
+        "",
+        "|  |  |",
+        "|---|---|",
+        f"| date (UTC) | {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} |",
+        f"| command | `python -m benchmarks.remote {' '.join(sys.argv[1:])}`".rstrip() + " |",
+        f"| injected latency | {args.latency * 1000:.0f} ms per request: the server sleeps that "
+        "long before handling each request, in the request's own thread |",
+        f"| server | moto {_version('moto')} in a subprocess, `--fast-ranges` (module docstring) |",
+        f"| CPU | {os.cpu_count()} logical cores, shared by the server and the client |",
+        f"| Python / h5py / s3fs | {versions} |",
+        f"| wall time | {wall / 60:.1f} min |",
+        f"| load average (1/5/15 min) at the end | {load} |",
+        "",
+    ]
+    for name in dict.fromkeys(r.set for r in rows):
+        mine = [r for r in rows if r.set == name]
+        limit = mine[0]
+        remote = mine[1]
+        stored = mine[0].stored_bytes / 1e6
+        out += [
+            f"### `{name}`: {mine[0].samples:,} samples, {stored:,.0f} MB stored",
+            "",
+            "| loader | epoch s | samples/s | stored MB/s | first batch | ÷ limit "
+            "| time ÷ asynchdf5 remote epoch 1 | notes |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in mine:
+            star = "*" if r.extrapolated else ""
+            first = f"{r.first_batch:.2f} s" if r.first_batch is not None else "—"
+            out.append(
+                f"| {r.loader} | {r.seconds:,.2f}{star} | {r.samples_per_s:,.0f}{star} "
+                f"| {r.mb_per_s:,.1f} | {first} | {limit.seconds / r.seconds:.2f} "
+                f"| {r.seconds / remote.seconds:.2f} | {r.note} |"
+            )
+        out.append("")
+    out.append(
+        "`÷ limit`: the parallel download's time over this loader's (1: as fast as a plain "
+        "download of the same bytes). `time ÷ asynchdf5 remote epoch 1`: this loader's time over "
+        "asynchdf5's first remote epoch (above 1: asynchdf5 is faster). `*`: extrapolated from a "
+        "time-bounded run."
+    )
+    return "\n".join(out) + "\n"
+
+
+def _version(module: str) -> str:
+    try:
+        return str(__import__(module).__version__)
+    except Exception:
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.remote", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--samples", type=int, default=200_000, help="samples per data set")
+    p.add_argument("--quick", action="store_true", help="20,000 samples, short budgets")
+    p.add_argument("--latency", type=float, default=0.02, help="seconds added to each request")
+    p.add_argument("--budget", type=float, default=20.0, help="seconds per h5py-over-fsspec run")
+    p.add_argument("--sets", default="contiguous,gzip", help="comma-separated: contiguous, gzip")
+    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.samples, args.budget = 20_000, 3.0
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    specs = [_spec(name, args.samples) for name in args.sets.split(",")]
+    located = data.ensure(specs, args.data_dir)
+    rows: list[Row] = []
+    with S3Server(fast_ranges=True) as server:
+        server.upload(BUCKET, {})
+        for spec, files in zip(specs, located, strict=True):
+            rows += measure(server, spec, files, args)
+    text = report(rows, args, time.perf_counter() - t0)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
