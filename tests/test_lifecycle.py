@@ -3,9 +3,12 @@ error, a hang, or a silently truncated epoch (issue 9, section 3)."""
 
 from __future__ import annotations
 
+import itertools
+import time
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -237,3 +240,39 @@ def test_memory_layer_works_with_with_and_for() -> None:
                 np.testing.assert_array_equal(b["y"], b["x"] * 2)
         streamed = [b for _, b in zip(range(12), layer.stream(), strict=False)]
         assert all(len(b.indices) == 10 for b in streamed)
+
+
+async def test_a_consumer_that_never_awaits_still_lets_other_tasks_run() -> None:
+    # Batches are handed over in groups without a trip through the event loop; a consumer whose
+    # step never awaits must still let the loop run other tasks (heartbeats, a data-parallel
+    # all-reduce, an HTTP health check) about every millisecond, not once per group of batches.
+    x = np.arange(20_000, dtype=np.int64)
+    batches = 0
+    seen: list[int] = []  # the consumer's batch count each time the other task ran
+    done = False
+
+    async def other_task() -> None:
+        while not done:
+            seen.append(batches)
+            await anyio.lowlevel.checkpoint()
+
+    def step() -> None:  # 0.2 ms of work that holds the event loop
+        end = time.perf_counter() + 0.0002
+        while time.perf_counter() < end:
+            pass
+
+    with anyio.fail_after(60):
+        async with (
+            anyio.create_task_group() as tg,
+            MemoryDataLayer(data={"x": x}, batch_size=50) as layer,
+        ):
+            tg.start_soon(other_task)
+            await anyio.sleep(0.05)  # the pipeline fills its queue of groups
+            async for _ in layer:
+                step()
+                batches += 1
+            done = True
+    assert batches == 400
+    # About 5 steps per millisecond; before, a whole group of 64 batches went by unseen.
+    most = max(b - a for a, b in itertools.pairwise(seen))
+    assert most <= 20, most
