@@ -44,6 +44,18 @@ async def test_a_slow_transformer_is_the_bottleneck() -> None:
     assert gather.busy_seconds >= 40 * 0.005
     assert stats.stages["consumer"].starved_seconds > stats.stages["consumer"].busy_seconds
     assert stats.bottleneck().startswith("gathering and transforming")
+    assert stats.transform_seconds >= 40 * 0.005
+    assert stats.transform_seconds <= gather.busy_seconds
+
+
+async def test_without_transformers_no_time_is_counted_as_transforming() -> None:
+    # Cutting a group into batch views is gathering; only the transformers' calls count here.
+    async with MemoryDataLayer({"x": np.arange(20_000)}, batch_size=8) as layer:
+        async for _ in layer:
+            pass
+        stats = layer.stats
+    assert stats.transform_seconds == 0.0
+    assert stats.gather_seconds > 0.0
 
 
 def test_the_sync_interface_counts_the_for_loops_steps(tmp_path: Path) -> None:
