@@ -11,19 +11,20 @@ to the source's loop and waits for it in a worker thread. h5py reads metadata (a
 h5py read path through a blocking file object (``_files``), in worker threads only. Filesystems
 without an async implementation (``memory://``, ...) run in a small pool of the source's own.
 
-**How bytes move** (``_fetch``, ``_source``). The ranges of one fetch are grouped by object,
-ranges closer than ``gap_bytes`` are coalesced, and the runs are cut into parts of at most
-``part_bytes``, fetched concurrently, at most ``requests`` at a time per source. Bytes bound for
-the cache slot are copied there as the HTTP body arrives (one copy); raw chunks to decode land
-in reused buffers (``bytes_in_flight`` of them at most) and go to the layer's codec threads.
+**How bytes move** (``_fetch``, ``_fetcher``, ``_requests``). The ranges of one fetch are
+grouped by object, ranges closer than ``gap_bytes`` are coalesced, and the runs are cut into
+parts of at most ``part_bytes``, fetched concurrently, at most ``requests`` at a time per source.
+Bytes bound for the cache slot are copied there as the HTTP body arrives (one copy); raw chunks
+to decode land in reused buffers (``bytes_in_flight`` of them at most) and go to the layer's
+codec threads.
 
 **Integrity.** Each object's version (its ETag, or what fsspec reports: generation, version id,
 modification time) is recorded at open. On S3 every GET is conditional (``If-Match``): an object
 changed since is refused by the store itself (``_stores``); elsewhere each fetch ends with one
 metadata request per object. An object changed or deleted is a :class:`~asynchdf5.ReadError`
 naming the URL, the top and the rows. Transient errors (timeouts, lost connections, 5xx,
-throttling) are retried with exponential backoff and jitter (``_transfer``), and counted in the
-reader's ``ReadStats.retries`` (``_errors`` sorts what the stores answer).
+throttling) are retried with exponential backoff and jitter (``_requests``, ``_transfer``), and
+counted in the reader's ``ReadStats.retries`` (``_errors`` sorts what the stores answer).
 
 **Errors at open** (missing object or bucket, bad credentials) are a
 :class:`~asynchdf5.SourceError` naming the URL; no message ever shows a value of
