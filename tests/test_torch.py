@@ -26,6 +26,8 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import asynchdf5.torch
+import asynchdf5.torch._dataset
+import asynchdf5.torch._epoch
 from asynchdf5 import ConfigurationError, StateError
 from asynchdf5.torch import HDF5IterableDataset, MemoryIterableDataset
 
@@ -309,12 +311,12 @@ def test_kept_tensors_are_never_overwritten(kind: str, source: Path, workers: in
 
 def test_conversion_copies_only_what_torch_cannot_share() -> None:
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
-    t = asynchdf5.torch._tensor(a)
+    t = asynchdf5.torch._epoch._tensor(a)
     assert t.data_ptr() == a.ctypes.data
     readonly = a.copy()
     readonly.flags.writeable = False
     for odd in (readonly, a[::-1], np.broadcast_to(a[0], (3, 4))):
-        t = asynchdf5.torch._tensor(odd)  # no warning, no error: a copy
+        t = asynchdf5.torch._epoch._tensor(odd)  # no warning, no error: a copy
         assert torch.equal(t, torch.from_numpy(np.array(odd)))
 
 
@@ -507,7 +509,7 @@ def test_workers_must_match_the_dataset(source: Path, monkeypatch: pytest.Monkey
     ds = make("memory", source)  # made for num_workers=0
     worker = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets
     info = SimpleNamespace(id=1, num_workers=2)
-    monkeypatch.setattr(asynchdf5.torch, "get_worker_info", lambda: info)
+    monkeypatch.setattr(asynchdf5.torch._dataset, "get_worker_info", lambda: info)
     with pytest.raises(ConfigurationError, match="pass the DataLoader's num_workers"):
         next(iter(worker))
 

@@ -1,0 +1,213 @@
+"""PyTorch: the layers as ``torch.utils.data.IterableDataset`` objects.
+
+:class:`HDF5IterableDataset` and :class:`MemoryIterableDataset` yield each batch as a ``dict``
+of ``torch.Tensor`` (one per top, and ``"indices"`` on request), for
+``torch.utils.data.DataLoader(ds, batch_size=None)`` and torchdata's
+``StatefulDataLoader(ds, batch_size=None)``. Install with ``pip install "asynchdf5[torch]"``;
+``import asynchdf5`` never imports torch, this module is imported by name.
+
+How it works, for whoever carries it on:
+
+* **One layer per process, made where batches are needed.** The constructor builds a *closed*
+  layer in the process that constructs the dataset: a bad property fails there, and with
+  ``shuffle=True, seed=None`` and an initialised ``torch.distributed`` every rank takes part in
+  the broadcast of rank 0's seed at the same point (every rank constructs its dataset). The
+  resolved seed, rank and world size are kept. The first iteration opens the layer through its
+  sync interface (``with layer``: the pipeline runs on an event loop in a background thread) and
+  it stays open across epochs, so the next epoch's first chunk is read while the training loop
+  finishes the last. A copy of the dataset in another process (a DataLoader worker, forked or
+  spawned, or any unpickled copy) never touches a layer object it inherited: it builds its own
+  from the properties and the resolved seed, rank and world size. Pickling drops the layer.
+* **Closing**: :meth:`close`, ``with``, garbage collection and interpreter exit (a
+  ``weakref.finalize``), and, in a DataLoader worker, the end of the worker process
+  (multiprocessing's finalizers, which run before the process waits for its threads). Each
+  closes only a layer opened by the process it runs in.
+* **Tensors** are zero-copy: ``torch.from_numpy`` on host batches (a layer reuses a batch buffer
+  only once nothing refers to it, and a tensor refers to its array, so a tensor kept is never
+  overwritten), ``torch.from_dlpack`` on device batches (CuPy), which also orders PyTorch's
+  current stream after the stream the batch was made ready on. A read-only array or one with a
+  negative stride (a transformer's result; ``from_numpy`` refuses or warns) is copied.
+* **Workers** (``num_workers=k > 0``): worker ``w`` of rank ``r`` of ``W`` serves the layer
+  shard ``r * k + w`` of ``W * k``, so the union over workers and ranks is every sample exactly
+  once per epoch and every worker yields the same number of batches. The worker's layer is
+  made with the dataset's rank and world size and then given its share while closed
+  (``_set_shard``): a forked worker inherits an initialised ``torch.distributed``, against
+  which the layer refuses an explicit rank of another value. The dataset must be told
+  ``k`` (``num_workers=``), because ``DataLoader`` asks ``len(dataset)`` in the main process,
+  which cannot know it; a worker checks that it agrees. A DataLoader starts fresh workers for
+  each epoch (unless ``persistent_workers=True``), copied from the main process's dataset,
+  which iterates nothing itself: so the dataset keeps a small shared-memory tensor, made at
+  construction: a count of :meth:`set_epoch` calls, and per worker the epoch its next
+  iteration serves, which the worker writes when it starts an epoch (or ends one, or loads a
+  state) and the main process's :meth:`set_epoch` overwrites. Per worker, because workers
+  start at different moments: a worker that read a value one of its siblings had already
+  advanced would serve the wrong epoch.
+* **Resume with StatefulDataLoader** (torchdata 0.11): the iterator that ``__iter__`` returns has
+  no ``state_dict``, so torchdata saves the *dataset's* state. With ``num_workers=0`` it calls
+  :meth:`state_dict` in the main process when ``loader.state_dict()`` is called, and restores
+  with :meth:`load_state_dict` before it calls ``iter(dataset)``; the layer counts a batch when
+  it is handed over, and this dataset takes one from the layer only when the loader asks for
+  it, so the state is exactly "the batches the loop has received". With workers, each worker's
+  state is taken inside the worker right after it produced a batch and travels with it; the
+  loader's snapshot holds, per worker, the state after the last batch of that worker it
+  yielded, restores each worker from it and replays the batches since the snapshot
+  (``snapshot_every_n_steps``). Both are exact: same next batch, same indices, same bytes. A
+  loader whose state says its epoch was over starts the next epoch with fresh workers, which
+  read the shared tensor: a worker that loads a state with nothing left of its epoch writes
+  the epoch after it. ``len()`` of a resumed epoch counts the batches before the state too, as
+  the loader counts them (it warns when it yields more batches than ``len()`` said).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+try:  # the modules of this package import from it
+    import torch  # noqa: F401
+except ImportError as exc:  # tested with torch hidden from the import system
+    raise ImportError(
+        'asynchdf5.torch needs PyTorch, which is not installed: pip install "asynchdf5[torch]"'
+    ) from exc
+
+from .._hdf5 import HDF5DataLayer
+from .._layer import _Layer
+from .._memory import MemoryDataLayer
+from .._sources import SourceLike
+from ._dataset import _LayerDataset
+
+__all__ = ["HDF5IterableDataset", "MemoryIterableDataset"]
+
+
+class HDF5IterableDataset(_LayerDataset):
+    """Batches from HDF5 files as dicts of ``torch.Tensor``, for PyTorch's ``DataLoader``.
+
+    A ``torch.utils.data.IterableDataset`` over :class:`~asynchdf5.HDF5DataLayer`: use it as
+    ``DataLoader(ds, batch_size=None)`` (the layer makes the batches) or as torchdata's
+    ``StatefulDataLoader(ds, batch_size=None)``, whose ``state_dict()`` then resumes mid-epoch
+    exactly. Each iteration is one epoch; each batch is ``{top: tensor}``, zero-copy (host
+    batches through ``torch.from_numpy``, device batches through DLPack).
+
+    ``num_workers=0`` is the recommended setting: the layer reads, gathers and transforms on
+    threads of its own, outside the training loop, so worker processes only add copies between
+    processes. With ``num_workers=k`` (the same on every rank), pass ``k`` here too.
+
+    Parameters
+    ----------
+    source : str, path or sequence of them
+        The HDF5 files: a source list file, one HDF5 file, or a sequence of paths or URLs
+        (see :class:`~asynchdf5.HDF5DataLayer`). Relative paths are resolved now.
+    indices : bool
+        Add the global indices of the batch's samples as an ``int64`` tensor under
+        ``"indices"`` (on the host, also for device batches).
+    num_workers : int
+        The ``num_workers`` of the DataLoader that iterates this dataset. With ``k > 0``,
+        worker ``w`` of rank ``r`` serves the shard ``r * k + w`` of ``world_size * k``: every
+        worker yields the same number of batches, each with its own last partial batch (or
+        leftover, with ``drop_last=True``), so an epoch may have up to ``k - 1`` more batches
+        than with ``num_workers=0``, in another order.
+    **properties
+        The keyword properties of :class:`~asynchdf5.HDF5DataLayer` (``batch_size`` is
+        required; ``shuffle``, ``seed``, ``rank``, ``world_size``, ``transformers``,
+        ``device``, ...). ``rank`` and ``world_size`` are detected as by the layer (an
+        initialised ``torch.distributed``, torchrun's variables, ...), and with
+        ``shuffle=True, seed=None`` and an initialised ``torch.distributed``, rank 0's seed is
+        broadcast now: construct the dataset on every rank at the same point.
+
+    Attributes
+    ----------
+    num_workers : int
+        As given.
+    indices : bool
+        As given.
+
+    Raises
+    ------
+    ConfigurationError
+        A bad property (at once, as the layer would), ``indices=True`` with a top named
+        ``"indices"``, or ``device`` with ``num_workers > 0``.
+    SourceError
+        The source cannot be resolved.
+
+    Examples
+    --------
+    >>> from torch.utils.data import DataLoader
+    >>> from asynchdf5.torch import HDF5IterableDataset
+    >>> def train(path):
+    ...     ds = HDF5IterableDataset(path, batch_size=256, shuffle=True, seed=0)
+    ...     loader = DataLoader(ds, batch_size=None)
+    ...     for epoch in range(3):
+    ...         for batch in loader:
+    ...             ...  # batch["data"], batch["label"]: torch.Tensor
+    ...     ds.close()
+    """
+
+    def __init__(
+        self,
+        source: SourceLike,
+        *,
+        indices: bool = False,
+        num_workers: int = 0,
+        **properties: Any,
+    ) -> None:
+        self._source: Any = source
+        super().__init__(properties, indices=indices, num_workers=num_workers)
+        assert isinstance(self._layer, HDF5DataLayer)
+        self._source = list(self._layer.paths)  # resolved: the same files in any process
+
+    def _new_layer(self, **properties: Any) -> _Layer:
+        return HDF5DataLayer(self._source, **properties)
+
+
+class MemoryIterableDataset(_LayerDataset):
+    """Batches from arrays in memory as dicts of ``torch.Tensor``, for PyTorch's ``DataLoader``.
+
+    The same interface and semantics as :class:`HDF5IterableDataset`, over
+    :class:`~asynchdf5.MemoryDataLayer`. With ``num_workers > 0`` every worker gets a copy of
+    the arrays (shared copy-on-write when workers are forked, pickled when spawned).
+
+    Parameters
+    ----------
+    data : mapping of str to array
+        One array per top, rows = samples, all with the same number of rows.
+    indices : bool
+        Add the global indices (row numbers) of the batch's samples as an ``int64`` tensor
+        under ``"indices"``.
+    num_workers : int
+        The ``num_workers`` of the DataLoader that iterates this dataset (see
+        :class:`HDF5IterableDataset`).
+    **properties
+        The keyword properties of :class:`~asynchdf5.MemoryDataLayer` (``batch_size`` is
+        required).
+
+    Attributes
+    ----------
+    num_workers : int
+        As given.
+    indices : bool
+        As given.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from torch.utils.data import DataLoader
+    >>> from asynchdf5.torch import MemoryIterableDataset
+    >>> x, y = np.zeros((100, 3), np.float32), np.arange(100)
+    >>> with MemoryIterableDataset(data={"x": x, "y": y}, batch_size=32) as ds:
+    ...     [len(batch["y"]) for batch in DataLoader(ds, batch_size=None)]
+    [32, 32, 32, 4]
+    """
+
+    def __init__(
+        self,
+        data: Mapping[str, Any],
+        *,
+        indices: bool = False,
+        num_workers: int = 0,
+        **properties: Any,
+    ) -> None:
+        self._data = data
+        super().__init__(properties, indices=indices, num_workers=num_workers)
+
+    def _new_layer(self, **properties: Any) -> _Layer:
+        return MemoryDataLayer(self._data, **properties)
