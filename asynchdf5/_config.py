@@ -1,19 +1,16 @@
 """The keyword properties: parsed and checked once, into a frozen :class:`LayerConfig`.
 
 Every layer class takes its properties through :meth:`LayerConfig.parse`, so a value is checked
-the same way (and a bad one gets the same message) whichever class it is given to. The table of
-properties in the documentation (``docs/properties.md``) is generated from :data:`PROPERTIES`
-(``nox -s docs`` rewrites it with :func:`write_property_table`; a test keeps it current).
+the same way (and a bad one gets the same message) whichever class it is given to. What each
+property means is documented in :mod:`._properties`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import sys
-import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,15 +22,7 @@ from ._distributed import broadcast_seed, detect, torch_distributed
 from ._errors import ConfigurationError
 from .transforms import Transformer
 
-__all__ = [
-    "DEFAULT_TOPS",
-    "PROPERTIES",
-    "LayerConfig",
-    "Property",
-    "document",
-    "property_table",
-    "write_property_table",
-]
+__all__ = ["DEFAULT_TOPS", "LayerConfig"]
 
 _log = logging.getLogger("asynchdf5")
 
@@ -41,176 +30,6 @@ DEFAULT_TOPS = ("data", "label")
 #: ``block_size=None``: blocks of about this many bytes of samples (see benchmarks/RESULTS.md).
 BLOCK_BYTES = 4 * 2**20
 Backend = Literal["asyncio", "trio"]
-
-
-@dataclass(frozen=True)
-class Property:
-    """One keyword property, as the documentation lists it."""
-
-    name: str
-    default: str  # as shown in the docs
-    doc: str
-    #: Which layers take it: "all", or "hdf5" (not MemoryDataLayer).
-    layers: Literal["all", "hdf5"] = "all"
-
-
-PROPERTIES: tuple[Property, ...] = (
-    Property(
-        "source",
-        "required",
-        "The HDF5 files: the path of a *source list* file (one HDF5 path per line; blank lines and "
-        "lines starting with `#` are ignored; relative paths are relative to the list file's "
-        "folder), the path of one HDF5 file, or a sequence of HDF5 paths. Relative paths are "
-        "resolved when the layer is constructed. See [source](semantics.md#the-source).",
-        "hdf5",
-    ),
-    Property(
-        "batch_size",
-        "required",
-        "Samples per batch. Every batch is full except, with `drop_last=False`, the last of an "
-        "epoch.",
-    ),
-    Property(
-        "tops",
-        '`("data", "label")`',
-        "Names of the datasets to read from every file (group paths allowed, e.g. "
-        '`"images/train"`); they are also the keys of every batch, in this order.',
-    ),
-    Property(
-        "shuffle",
-        "`False`",
-        "`False`: batches in source order. `True`: each epoch draws a new order: the samples are "
-        "cut into blocks of `block_size` contiguous samples, the blocks are permuted, each cached "
-        "chunk is filled from the next blocks (drawn from all over the data set) and its samples "
-        "are permuted. See [shuffle](semantics.md#shuffle).",
-    ),
-    Property(
-        "chunk_size",
-        "`2**20`",
-        "Samples per chunk: the unit read from disk and held in the host cache. Larger chunks "
-        "shuffle more globally and read in larger requests; smaller ones need less memory and "
-        "start faster.",
-        "hdf5",
-    ),
-    Property(
-        "block_size",
-        "`None`",
-        "With `shuffle=True`: samples per contiguous block read from disk (the CorgiPile idea: "
-        "block-wise random reads into the cache, then a shuffle within it). Smaller blocks mix "
-        "better, larger ones read faster. `None`: blocks of about "
-        f"{BLOCK_BYTES // 2**20} MiB of samples (see [choosing properties](choosing.md) and "
-        "[shuffle quality](shuffle.md)).",
-        "hdf5",
-    ),
-    Property(
-        "transformers",
-        "`()`",
-        "`(top, callable)` pairs, applied in order to each batch's array of that top, in a worker "
-        "thread. A callable takes an array of shape `(rows, *sample_shape)` and returns one with "
-        "the same number of rows. Built-ins: {mod}`asynchdf5.transforms`.",
-    ),
-    Property(
-        "seed",
-        "`None`",
-        "Seed of the shuffle. The same seed gives the same batches on every run; each epoch draws "
-        "its own order from the seed and the epoch number. `None` draws a fresh seed (with an "
-        "initialised `torch.distributed`, rank 0's, broadcast to every rank). Otherwise required "
-        "with `shuffle=True` and `world_size > 1`, so that all ranks agree on the epoch's order.",
-    ),
-    Property(
-        "drop_last",
-        "`False`",
-        "Leave out the last, partial batch of each epoch (and only it). Does not apply to "
-        "`stream()`, whose batches are always full.",
-    ),
-    Property(
-        "rank",
-        "`None`",
-        "This process's shard, `0 <= rank < world_size`, for data-parallel training. `None`: "
-        "detected, from an initialised `torch.distributed`, else torchrun's `RANK`, else Open "
-        "MPI's, PMI's or Slurm's variables, else 0. `layer.rank` says what was chosen.",
-    ),
-    Property(
-        "world_size",
-        "`None`",
-        "Number of shards. The shards of an epoch are disjoint, cover every sample together, and "
-        "give every rank the same number of batches. See [shards](semantics.md#shards). `None`: "
-        "detected like `rank` (else 1); an explicit value that contradicts an initialised "
-        "`torch.distributed` is a {class}`~asynchdf5.ConfigurationError`.",
-    ),
-    Property(
-        "cache_bytes",
-        "`None`",
-        "Memory budget of the host cache, in bytes. `None`: a third of the machine's physical "
-        "memory. Streaming, the cache is two chunk slots (the one served and the one being read) "
-        "of `chunk_size` samples (or of the whole shard, if smaller); when they would not fit, the "
-        "chunk size shrinks to fit, with a {class}`~asynchdf5.CacheBudgetWarning`; a budget that "
-        "cannot hold one batch per slot is a {class}`~asynchdf5.ConfigurationError` at "
-        "`async with`. When the whole data set is one chunk (at most `chunk_size` samples) and "
-        "fits the budget, it is kept *resident*: read once, in the first epoch, and served from "
-        "memory after that (`layer.stats.resident`).",
-        "hdf5",
-    ),
-    Property(
-        "prefetch",
-        "`8`",
-        "Batches gathered (and transformed) ahead of the consumer.",
-    ),
-    Property(
-        "device",
-        "`None`",
-        'Where batches are delivered. `None`: NumPy arrays in host memory. `"cuda"`, '
-        '`"cuda:N"`, an `int` or a `cupy.cuda.Device`: CuPy arrays on that GPU, uploaded from '
-        "pinned memory on a separate CUDA stream. Needs CuPy "
-        '(`pip install "asynchdf5[cuda12]"`). See {doc}`gpu`.',
-    ),
-    Property(
-        "reuse_buffers",
-        "`False`",
-        "With a `device` only: let the next batch reuse a batch's device memory as soon as it is "
-        "asked for, even if the old batch is still held (device memory stays bounded whatever you "
-        "keep; you promise to be done with each batch by then). Host batches never need it: their "
-        "buffers are reused only once nothing refers to them.",
-    ),
-    Property(
-        "storage_options",
-        "`None`",
-        "For remote sources (fsspec URLs such as `s3://...`, extra `asynchdf5[remote]`): a dict "
-        "of options passed to fsspec, e.g. credentials, `endpoint_url`, or `anon=True`. See "
-        "[remote sources](remote.md).",
-        "hdf5",
-    ),
-    Property(
-        "remote_cache",
-        "`None`",
-        "For remote sources: a local folder where fetched bytes are kept, so that later epochs "
-        "read them from local disk; `None` streams every epoch from the remote store.",
-        "hdf5",
-    ),
-    Property(
-        "remote_cache_bytes",
-        "`None`",
-        "For remote sources with a `remote_cache`: the most bytes kept there (least recently "
-        "used first out); `None`: up to 90% of the folder's free space when the layer opens.",
-        "hdf5",
-    ),
-    Property(
-        "backend",
-        '`"asyncio"`',
-        "The anyio backend of the event loop that runs the pipeline when the layer is used with "
-        '`with` / `for` (the sync interface): `"asyncio"` or `"trio"`. Unused with `async with`, '
-        "which runs on the caller's event loop.",
-    ),
-)
-
-
-def property_table(layers: Literal["all", "hdf5"] = "hdf5") -> str:
-    """The Markdown table of the properties that ``layers`` take (``"hdf5"``: all of them)."""
-    rows = ["| property | default | meaning |", "| --- | --- | --- |"]
-    for p in PROPERTIES:
-        if layers == "hdf5" or p.layers == "all":
-            rows.append(f"| `{p.name}` | {p.default} | {p.doc} |")
-    return "\n".join(rows) + "\n"
 
 
 # --- checks ------------------------------------------------------------------------------------
@@ -334,7 +153,8 @@ def _backend(value: object) -> Backend:
 
 @dataclass(frozen=True)
 class LayerConfig:
-    """Every keyword property of a layer, checked (see :data:`PROPERTIES` for their meaning).
+    """Every keyword property of a layer, checked (see :data:`~._properties.PROPERTIES` for
+    their meaning).
 
     ``seed`` is always an int here: a fresh one is drawn when the property is None.
     """
@@ -442,48 +262,3 @@ class LayerConfig:
             rank_source=source,
             seed_given=given,
         )
-
-
-_MARKDOWN = re.compile(r"\{(\w+)\}`([^`]+)`|\[([^\]]+)\]\(([\w-]+)\.md[^)]*\)|`([^`]+)`")
-
-
-def _rst(markdown: str) -> str:
-    """A property's Markdown doc as reStructuredText for a numpydoc docstring."""
-
-    def convert(m: re.Match[str]) -> str:
-        role, target, link, page, code = m.groups()
-        if role is not None:
-            return f":{role}:`{target}`"
-        if link is not None:
-            return f":doc:`{link} <{page}>`"
-        return f"``{code}``"
-
-    return _MARKDOWN.sub(convert, markdown)
-
-
-def document(cls: type, layers: Literal["all", "hdf5"], first: str = "") -> None:
-    """Put a numpydoc ``Parameters`` section, made from :data:`PROPERTIES`, into ``cls``'s
-    docstring (before its ``Examples``): ``first`` documents parameters before the properties."""
-    lines = ["Parameters", "----------"]
-    if first:
-        lines += first.strip("\n").split("\n")
-    for p in PROPERTIES:
-        if layers == "hdf5" or p.layers == "all":
-            default = "required" if p.default == "required" else f"default {_rst(p.default)}"
-            lines.append(f"{p.name} : {default}")
-            lines += textwrap.wrap(_rst(p.doc), 88, initial_indent="    ", subsequent_indent="    ")
-    section = "\n".join("    " + line if line else "" for line in lines) + "\n\n"
-    doc = cls.__doc__ or ""
-    at = doc.find("    Examples\n    --------")
-    cls.__doc__ = doc[:at] + section + doc[at:] if at >= 0 else doc + "\n" + section
-
-
-def write_property_table(path: str) -> None:
-    """Rewrite the generated table between the markers of ``path`` (``nox -s docs`` does)."""
-    begin, end = "<!-- properties: begin -->\n", "<!-- properties: end -->\n"
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    head, _, rest = text.partition(begin)
-    _, _, tail = rest.partition(end)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(head + begin + property_table() + end + tail)

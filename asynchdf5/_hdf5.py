@@ -19,8 +19,9 @@ import anyio.to_thread
 from ._cache import Slot, allocate_slots, size_cache
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
-from ._config import BLOCK_BYTES, DEFAULT_TOPS, LayerConfig, document
+from ._config import BLOCK_BYTES, DEFAULT_TOPS, LayerConfig
 from ._layer import DataShape, _Layer, first_rows
+from ._properties import document
 from ._read import HDF5Reader, Reader
 from ._sources import Source, SourceLike, open_source, resolve_source
 from .transforms import Transformer

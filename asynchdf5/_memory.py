@@ -11,9 +11,10 @@ import numpy as np
 
 from ._cache import Slot
 from ._catalog import TopInfo
-from ._config import LayerConfig, document
+from ._config import LayerConfig
 from ._errors import ConfigurationError, SchemaError
 from ._layer import DataShape, _Layer
+from ._properties import document
 from ._read import MemoryReader, Reader
 from .transforms import Transformer
 

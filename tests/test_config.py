@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, ConfigurationError, MemoryDataLayer
-from asynchdf5._config import PROPERTIES, LayerConfig, property_table
+from asynchdf5._config import LayerConfig
+from asynchdf5._properties import PROPERTIES, property_table
 
 DOCS = Path(__file__).parent.parent / "docs" / "properties.md"
 
@@ -20,7 +21,7 @@ def test_docs_table_is_generated_from_the_config() -> None:
     assert begin in text and end in text
     table = text.split(begin, 1)[1].split(end, 1)[0]
     assert table == property_table(), (
-        "docs/properties.md is out of date: `nox -s docs` rewrites it from asynchdf5._config"
+        "docs/properties.md is out of date: `nox -s docs` rewrites it from asynchdf5._properties"
     )
 
 
