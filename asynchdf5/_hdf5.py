@@ -20,9 +20,10 @@ from ._cache import Slot, allocate_slots, size_cache
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
 from ._config import BLOCK_BYTES, DEFAULT_TOPS, LayerConfig
-from ._layer import DataShape, _Layer, first_rows
+from ._layer import _Layer
 from ._properties import document
 from ._read import HDF5Reader, Reader
+from ._shape import DataShape, first_rows
 from ._sources import Source, SourceLike, open_source, resolve_source
 from .transforms import Transformer
 

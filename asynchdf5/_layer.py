@@ -14,7 +14,6 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
@@ -31,6 +30,7 @@ from ._iterator import EpochIterator, Session
 from ._plan import EpochPlan, check_split, plan_epoch, skip_samples
 from ._read import Reader
 from ._resume import FORMAT, Resume, epoch_plan, parse_state
+from ._shape import DataShape
 from ._stats import LayerStats, Stats
 from ._sync import SyncInterface
 
@@ -39,49 +39,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     from typing_extensions import Self
 
-__all__ = ["RAMP_BYTES", "DataShape", "first_rows"]
-
 _log = logging.getLogger("asynchdf5")
-
-#: Rows of the first chunk of an epoch are ramped up from about this many bytes, so the first
-#: batch waits for a small read rather than a whole chunk.
-RAMP_BYTES = 8 * 2**20
-
-
-@dataclass(frozen=True)
-class DataShape:
-    """What a layer knows of its data once it has looked at it: sizes, and the effective rows
-    of its chunks, blocks and first reads (which, with the seed, fix every epoch's order)."""
-
-    n_samples: int
-    row_bytes: int
-    files: tuple[tuple[str, int], ...]  # (file name, rows)
-    tops: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, sample shape)
-    chunk_rows: int
-    block_rows: int | None
-    first_rows: int | None
-    resident: bool
-
-    def fingerprint(self, config: LayerConfig) -> dict[str, Any]:
-        """What a saved state must agree with (see :mod:`._resume`)."""
-        return {
-            "n_samples": self.n_samples,
-            "files": [[name, rows] for name, rows in self.files],
-            "tops": [[name, dtype, list(shape)] for name, dtype, shape in self.tops],
-            "batch_size": config.batch_size,
-            "shuffle": config.shuffle,
-            "drop_last": config.drop_last,
-            "chunk_size": config.chunk_size,
-            "block_size": config.block_size,
-            "chunk_rows": self.chunk_rows,
-            "block_rows": self.block_rows,
-            "first_rows": self.first_rows,
-        }
-
-
-def first_rows(batch_size: int, row_bytes: int) -> int:
-    """Rows of an epoch's first read: about :data:`RAMP_BYTES`, at least a batch."""
-    return max(batch_size, RAMP_BYTES // max(1, row_bytes))
 
 
 class _Layer(SyncInterface):

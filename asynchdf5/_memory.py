@@ -13,9 +13,10 @@ from ._cache import Slot
 from ._catalog import TopInfo
 from ._config import LayerConfig
 from ._errors import ConfigurationError, SchemaError
-from ._layer import DataShape, _Layer
+from ._layer import _Layer
 from ._properties import document
 from ._read import MemoryReader, Reader
+from ._shape import DataShape
 from .transforms import Transformer
 
 __all__ = ["MemoryDataLayer"]

@@ -41,8 +41,8 @@ import numpy as np
 import numpy.typing as npt
 
 from asynchdf5._config import BLOCK_BYTES
-from asynchdf5._layer import RAMP_BYTES
 from asynchdf5._plan import plan_epoch
+from asynchdf5._shape import RAMP_BYTES
 
 __all__ = [
     "BATCH_SIZE",
@@ -99,7 +99,7 @@ class OrderSpec:
 
     @property
     def first_rows(self) -> int:
-        """As the layer computes it (:func:`asynchdf5._layer.first_rows`)."""
+        """As the layer computes it (:func:`asynchdf5._shape.first_rows`)."""
         return max(self.batch_size, RAMP_BYTES // max(1, self.row_bytes))
 
     @property

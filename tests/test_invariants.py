@@ -38,7 +38,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import asynchdf5._layer
+import asynchdf5._shape
 from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning, MemoryDataLayer
 from asynchdf5._plan import shard_share
 
@@ -144,13 +144,13 @@ def refused(case: Case) -> bool:
 @contextmanager
 def ramp(rows: int | None) -> Iterator[None]:
     """Make the first chunk of every epoch ramp up from ``rows`` rows (None: the default)."""
-    saved = asynchdf5._layer.RAMP_BYTES
+    saved = asynchdf5._shape.RAMP_BYTES
     if rows is not None:
-        asynchdf5._layer.RAMP_BYTES = rows * ROW_BYTES
+        asynchdf5._shape.RAMP_BYTES = rows * ROW_BYTES
     try:
         yield
     finally:
-        asynchdf5._layer.RAMP_BYTES = saved
+        asynchdf5._shape.RAMP_BYTES = saved
 
 
 def make_layer(case: Case, paths: list[Path], rank: int) -> Any:

@@ -1,0 +1,51 @@
+"""What a layer knows of its data once it has looked at it (:class:`DataShape`), and the rows
+of an epoch's first read (:func:`first_rows`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._config import LayerConfig
+
+__all__ = ["RAMP_BYTES", "DataShape", "first_rows"]
+
+#: Rows of the first chunk of an epoch are ramped up from about this many bytes, so the first
+#: batch waits for a small read rather than a whole chunk.
+RAMP_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What a layer knows of its data once it has looked at it: sizes, and the effective rows
+    of its chunks, blocks and first reads (which, with the seed, fix every epoch's order)."""
+
+    n_samples: int
+    row_bytes: int
+    files: tuple[tuple[str, int], ...]  # (file name, rows)
+    tops: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, sample shape)
+    chunk_rows: int
+    block_rows: int | None
+    first_rows: int | None
+    resident: bool
+
+    def fingerprint(self, config: LayerConfig) -> dict[str, Any]:
+        """What a saved state must agree with (see :mod:`._resume`)."""
+        return {
+            "n_samples": self.n_samples,
+            "files": [[name, rows] for name, rows in self.files],
+            "tops": [[name, dtype, list(shape)] for name, dtype, shape in self.tops],
+            "batch_size": config.batch_size,
+            "shuffle": config.shuffle,
+            "drop_last": config.drop_last,
+            "chunk_size": config.chunk_size,
+            "block_size": config.block_size,
+            "chunk_rows": self.chunk_rows,
+            "block_rows": self.block_rows,
+            "first_rows": self.first_rows,
+        }
+
+
+def first_rows(batch_size: int, row_bytes: int) -> int:
+    """Rows of an epoch's first read: about :data:`RAMP_BYTES`, at least a batch."""
+    return max(batch_size, RAMP_BYTES // max(1, row_bytes))
