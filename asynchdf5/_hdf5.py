@@ -19,11 +19,11 @@ import anyio.to_thread
 from ._cache import Slot, allocate_slots, size_cache
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
-from ._config import BLOCK_BYTES, DEFAULT_TOPS, LayerConfig
+from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import _Layer
 from ._properties import document
 from ._read import HDF5Reader, Reader
-from ._shape import DataShape, first_rows
+from ._shape import DataShape, default_block_rows, first_rows
 from ._sources import Source, SourceLike, open_source, resolve_source
 from .transforms import Transformer
 
@@ -129,7 +129,9 @@ class AsyncHDF5DataLayer(_Layer):
         if forced is not None:
             block, first = forced.block_rows, forced.first_rows
         else:
-            block = (c.block_size or max(1, BLOCK_BYTES // row_bytes)) if c.shuffle else None
+            block = (
+                (c.block_size or default_block_rows(row_bytes, c.chunk_size)) if c.shuffle else None
+            )
             first = first_rows(c.batch_size, row_bytes)
         return DataShape(
             n_samples=n,

@@ -12,7 +12,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Literal
 
-from ._config import BLOCK_BYTES
+from ._config import BLOCK_BYTES, BLOCKS_PER_CHUNK
 
 __all__ = [
     "PROPERTIES",
@@ -78,8 +78,8 @@ PROPERTIES: tuple[Property, ...] = (
         "With `shuffle=True`: samples per contiguous block read from disk (the CorgiPile idea: "
         "block-wise random reads into the cache, then a shuffle within it). Smaller blocks mix "
         "better, larger ones read faster. `None`: blocks of about "
-        f"{BLOCK_BYTES // 2**20} MiB of samples (see [choosing properties](choosing.md) and "
-        "[shuffle quality](shuffle.md)).",
+        f"{BLOCK_BYTES // 2**20} MiB of samples, but at most `chunk_size / {BLOCKS_PER_CHUNK}` "
+        "(see [choosing properties](choosing.md) and [shuffle quality](shuffle.md)).",
         "hdf5",
     ),
     Property(

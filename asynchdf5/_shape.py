@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._config import LayerConfig
+from ._config import BLOCK_BYTES, BLOCKS_PER_CHUNK, LayerConfig
 
-__all__ = ["RAMP_BYTES", "DataShape", "first_rows"]
+__all__ = ["RAMP_BYTES", "DataShape", "default_block_rows", "first_rows"]
 
 #: Rows of the first chunk of an epoch are ramped up from about this many bytes, so the first
 #: batch waits for a small read rather than a whole chunk.
@@ -49,3 +49,14 @@ class DataShape:
 def first_rows(batch_size: int, row_bytes: int) -> int:
     """Rows of an epoch's first read: about :data:`RAMP_BYTES`, at least a batch."""
     return max(batch_size, RAMP_BYTES // max(1, row_bytes))
+
+
+def default_block_rows(row_bytes: int, chunk_size: int) -> int:
+    """Rows of a block for ``block_size=None``: about ``BLOCK_BYTES`` of samples (reads near
+    the disk's sequential rate), but no more than ``chunk_size``'s share of ``BLOCKS_PER_CHUNK``
+    blocks (each chunk draws from enough of the data set for its batches to mix).
+
+    From the properties and the row size only, never from the data set's size, the shard or
+    the cache: every rank, every world size and every resumed run draws the same blocks.
+    """
+    return max(1, min(BLOCK_BYTES // max(1, row_bytes), chunk_size // BLOCKS_PER_CHUNK))

@@ -405,9 +405,10 @@ class LayerRow:
 
 
 def layer_modes(n: int, row_bytes: int) -> list[tuple[str, dict[str, Any]]]:
-    """``shuffle=False``, blocks of 1, 4 (default), 16 and 64 MiB, and the old mode."""
+    """``shuffle=False``, blocks of 1, 4, 16 and 64 MiB (the default among them), and the old
+    mode."""
     out: list[tuple[str, dict[str, Any]]] = [("shuffle=False", {"shuffle": False})]
-    for nbytes in (2**20, BLOCK_BYTES, 16 * 2**20, 64 * 2**20):
+    for nbytes in sorted({2**20, 4 * 2**20, BLOCK_BYTES, 16 * 2**20, 64 * 2**20}):
         rows = max(1, nbytes // row_bytes)
         if nbytes == BLOCK_BYTES:
             out.append((f"default blocks ({rows:,} samples, {_size(nbytes)})", {"shuffle": True}))

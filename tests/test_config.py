@@ -71,3 +71,32 @@ def test_the_same_message_from_every_layer(kw: dict[str, Any], words: str, tmp_p
 def test_chunk_size_smaller_than_a_batch() -> None:
     with pytest.raises(ConfigurationError, match="chunk_size=4 is smaller than batch_size=8"):
         LayerConfig.parse(batch_size=8, chunk_size=4)
+
+
+def test_default_blocks_are_large_but_at_least_192_per_chunk() -> None:
+    from asynchdf5._config import BLOCK_BYTES, BLOCKS_PER_CHUNK
+    from asynchdf5._shape import default_block_rows
+
+    image = 3 * 32 * 32 + 8
+    # 3x32x32 images with the default chunk_size: the 192-blocks floor binds (about 16 MiB).
+    assert default_block_rows(image, 2**20) == 2**20 // BLOCKS_PER_CHUNK == 5461
+    # Larger chunks: blocks of about BLOCK_BYTES, the read rate's choice.
+    assert default_block_rows(image, 2**24) == BLOCK_BYTES // image
+    # Rows of 64 float32: small blocks, so a chunk still holds blocks from all over the data.
+    assert default_block_rows(264, 2**20) == 5461
+    # Never an empty block.
+    assert default_block_rows(10**9, 10) == 1
+
+
+@pytest.mark.anyio
+async def test_the_layer_uses_the_default_blocks(tmp_path: Path) -> None:
+    from ._files import write_source
+
+    lst, _ = write_source(tmp_path, (3000, 2000))
+    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=1920, shuffle=True) as layer:
+        assert layer.state_dict()["fingerprint"]["block_rows"] == 10  # 1920 // 192
+        async for _ in layer:
+            pass
+    # shuffle=False reads chunks in order: no blocks.
+    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=1920) as layer:
+        assert layer.state_dict()["fingerprint"]["block_rows"] is None

@@ -264,7 +264,12 @@ def add_parser(commands: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--chunk-size", type=positive, default=2**20, help="(default: %(default)s)")
-    p.add_argument("--block-size", type=positive, default=None, help="(default: about 4 MiB)")
+    p.add_argument(
+        "--block-size",
+        type=positive,
+        default=None,
+        help="(default: about 32 MiB of samples, at most chunk_size / 192)",
+    )
     p.add_argument(
         "--cache-bytes", type=size_in_bytes, default=None, help="e.g. 2GiB (default: 1/3 of RAM)"
     )
