@@ -34,6 +34,11 @@ BLOCK_BYTES = 32 * 2**20
 #: ... but at least this many blocks per chunk, so that small rows still mix (docs/shuffle.md:
 #: 193 blocks of class-sorted data give 0.96 of a full permutation's batch label entropy).
 BLOCKS_PER_CHUNK = 192
+#: A block decodes every stored (HDF5) chunk it touches whole: blocks of compressed data span at
+#: least this many stored chunks, so that an epoch decodes at most ~1/this more than its data ...
+STORED_CHUNKS_PER_BLOCK = 4
+#: ... while a cached chunk still holds at least this many blocks.
+MIN_BLOCKS_PER_CHUNK = 16
 Backend = Literal["asyncio", "trio"]
 
 

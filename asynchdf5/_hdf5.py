@@ -37,6 +37,19 @@ __all__ = ["AsyncHDF5DataLayer", "HDF5DataLayer"]
 _log = logging.getLogger("asynchdf5")
 
 
+def _stored_rows(catalog: Catalog) -> int:
+    """Rows of the largest stored chunk that the reader decodes whole (0: none)."""
+    return max(
+        (
+            layout.chunks.rows
+            for f in catalog.files
+            for layout in f.layouts.values()
+            if layout.chunks is not None
+        ),
+        default=0,
+    )
+
+
 class AsyncHDF5DataLayer(_Layer):
     """Shuffled minibatches from HDF5 files, for ``async for`` in a training coroutine.
 
@@ -130,7 +143,9 @@ class AsyncHDF5DataLayer(_Layer):
             block, first = forced.block_rows, forced.first_rows
         else:
             block = (
-                (c.block_size or default_block_rows(row_bytes, c.chunk_size)) if c.shuffle else None
+                (c.block_size or default_block_rows(row_bytes, c.chunk_size, _stored_rows(catalog)))
+                if c.shuffle
+                else None
             )
             first = first_rows(c.batch_size, row_bytes)
         return DataShape(

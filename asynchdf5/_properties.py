@@ -78,7 +78,8 @@ PROPERTIES: tuple[Property, ...] = (
         "With `shuffle=True`: samples per contiguous block read from disk (the CorgiPile idea: "
         "block-wise random reads into the cache, then a shuffle within it). Smaller blocks mix "
         "better, larger ones read faster. `None`: blocks of about "
-        f"{BLOCK_BYTES // 2**20} MiB of samples, but at most `chunk_size / {BLOCKS_PER_CHUNK}` "
+        f"{BLOCK_BYTES // 2**20} MiB of samples, but at most `chunk_size / {BLOCKS_PER_CHUNK}`; "
+        "for data stored in chunks that are decoded whole (compressed), at least 4 of them "
         "(see [choosing properties](choosing.md) and [shuffle quality](shuffle.md)).",
         "hdf5",
     ),
