@@ -2,7 +2,7 @@
 
 A layer is thin: a :class:`~._config.LayerConfig`, a delivery chosen at construction, and a
 lifecycle. ``async with`` (or ``with``, through the sync bridge) opens the reader, sizes the
-cache and starts a :class:`~._iterator.Session`, which owns the state of every epoch until the
+cache and starts a :class:`~._session.Session`, which owns the state of every epoch until the
 layer closes; each ``async for`` (or ``for``) is one :class:`~._iterator.EpochIterator`.
 """
 
@@ -26,10 +26,11 @@ from ._cache import Slot
 from ._config import LayerConfig
 from ._delivery import make_delivery
 from ._errors import ConfigurationError, StateError
-from ._iterator import EpochIterator, Session
+from ._iterator import EpochIterator
 from ._plan import EpochPlan, check_split, plan_epoch, skip_samples
 from ._read import Reader
 from ._resume import FORMAT, Resume, epoch_plan, parse_state
+from ._session import Session
 from ._shape import DataShape
 from ._stats import LayerStats, Stats
 from ._sync import SyncInterface
