@@ -60,7 +60,7 @@ import numpy.typing as npt
 import psutil
 
 from benchmarks import sources
-from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, TABULAR_SHAPE, DatasetSpec
+from benchmarks.config import DEFAULT_DATA_DIR, DatasetSpec, SuiteConfig
 from benchmarks.data import DatasetFiles, ensure
 from benchmarks.measure import _describe
 from benchmarks.probes import IDLE_S, TICK_S, _gap_stats
@@ -210,27 +210,10 @@ def _log(msg: str) -> None:
     print(f"# {msg}", file=sys.stderr, flush=True)
 
 
-def _image_spec(samples: int) -> DatasetSpec:
-    # The suite's "contiguous" set at this size: the same generator, the same bytes.
-    return DatasetSpec(
-        name="contiguous",
-        title=f"image, {samples:,} x uint8 3x32x32 + int64 label, contiguous, one file",
-        kind="image",
-        samples=samples,
-        shape=IMAGE_SHAPE,
-        dtype="uint8",
-    )
-
-
-def _tabular_spec(rows: int) -> DatasetSpec:
-    return DatasetSpec(
-        name="tabular",
-        title=f"tabular, {rows:,} x float32 64 + int64 label, contiguous, one file",
-        kind="tabular",
-        samples=rows,
-        shape=TABULAR_SHAPE,
-        dtype="float32",
-    )
+def _suite_set(name: str, image_samples: int, tabular_rows: int) -> DatasetSpec:
+    """The suite's data set ``name`` at these sizes: the same definition, the same bytes."""
+    sets = SuiteConfig(image_samples=image_samples, tabular_rows=tabular_rows).datasets()
+    return next(spec for spec in sets if spec.name == name)
 
 
 def _load(files: DatasetFiles) -> tuple[Array, Array]:
@@ -1124,11 +1107,15 @@ def run(cfg: SpeedConfig, argv: list[str]) -> str:
     want = set(cfg.only or SECTIONS)
 
     def image() -> DatasetFiles:
-        (files,) = ensure([_image_spec(cfg.image_samples)], cfg.data_dir)
+        (files,) = ensure(
+            [_suite_set("contiguous", cfg.image_samples, cfg.tabular_rows)], cfg.data_dir
+        )
         return files
 
     def tabular() -> DatasetFiles:
-        (files,) = ensure([_tabular_spec(cfg.tabular_rows)], cfg.data_dir)
+        (files,) = ensure(
+            [_suite_set("tabular", cfg.image_samples, cfg.tabular_rows)], cfg.data_dir
+        )
         return files
 
     body: list[str] = []
