@@ -12,7 +12,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Literal
 
-from ._config import BLOCK_BYTES, BLOCKS_PER_CHUNK
+from ._config import BLOCK_BYTES, BLOCKS_PER_CHUNK, MIN_BLOCK_BYTES
 
 __all__ = [
     "PROPERTIES",
@@ -78,8 +78,9 @@ PROPERTIES: tuple[Property, ...] = (
         "With `shuffle=True`: samples per contiguous block read from disk (the CorgiPile idea: "
         "block-wise random reads into the cache, then a shuffle within it). Smaller blocks mix "
         "better, larger ones read faster. `None`: blocks of about "
-        f"{BLOCK_BYTES // 2**20} MiB of samples, but at most `chunk_size / {BLOCKS_PER_CHUNK}`; "
-        "for data stored in chunks that are decoded whole (compressed), at least 4 of them "
+        f"{BLOCK_BYTES // 2**20} MiB of samples, but at most `chunk_size / {BLOCKS_PER_CHUNK}` "
+        f"and at least {MIN_BLOCK_BYTES // 2**20} MiB; for data stored in chunks that are "
+        "decoded whole (compressed), at least 4 of them "
         "(see [choosing properties](choosing.md) and [shuffle quality](shuffle.md)).",
         "hdf5",
     ),

@@ -9,6 +9,7 @@ from typing import Any
 from ._config import (
     BLOCK_BYTES,
     BLOCKS_PER_CHUNK,
+    MIN_BLOCK_BYTES,
     MIN_BLOCKS_PER_CHUNK,
     STORED_CHUNKS_PER_BLOCK,
     LayerConfig,
@@ -60,7 +61,8 @@ def first_rows(batch_size: int, row_bytes: int) -> int:
 def default_block_rows(row_bytes: int, chunk_size: int, stored_rows: int = 0) -> int:
     """Rows of a block for ``block_size=None``: about ``BLOCK_BYTES`` of samples (reads near
     the disk's sequential rate), but no more than ``chunk_size``'s share of ``BLOCKS_PER_CHUNK``
-    blocks (each chunk draws from enough of the data set for its batches to mix).
+    blocks (each chunk draws from enough of the data set for its batches to mix), and never
+    less than ``MIN_BLOCK_BYTES`` (so a small ``chunk_size`` does not make tiny blocks).
 
     ``stored_rows``: the rows of the largest stored chunk that is decoded whole (the raw-chunk
     path). A block shorter than a few of them would decode each several times over (blocks
@@ -70,6 +72,7 @@ def default_block_rows(row_bytes: int, chunk_size: int, stored_rows: int = 0) ->
     From the properties and the files' layout only, never from the data set's size, the shard
     or the cache: every rank, every world size and every resumed run draws the same blocks.
     """
-    rows = max(1, min(BLOCK_BYTES // max(1, row_bytes), chunk_size // BLOCKS_PER_CHUNK))
+    row_bytes = max(1, row_bytes)
+    rows = min(BLOCK_BYTES // row_bytes, chunk_size // BLOCKS_PER_CHUNK)
     floor = min(STORED_CHUNKS_PER_BLOCK * stored_rows, chunk_size // MIN_BLOCKS_PER_CHUNK)
-    return max(rows, floor)
+    return max(1, rows, floor, MIN_BLOCK_BYTES // row_bytes)

@@ -74,7 +74,7 @@ def test_chunk_size_smaller_than_a_batch() -> None:
 
 
 def test_default_blocks_are_large_but_at_least_192_per_chunk() -> None:
-    from asynchdf5._config import BLOCK_BYTES, BLOCKS_PER_CHUNK
+    from asynchdf5._config import BLOCK_BYTES, BLOCKS_PER_CHUNK, MIN_BLOCK_BYTES
     from asynchdf5._shape import default_block_rows
 
     image = 3 * 32 * 32 + 8
@@ -84,19 +84,30 @@ def test_default_blocks_are_large_but_at_least_192_per_chunk() -> None:
     assert default_block_rows(image, 2**24) == BLOCK_BYTES // image
     # Rows of 64 float32: small blocks, so a chunk still holds blocks from all over the data.
     assert default_block_rows(264, 2**20) == 5461
+    # ... but never under MIN_BLOCK_BYTES, whatever the chunk_size (1,365 rows were 352 KiB).
+    assert default_block_rows(264, 2**18) == MIN_BLOCK_BYTES // 264 == 3971
+    assert default_block_rows(image, 2**12) == MIN_BLOCK_BYTES // image == 340
     # Never an empty block.
     assert default_block_rows(10**9, 10) == 1
 
 
 @pytest.mark.anyio
 async def test_the_layer_uses_the_default_blocks(tmp_path: Path) -> None:
+    import h5py
+
     from ._files import write_source
 
-    lst, _ = write_source(tmp_path, (3000, 2000))
-    async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=1920, shuffle=True) as layer:
+    # Rows of 256 KiB: the chunk_size / 192 cap (10 rows) lies between the 1 MiB floor (4 rows)
+    # and BLOCK_BYTES (128 rows). The blocks depend on the properties, not on the data's size.
+    big = tmp_path / "big.h5"
+    with h5py.File(big, "w") as f:
+        f["data"] = np.zeros((100, 65536), np.float32)
+        f["label"] = np.arange(100)
+    async with AsyncHDF5DataLayer(big, batch_size=10, chunk_size=1920, shuffle=True) as layer:
         assert layer.state_dict()["fingerprint"]["block_rows"] == 10  # 1920 // 192
         async for _ in layer:
             pass
+    lst, _ = write_source(tmp_path, (3000, 2000))
     # shuffle=False reads chunks in order: no blocks.
     async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=1920) as layer:
         assert layer.state_dict()["fingerprint"]["block_rows"] is None
@@ -121,8 +132,10 @@ async def test_shuffled_compressed_data_is_decoded_about_once(tmp_path: Path) ->
 
     path = tmp_path / "gzip.h5"
     n = 20_000
+    # Rows of 4 KiB in stored chunks of 256 rows (1 MiB): the 1 MiB floor alone would give
+    # blocks of 256 rows, each touching two stored chunks.
     with h5py.File(path, "w") as f:
-        f.create_dataset("data", data=np.arange(n * 16).reshape(n, 16), chunks=(256, 16))
+        f.create_dataset("data", data=np.ones((n, 1024), np.float32), chunks=(256, 1024))
         f.create_dataset("label", data=np.arange(n), chunks=(256,), compression="gzip")
     read = {}
     for shuffle in (False, True):
@@ -132,5 +145,5 @@ async def test_shuffled_compressed_data_is_decoded_about_once(tmp_path: Path) ->
             seen = np.concatenate([b.indices async for b in layer])
             read[shuffle] = layer.stats.bytes_read
         assert np.array_equal(np.sort(seen), np.arange(n))
-    # Blocks of 1,024 rows over stored chunks of 256 (before: 85 rows, about 4 times the data).
+    # Blocks of 1,024 rows over stored chunks of 256 (256-row blocks: about twice the data).
     assert read[True] <= 1.8 * read[False], read
