@@ -266,12 +266,14 @@ class HDF5Reader:
 
         async def fetch() -> None:
             assert self._pool is not None
-            total[0] += await self.source.fetch(ranges, self._pool, self._limiter, stats)
+            n = await self.source.fetch(ranges, self._pool, self._limiter, stats)
+            total[0] += n  # not `+= await`: that reads the total before the await
             for step in after:
                 step()  # in place on bytes just read: microseconds per megabyte
 
         async def h5read(read: _H5pyRead) -> None:
-            total[0] += await anyio.to_thread.run_sync(read, limiter=self._limiter)
+            n = await anyio.to_thread.run_sync(read, limiter=self._limiter)
+            total[0] += n
 
         # One worker-thread call per piece keeps each call short, so cancelling a run never waits
         # for more than a piece per thread.
@@ -300,7 +302,8 @@ class HDF5Reader:
                 placed.append((a, b, out))
                 out += b - a
         if placed:
-            stats.bytes += await self.fill(placed, arrays, stats)
+            n = await self.fill(placed, arrays, stats)  # reads of chunks overlap: add after
+            stats.bytes += n
             stats.seconds += time.perf_counter() - t0
             stats.chunks += 1
         if self.resident is not None:
