@@ -6,7 +6,9 @@ from __future__ import annotations
 import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning
 from asynchdf5._cache import slot_rows
 from asynchdf5._catalog import TopInfo
 from asynchdf5._delivery import BatchBuffers
+from asynchdf5._sources import Source
 
 from .conftest import write_files
 
@@ -105,3 +108,41 @@ async def test_streaming_rereads_every_epoch(tmp_path: Path) -> None:
         stats = layer.stats
     assert not stats.resident
     assert stats.bytes_read >= 3 * n * (3 * 4 * 4 + 8)
+
+
+class _Overlapping(AsyncHDF5DataLayer):
+    """The real layer and local source; each chunk's fetch returns only once the next chunk's
+    fetch has started (the last one's at once), so that reads done one after the other would
+    wait forever."""
+
+    def _source(self) -> Source:
+        source = super()._source()
+        started: list[anyio.Event] = []
+        fetch = source.fetch
+
+        async def overlapping(ranges: Any, *args: Any) -> int:
+            n = await fetch(ranges, *args)
+            started.append(anyio.Event())
+            if len(started) > 1:
+                started[-2].set()
+            if len(started) < self.chunks_to_read:
+                await started[-1].wait()
+            return n
+
+        source.fetch = overlapping  # type: ignore[method-assign]
+        return source
+
+    chunks_to_read = 0
+
+
+async def test_the_next_chunk_is_read_while_the_one_before_is_still_being_read(
+    tmp_path: Path,
+) -> None:
+    src, n = write_files(tmp_path, [600, 400])
+    layer = _Overlapping(src, batch_size=50, chunk_size=250, shuffle=True, seed=3)
+    layer.chunks_to_read = 4  # the epoch's chunks (a ramped first chunk, then 250 each)
+    with anyio.fail_after(20):  # reads one after the other: the first fetch never returns
+        async with layer:
+            idx = np.concatenate([b.indices async for b in layer])
+    np.testing.assert_array_equal(np.sort(idx), np.arange(n))
+    assert layer.stats.chunks_read >= 4  # and maybe the next epoch's first, read ahead
