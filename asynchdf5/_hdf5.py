@@ -37,6 +37,11 @@ __all__ = ["AsyncHDF5DataLayer", "HDF5DataLayer"]
 _log = logging.getLogger("asynchdf5")
 
 
+def _request_bytes(catalog: Catalog) -> int:
+    """The bytes a read request of the source's files should move at least (0: any)."""
+    return max((f.file.request_bytes for f in catalog.files), default=0)
+
+
 def _stored_rows(catalog: Catalog) -> int:
     """Rows of the largest stored chunk that the reader decodes whole (0: none)."""
     return max(
@@ -143,7 +148,12 @@ class AsyncHDF5DataLayer(_Layer):
             block, first = forced.block_rows, forced.first_rows
         else:
             block = (
-                (c.block_size or default_block_rows(row_bytes, c.chunk_size, _stored_rows(catalog)))
+                (
+                    c.block_size
+                    or default_block_rows(
+                        row_bytes, c.chunk_size, _stored_rows(catalog), _request_bytes(catalog)
+                    )
+                )
                 if c.shuffle
                 else None
             )

@@ -80,7 +80,8 @@ PROPERTIES: tuple[Property, ...] = (
         "better, larger ones read faster. `None`: blocks of about "
         f"{BLOCK_BYTES // 2**20} MiB of samples, but at most `chunk_size / {BLOCKS_PER_CHUNK}` "
         f"and at least {MIN_BLOCK_BYTES // 2**20} MiB; for data stored in chunks that are "
-        "decoded whole (compressed), at least 4 of them "
+        "decoded whole (compressed), at least 4 of them; for remote objects, at least one whole "
+        "request (8 MiB), as long as a chunk holds 16 blocks "
         "(see [choosing properties](choosing.md) and [shuffle quality](shuffle.md)).",
         "hdf5",
     ),

@@ -124,6 +124,19 @@ def test_default_blocks_span_a_few_stored_chunks() -> None:
     assert default_block_rows(3080, 2**20, stored_rows=1024) == 5461
 
 
+def test_default_blocks_of_remote_objects_are_a_whole_request() -> None:
+    from asynchdf5._shape import default_block_rows
+
+    request = 8 * 2**20
+    # Images streamed from an object store with a small chunk_size: 8 MiB blocks, not 1 MiB ...
+    assert default_block_rows(3080, 2**16, request_bytes=request) == request // 3080 == 2723
+    assert default_block_rows(3080, 2**16) == 2**16 // 192  # (local files: 1 MiB)
+    # ... as long as a chunk keeps 16 blocks ...
+    assert default_block_rows(3080, 2**14, request_bytes=request) == 2**14 // 16
+    # ... and larger blocks are kept.
+    assert default_block_rows(3080, 2**20, request_bytes=request) == 5461
+
+
 @pytest.mark.anyio
 async def test_shuffled_compressed_data_is_decoded_about_once(tmp_path: Path) -> None:
     # Each block decodes every stored chunk it touches whole: blocks much shorter than the

@@ -527,6 +527,22 @@ def test_secrets_are_scrubbed() -> None:
 # --- layouts that name other files ----------------------------------------------------------------
 
 
+async def test_default_blocks_of_a_remote_object_are_a_whole_request(tmp_path: Path) -> None:
+    """Each block is at least a request: 8 MiB of samples, not the 1 MiB floor of local files
+    (with a chunk that still holds 16 of them)."""
+    path = _write_h5(tmp_path / "blocks.h5", 0, 50)
+    fsspec.filesystem("memory").pipe("/blocks/blocks.h5", path.read_bytes())
+    with h5py.File(path) as f:
+        row = sum(f[top].dtype.itemsize * int(np.prod(f[top].shape[1:])) for top in f)
+    chunk = 2**28 // row  # local blocks: chunk / 192 (1.3 MiB); remote: 8 MiB (chunk / 32)
+    blocks = {}
+    for name in (str(path), "memory://blocks/blocks.h5"):
+        async with AsyncHDF5DataLayer(name, batch_size=10, shuffle=True, chunk_size=chunk) as L:
+            blocks[name] = L.state_dict()["fingerprint"]["block_rows"]
+            assert len([b async for b in L]) == 5
+    assert blocks == {str(path): chunk // 192, "memory://blocks/blocks.h5": 8 * 2**20 // row}
+
+
 async def test_external_link_in_a_remote_file_is_refused(tmp_path: Path) -> None:
     """The link's target exists locally, by that very name: HDF5 must not read it."""
     target = _write_h5(tmp_path / "target.h5", 0, 50)

@@ -47,6 +47,13 @@ class StoredFile(Protocol):
         """Bytes in the file when it was opened."""
         ...
 
+    @property
+    def request_bytes(self) -> int:
+        """Bytes a read of this file should move at least to be worth what one request costs
+        (0: a read of any size is cheap). Remote objects pay a round trip and the client's
+        work per request, so default shuffle blocks of their samples are at least this big."""
+        ...
+
     def h5py_file(self) -> h5py.File:
         """The file opened with h5py (blocking; opened on first use and kept until
         :meth:`close_h5py`). It reads the same bytes as :meth:`Source.fetch`, even when the

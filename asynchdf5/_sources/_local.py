@@ -69,6 +69,7 @@ class LocalFile:
     """A local file, open for reading, with the fingerprint it had when opened."""
 
     local = True  # HDF5 resolves the names stored in it on this file system
+    request_bytes = 0  # a pread of any size is cheap next to a network round trip
 
     def __init__(self, name: str, fd: int, fingerprint: Fingerprint) -> None:
         self.name = name

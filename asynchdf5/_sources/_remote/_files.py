@@ -47,6 +47,11 @@ class RemoteFile:
     def size(self) -> int:
         return self._size
 
+    @property
+    def request_bytes(self) -> int:
+        """One whole request of the source (smaller blocks are a request each)."""
+        return self._source.transfer.part_bytes
+
     def h5py_file(self) -> h5py.File:
         with self._lock:
             if self._h5 is None:
