@@ -78,6 +78,7 @@ class Row:
     extrapolated: bool = False
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    cpu: tuple[float, float] | None = None  # CPU seconds of the client and of the server
 
     @property
     def samples_per_s(self) -> float:
@@ -100,6 +101,27 @@ def _spec(name: str, samples: int) -> DatasetSpec:
         dtype="uint8",
         layout="gzip" if gzip else "contiguous",
     )
+
+
+class CPU:
+    """CPU seconds (user + system, every thread) of this process and of the server's."""
+
+    def __init__(self, server: S3Server) -> None:
+        self.server = server
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def __call__(self) -> tuple[float, float]:
+        t = os.times()
+        pid = self.server.pid
+        server = 0.0
+        if pid is not None:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            server = (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime
+        return t.user + t.system, server
+
+    @staticmethod
+    def since(before: tuple[float, float], after: tuple[float, float]) -> tuple[float, float]:
+        return after[0] - before[0], after[1] - before[1]
 
 
 def _options(server: S3Server) -> dict[str, Any]:
@@ -146,23 +168,28 @@ async def _download(s3: Any, key: str, size: int, into: Callable[[int, memoryvie
     await asyncio.gather(*(part(a) for a in range(0, size, PART)))
 
 
-def download_limit(server: S3Server, key: str, size: int, runs: int = 3) -> float:
+def download_limit(
+    server: S3Server, key: str, size: int, runs: int = 3
+) -> tuple[float, tuple[float, float]]:
     """Seconds to fetch the object's bytes into memory: best of ``runs``, into a buffer
-    allocated and touched beforehand, with a client made beforehand (neither is timed)."""
+    allocated and touched beforehand, with a client made beforehand (neither is timed); and
+    the CPU seconds of that run (client, server)."""
     buf = np.ones(size, np.uint8)  # touched: the first touch of fresh pages is not timed
     view = buf.data
 
     def into(start: int, piece: memoryview) -> None:
         view[start : start + len(piece)] = piece
 
-    async def run() -> float:
-        best = float("inf")
+    cpu = CPU(server)
+
+    async def run() -> tuple[float, tuple[float, float]]:
+        best: tuple[float, tuple[float, float]] = (float("inf"), (0.0, 0.0))
         async with _client(server) as s3:
             await s3.head_object(Bucket=BUCKET, Key=key)  # connects
             for _ in range(runs):
-                t0 = time.perf_counter()
+                c0, t0 = cpu(), time.perf_counter()
                 await _download(s3, key, size, into)
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, (time.perf_counter() - t0, CPU.since(c0, cpu())))
         return best
 
     best = asyncio.run(run())
@@ -195,15 +222,16 @@ def download_to(server: S3Server, key: str, size: int, path: Path) -> float:
 
 
 def asynchdf5_epochs(
-    source: Any, epochs: int = 2, **kw: Any
+    source: Any, epochs: int = 2, cpu: CPU | None = None, **kw: Any
 ) -> tuple[list[float], float, dict[str, Any]]:
-    """Seconds of each epoch (the first from construction), the first batch, and the stats."""
+    """Seconds of each epoch (the first from construction), the first batch, and the stats
+    (with ``cpu``, ``stats["cpu"]``: each epoch's CPU seconds, client and server)."""
     times: list[float] = []
     first: list[float] = []
-    stats: dict[str, Any] = {}
+    stats: dict[str, Any] = {"cpu": []}
 
     async def run() -> None:
-        t0 = time.perf_counter()
+        c0, t0 = cpu() if cpu else (0.0, 0.0), time.perf_counter()
         layer = AsyncHDF5DataLayer(
             source, batch_size=BATCH, shuffle=True, seed=0, chunk_size=CHUNK, **kw
         )
@@ -213,6 +241,10 @@ def asynchdf5_epochs(
                     if not first:
                         first.append(time.perf_counter() - t0)
                 times.append(time.perf_counter() - t0)
+                if cpu:
+                    c1 = cpu()
+                    stats["cpu"].append(CPU.since(c0, c1))
+                    c0 = c1
                 t0 = time.perf_counter()
             s = layer.stats
             stats.update(read_retries=s.read_retries, read_paths=s.read_paths)
@@ -284,26 +316,37 @@ def measure(
     server.faults(latency=args.latency)
 
     log("parallel download")
-    limit = download_limit(server, key, size)
+    limit, limit_cpu = download_limit(server, key, size)
     row(
-        f"parallel download: {PART >> 20} MiB ranged GETs, {IN_FLIGHT} in flight (best of 3)", limit
+        f"parallel download: {PART >> 20} MiB ranged GETs, {IN_FLIGHT} in flight (best of 3)",
+        limit,
+        cpu=limit_cpu,
     )
 
     log("asynchdf5 remote")
     opts = _options(server)
-    runs = [asynchdf5_epochs([url], storage_options=opts) for _ in range(2)]
+    cpu = CPU(server)
+    runs = [asynchdf5_epochs([url], cpu=cpu, storage_options=opts) for _ in range(2)]
     e1 = min(runs, key=lambda r: r[0][0])
-    row("asynchdf5 remote, epoch 1 from construction (best of 2)", e1[0][0], first_batch=e1[1])
-    row("asynchdf5 remote, epoch 2 (best of 2)", min(r[0][1] for r in runs), extra=e1[2])
+    e2 = min(runs, key=lambda r: r[0][1])
+    row(
+        "asynchdf5 remote, epoch 1 from construction (best of 2)",
+        e1[0][0],
+        first_batch=e1[1],
+        cpu=e1[2]["cpu"][0],
+    )
+    row("asynchdf5 remote, epoch 2 (best of 2)", e2[0][1], extra=e2[2], cpu=e2[2]["cpu"][1])
 
     log("asynchdf5 remote with remote_cache")
     cache = Path(tempfile.mkdtemp(prefix="asynchdf5-remote-cache-", dir=args.data_dir))
     try:
-        (c1, c2), c_first, _ = asynchdf5_epochs([url], storage_options=opts, remote_cache=cache)
+        (c1, c2), c_first, cs = asynchdf5_epochs(
+            [url], cpu=cpu, storage_options=opts, remote_cache=cache
+        )
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    row("asynchdf5 remote + remote_cache, epoch 1", c1, first_batch=c_first)
-    row("asynchdf5 remote + remote_cache, epoch 2 (from local disk)", c2)
+    row("asynchdf5 remote + remote_cache, epoch 1", c1, first_batch=c_first, cpu=cs["cpu"][0])
+    row("asynchdf5 remote + remote_cache, epoch 2 (from local disk)", c2, cpu=cs["cpu"][1])
 
     for label, kw in (
         ("s3fs defaults: readahead, 50 MiB blocks", {}),
@@ -324,12 +367,17 @@ def measure(
     local = Path(args.data_dir) / f"remote-download-{spec.name}.h5"
     try:
         t_dl = download_to(server, key, size, local)
-        (l1, l2), _, _ = asynchdf5_epochs(local)
+        (l1, l2), _, ls = asynchdf5_epochs(local, cpu=cpu)
     finally:
         local.unlink(missing_ok=True)
     note = f"download {t_dl:.2f} s + local epoch {l1:.2f} s"
     row("download to local disk, then asynchdf5 epoch 1 on it", t_dl + l1, note=note)
-    row("(reference) asynchdf5 on the local file, epoch 2", l2, note="the pipeline's own pace")
+    row(
+        "(reference) asynchdf5 on the local file, epoch 2",
+        l2,
+        note="the pipeline's own pace",
+        cpu=ls["cpu"][1],
+    )
     server.faults(latency=0)
     with server.client() as s3:
         s3.delete_object(Bucket=BUCKET, Key=key)
@@ -365,23 +413,29 @@ def report(rows: list[Row], args: argparse.Namespace, wall: float) -> str:
             f"### `{name}`: {mine[0].samples:,} samples, {stored:,.0f} MB stored",
             "",
             "| loader | epoch s | samples/s | stored MB/s | first batch | ÷ limit "
-            "| time ÷ asynchdf5 remote epoch 1 | notes |",
-            "|---|---|---|---|---|---|---|---|",
+            "| time ÷ asynchdf5 remote epoch 1 | CPU s: client + server (cores busy) | notes |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in mine:
             star = "*" if r.extrapolated else ""
             first = f"{r.first_batch:.2f} s" if r.first_batch is not None else "—"
+            cpu = "—"
+            if r.cpu is not None:
+                client, server = r.cpu
+                cpu = f"{client:.2f} + {server:.2f} ({(client + server) / r.seconds:.2f})"
             out.append(
                 f"| {r.loader} | {r.seconds:,.2f}{star} | {r.samples_per_s:,.0f}{star} "
                 f"| {r.mb_per_s:,.1f} | {first} | {limit.seconds / r.seconds:.2f} "
-                f"| {r.seconds / remote.seconds:.2f} | {r.note} |"
+                f"| {r.seconds / remote.seconds:.2f} | {cpu} | {r.note} |"
             )
         out.append("")
     out.append(
         "`÷ limit`: the parallel download's time over this loader's (1: as fast as a plain "
         "download of the same bytes). `time ÷ asynchdf5 remote epoch 1`: this loader's time over "
-        "asynchdf5's first remote epoch (above 1: asynchdf5 is faster). `*`: extrapolated from a "
-        "time-bounded run."
+        "asynchdf5's first remote epoch (above 1: asynchdf5 is faster). `CPU s`: CPU seconds "
+        "(user + system, all threads) of the client process and of the server process in that "
+        "epoch (or download); `cores busy`: their sum over the epoch's time, of the "
+        f"{os.cpu_count()} cores. `*`: extrapolated from a time-bounded run."
     )
     return "\n".join(out) + "\n"
 

@@ -263,6 +263,11 @@ class S3Server:
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def pid(self) -> int | None:
+        """The server process's id, while it runs."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
