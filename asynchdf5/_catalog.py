@@ -13,6 +13,7 @@ See :mod:`._layout` for how each top's storage is described, and which read path
 from __future__ import annotations
 
 import bisect
+import math
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,11 +49,11 @@ class TopInfo:
     name: str
     dtype: np.dtype[Any]
     sample_shape: tuple[int, ...]
+    #: Bytes of one sample (computed once: the chunk reader asks for it per byte range).
+    row_bytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one sample."""
-        return int(self.dtype.itemsize * int(np.prod(self.sample_shape, dtype=np.int64)))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "row_bytes", self.dtype.itemsize * math.prod(self.sample_shape))
 
 
 @dataclass(frozen=True, eq=False)
