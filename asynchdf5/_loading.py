@@ -1,0 +1,224 @@
+"""The reader stage of the pipeline: chunks read into cache slots, overlapping, handed on in order.
+
+A :class:`ChunkLoader` walks the epochs' chunk plans from ``start_epoch`` on. Streaming, it starts
+each chunk's read as soon as a cache slot is free, even while the chunk before is still being
+read, so the disk or the network is never idle between chunks; the :class:`~._read.Reader` does
+the I/O in worker threads, and each chunk's serving order is drawn meanwhile. Whatever order the
+reads finish in, the chunks (and an error, after the chunks read before it) go downstream in plan
+order. A chunk's slot comes back through ``LoadedChunk.release`` once the pipeline is done with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
+from anyio.streams.memory import MemoryObjectSendStream
+
+from ._batch import LoadedChunk
+from ._cache import Slot
+from ._plan import ChunkPlan, EpochPlan
+from ._read import Reader
+from ._stats import ReadStats, StageTimes
+
+__all__ = ["ChunkItem", "ChunkLoader"]
+
+_log = logging.getLogger("asynchdf5")
+
+#: What the loader hands downstream: a loaded chunk, or the error that ended reading.
+#: An epoch with no chunk (the rest of an epoch resumed after its last batch) is its plan alone.
+ChunkItem = tuple[EpochPlan, LoadedChunk] | EpochPlan | Exception
+
+
+class ChunkLoader:
+    """Reads the chunks of every epoch from ``start_epoch`` on into ``slots`` (``None``: the
+    reader serves rows in place, one chunk at a time), for :meth:`run`."""
+
+    def __init__(
+        self,
+        reader: Reader,
+        slots: list[Slot] | None,
+        plan: Callable[[int], EpochPlan],
+        start_epoch: int,
+        stats: ReadStats,
+    ) -> None:
+        self.reader = reader
+        self.slots = slots
+        self.plan = plan
+        self.start_epoch = start_epoch
+        self.stats = stats
+
+    async def run(self, send: ObjectSendStream[ChunkItem]) -> None:
+        """Read the chunks of each epoch in order, and hand them to the batcher in order.
+
+        Streaming, a chunk is read as soon as a cache slot is free, even while the chunk
+        before it is still being read: the reads overlap, so the disk or the network is never
+        idle between chunks (the round trip at a read's head and its stragglers at the tail are
+        hidden behind the other read). The source serves requests first come first served, so
+        the earlier chunk's requests go first. In place (no slots), one chunk at a time.
+        """
+        slots = self.slots
+        free_send, free_recv = anyio.create_memory_object_stream[Slot](len(slots or ()) or 1)
+        for s in slots or ():
+            free_send.send_nowait(s)
+        # The loads started, in chunk order; at most one per slot (one when reading in place).
+        loads_send, loads_recv = anyio.create_memory_object_stream[_Load](len(slots or ()) or 1)
+        busy = _BusyClock(self.stats.stage)
+        async with (
+            send,
+            free_send,
+            free_recv,
+            loads_send,
+            loads_recv,
+            anyio.create_task_group() as tg,
+        ):
+            tg.start_soon(self._launcher, loads_send, free_recv, free_send, busy, tg)
+            async for load in loads_recv:
+                await load.done.wait()
+                # An error is queued behind the chunks already read, so that the batcher
+                # cuts and sends their batches before it raises it.
+                item = load.error if load.error is not None else load.item
+                assert item is not None
+                try:
+                    await send.send(item)
+                except anyio.BrokenResourceError:  # the batcher has ended
+                    break
+                if load.error is not None:
+                    break
+            tg.cancel_scope.cancel()  # the loads still running are of no use
+
+    async def _launcher(
+        self,
+        loads: ObjectSendStream[_Load],
+        free_recv: ObjectReceiveStream[Slot],
+        free_send: MemoryObjectSendStream[Slot],
+        busy: _BusyClock,
+        tg: TaskGroup,
+    ) -> None:
+        """Start a load per chunk, in order, each once a slot is free (in place: once the load
+        before it is done)."""
+        slots = self.slots
+        previous: _Load | None = None
+        epoch = self.start_epoch
+        while True:
+            plan = self.plan(epoch)
+            if not plan.chunks:  # nothing to read: the batcher ends the epoch
+                load = _Load()
+                load.item = plan
+                load.done.set()
+                await loads.send(load)
+            for chunk in plan.chunks:
+                if slots is not None:
+                    slot: Slot | None = await free_recv.receive()
+                else:
+                    slot = None
+                    if previous is not None:
+                        await previous.done.wait()  # reading in place: one load at a time
+                load = previous = _Load()
+                tg.start_soon(self._run_load, load, plan, chunk, slot, free_send, busy)
+                await loads.send(load)
+            epoch += 1
+
+    async def _run_load(
+        self,
+        load: _Load,
+        plan: EpochPlan,
+        chunk: ChunkPlan,
+        slot: Slot | None,
+        free_send: MemoryObjectSendStream[Slot],
+        busy: _BusyClock,
+    ) -> None:
+        t0 = time.perf_counter()
+        busy.start()
+        try:
+            loaded = await self._load(chunk, slot)
+        except Exception as exc:
+            load.error = exc
+        else:
+            if _log.isEnabledFor(logging.DEBUG):
+                _log.debug(
+                    "epoch %d chunk %d: %d samples in %d range(s) read in %.1f ms",
+                    chunk.epoch,
+                    chunk.index,
+                    chunk.rows,
+                    len(chunk.ranges),
+                    (time.perf_counter() - t0) * 1e3,
+                )
+            if slot is not None:
+                loaded.release = _releaser(free_send, slot)
+            load.item = (plan, loaded)
+        finally:
+            busy.stop()
+            load.done.set()
+
+    async def _load(self, chunk: ChunkPlan, slot: Slot | None) -> LoadedChunk:
+        """Read a chunk into ``slot`` (or in place), and draw its serving order meanwhile."""
+        order: list[np.ndarray | None] = [None]
+        where: list[Any] = [None]
+
+        async def read() -> None:
+            where[0] = await self.reader.read(
+                chunk, slot.arrays if slot is not None else None, self.stats
+            )
+
+        async def permute() -> None:
+            order[0] = await anyio.to_thread.run_sync(chunk.order)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(permute)
+            tg.start_soon(read)
+        arrays, rows_are_global = where[0]
+        return LoadedChunk(chunk, order[0], arrays, rows_are_global=rows_are_global)
+
+
+class _Load:
+    """One chunk's read, started by the reader's launcher; the reader hands them on in order."""
+
+    __slots__ = ("done", "error", "item")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.item: tuple[EpochPlan, LoadedChunk] | EpochPlan | None = None
+        self.error: Exception | None = None
+
+
+class _BusyClock:
+    """The reader stage's busy time (some read in flight) and blocked time (none: waiting for a
+    free slot), in wall time, with reads that overlap."""
+
+    __slots__ = ("active", "since", "times")
+
+    def __init__(self, times: StageTimes) -> None:
+        self.times = times
+        self.active = 0
+        self.since = time.perf_counter()
+
+    def start(self) -> None:
+        now = time.perf_counter()
+        if self.active == 0:
+            self.times.blocked += now - self.since
+            self.since = now
+        self.active += 1
+
+    def stop(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            now = time.perf_counter()
+            self.times.busy += now - self.since
+            self.since = now
+
+
+def _releaser(free: MemoryObjectSendStream[Slot], slot: Slot) -> Callable[[], None]:
+    def release() -> None:
+        # After the run is over the stream is closed; the slot is free anyway.
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            free.send_nowait(slot)
+
+    return release
