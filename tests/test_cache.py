@@ -111,22 +111,31 @@ async def test_streaming_rereads_every_epoch(tmp_path: Path) -> None:
 
 
 class _Overlapping(AsyncHDF5DataLayer):
-    """The real layer and local source; each chunk's fetch returns only once the next chunk's
-    fetch has started (the last one's at once), so that reads done one after the other would
-    wait forever."""
+    """The real layer and local source; each chunk's fetch returns only once another fetch has
+    been in flight at the same time (the last chunk's at once), so that reads done one after
+    the other would wait forever. Whichever of two overlapping fetches ends first."""
 
     def _source(self) -> Source:
         source = super()._source()
-        started: list[anyio.Event] = []
+        active: list[anyio.Event] = []  # one per fetch in flight: set once it overlapped another
+        calls = [0]
         fetch = source.fetch
 
         async def overlapping(ranges: Any, *args: Any) -> int:
-            n = await fetch(ranges, *args)
-            started.append(anyio.Event())
-            if len(started) > 1:
-                started[-2].set()
-            if len(started) < self.chunks_to_read:
-                await started[-1].wait()
+            me = anyio.Event()
+            if active:
+                me.set()
+                for other in active:
+                    other.set()
+            active.append(me)
+            index = calls[0]
+            calls[0] += 1
+            try:
+                n = await fetch(ranges, *args)
+                if index + 1 < self.chunks_to_read:
+                    await me.wait()
+            finally:
+                active.remove(me)
             return n
 
         source.fetch = overlapping  # type: ignore[method-assign]
