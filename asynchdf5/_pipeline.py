@@ -13,10 +13,10 @@ Data moves one way, through four tasks and bounded memory object streams::
 
 The reader (a :class:`~._loading.ChunkLoader`) fills each cache slot with the next chunk as soon
 as the slot is free, even while the chunk before is still being read, drawing each chunk's
-serving order meanwhile, and hands the chunks on in order; the batcher cuts
-that order into batches; the gatherer has the :class:`~._delivery.Delivery` gather, transform (and
-upload) them in groups in a worker thread, ahead of the consumer by up to ``prefetch`` batches;
-the sender queues them for the consumer. A slot goes back to the reader once every batch cut
+serving order meanwhile, and hands the chunks on in order; the batcher cuts that order into
+batches; the gatherer has the :class:`~._delivery.Delivery` gather, transform (and upload) them
+in groups in a worker thread, ahead of the consumer by up to ``prefetch`` batches; the sender
+queues them for the consumer. A slot goes back to the reader once every batch cut
 from it is gathered. A failure in any stage is sent to the consumer, after the batches that were
 complete before it, and ends the run.
 """
@@ -112,11 +112,9 @@ class Run:
         stats: Stats,
         gather_threads: int = 2,
     ) -> None:
-        self.reader = reader
         self.slots = slots
         self._loader = ChunkLoader(reader, slots, plan, start_epoch, stats.read)
         self.mode: Mode = mode
-        self.start_epoch = start_epoch
         self.batch_size = batch_size
         self.delivery = delivery
         self.stats = stats
