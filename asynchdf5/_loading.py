@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import numpy as np
-from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectSendStream
 
 from ._batch import LoadedChunk
@@ -68,18 +68,26 @@ class ChunkLoader:
         free_send, free_recv = anyio.create_memory_object_stream[Slot](len(slots or ()) or 1)
         for s in slots or ():
             free_send.send_nowait(s)
-        # The loads started, in chunk order; at most one per slot (one when reading in place).
-        loads_send, loads_recv = anyio.create_memory_object_stream[_Load](len(slots or ()) or 1)
+        # One worker per slot reads the chunks given to it (one worker in place: one chunk at a
+        # time). The workers start with the run, so no task is spawned per chunk.
+        workers = len(slots or ()) or 1
+        work_send, work_recv = anyio.create_memory_object_stream[_Work](workers)
+        # The loads started, in chunk order; at most one per worker.
+        loads_send, loads_recv = anyio.create_memory_object_stream[_Load](workers)
         busy = _BusyClock(self.stats.stage)
         async with (
             send,
             free_send,
             free_recv,
+            work_send,
+            work_recv,
             loads_send,
             loads_recv,
             anyio.create_task_group() as tg,
         ):
-            tg.start_soon(self._launcher, loads_send, free_recv, free_send, busy, tg)
+            for _ in range(workers):
+                tg.start_soon(self._worker, work_recv, free_send, busy)
+            tg.start_soon(self._launcher, loads_send, work_send, free_recv)
             async for load in loads_recv:
                 await load.done.wait()
                 # An error is queued behind the chunks already read, so that the batcher
@@ -97,15 +105,10 @@ class ChunkLoader:
     async def _launcher(
         self,
         loads: ObjectSendStream[_Load],
+        work: ObjectSendStream[_Work],
         free_recv: ObjectReceiveStream[Slot],
-        free_send: MemoryObjectSendStream[Slot],
-        busy: _BusyClock,
-        tg: TaskGroup,
     ) -> None:
-        """Start a load per chunk, in order, each once a slot is free (in place: once the load
-        before it is done)."""
-        slots = self.slots
-        previous: _Load | None = None
+        """Hand each chunk, in order, to a worker once a slot is free for it."""
         epoch = self.start_epoch
         while True:
             plan = self.plan(epoch)
@@ -115,16 +118,20 @@ class ChunkLoader:
                 load.done.set()
                 await loads.send(load)
             for chunk in plan.chunks:
-                if slots is not None:
-                    slot: Slot | None = await free_recv.receive()
-                else:
-                    slot = None
-                    if previous is not None:
-                        await previous.done.wait()  # reading in place: one load at a time
-                load = previous = _Load()
-                tg.start_soon(self._run_load, load, plan, chunk, slot, free_send, busy)
+                slot = await free_recv.receive() if self.slots is not None else None
+                load = _Load()
+                await work.send((load, plan, chunk, slot))
                 await loads.send(load)
             epoch += 1
+
+    async def _worker(
+        self,
+        work: ObjectReceiveStream[_Work],
+        free_send: MemoryObjectSendStream[Slot],
+        busy: _BusyClock,
+    ) -> None:
+        async for load, plan, chunk, slot in work:
+            await self._run_load(load, plan, chunk, slot, free_send, busy)
 
     async def _run_load(
         self,
@@ -179,7 +186,7 @@ class ChunkLoader:
 
 
 class _Load:
-    """One chunk's read, started by the reader's launcher; the reader hands them on in order."""
+    """One chunk's read, done by a worker; the reader hands them on in order."""
 
     __slots__ = ("done", "error", "item")
 
@@ -187,6 +194,10 @@ class _Load:
         self.done = anyio.Event()
         self.item: tuple[EpochPlan, LoadedChunk] | EpochPlan | None = None
         self.error: Exception | None = None
+
+
+#: A chunk for a worker to read: its load, its epoch's plan, the chunk, the slot to read it into.
+_Work = tuple[_Load, EpochPlan, ChunkPlan, Slot | None]
 
 
 class _BusyClock:
