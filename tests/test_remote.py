@@ -45,6 +45,7 @@ from asynchdf5._sources._entries import join_url
 from asynchdf5._sources._remote import RemoteSource, Transfer, _transfer
 from asynchdf5._sources._remote._errors import Secrets
 from asynchdf5._sources._remote._fetch import spans
+from asynchdf5._sources._remote._obstore import CLIENT_VARIABLE
 
 from ._files import LAYOUTS, SIZES, check_batch, check_epoch, check_message, check_prefix, rows
 from ._files import write_h5 as _write_h5
@@ -78,6 +79,23 @@ def fast(monkeypatch: pytest.MonkeyPatch) -> Transfer:
     t = Transfer(attempts=3, backoff=0.01, max_backoff=0.05, timeout=2.0)
     monkeypatch.setattr(_transfer, "TRANSFER", t)
     return t
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test against the S3 server runs with each S3 client (see ``_s3_client``)."""
+    if "s3" in metafunc.fixturenames:
+        metafunc.parametrize("_s3_client", ["obstore", "s3fs"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def _s3_client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The S3 client the layers of a test use: obstore (where the options allow it, the default
+    when it is installed) or s3fs. Without obstore installed, its runs are skipped."""
+    client = str(getattr(request, "param", "auto"))
+    if client == "obstore":
+        pytest.importorskip("obstore")
+    monkeypatch.setenv(CLIENT_VARIABLE, client)
+    return client
 
 
 @pytest.fixture(autouse=True)

@@ -177,7 +177,7 @@ class RemoteSource(Fetcher):
         protocol = match.group(1).lower()
         store = self._stores.get(protocol)
         if store is None:
-            store = make_store(url, self._options, self._pool, self.transfer.requests)
+            store = make_store(url, self._options, self._pool, self.transfer)
             self._stores[protocol] = store
         return store
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from ._errors import SCHEME, Changed, status_of
+from ._transfer import Transfer
 
 T = TypeVar("T")
 
@@ -232,18 +234,48 @@ def s3_options(options: Mapping[str, Any], requests: int) -> dict[str, Any]:
     return out
 
 
-def make_store(url: str, options: Mapping[str, Any], pool: Executor, requests: int) -> Store:
+def make_store(url: str, options: Mapping[str, Any], pool: Executor, transfer: Transfer) -> Store:
     """The store for ``url``'s protocol (on the source's loop: an async filesystem is created
-    inside it)."""
-    import fsspec  # type: ignore[import-untyped]
-
+    inside it). S3 goes through obstore where :mod:`._obstore` says it may, else s3fs."""
     match = SCHEME.match(url)
     assert match is not None
     protocol = match.group(1).lower()
+    if protocol in ("s3", "s3a"):
+        store = _obstore_store(options, pool, transfer)
+        if store is not None:
+            return store
+    import fsspec  # type: ignore[import-untyped]
+
     cls = fsspec.get_filesystem_class(protocol)
     s3 = "s3" in (cls.protocol if isinstance(cls.protocol, tuple) else (cls.protocol,))
-    kw = s3_options(options, requests) if s3 else dict(options)
+    kw = s3_options(options, transfer.requests) if s3 else dict(options)
     if getattr(cls, "async_impl", False):
         fs = cls(asynchronous=True, skip_instance_cache=True, **kw)
         return S3Store(fs, pool) if s3 else Store(fs, pool)
     return Store(cls(skip_instance_cache=True, **kw), pool)
+
+
+def _obstore_store(options: Mapping[str, Any], pool: Executor, transfer: Transfer) -> Store | None:
+    """The obstore S3 store, or None where s3fs reads (see :mod:`._obstore`)."""
+    from . import _obstore
+
+    choice = os.environ.get(_obstore.CLIENT_VARIABLE, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "obstore", "s3fs"):
+        raise ValueError(
+            f"{_obstore.CLIENT_VARIABLE}={choice!r}: expected 'auto', 'obstore' or 's3fs'"
+        )
+    if choice == "s3fs":
+        return None
+    try:
+        settings = _obstore.obstore_settings(options, transfer, strict=choice == "auto")
+        return _obstore.ObstoreS3(settings, pool)
+    except _obstore.NotTranslated as exc:
+        if choice == "obstore":
+            raise ValueError(
+                f"{_obstore.CLIENT_VARIABLE}=obstore, but obstore cannot do what s3fs would "
+                f"with {exc}"
+            ) from None
+    except ImportError:
+        if choice == "obstore":
+            raise
+    return None
