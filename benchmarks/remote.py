@@ -9,13 +9,17 @@ moto's store (the same for every loader measured).
 
 For each data set (the suite's image set, contiguous; and its gzip set), stored in one object:
 
-* **parallel download** (the limit): the object's bytes fetched into memory with ranged GETs of
-  8 MiB, 16 in flight (aiobotocore on one event loop, each piece copied once into a buffer
-  allocated and touched beforehand), best of three;
-* **asynchdf5 remote**: ``AsyncHDF5DataLayer`` on the ``s3://`` URL, shuffled, batches of 256,
+* **parallel download** (the limit: the faster of two clients): the object's bytes fetched into
+  memory with ranged GETs of 8 MiB, 16 in flight, each piece copied once into a buffer allocated
+  and touched beforehand, best of three; with aiobotocore (s3fs's client) on one event loop, and
+  with obstore (HTTP in Rust threads, outside the GIL);
+* **asynchdf5 remote**, with each S3 client (obstore, the default where it may; s3fs):
+  ``AsyncHDF5DataLayer`` on the ``s3://`` URL, shuffled, batches of 256,
   ``chunk_size`` 2^16 (streamed through the cache, as a set larger than memory must be): epoch 1
   from the layer's construction (the open included), then epoch 2, best of two layers; and with
   a ``remote_cache``, whose epoch 2 reads local disk;
+* **a busy consumer**: the same, epoch 2, with ``--busy-ms`` (1) ms of pure Python per batch in
+  the consumer, holding the GIL as a Python-heavy training step does;
 * **h5py over an fsspec file object** (the usual user path): ``h5py.File(fs.open(url))`` with
   s3fs, a sorted fancy-index read per shuffled batch; with s3fs's default file cache (readahead,
   50 MiB blocks) and with small blocks (``block_size=256 KiB``, ``cache_type="blockcache"``),
@@ -56,6 +60,7 @@ from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests._s3: the server the tests use
 
+from asynchdf5._sources._remote._obstore import CLIENT_VARIABLE  # noqa: E402
 from tests._s3 import KEY_ID, REGION, SECRET, S3Server  # noqa: E402
 
 BUCKET = "bench"
@@ -168,12 +173,43 @@ async def _download(s3: Any, key: str, size: int, into: Callable[[int, memoryvie
     await asyncio.gather(*(part(a) for a in range(0, size, PART)))
 
 
+async def _download_obstore(
+    store: Any, key: str, size: int, into: Callable[[int, memoryview], None]
+) -> None:
+    """As :func:`_download`, through obstore (its HTTP in Rust threads, outside the GIL): each
+    part's body arrives whole and is copied once."""
+    import obstore
+
+    sem = asyncio.Semaphore(IN_FLIGHT)
+
+    async def part(start: int) -> None:
+        stop = min(size, start + PART)
+        async with sem:
+            resp = await obstore.get_async(store, key, options={"range": (start, stop)})
+            into(start, memoryview(await resp.bytes_async()))
+
+    await asyncio.gather(*(part(a) for a in range(0, size, PART)))
+
+
+def _obstore_store(server: S3Server) -> Any:
+    from obstore.store import S3Config, S3Store
+
+    config: S3Config = {
+        "aws_access_key_id": KEY_ID,
+        "aws_secret_access_key": SECRET,
+        "aws_endpoint": server.endpoint,
+        "aws_region": REGION,
+    }
+    return S3Store(BUCKET, config=config, client_options={"allow_http": True})
+
+
 def download_limit(
-    server: S3Server, key: str, size: int, runs: int = 3
+    server: S3Server, key: str, size: int, runs: int = 3, client: str = "aiobotocore"
 ) -> tuple[float, tuple[float, float]]:
-    """Seconds to fetch the object's bytes into memory: best of ``runs``, into a buffer
-    allocated and touched beforehand, with a client made beforehand (neither is timed); and
-    the CPU seconds of that run (client, server)."""
+    """Seconds to fetch the object's bytes into memory with ``client`` (``aiobotocore`` or
+    ``obstore``): best of ``runs``, into a buffer allocated and touched beforehand, with a
+    client made beforehand (neither is timed); and the CPU seconds of that run (client,
+    server)."""
     buf = np.ones(size, np.uint8)  # touched: the first touch of fresh pages is not timed
     view = buf.data
 
@@ -184,6 +220,16 @@ def download_limit(
 
     async def run() -> tuple[float, tuple[float, float]]:
         best: tuple[float, tuple[float, float]] = (float("inf"), (0.0, 0.0))
+        if client == "obstore":
+            import obstore
+
+            store = _obstore_store(server)
+            await obstore.head_async(store, key)  # connects
+            for _ in range(runs):
+                c0, t0 = cpu(), time.perf_counter()
+                await _download_obstore(store, key, size, into)
+                best = min(best, (time.perf_counter() - t0, CPU.since(c0, cpu())))
+            return best
         async with _client(server) as s3:
             await s3.head_object(Bucket=BUCKET, Key=key)  # connects
             for _ in range(runs):
@@ -221,11 +267,25 @@ def download_to(server: S3Server, key: str, size: int, path: Path) -> float:
 # --- asynchdf5 --------------------------------------------------------------------------------
 
 
+def python_step(seconds: float) -> None:
+    """A training step's Python: the GIL held, ``seconds`` long (no sleep, no C call)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def asynchdf5_epochs(
-    source: Any, epochs: int = 2, cpu: CPU | None = None, **kw: Any
+    source: Any,
+    epochs: int = 2,
+    cpu: CPU | None = None,
+    client: str = "auto",
+    busy: float = 0.0,
+    **kw: Any,
 ) -> tuple[list[float], float, dict[str, Any]]:
     """Seconds of each epoch (the first from construction), the first batch, and the stats
-    (with ``cpu``, ``stats["cpu"]``: each epoch's CPU seconds, client and server)."""
+    (with ``cpu``, ``stats["cpu"]``: each epoch's CPU seconds, client and server). ``client``:
+    the S3 client (``ASYNCHDF5_S3_CLIENT``); ``busy``: seconds of Python per batch in the
+    consumer."""
     times: list[float] = []
     first: list[float] = []
     stats: dict[str, Any] = {"cpu": []}
@@ -240,6 +300,8 @@ def asynchdf5_epochs(
                 async for _batch in layer:
                     if not first:
                         first.append(time.perf_counter() - t0)
+                    if busy:
+                        python_step(busy)
                 times.append(time.perf_counter() - t0)
                 if cpu:
                     c1 = cpu()
@@ -249,7 +311,15 @@ def asynchdf5_epochs(
             s = layer.stats
             stats.update(read_retries=s.read_retries, read_paths=s.read_paths)
 
-    anyio.run(run)
+    before = os.environ.get(CLIENT_VARIABLE)
+    os.environ[CLIENT_VARIABLE] = client
+    try:
+        anyio.run(run)
+    finally:
+        if before is None:
+            del os.environ[CLIENT_VARIABLE]
+        else:
+            os.environ[CLIENT_VARIABLE] = before
     gc.collect()
     return times, first[0], stats
 
@@ -315,34 +385,59 @@ def measure(
         s3.upload_file(str(path), BUCKET, key, Config=config)
     server.faults(latency=args.latency)
 
-    log("parallel download")
-    limit, limit_cpu = download_limit(server, key, size)
-    row(
-        f"parallel download: {PART >> 20} MiB ranged GETs, {IN_FLIGHT} in flight (best of 3)",
-        limit,
-        cpu=limit_cpu,
-    )
+    for client in ("aiobotocore", "obstore"):
+        log(f"parallel download, {client}")
+        limit, limit_cpu = download_limit(server, key, size, client=client)
+        row(
+            f"parallel download ({client}): {PART >> 20} MiB ranged GETs, {IN_FLIGHT} in flight "
+            "(best of 3)",
+            limit,
+            cpu=limit_cpu,
+        )
 
-    log("asynchdf5 remote")
     opts = _options(server)
     cpu = CPU(server)
-    runs = [asynchdf5_epochs([url], cpu=cpu, storage_options=opts) for _ in range(2)]
-    e1 = min(runs, key=lambda r: r[0][0])
-    e2 = min(runs, key=lambda r: r[0][1])
-    row(
-        "asynchdf5 remote, epoch 1 from construction (best of 2)",
-        e1[0][0],
-        first_batch=e1[1],
-        cpu=e1[2]["cpu"][0],
-    )
-    row("asynchdf5 remote, epoch 2 (best of 2)", e2[0][1], extra=e2[2], cpu=e2[2]["cpu"][1])
+    for client in ("obstore", "s3fs"):
+        log(f"asynchdf5 remote, {client}")
+        runs = [
+            asynchdf5_epochs([url], cpu=cpu, client=client, storage_options=opts) for _ in range(2)
+        ]
+        e1 = min(runs, key=lambda r: r[0][0])
+        e2 = min(runs, key=lambda r: r[0][1])
+        row(
+            f"asynchdf5 remote ({client}), epoch 1 from construction (best of 2)",
+            e1[0][0],
+            first_batch=e1[1],
+            cpu=e1[2]["cpu"][0],
+        )
+        row(
+            f"asynchdf5 remote ({client}), epoch 2 (best of 2)",
+            e2[0][1],
+            extra=e2[2],
+            cpu=e2[2]["cpu"][1],
+        )
+    if args.busy_ms:
+        busy = args.busy_ms / 1000
+        steps = -(-n // BATCH) * busy
+        for client in ("obstore", "s3fs"):
+            log(f"asynchdf5 remote, {client}, consumer busy {args.busy_ms:g} ms per batch")
+            (_, b2), _, bs = asynchdf5_epochs(
+                [url], cpu=cpu, client=client, busy=busy, storage_options=opts
+            )
+            row(
+                f"asynchdf5 remote ({client}), epoch 2, consumer busy in Python "
+                f"{args.busy_ms:g} ms per batch",
+                b2,
+                cpu=bs["cpu"][1],
+                note=f"the steps alone: {steps:.2f} s",
+            )
 
     log("asynchdf5 remote with remote_cache")
     cache = Path(tempfile.mkdtemp(prefix="asynchdf5-remote-cache-", dir=args.data_dir))
     try:
         (c1, c2), c_first, cs = asynchdf5_epochs(
             [url], cpu=cpu, storage_options=opts, remote_cache=cache
-        )
+        )  # the default client
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     row("asynchdf5 remote + remote_cache, epoch 1", c1, first_batch=c_first, cpu=cs["cpu"][0])
@@ -387,7 +482,10 @@ def measure(
 def report(rows: list[Row], args: argparse.Namespace, wall: float) -> str:
     """The Markdown section for RESULTS.md."""
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    versions = f"{platform.python_version()} / {h5py.__version__} / {_version('s3fs')}"
+    versions = (
+        f"{platform.python_version()} / {h5py.__version__} / {_version('s3fs')} / "
+        f"{_version('obstore')}"
+    )
     out = [
         "## Remote sources (issue 14): S3 on localhost with injected latency",
         "",
@@ -399,15 +497,17 @@ def report(rows: list[Row], args: argparse.Namespace, wall: float) -> str:
         "long before handling each request, in the request's own thread |",
         f"| server | moto {_version('moto')} in a subprocess, `--fast-ranges` (module docstring) |",
         f"| CPU | {os.cpu_count()} logical cores, shared by the server and the client |",
-        f"| Python / h5py / s3fs | {versions} |",
+        f"| Python / h5py / s3fs / obstore | {versions} |",
         f"| wall time | {wall / 60:.1f} min |",
         f"| load average (1/5/15 min) at the end | {load} |",
         "",
     ]
     for name in dict.fromkeys(r.set for r in rows):
         mine = [r for r in rows if r.set == name]
-        limit = mine[0]
-        remote = mine[1]
+        limit = min(
+            (r for r in mine if r.loader.startswith("parallel download")), key=lambda r: r.seconds
+        )
+        remote = next(r for r in mine if r.loader.startswith("asynchdf5 remote (obstore), epoch 1"))
         stored = mine[0].stored_bytes / 1e6
         out += [
             f"### `{name}`: {mine[0].samples:,} samples, {stored:,.0f} MB stored",
@@ -430,12 +530,12 @@ def report(rows: list[Row], args: argparse.Namespace, wall: float) -> str:
             )
         out.append("")
     out.append(
-        "`÷ limit`: the parallel download's time over this loader's (1: as fast as a plain "
-        "download of the same bytes). `time ÷ asynchdf5 remote epoch 1`: this loader's time over "
-        "asynchdf5's first remote epoch (above 1: asynchdf5 is faster). `CPU s`: CPU seconds "
-        "(user + system, all threads) of the client process and of the server process in that "
-        "epoch (or download); `cores busy`: their sum over the epoch's time, of the "
-        f"{os.cpu_count()} cores. `*`: extrapolated from a time-bounded run."
+        "`÷ limit`: the faster parallel download's time over this loader's (1: as fast as a "
+        "plain download of the same bytes). `time ÷ asynchdf5 remote epoch 1`: this loader's "
+        "time over asynchdf5's first remote epoch with obstore (above 1: asynchdf5 is faster). "
+        "`CPU s`: CPU seconds (user + system, all threads) of the client process and of the "
+        "server process in that epoch (or download); `cores busy`: their sum over the epoch's "
+        f"time, of the {os.cpu_count()} cores. `*`: extrapolated from a time-bounded run."
     )
     return "\n".join(out) + "\n"
 
@@ -454,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=200_000, help="samples per data set")
     p.add_argument("--quick", action="store_true", help="20,000 samples, short budgets")
     p.add_argument("--latency", type=float, default=0.02, help="seconds added to each request")
+    p.add_argument(
+        "--busy-ms",
+        type=float,
+        default=1.0,
+        help="ms of Python per batch in the busy consumer's runs (0: none)",
+    )
     p.add_argument("--budget", type=float, default=20.0, help="seconds per h5py-over-fsspec run")
     p.add_argument("--sets", default="contiguous,gzip", help="comma-separated: contiguous, gzip")
     p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
