@@ -10,6 +10,9 @@ end with it: no process-wide IO thread, no pool shared with another layer. The l
 to the source's loop and waits for it in a worker thread. h5py reads metadata (at open) and the
 h5py read path through a blocking file object (``_files``), in worker threads only. Filesystems
 without an async implementation (``memory://``, ...) run in a small pool of the source's own.
+S3 goes through obstore instead of s3fs where it does the same with the user's settings
+(``_obstore``): its HTTP runs in Rust threads, outside the GIL, and the source's loop only awaits
+each request and copies its body once.
 
 **How bytes move** (``_fetch``, ``_fetcher``, ``_requests``). The ranges of one fetch are
 grouped by object, ranges closer than ``gap_bytes`` are coalesced, and the runs are cut into
