@@ -141,7 +141,7 @@ def in_ram(job: Job) -> Outcome:
     for start in _batches(n, b):
         idx = perm[start : start + b]
         for a, out in zip(arrays, outs, strict=True):
-            np.take(a, idx, axis=0, out=out[: len(idx)])
+            np.take(a, idx, axis=0, out=out[: len(idx)], mode="clip")
         clock.batch(len(idx))
     return clock.outcome(load_s=load_s)
 
@@ -168,7 +168,7 @@ def chunk_loop(job: Job) -> Outcome:
             for start in _batches(len(perm), b):
                 idx = perm[start : start + b]
                 for slot, out in zip(slots, outs, strict=True):
-                    np.take(slot, idx, axis=0, out=out[: len(idx)])
+                    np.take(slot, idx, axis=0, out=out[: len(idx)], mode="clip")
                 clock.batch(len(idx))
     finally:
         for rows in tops:

@@ -54,7 +54,7 @@ async def _naive_batches(job: Job) -> AsyncGenerator[int, None]:
             for i in range(0, len(perm), b):
                 idx = perm[i : i + b]
                 for slot, out in zip(slots, outs, strict=True):
-                    np.take(slot, idx, axis=0, out=out[: len(idx)])
+                    np.take(slot, idx, axis=0, out=out[: len(idx)], mode="clip")
                 yield len(idx)
 
 

@@ -350,8 +350,8 @@ def _reference_epochs(
             for i in range(0, n, b):
                 idx = order[i : i + b]
                 k = len(idx)
-                np.take(x, idx, axis=0, out=ox[:k])
-                np.take(y, idx, axis=0, out=oy[:k])
+                np.take(x, idx, axis=0, out=ox[:k], mode="clip")
+                np.take(y, idx, axis=0, out=oy[:k], mode="clip")
                 meter.batch(k)
         meter.end(n)
     return run
@@ -465,8 +465,8 @@ def _ceiling_1(data: Array, label: Array, b: int, rng: np.random.Generator) -> f
     for start in range(0, n, b):
         idx = perm[start : start + b]
         k = len(idx)
-        np.take(data, idx, axis=0, out=od[:k])
-        np.take(label, idx, axis=0, out=ol[:k])
+        np.take(data, idx, axis=0, out=od[:k], mode="clip")
+        np.take(label, idx, axis=0, out=ol[:k], mode="clip")
     return time.perf_counter() - t0
 
 
@@ -491,8 +491,8 @@ def _ceiling_2(
     def gather(k: int) -> int:
         idx = perm[k * b : (k + 1) * b]
         od, ol = bufs[k % depth]
-        np.take(data, idx, axis=0, out=od[: len(idx)])
-        np.take(label, idx, axis=0, out=ol[: len(idx)])
+        np.take(data, idx, axis=0, out=od[: len(idx)], mode="clip")
+        np.take(label, idx, axis=0, out=ol[: len(idx)], mode="clip")
         return len(idx)
 
     pending: deque[Future[int]] = deque(pool.submit(gather, k) for k in range(min(depth, nb)))
@@ -746,7 +746,7 @@ def _chunk_loop_epochs(files: DatasetFiles, b: int, cs: int, seed: int, epochs: 
                 for start in range(0, len(perm), b):
                     idx = perm[start : start + b]
                     for slot, out in zip(slots, outs, strict=True):
-                        np.take(slot, idx, axis=0, out=out[: len(idx)])
+                        np.take(slot, idx, axis=0, out=out[: len(idx)], mode="clip")
                     meter.batch(len(idx))
             meter.end(n)
     finally:
@@ -805,7 +805,7 @@ def _chunk_loop2_epochs(files: DatasetFiles, b: int, cs: int, seed: int, epochs:
                     for start in range(0, len(perm), b):
                         idx = perm[start : start + b]
                         for src, out in zip(slot, outs, strict=True):
-                            np.take(src, idx, axis=0, out=out[: len(idx)])
+                            np.take(src, idx, axis=0, out=out[: len(idx)], mode="clip")
                         meter.batch(len(idx))
                 meter.end(n)
     finally:
