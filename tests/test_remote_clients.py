@@ -186,9 +186,18 @@ def test_errors_keep_their_status_and_code() -> None:
     ],
 )
 def test_the_client_chosen(
-    s3: S3Server, monkeypatch: pytest.MonkeyPatch, client: str, extra: dict[str, object], store: str
+    s3: S3Server,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    client: str,
+    extra: dict[str, object],
+    store: str,
 ) -> None:
     monkeypatch.setenv(CLIENT_VARIABLE, client)
+    # The machine's own AWS settings would rightly send "auto" to s3fs: none here.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
     source = RemoteSource(s3.storage_options(**extra))
     try:
         f = source.open(urls()[0])
