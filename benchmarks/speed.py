@@ -724,6 +724,18 @@ def section_ceiling(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
 # 3. Tabular: asynchdf5 streaming against the single-thread chunk loop
 
 
+def _serve_chunk(
+    slot: Sequence[Array], outs: Sequence[Array], perm: Array, b: int, meter: _EpochMeter
+) -> None:
+    """The batches of one chunk in ``slot`` (a top each), in the order ``perm``: ``np.take``
+    into the reused buffers ``outs``."""
+    for start in range(0, len(perm), b):
+        idx = perm[start : start + b]
+        for src, out in zip(slot, outs, strict=True):
+            np.take(src, idx, axis=0, out=out[: len(idx)], mode="clip")
+        meter.batch(len(idx))
+
+
 def _chunk_loop_epochs(files: DatasetFiles, b: int, cs: int, seed: int, epochs: int) -> LayerRun:
     """``baselines.chunk_loop`` kept open over several epochs: chunks of ``cs`` in a random
     order, ``read_direct`` each, permute it, ``np.take`` per batch (no batch crosses chunks)."""
@@ -742,12 +754,7 @@ def _chunk_loop_epochs(files: DatasetFiles, b: int, cs: int, seed: int, epochs: 
                 stop = min(int(c) + cs, n)
                 for rows, slot in zip(tops, slots, strict=True):
                     rows.read_direct(int(c), stop, slot)
-                perm = rng.permutation(stop - int(c))
-                for start in range(0, len(perm), b):
-                    idx = perm[start : start + b]
-                    for slot, out in zip(slots, outs, strict=True):
-                        np.take(slot, idx, axis=0, out=out[: len(idx)], mode="clip")
-                    meter.batch(len(idx))
+                _serve_chunk(slots, outs, rng.permutation(stop - int(c)), b, meter)
             meter.end(n)
     finally:
         for rows in tops:
@@ -800,13 +807,8 @@ def _chunk_loop2_epochs(files: DatasetFiles, b: int, cs: int, seed: int, epochs:
                     pending.result()
                     if k + 1 < len(order):
                         pending = pool.submit(read, order[k + 1], slots[(k + 1) % 2])
-                    slot = slots[k % 2]
                     perm = rng.permutation(min(c + cs, n) - c)
-                    for start in range(0, len(perm), b):
-                        idx = perm[start : start + b]
-                        for src, out in zip(slot, outs, strict=True):
-                            np.take(src, idx, axis=0, out=out[: len(idx)], mode="clip")
-                        meter.batch(len(idx))
+                    _serve_chunk(slots[k % 2], outs, perm, b, meter)
                 meter.end(n)
     finally:
         for fd in fds:
