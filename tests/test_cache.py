@@ -138,7 +138,7 @@ class _Overlapping(AsyncHDF5DataLayer):
                 active.remove(me)
             return n
 
-        source.fetch = overlapping  # type: ignore[method-assign]
+        source.fetch = overlapping  # type: ignore[method-assign,assignment]
         return source
 
     chunks_to_read = 0

@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, SourceError
-from asynchdf5._sources._remote import RemoteSource, Transfer
+from asynchdf5._sources._remote import RemoteFile, RemoteSource, Transfer
 from asynchdf5._sources._remote._obstore import (
     CLIENT_VARIABLE,
     NotTranslated,
@@ -201,6 +201,7 @@ def test_the_client_chosen(
     source = RemoteSource(s3.storage_options(**extra))
     try:
         f = source.open(urls()[0])
+        assert isinstance(f, RemoteFile)
         assert type(f.store).__name__ == store
     finally:
         source.close()
