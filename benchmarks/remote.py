@@ -44,7 +44,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,26 +151,34 @@ def _client(server: S3Server) -> Any:
     )
 
 
+async def _in_parts(size: int, part: Callable[[int, int], Awaitable[None]]) -> None:
+    """``part(start, stop)`` for each ``PART`` of ``size`` bytes, ``IN_FLIGHT`` at a time."""
+    sem = asyncio.Semaphore(IN_FLIGHT)
+
+    async def bounded(start: int) -> None:
+        async with sem:
+            await part(start, min(size, start + PART))
+
+    await asyncio.gather(*(bounded(a) for a in range(0, size, PART)))
+
+
 async def _download(s3: Any, key: str, size: int, into: Callable[[int, memoryview], None]) -> None:
     """The object's bytes in ranged GETs of ``PART``, ``IN_FLIGHT`` at a time, each piece handed
     to ``into`` as it arrives (copied once, as asynchdf5 does)."""
-    sem = asyncio.Semaphore(IN_FLIGHT)
 
-    async def part(start: int) -> None:
-        stop = min(size, start + PART)
-        async with sem:
-            resp = await s3.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={start}-{stop - 1}")
-            body = resp["Body"]
-            try:
-                content = body.raw_stream.content
-                pos = start
-                while piece := await content.readany():
-                    into(pos, memoryview(piece))
-                    pos += len(piece)
-            finally:
-                body.close()
+    async def part(start: int, stop: int) -> None:
+        resp = await s3.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={start}-{stop - 1}")
+        body = resp["Body"]
+        try:
+            content = body.raw_stream.content
+            pos = start
+            while piece := await content.readany():
+                into(pos, memoryview(piece))
+                pos += len(piece)
+        finally:
+            body.close()
 
-    await asyncio.gather(*(part(a) for a in range(0, size, PART)))
+    await _in_parts(size, part)
 
 
 async def _download_obstore(
@@ -180,15 +188,11 @@ async def _download_obstore(
     part's body arrives whole and is copied once."""
     import obstore
 
-    sem = asyncio.Semaphore(IN_FLIGHT)
+    async def part(start: int, stop: int) -> None:
+        resp = await obstore.get_async(store, key, options={"range": (start, stop)})
+        into(start, memoryview(await resp.bytes_async()))
 
-    async def part(start: int) -> None:
-        stop = min(size, start + PART)
-        async with sem:
-            resp = await obstore.get_async(store, key, options={"range": (start, stop)})
-            into(start, memoryview(await resp.bytes_async()))
-
-    await asyncio.gather(*(part(a) for a in range(0, size, PART)))
+    await _in_parts(size, part)
 
 
 def _obstore_store(server: S3Server) -> Any:
@@ -218,25 +222,24 @@ def download_limit(
 
     cpu = CPU(server)
 
-    async def run() -> tuple[float, tuple[float, float]]:
+    async def best_of(download: Callable[[], Awaitable[None]]) -> tuple[float, tuple[float, float]]:
         best: tuple[float, tuple[float, float]] = (float("inf"), (0.0, 0.0))
+        for _ in range(runs):
+            c0, t0 = cpu(), time.perf_counter()
+            await download()
+            best = min(best, (time.perf_counter() - t0, CPU.since(c0, cpu())))
+        return best
+
+    async def run() -> tuple[float, tuple[float, float]]:
         if client == "obstore":
             import obstore
 
             store = _obstore_store(server)
             await obstore.head_async(store, key)  # connects
-            for _ in range(runs):
-                c0, t0 = cpu(), time.perf_counter()
-                await _download_obstore(store, key, size, into)
-                best = min(best, (time.perf_counter() - t0, CPU.since(c0, cpu())))
-            return best
+            return await best_of(lambda: _download_obstore(store, key, size, into))
         async with _client(server) as s3:
             await s3.head_object(Bucket=BUCKET, Key=key)  # connects
-            for _ in range(runs):
-                c0, t0 = cpu(), time.perf_counter()
-                await _download(s3, key, size, into)
-                best = min(best, (time.perf_counter() - t0, CPU.since(c0, cpu())))
-        return best
+            return await best_of(lambda: _download(s3, key, size, into))
 
     best = asyncio.run(run())
     gc.collect()
