@@ -90,7 +90,8 @@ def obstore_settings(
         k for k in env if k.startswith("AWS_") and k not in _ENV_TRANSLATED and env[k] != ""
     )
     endpoint = endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-    if others == ["AWS_CA_BUNDLE"] and str(endpoint or "").startswith("http://"):
+    plain_http = str(endpoint or "").startswith("http://")
+    if others == ["AWS_CA_BUNDLE"] and plain_http:
         others = []  # certificates do not matter without TLS
     if others and strict:
         raise NotTranslated(f"the environment's {', '.join(others)}")
@@ -120,7 +121,7 @@ def obstore_settings(
             config["aws_session_token"] = str(token)
     # Our retries and timeouts govern (counted, bounded once): obstore's would only add to them.
     limit = f"{int(transfer.timeout) + 5}s"
-    client = {"allow_http": str(endpoint or "").startswith("http://"), "timeout": limit}
+    client = {"allow_http": plain_http, "timeout": limit}
     retry = {"max_retries": 0, "retry_timeout": dt.timedelta(seconds=transfer.timeout + 5)}
     return {"config": config, "client_options": client, "retry_config": retry}
 
@@ -188,15 +189,22 @@ class ObstoreS3(Store):
     def __init__(self, settings: Mapping[str, Any], pool: Executor) -> None:
         import obstore  # noqa: F401 - fails here, at the choice, not at the first request
 
-        self.fs = None
-        self.pool = pool
-        self.is_async = True
+        super().__init__(None, pool)  # no fsspec filesystem: every method of it is overridden
         self._settings = dict(settings)
         self._buckets: dict[str, Any] = {}
 
+    @staticmethod
+    def _split(url: str) -> tuple[str, str]:
+        """``s3://bucket/key`` as (bucket, key)."""
+        bucket, _, key = url.split("://", 1)[1].partition("/")
+        return bucket, key
+
+    @staticmethod
+    def _version(meta: Mapping[str, Any]) -> dict[str, str]:
+        return {"ETag": str(meta.get("e_tag") or "")}
+
     def _where(self, url: str) -> tuple[Any, str]:
-        rest = url.split("://", 1)[1]
-        bucket, _, key = rest.partition("/")
+        bucket, key = self._split(url)
         store = self._buckets.get(bucket)
         if store is None:
             from obstore.store import S3Store as ObS3Store
@@ -231,7 +239,7 @@ class ObstoreS3(Store):
             meta = await obstore.head_async(store, key)
         except Exception as exc:
             raise translate(exc) from None
-        return int(meta["size"]), {"ETag": str(meta.get("e_tag") or "")}
+        return int(meta["size"]), self._version(meta)
 
     async def first(self, url: str, n: int) -> tuple[int, dict[str, str], bytes]:
         try:
@@ -241,7 +249,7 @@ class ObstoreS3(Store):
                 raise
             size, version = await self.head(url)  # an empty object
             return size, version, b""
-        return int(meta["size"]), {"ETag": str(meta.get("e_tag") or "")}, bytes(data)
+        return int(meta["size"]), self._version(meta), bytes(data)
 
     async def get(self, url: str, start: int, stop: int, version: Mapping[str, str]) -> bytes:
         if stop <= start:
@@ -267,8 +275,7 @@ class ObstoreS3(Store):
 
     def missing_what(self, url: str, exc: BaseException) -> str:
         if status_of(exc)[0] == "NoSuchBucket":
-            bucket = url.split("://", 1)[1].partition("/")[0]
-            return f"does not exist (there is no bucket {bucket!r})"
+            return f"does not exist (there is no bucket {self._split(url)[0]!r})"
         return "does not exist"
 
     async def close(self) -> None:
