@@ -40,7 +40,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from ._batch import Batch, BatchSpec, GroupSpec, carry
 from ._cache import Slot
-from ._delivery import Delivery
+from ._delivery import Delivery, line_offset
 from ._errors import DataLayerError
 from ._loading import ChunkItem, ChunkLoader
 from ._plan import EpochPlan
@@ -128,7 +128,9 @@ class Run:
         groups = -(-capacity // self.group)  # the queue holds whole groups
         # Batch buffers: enough for what can be in flight (the queue, one group being gathered,
         # the group the consumer takes batches from), reused once the consumer lets go of them.
-        delivery.start(reader.tops, batch_size * self.group, groups + 4)
+        sources = slots[0].arrays if slots else reader.own_arrays
+        offsets = {k: line_offset(a) for k, a in (sources or {}).items()}
+        delivery.start(reader.tops, batch_size * self.group, groups + 4, offsets)
         self._pool = ThreadPoolExecutor(1, "asynchdf5-gather") if gather_threads > 1 else None
         # Batches reach the consumer a group at a time (one list per gathered group, epoch markers
         # in order): a stream operation per batch costs more than a small batch's gathering.

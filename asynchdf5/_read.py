@@ -125,6 +125,11 @@ class Reader(Protocol):
         ...
 
     @property
+    def own_arrays(self) -> Mapping[str, np.ndarray] | None:
+        """Those arrays when :attr:`in_place` (filled as chunks are read), else ``None``."""
+        ...
+
+    @property
     def read_paths(self) -> Mapping[str, str]:
         """How each top is read (see :class:`~asynchdf5.LayerStats`)."""
         ...
@@ -315,6 +320,10 @@ class HDF5Reader:
     def in_place(self) -> bool:
         return self.resident is not None
 
+    @property
+    def own_arrays(self) -> Mapping[str, np.ndarray] | None:
+        return self.resident
+
     def close(self) -> None:
         """Join the decoding threads and close the files (blocking)."""
         pool, self._pool = self._pool, None
@@ -338,6 +347,7 @@ class MemoryReader:
 
     def __init__(self, arrays: Mapping[str, np.ndarray], tops: Mapping[str, TopInfo]) -> None:
         self.arrays = arrays
+        self.own_arrays = arrays
         self.tops = tops
         self.n_samples = len(next(iter(arrays.values())))
 

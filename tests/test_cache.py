@@ -12,10 +12,10 @@ import anyio
 import numpy as np
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning
+from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning, MemoryDataLayer
 from asynchdf5._cache import slot_rows
 from asynchdf5._catalog import TopInfo
-from asynchdf5._delivery import BatchBuffers
+from asynchdf5._delivery import BatchBuffers, line_offset
 from asynchdf5._sources import Source
 
 from .conftest import write_files
@@ -52,6 +52,42 @@ def test_partial_batches_are_views_of_pooled_buffers() -> None:
     pool = BatchBuffers(TOPS, rows=8, depth=2)
     part = pool.acquire(3)
     assert part["x"].shape == (3, 4) and part["y"].shape == (3,)
+
+
+def test_buffers_start_where_their_source_rows_do_within_a_cache_line() -> None:
+    for offset in (0, 16, 40):
+        pool = BatchBuffers(TOPS, rows=8, depth=2, offsets={"x": offset, "y": offset})
+        for _ in range(3):  # fresh and reused buffers alike
+            bufs = pool.acquire(8)
+            assert line_offset(bufs["x"]) == offset  # float32: any multiple of 4
+            assert line_offset(bufs["y"]) == offset - offset % 8  # int64 stays 8-aligned
+            assert bufs["x"].flags.c_contiguous and bufs["y"].flags.aligned
+
+
+async def test_batches_follow_the_alignment_of_what_they_are_gathered_from(
+    tmp_path: Path,
+) -> None:
+    """Cache slots are page-aligned, so streamed batches start on a cache line; a
+    ``MemoryDataLayer``'s batches start where the user's arrays do. (Rows of 64 bytes: every
+    batch of a group starts at the same offset as the group.)"""
+    src, _ = write_files(tmp_path, [700, 300], shape=(16,))
+    with anyio.fail_after(30):
+        async with AsyncHDF5DataLayer(src, batch_size=32, shuffle=True, chunk_size=256) as L:
+            offsets = {line_offset(b["data"]) async for b in L}
+    assert offsets == {0}
+    for at in (0, 16, 48):
+        raw = np.zeros(1000 * 64 + 128, np.uint8)
+        start = (at - line_offset(raw)) % 64
+        data = raw[start : start + 1000 * 64].view(np.float32).reshape(1000, 16)
+        data[:, 0] = np.arange(1000)
+        with anyio.fail_after(30):
+            async with MemoryDataLayer(
+                data={"data": data, "label": np.arange(1000)}, batch_size=32, shuffle=True
+            ) as M:
+                batches = [b async for b in M]
+        assert {line_offset(b["data"]) for b in batches} == {at}
+        for b in batches:  # and they hold the right rows
+            np.testing.assert_array_equal(b["data"][:, 0], b.indices)
 
 
 async def test_kept_batches_stay_intact_across_epochs(tmp_path: Path) -> None:

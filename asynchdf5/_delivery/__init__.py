@@ -17,7 +17,7 @@ from .._catalog import TopInfo
 from .._stats import GatherStats
 from ..transforms import Transformer
 from ._cuda import INSTALL_HINT, CudaDelivery, DeviceMemoryStats, parse_device
-from ._host import BatchBuffers, HostDelivery
+from ._host import BatchBuffers, HostDelivery, line_offset
 
 __all__ = [
     "INSTALL_HINT",
@@ -26,6 +26,7 @@ __all__ = [
     "Delivery",
     "DeviceMemoryStats",
     "HostDelivery",
+    "line_offset",
     "make_delivery",
     "parse_device",
 ]
@@ -42,9 +43,16 @@ class Delivery(Protocol):
         before any batch)."""
         ...
 
-    def start(self, tops: Mapping[str, TopInfo], group_rows: int, depth: int) -> None:
+    def start(
+        self,
+        tops: Mapping[str, TopInfo],
+        group_rows: int,
+        depth: int,
+        offsets: Mapping[str, int] | None = None,
+    ) -> None:
         """Prepare for a run: groups of up to ``group_rows`` rows, about ``depth`` groups in
-        flight at once (idempotent)."""
+        flight at once (idempotent). ``offsets``: per top, where the rows to gather start within
+        a cache line (batch buffers that match them copy faster)."""
         ...
 
     def make(

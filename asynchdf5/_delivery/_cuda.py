@@ -184,8 +184,15 @@ class CudaDelivery:
 
     # --- the Delivery protocol ----------------------------------------------------------------
 
-    def start(self, tops: Mapping[str, TopInfo], group_rows: int, depth: int) -> None:
-        """Staging is allocated per batch, on first use (page-locked memory is reused)."""
+    def start(
+        self,
+        tops: Mapping[str, TopInfo],
+        group_rows: int,
+        depth: int,
+        offsets: Mapping[str, int] | None = None,
+    ) -> None:
+        """Staging is allocated per batch, on first use (page-locked memory is reused; it is
+        page-aligned, like the cache slots, so ``offsets`` are not needed)."""
         self._tops = list(tops.values())
 
     def make(
