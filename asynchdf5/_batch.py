@@ -78,8 +78,9 @@ class LoadedChunk:
     """
 
     plan: ChunkPlan
-    order: np.ndarray | None
+    order: np.ndarray | None  # slot positions in serving order (None: slot order, or not needed)
     arrays: Mapping[str, np.ndarray]
+    indices: np.ndarray  # global indices of the served samples, in serving order
     rows_are_global: bool = False
     release: Callable[[], None] | None = None
     refs: int = 0  # batches cut from it and not yet gathered
@@ -196,12 +197,11 @@ def gather_rows(
                 dest[at : at + n] = chunk.arrays[name][a:b]
             at += n
             continue
-        pos = np.arange(a, b) if chunk.order is None else chunk.order[a:b]
-        chunk.plan.global_indices(pos, out=idx)
+        idx[:] = chunk.indices[a:b]
         if chunk.rows_are_global:
             rows = idx
         else:
-            rows = slice(a, b) if chunk.order is None else pos
+            rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
         for name, dest in out.items():
             src = chunk.arrays[name]
             if isinstance(rows, slice):

@@ -166,8 +166,9 @@ class ChunkLoader:
             load.done.set()
 
     async def _load(self, chunk: ChunkPlan, slot: Slot | None) -> LoadedChunk:
-        """Read a chunk into ``slot`` (or in place), and draw its serving order meanwhile."""
-        order: list[np.ndarray | None] = [None]
+        """Read a chunk into ``slot`` (or in place), and draw its serving order (and the global
+        indices of the samples in it) meanwhile."""
+        order: list[Any] = [None]
         where: list[Any] = [None]
 
         async def read() -> None:
@@ -175,14 +176,21 @@ class ChunkLoader:
                 chunk, slot.arrays if slot is not None else None, self.stats
             )
 
+        def draw() -> tuple[np.ndarray | None, np.ndarray]:
+            positions = chunk.order()
+            return positions, chunk.served_indices(positions)
+
         async def permute() -> None:
-            order[0] = await anyio.to_thread.run_sync(chunk.order)
+            order[0] = await anyio.to_thread.run_sync(draw)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(permute)
             tg.start_soon(read)
         arrays, rows_are_global = where[0]
-        return LoadedChunk(chunk, order[0], arrays, rows_are_global=rows_are_global)
+        positions, indices = order[0]
+        if rows_are_global:  # rows are taken at their global indices: positions are not needed
+            positions = None
+        return LoadedChunk(chunk, positions, arrays, indices, rows_are_global=rows_are_global)
 
 
 class _Load:

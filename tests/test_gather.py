@@ -15,26 +15,12 @@ import pytest
 from asynchdf5._batch import LoadedChunk, gather_rows
 
 
-class _Plan:
-    """The one method of a chunk plan that ``gather_rows`` calls: slot position -> global
-    index (here the slot holds samples ``first..first + size - 1``)."""
-
-    def __init__(self, first: int, size: int) -> None:
-        self.first = first
-        self.size = size
-
-    def global_indices(self, positions: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        got = positions + self.first
-        if out is None:
-            return got
-        out[:] = got
-        return out
-
-
 def _chunk(order: np.ndarray, size: int = 50, first: int = 1000) -> LoadedChunk:
+    """A chunk whose slot holds samples ``first..first + size - 1`` (no plan is needed: the
+    global indices in serving order come with it)."""
     rows = np.arange(first, first + size)
     arrays = {"data": np.stack([rows, -rows], axis=1), "label": rows.astype(np.int64)}
-    return LoadedChunk(cast(Any, _Plan(first, size)), order, arrays)
+    return LoadedChunk(cast(Any, None), order, arrays, order + first)
 
 
 def test_rows_are_gathered_in_serving_order() -> None:

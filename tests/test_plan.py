@@ -18,6 +18,8 @@ def served(plan: EpochPlan) -> np.ndarray:
         order = c.order()
         pos = np.arange(c.size) if order is None else order
         parts.append(c.global_indices(pos))
+        # The pipeline's way (a map of slot rows, built once per loaded chunk) agrees.
+        np.testing.assert_array_equal(c.served_indices(order), parts[-1])
     return np.concatenate(parts)
 
 
