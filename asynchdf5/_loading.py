@@ -168,7 +168,7 @@ class ChunkLoader:
     async def _load(self, chunk: ChunkPlan, slot: Slot | None) -> LoadedChunk:
         """Read a chunk into ``slot`` (or in place), and draw its serving order (and the global
         indices of the samples in it) meanwhile."""
-        order: list[Any] = [None]
+        drawn: list[tuple[np.ndarray | None, np.ndarray]] = []
         where: list[Any] = [None]
 
         async def read() -> None:
@@ -181,13 +181,13 @@ class ChunkLoader:
             return positions, chunk.served_indices(positions)
 
         async def permute() -> None:
-            order[0] = await anyio.to_thread.run_sync(draw)
+            drawn.append(await anyio.to_thread.run_sync(draw))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(permute)
             tg.start_soon(read)
         arrays, rows_are_global = where[0]
-        positions, indices = order[0]
+        ((positions, indices),) = drawn
         if rows_are_global:  # rows are taken at their global indices: positions are not needed
             positions = None
         return LoadedChunk(chunk, positions, arrays, indices, rows_are_global=rows_are_global)

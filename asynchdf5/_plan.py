@@ -99,10 +99,9 @@ class ChunkPlan:
 
     def served_indices(self, order: np.ndarray | None) -> np.ndarray:
         """Global indices of the served samples, in serving order (``order``: what
-        :meth:`order` returned). The same as ``global_indices(order)``, but from a map of every
-        slot row to its global index, built once: a ``take`` per sample instead of a binary
-        search over the ranges (that search cost 0.15 CPU s a streaming epoch of the 4M-row
-        tabular benchmark set)."""
+        :meth:`order` returned), from a map of every slot row to its global index, built once:
+        a ``take`` per sample (a binary search over the ranges per sample cost 0.15 CPU s a
+        streaming epoch of the 4M-row tabular benchmark set)."""
         a, b = self.serve or (0, self.rows)
         out: np.ndarray
         if len(self.ranges) == 1:
@@ -117,18 +116,6 @@ class ChunkPlan:
         slot_globals += np.arange(self.rows, dtype=np.int64)
         out = slot_globals[a:b].copy() if order is None else slot_globals[order]
         return out
-
-    def global_indices(self, positions: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Global indices of the samples at ``positions`` of the slot (into ``out``, if given)."""
-        shift: int | np.ndarray
-        if len(self.ranges) == 1:
-            shift = self.ranges[0][0]
-        else:
-            starts, firsts = self._offsets
-            which = np.searchsorted(firsts, positions, side="right") - 1
-            shift = starts[which] - firsts[which]
-        result: np.ndarray = np.add(positions, shift, out=out, dtype=np.int64, casting="unsafe")
-        return result
 
 
 @dataclass(frozen=True)

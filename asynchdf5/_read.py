@@ -346,7 +346,6 @@ class MemoryReader:
     read_notes: Mapping[str, str] = {}
 
     def __init__(self, arrays: Mapping[str, np.ndarray], tops: Mapping[str, TopInfo]) -> None:
-        self.arrays = arrays
         self.own_arrays = arrays
         self.tops = tops
         self.n_samples = len(next(iter(arrays.values())))
@@ -354,7 +353,7 @@ class MemoryReader:
     async def read(
         self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
     ) -> tuple[Mapping[str, np.ndarray], bool]:
-        return self.arrays, True
+        return self.own_arrays, True
 
     async def aclose(self) -> None:
         pass

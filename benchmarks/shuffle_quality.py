@@ -21,7 +21,7 @@ permutation cut into batches of 256) and several (seed, epoch) pairs it measures
   reported.
 
 The serving order of an epoch is the concatenation, in chunk order, of each chunk's
-``global_indices(order())``; batches are consecutive cuts of it (``EpochPlan.batch_sizes``), as
+``served_indices(order())``; batches are consecutive cuts of it (``EpochPlan.batch_sizes``), as
 the layer's batcher cuts them across chunk boundaries.
 """
 
@@ -177,11 +177,9 @@ def epoch_order(mode: Mode, spec: OrderSpec, seed: int, epoch: int) -> npt.NDArr
     out = np.empty(sum(c.size for c in plan.chunks), np.int64)
     at = 0
     for chunk in plan.chunks:
-        positions = chunk.order()
-        if positions is None:
-            positions = np.arange(chunk.rows, dtype=np.int64)
-        chunk.global_indices(positions, out=out[at : at + len(positions)])
-        at += len(positions)
+        served = chunk.served_indices(chunk.order())
+        out[at : at + len(served)] = served
+        at += len(served)
     return out
 
 
