@@ -202,17 +202,20 @@ def gather_rows(
             rows = idx
         else:
             rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
-        for name, dest in out.items():
-            src = chunk.arrays[name]
-            if isinstance(rows, slice):
-                dest[at : at + n] = src[rows]
-            else:
-                # mode="clip" writes straight into ``dest``; numpy's default ("raise") gathers
-                # into a temporary first and copies it over (measured: 1.4-2x slower for image
-                # batches). The bounds are checked once per piece instead.
-                if n and (rows.min() < 0 or rows.max() >= len(src)):
-                    raise IndexError(f"rows {rows.min()}..{rows.max()} of {len(src)}")
-                np.take(src, rows, axis=0, out=dest[at : at + n], mode="clip")
+        if isinstance(rows, slice):
+            for name, dest in out.items():
+                dest[at : at + n] = chunk.arrays[name][rows]
+        else:
+            # mode="clip" writes straight into ``dest``; numpy's default ("raise") gathers into
+            # a temporary first and copies it over (measured: 1.4-2x slower for image batches).
+            # The bounds are checked once per piece instead (every top has as many rows).
+            if n:
+                lo, hi = int(rows.min()), int(rows.max())
+                for name in out:
+                    if lo < 0 or hi >= len(chunk.arrays[name]):
+                        raise IndexError(f"rows {lo}..{hi} of {len(chunk.arrays[name])}")
+            for name, dest in out.items():
+                np.take(chunk.arrays[name], rows, axis=0, out=dest[at : at + n], mode="clip")
         at += n
 
 
