@@ -141,11 +141,11 @@ class EpochIterator:
             # Cancellation is honoured here, once per group, at the cost of no loop round trip.
             await anyio.lowlevel.checkpoint_if_cancelled()
             try:
-                group = run.items.receive_nowait()
+                group = run.take_nowait()
             except anyio.WouldBlock:
                 t0 = time.perf_counter()
                 try:
-                    group = await run.items.receive()
+                    group = await run.take()
                 finally:
                     self._paused = t1 = time.perf_counter()
                     session.stats.consumer.wait_seconds += t1 - t0
@@ -216,7 +216,7 @@ class EpochIterator:
         while len(out) < limit and not self.done and session.run is run:
             if not ready:
                 try:
-                    ready.extend(run.items.receive_nowait())
+                    ready.extend(run.take_nowait())
                 except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                     break
             item = ready[0]

@@ -1,24 +1,25 @@
-"""The pipeline: reader and batcher tasks wired with bounded memory object streams.
+"""The pipeline: a reader and a batcher task, and a gathering thread, wired with bounded queues.
 
 One :class:`Run` serves epochs from ``start_epoch`` on, in one *mode*: ``"epoch"`` (per-epoch
 batch cuts, an :class:`EpochEnd` marker after each epoch) or ``"stream"`` (full batches that wrap
 across epochs). A run lives in the layer's task group; the layer replaces it when the consumer
 leaves an epoch early or switches mode, and cancels it when the layer closes.
 
-Data moves one way, through four tasks and bounded memory object streams::
+Data moves one way::
 
-    reader ──(LoadedChunk)──▶ batcher ──(BatchSpec group)──▶ gatherer ──(Batch group)──▶ sender
-                                                                                          │
-                                                      consumer ◀──(Batch | EpochEnd | Failure)
+    reader ──(LoadedChunk)──▶ batcher ══(GroupSpec)══▶ gather thread ══(Batch group)══▶ consumer
+     task      memory stream    task      queue.Queue   (long-lived)      Handoff     (take / ready)
 
 The reader (a :class:`~._loading.ChunkLoader`) fills each cache slot with the next chunk as soon
 as the slot is free, even while the chunk before is still being read, drawing each chunk's
 serving order meanwhile, and hands the chunks on in order; the batcher cuts that order into
-batches; the gatherer has the :class:`~._delivery.Delivery` gather, transform (and upload) them
-in groups in a worker thread, ahead of the consumer by up to ``prefetch`` batches; the sender
-queues them for the consumer. A slot goes back to the reader once every batch cut
-from it is gathered. A failure in any stage is sent to the consumer, after the batches that were
-complete before it, and ends the run.
+groups of batches; the gather thread has the :class:`~._delivery.Delivery` gather, transform
+(and upload) them, ahead of the consumer by a bounded number of groups; the consumer takes each
+group's batches one at a time. The gather thread never waits for the event loop: it takes the
+next group from a thread-safe queue the batcher keeps filled, and puts the result where the
+consumer takes it without a loop round trip (:class:`~._handoff.Handoff`). A slot goes back to
+the reader once every batch cut from it is gathered and taken. A failure in any stage is sent to
+the consumer, after the batches that were complete before it, and ends the run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import collections
 import contextlib
 import logging
 import math
+import queue
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,12 +39,13 @@ from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.abc import ObjectReceiveStream
 
 from ._batch import Batch, BatchSpec, GroupSpec, carry
 from ._cache import Slot
 from ._delivery import Delivery, line_offset
 from ._errors import DataLayerError
+from ._handoff import Handoff
 from ._loading import ChunkItem, ChunkLoader
 from ._plan import EpochPlan
 from ._read import Reader
@@ -77,9 +81,13 @@ class Failure:
 
 
 Item = Batch | EpochEnd | Failure
-#: What the batcher hands the gatherer, and the gatherer the sender; errors travel in order.
+#: What the batcher hands the gather thread; errors travel in order.
 _GroupItem = GroupSpec | EpochEnd | Exception
-_DoneItem = tuple[GroupSpec, list[Batch]] | EpochEnd | Exception
+#: A work item for the gather thread, and whether it holds a unit of the batcher's room.
+_Work = tuple[_GroupItem | Failure, bool]
+#: What the gather thread hands the consumer per work item: the group (its chunks are let go of
+#: when the consumer takes it), its items, and whether it held room.
+_Entry = tuple[GroupSpec | None, list[Item], bool]
 
 
 class Run:
@@ -119,68 +127,134 @@ class Run:
         self.delivery = delivery
         self.stats = stats
         row_bytes = sum(t.row_bytes for t in reader.tops.values())
-        # Gather several batches per worker-thread call: a thread hop costs tens of µs, which
-        # matters at thousands of batches per second. Groups of about GROUP_BYTES.
+        # Gather several batches per group: the batcher's and the consumer's Python work is per
+        # group, not per batch, which matters at thousands of batches per second. Groups of
+        # about GROUP_BYTES.
         self.group = int(
             max(1, min(delivery.group_batches, GROUP_BYTES // max(1, row_bytes * batch_size)))
         )
         capacity = max(prefetch, self.group)
-        groups = -(-capacity // self.group)  # the queue holds whole groups
-        # Batch buffers: enough for what can be in flight (the queue, one group being gathered,
-        # the group the consumer takes batches from), reused once the consumer lets go of them.
+        groups = -(-capacity // self.group)  # gathered groups waiting for the consumer
+        # Groups cut and not yet taken by the consumer: `groups` ready, one being gathered, one
+        # queued behind it (so the gather thread never waits for the batcher to wake up).
+        self._room = anyio.Semaphore(groups + 2)
+        # Batch buffers: enough for the groups in flight and the group the consumer takes
+        # batches from, reused once the consumer lets go of them.
         sources = slots[0].arrays if slots else reader.own_arrays
         offsets = {k: line_offset(a) for k, a in (sources or {}).items()}
         delivery.start(reader.tops, batch_size * self.group, groups + 4, offsets)
         self._pool = ThreadPoolExecutor(1, "asynchdf5-gather") if gather_threads > 1 else None
-        # Batches reach the consumer a group at a time (one list per gathered group, epoch markers
-        # in order): a stream operation per batch costs more than a small batch's gathering.
-        self._send, self.items = anyio.create_memory_object_stream[list[Item]](groups)
-        #: The consumer's side of the current group: items taken from ``items``, not yet served.
+        #: Batcher -> gather thread: groups, epoch ends and errors in order; None ends it.
+        self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._stopping = False  # the gather thread drops what is queued and ends
+        self._batcher_waits = False  # the batcher waits for room (the gather thread is ahead)
+        #: Gather thread -> consumer: one entry per work item, in order.
+        self._out: Handoff[_Entry] = Handoff()
+        #: The consumer's side of the current group: items taken, not yet served.
         self.ready: collections.deque[Item] = collections.deque()
-        #: Epoch at the head of ``items`` when the consumer stands at an epoch boundary, else None.
+        #: Epoch at the head of the queue when the consumer stands at an epoch boundary, else None.
         self.head_epoch: int | None = start_epoch
         self.scope = anyio.CancelScope()
         self.done = anyio.Event()
-        self._gather_limiter = anyio.CapacityLimiter(1)
         self._row_specs = {t.name: (t.sample_shape, t.dtype) for t in reader.tops.values()}
 
     async def main(self) -> None:
-        """Run until cancelled or failed; always closes the item stream."""
+        """Run until cancelled or failed; always ends the gather thread and the consumer's queue."""
+        thread = threading.Thread(target=self._gather_thread, name="asynchdf5-gather", daemon=True)
+        thread.start()
+        drain = False  # let the gather thread finish what is queued (a failure is behind it)
         try:
             with self.scope:
                 send, recv = anyio.create_memory_object_stream[ChunkItem](
                     math.inf if self.slots is not None else 1
                 )
-                groups_send, groups_recv = anyio.create_memory_object_stream[_GroupItem](1)
-                done_send, done_recv = anyio.create_memory_object_stream[_DoneItem](1)
                 try:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(_upstream, self._loader.run, send)
-                        tg.start_soon(_upstream, self._batcher, recv, groups_send)
-                        tg.start_soon(_upstream, self._gatherer, groups_recv, done_send)
-                        await self._sender(done_recv)
-                except Exception as exc:  # every failure goes to the consumer
-                    await self._send.send([Failure(_leaf(exc))])
+                        await self._batcher(recv)
+                    drain = True  # the batcher forwarded an error and ended
+                except Exception as exc:  # every failure goes to the consumer, in order
+                    self._work.put((Failure(_leaf(exc)), False))
+                    drain = True
+                except BaseExceptionGroup as group:
+                    # Errors beside a cancellation: a read failed while the run was being
+                    # stopped (the consumer took an earlier failure, or left). Nobody waits for
+                    # them any more; the cancellation goes on.
+                    _, cancelled = group.split(Exception)
+                    if cancelled is None:  # pragma: no cover - only Exceptions: caught above
+                        raise
+                    raise cancelled from None
                 finally:
-                    for stream in (send, recv, groups_send, groups_recv, done_send, done_recv):
-                        stream.close()
+                    send.close()
+                    recv.close()
         finally:
-            self._send.close()
-            if self._pool is not None:
-                with anyio.CancelScope(shield=True):  # the thread is idle: this is quick
+            self._stopping = not drain or self.scope.cancel_called
+            self._work.put(None)
+            with anyio.CancelScope(shield=True):  # quick: at most a group in progress
+                await anyio.to_thread.run_sync(thread.join)
+                if self._pool is not None:
                     await anyio.to_thread.run_sync(self._pool.shutdown)
+            self._out.finish()
             self.done.set()
 
     async def stop(self) -> None:
         """Cancel the run and wait until its tasks and threads are done."""
         self.scope.cancel()
         await self.done.wait()
-        self.items.close()
+        self.shut()
+
+    # --- the consumer's side ------------------------------------------------------------------
+
+    def take_nowait(self) -> list[Item]:
+        """The items of the next gathered group (batches, epoch ends, a failure), without
+        waiting: :class:`anyio.WouldBlock` when none is ready, :class:`anyio.EndOfStream` after
+        the run ended, :class:`anyio.ClosedResourceError` after :meth:`shut`."""
+        while True:
+            items = self._taken(self._out.get_nowait())
+            if items:
+                return items
+
+    async def take(self) -> list[Item]:
+        """:meth:`take_nowait`, waiting for a group when none is ready."""
+        while True:
+            items = self._taken(await self._out.get())
+            if items:
+                return items
+
+    def _taken(self, entry: _Entry) -> list[Item]:
+        """The consumer took ``entry``: its chunks' rows are no longer needed, and its room
+        goes back to the batcher."""
+        group, items, permit = entry
+        if group is not None:
+            for chunk, _, _ in group.pieces:
+                chunk.refs -= 1
+                chunk.done_with()
+        if permit:
+            self._room.release()
+        return items
+
+    def shut(self) -> None:
+        """The consumer is gone: drop what is queued for it (event-loop thread)."""
+        self._out.close()
         self.ready.clear()
 
-    async def _batcher(
-        self, recv: ObjectReceiveStream[ChunkItem], groups: ObjectSendStream[_GroupItem]
-    ) -> None:
+    # --- the stages -----------------------------------------------------------------------------
+
+    async def _submit(self, item: _GroupItem) -> None:
+        """Queue ``item`` for the gather thread, once there is room for it."""
+        try:
+            self._room.acquire_nowait()
+        except anyio.WouldBlock:
+            t0 = time.perf_counter()
+            self._batcher_waits = True
+            try:
+                await self._room.acquire()
+            finally:
+                self._batcher_waits = False
+                self.stats.gather.stage.blocked += time.perf_counter() - t0
+        self._work.put((item, True))
+
+    async def _batcher(self, recv: ObjectReceiveStream[ChunkItem]) -> None:
         """Cut the chunks' serving orders into batches, in groups for the gatherer.
 
         Runs of whole batches within a chunk are cut at once (one piece, a size per batch); only
@@ -204,13 +278,13 @@ class Run:
                 return B
             return tail.popleft() if tail else 0
 
-        async with recv, groups:
+        async with recv:
             async for item in recv:
                 if isinstance(item, Exception):
-                    await groups.send(item)  # behind the groups already cut
+                    await self._submit(item)  # behind the groups already cut
                     return
                 if isinstance(item, EpochPlan):  # an empty epoch
-                    await groups.send(EpochEnd(item.epoch))
+                    await self._submit(EpochEnd(item.epoch))
                     continue
                 plan, chunk = item
                 epoch = chunk.plan.epoch
@@ -252,20 +326,20 @@ class Run:
                         cur = None
                         need = next_size()
                     if len(group.sizes) >= self.group:
-                        await groups.send(group)
+                        await self._submit(group)
                         group = GroupSpec()
                 chunk.cut = True
                 last = chunk.plan.index == len(plan.chunks) - 1
                 if last and cur is not None:
                     cur.ends_epoch = plan.epoch  # stream mode: the batch wraps into the next epoch
                 if group.sizes:
-                    await groups.send(group)
+                    await self._submit(group)
                     group = GroupSpec()
                 if cur is not None:
                     await self._carry(cur)  # the invariant: see the class docstring
                 chunk.done_with()
                 if last and cur is None:
-                    await groups.send(EpochEnd(plan.epoch))
+                    await self._submit(EpochEnd(plan.epoch))
 
     async def _carry(self, spec: BatchSpec) -> None:
         """Move the rows of the incomplete batch ``spec`` out of the chunks they are in, into a
@@ -277,64 +351,51 @@ class Run:
             chunk.refs -= 1
             chunk.done_with()
 
-    async def _gatherer(
-        self, groups: ObjectReceiveStream[_GroupItem], done: ObjectSendStream[_DoneItem]
-    ) -> None:
-        """Gather and transform each group in a worker thread. It runs while the sender hands
-        the previous group to the consumer, so the event loop's work and the gathering overlap."""
+    def _gather_thread(self) -> None:
+        """The gather thread: gather and transform each queued group, and put the batches where
+        the consumer takes them, until None. Never waits for the event loop; a failure of a
+        group goes to the consumer after the batches before it, and what follows is dropped."""
         times = self.stats.gather.stage
         clock = time.perf_counter
-        async with groups, done:
-            t0 = clock()
-            async for item in groups:
-                t1 = clock()
+        failed = False
+        work, out = self._work, self._out
+        t0 = clock()
+        while True:
+            idle = not self._batcher_waits  # else the consumer is behind, not the batcher
+            work_item = work.get()
+            t1 = clock()
+            if idle:
                 times.starved += t1 - t0
-                if not isinstance(item, GroupSpec):
-                    await done.send(item)
-                    if isinstance(item, Exception):
-                        return
-                    t0 = clock()
-                    continue
-                try:
-                    batches, error = await anyio.to_thread.run_sync(
-                        self.delivery.make,
-                        item,
-                        self.stats.gather,
-                        self._pool,
-                        limiter=self._gather_limiter,
-                    )
-                finally:
-                    for chunk, _, _ in item.pieces:
-                        chunk.refs -= 1
-                        chunk.done_with()
-                t2 = clock()
-                await done.send((item, batches))
+            if work_item is None:
+                return
+            item, permit = work_item
+            if self._stopping or failed:
                 t0 = clock()
-                times.busy += t2 - t1
-                times.blocked += t0 - t2
-                if error is not None:
-                    await done.send(error)  # after the complete batches before it
-                    return
-
-    async def _sender(self, done: ObjectReceiveStream[_DoneItem]) -> None:
-        """Hand batches and epoch markers to the consumer, a group at a time, in order; raise a
-        forwarded error."""
-        send = self._send
-        async with done:
-            async for item in done:
-                if isinstance(item, Exception):
-                    raise item
-                if isinstance(item, EpochEnd):
-                    await send.send([item])
-                    continue
-                spec, batches = item
+                continue
+            if isinstance(item, EpochEnd):
+                out.put((None, [item], permit))
+            elif isinstance(item, Failure):
+                out.put((None, [item], permit))
+                failed = True
+            elif isinstance(item, Exception):
+                out.put((None, [Failure(_leaf(item))], permit))
+                failed = True
+            else:
+                try:
+                    batches, error = self.delivery.make(item, self.stats.gather, self._pool)
+                except Exception as exc:  # a bug: still reported, in order
+                    batches, error = [], exc
                 group: list[Item] = []
-                for i, batch in enumerate(batches):  # fewer than spec.sizes on an error
+                for i, batch in enumerate(batches):  # fewer than item.sizes on an error
                     group.append(batch)
-                    if i in spec.ends:
-                        group.append(EpochEnd(spec.ends[i]))
-                if group:
-                    await send.send(group)
+                    if i in item.ends:
+                        group.append(EpochEnd(item.ends[i]))
+                if error is not None:
+                    group.append(Failure(_leaf(error)))
+                    failed = True
+                out.put((item, group, permit))
+            t0 = clock()
+            times.busy += t0 - t1
 
 
 async def _upstream(stage: Callable[..., Awaitable[None]], *args: Any) -> None:

@@ -67,6 +67,9 @@ class Session:
         self.sync = sync
         self.closed = False
         self.run: Run | None = None
+        #: A failed run, stopping: its threads may still read into the cache slots, so the
+        #: next run starts only once it is done.
+        self._ending: Run | None = None
         self._consumer: weakref.ReferenceType[EpochIterator] | None = None
         self._touched: int | None = None  # latest epoch the consumer got a batch of
         # Where the consumer is: batches yielded to it (not prefetched), in its epoch; for a
@@ -121,6 +124,9 @@ class Session:
         if run is None or run.mode != it.mode or run.head_epoch != self.epoch:
             if run is not None:
                 await run.stop()
+            if self._ending is not None:
+                await self._ending.done.wait()
+                self._ending = None
             run = self.start_run(it.mode)
         return run
 
@@ -195,8 +201,8 @@ class Session:
         self._consumer = None
         if self.run is not None:
             self.run.scope.cancel()  # a no-op when the run itself failed: it is over
-            self.run.items.close()
-            self.run.ready.clear()
+            self.run.shut()
+            self._ending = self.run
         self.run = None
 
     def left(self, it: EpochIterator) -> None:
@@ -218,8 +224,7 @@ class Session:
         consumer still iterating has left its epoch early: that epoch is over."""
         self.closed = True
         if self.run is not None:
-            self.run.items.close()
-            self.run.ready.clear()
+            self.run.shut()
         self.run = None
         self._settle()
         try:

@@ -71,7 +71,8 @@ class ReadStats:
 
 @dataclass
 class GatherStats:
-    """Written by the gathering stage (delivery; ``stage``: by the pipeline's gatherer task)."""
+    """Written by the gathering stage (the delivery, in the gather thread; ``stage``: busy and
+    starved by the gather thread, blocked by the batcher waiting for room)."""
 
     stage: StageTimes = field(default_factory=StageTimes)
     gather_seconds: float = 0.0

@@ -35,7 +35,7 @@ __all__ = [
 class Delivery(Protocol):
     """Where batches go (host memory, a CUDA device)."""
 
-    #: The most batches gathered per worker-thread call, and handed over as one queue item.
+    #: The most batches gathered in one go, and handed to the consumer as one group.
     group_batches: int
 
     def check(self, tops: Mapping[str, TopInfo]) -> None:
