@@ -43,6 +43,10 @@ class Handoff(Generic[T]):
         self._finished = False  # no more items will come
         self._closed = False  # the consumer is gone: items are dropped
 
+    def __len__(self) -> int:
+        """Items queued and not yet taken (any thread: a snapshot)."""
+        return len(self._items)
+
     def put(self, item: T) -> None:
         """Queue ``item`` (from any thread; returns at once). Dropped once the consumer closed."""
         if self._closed:

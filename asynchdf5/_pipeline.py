@@ -147,7 +147,6 @@ class Run:
         #: Batcher -> gather thread: groups, epoch ends and errors in order; None ends it.
         self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._stopping = False  # the gather thread drops what is queued and ends
-        self._batcher_waits = False  # the batcher waits for room (the gather thread is ahead)
         #: Gather thread -> consumer: one entry per work item, in order.
         self._out: Handoff[_Entry] = Handoff()
         #: The consumer's side of the current group: items taken, not yet served.
@@ -242,16 +241,7 @@ class Run:
 
     async def _submit(self, item: _GroupItem) -> None:
         """Queue ``item`` for the gather thread, once there is room for it."""
-        try:
-            self._room.acquire_nowait()
-        except anyio.WouldBlock:
-            t0 = time.perf_counter()
-            self._batcher_waits = True
-            try:
-                await self._room.acquire()
-            finally:
-                self._batcher_waits = False
-                self.stats.gather.stage.blocked += time.perf_counter() - t0
+        await self._room.acquire()
         self._work.put((item, True))
 
     async def _batcher(self, recv: ObjectReceiveStream[ChunkItem]) -> None:
@@ -361,10 +351,15 @@ class Run:
         work, out = self._work, self._out
         t0 = clock()
         while True:
-            idle = not self._batcher_waits  # else the consumer is behind, not the batcher
+            # Waiting with groups the consumer has not taken yet: the consumer is behind (the
+            # batcher waits for room, or the reader for the slots those groups hold), so the
+            # stage is blocked; with none, it is starved by the reader or the batcher.
+            blocked = bool(out)
             work_item = work.get()
             t1 = clock()
-            if idle:
+            if blocked:
+                times.blocked += t1 - t0
+            else:
                 times.starved += t1 - t0
             if work_item is None:
                 return

@@ -71,8 +71,7 @@ class ReadStats:
 
 @dataclass
 class GatherStats:
-    """Written by the gathering stage (the delivery, in the gather thread; ``stage``: busy and
-    starved by the gather thread, blocked by the batcher waiting for room)."""
+    """Written by the gathering stage (the delivery and ``stage``: by the gather thread)."""
 
     stage: StageTimes = field(default_factory=StageTimes)
     gather_seconds: float = 0.0

@@ -109,6 +109,7 @@ async def test_cancelling_a_parked_consumer_loses_nothing() -> None:
     with anyio.move_on_after(0.05) as scope:
         await box.get()
     assert scope.cancelled_caught
+
     def produce() -> None:
         for i in range(3):
             box.put(i)

@@ -27,6 +27,8 @@ async def test_a_slow_consumer_is_the_bottleneck(tmp_path: Path) -> None:
     assert consumer.busy_seconds >= 40 * 0.01
     assert consumer.starved_seconds < consumer.busy_seconds
     assert stats.stages["read"].blocked_seconds > 0  # the reader waited for free slots
+    gather = stats.stages["gather"]  # the gather thread waited for the consumer to take groups
+    assert gather.blocked_seconds > gather.starved_seconds
     assert stats.bottleneck().startswith("your training step")
 
 
