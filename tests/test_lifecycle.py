@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -19,6 +20,7 @@ from asynchdf5 import (
     HDF5DataLayer,
     MemoryDataLayer,
     StateError,
+    TransformError,
 )
 
 from ._files import N, check_epoch, write_source
@@ -276,3 +278,39 @@ async def test_a_consumer_that_never_awaits_still_lets_other_tasks_run() -> None
     # About 5 steps per millisecond; before, a whole group of 64 batches went by unseen.
     most = max(b - a for a, b in itertools.pairwise(seen))
     assert most <= 20, most
+
+
+async def test_a_failed_run_is_over_before_the_next_one_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run an error ended may still have threads reading into the cache slots: the next
+    iteration's run starts only once it is done (it would read into the same slots)."""
+    from asynchdf5._session import Session
+
+    runs: list[Any] = []
+    seen: list[list[bool]] = []
+    start_run = Session.start_run
+
+    def recording(self: Session, mode: Any) -> Any:
+        seen.append([r.done.is_set() for r in runs])
+        runs.append(start_run(self, mode))
+        return runs[-1]
+
+    monkeypatch.setattr(Session, "start_run", recording)
+    calls = itertools.count()
+
+    def flaky(x: np.ndarray) -> np.ndarray:
+        if next(calls) == 3:
+            raise ValueError("the fourth batch")
+        return x
+
+    lst, _ = write_source(tmp_path, (2000, 2000))
+    layer = AsyncHDF5DataLayer(lst, batch_size=100, chunk_size=500, transformers=[("data", flaky)])
+    with anyio.fail_after(30):
+        async with layer:
+            with pytest.raises(TransformError):
+                async for _ in layer:
+                    pass
+            got = [b async for b in layer]  # at once: no await between the failure and this
+    assert sum(b.size for b in got) == 4000
+    assert seen == [[], [True]]
