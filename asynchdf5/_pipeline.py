@@ -95,15 +95,16 @@ class Run:
 
     **Nothing waits on itself.** The reader needs a free cache slot to read the next chunk, and
     a slot is freed when every row of its chunk has been cut and every batch cut from it has been
-    gathered. The invariant that keeps this from ever waiting on a later chunk: *no incomplete
-    batch holds a slot across a chunk boundary*. When the batcher has cut the last row of a
-    chunk and the batch it is building is still short (chunks and batches need not line up:
-    ramped first chunks, a short last chunk, a stream wrapping into the next epoch), it copies
-    that batch's rows (fewer than ``batch_size``) into a carry buffer of their own and lets go
-    of the chunk (:meth:`_carry`). So each batch holds at most one slot, and a slot comes back
-    once the batches fully inside its chunk are gathered, which depends only on the consumer
-    taking batches, never on a chunk still to be read. Any number of slots >= 1 makes progress;
-    two let the next chunk be read while this one is served.
+    gathered and taken by the consumer. The invariant that keeps this from ever waiting on a
+    later chunk: *no incomplete batch holds a slot across a chunk boundary*. When the batcher
+    has cut the last row of a chunk and the batch it is building is still short (chunks and
+    batches need not line up: ramped first chunks, a short last chunk, a stream wrapping into
+    the next epoch), it copies that batch's rows (fewer than ``batch_size``) into a carry buffer
+    of their own and lets go of the chunk (:meth:`_carry`). So each batch holds at most one
+    slot, and a slot comes back once the batches fully inside its chunk are gathered and taken,
+    which depends only on the consumer taking batches, never on a chunk still to be read. Any
+    number of slots >= 1 makes progress; two let the next chunk be read while this one is
+    served.
     """
 
     def __init__(
