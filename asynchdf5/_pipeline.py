@@ -82,9 +82,9 @@ class Failure:
 
 Item = Batch | EpochEnd | Failure
 #: What the batcher hands the gather thread; errors travel in order.
-_GroupItem = GroupSpec | EpochEnd | Exception
+_GroupItem = GroupSpec | EpochEnd | Failure
 #: A work item for the gather thread, and whether it holds a unit of the batcher's room.
-_Work = tuple[_GroupItem | Failure, bool]
+_Work = tuple[_GroupItem, bool]
 #: What the gather thread hands the consumer per work item: the group (its chunks are let go of
 #: when the consumer takes it), its items, and whether it held room.
 _Entry = tuple[GroupSpec | None, list[Item], bool]
@@ -272,7 +272,7 @@ class Run:
         async with recv:
             async for item in recv:
                 if isinstance(item, Exception):
-                    await self._submit(item)  # behind the groups already cut
+                    await self._submit(Failure(_leaf(item)))  # behind the groups already cut
                     return
                 if isinstance(item, EpochPlan):  # an empty epoch
                     await self._submit(EpochEnd(item.epoch))
@@ -368,14 +368,9 @@ class Run:
             if self._stopping or failed:
                 t0 = clock()
                 continue
-            if isinstance(item, EpochEnd):
+            if not isinstance(item, GroupSpec):  # an epoch end, or the error that ended a stage
                 out.put((None, [item], permit))
-            elif isinstance(item, Failure):
-                out.put((None, [item], permit))
-                failed = True
-            elif isinstance(item, Exception):
-                out.put((None, [Failure(_leaf(item))], permit))
-                failed = True
+                failed = isinstance(item, Failure)
             else:
                 try:
                     batches, error = self.delivery.make(item, self.stats.gather, self._pool)
