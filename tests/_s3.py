@@ -17,7 +17,8 @@ does, ``GET`` to read its counters. It can
   moto reads an object whole for every ranged GET, which makes a large object's ranged reads
   O(object size) each; the benchmarks need O(range), the tests do not use it.
 
-Counters: requests per method, ``get_bytes`` (body bytes of GET responses), ``abandoned``.
+Counters: requests per method, ``get_bytes`` (body bytes of GET responses), ``stalled`` (requests
+a stall rule took), ``abandoned``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class _Faults:
             latency = self.latency
             fail = self._take("fail", method, target)
             stall = self._take("stall", method, target)
+            if stall is not None:
+                self.counts["stalled"] += 1
         if latency:
             time.sleep(latency)
         if stall is not None and not self._stall(environ, float(stall["seconds"])):
@@ -335,7 +338,7 @@ class S3Server:
         self._post(config)
 
     def counts(self, *, reset: bool = False) -> dict[str, int]:
-        """The counters since the last reset (GET, HEAD, ..., get_bytes, abandoned)."""
+        """The counters since the last reset (GET, HEAD, ..., get_bytes, stalled, abandoned)."""
         return self._post({"reset_counts": True} if reset else {})
 
     def reset_auth(self, count: float) -> None:
