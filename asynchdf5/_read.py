@@ -39,6 +39,9 @@ __all__ = ["HDF5Reader", "MemoryReader", "Reader"]
 
 
 def _byte_view(a: np.ndarray) -> memoryview:
+    """The bytes of ``a`` (C-contiguous: written through, never a copy)."""
+    if not a.flags.c_contiguous:
+        raise ValueError("a destination of direct reads must be C-contiguous")
     return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
@@ -197,13 +200,20 @@ class HDF5Reader:
         h5reads: list[_H5pyRead] = []
         after: list[Callable[[], None]] = []
         for top, info in self.tops.items():
+            # The bytes of the whole destination, sliced per segment (a chunk of blocks drawn
+            # from all over the file has hundreds of segments: this runs on the event loop).
+            whole: memoryview | None = None
+            rb = info.row_bytes
             for seg in segments:
                 layout = seg.file.layouts[top]
                 n = seg.row_stop - seg.row_start
                 dest = arrays[top][seg.out_start : seg.out_start + n]
                 about = f"top {top!r}, rows {seg.row_start}:{seg.row_stop}"
                 if layout.path == "pread":
-                    ranges += _direct(layout, seg.row_start, seg.row_stop, dest, info, about)
+                    if whole is None:
+                        whole = _byte_view(arrays[top])
+                    view = whole[seg.out_start * rb : (seg.out_start + n) * rb]
+                    ranges += _direct(layout, seg.row_start, seg.row_stop, view, rb, about)
                     if layout.swap:
                         after.append(_swapper(dest))
                 elif layout.path == "chunks":
@@ -360,12 +370,11 @@ class MemoryReader:
 
 
 def _direct(
-    layout: Layout, r0: int, r1: int, dest: np.ndarray, info: TopInfo, about: str
+    layout: Layout, r0: int, r1: int, view: memoryview, row_bytes: int, about: str
 ) -> list[ByteRange]:
-    """Byte ranges of rows ``r0:r1`` over the layout's extents, straight into ``dest``; none
-    larger than ``PIECE_BYTES``."""
-    view = _byte_view(dest)
-    lo, hi = r0 * info.row_bytes, r1 * info.row_bytes
+    """Byte ranges of rows ``r0:r1`` over the layout's extents, straight into ``view`` (the
+    bytes of their destination); none larger than ``PIECE_BYTES``."""
+    lo, hi = r0 * row_bytes, r1 * row_bytes
     out = []
     for ext in layout.extents:
         a, b = max(lo, ext.start), min(hi, ext.start + ext.size)
