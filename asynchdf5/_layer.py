@@ -28,6 +28,7 @@ from ._delivery import make_delivery
 from ._errors import ConfigurationError, StateError
 from ._iterator import EpochIterator
 from ._plan import EpochPlan, check_split, plan_epoch, skip_samples
+from ._priority import nice_steps
 from ._read import Reader
 from ._resume import FORMAT, Resume, epoch_plan, parse_state
 from ._session import Session
@@ -333,6 +334,7 @@ class _Layer(SyncInterface):
         self._state = "opening"  # before any await: a second opener sees it at once
         try:
             opened_at = time.perf_counter()
+            nice_steps()  # a bad ASYNCHDF5_NICE fails here, not in a pipeline thread
             reader, slots, shape = await self._open_reader()
             try:
                 self._delivery.check(reader.tops)

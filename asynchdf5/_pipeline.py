@@ -48,6 +48,7 @@ from ._errors import DataLayerError
 from ._handoff import Handoff
 from ._loading import ChunkItem, ChunkLoader
 from ._plan import EpochPlan
+from ._priority import background
 from ._read import Reader
 from ._stats import Stats
 
@@ -144,7 +145,11 @@ class Run:
         sources = slots[0].arrays if slots else reader.own_arrays
         offsets = {k: line_offset(a) for k, a in (sources or {}).items()}
         delivery.start(reader.tops, batch_size * self.group, groups + 4, offsets)
-        self._pool = ThreadPoolExecutor(1, "asynchdf5-gather") if gather_threads > 1 else None
+        self._pool = (
+            ThreadPoolExecutor(1, "asynchdf5-gather", initializer=background)
+            if gather_threads > 1
+            else None
+        )
         #: Batcher -> gather thread: groups, epoch ends and errors in order; None ends it.
         self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._stopping = False  # the gather thread drops what is queued and ends
@@ -346,6 +351,7 @@ class Run:
         """The gather thread: gather and transform each queued group, and put the batches where
         the consumer takes them, until None. Never waits for the event loop; a failure of a
         group goes to the consumer after the batches before it, and what follows is dropped."""
+        background()
         times = self.stats.gather.stage
         clock = time.perf_counter
         failed = False

@@ -31,6 +31,7 @@ from ._codecs import ChecksumError, ChunkDecoder
 from ._errors import ReadError
 from ._layout import Layout
 from ._plan import ChunkPlan
+from ._priority import background
 from ._sources import ByteRange, Source
 from ._sources._local import PIECE_BYTES
 from ._stats import ReadStats
@@ -276,7 +277,9 @@ class HDF5Reader:
         """Read global rows into ``arrays`` (see :meth:`plan_reads`); returns the bytes read."""
         ranges, h5reads, after = self.plan_reads(placed, arrays)
         if self._pool is None and ranges:
-            self._pool = ThreadPoolExecutor(self._decode_threads, "asynchdf5-decode")
+            self._pool = ThreadPoolExecutor(
+                self._decode_threads, "asynchdf5-decode", initializer=background
+            )
         total = [0]
 
         async def fetch() -> None:

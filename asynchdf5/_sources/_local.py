@@ -1,4 +1,5 @@
-"""Local files: one file descriptor per file for the layer's life, ``preadv`` on worker threads.
+"""Local files: one file descriptor per file for the layer's life, ``preadv`` on threads of
+the source's own (below the consumer's priority: :mod:`asynchdf5._priority`).
 
 Each file is opened once, and its fingerprint (device, inode, size, mtime, ctime) taken from the
 open descriptor. Every fetch reads from that descriptor and then checks the fingerprint again
@@ -13,7 +14,7 @@ import errno
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import anyio
@@ -21,6 +22,7 @@ import anyio.to_thread
 import h5py
 
 from .._errors import DataLayerError, ReadError, SourceError
+from .._priority import background
 from .._stats import ReadStats
 from ._base import ByteRange, StoredFile
 from ._entries import HDF5_SIGNATURE
@@ -138,6 +140,7 @@ class LocalSource:
     def __init__(self) -> None:
         self._files: dict[str, LocalFile] = {}
         self._lock = threading.Lock()
+        self._readers: ThreadPoolExecutor | None = None  # made at the first fetch
 
     def exists(self, name: str) -> bool:
         return os.path.isfile(name)
@@ -186,20 +189,36 @@ class LocalSource:
         limiter: anyio.CapacityLimiter,
         stats: ReadStats,
     ) -> int:
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(
+                    int(limiter.total_tokens), "asynchdf5-read", initializer=background
+                )
+            readers = self._readers
         async with anyio.create_task_group() as tg:
             for batch in _batches(ranges):
-                tg.start_soon(self._fetch_in_thread, batch, work, limiter)
+                tg.start_soon(self._fetch_in_thread, batch, work, limiter, readers)
         return sum(r.size for r in ranges)
 
     @staticmethod
     async def _fetch_in_thread(
-        batch: list[ByteRange], work: Executor, limiter: anyio.CapacityLimiter
+        batch: list[ByteRange],
+        work: Executor,
+        limiter: anyio.CapacityLimiter,
+        readers: Executor,
     ) -> None:
-        await anyio.to_thread.run_sync(_fetch, batch, work, limiter=limiter)
+        async with limiter:
+            future = readers.submit(_fetch, batch, work)
+            # One of anyio's threads only waits (and is not cancelled before the reads end:
+            # nothing writes into a slot after its chunk was given up); the copy runs in ours.
+            await anyio.to_thread.run_sync(future.result)
 
     def close(self) -> None:
         with self._lock:
             files, self._files = list(self._files.values()), {}
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=True)
         for f in files:
             f.close()
 
