@@ -396,6 +396,7 @@ async def test_cancelling_an_epoch_cancels_the_requests_in_flight(s3: S3Server) 
         s3.faults(stall={"seconds": 20, "count": 1000, "method": "GET"})
         # Cancelled once the server holds a request (not after a fixed time, which a loaded
         # machine can spend before the first request is sent).
+        t0 = math.inf  # when cancelled
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
 
@@ -406,7 +407,6 @@ async def test_cancelling_an_epoch_cancels_the_requests_in_flight(s3: S3Server) 
                     t0 = time.monotonic()
                     tg.cancel_scope.cancel()
 
-                t0 = math.inf
                 tg.start_soon(cancel_when_stalled)
                 await one_epoch(layer)
                 pytest.fail("the epoch ended though the server held its reads")
