@@ -82,6 +82,9 @@ class LoadedChunk:
     arrays: Mapping[str, np.ndarray]
     indices: np.ndarray  # global indices of the served samples, in serving order
     rows_are_global: bool = False
+    #: Every row the gather will take (``order``, or ``indices`` when global) was checked to be
+    #: in ``arrays`` (:func:`check_rows`) when the chunk was loaded: not again per batch.
+    checked: bool = False
     release: Callable[[], None] | None = None
     refs: int = 0  # batches cut from it and not yet gathered
     cut: bool = False  # every row has been cut into a batch (or dropped)
@@ -208,15 +211,24 @@ def gather_rows(
         else:
             # mode="clip" writes straight into ``dest``; numpy's default ("raise") gathers into
             # a temporary first and copies it over (measured: 1.4-2x slower for image batches).
-            # The bounds are checked once per piece instead (every top has as many rows).
-            if n:
-                lo, hi = int(rows.min()), int(rows.max())
-                for name in out:
-                    if lo < 0 or hi >= len(chunk.arrays[name]):
-                        raise IndexError(f"rows {lo}..{hi} of {len(chunk.arrays[name])}")
+            # The bounds are checked instead: once per chunk when it was loaded, else here.
+            if n and not chunk.checked:
+                check_rows(rows, chunk.arrays)
             for name, dest in out.items():
                 np.take(chunk.arrays[name], rows, axis=0, out=dest[at : at + n], mode="clip")
         at += n
+
+
+def check_rows(rows: np.ndarray, arrays: Mapping[str, np.ndarray]) -> None:
+    """:class:`IndexError` unless every one of ``rows`` is a row of every array: ``np.take``
+    with ``mode="clip"`` (which gathers straight into a batch) would silently clip the others.
+    Two passes over ``rows``: for a batch of small samples as long as the gather itself, so it
+    runs once per chunk where it can."""
+    if len(rows):
+        lo, hi = int(rows.min()), int(rows.max())
+        for name, a in arrays.items():
+            if lo < 0 or hi >= len(a):
+                raise IndexError(f"rows {lo}..{hi} of {len(a)} (top {name!r})")
 
 
 def carry(spec: BatchSpec, tops: Mapping[str, tuple[tuple[int, ...], np.dtype[Any]]]) -> Carry:

@@ -22,7 +22,7 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ._batch import LoadedChunk
+from ._batch import LoadedChunk, check_rows
 from ._cache import Slot
 from ._plan import ChunkPlan, EpochPlan
 from ._read import Reader
@@ -168,17 +168,31 @@ class ChunkLoader:
     async def _load(self, chunk: ChunkPlan, slot: Slot | None) -> LoadedChunk:
         """Read a chunk into ``slot`` (or in place), and draw its serving order (and the global
         indices of the samples in it) meanwhile."""
-        drawn: list[tuple[np.ndarray | None, np.ndarray]] = []
+        drawn: list[tuple[np.ndarray | None, np.ndarray, bool]] = []
         where: list[Any] = [None]
+        # Where the rows will be taken from: the reader's own arrays at global indices, or the
+        # slot at the positions of the order. Checked here, once, off the event loop.
+        in_place = self.reader.in_place
+        target = self.reader.own_arrays if in_place else (None if slot is None else slot.arrays)
+        bounds = target
+        if target is not None and not in_place:
+            # In a slot, only the chunk's own rows: the rest holds an older chunk's.
+            bounds = {k: a[: chunk.rows] for k, a in target.items()}
 
         async def read() -> None:
             where[0] = await self.reader.read(
                 chunk, slot.arrays if slot is not None else None, self.stats
             )
 
-        def draw() -> tuple[np.ndarray | None, np.ndarray]:
+        def draw() -> tuple[np.ndarray | None, np.ndarray, bool]:
             positions = chunk.order()
-            return positions, chunk.served_indices(positions)
+            indices = chunk.served_indices(positions)
+            rows = indices if in_place else positions
+            if bounds is None:
+                return positions, indices, False
+            if rows is not None:
+                check_rows(rows, bounds)
+            return positions, indices, True
 
         async def permute() -> None:
             drawn.append(await anyio.to_thread.run_sync(draw))
@@ -187,10 +201,14 @@ class ChunkLoader:
             tg.start_soon(permute)
             tg.start_soon(read)
         arrays, rows_are_global = where[0]
-        ((positions, indices),) = drawn
+        ((positions, indices, checked),) = drawn
+        # Checked against what the read returned, or the gather checks each batch itself.
+        checked = checked and arrays is target and rows_are_global == in_place
         if rows_are_global:  # rows are taken at their global indices: positions are not needed
             positions = None
-        return LoadedChunk(chunk, positions, arrays, indices, rows_are_global=rows_are_global)
+        return LoadedChunk(
+            chunk, positions, arrays, indices, rows_are_global=rows_are_global, checked=checked
+        )
 
 
 class _Load:
