@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, SourceError
-from asynchdf5._sources import resolve_source
+from asynchdf5._sources import _local, resolve_source
 
 from ._files import check_message, write_h5
 
@@ -108,3 +113,40 @@ def test_a_url_named_like_hdf5_is_not_read_at_construction() -> None:
     # Nothing there, and no request made: it is checked when the layer opens.
     assert resolve_source("s3://no-such-bucket/x/data.h5") == ["s3://no-such-bucket/x/data.h5"]
     assert resolve_source("gs://b/y.hdf5?generation=1") == ["gs://b/y.hdf5?generation=1"]
+
+
+async def test_a_cancelled_fetch_never_leaves_a_read_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A fetch's task is cancelled when its run stops (the consumer left, another read failed);
+    # its chunk's slot is then given up and refilled. A read started for it must have ended by
+    # the time the task is gone: anything else writes into another chunk's rows.
+    events: list[str] = []
+    lock = threading.Lock()
+
+    def slow_read(batch: Any, work: Any) -> None:
+        with lock:
+            events.append("start")
+        time.sleep(0.2)
+        with lock:
+            events.append("end")
+
+    monkeypatch.setattr(_local, "_fetch", slow_read)
+    limiter = anyio.CapacityLimiter(2)
+    nothing: Any = None  # no decode pool: the read is a stand-in
+    with ThreadPoolExecutor(2) as readers:
+        for delay in (0, 0, 0.05):
+
+            async def cancel(tg: anyio.abc.TaskGroup, delay: float = delay) -> None:
+                await anyio.sleep(delay)
+                tg.cancel_scope.cancel()
+
+            events.clear()
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(
+                        _local.LocalSource._fetch_in_thread, [], nothing, limiter, readers
+                    )
+                    tg.start_soon(cancel, tg)
+            with lock:
+                assert events in ([], ["start", "end"]), (delay, events)

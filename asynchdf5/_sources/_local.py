@@ -11,6 +11,7 @@ a rename keeps being read, consistently, from the descriptor opened first.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -191,8 +192,10 @@ class LocalSource:
     ) -> int:
         with self._lock:
             if self._readers is None:
+                tokens = limiter.total_tokens
+                n = int(tokens) if math.isfinite(tokens) else (os.cpu_count() or 1)
                 self._readers = ThreadPoolExecutor(
-                    int(limiter.total_tokens), "asynchdf5-read", initializer=background
+                    max(1, n), "asynchdf5-read", initializer=background
                 )
             readers = self._readers
         async with anyio.create_task_group() as tg:
@@ -207,11 +210,13 @@ class LocalSource:
         limiter: anyio.CapacityLimiter,
         readers: Executor,
     ) -> None:
-        async with limiter:
-            future = readers.submit(_fetch, batch, work)
-            # One of anyio's threads only waits (and is not cancelled before the reads end:
-            # nothing writes into a slot after its chunk was given up); the copy runs in ours.
-            await anyio.to_thread.run_sync(future.result)
+        def read() -> None:
+            readers.submit(_fetch, batch, work).result()
+
+        # The copy runs in our pool's thread; one of anyio's only waits for it. Submitted from
+        # that thread, so that a read starts only once anyio runs the call, which it then does
+        # not abandon when cancelled: nothing writes into a slot after its chunk is given up.
+        await anyio.to_thread.run_sync(read, limiter=limiter)
 
     def close(self) -> None:
         with self._lock:
