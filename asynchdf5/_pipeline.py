@@ -351,7 +351,8 @@ class Run:
         """The gather thread: gather and transform each queued group, and put the batches where
         the consumer takes them, until None. Never waits for the event loop; a failure of a
         group goes to the consumer after the batches before it, and what follows is dropped."""
-        background()
+        if not self.delivery.runs_user_code:
+            background()
         times = self.stats.gather.stage
         clock = time.perf_counter
         failed = False

@@ -12,7 +12,9 @@ the consumer waits for a batch, they have the cores to themselves.
 Linux only: elsewhere (and where the kernel refuses), nothing changes. A thread's nice value is
 set once, when it starts, relative to the process's main thread, and only ever raised: an
 unprivileged process cannot take it back down. Threads that are not ours (anyio's worker
-threads, which the application shares) are never changed.
+threads, which the application shares) are never changed; and since a thread inherits its
+creator's priority, the gather thread keeps the consumer's when it runs code that is not ours
+(transformers, a device library), which may start thread pools of its own there.
 """
 
 from __future__ import annotations

@@ -95,3 +95,27 @@ async def test_a_bad_nice_setting_fails_at_open(
     with anyio.fail_after(30):
         async with layer:  # the layer is closed, and opens once the setting is right
             check_epoch([b async for b in layer], N, 10, 0)
+
+
+async def test_the_gather_thread_keeps_the_consumers_priority_when_it_runs_user_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Transformers run in the gather thread: a thread pool one of them starts there (a
+    # library's first parallel call) would inherit a lowered priority and slow the consumer's
+    # own use of it. Only the reads are lowered then.
+    monkeypatch.delenv("ASYNCHDF5_NICE", raising=False)
+    base = nice_of(os.getpid())
+    source = write_source(tmp_path)[0]
+    seen: dict[str, set[int]] = {}
+    with anyio.fail_after(30):
+        async with AsyncHDF5DataLayer(
+            source, batch_size=10, chunk_size=40, transformers=[("data", lambda a: a * 1)]
+        ) as layer:
+            batches = []
+            async for batch in layer:
+                batches.append(batch)
+                for kind, values in priorities().items():
+                    seen.setdefault(kind, set()).update(values)
+            check_epoch(batches, N, 10, 0)
+    assert seen["asynchdf5-gather"] == {base}, seen
+    assert seen["asynchdf5-read"] == {min(19, base + 10)}, seen

@@ -38,6 +38,13 @@ class Delivery(Protocol):
     #: The most batches gathered in one go, and handed to the consumer as one group.
     group_batches: int
 
+    @property
+    def runs_user_code(self) -> bool:
+        """Whether :meth:`make` runs code that is not asynchdf5's (transformers, a device
+        library): the gather thread then keeps the consumer's priority, since thread pools such
+        code starts from it would inherit a lowered one (:mod:`asynchdf5._priority`)."""
+        ...
+
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Raise :class:`~asynchdf5.SchemaError` for a top this delivery cannot carry (at open,
         before any batch)."""

@@ -161,6 +161,8 @@ class CudaDelivery:
     #: Batches are staged and uploaded one by one: a group only bounds what is in flight, and
     #: device memory (docs/gpu.md) grows with it.
     group_batches = 16
+    #: CuPy and the CUDA driver run in the gather thread (and the transformers, if any).
+    runs_user_code = True
 
     def __init__(
         self,

@@ -149,6 +149,10 @@ class HostDelivery:
         self._buffers: BatchBuffers | None = None
         self._shape: tuple[int, int, dict[str, int]] | None = None
 
+    @property
+    def runs_user_code(self) -> bool:
+        return bool(self.transformers)
+
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Host memory holds every dtype a top may have."""
 
