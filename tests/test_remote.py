@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import math
 import os
+import sys
 import threading
 import time
 import traceback
@@ -733,3 +734,26 @@ def test_remote_source_is_cheap_to_make_and_close() -> None:
     with contextlib.closing(RemoteSource({"anon": True})) as source:
         assert source.requests == 0  # nothing started, nothing to stop
     assert os.environ.get("ASYNCHDF5_NEVER_SET") is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux thread priorities")
+async def test_decoding_runs_below_the_consumer_for_remote_objects_too(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Raw chunks of remote objects are decoded on threads the remote source's own threads start,
+    # not the (lowered) local read threads: the decode pool lowers its threads itself.
+    monkeypatch.delenv("ASYNCHDF5_NICE", raising=False)
+    urls = [f"s3://{BUCKET}/layouts/gzip/part{i}.h5" for i in range(len(SIZES))]
+    want = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + 10)
+    decoders: set[int] = set()
+    async with AsyncHDF5DataLayer(
+        urls, batch_size=25, chunk_size=50, storage_options=s3.storage_options()
+    ) as layer:
+        with anyio.fail_after(30):
+            async for _ in layer:
+                decoders |= {
+                    os.getpriority(os.PRIO_PROCESS, t.native_id)
+                    for t in threading.enumerate()
+                    if t.name.startswith("asynchdf5-decode") and t.native_id is not None
+                }
+    assert decoders == {want}
