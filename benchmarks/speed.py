@@ -569,20 +569,15 @@ def section_ceiling(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                 loop_runs.append(
                     _chunk_loop_epochs(files, b, cfg.image_chunk, cfg.seed, cfg.layer_epochs)
                 )
-            try:
-                with _sync_deadline(cfg.deadline_s):
-                    loop2_runs.append(
-                        _chunk_loop2_epochs(files, b, cfg.image_chunk, cfg.seed, cfg.layer_epochs)
-                    )
-            except ValueError as exc:
-                errors.append(f"2-thread chunk loop: {exc}")
-            try:
-                with _sync_deadline(cfg.deadline_s):
-                    mapped_runs.append(
-                        _mapped_loop_epochs(files, b, cfg.image_chunk, cfg.seed, cfg.layer_epochs)
-                    )
-            except ValueError as exc:
-                errors.append(f"mapped loop: {exc}")
+            for what, loop, runs in (
+                ("2-thread chunk loop", _chunk_loop2_epochs, loop2_runs),
+                ("mapped loop", _mapped_loop_epochs, mapped_runs),
+            ):
+                try:  # contiguous data sets only
+                    with _sync_deadline(cfg.deadline_s):
+                        runs.append(loop(files, b, cfg.image_chunk, cfg.seed, cfg.layer_epochs))
+                except ValueError as exc:
+                    errors.append(f"{what}: {exc}")
             try:
                 hdf5_runs.append(
                     _run_async(

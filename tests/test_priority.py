@@ -38,6 +38,18 @@ def priorities() -> dict[str, set[int]]:
     return out
 
 
+async def epoch_priorities(layer: AsyncHDF5DataLayer) -> dict[str, set[int]]:
+    """One whole epoch of ``layer`` (checked), and the nice values seen at each batch."""
+    seen: dict[str, set[int]] = {}
+    batches = []
+    async for batch in layer:
+        batches.append(batch)
+        for kind, values in priorities().items():
+            seen.setdefault(kind, set()).update(values)
+    check_epoch(batches, N, 10, 0)
+    return seen
+
+
 @pytest.mark.parametrize(("setting", "steps"), [(None, 10), ("0", 0), ("3", 3)])
 @pytest.mark.parametrize(
     ("layout", "kinds"),
@@ -61,15 +73,9 @@ async def test_pipeline_threads_run_below_the_consumer(
     base = nice_of(os.getpid())
     assert nice_of(threading.get_native_id()) == base  # the consumer: the main thread
     source = write_source(tmp_path, layout=layout)[0]
-    seen: dict[str, set[int]] = {}
     with anyio.fail_after(30):
         async with AsyncHDF5DataLayer(source, batch_size=10, chunk_size=40, shuffle=True) as layer:
-            batches = []
-            async for batch in layer:
-                batches.append(batch)
-                for kind, values in priorities().items():
-                    seen.setdefault(kind, set()).update(values)
-            check_epoch(batches, N, 10, 0)
+            seen = await epoch_priorities(layer)
             # anyio's worker threads (which waited for the reads) are as they were.
             in_worker = await anyio.to_thread.run_sync(lambda: nice_of(threading.get_native_id()))
     assert in_worker == base
@@ -106,16 +112,10 @@ async def test_the_gather_thread_keeps_the_consumers_priority_when_it_runs_user_
     monkeypatch.delenv("ASYNCHDF5_NICE", raising=False)
     base = nice_of(os.getpid())
     source = write_source(tmp_path)[0]
-    seen: dict[str, set[int]] = {}
     with anyio.fail_after(30):
         async with AsyncHDF5DataLayer(
             source, batch_size=10, chunk_size=40, transformers=[("data", lambda a: a * 1)]
         ) as layer:
-            batches = []
-            async for batch in layer:
-                batches.append(batch)
-                for kind, values in priorities().items():
-                    seen.setdefault(kind, set()).update(values)
-            check_epoch(batches, N, 10, 0)
+            seen = await epoch_priorities(layer)
     assert seen["asynchdf5-gather"] == {base}, seen
     assert seen["asynchdf5-read"] == {min(19, base + 10)}, seen
