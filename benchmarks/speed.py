@@ -571,7 +571,7 @@ def section_ceiling(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                 )
             for what, loop, runs in (
                 ("2-thread chunk loop", _chunk_loop2_epochs, loop2_runs),
-                ("mapped loop", _mapped_loop_epochs, mapped_runs),
+                ("mapped loop", partial(_chunk_loop_epochs, mapped=True), mapped_runs),
             ):
                 try:  # contiguous data sets only
                     with _sync_deadline(cfg.deadline_s):
@@ -745,9 +745,16 @@ def _serve_chunk(
         meter.batch(len(idx))
 
 
-def _chunk_loop_epochs(files: DatasetFiles, b: int, cs: int, seed: int, epochs: int) -> LayerRun:
+def _chunk_loop_epochs(
+    files: DatasetFiles, b: int, cs: int, seed: int, epochs: int, *, mapped: bool = False
+) -> LayerRun:
     """``baselines.chunk_loop`` kept open over several epochs: chunks of ``cs`` in a random
-    order, ``read_direct`` each, permute it, ``np.take`` per batch (no batch crosses chunks)."""
+    order, ``read_direct`` each, permute it, ``np.take`` per batch (no batch crosses chunks).
+
+    ``mapped``: the same without the copy out of the page cache: each contiguous dataset mapped
+    (``np.memmap``), each batch gathered straight from the mapping. What a loader could reach by
+    mapping its files, which asynchdf5 does not do: a file truncated under a mapping kills the
+    process (SIGBUS) instead of raising. One file, contiguous data sets only."""
     n = files.spec.samples
     cs = min(cs, n)
     rng = np.random.default_rng(seed)
@@ -755,20 +762,45 @@ def _chunk_loop_epochs(files: DatasetFiles, b: int, cs: int, seed: int, epochs: 
     t0 = time.perf_counter()
     tops = [H5Rows(files, top) for top in ("data", "label")]
     try:
-        slots = [rows.empty(cs) for rows in tops]
+        chunk: Callable[[int, int], list[Array]]
+        if mapped:
+            maps = _mappings(files, tops)
+
+            def chunk(c: int, stop: int) -> list[Array]:
+                return [m[c:stop] for m in maps]
+
+        else:
+            slots = [rows.empty(cs) for rows in tops]
+
+            def chunk(c: int, stop: int) -> list[Array]:
+                for rows, slot in zip(tops, slots, strict=True):
+                    rows.read_direct(c, stop, slot)
+                return slots
+
         outs = [rows.empty(b) for rows in tops]
         for e in range(epochs):
             meter = _EpochMeter(run, t0 if e == 0 else None)
             for c in rng.permutation(range(0, n, cs)):
                 stop = min(int(c) + cs, n)
-                for rows, slot in zip(tops, slots, strict=True):
-                    rows.read_direct(int(c), stop, slot)
-                _serve_chunk(slots, outs, rng.permutation(stop - int(c)), b, meter)
+                _serve_chunk(chunk(int(c), stop), outs, rng.permutation(stop - int(c)), b, meter)
             meter.end(n)
     finally:
         for rows in tops:
             rows.close()
     return run
+
+
+def _mappings(files: DatasetFiles, tops: Sequence[H5Rows]) -> list[Array]:
+    """Each top's contiguous dataset in the one file, mapped read-only."""
+    if len(files.paths) != 1:
+        raise ValueError("the mapped loop reads one file")
+    maps: list[Array] = []
+    for rows in tops:
+        offset = rows.dsets[0].id.get_offset()
+        if offset is None:
+            raise ValueError("the mapped loop reads contiguous data sets only")
+        maps.append(np.memmap(files.paths[0], rows.dtype, "r", int(offset), rows.shape))
+    return maps
 
 
 def _chunk_loop2_epochs(files: DatasetFiles, b: int, cs: int, seed: int, epochs: int) -> LayerRun:
@@ -822,43 +854,6 @@ def _chunk_loop2_epochs(files: DatasetFiles, b: int, cs: int, seed: int, epochs:
     finally:
         for fd in fds:
             os.close(fd)
-        for rows in tops:
-            rows.close()
-    return run
-
-
-def _mapped_loop_epochs(files: DatasetFiles, b: int, cs: int, seed: int, epochs: int) -> LayerRun:
-    """The 1-thread chunk loop without the copy out of the page cache: each contiguous dataset
-    mapped (``np.memmap``), each batch gathered straight from the mapping (chunks in a random
-    order, permuted within). What a loader could reach by mapping its files, which asynchdf5
-    does not do: a file truncated under a mapping kills the process (SIGBUS) instead of raising.
-    One file per top."""
-    n = files.spec.samples
-    cs = min(cs, n)
-    rng = np.random.default_rng(seed)
-    run = LayerRun()
-    t0 = time.perf_counter()
-    tops = [H5Rows(files, top) for top in ("data", "label")]
-    try:
-        if len(files.paths) != 1:
-            raise ValueError("the mapped loop reads one file")
-        maps = []
-        for rows in tops:
-            offset = rows.dsets[0].id.get_offset()
-            if offset is None:
-                raise ValueError("the mapped loop reads contiguous data sets only")
-            maps.append(
-                np.memmap(files.paths[0], rows.dtype, "r", int(offset), (n, *rows.shape[1:]))
-            )
-        outs = [rows.empty(b) for rows in tops]
-        for e in range(epochs):
-            meter = _EpochMeter(run, t0 if e == 0 else None)
-            for c in rng.permutation(range(0, n, cs)):
-                stop = min(int(c) + cs, n)
-                views = [m[int(c) : stop] for m in maps]
-                _serve_chunk(views, outs, rng.permutation(stop - int(c)), b, meter)
-            meter.end(n)
-    finally:
         for rows in tops:
             rows.close()
     return run
