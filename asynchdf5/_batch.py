@@ -222,8 +222,7 @@ def gather_rows(
 def check_rows(rows: np.ndarray, arrays: Mapping[str, np.ndarray]) -> None:
     """:class:`IndexError` unless every one of ``rows`` is a row of every array: ``np.take``
     with ``mode="clip"`` (which gathers straight into a batch) would silently clip the others.
-    Two passes over ``rows``: for a batch of small samples as long as the gather itself, so it
-    runs once per chunk where it can."""
+    Two passes over ``rows``: the loader runs it once per chunk, so that the gather need not."""
     if len(rows):
         lo, hi = int(rows.min()), int(rows.max())
         for name, a in arrays.items():

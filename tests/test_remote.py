@@ -746,10 +746,10 @@ async def test_decoding_runs_below_the_consumer_for_remote_objects_too(
     urls = [f"s3://{BUCKET}/layouts/gzip/part{i}.h5" for i in range(len(SIZES))]
     want = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + 10)
     decoders: set[int] = set()
-    async with AsyncHDF5DataLayer(
-        urls, batch_size=25, chunk_size=50, storage_options=s3.storage_options()
-    ) as layer:
-        with anyio.fail_after(30):
+    with anyio.fail_after(30):
+        async with AsyncHDF5DataLayer(
+            urls, batch_size=25, chunk_size=50, storage_options=s3.storage_options()
+        ) as layer:
             async for _ in layer:
                 decoders |= {
                     os.getpriority(os.PRIO_PROCESS, t.native_id)
