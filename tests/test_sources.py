@@ -150,3 +150,39 @@ async def test_a_cancelled_fetch_never_leaves_a_read_running(
                     tg.start_soon(cancel, tg)
             with lock:
                 assert events in ([], ["start", "end"]), (delay, events)
+
+
+async def test_a_closed_local_source_refuses_to_open_or_read(tmp_path: Path) -> None:
+    # Before, a fetch after close() made a new read pool that nobody shut down, and reopened
+    # nothing: the files were gone. Now both are errors naming what was asked, and no thread
+    # outlives the source.
+    from concurrent.futures import Executor
+
+    from asynchdf5 import ReadError
+    from asynchdf5._sources._base import ByteRange
+    from asynchdf5._stats import ReadStats
+
+    path = write_h5(tmp_path / "a.h5", 0, 30)
+    source = _local.LocalSource()
+    file = source.open(str(path))
+    into = memoryview(bytearray(8))
+    work: Executor = ThreadPoolExecutor(1)
+    limiter = anyio.CapacityLimiter(2)
+    with anyio.fail_after(10):
+        await source.fetch(
+            [ByteRange(file, 0, 8, "the signature", into)], work, limiter, ReadStats()
+        )
+    assert bytes(into) == b"\x89HDF\r\n\x1a\n"
+    source.close()
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ReadError, match=r"a\.h5: the signature: cannot read: the source is closed"):
+        with anyio.fail_after(10):
+            await source.fetch(
+                [ByteRange(file, 0, 8, "the signature", into)], work, limiter, ReadStats()
+            )
+    with pytest.raises(SourceError, match=r"cannot open .*a\.h5'?: the source is closed"):
+        source.open(str(path))
+    work.shutdown()
+    assert not any(
+        t.name.startswith("asynchdf5-read") for t in threading.enumerate() if t.name not in before
+    )

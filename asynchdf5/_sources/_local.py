@@ -142,6 +142,7 @@ class LocalSource:
         self._files: dict[str, LocalFile] = {}
         self._lock = threading.Lock()
         self._readers: ThreadPoolExecutor | None = None  # made at the first fetch
+        self._closed = False
 
     def exists(self, name: str) -> bool:
         return os.path.isfile(name)
@@ -152,6 +153,8 @@ class LocalSource:
 
     def open(self, name: str, *, hdf5: bool = True) -> LocalFile:
         with self._lock:
+            if self._closed:
+                raise SourceError(f"cannot open {name!r}: the source is closed")
             found = self._files.get(name)
         if found is not None:
             return found
@@ -180,8 +183,10 @@ class LocalSource:
             os.close(fd)
             raise
         with self._lock:
-            self._files.setdefault(name, file)
-            return self._files[name]
+            if not self._closed:
+                return self._files.setdefault(name, file)
+        file.close()  # closed while this one was opened: nobody would close it
+        raise SourceError(f"cannot open {name!r}: the source is closed")
 
     async def fetch(
         self,
@@ -191,6 +196,8 @@ class LocalSource:
         stats: ReadStats,
     ) -> int:
         with self._lock:
+            if self._closed:
+                raise ReadError(_closed_message(ranges))
             if self._readers is None:
                 tokens = limiter.total_tokens
                 n = int(tokens) if math.isfinite(tokens) else (os.cpu_count() or 1)
@@ -211,7 +218,11 @@ class LocalSource:
         readers: Executor,
     ) -> None:
         def read() -> None:
-            readers.submit(_fetch, batch, work).result()
+            try:
+                future = readers.submit(_fetch, batch, work)
+            except RuntimeError:  # the pool was shut down: the source closed under this fetch
+                raise ReadError(_closed_message(batch)) from None
+            future.result()
 
         # The copy runs in our pool's thread; one of anyio's only waits for it. Submitted from
         # that thread, so that a read starts only once anyio runs the call, which it then does
@@ -219,13 +230,20 @@ class LocalSource:
         await anyio.to_thread.run_sync(read, limiter=limiter)
 
     def close(self) -> None:
+        """Close every file, after the reads under way end; later opens and fetches raise."""
         with self._lock:
+            self._closed = True
             files, self._files = list(self._files.values()), {}
             readers, self._readers = self._readers, None
         if readers is not None:
             readers.shutdown(wait=True)
         for f in files:
             f.close()
+
+
+def _closed_message(ranges: Sequence[ByteRange]) -> str:
+    where = f"{ranges[0].file.name}: {ranges[0].about}: " if ranges else ""
+    return f"{where}cannot read: the source is closed"
 
 
 def is_hdf5_file_fd(fd: int) -> bool:
