@@ -1,13 +1,20 @@
-"""The pipeline's bulk-work threads run below the consumer's scheduling priority (Linux).
+"""An opt-in: the pipeline's bulk-work threads below the consumer's scheduling priority (Linux).
 
 A streaming layer keeps more threads busy than a small machine has cores: the reads (the copy out
 of the page cache), the gather, decompression. The consumer's thread, which runs the training step
 and the event loop, then waits in the kernel's run queue behind them: on 2 vCPUs it spent a third
 of a streaming epoch runnable but not running, and most of the event loop's gaps over 5 ms were
-that wait (``benchmarks/speed.py``, section 4). Threads started by asynchdf5 for bulk work lower
-their own priority by :data:`DEFAULT_STEPS` nice steps (``ASYNCHDF5_NICE`` sets how many; ``0``
-leaves them alone), so that a busy core goes to the consumer first and to them otherwise: when
-the consumer waits for a batch, they have the cores to themselves.
+that wait (``benchmarks/speed.py``, section 4). With ``ASYNCHDF5_NICE=N`` (1 to 19), threads
+started by asynchdf5 for bulk work lower their own priority by ``N`` nice steps, so that a busy
+core goes to the consumer first and to them otherwise.
+
+Not the default (:data:`DEFAULT_STEPS` is 0): a nice value is not relative to the consumer only
+but to every thread on the machine (every one in the same session, with autogroup scheduling).
+Beside other busy processes (other ranks of a job, another job's workers) the lowered threads
+get a fraction of a core, and the consumer's thread waits on the GIL that a preempted one holds:
+in section 4 beside one busy process per core, a streaming epoch took 3.3-3.5 s at the default
+and 11.4-12.8 s with 10 steps (1.2-1.35x as long with 3), for longer loop gaps, not shorter. On
+a machine that runs nothing else it shortens the gaps (time in gaps over 5 ms about halved).
 
 Linux only: elsewhere (and where the kernel refuses), nothing changes. A thread's nice value is
 set once, when it starts, relative to the process's main thread, and only ever raised: an
@@ -30,9 +37,9 @@ __all__ = ["VARIABLE", "background", "nice_steps"]
 
 #: The environment variable that sets how many nice steps below the main thread they run.
 VARIABLE = "ASYNCHDF5_NICE"
-#: Nice steps by default: with 10, a thread of ours has about a tenth of the CPU share of a
-#: thread at the main thread's priority when they compete for one core (Linux's weights).
-DEFAULT_STEPS = 10
+#: Nice steps by default: none (see the module docstring). With 10, a thread of ours has about a
+#: tenth of the CPU share of a thread at the main thread's priority when they compete for a core.
+DEFAULT_STEPS = 0
 
 
 @functools.cache

@@ -40,6 +40,7 @@ import platform
 import shlex
 import signal
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -993,8 +994,25 @@ async def _probe_run(
     return _gap_stats(gaps[:idle]), _gap_stats(gaps[idle:]), elapsed, samples
 
 
-#: The pipeline threads' priority in section 4: the default, and at the main thread's priority.
-PROBE_NICE = ("10", "0")
+#: The pipeline threads' priority in section 4: the default (the main thread's), and 10 below.
+PROBE_NICE = ("0", "10")
+#: ... and beside other busy processes (one per core), where a lower priority is a lower share.
+BUSY_NICE = ("0", "3", "10")
+
+
+@contextlib.contextmanager
+def _busy_processes(n: int) -> Iterator[None]:
+    """``n`` other Python processes spinning on a core each (this process's priority, same
+    session): other ranks of a job, another job's workers, a compile."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.2)  # running before the layer opens
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 @contextlib.contextmanager
@@ -1060,6 +1078,30 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                         f"{idle.get('max_ms', math.nan):.1f}",
                     ]
                 )
+    busy_n = os.cpu_count() or 1
+    busy_rows: list[Sequence[object]] = []
+    for nice in BUSY_NICE:
+        sources.warm(files)
+        try:
+            with _nice_setting(nice), _busy_processes(busy_n):
+                _, busy, elapsed, samples = _run_async(
+                    partial(_probe_run, kwargs, "none", cfg.step_s, cfg.probe_batches),
+                    cfg.deadline_s,
+                )
+        except Exception as exc:
+            busy_rows.append([nice, f"failed: {_describe(exc)}", "", "", "", "", ""])
+            continue
+        busy_rows.append(
+            [
+                nice,
+                f"{busy.get('p50_ms', math.nan):.2f}",
+                f"{busy.get('p99_ms', math.nan):.2f}",
+                f"{busy.get('max_ms', math.nan):.1f}",
+                f"{busy.get('stalled_ms_per_s', math.nan):.0f}",
+                f"{elapsed:.2f}",
+                _fmt_rate(_rate(samples, elapsed)),
+            ]
+        )
     span = f"{cfg.probe_batches} batches" if cfg.probe_batches else "one epoch"
     return [
         "## 4. Event-loop gaps while the consumer trains",
@@ -1072,7 +1114,7 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
         "written in the coroutine would: the ticker can only run when the consumer awaits "
         "(`async for` hands a group of ready batches over without a trip through the loop). "
         "`ASYNCHDF5_NICE`: how many nice steps below the main thread the pipeline's threads run "
-        "(10, the default; 0: at the main thread's priority), the two alternating.",
+        "(0, the default: at the main thread's priority; 10: below it), the two alternating.",
         "",
         *_table(
             [
@@ -1092,6 +1134,23 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
         f"Idle floor ({IDLE_S:g} s of ticks before each run):",
         "",
         *_table(["backend", "consumer", "`ASYNCHDF5_NICE`", "p50", "p99", "max"], idle_rows),
+        "",
+        f"Beside {busy_n} other busy processes (`while True: pass`, one per core, this "
+        "process's priority and session), asyncio, a consumer that does nothing, "
+        f"{span} per row: a thread below the main thread's priority is below theirs too.",
+        "",
+        *_table(
+            [
+                "`ASYNCHDF5_NICE`",
+                "gap p50",
+                "p99",
+                "max",
+                "stalled ms/s",
+                "s per row",
+                "samples/s",
+            ],
+            busy_rows,
+        ),
     ]
 
 

@@ -1,5 +1,6 @@
-"""The pipeline's bulk-work threads run below the consumer's priority (Linux), and only they do:
-the threads of anyio's pool, which the application shares, are never changed."""
+"""With ``ASYNCHDF5_NICE``, the pipeline's bulk-work threads run below the consumer's priority
+(Linux), and only they do: the threads of anyio's pool, which the application shares, are never
+changed. By default nothing is."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ async def epoch_priorities(layer: AsyncHDF5DataLayer) -> dict[str, set[int]]:
     return seen
 
 
-@pytest.mark.parametrize(("setting", "steps"), [(None, 10), ("0", 0), ("3", 3)])
+@pytest.mark.parametrize(("setting", "steps"), [(None, 0), ("0", 0), ("3", 3), ("10", 10)])
 @pytest.mark.parametrize(
     ("layout", "kinds"),
     [
@@ -58,7 +59,7 @@ async def epoch_priorities(layer: AsyncHDF5DataLayer) -> dict[str, set[int]]:
         ("gzip", {"asynchdf5-read", "asynchdf5-decode", "asynchdf5-gather"}),
     ],
 )
-async def test_pipeline_threads_run_below_the_consumer(
+async def test_pipeline_threads_run_as_many_steps_below_the_consumer_as_set(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     setting: str | None,
@@ -109,7 +110,7 @@ async def test_the_gather_thread_keeps_the_consumers_priority_when_it_runs_user_
     # Transformers run in the gather thread: a thread pool one of them starts there (a
     # library's first parallel call) would inherit a lowered priority and slow the consumer's
     # own use of it. Only the reads are lowered then.
-    monkeypatch.delenv("ASYNCHDF5_NICE", raising=False)
+    monkeypatch.setenv("ASYNCHDF5_NICE", "10")
     base = nice_of(os.getpid())
     source = write_source(tmp_path)[0]
     with anyio.fail_after(30):

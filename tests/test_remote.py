@@ -742,7 +742,7 @@ async def test_decoding_runs_below_the_consumer_for_remote_objects_too(
 ) -> None:
     # Raw chunks of remote objects are decoded on threads the remote source's own threads start,
     # not the (lowered) local read threads: the decode pool lowers its threads itself.
-    monkeypatch.delenv("ASYNCHDF5_NICE", raising=False)
+    monkeypatch.setenv("ASYNCHDF5_NICE", "10")
     urls = [f"s3://{BUCKET}/layouts/gzip/part{i}.h5" for i in range(len(SIZES))]
     want = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + 10)
     decoders: set[int] = set()
