@@ -20,97 +20,23 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Protocol
 
 import anyio
 import anyio.to_thread
 import numpy as np
 
-from ._catalog import Catalog, Segment, TopInfo
-from ._codecs import ChecksumError, ChunkDecoder
-from ._errors import ReadError
-from ._layout import Layout
-from ._plan import ChunkPlan
-from ._priority import background
-from ._sources import ByteRange, Source
-from ._sources._local import PIECE_BYTES
-from ._stats import ReadStats
+from .._catalog import Catalog, Segment, TopInfo
+from .._codecs import ChunkDecoder
+from .._layout import Layout
+from .._plan import ChunkPlan
+from .._priority import background
+from .._sources import ByteRange, Source
+from .._sources._local import PIECE_BYTES
+from .._stats import ReadStats
+from ._steps import Decode, H5pyRead, byte_view, direct_ranges, swapper
 
 __all__ = ["HDF5Reader", "MemoryReader", "Reader"]
-
-
-def _byte_view(a: np.ndarray) -> memoryview:
-    """The bytes of ``a`` (C-contiguous: written through, never a copy)."""
-    if not a.flags.c_contiguous:
-        raise ValueError("a destination of direct reads must be C-contiguous")
-    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-class _H5pyRead:
-    """Rows ``r0:r1`` of a top read by h5py into ``dest`` (blocking)."""
-
-    __slots__ = ("about", "dest", "layout", "r0", "r1")
-
-    def __init__(self, layout: Layout, r0: int, r1: int, dest: np.ndarray, about: str) -> None:
-        self.layout, self.r0, self.r1, self.dest, self.about = layout, r0, r1, dest, about
-
-    def __call__(self) -> int:
-        layout = self.layout
-        assert layout.file is not None
-        try:
-            layout.dataset.read_direct(self.dest, np.s_[self.r0 : self.r1])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
-            self._check()  # a file that changed is the cause to report
-            raise ReadError(f"{layout.file.name}: {self.about}: read failed: {exc}") from exc
-        self._check()
-        return int(self.dest.nbytes)
-
-    def _check(self) -> None:
-        """The files this read used are as catalogued (by name, those HDF5 opens by name)."""
-        layout = self.layout
-        assert layout.file is not None
-        try:
-            layout.file.check()
-            for dep in layout.depends:
-                dep.check(by_name=True)
-        except ReadError as exc:
-            raise ReadError(f"{self.about}: {exc}") from exc
-
-
-class _Decode:
-    """Decode one stored chunk and copy its rows ``first:first + len(part)`` into ``part``
-    (rows of a slot, as bytes), byte-swapping them to ``swap_as`` if given. Runs on a codec
-    thread."""
-
-    __slots__ = ("decoder", "first", "mask", "part", "swap_as", "what")
-
-    def __init__(
-        self,
-        decoder: ChunkDecoder,
-        mask: int,
-        part: np.ndarray,
-        first: int,
-        swap_as: np.dtype[Any] | None,
-        what: str,
-    ) -> None:
-        self.decoder, self.mask, self.part, self.first = decoder, mask, part, first
-        self.swap_as, self.what = swap_as, what
-
-    def __call__(self, raw: bytes | memoryview) -> None:
-        try:
-            data = self.decoder.decode(raw, self.mask)
-        except ChecksumError as exc:
-            raise ReadError(f"{self.what}: {exc}") from exc
-        except Exception as exc:
-            # Each codec has its own error class (deflate.DeflateError, isal's IsalError,
-            # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
-            raise ReadError(f"{self.what} does not decode: {type(exc).__name__}: {exc}") from exc
-        part = self.part
-        rows = data.reshape(-1, part.shape[1])
-        part[...] = rows[self.first : self.first + len(part)]
-        if self.swap_as is not None:
-            part.view(self.swap_as).byteswap(inplace=True)
 
 
 class Reader(Protocol):
@@ -190,7 +116,7 @@ class HDF5Reader:
 
     def plan_reads(
         self, placed: Sequence[tuple[int, int, int]], arrays: Mapping[str, np.ndarray]
-    ) -> tuple[list[ByteRange], list[_H5pyRead], list[Callable[[], None]]]:
+    ) -> tuple[list[ByteRange], list[H5pyRead], list[Callable[[], None]]]:
         """The reads that put global rows ``start:stop`` at row ``out`` of ``arrays``, for each
         ``(start, stop, out)``: byte ranges for the source, h5py reads, and steps to run after
         the byte ranges are in (byte swaps)."""
@@ -198,7 +124,7 @@ class HDF5Reader:
         for a, b, out in placed:
             segments.extend(self.catalog.segments(a, b, out))
         ranges: list[ByteRange] = []
-        h5reads: list[_H5pyRead] = []
+        h5reads: list[H5pyRead] = []
         after: list[Callable[[], None]] = []
         for top, info in self.tops.items():
             # The bytes of the whole destination, sliced per segment (a chunk of blocks drawn
@@ -212,11 +138,11 @@ class HDF5Reader:
                 about = f"top {top!r}, rows {seg.row_start}:{seg.row_stop}"
                 if layout.path == "pread":
                     if whole is None:
-                        whole = _byte_view(arrays[top])
+                        whole = byte_view(arrays[top])
                     view = whole[seg.out_start * rb : (seg.out_start + n) * rb]
-                    ranges += _direct(layout, seg.row_start, seg.row_stop, view, rb, about)
+                    ranges += direct_ranges(layout, seg.row_start, seg.row_stop, view, rb, about)
                     if layout.swap:
-                        after.append(_swapper(dest))
+                        after.append(swapper(dest))
                 elif layout.path == "chunks":
                     ranges += self._chunks(layout, seg.row_start, seg.row_stop, dest, info, about)
                 else:
@@ -224,9 +150,7 @@ class HDF5Reader:
                     for r in range(seg.row_start, seg.row_stop, step):
                         r1 = min(seg.row_stop, r + step)
                         part = dest[r - seg.row_start : r1 - seg.row_start]
-                        h5reads.append(
-                            _H5pyRead(layout, r, r1, part, f"top {top!r}, rows {r}:{r1}")
-                        )
+                        h5reads.append(H5pyRead(layout, r, r1, part, f"top {top!r}, rows {r}:{r1}"))
         return ranges, h5reads, after
 
     def _decoder(self, layout: Layout, info: TopInfo) -> ChunkDecoder:
@@ -255,7 +179,7 @@ class HDF5Reader:
             mask = unfiltered if (index.raw_last and k == last) else int(index.masks[k])
             a, b = max(r0, k * rows), min(r1, (k + 1) * rows)
             what = f"{about}: stored chunk {k} ({size} bytes at offset {offset})"
-            place = _Decode(
+            place = Decode(
                 self._decoder(layout, info),
                 mask,
                 flat[a - r0 : b - r0],
@@ -289,7 +213,7 @@ class HDF5Reader:
             for step in after:
                 step()  # in place on bytes just read: microseconds per megabyte
 
-        async def h5read(read: _H5pyRead) -> None:
+        async def h5read(read: H5pyRead) -> None:
             n = await anyio.to_thread.run_sync(read, limiter=self._limiter)
             total[0] += n
 
@@ -370,33 +294,6 @@ class MemoryReader:
 
     async def aclose(self) -> None:
         pass
-
-
-def _direct(
-    layout: Layout, r0: int, r1: int, view: memoryview, row_bytes: int, about: str
-) -> list[ByteRange]:
-    """Byte ranges of rows ``r0:r1`` over the layout's extents, straight into ``view`` (the
-    bytes of their destination); none larger than ``PIECE_BYTES``."""
-    lo, hi = r0 * row_bytes, r1 * row_bytes
-    out = []
-    for ext in layout.extents:
-        a, b = max(lo, ext.start), min(hi, ext.start + ext.size)
-        while a < b:
-            c = min(b, a + PIECE_BYTES)
-            out.append(
-                ByteRange(
-                    ext.file, ext.offset + a - ext.start, c - a, about, into=view[a - lo : c - lo]
-                )
-            )
-            a = c
-    return out
-
-
-def _swapper(dest: np.ndarray) -> Callable[[], None]:
-    def swap() -> None:
-        dest.view(dest.dtype.newbyteorder("S")).byteswap(inplace=True)
-
-    return swap
 
 
 def _missing(loaded: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:

@@ -1,0 +1,123 @@
+"""The steps of a read plan: what moves each piece of a chunk into its cache slot.
+
+Byte ranges straight into the slot's bytes (:func:`direct_ranges`, over a :func:`byte_view`),
+raw stored chunks decoded into it on a codec thread (:class:`Decode`), pieces h5py reads
+(:class:`H5pyRead`, checking afterwards the files HDF5 opened by name), and byte swaps after the
+bytes are in (:func:`swapper`). :class:`~asynchdf5._read.HDF5Reader` plans them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._codecs import ChecksumError, ChunkDecoder
+from .._errors import ReadError
+from .._layout import Layout
+from .._sources import ByteRange
+from .._sources._local import PIECE_BYTES
+
+__all__ = ["Decode", "H5pyRead", "byte_view", "direct_ranges", "swapper"]
+
+
+def byte_view(a: np.ndarray) -> memoryview:
+    """The bytes of ``a`` (C-contiguous: written through, never a copy)."""
+    if not a.flags.c_contiguous:
+        raise ValueError("a destination of direct reads must be C-contiguous")
+    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+class H5pyRead:
+    """Rows ``r0:r1`` of a top read by h5py into ``dest`` (blocking)."""
+
+    __slots__ = ("about", "dest", "layout", "r0", "r1")
+
+    def __init__(self, layout: Layout, r0: int, r1: int, dest: np.ndarray, about: str) -> None:
+        self.layout, self.r0, self.r1, self.dest, self.about = layout, r0, r1, dest, about
+
+    def __call__(self) -> int:
+        layout = self.layout
+        assert layout.file is not None
+        try:
+            layout.dataset.read_direct(self.dest, np.s_[self.r0 : self.r1])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
+            self._check()  # a file that changed is the cause to report
+            raise ReadError(f"{layout.file.name}: {self.about}: read failed: {exc}") from exc
+        self._check()
+        return int(self.dest.nbytes)
+
+    def _check(self) -> None:
+        """The files this read used are as catalogued (by name, those HDF5 opens by name)."""
+        layout = self.layout
+        assert layout.file is not None
+        try:
+            layout.file.check()
+            for dep in layout.depends:
+                dep.check(by_name=True)
+        except ReadError as exc:
+            raise ReadError(f"{self.about}: {exc}") from exc
+
+
+class Decode:
+    """Decode one stored chunk and copy its rows ``first:first + len(part)`` into ``part``
+    (rows of a slot, as bytes), byte-swapping them to ``swap_as`` if given. Runs on a codec
+    thread."""
+
+    __slots__ = ("decoder", "first", "mask", "part", "swap_as", "what")
+
+    def __init__(
+        self,
+        decoder: ChunkDecoder,
+        mask: int,
+        part: np.ndarray,
+        first: int,
+        swap_as: np.dtype[Any] | None,
+        what: str,
+    ) -> None:
+        self.decoder, self.mask, self.part, self.first = decoder, mask, part, first
+        self.swap_as, self.what = swap_as, what
+
+    def __call__(self, raw: bytes | memoryview) -> None:
+        try:
+            data = self.decoder.decode(raw, self.mask)
+        except ChecksumError as exc:
+            raise ReadError(f"{self.what}: {exc}") from exc
+        except Exception as exc:
+            # Each codec has its own error class (deflate.DeflateError, isal's IsalError,
+            # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
+            raise ReadError(f"{self.what} does not decode: {type(exc).__name__}: {exc}") from exc
+        part = self.part
+        rows = data.reshape(-1, part.shape[1])
+        part[...] = rows[self.first : self.first + len(part)]
+        if self.swap_as is not None:
+            part.view(self.swap_as).byteswap(inplace=True)
+
+
+def direct_ranges(
+    layout: Layout, r0: int, r1: int, view: memoryview, row_bytes: int, about: str
+) -> list[ByteRange]:
+    """Byte ranges of rows ``r0:r1`` over the layout's extents, straight into ``view`` (the
+    bytes of their destination); none larger than ``PIECE_BYTES``."""
+    lo, hi = r0 * row_bytes, r1 * row_bytes
+    out = []
+    for ext in layout.extents:
+        a, b = max(lo, ext.start), min(hi, ext.start + ext.size)
+        while a < b:
+            c = min(b, a + PIECE_BYTES)
+            out.append(
+                ByteRange(
+                    ext.file, ext.offset + a - ext.start, c - a, about, into=view[a - lo : c - lo]
+                )
+            )
+            a = c
+    return out
+
+
+def swapper(dest: np.ndarray) -> Callable[[], None]:
+    def swap() -> None:
+        dest.view(dest.dtype.newbyteorder("S")).byteswap(inplace=True)
+
+    return swap
