@@ -12,9 +12,9 @@ Not the default (:data:`DEFAULT_STEPS` is 0): a nice value is not relative to th
 but to every thread on the machine (every one in the same session, with autogroup scheduling).
 Beside other busy processes (other ranks of a job, another job's workers) the lowered threads
 get a fraction of a core, and the consumer's thread waits on the GIL that a preempted one holds:
-in section 4 beside one busy process per core, a streaming epoch took 3.3-3.5 s at the default
-and 11.4-12.8 s with 10 steps (1.2-1.35x as long with 3), for longer loop gaps, not shorter. On
-a machine that runs nothing else it shortens the gaps (time in gaps over 5 ms about halved).
+in section 4 beside one busy process per core, a streaming epoch took 1.31-1.46 s at the default
+and 4.61-5.65 s with 10 steps (1.42-1.70 s with 3), with longer loop gaps, not shorter. On a
+machine that runs nothing else it shortens the gaps (p99 by 0.1-3.4 ms; RESULTS.md, run 9).
 
 Linux only: elsewhere (and where the kernel refuses), nothing changes. A thread's nice value is
 set once, when it starts, relative to the process's main thread, and only ever raised: an
