@@ -186,3 +186,56 @@ async def test_a_closed_local_source_refuses_to_open_or_read(tmp_path: Path) -> 
     assert not any(
         t.name.startswith("asynchdf5-read") for t in threading.enumerate() if t.name not in before
     )
+
+
+async def test_a_fetch_racing_close_is_a_read_error(tmp_path: Path) -> None:
+    # close() shut the read pool down after this fetch took it: the submit is refused, and that
+    # must be the named error, not the pool's bare RuntimeError.
+    from asynchdf5 import ReadError
+    from asynchdf5._sources._base import ByteRange
+
+    source = _local.LocalSource()
+    file = source.open(str(write_h5(tmp_path / "a.h5", 0, 30)))
+    readers = ThreadPoolExecutor(1)
+    readers.shutdown()
+    nothing: Any = None  # the read is refused before it needs a decode pool
+    batch = [ByteRange(file, 0, 8, "the signature", memoryview(bytearray(8)))]
+    with pytest.raises(ReadError, match=r"a\.h5: the signature: cannot read: the source is closed"):
+        with anyio.fail_after(10):
+            await _local.LocalSource._fetch_in_thread(
+                batch, nothing, anyio.CapacityLimiter(1), readers
+            )
+    source.close()
+
+
+@pytest.mark.parametrize("race", ["close", "open"])
+def test_an_open_that_loses_a_race_keeps_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: str
+) -> None:
+    # While one open() checks its file, the source is closed (an error: nobody would close the
+    # file) or another open() of the same name wins (the winner's file is returned). Either way
+    # the loser's descriptor is closed.
+    path = str(write_h5(tmp_path / "a.h5", 0, 30))
+    source = _local.LocalSource()
+    real = _local.is_hdf5_file_fd
+    fds: list[int] = []
+
+    def meanwhile(fd: int) -> bool:
+        if not fds:
+            fds.append(fd)
+            if race == "close":
+                source.close()
+            else:
+                source.open(path)  # the other thread, first to finish
+        return real(fd)
+
+    monkeypatch.setattr(_local, "is_hdf5_file_fd", meanwhile)
+    if race == "close":
+        with pytest.raises(SourceError, match=r"cannot open .*a\.h5'?: the source is closed"):
+            source.open(path)
+    else:
+        assert source.open(path) is source.open(path)
+        assert source.open(path).fd != fds[0]
+    with pytest.raises(OSError):
+        os.fstat(fds[0])
+    source.close()

@@ -1,5 +1,5 @@
 """Local files: one file descriptor per file for the layer's life, ``preadv`` on threads of
-the source's own (below the consumer's priority: :mod:`asynchdf5._priority`).
+the source's own (``ASYNCHDF5_NICE`` can put them below the consumer: :mod:`.._priority`).
 
 Each file is opened once, and its fingerprint (device, inode, size, mtime, ctime) taken from the
 open descriptor. Every fetch reads from that descriptor and then checks the fingerprint again
@@ -183,10 +183,12 @@ class LocalSource:
             os.close(fd)
             raise
         with self._lock:
-            if not self._closed:
-                return self._files.setdefault(name, file)
-        file.close()  # closed while this one was opened: nobody would close it
-        raise SourceError(f"cannot open {name!r}: the source is closed")
+            kept = None if self._closed else self._files.setdefault(name, file)
+        if kept is not file:
+            file.close()  # another thread opened it first, or the source closed meanwhile
+        if kept is None:
+            raise SourceError(f"cannot open {name!r}: the source is closed")
+        return kept
 
     async def fetch(
         self,
