@@ -15,7 +15,9 @@
    (``read_direct`` a chunk, permute, ``np.take`` per batch), epoch 1 and later epochs.
 4. **Event-loop gaps** (``probe``): a task that sleeps 1 ms in a loop records the gaps between its
    wake-ups while ``async for`` streams the image file and the consumer does nothing, awaits a
-   simulated GPU step (``anyio.sleep``) or does ~1 ms of GIL-holding CPU work per batch.
+   simulated GPU step (``anyio.sleep``) or does ~1 ms of GIL-holding CPU work per batch, each
+   with the pipeline's threads at the process's priority and 10 nice steps below it
+   (``ASYNCHDF5_NICE``), alternating; then, beside one busy process per core, at 0, 3 and 10.
 5. **First batch and sync facade** (``first``): from construction to the first batch in hand for
    three chunk sizes, and ``HDF5DataLayer`` (``with`` / ``for``) against ``AsyncHDF5DataLayer`` on
    the image file.
@@ -1000,12 +1002,23 @@ PROBE_NICE = ("0", "10")
 BUSY_NICE = ("0", "3", "10")
 
 
+#: A process that spins until its standard input closes: when the benchmark ends, however it
+#: ends (the hard stop's ``_exit`` included), its end of the pipe closes and the spinner exits.
+_SPINNER = (
+    "import os, sys, threading\n"
+    "threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()\n"
+    "while True: pass\n"
+)
+
+
 @contextlib.contextmanager
 def _busy_processes(n: int) -> Iterator[None]:
     """``n`` other Python processes spinning on a core each (this process's priority, same
     session): other ranks of a job, another job's workers, a compile."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", _SPINNER], stdin=subprocess.PIPE))
         time.sleep(0.2)  # running before the layer opens
         yield
     finally:
@@ -1013,6 +1026,8 @@ def _busy_processes(n: int) -> Iterator[None]:
             proc.kill()
         for proc in procs:
             proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
 
 
 @contextlib.contextmanager
@@ -1078,7 +1093,9 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                         f"{idle.get('max_ms', math.nan):.1f}",
                     ]
                 )
-    busy_n = os.cpu_count() or 1
+    busy_n = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     busy_rows: list[Sequence[object]] = []
     for nice in BUSY_NICE:
         sources.warm(files)
