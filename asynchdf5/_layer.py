@@ -30,7 +30,7 @@ from ._iterator import EpochIterator
 from ._plan import EpochPlan, check_split, plan_epoch, skip_samples
 from ._priority import nice_steps
 from ._read import Reader
-from ._resume import FORMAT, Resume, epoch_plan, parse_state
+from ._resume import Resume, epoch_plan, parse_state, save_state
 from ._session import Session
 from ._shape import DataShape
 from ._stats import LayerStats, Stats
@@ -212,42 +212,17 @@ class _Layer(SyncInterface):
         :meth:`load_state_dict` of a layer over the same files and properties, and its next
         batch is exactly the one that would have come next here. Only batches handed to the
         consumer count, never prefetched ones."""
-        shape = self._data_shape()
-        c = self.config
         session = self._session
-        mode, epoch, batches, samples = (
-            session.position() if session is not None else ("epoch", self._epoch, 0, 0)
+        position = session.position() if session is not None else ("epoch", self._epoch, 0, 0)
+        c = self.config
+        return save_state(
+            self._resume,
+            position,
+            seed=c.seed,
+            rank=c.rank,
+            world_size=c.world_size,
+            fingerprint=self._data_shape().fingerprint(c),
         )
-        r = self._resume
-        chain: list[list[int]] = [[c.world_size, batches]]
-        if r is not None and epoch == r.epoch:
-            if r.mode == "stream" or mode == "stream":
-                if r.world_size != c.world_size:
-                    raise StateError(
-                        "a stream resumed on another world size cannot be saved before the "
-                        "epoch it resumed in is over"
-                    )
-                if r.mode == "stream" and mode == "stream":
-                    samples += r.samples
-            else:
-                steps = [list(step) for step in r.chain]
-                if steps[-1][0] == c.world_size:
-                    steps[-1][1] += batches
-                else:
-                    steps.append([c.world_size, batches])
-                chain = steps
-        return {
-            "format": FORMAT,
-            "mode": mode,
-            "epoch": epoch,
-            "batches": chain[-1][1],
-            "samples": samples,
-            "chain": chain,
-            "seed": c.seed,
-            "rank": c.rank,
-            "world_size": c.world_size,
-            "fingerprint": shape.fingerprint(c),
-        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`): the next batch is the one that
@@ -265,19 +240,11 @@ class _Layer(SyncInterface):
             raise StateError("load_state_dict while an iterator is live: finish or close it first")
         shape = self._data_shape()
         c = self.config
-        differs = r.differences(shape.fingerprint(c))
-        if c.seed_given and r.seed != c.seed:
-            differs.append(f"seed: saved {r.seed}, now {c.seed}")
-        if differs:
-            raise ConfigurationError(
-                "the state was saved by a layer over other data or with other properties: "
-                + "; ".join(differs)
-            )
-        if r.mode == "stream" and r.world_size != c.world_size:
-            raise ConfigurationError(
-                f"a stream's state resumes on the same world size only (saved "
-                f"{r.world_size}, now {c.world_size}); save it from epoch iteration instead"
-            )
+        r.check_resumes(
+            shape.fingerprint(c),
+            seed=c.seed if c.seed_given else None,
+            world_size=c.world_size,
+        )
         saved = r.fingerprint
         rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
         if rows != (shape.chunk_rows, shape.block_rows, shape.first_rows):

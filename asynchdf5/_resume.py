@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, StateError
 from ._plan import EpochPlan, elastic_plan, resume_plan
 
-__all__ = ["FORMAT", "Resume", "epoch_plan", "parse_state"]
+__all__ = ["FORMAT", "Resume", "epoch_plan", "parse_state", "save_state"]
 
 FORMAT = "asynchdf5.state/1"
 
@@ -67,6 +67,71 @@ class Resume:
             if saved != current:
                 out.append(f"{what}: saved {_short(saved)}, now {_short(current)}")
         return out
+
+    def check_resumes(
+        self, fingerprint: Mapping[str, Any], *, seed: int | None, world_size: int
+    ) -> None:
+        """:class:`ConfigurationError` unless a layer whose fingerprint is ``fingerprint`` (and
+        whose seed, if given, is ``seed``) on ``world_size`` ranks can continue this state; the
+        message says what differs."""
+        differs = self.differences(fingerprint)
+        if seed is not None and self.seed != seed:
+            differs.append(f"seed: saved {self.seed}, now {seed}")
+        if differs:
+            raise ConfigurationError(
+                "the state was saved by a layer over other data or with other properties: "
+                + "; ".join(differs)
+            )
+        if self.mode == "stream" and self.world_size != world_size:
+            raise ConfigurationError(
+                f"a stream's state resumes on the same world size only (saved "
+                f"{self.world_size}, now {world_size}); save it from epoch iteration instead"
+            )
+
+
+def save_state(
+    resume: Resume | None,
+    position: tuple[str, int, int, int],
+    *,
+    seed: int,
+    rank: int,
+    world_size: int,
+    fingerprint: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The state of a consumer at ``position`` (mode, epoch, and the batches and samples of that
+    epoch yielded on this rank) on ``world_size`` ranks: when the run resumed from ``resume``
+    in this same epoch, the steps of that state's chain come first."""
+    mode, epoch, batches, samples = position
+    r = resume
+    chain: list[list[int]] = [[world_size, batches]]
+    if r is not None and epoch == r.epoch:
+        if r.mode == "stream" or mode == "stream":
+            if r.world_size != world_size:
+                raise StateError(
+                    "a stream resumed on another world size cannot be saved before the "
+                    "epoch it resumed in is over"
+                )
+            if r.mode == "stream" and mode == "stream":
+                samples += r.samples
+        else:
+            steps = [list(step) for step in r.chain]
+            if steps[-1][0] == world_size:
+                steps[-1][1] += batches
+            else:
+                steps.append([world_size, batches])
+            chain = steps
+    return {
+        "format": FORMAT,
+        "mode": mode,
+        "epoch": epoch,
+        "batches": chain[-1][1],
+        "samples": samples,
+        "chain": chain,
+        "seed": seed,
+        "rank": rank,
+        "world_size": world_size,
+        "fingerprint": fingerprint,
+    }
 
 
 def _short(value: Any) -> str:
