@@ -1,4 +1,5 @@
-"""The source property: list files, paths and URLs resolved once, at construction."""
+"""The source property (list files, paths and URLs resolved once, at construction), and the
+local source's reads and closed state."""
 
 from __future__ import annotations
 
@@ -6,15 +7,17 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer, SourceError
+from asynchdf5 import AsyncHDF5DataLayer, ReadError, SourceError
 from asynchdf5._sources import _local, resolve_source
+from asynchdf5._sources._base import ByteRange
+from asynchdf5._stats import ReadStats
 
 from ._files import check_message, write_h5
 
@@ -156,12 +159,6 @@ async def test_a_closed_local_source_refuses_to_open_or_read(tmp_path: Path) -> 
     # Before, a fetch after close() made a new read pool that nobody shut down, and reopened
     # nothing: the files were gone. Now both are errors naming what was asked, and no thread
     # outlives the source.
-    from concurrent.futures import Executor
-
-    from asynchdf5 import ReadError
-    from asynchdf5._sources._base import ByteRange
-    from asynchdf5._stats import ReadStats
-
     path = write_h5(tmp_path / "a.h5", 0, 30)
     source = _local.LocalSource()
     file = source.open(str(path))
@@ -191,9 +188,6 @@ async def test_a_closed_local_source_refuses_to_open_or_read(tmp_path: Path) -> 
 async def test_a_fetch_racing_close_is_a_read_error(tmp_path: Path) -> None:
     # close() shut the read pool down after this fetch took it: the submit is refused, and that
     # must be the named error, not the pool's bare RuntimeError.
-    from asynchdf5 import ReadError
-    from asynchdf5._sources._base import ByteRange
-
     source = _local.LocalSource()
     file = source.open(str(write_h5(tmp_path / "a.h5", 0, 30)))
     readers = ThreadPoolExecutor(1)
