@@ -25,6 +25,7 @@ __all__ = [
     "gather_rows",
     "merge_pieces",
     "split_pieces",
+    "verify",
 ]
 
 
@@ -86,6 +87,10 @@ class LoadedChunk:
     #: in ``arrays`` (:func:`check_rows`) when the chunk was loaded: not again per batch.
     checked: bool = False
     release: Callable[[], None] | None = None
+    #: Rows taken in place from memory that the file may change under (a mapped file): called
+    #: after rows were gathered from it and before they go anywhere; raises ReadError if the
+    #: file changed since the chunk was read (None: nothing can change them).
+    verify: Callable[[], None] | None = None
     refs: int = 0  # batches cut from it and not yet gathered
     cut: bool = False  # every row has been cut into a batch (or dropped)
 
@@ -154,6 +159,14 @@ class GroupSpec:
         for size in self.sizes:
             head, rest = split_pieces(rest, size)
             yield head
+
+
+def verify(pieces: Sequence[Piece]) -> None:
+    """Run the ``verify`` of every chunk the pieces were gathered from (see
+    :attr:`LoadedChunk.verify`): after the gather, before the rows go anywhere."""
+    checks = {c.verify for c, _, _ in pieces if isinstance(c, LoadedChunk) and c.verify}
+    for check in checks:
+        check()
 
 
 def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:

@@ -191,6 +191,7 @@ class LayerConfig:
     remote_cache: str | None = None
     remote_cache_bytes: int | None = None
     block_size: int | None = None
+    mmap: bool = False
     #: Where rank and world_size came from: "explicit", or what :func:`detect` found.
     rank_source: str = "explicit"
     #: The seed property was given (not drawn): a state to resume must have the same one.
@@ -218,6 +219,7 @@ class LayerConfig:
         remote_cache: object = None,
         remote_cache_bytes: object = None,
         block_size: object = None,
+        mmap: object = False,
     ) -> LayerConfig:
         """Check every property; raise :class:`ConfigurationError` naming the first bad one."""
         batch = _int("batch_size", batch_size, minimum=1)
@@ -273,6 +275,7 @@ class LayerConfig:
             if remote_cache_bytes is None
             else _int("remote_cache_bytes", remote_cache_bytes, minimum=1),
             block_size=None if block_size is None else _int("block_size", block_size, minimum=1),
+            mmap=_bool("mmap", mmap),
             rank_source=source,
             seed_given=given,
         )

@@ -22,7 +22,7 @@ from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import _Layer
 from ._properties import document
-from ._read import HDF5Reader, Reader
+from ._read import HDF5Reader, MappedReader, Reader, refusal
 from ._shape import DataShape, default_block_rows, first_rows
 from ._sources import Source, SourceLike, open_source, resolve_source
 from .transforms import Transformer
@@ -95,6 +95,7 @@ class AsyncHDF5DataLayer(_Layer):
         remote_cache: str | os.PathLike[str] | None = None,
         remote_cache_bytes: int | None = None,
         block_size: int | None = None,
+        mmap: bool = False,
     ) -> None:
         config = LayerConfig.parse(
             batch_size=batch_size,
@@ -115,6 +116,7 @@ class AsyncHDF5DataLayer(_Layer):
             remote_cache=remote_cache,
             remote_cache_bytes=remote_cache_bytes,
             block_size=block_size,
+            mmap=mmap,
         )
         #: The files (absolute paths, or URLs), resolved at construction.
         self.paths = resolve_source(source)
@@ -198,12 +200,21 @@ class AsyncHDF5DataLayer(_Layer):
             )
             shape = self._shape_of(catalog)
             slots: list[Slot] | None = None
-            if shape.resident:
+            refused = refusal(catalog) if self.config.mmap else None
+            reader: Reader
+            if self.config.mmap and refused is None:
+                reader = MappedReader(catalog, files)  # no slots: rows served in place
+            elif shape.resident:
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
                 slots = allocate_slots(catalog.tops, shape.chunk_rows)
                 reader = HDF5Reader(catalog, files)
+            if refused is not None and isinstance(reader, HDF5Reader):
+                notes = dict(reader.read_notes)
+                for top in catalog.tops:
+                    notes[top] = "; ".join(filter(None, (notes.get(top), f"not mapped: {refused}")))
+                reader.read_notes = notes
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(files.close)
@@ -218,10 +229,14 @@ class AsyncHDF5DataLayer(_Layer):
             ", ".join(f"{t.name} {t.dtype}{t.sample_shape}" for t in catalog.tops.values()),
             c.rank,
             c.world_size,
-            "resident (read once)"
+            "none: the file is mapped (mmap=True), rows served from the page cache"
+            if isinstance(reader, MappedReader)
+            else "resident (read once)"
             if shape.resident
             else f"2 slots of {shape.chunk_rows} samples ({slot_bytes} bytes)",
         )
+        if refused is not None:
+            _log.warning("mmap=True does not apply: %s; reading through the cache", refused)
         for top, path in reader.read_paths.items():
             note = reader.read_notes.get(top)
             if "chunks" in path:

@@ -11,6 +11,7 @@ order. A chunk's slot comes back through ``LoadedChunk.release`` once the pipeli
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -160,6 +161,9 @@ class ChunkLoader:
                 )
             if slot is not None:
                 loaded.release = _releaser(free_send, slot)
+            elif loaded.rows_are_global:
+                loaded.release = functools.partial(self.reader.release, chunk)
+                loaded.verify = self.reader.verify
             load.item = (plan, loaded)
         finally:
             busy.stop()

@@ -178,6 +178,20 @@ PROPERTIES: tuple[Property, ...] = (
         "hdf5",
     ),
     Property(
+        "mmap",
+        "`False`",
+        "`True`: serve the rows of a local file straight from the operating system's page cache "
+        "(the file memory-mapped) instead of copying each chunk into the host cache: one copy "
+        "of every byte less, the same batches. Applies to a source of one file whose tops are "
+        "stored contiguously, uncompressed, in this machine's byte order, on Linux 5.14 or newer; "
+        "otherwise the layer reads as usual and `layer.stats.read_notes` says why. Each chunk is "
+        "loaded and checked before its batches are cut, so a file changed or unreadable by then "
+        "is a {class}`~asynchdf5.ReadError`; but a disk error or a truncation of the file *while* "
+        "a chunk is served ends the process with `SIGBUS`. See "
+        "[choosing](choosing.md#mmap-one-copy-less).",
+        "hdf5",
+    ),
+    Property(
         "backend",
         '`"asyncio"`',
         "The anyio backend of the event loop that runs the pipeline when the layer is used with "

@@ -97,8 +97,10 @@ class LayerStats:
     ``resident`` is True when the whole data set fits one chunk and the cache budget: it is then
     read once and later epochs are served from memory. ``read_paths`` says how each top is read:
     ``"pread"`` (stored bytes read straight into the cache, outside h5py's lock),
-    ``"chunks"`` (raw chunks read and decoded by a pool of threads, outside h5py's lock) or
-    ``"h5py"`` (h5py reads it, holding its lock; the reason is in ``read_notes``).
+    ``"chunks"`` (raw chunks read and decoded by a pool of threads, outside h5py's lock),
+    ``"h5py"`` (h5py reads it, holding its lock; the reason is in ``read_notes``) or ``"mmap"``
+    (with ``mmap=True``: served from the mapped file, no cache; when it does not apply,
+    ``read_notes`` says why).
     ``consumer_wait_seconds`` is the time ``async for`` waited for a batch. With a ``device``,
     ``device_bytes`` (held now), ``device_bytes_in_use``, ``device_bytes_peak`` and
     ``pinned_bytes`` report the device stage's memory (all 0 without one). ``read_retries``

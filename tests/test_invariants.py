@@ -14,7 +14,7 @@ Checked for every example, on every rank:
 * the rows of every top in a batch belong to the batch's samples (``label == index``,
   ``data == 10 * index``);
 * ``stream()`` yields full batches only, which cover each rank's share once per epoch;
-* the same seed gives the same batches.
+* the same seed gives the same batches, read with ``mmap=True`` and without.
 
 The normal test run draws a few hundred examples; ``nox -s stress`` draws thousands
 (``ASYNCHDF5_STRESS_EXAMPLES``).
@@ -22,6 +22,7 @@ The normal test run draws a few hundred examples; ``nox -s stress`` draws thousa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import warnings
@@ -38,6 +39,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import asynchdf5._read._mapped
 import asynchdf5._shape
 from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning, MemoryDataLayer
 from asynchdf5._plan import shard_share
@@ -69,6 +71,7 @@ class Case:
     cache_rows: int | None  # cache budget in rows per slot (None: the default budget)
     block_size: int | None  # samples per shuffled block (None: the default, in bytes)
     stream_batches: int  # batches to take from stream() per rank
+    mmap: str = "no"  # "no", "kept" (mmap=True) or "dropped" (mmap=True, pages unmapped)
 
     @property
     def n(self) -> int:
@@ -110,6 +113,7 @@ def cases(draw: st.DrawFn) -> Case:
         cache_rows=draw(st.one_of(st.none(), st.none(), st.integers(batch_size, chunk_size + 9))),
         block_size=draw(st.one_of(st.none(), st.integers(1, 2 * chunk_size))),
         stream_batches=draw(st.integers(1, 40)),
+        mmap=draw(st.sampled_from(["no", "kept", "dropped"])),
     )
 
 
@@ -142,6 +146,19 @@ def refused(case: Case) -> bool:
 
 
 @contextmanager
+def mapping(mode: str) -> Iterator[None]:
+    """``"dropped"``: every data set counts as larger than memory, so that ``mmap=True``
+    unmaps each chunk's pages once it is served."""
+    saved = asynchdf5._read._mapped.default_keep_bytes
+    if mode == "dropped":
+        asynchdf5._read._mapped.default_keep_bytes = lambda: 0
+    try:
+        yield
+    finally:
+        asynchdf5._read._mapped.default_keep_bytes = saved
+
+
+@contextmanager
 def ramp(rows: int | None) -> Iterator[None]:
     """Make the first chunk of every epoch ramp up from ``rows`` rows (None: the default)."""
     saved = asynchdf5._shape.RAMP_BYTES
@@ -169,7 +186,13 @@ def make_layer(case: Case, paths: list[Path], rank: int) -> Any:
         return MemoryDataLayer({"data": data, "label": idx}, **kw)
     if case.cache_rows is not None:
         kw["cache_bytes"] = 2 * case.cache_rows * ROW_BYTES
-    return AsyncHDF5DataLayer(paths, chunk_size=case.chunk_size, block_size=case.block_size, **kw)
+    return AsyncHDF5DataLayer(
+        paths,
+        chunk_size=case.chunk_size,
+        block_size=case.block_size,
+        mmap=case.mmap != "no",  # applies to one contiguous file; the others read as usual
+        **kw,
+    )
 
 
 def aligned(batch: Batch, case: Case) -> np.ndarray:
@@ -202,7 +225,7 @@ async def run_rank(
 
 
 async def check_case(case: Case) -> None:
-    with tempfile.TemporaryDirectory() as tmp, ramp(case.ramp_rows):
+    with tempfile.TemporaryDirectory() as tmp, ramp(case.ramp_rows), mapping(case.mmap):
         paths = write(Path(tmp), case) if case.kind == "hdf5" else []
         ranks = [await run_rank(case, paths, r) for r in range(case.world_size)]
         n, w, b = case.n, case.world_size, case.batch_size
@@ -228,8 +251,10 @@ async def check_case(case: Case) -> None:
             assert ranks[r][1][0].epoch == 2
         if len(first_windows) == w:
             np.testing.assert_array_equal(np.sort(np.concatenate(first_windows)), np.arange(n))
-        # The same seed gives the same batches (rank 0, first epoch).
-        again = await run_rank(case, paths, 0)
+        # The same seed gives the same batches (rank 0, first epoch), read the other way too
+        # (mmap=True for a case that copied, and the converse).
+        other = dataclasses.replace(case, mmap="no" if case.mmap != "no" else "kept")
+        again = await run_rank(other, paths, 0)
         for x, y in zip(again[0][0], ranks[0][0][0], strict=True):
             np.testing.assert_array_equal(x, y)
 

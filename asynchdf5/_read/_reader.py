@@ -75,6 +75,17 @@ class Reader(Protocol):
         at their global indices there."""
         ...
 
+    def release(self, chunk: ChunkPlan) -> None:
+        """The pipeline is done with the rows of ``chunk`` that it took in place."""
+        ...
+
+    @property
+    def verify(self) -> Callable[[], None] | None:
+        """For rows served in place from memory that a file can change under (mapped): raises
+        :class:`~asynchdf5.ReadError` if a file changed since it was opened; the pipeline calls
+        it after gathering rows and before handing them on. None: nothing can change them."""
+        ...
+
     async def aclose(self) -> None:
         """Release threads and files (shielded from cancellation)."""
         ...
@@ -253,6 +264,11 @@ class HDF5Reader:
                 _add(self._loaded, a, b)
         return arrays, self.resident is not None
 
+    def release(self, chunk: ChunkPlan) -> None:
+        pass  # resident rows stay for later epochs
+
+    verify = None  # rows in memory of its own
+
     @property
     def in_place(self) -> bool:
         return self.resident is not None
@@ -291,6 +307,11 @@ class MemoryReader:
         self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
     ) -> tuple[Mapping[str, np.ndarray], bool]:
         return self.own_arrays, True
+
+    def release(self, chunk: ChunkPlan) -> None:
+        pass
+
+    verify = None
 
     async def aclose(self) -> None:
         pass

@@ -1,0 +1,397 @@
+"""Rows served straight from the page cache: the opt-in ``mmap=True`` reader.
+
+Streaming from a local file, the copying reader moves every byte twice: out of the page cache
+into a cache slot (``preadv``), then out of the slot into a batch (the gather). This reader maps
+each top's stored bytes into memory instead, so the gather takes rows from the page cache
+itself: one copy a byte, as for data already in RAM (``benchmarks/speed.py``, section 2).
+
+Each chunk is made ready before any batch is cut from it, on a thread of its own: the kernel is
+asked to read the chunk's byte ranges ahead (``POSIX_FADV_WILLNEED``), then to map every page of
+them (``MADV_POPULATE_READ``, Linux 5.14+). Populating reports a page that cannot be read (the
+file truncated under it, a disk error) as an error, which becomes a
+:class:`~asynchdf5.ReadError` naming the file, top and rows, and the file's fingerprint is
+checked after it, as after a copying read. What it cannot cover, and why this is opt-in: a page
+dropped from memory *after* its chunk was made ready and read again during the gather meets the
+file as it is then; a file truncated at that moment, or a disk error then, is a ``SIGBUS`` that
+ends the process, where the copying reader would raise a ``ReadError``.
+
+Memory: a chunk's pages stay mapped while its batches are cut and gathered; once the pipeline is
+done with the chunk, their mappings are dropped (``MADV_DONTNEED``: the pages stay in the page
+cache; only this process's mapping of them goes), except the pages a chunk in flight still uses.
+So the mapped pages stay within the chunks in flight, as the copying reader's slots do, and are
+never the process's own memory: the kernel can take them back at any time.
+
+Applies when the source is one local file whose tops are stored contiguously, uncompressed, in
+this machine's byte order (:func:`refusal` says why not otherwise, and the layer reads as usual).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import ctypes
+import math
+import mmap
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from .._catalog import Catalog, TopInfo
+from .._errors import ReadError
+from .._plan import ChunkPlan
+from .._priority import background
+from .._sources import Source
+from .._sources._local import LocalFile
+from .._stats import ReadStats
+
+__all__ = ["MappedReader", "default_keep_bytes", "refusal"]
+
+_PAGE = mmap.PAGESIZE
+#: ``madvise`` advice values (Linux's, the same on every architecture it runs on).
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+
+
+class _Libc:
+    """``mmap``, ``munmap`` and ``madvise`` through ctypes. Unlike ``mmap.mmap.madvise``, the
+    calls release the GIL, so populating a chunk (which may wait for the disk) never holds up
+    the event loop; and unlike ``mmap.mmap`` (before Python 3.13), a mapping made this way keeps
+    no duplicate of the file's descriptor, so a view that outlives the layer in a reference
+    cycle holds no descriptor open until the garbage collector frees it."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._mmap = libc.mmap
+        self._mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        ]
+        self._mmap.restype = ctypes.c_void_p
+        self._munmap = libc.munmap
+        self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._munmap.restype = ctypes.c_int
+        self._madvise = libc.madvise
+        self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self._madvise.restype = ctypes.c_int
+
+    def map(self, fd: int, length: int, offset: int) -> int:
+        """The address of ``length`` bytes of ``fd`` from ``offset`` (a page boundary), mapped
+        read-only; OSError if they cannot be."""
+        address = self._mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+        if address is None or address == ctypes.c_void_p(-1).value:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        return int(address)
+
+    def unmap(self, address: int, length: int) -> None:
+        self._munmap(address, length)
+
+    def madvise(self, address: int, length: int, advice: int) -> int:
+        """0, or the ``errno`` of the failed call."""
+        if self._madvise(address, length, advice) == 0:
+            return 0
+        return ctypes.get_errno()
+
+
+_libc: _Libc | None = None
+_libc_lock = threading.Lock()
+
+
+def _get_libc() -> _Libc | None:
+    """The C library's ``madvise``, where the platform has it and ``MADV_POPULATE_READ`` works
+    (None elsewhere)."""
+    global _libc
+    with _libc_lock:
+        if _libc is None and sys.platform.startswith("linux"):
+            try:
+                libc = _Libc()
+            except (OSError, AttributeError):
+                return None
+            # Probe on one anonymous page: kernels before 5.14 answer EINVAL.
+            probe = mmap.mmap(-1, _PAGE)
+            try:
+                address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+                ok = libc.madvise(address, _PAGE, _POPULATE_READ) == 0
+            finally:
+                probe.close()
+            if ok:
+                _libc = libc
+        return _libc
+
+
+def refusal(catalog: Catalog) -> str | None:
+    """Why ``mmap=True`` cannot serve this catalogued source (None: it can)."""
+    if _get_libc() is None:
+        return "mmap=True needs Linux 5.14 or newer (MADV_POPULATE_READ)"
+    files = [f for f in catalog.files if f.nrows > 0]
+    if len(files) != 1:
+        return f"mmap=True serves a source of one file; this one has {len(files)} with samples"
+    (info,) = files
+    for top, layout in info.layouts.items():
+        row_bytes = catalog.tops[top].row_bytes
+        if layout.path != "pread" or len(layout.extents) != 1:
+            return (
+                f"top {top!r} is stored {layout.storage}: mmap=True needs contiguous, "
+                "uncompressed storage"
+            )
+        if layout.swap:
+            return f"top {top!r} is stored in the other byte order"
+        (ext,) = layout.extents
+        if not isinstance(ext.file, LocalFile):
+            return f"top {top!r} is not in a local file"
+        if row_bytes == 0 or ext.start != 0 or ext.size != info.nrows * row_bytes:
+            return f"top {top!r}: its stored bytes do not hold exactly its rows"
+    return None
+
+
+class _Top:
+    """One top's stored bytes, mapped: the array of its rows and where it lies in memory.
+
+    The mapping goes when the last view of :attr:`array` does (never under a live view)."""
+
+    __slots__ = ("address", "array", "file", "name", "nrows", "offset", "row_bytes", "skip")
+
+    def __init__(
+        self, libc: _Libc, info: TopInfo, file: LocalFile, offset: int, nrows: int
+    ) -> None:
+        self.name, self.file, self.row_bytes = info.name, file, info.row_bytes
+        self.offset, self.nrows = offset, nrows
+        # A mapping starts at a page boundary: `skip` bytes of the page before the data.
+        self.skip = offset % _PAGE
+        length = self.skip + nrows * info.row_bytes
+        try:
+            self.address = libc.map(file.fd, length, offset - self.skip)
+        except OSError as exc:
+            raise ReadError(f"{file.name}: top {info.name!r}: cannot map the file: {exc}") from exc
+        whole = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(self.address))
+        # Every view of `whole` refers to it (it does not own its memory): unmapped once the
+        # last view is gone.
+        weakref.finalize(whole, libc.unmap, self.address, length)
+        rows = whole[self.skip :].view(info.dtype).reshape(nrows, *info.sample_shape)
+        self.array: np.ndarray | None = rows
+
+    def pages(self, a: int, b: int) -> tuple[int, int]:
+        """Where the pages holding rows ``a:b`` start and end, from :attr:`address`."""
+        lo = self.skip + a * self.row_bytes
+        hi = self.skip + b * self.row_bytes
+        return lo - lo % _PAGE, -(-hi // _PAGE) * _PAGE
+
+
+class MappedReader:
+    """The pipeline's :class:`~asynchdf5._read.Reader` over a memory-mapped local file: rows
+    are served in place, at their global indices (see the module docstring)."""
+
+    in_place = True
+
+    def __init__(self, catalog: Catalog, source: Source, *, keep_bytes: int | None = None) -> None:
+        libc = _get_libc()
+        assert libc is not None and refusal(catalog) is None
+        self._libc = libc
+        self.source = source
+        self.tops: Mapping[str, TopInfo] = catalog.tops
+        self.n_samples = catalog.n_samples
+        self.read_paths = {t: "mmap" for t in catalog.tops}
+        self.read_notes: Mapping[str, str] = {}
+        (info,) = [f for f in catalog.files if f.nrows > 0]
+        self._tops: list[_Top] = []
+        try:
+            for name, top in catalog.tops.items():
+                (ext,) = info.layouts[name].extents
+                assert isinstance(ext.file, LocalFile)
+                self._tops.append(_Top(libc, top, ext.file, ext.offset, info.nrows))
+        except BaseException:
+            self._close_maps()
+            raise
+        self.own_arrays: Mapping[str, np.ndarray] | None = {
+            t.name: t.array for t in self._tops if t.array is not None
+        }
+        self._files = list({id(t.file): t.file for t in self._tops}.values())
+        self._row_bytes = catalog.row_bytes
+        #: Keep pages mapped from one epoch to the next: the data set fits in memory (see
+        #: :func:`keep_bytes`), so its pages can stay in the page cache.
+        bound = default_keep_bytes() if keep_bytes is None else keep_bytes
+        self.keep = self.n_samples * self._row_bytes <= bound
+        #: Kept: the rows mapped so far (sorted, disjoint). Else: the row ranges of chunks made
+        #: ready and not given back (how many of each), and of those given back whose mappings
+        #: are still to be dropped (by the next read, on the reader's thread).
+        self._mapped: list[tuple[int, int]] = []
+        self._live: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._done: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            1, "asynchdf5-map", initializer=background
+        )
+
+    async def read(
+        self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
+    ) -> tuple[Mapping[str, np.ndarray], bool]:
+        assert self.own_arrays is not None
+        t0 = time.perf_counter()
+        pool = self._pool
+        if pool is None:
+            raise ReadError(f"{self._files[0].name}: cannot read: the layer is closed")
+        ranges = list(chunk.ranges)
+        if not self.keep:
+            with self._lock:
+                self._live.update(ranges)
+        # As the local source does: submitted from anyio's thread, which waits for it even when
+        # cancelled, so the reader's thread never works for a run that is over.
+        await anyio.to_thread.run_sync(lambda: pool.submit(self._prepare, ranges).result())
+        stats.bytes += sum(b - a for a, b in ranges) * self._row_bytes
+        stats.seconds += time.perf_counter() - t0
+        stats.chunks += 1
+        return self.own_arrays, True
+
+    def verify(self) -> None:
+        """ReadError if a file changed since it was opened: rows gathered from it before this
+        call may be of the changed file (the pipeline calls it after each gather)."""
+        for f in self._files:
+            f.check()
+
+    def release(self, chunk: ChunkPlan) -> None:
+        """The pipeline is done with ``chunk``: unless kept, its pages are unmapped (by the
+        next read)."""
+        if self.keep:
+            return
+        with self._lock:
+            for r in chunk.ranges:
+                left = self._live.get(r, 0) - 1
+                if left < 0:
+                    continue
+                if left:
+                    self._live[r] = left
+                else:
+                    del self._live[r]
+                self._done.append(r)
+
+    def _prepare(self, ranges: list[tuple[int, int]]) -> None:
+        """Drop the mappings of the chunks given back, then make ``ranges`` ready (blocking)."""
+        self._drop_done()
+        if self.keep:  # only what was never mapped: the rest still is
+            todo = [m for a, b in ranges for m in _uncovered(self._mapped, a, b)]
+        else:
+            todo = ranges
+        self._populate(todo)
+        if self.keep:
+            self._mapped = _merged(self._mapped + todo)
+        # Every chunk: a file changed since it was opened is an error before any of its batches.
+        if ranges:
+            a, b = ranges[0]
+            for t in self._tops:
+                _check(t.file, t.name, a, b)
+
+    def _populate(self, ranges: list[tuple[int, int]]) -> None:
+        """Read the rows ahead and map their pages (blocking); ReadError if a page cannot be."""
+        for a, b in ranges:  # every read queued first: the disk sees them all at once
+            for t in self._tops:
+                with contextlib.suppress(OSError):  # advice only
+                    os.posix_fadvise(
+                        t.file.fd,
+                        t.offset + a * t.row_bytes,
+                        (b - a) * t.row_bytes,
+                        os.POSIX_FADV_WILLNEED,
+                    )
+        for a, b in ranges:
+            for t in self._tops:
+                lo, hi = t.pages(a, b)
+                err = self._libc.madvise(t.address + lo, hi - lo, _POPULATE_READ)
+                if err:
+                    for f in self._files:  # a file that changed is the cause to report
+                        _check(f, t.name, a, b)
+                    raise ReadError(
+                        f"{t.file.name}: top {t.name!r}, rows {a}:{b}: read failed: "
+                        f"{os.strerror(err)}"
+                    )
+
+    def _drop_done(self) -> None:
+        """Once a chunk was given back: unmap every page but those of the live chunks.
+
+        Every page, not only the chunk's: mapping a page maps the cached pages around it too
+        (the kernel's fault-around, 64 KiB), which may belong to chunks given back before. A page
+        that a later chunk needs is mapped again when that chunk is made ready."""
+        with self._lock:
+            done, self._done = bool(self._done), []
+            live = list(self._live)
+        if not done:
+            return
+        for t in self._tops:
+            used = _merged([t.pages(a, b) for a, b in live])
+            for x, y in _uncovered(used, 0, t.pages(0, t.nrows)[1]):
+                self._libc.madvise(t.address + x, y - x, _DONTNEED)
+
+    def _close_maps(self) -> None:
+        for t in self._tops:
+            t.array = None  # unmapped now, or when the last view elsewhere goes
+
+    def close(self) -> None:
+        """Join the reader's thread, unmap the file and close the source (blocking)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self.own_arrays = None
+        self._close_maps()
+        self.source.close()
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.close)
+
+
+def default_keep_bytes() -> int:
+    """The largest data set whose pages stay mapped between epochs: half the physical memory.
+    A larger one cannot stay in the page cache anyway; its chunks are unmapped after use."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0
+
+
+def _check(file: LocalFile, top: str, a: int, b: int) -> None:
+    try:
+        file.check()
+    except ReadError as exc:
+        raise ReadError(f"top {top!r}, rows {a}:{b}: {exc}") from exc
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` sorted and merged into disjoint intervals."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _uncovered(spans: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """The parts of ``a:b`` that none of ``spans`` (sorted, disjoint) covers."""
+    out = []
+    pos = a
+    first = max(0, bisect.bisect_right(spans, (a, math.inf)) - 1)
+    for s, e in spans[first:]:
+        if s >= b:
+            break
+        if e <= pos:
+            continue
+        if s > pos:
+            out.append((pos, s))
+        pos = e
+        if pos >= b:
+            break
+    if pos < b:
+        out.append((pos, b))
+    return out

@@ -1,0 +1,318 @@
+"""``mmap=True``: rows served from the mapped file give the batches the copying reader gives.
+
+Real files, the whole pipeline, every test under a deadline. Checked: the same batches (indices
+and rows) as ``mmap=False`` for the same seed, streaming and resident, with pages kept mapped
+between epochs and with each chunk unmapped after use (the data set larger than the bound); the
+sources it does not apply to are read as usual and say why; a file changed before a chunk is
+served is a named :class:`ReadError` before any of its batches; the mapped pages stay within the
+chunks in flight when not kept; nothing stays mapped, open or running after the layer closes; and
+the documented hazard (a file truncated while its chunk is served ends the process with SIGBUS)
+is what happens, in a child process.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import anyio
+import h5py
+import numpy as np
+import pytest
+
+import asynchdf5._read._mapped as mapped
+from asynchdf5 import AsyncHDF5DataLayer, ConfigurationError, HDF5DataLayer, ReadError
+
+from ._files import check_epoch, check_message, write_h5
+from ._leaks import aassert_released, asnapshot
+
+pytestmark = pytest.mark.anyio
+
+N = 5_003  # rows: not a multiple of the batch, the chunk or a page
+ROW_BYTES = 2 * 4 + 8
+
+
+def mappings(path: Path, *, collect: bool = False) -> list[int]:
+    """The resident kilobytes of each mapping of ``path`` in this process (``collect``: after
+    the garbage collector has freed what only reference cycles hold, such as the frames of a
+    cancelled task)."""
+    if collect:
+        gc.collect()
+    out, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                current = fields[-1] if len(fields) >= 6 else None
+            elif fields[0] == "Rss:" and current == str(path):
+                out.append(int(fields[1]))
+    return out
+
+
+async def batches(path: Path, epochs: int = 2, **kw: Any) -> tuple[list[list[Any]], Any]:
+    out = []
+    async with AsyncHDF5DataLayer(path, batch_size=kw.pop("batch_size", 64), **kw) as layer:
+        for _ in range(epochs):
+            out.append([b async for b in layer])
+        stats = layer.stats
+    return out, stats
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize(
+    ("chunk_size", "cache_rows", "kept"),
+    [
+        (1024, 2048, True),  # streaming: chunks smaller than the data set
+        (1024, 2048, False),  # streaming, each chunk unmapped after use
+        (2**20, None, True),  # the whole data set one chunk (resident when copied)
+        (2**20, None, False),
+    ],
+)
+async def test_the_same_batches_as_the_copying_reader(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shuffle: bool,
+    chunk_size: int,
+    cache_rows: int | None,
+    kept: bool,
+) -> None:
+    if not kept:
+        monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    kw: dict[str, Any] = dict(shuffle=shuffle, seed=3, chunk_size=chunk_size, epochs=3)
+    if cache_rows is not None:
+        kw["cache_bytes"] = cache_rows * ROW_BYTES
+    before = await asnapshot()
+    with anyio.fail_after(60):
+        copied, copied_stats = await batches(path, **kw)
+        served, stats = await batches(path, mmap=True, **kw)
+    await aassert_released(before)
+    assert copied_stats.read_paths == {"data": "pread", "label": "pread"}
+    assert stats.read_paths == {"data": "mmap", "label": "mmap"}
+    assert stats.read_notes == {}
+    assert stats.bytes_read > 0
+    for epoch, (mine, theirs) in enumerate(zip(served, copied, strict=True)):
+        check_epoch(mine, N, 64, epoch)
+        assert len(mine) == len(theirs)
+        for a, b in zip(mine, theirs, strict=True):
+            np.testing.assert_array_equal(a.indices, b.indices)
+            np.testing.assert_array_equal(a["data"], b["data"])
+            np.testing.assert_array_equal(a["label"], b["label"])
+    assert mappings(path, collect=True) == []  # unmapped once closed
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_sync_facade(tmp_path: Path, backend: str) -> None:
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    with HDF5DataLayer(
+        path, batch_size=100, shuffle=True, seed=1, chunk_size=1000, mmap=True, backend=backend
+    ) as layer:
+        for epoch in range(2):
+            check_epoch(list(layer), N, 100, epoch)
+        assert layer.stats.read_paths["data"] == "mmap"
+    assert mappings(path, collect=True) == []
+
+
+def _big_endian(folder: Path) -> Path:
+    path = write_h5(folder / "be.h5", 0, N)
+    with h5py.File(path, "r+") as f:
+        data = f["data"][:]
+        del f["data"]
+        f.create_dataset("data", data=data.astype(">f4"))
+    return path
+
+
+def _two_files(folder: Path) -> Path:
+    write_h5(folder / "a.h5", 0, 3000)
+    write_h5(folder / "b.h5", 3000, N - 3000)
+    (folder / "list.txt").write_text("a.h5\nb.h5\n")
+    return folder / "list.txt"
+
+
+REFUSED = {
+    "two files": (_two_files, "serves a source of one file; this one has 2"),
+    "gzip": (lambda d: write_h5(d / "z.h5", 0, N, layout="gzip"), "needs contiguous"),
+    "chunked": (lambda d: write_h5(d / "c.h5", 0, N, layout="chunked"), "needs contiguous"),
+    "other byte order": (_big_endian, "stored in the other byte order"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+async def test_where_it_does_not_apply_the_layer_reads_as_usual_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, case: str
+) -> None:
+    make, reason = REFUSED[case]
+    source = make(tmp_path)
+    with caplog.at_level(logging.WARNING, "asynchdf5"), anyio.fail_after(30):
+        got, stats = await batches(source, shuffle=True, seed=0, chunk_size=1000, mmap=True)
+    for epoch, epoch_batches in enumerate(got):
+        check_epoch(epoch_batches, N, 64, epoch)
+    assert "mmap" not in " ".join(stats.read_paths.values())
+    for top in ("data", "label"):
+        assert reason in stats.read_notes[top], stats.read_notes
+        assert "not mapped" in stats.read_notes[top]
+    assert any("mmap=True does not apply" in r.getMessage() for r in caplog.records)
+
+
+def test_the_property_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="mmap"):
+        AsyncHDF5DataLayer(tmp_path / "x.h5", batch_size=1, mmap="yes")  # type: ignore[arg-type]
+
+
+# --- files that change --------------------------------------------------------------------------
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _rewrite(path: Path) -> None:
+    """The second half overwritten with other bytes, size and modification time restored."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        f.write(b"\x5a" * (st.st_size - st.st_size // 2))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize(("change", "words"), [(_truncate, "truncated"), (_rewrite, "changed")])
+async def test_a_file_changed_before_a_chunk_is_served_is_a_read_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Any, words: str
+) -> None:
+    """Changed just before the first chunk is made ready (deterministic, and no gather can
+    touch a page of the changed file, so the test process cannot meet a SIGBUS): the epoch
+    fails with a ReadError naming the file, the top and the rows, before any batch."""
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    prepare = mapped.MappedReader._prepare
+    changed: list[bool] = []
+
+    def change_first(self: mapped.MappedReader, ranges: list[tuple[int, int]]) -> None:
+        if not changed:
+            changed.append(True)
+            change(path)
+        prepare(self, ranges)
+
+    monkeypatch.setattr(mapped.MappedReader, "_prepare", change_first)
+    before = await asnapshot()
+    got = []
+    with anyio.fail_after(30), pytest.raises(ReadError) as info:
+        async with AsyncHDF5DataLayer(
+            path, batch_size=64, chunk_size=1000, shuffle=True, seed=0, mmap=True
+        ) as layer:
+            async for b in layer:
+                got.append(b)
+    await aassert_released(before)
+    assert got == []
+    check_message(info.value, path, words, "top '", "rows ")
+    assert mappings(path, collect=True) == []
+
+
+@pytest.mark.parametrize("chunk_size", [1000, 2**20])  # streaming; the whole set one chunk
+async def test_a_file_rewritten_while_served_is_a_read_error_and_no_changed_row_is_yielded(
+    tmp_path: Path, chunk_size: int
+) -> None:
+    """Rewritten in place (size and modification time restored) after the first batch: the
+    mapped pages show the new bytes at once, so the rows gathered after it would be wrong
+    (those gathered and checked before it are right, and may finish the epoch).
+    Each gathered group is checked against the file's fingerprint before it is handed on:
+    a ReadError, and every batch yielded before it is correct."""
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    before = await asnapshot()
+    got: list[Any] = []
+    with anyio.fail_after(30), pytest.raises(ReadError) as info:
+        async with AsyncHDF5DataLayer(
+            path, batch_size=16, chunk_size=chunk_size, shuffle=True, seed=0, mmap=True
+        ) as layer:
+            for _ in range(2):  # the groups gathered before the change may end the epoch
+                async for b in layer:
+                    got.append(b)
+                    if len(got) == 1:
+                        _rewrite(path)
+    await aassert_released(before)
+    assert 1 <= len(got) < 2 * N // 16
+    for b in got:
+        np.testing.assert_array_equal(b["label"], b.indices)
+        np.testing.assert_array_equal(b["data"][:, 0], b.indices * 10)
+    check_message(info.value, path, "changed")
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the reader is the same on both
+async def test_pages_of_chunks_done_with_are_unmapped_unless_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data set of 256 MiB (128 MiB a top) in chunks of 4 MiB: unless kept, the mapped pages
+    stay within the chunks in flight; kept (the control), the whole file ends up mapped."""
+    n = 2**24
+    path = tmp_path / "big.h5"
+    with h5py.File(path, "w") as f:
+        f["data"] = np.arange(n, dtype=np.int64) * 10
+        f["label"] = np.arange(n, dtype=np.int64)
+    peaks = {}
+    for kept, bound in ((False, 0), (True, 2**40)):
+        monkeypatch.setattr(mapped, "default_keep_bytes", lambda bound=bound: bound)
+        peak = 0
+        with anyio.fail_after(60):
+            async with AsyncHDF5DataLayer(
+                path,
+                batch_size=2**14,
+                chunk_size=2**18,
+                block_size=2**18,
+                shuffle=True,
+                seed=0,
+                mmap=True,
+            ) as layer:
+                for _ in range(2):
+                    async for i, b in _enumerate(layer):
+                        np.testing.assert_array_equal(b["label"], b.indices)
+                        np.testing.assert_array_equal(b["data"], b.indices * 10)
+                        if i % 8 == 0:  # reading smaps takes milliseconds
+                            peak = max(peak, max(mappings(path)))
+        peaks[kept] = peak
+    # KiB of one top. Not kept: the chunks made ready and not yet unmapped (2 MiB of a top
+    # each, in one or two blocks), and what the kernel maps beside the pages asked for (up to
+    # the whole folio of the page cache that holds each end of a block: 2 MiB), far below the
+    # top's 128 MiB.
+    assert 0 < peaks[False] <= 32 * 1024, peaks
+    assert peaks[True] >= 128 * 1024, peaks
+
+
+async def _enumerate(it: Any) -> Any:
+    i = 0
+    async for x in it:
+        yield i, x
+        i += 1
+
+
+# --- the documented hazard ----------------------------------------------------------------------
+
+
+def test_a_file_truncated_while_its_chunk_is_served_ends_the_process(tmp_path: Path) -> None:
+    """What the docs warn of, shown in a child process: the whole data set one chunk, made ready;
+    the file truncated after the first batch; the next batches gathered from pages that no longer
+    exist: SIGBUS. (The copying reader raises a ReadError here: tests/test_faults.py.)"""
+    path = write_h5(tmp_path / "one.h5", 0, 200_000)
+    script = textwrap.dedent(
+        f"""
+        import os
+        from asynchdf5 import HDF5DataLayer
+        with HDF5DataLayer({str(path)!r}, batch_size=64, shuffle=True, seed=0, mmap=True) as l:
+            for i, b in enumerate(l):
+                if i == 0:
+                    os.truncate({str(path)!r}, 4096)
+            print("no signal")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stdout, proc.stderr[-2000:])
