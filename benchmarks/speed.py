@@ -559,6 +559,7 @@ def section_ceiling(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
     loop_runs: list[LayerRun] = []
     loop2_runs: list[LayerRun] = []
     mapped_runs: list[LayerRun] = []
+    mmap_runs: list[LayerRun] = []
     errors: list[str] = []
     kwargs = _image_layer_kwargs(files, cfg)
     copy1, copy2 = _copy_rate(1), _copy_rate(2)
@@ -595,6 +596,20 @@ def section_ceiling(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                 )
             except Exception as exc:
                 errors.append(f"AsyncHDF5DataLayer: {_describe(exc)}")
+            try:
+                mmap_runs.append(
+                    _run_async(
+                        partial(
+                            _async_epochs,
+                            partial(asynchdf5.AsyncHDF5DataLayer, **kwargs, mmap=True),
+                            cfg.layer_epochs,
+                            n,
+                        ),
+                        cfg.deadline_s,
+                    )
+                )
+            except Exception as exc:
+                errors.append(f"AsyncHDF5DataLayer(mmap=True): {_describe(exc)}")
             try:
                 mem_runs.append(
                     _run_async(
@@ -663,6 +678,11 @@ def section_ceiling(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
             mapped_runs,
         ),
         ("asynchdf5 `AsyncHDF5DataLayer`, streaming, warm page cache", hdf5_runs),
+        (
+            "asynchdf5 `AsyncHDF5DataLayer(mmap=True)`, the same chunks served from the mapped "
+            "file (warm page cache)",
+            mmap_runs,
+        ),
         ("asynchdf5 `MemoryDataLayer` over the in-RAM arrays", mem_runs),
     ):
         if not runs:
@@ -879,6 +899,7 @@ def section_tabular(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
     }
     loops: list[LayerRun] = []
     layers: list[LayerRun] = []
+    mapped: list[LayerRun] = []
     errors: list[str] = []
     for _ in range(cfg.rounds):
         sources.warm(files)
@@ -899,6 +920,20 @@ def section_tabular(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
             )
         except Exception as exc:
             errors.append(f"AsyncHDF5DataLayer: {_describe(exc)}")
+        try:
+            mapped.append(
+                _run_async(
+                    partial(
+                        _async_epochs,
+                        partial(asynchdf5.AsyncHDF5DataLayer, **kwargs, mmap=True),
+                        epochs,
+                        n,
+                    ),
+                    cfg.deadline_s,
+                )
+            )
+        except Exception as exc:
+            errors.append(f"AsyncHDF5DataLayer(mmap=True): {_describe(exc)}")
     rows: list[Sequence[object]] = []
 
     def rate(runs: list[LayerRun], e: int) -> float:
@@ -910,18 +945,24 @@ def section_tabular(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
     for label_, runs in (
         (f"chunk loop, read_direct {cs:,} + take, 1 thread", loops),
         (f"asynchdf5 `AsyncHDF5DataLayer`, chunk_size {cs:,}", layers),
+        (f"asynchdf5 `AsyncHDF5DataLayer(mmap=True)`, chunk_size {cs:,}", mapped),
     ):
         rows.append(
             [label_] + [_fmt_rate(rate(runs, e)) for e in range(epochs)] + [_fmt_rate(steady(runs))]
         )
-    rows.append(
-        ["asynchdf5 ÷ chunk loop"]
-        + [_ratio(rate(layers, e), rate(loops, e)) for e in range(epochs)]
-        + [_ratio(steady(layers), steady(loops))]
-    )
+    for label_, runs in (("asynchdf5", layers), ("asynchdf5 `mmap=True`", mapped)):
+        rows.append(
+            [f"{label_} ÷ chunk loop"]
+            + [_ratio(rate(runs, e), rate(loops, e)) for e in range(epochs)]
+            + [_ratio(steady(runs), steady(loops))]
+        )
     notes = [
         f"{label_}: epochs, s: " + "; ".join(", ".join(f"{x:.3f}" for x in r.epoch_s) for r in runs)
-        for label_, runs in (("chunk loop", loops), ("asynchdf5", layers))
+        for label_, runs in (
+            ("chunk loop", loops),
+            ("asynchdf5", layers),
+            ("asynchdf5 mmap=True", mapped),
+        )
         if runs
     ]
     if layers:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import h5py
@@ -109,7 +109,7 @@ async def test_the_same_batches_as_the_copying_reader(
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_sync_facade(tmp_path: Path, backend: str) -> None:
+def test_sync_facade(tmp_path: Path, backend: Literal["asyncio", "trio"]) -> None:
     path = write_h5(tmp_path / "one.h5", 0, N)
     with HDF5DataLayer(
         path, batch_size=100, shuffle=True, seed=1, chunk_size=1000, mmap=True, backend=backend
