@@ -37,6 +37,7 @@ import datetime as dt
 import faulthandler
 import gc
 import math
+import mmap
 import os
 import platform
 import shlex
@@ -511,6 +512,18 @@ def _ceiling_2(
     return elapsed
 
 
+def _small_pages(a: Array) -> Array | None:
+    """A copy of ``a`` on 4 KiB pages (``MADV_NOHUGEPAGE``), the page size under a mapped file's
+    page cache here; NumPy's own large arrays get transparent huge pages (None: not Linux)."""
+    if not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return None
+    m = mmap.mmap(-1, max(1, a.nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    out: Array = np.frombuffer(m, a.dtype, a.size).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def _copy_rate(threads: int, nbytes: int = 512 * 2**20) -> float:
     """Bytes copied per second by ``np.copyto`` between two warm buffers, split over
     ``threads`` (best of 5): the memory bandwidth every loader here shares."""
@@ -551,9 +564,11 @@ def section_ceiling(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
     t_load = time.perf_counter()
     data, label = _load(files)
     load_s = time.perf_counter() - t_load
+    small = _small_pages(data), _small_pages(label)
     rng = np.random.default_rng(cfg.seed)
     c1: list[float] = []
     c2: list[float] = []
+    c4k: list[float] = []
     hdf5_runs: list[LayerRun] = []
     mem_runs: list[LayerRun] = []
     loop_runs: list[LayerRun] = []
@@ -568,6 +583,10 @@ def section_ceiling(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
             with _sync_deadline(cfg.deadline_s):
                 c1 += [_ceiling_1(data, label, b, rng) for _ in range(cfg.ceiling_epochs)]
                 c2 += [_ceiling_2(data, label, b, rng, pool) for _ in range(cfg.ceiling_epochs)]
+                if small[0] is not None and small[1] is not None:
+                    c4k += [
+                        _ceiling_1(small[0], small[1], b, rng) for _ in range(cfg.ceiling_epochs)
+                    ]
             sources.warm(files)
             with _sync_deadline(cfg.deadline_s):
                 loop_runs.append(
@@ -653,11 +672,26 @@ def section_ceiling(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
             _ratio(r2, rl2),
         ],
     ]
+    if c4k:
+        r4 = _rate(n, _median(c4k))
+        rows.append(
+            [
+                "in-RAM ceiling, 1 thread, the arrays on 4 KiB pages (`MADV_NOHUGEPAGE`): the "
+                "page size of a mapped file's page cache here",
+                _fmt_rate(r4),
+                "",
+                _ratio(r4, r1),
+                _ratio(r4, r2),
+                _ratio(r4, rl),
+                _ratio(r4, rl2),
+            ]
+        )
     notes = [
         f"Loading the arrays into RAM took {load_s:.1f} s; ceiling epochs, s: 1 thread "
         + ", ".join(f"{x:.3f}" for x in c1)
         + "; 2 threads "
         + ", ".join(f"{x:.3f}" for x in c2)
+        + ("; 1 thread on 4 KiB pages " + ", ".join(f"{x:.3f}" for x in c4k) if c4k else "")
         + "."
     ]
     for label_, runs in (
