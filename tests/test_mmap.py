@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from asynchdf5 import AsyncHDF5DataLayer, ConfigurationError, HDF5DataLayer, Rea
 
 from ._files import check_epoch, check_message, write_h5
 from ._leaks import aassert_released, asnapshot
+from .test_faults import rewrite_in_place, truncate
 
 pytestmark = pytest.mark.anyio
 
@@ -169,20 +169,9 @@ def test_the_property_must_be_a_bool(tmp_path: Path) -> None:
 # --- files that change --------------------------------------------------------------------------
 
 
-def _truncate(path: Path) -> None:
-    os.truncate(path, path.stat().st_size // 2)
-
-
-def _rewrite(path: Path) -> None:
-    """The second half overwritten with other bytes, size and modification time restored."""
-    st = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(st.st_size // 2)
-        f.write(b"\x5a" * (st.st_size - st.st_size // 2))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
-@pytest.mark.parametrize(("change", "words"), [(_truncate, "truncated"), (_rewrite, "changed")])
+@pytest.mark.parametrize(
+    ("change", "words"), [(truncate, "truncated"), (rewrite_in_place, "changed")]
+)
 async def test_a_file_changed_before_a_chunk_is_served_is_a_read_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Any, words: str
 ) -> None:
@@ -234,7 +223,7 @@ async def test_a_file_rewritten_while_served_is_a_read_error_and_no_changed_row_
                 async for b in layer:
                     got.append(b)
                     if len(got) == 1:
-                        _rewrite(path)
+                        rewrite_in_place(path)
     await aassert_released(before)
     assert 1 <= len(got) < 2 * N // 16
     for b in got:

@@ -27,11 +27,9 @@ this machine's byte order (:func:`refusal` says why not otherwise, and the layer
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
 import ctypes
-import math
 import mmap
 import os
 import sys
@@ -52,6 +50,7 @@ from .._priority import background
 from .._sources import Source
 from .._sources._local import LocalFile
 from .._stats import ReadStats
+from ._spans import merged, uncovered
 
 __all__ = ["MappedReader", "default_keep_bytes", "refusal"]
 
@@ -281,12 +280,12 @@ class MappedReader:
         """Drop the mappings of the chunks given back, then make ``ranges`` ready (blocking)."""
         self._drop_done()
         if self.keep:  # only what was never mapped: the rest still is
-            todo = [m for a, b in ranges for m in _uncovered(self._mapped, a, b)]
+            todo = [m for a, b in ranges for m in uncovered(self._mapped, a, b)]
         else:
             todo = ranges
         self._populate(todo)
         if self.keep:
-            self._mapped = _merged(self._mapped + todo)
+            self._mapped = merged(self._mapped + todo)
         # Every chunk: a file changed since it was opened is an error before any of its batches.
         if ranges:
             a, b = ranges[0]
@@ -328,8 +327,8 @@ class MappedReader:
         if not done:
             return
         for t in self._tops:
-            used = _merged([t.pages(a, b) for a, b in live])
-            for x, y in _uncovered(used, 0, t.pages(0, t.nrows)[1]):
+            used = merged([t.pages(a, b) for a, b in live])
+            for x, y in uncovered(used, 0, t.pages(0, t.nrows)[1]):
                 self._libc.madvise(t.address + x, y - x, _DONTNEED)
 
     def _close_maps(self) -> None:
@@ -364,34 +363,3 @@ def _check(file: LocalFile, top: str, a: int, b: int) -> None:
         file.check()
     except ReadError as exc:
         raise ReadError(f"top {top!r}, rows {a}:{b}: {exc}") from exc
-
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``spans`` sorted and merged into disjoint intervals."""
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def _uncovered(spans: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
-    """The parts of ``a:b`` that none of ``spans`` (sorted, disjoint) covers."""
-    out = []
-    pos = a
-    first = max(0, bisect.bisect_right(spans, (a, math.inf)) - 1)
-    for s, e in spans[first:]:
-        if s >= b:
-            break
-        if e <= pos:
-            continue
-        if s > pos:
-            out.append((pos, s))
-        pos = e
-        if pos >= b:
-            break
-    if pos < b:
-        out.append((pos, b))
-    return out

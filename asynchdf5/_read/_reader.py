@@ -34,6 +34,7 @@ from .._priority import background
 from .._sources import ByteRange, Source
 from .._sources._local import PIECE_BYTES
 from .._stats import ReadStats
+from ._spans import merged, uncovered
 from ._steps import Decode, H5pyRead, byte_view, direct_ranges, swapper
 
 __all__ = ["HDF5Reader", "MemoryReader", "Reader"]
@@ -244,7 +245,7 @@ class HDF5Reader:
         if self.resident is not None:
             arrays: Mapping[str, np.ndarray] = self.resident
             placed = [
-                (a, b, a) for r0, r1 in chunk.ranges for a, b in _missing(self._loaded, r0, r1)
+                (a, b, a) for r0, r1 in chunk.ranges for a, b in uncovered(self._loaded, r0, r1)
             ]
         else:
             assert into is not None
@@ -261,7 +262,7 @@ class HDF5Reader:
             stats.chunks += 1
         if self.resident is not None:
             for a, b in chunk.ranges:
-                _add(self._loaded, a, b)
+                self._loaded = merged([*self._loaded, (a, b)])
         return arrays, self.resident is not None
 
     def release(self, chunk: ChunkPlan) -> None:
@@ -315,35 +316,3 @@ class MemoryReader:
 
     async def aclose(self) -> None:
         pass
-
-
-def _missing(loaded: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
-    """The parts of ``a:b`` not covered by the sorted, disjoint intervals ``loaded``."""
-    out = []
-    pos = a
-    for s, e in loaded:
-        if e <= pos:
-            continue
-        if s >= b:
-            break
-        if s > pos:
-            out.append((pos, s))
-        pos = e
-        if pos >= b:
-            break
-    if pos < b:
-        out.append((pos, b))
-    return out
-
-
-def _add(loaded: list[tuple[int, int]], a: int, b: int) -> None:
-    """Add ``a:b`` to the sorted, disjoint intervals ``loaded``, merging neighbours."""
-    loaded.append((a, b))
-    loaded.sort()
-    merged = [loaded[0]]
-    for s, e in loaded[1:]:
-        if s <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-        else:
-            merged.append((s, e))
-    loaded[:] = merged
