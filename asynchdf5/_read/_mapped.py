@@ -178,7 +178,9 @@ class _Top:
         whole = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(self.address))
         # Every view of `whole` refers to it (it does not own its memory): unmapped once the
         # last view is gone.
-        weakref.finalize(whole, libc.unmap, self.address, length)
+        finalizer = weakref.finalize(whole, libc.unmap, self.address, length)
+        # Not at interpreter exit: a daemon gather thread may still be reading the mapping then.
+        finalizer.atexit = False
         rows = whole[self.skip :].view(info.dtype).reshape(nrows, *info.sample_shape)
         self.array: np.ndarray | None = rows
 
