@@ -290,6 +290,23 @@ class _EpochMeter:
             raise AssertionError(f"an epoch yielded {self.samples} samples, not {expected}")
 
 
+def _layer_runs(
+    runs: list[LayerRun],
+    errors: list[str],
+    what: str,
+    make: Callable[[], Any],
+    epochs: int,
+    n: int,
+    deadline_s: float,
+) -> None:
+    """One opening of ``epochs`` epochs of ``make()`` appended to ``runs``; a failure is noted in
+    ``errors`` as ``what: ...`` instead."""
+    try:
+        runs.append(_run_async(partial(_async_epochs, make, epochs, n), deadline_s))
+    except Exception as exc:
+        errors.append(f"{what}: {_describe(exc)}")
+
+
 async def _async_epochs(make: Callable[[], Any], epochs: int, n: int) -> LayerRun:
     """``epochs`` epochs of ``async for`` over ``make()``, the clock started before ``make``."""
     run = LayerRun()
@@ -601,54 +618,39 @@ def section_ceiling(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                         runs.append(loop(files, b, cfg.image_chunk, cfg.seed, cfg.layer_epochs))
                 except ValueError as exc:
                     errors.append(f"{what}: {exc}")
-            try:
-                hdf5_runs.append(
-                    _run_async(
-                        partial(
-                            _async_epochs,
-                            partial(asynchdf5.AsyncHDF5DataLayer, **kwargs),
-                            cfg.layer_epochs,
-                            n,
-                        ),
-                        cfg.deadline_s,
-                    )
-                )
-            except Exception as exc:
-                errors.append(f"AsyncHDF5DataLayer: {_describe(exc)}")
-            try:
-                mmap_runs.append(
-                    _run_async(
-                        partial(
-                            _async_epochs,
-                            partial(asynchdf5.AsyncHDF5DataLayer, **kwargs, mmap=True),
-                            cfg.layer_epochs,
-                            n,
-                        ),
-                        cfg.deadline_s,
-                    )
-                )
-            except Exception as exc:
-                errors.append(f"AsyncHDF5DataLayer(mmap=True): {_describe(exc)}")
-            try:
-                mem_runs.append(
-                    _run_async(
-                        partial(
-                            _async_epochs,
-                            partial(
-                                asynchdf5.MemoryDataLayer,
-                                data={"data": data, "label": label},
-                                batch_size=b,
-                                shuffle=True,
-                                seed=cfg.seed,
-                            ),
-                            cfg.layer_epochs,
-                            n,
-                        ),
-                        cfg.deadline_s,
-                    )
-                )
-            except Exception as exc:
-                errors.append(f"MemoryDataLayer: {_describe(exc)}")
+            _layer_runs(
+                hdf5_runs,
+                errors,
+                "AsyncHDF5DataLayer",
+                partial(asynchdf5.AsyncHDF5DataLayer, **kwargs),
+                cfg.layer_epochs,
+                n,
+                cfg.deadline_s,
+            )
+            _layer_runs(
+                mmap_runs,
+                errors,
+                "AsyncHDF5DataLayer(mmap=True)",
+                partial(asynchdf5.AsyncHDF5DataLayer, **kwargs, mmap=True),
+                cfg.layer_epochs,
+                n,
+                cfg.deadline_s,
+            )
+            _layer_runs(
+                mem_runs,
+                errors,
+                "MemoryDataLayer",
+                partial(
+                    asynchdf5.MemoryDataLayer,
+                    data={"data": data, "label": label},
+                    batch_size=b,
+                    shuffle=True,
+                    seed=cfg.seed,
+                ),
+                cfg.layer_epochs,
+                n,
+                cfg.deadline_s,
+            )
     r1, r2 = _rate(n, _median(c1)), _rate(n, _median(c2))
     rl = _rate(n, _median([s for r in loop_runs for s in r.later_s])) if loop_runs else math.nan
     rl2 = _rate(n, _median([s for r in loop2_runs for s in r.later_s])) if loop2_runs else math.nan
@@ -943,31 +945,24 @@ def section_tabular(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
         except Exception as exc:
             errors.append(f"chunk loop: {_describe(exc)}")
         sources.warm(files)
-        try:
-            layers.append(
-                _run_async(
-                    partial(
-                        _async_epochs, partial(asynchdf5.AsyncHDF5DataLayer, **kwargs), epochs, n
-                    ),
-                    cfg.deadline_s,
-                )
-            )
-        except Exception as exc:
-            errors.append(f"AsyncHDF5DataLayer: {_describe(exc)}")
-        try:
-            mapped.append(
-                _run_async(
-                    partial(
-                        _async_epochs,
-                        partial(asynchdf5.AsyncHDF5DataLayer, **kwargs, mmap=True),
-                        epochs,
-                        n,
-                    ),
-                    cfg.deadline_s,
-                )
-            )
-        except Exception as exc:
-            errors.append(f"AsyncHDF5DataLayer(mmap=True): {_describe(exc)}")
+        _layer_runs(
+            layers,
+            errors,
+            "AsyncHDF5DataLayer",
+            partial(asynchdf5.AsyncHDF5DataLayer, **kwargs),
+            epochs,
+            n,
+            cfg.deadline_s,
+        )
+        _layer_runs(
+            mapped,
+            errors,
+            "AsyncHDF5DataLayer(mmap=True)",
+            partial(asynchdf5.AsyncHDF5DataLayer, **kwargs, mmap=True),
+            epochs,
+            n,
+            cfg.deadline_s,
+        )
     rows: list[Sequence[object]] = []
 
     def rate(runs: list[LayerRun], e: int) -> float:
