@@ -254,4 +254,5 @@ def carry(spec: BatchSpec, tops: Mapping[str, tuple[tuple[int, ...], np.dtype[An
     arrays = {name: np.empty((spec.rows, *shape), dtype) for name, (shape, dtype) in tops.items()}
     indices = np.empty(spec.rows, np.int64)
     gather_rows(spec.pieces, arrays, indices)
+    verify(spec.pieces)  # rows of a mapped file: unchanged when they were copied
     return Carry(arrays, indices)

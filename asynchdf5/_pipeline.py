@@ -44,7 +44,7 @@ from anyio.abc import ObjectReceiveStream
 from ._batch import Batch, BatchSpec, GroupSpec, carry, verify
 from ._cache import Slot
 from ._delivery import Delivery, line_offset
-from ._errors import DataLayerError, ReadError
+from ._errors import DataLayerError
 from ._handoff import Handoff
 from ._loading import ChunkItem, ChunkLoader
 from ._plan import EpochPlan
@@ -342,7 +342,6 @@ class Run:
         carry buffer of its own, and let go of those chunks."""
         held = spec.pieces
         carried = await anyio.to_thread.run_sync(carry, spec, self._row_specs)
-        verify(held)
         spec.pieces = [(carried, 0, spec.rows)]
         for chunk, _, _ in held:
             chunk.refs -= 1
@@ -382,10 +381,8 @@ class Run:
             else:
                 try:
                     batches, error = self.delivery.make(item, self.stats.gather, self._pool)
-                    verify(item.pieces)
-                except ReadError as exc:  # a mapped file changed: none of the rows is sure
-                    batches, error = [], exc
-                except Exception as exc:  # a bug: still reported, in order
+                    verify(item.pieces)  # a mapped file changed: none of the rows is sure
+                except Exception as exc:  # that, or a bug: reported in order
                     batches, error = [], exc
                 group: list[Item] = []
                 for i, batch in enumerate(batches):  # fewer than item.sizes on an error
