@@ -222,15 +222,15 @@ class MappedReader:
         self._files = list({id(t.file): t.file for t in self._tops}.values())
         self._row_bytes = catalog.row_bytes
         #: Keep pages mapped from one epoch to the next: the data set fits in memory (see
-        #: :func:`keep_bytes`), so its pages can stay in the page cache.
+        #: :func:`default_keep_bytes`), so its pages can stay in the page cache.
         bound = default_keep_bytes() if keep_bytes is None else keep_bytes
         self.keep = self.n_samples * self._row_bytes <= bound
         #: Kept: the rows mapped so far (sorted, disjoint). Else: the row ranges of chunks made
-        #: ready and not given back (how many of each), and of those given back whose mappings
-        #: are still to be dropped (by the next read, on the reader's thread).
+        #: ready and not given back (how many of each), and whether one was given back since
+        #: the last drop (the next read drops the mappings, on the reader's thread).
         self._mapped: list[tuple[int, int]] = []
         self._live: collections.Counter[tuple[int, int]] = collections.Counter()
-        self._done: list[tuple[int, int]] = []
+        self._given_back = False
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             1, "asynchdf5-map", initializer=background
@@ -276,7 +276,7 @@ class MappedReader:
                     self._live[r] = left
                 else:
                     del self._live[r]
-                self._done.append(r)
+                self._given_back = True
 
     def _prepare(self, ranges: list[tuple[int, int]]) -> None:
         """Drop the mappings of the chunks given back, then make ``ranges`` ready (blocking)."""
@@ -324,9 +324,9 @@ class MappedReader:
         (the kernel's fault-around, 64 KiB), which may belong to chunks given back before. A page
         that a later chunk needs is mapped again when that chunk is made ready."""
         with self._lock:
-            done, self._done = bool(self._done), []
+            given_back, self._given_back = self._given_back, False
             live = list(self._live)
-        if not done:
+        if not given_back:
             return
         for t in self._tops:
             used = merged([t.pages(a, b) for a, b in live])
