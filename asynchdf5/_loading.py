@@ -5,7 +5,8 @@ each chunk's read as soon as a cache slot is free, even while the chunk before i
 read, so the disk or the network is never idle between chunks; the :class:`~._read.Reader` does
 the I/O in worker threads, and each chunk's serving order is drawn meanwhile. Whatever order the
 reads finish in, the chunks (and an error, after the chunks read before it) go downstream in plan
-order. A chunk's slot comes back through ``LoadedChunk.release`` once the pipeline is done with it.
+order. A chunk's slot comes back through ``LoadedChunk.release`` once the pipeline is done with it
+(a chunk served in place, to the reader: at the latest when the run ends).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class ChunkLoader:
         self.plan = plan
         self.start_epoch = start_epoch
         self.stats = stats
+        #: Chunks served in place that the pipeline has not given back yet (see
+        #: :meth:`give_back_all`).
+        self._held: set[LoadedChunk] = set()
 
     async def run(self, send: ObjectSendStream[ChunkItem]) -> None:
         """Read the chunks of each epoch in order, and hand them to the batcher in order.
@@ -162,12 +166,24 @@ class ChunkLoader:
             if slot is not None:
                 loaded.release = _releaser(free_send, slot)
             elif loaded.rows_are_global:
-                loaded.release = functools.partial(self.reader.release, chunk)
+                self._held.add(loaded)
+                loaded.release = functools.partial(self._give_back, loaded)
                 loaded.verify = self.reader.verify
             load.item = (plan, loaded)
         finally:
             busy.stop()
             load.done.set()
+
+    def _give_back(self, loaded: LoadedChunk) -> None:
+        self._held.discard(loaded)
+        self.reader.release(loaded.plan)
+
+    def give_back_all(self) -> None:
+        """The run is over: give the reader back the chunks served in place that the pipeline
+        did not finish with (the consumer left an epoch, a read failed): they will not be."""
+        for loaded in list(self._held):
+            loaded.release = None
+            self._give_back(loaded)
 
     async def _load(self, chunk: ChunkPlan, slot: Slot | None) -> LoadedChunk:
         """Read a chunk into ``slot`` (or in place), and draw its serving order (and the global

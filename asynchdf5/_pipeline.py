@@ -199,6 +199,7 @@ class Run:
                 await anyio.to_thread.run_sync(thread.join)
                 if self._pool is not None:
                     await anyio.to_thread.run_sync(self._pool.shutdown)
+            self._loader.give_back_all()  # nothing gathers from them any more
             self._out.finish()
             self.done.set()
 

@@ -177,14 +177,16 @@ async def test_a_file_changed_before_a_chunk_is_served_is_a_read_error(
 ) -> None:
     """Changed just before the first chunk is made ready (deterministic, and no gather can
     touch a page of the changed file, so the test process cannot meet a SIGBUS): the epoch
-    fails with a ReadError naming the file, the top and the rows, before any batch."""
+    fails with a ReadError naming the file, the top and the rows, before any batch; and the
+    failed chunk is not left among those in use (chunks are unmapped after use here)."""
+    monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
     path = write_h5(tmp_path / "one.h5", 0, N)
     prepare = mapped.MappedReader._prepare
-    changed: list[bool] = []
+    readers: list[mapped.MappedReader] = []
 
     def change_first(self: mapped.MappedReader, ranges: list[tuple[int, int]]) -> None:
-        if not changed:
-            changed.append(True)
+        if not readers:
+            readers.append(self)
             change(path)
         prepare(self, ranges)
 
@@ -200,6 +202,7 @@ async def test_a_file_changed_before_a_chunk_is_served_is_a_read_error(
     await aassert_released(before)
     assert got == []
     check_message(info.value, path, words, "top '", "rows ")
+    assert not readers[0]._live  # given back: the failed read, and any read after it
     assert mappings(path, collect=True) == []
 
 
@@ -275,6 +278,47 @@ async def test_pages_of_chunks_done_with_are_unmapped_unless_kept(
     # top's 128 MiB.
     assert 0 < peaks[False] <= 32 * 1024, peaks
     assert peaks[True] >= 128 * 1024, peaks
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_chunks_of_epochs_left_early_are_unmapped_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leaving epochs after one batch (the run ends with chunks made ready and not done with):
+    those chunks are given back when the run ends, so the mapped pages stay within the chunks in
+    flight. 64 MiB a top in chunks of 2 MiB a top: kept live, the left chunks of six epochs
+    had mapped the whole top (found by review)."""
+    n = 2**23
+    path = tmp_path / "big.h5"
+    with h5py.File(path, "w") as f:
+        f["data"] = np.arange(n, dtype=np.int64) * 10
+        f["label"] = np.arange(n, dtype=np.int64)
+    monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    before = await asnapshot()
+    peak = 0
+    with anyio.fail_after(60):
+        async with AsyncHDF5DataLayer(
+            path,
+            batch_size=2**12,
+            chunk_size=2**18,
+            block_size=2**18,
+            shuffle=True,
+            seed=0,
+            mmap=True,
+        ) as layer:
+            for _ in range(6):
+                async for b in layer:
+                    np.testing.assert_array_equal(b["data"], b.indices * 10)
+                    break
+                await anyio.sleep(0.2)  # the run reads ahead meanwhile: more chunks left
+            async for i, b in _enumerate(layer):
+                np.testing.assert_array_equal(b["data"], b.indices * 10)
+                if i % 8 == 0:
+                    peak = max(peak, max(mappings(path)))
+    await aassert_released(before)
+    # KiB of one top: the chunks in flight and the folios at their ends, not the top's 64 MiB.
+    assert 0 < peak <= 24 * 1024, peak
+    assert mappings(path, collect=True) == []
 
 
 async def _enumerate(it: Any) -> Any:

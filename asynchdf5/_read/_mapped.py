@@ -248,9 +248,13 @@ class MappedReader:
         if not self.keep:
             with self._lock:
                 self._live.update(ranges)
-        # As the local source does: submitted from anyio's thread, which waits for it even when
-        # cancelled, so the reader's thread never works for a run that is over.
-        await anyio.to_thread.run_sync(lambda: pool.submit(self._prepare, ranges).result())
+        try:
+            # As the local source does: submitted from anyio's thread, which waits for it even
+            # when cancelled, so the reader's thread never works for a run that is over.
+            await anyio.to_thread.run_sync(lambda: pool.submit(self._prepare, ranges).result())
+        except BaseException:  # failed or cancelled: nobody will give the chunk back
+            self.release(chunk)
+            raise
         stats.bytes += sum(b - a for a, b in ranges) * self._row_bytes
         stats.seconds += time.perf_counter() - t0
         stats.chunks += 1
@@ -269,9 +273,8 @@ class MappedReader:
             return
         with self._lock:
             for r in chunk.ranges:
-                left = self._live.get(r, 0) - 1
-                if left < 0:
-                    continue
+                left = self._live[r] - 1
+                assert left >= 0, f"rows {r} given back more often than made ready"
                 if left:
                     self._live[r] = left
                 else:
