@@ -97,12 +97,21 @@ def cases(draw: st.DrawFn) -> Case:
         )
         return st.one_of(near, st.integers(0, 400))
 
-    sizes = draw(st.lists(size(), min_size=1, max_size=4).filter(lambda s: sum(s) > 0))
-    kind = draw(st.sampled_from(["hdf5", "hdf5", "hdf5", "memory"]))
+    mmap = draw(st.sampled_from(["no", "kept", "dropped"]))
+    if mmap != "no" and draw(st.integers(0, 3)):
+        # Mostly where mmap=True applies: one file with rows, stored contiguously (files
+        # without rows beside it do not count); else it reads as usual.
+        rows = draw(size().filter(lambda n: n > 0))
+        sizes = [0] * draw(st.integers(0, 1)) + [rows] + [0] * draw(st.integers(0, 1))
+        kind, layout = "hdf5", "contiguous"
+    else:
+        sizes = draw(st.lists(size(), min_size=1, max_size=4).filter(lambda s: sum(s) > 0))
+        kind = draw(st.sampled_from(["hdf5", "hdf5", "hdf5", "memory"]))
+        layout = draw(st.sampled_from(["contiguous", "chunked", "gzip"]))
     return Case(
         kind=kind,
         sizes=tuple(sizes),
-        layout=draw(st.sampled_from(["contiguous", "chunked", "gzip"])),
+        layout=layout,
         batch_size=batch_size,
         chunk_size=chunk_size,
         shuffle=draw(st.booleans()),
@@ -113,7 +122,7 @@ def cases(draw: st.DrawFn) -> Case:
         cache_rows=draw(st.one_of(st.none(), st.none(), st.integers(batch_size, chunk_size + 9))),
         block_size=draw(st.one_of(st.none(), st.integers(1, 2 * chunk_size))),
         stream_batches=draw(st.integers(1, 40)),
-        mmap=draw(st.sampled_from(["no", "kept", "dropped"])),
+        mmap=mmap,
     )
 
 

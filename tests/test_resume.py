@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+import asynchdf5._read._mapped
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -82,7 +84,7 @@ async def run(layer: Any, epochs: int, stop: int | None = None) -> tuple[list[An
     return out, state
 
 
-KINDS = ["hdf5", "memory"]
+KINDS = ["hdf5", "memory", "mmap"]
 
 
 def make(kind: str, folder: Path, **kw: Any) -> Any:
@@ -90,7 +92,16 @@ def make(kind: str, folder: Path, **kw: Any) -> Any:
     if kind == "memory":
         return memory_layer(**kw)
     kw.setdefault("chunk_size", 128)
+    if kind == "mmap":  # one contiguous file, rows served from its mapping
+        folder.mkdir(parents=True, exist_ok=True)
+        return AsyncHDF5DataLayer(write_h5(folder / "one.h5", 0, N), mmap=True, **kw)
     return AsyncHDF5DataLayer(write(folder), **kw)
+
+
+@pytest.fixture(autouse=True)
+def _unmapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mmap=True`` unmaps each chunk once served (as for a data set larger than memory)."""
+    monkeypatch.setattr(asynchdf5._read._mapped, "default_keep_bytes", lambda: 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -184,9 +195,12 @@ def test_sync_bridge_counts_what_the_for_loop_got(tmp_path: Path) -> None:
         assert [b.indices.tolist() for b in resumed] == expected
 
 
-async def test_stream_resume(tmp_path: Path) -> None:
-    def layer() -> MemoryDataLayer:
-        return memory_layer(batch_size=64, shuffle=True, seed=4)
+@pytest.mark.parametrize("kind", ["memory", "mmap"])
+async def test_stream_resume(tmp_path: Path, kind: str) -> None:
+    made = iter("abc")
+
+    def layer() -> Any:
+        return make(kind, tmp_path / next(made), batch_size=64, shuffle=True, seed=4)
 
     async def stream(lay: Any, count: int, state_after: int | None = None) -> tuple[list[Any], Any]:
         got, state = [], None
