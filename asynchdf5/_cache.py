@@ -7,7 +7,6 @@ flat whatever the data set's size: ``N_SLOTS x chunk rows x bytes per sample``.
 from __future__ import annotations
 
 import mmap
-import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ import numpy as np
 
 from ._catalog import TopInfo
 from ._errors import ConfigurationError
+from ._machine import memory_bytes
 from ._plan import shard_share
 
 __all__ = [
@@ -38,11 +38,9 @@ class CacheBudgetWarning(UserWarning):
 
 
 def default_cache_bytes() -> int:
-    """The default budget of the host cache: a third of the machine's physical memory."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3)
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 4 * 2**30
+    """The default budget of the host cache: a third of the memory this process may use (the
+    machine's, or its container's limit: :func:`~._machine.memory_bytes`)."""
+    return memory_bytes() // 3 or 4 * 2**30
 
 
 @dataclass(eq=False)

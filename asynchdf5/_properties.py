@@ -125,8 +125,9 @@ PROPERTIES: tuple[Property, ...] = (
         "cache_bytes",
         "`None`",
         "Memory budget of the host cache, in bytes. `None`: a third of the machine's physical "
-        "memory. Streaming, the cache is two chunk slots (the one served and the one being read) "
-        "of `chunk_size` samples (or of the whole shard, if smaller); when they would not fit, the "
+        "memory, or of the container's memory limit (cgroup) where that is smaller. Streaming, "
+        "the cache is two chunk slots (the one served and the one being read) of `chunk_size` "
+        "samples (or of the whole shard, if smaller); when they would not fit, the "
         "chunk size shrinks to fit, with a {class}`~asynchdf5.CacheBudgetWarning`; a budget that "
         "cannot hold one batch per slot is a {class}`~asynchdf5.ConfigurationError` at "
         "`async with`. When the whole data set is one chunk (at most `chunk_size` samples) and "

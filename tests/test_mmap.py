@@ -136,11 +136,26 @@ def _two_files(folder: Path) -> Path:
     return folder / "list.txt"
 
 
+def _compact(folder: Path) -> Path:
+    """A contiguous-looking top read through h5py: the compact layout (data in the header)."""
+    path = write_h5(folder / "compact.h5", 0, N)
+    with h5py.File(path, "r+") as f:
+        data = f["data"][:]
+        del f["data"]
+        plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        plist.set_layout(h5py.h5d.COMPACT)
+        space = h5py.h5s.create_simple(data.shape)
+        dset = h5py.h5d.create(f.id, b"data", h5py.h5t.py_create(data.dtype), space, plist)
+        dset.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
+    return path
+
+
 REFUSED = {
     "two files": (_two_files, "serves a source of one file; this one has 2"),
     "gzip": (lambda d: write_h5(d / "z.h5", 0, N, layout="gzip"), "needs contiguous"),
     "chunked": (lambda d: write_h5(d / "c.h5", 0, N, layout="chunked"), "needs contiguous"),
     "other byte order": (_big_endian, "stored in the other byte order"),
+    "compact": (_compact, "is read through h5py (compact layout): mmap=True needs contiguous"),
 }
 
 

@@ -16,11 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-import asynchdf5._read._mapped
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import asynchdf5._read._mapped
 from asynchdf5 import (
     AsyncHDF5DataLayer,
     Batch,

@@ -19,7 +19,6 @@ from memory, and the raw read shows it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ import anyio
 from .. import AsyncHDF5DataLayer, DataLayerError
 from .._catalog import Catalog, build_catalog
 from .._config import DEFAULT_TOPS
+from .._machine import memory_bytes
 from .._sources import is_url, open_source
 from ._inspect import Report, analyze, render
 from ._limits import Rate, in_ram, raw_read, stored_ranges
@@ -97,13 +97,6 @@ def _catalog(report: Report) -> tuple[Catalog, list[tuple[str, int, int]]]:
         files.close()
 
 
-def _physical_memory() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 0
-
-
 def bench(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     """Every measurement, as the JSON document (raises DataLayerError: the files changed)."""
     catalog, ranges = _catalog(report)
@@ -143,7 +136,7 @@ def bench(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "epochs": [r.to_json() for r in rates],
     }
     ram: Rate | None = None
-    budget = int(args.ram_fraction * _physical_memory())
+    budget = int(args.ram_fraction * memory_bytes())
     if not args.in_ram:
         doc["in_ram_skipped"] = "--no-in-ram"
     elif remote:

@@ -45,6 +45,7 @@ import numpy as np
 
 from .._catalog import Catalog, TopInfo
 from .._errors import ReadError
+from .._machine import memory_bytes
 from .._plan import ChunkPlan
 from .._priority import background
 from .._sources import Source
@@ -135,6 +136,8 @@ def refusal(catalog: Catalog) -> str | None:
     """Why ``mmap=True`` cannot serve this catalogued source (None: it can)."""
     if _get_libc() is None:
         return "mmap=True needs Linux 5.14 or newer (MADV_POPULATE_READ)"
+    if sys.maxsize < 2**32:  # file offsets are passed to mmap as 64-bit off_t
+        return "mmap=True needs a 64-bit Python"
     files = [f for f in catalog.files if f.nrows > 0]
     if len(files) != 1:
         return f"mmap=True serves a source of one file; this one has {len(files)} with samples"
@@ -142,10 +145,10 @@ def refusal(catalog: Catalog) -> str | None:
     for top, layout in info.layouts.items():
         row_bytes = catalog.tops[top].row_bytes
         if layout.path != "pread" or len(layout.extents) != 1:
-            return (
-                f"top {top!r} is stored {layout.storage}: mmap=True needs contiguous, "
-                "uncompressed storage"
-            )
+            how = f"stored {layout.storage}"
+            if layout.note:
+                how = f"read through h5py ({layout.note})"
+            return f"top {top!r} is {how}: mmap=True needs contiguous, uncompressed storage"
         if layout.swap:
             return f"top {top!r} is stored in the other byte order"
         (ext,) = layout.extents
@@ -182,6 +185,7 @@ class _Top:
         # Not at interpreter exit: a daemon gather thread may still be reading the mapping then.
         finalizer.atexit = False
         rows = whole[self.skip :].view(info.dtype).reshape(nrows, *info.sample_shape)
+        rows.flags.writeable = False  # mapped read-only: a write would be a SIGSEGV
         self.array: np.ndarray | None = rows
 
     def pages(self, a: int, b: int) -> tuple[int, int]:
@@ -355,12 +359,10 @@ class MappedReader:
 
 
 def default_keep_bytes() -> int:
-    """The largest data set whose pages stay mapped between epochs: half the physical memory.
-    A larger one cannot stay in the page cache anyway; its chunks are unmapped after use."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 0
+    """The largest data set whose pages stay mapped between epochs: half the memory this
+    process may use (the machine's, or its container's limit). A larger one cannot stay in the
+    page cache anyway; its chunks are unmapped after use."""
+    return memory_bytes() // 2
 
 
 def _check(file: LocalFile, top: str, a: int, b: int) -> None:

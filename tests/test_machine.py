@@ -1,0 +1,63 @@
+"""The memory this process may use: the physical memory, or a smaller cgroup limit (v2 and v1),
+read from a ``/proc`` and ``/sys`` laid out in a temporary folder as the kernel lays them out."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from asynchdf5._machine import memory_bytes
+
+PHYSICAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+V1_NO_LIMIT = "9223372036854771712"
+
+
+def layout(root: Path, cgroup: str, files: dict[str, str]) -> Path:
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(cgroup)
+    for name, text in files.items():
+        path = root / "sys/fs/cgroup" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "expected"),
+    [
+        # v2: the process's group limits it ...
+        ("0::/job/step\n", {"job/step/memory.max": "1073741824", "job/memory.max": "max"}, 2**30),
+        # ... and so does a group above it.
+        ("0::/job/step\n", {"job/step/memory.max": "max", "job/memory.max": "536870912"}, 2**29),
+        # Inside a container, its own group is the root of what it sees.
+        ("0::/\n", {"memory.max": "805306368"}, 3 * 2**28),
+        # v1: the memory controller's hierarchy; "no limit" is a huge number.
+        (
+            "4:memory:/docker/abc\n3:cpu:/docker/abc\n",
+            {
+                "memory/docker/abc/memory.limit_in_bytes": V1_NO_LIMIT,
+                "memory/memory.limit_in_bytes": "2147483648",
+            },
+            2**31,
+        ),
+        # No limit anywhere: the physical memory.
+        ("0::/job\n", {"job/memory.max": "max"}, PHYSICAL),
+        ("4:memory:/x\n", {"memory/x/memory.limit_in_bytes": V1_NO_LIMIT}, PHYSICAL),
+        ("0::/job\n", {}, PHYSICAL),  # no cgroup file system mounted
+    ],
+)
+def test_the_smallest_limit_counts(
+    tmp_path: Path, cgroup: str, files: dict[str, str], expected: int
+) -> None:
+    assert memory_bytes(layout(tmp_path, cgroup, files)) == min(expected, PHYSICAL)
+
+
+def test_a_limit_above_the_physical_memory_does_not_count(tmp_path: Path) -> None:
+    root = layout(tmp_path, "0::/\n", {"memory.max": str(4 * PHYSICAL)})
+    assert memory_bytes(root) == PHYSICAL
+
+
+def test_no_proc(tmp_path: Path) -> None:
+    assert memory_bytes(tmp_path) == PHYSICAL
