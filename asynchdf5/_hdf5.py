@@ -23,7 +23,7 @@ from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import _Layer
 from ._properties import document
 from ._read import HDF5Reader, MappedReader, Reader, refusal
-from ._shape import DataShape, default_block_rows, first_rows
+from ._shape import DataShape, default_block_rows, first_rows, ramp_lanes
 from ._sources import Source, SourceLike, open_source, resolve_source
 from .transforms import Transformer
 
@@ -147,19 +147,16 @@ class AsyncHDF5DataLayer(_Layer):
             rows=forced.chunk_rows if forced is not None else None,
         )
         if forced is not None:
-            block, first = forced.block_rows, forced.first_rows
+            block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
         else:
+            stored, request = _stored_rows(catalog), _request_bytes(catalog)
             block = (
-                (
-                    c.block_size
-                    or default_block_rows(
-                        row_bytes, c.chunk_size, _stored_rows(catalog), _request_bytes(catalog)
-                    )
-                )
+                (c.block_size or default_block_rows(row_bytes, c.chunk_size, stored, request))
                 if c.shuffle
                 else None
             )
             first = first_rows(c.batch_size, row_bytes)
+            lanes = ramp_lanes(first, row_bytes, stored, request) if c.shuffle else 1
         return DataShape(
             n_samples=n,
             row_bytes=row_bytes,
@@ -169,6 +166,7 @@ class AsyncHDF5DataLayer(_Layer):
             block_rows=block,
             first_rows=first,
             resident=cache.resident,
+            ramp_lanes=lanes,
         )
 
     def _look(self) -> DataShape:

@@ -164,6 +164,7 @@ class _Layer(SyncInterface):
                 first_rows=shape.first_rows,
                 stream=stream,
                 block_size=shape.block_rows,
+                ramp_lanes=shape.ramp_lanes,
             )
 
         r = self._resume
@@ -246,15 +247,22 @@ class _Layer(SyncInterface):
             world_size=c.world_size,
         )
         saved = r.fingerprint
+        # A state saved before the ramp had lanes: its runs read the ramp in one.
         rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
-        if rows != (shape.chunk_rows, shape.block_rows, shape.first_rows):
+        lanes = saved.get("ramp_lanes", 1)
+        if (*rows, lanes) != (
+            shape.chunk_rows,
+            shape.block_rows,
+            shape.first_rows,
+            shape.ramp_lanes,
+        ):
             if session is not None and saved["chunk_rows"] > shape.chunk_rows:
                 raise ConfigurationError(
                     f"the saved run cached chunks of {saved['chunk_rows']} rows, this open "
                     f"layer's cache holds {shape.chunk_rows}: load the state before opening it"
                 )
             self._shape = dataclasses.replace(
-                shape, chunk_rows=rows[0], block_rows=rows[1], first_rows=rows[2]
+                shape, chunk_rows=rows[0], block_rows=rows[1], first_rows=rows[2], ramp_lanes=lanes
             )
         if not c.seed_given:
             self.config = dataclasses.replace(c, seed=r.seed)

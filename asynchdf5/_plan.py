@@ -36,6 +36,7 @@ with another world size had not yet yielded over this run's ranks.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -264,6 +265,7 @@ def plan_epoch(
     first_rows: int | None = None,
     stream: bool = False,
     block_size: int | None = None,
+    ramp_lanes: int = 1,
 ) -> EpochPlan:
     """Plan epoch ``epoch`` of rank ``rank`` over ``n`` samples. Pure and deterministic.
 
@@ -272,6 +274,12 @@ def plan_epoch(
     :meth:`AsyncHDF5DataLayer.stream`) the epoch is the rank's whole share, whatever
     ``drop_last``: stream batches are always full and wrap across epochs, so no sample is ever
     left out; the plan's batch counts are those of full batches.
+
+    ``ramp_lanes`` (shuffled only): the first chunk is cut into that many *lanes*, equal
+    stretches of its walk, and each piece of its ramp takes the same share of every lane, so
+    that even the first piece draws from that many places of the data set (in one lane, the
+    first pieces would hold a block or two: every epoch's first batches would come from a few
+    places, which class-sorted data shows as batches of one class).
     """
     tail: tuple[int, ...]
     if stream:
@@ -291,22 +299,49 @@ def plan_epoch(
         # block_size beyond the data) they are stretches of it: either way, a random order.
         perm = np.random.default_rng(_seed_tuple(seed, epoch, rank, 1)).permutation(len(pieces))
         pieces = [pieces[int(i)] for i in perm]
+    # Each chunk: its stretches of the walk (one, but for the ramp's lanes).
+    stretches = [[piece] for piece in pieces]
     if first_rows is not None and pieces and pieces[0][1] - pieces[0][0] > 2 * first_rows:
-        a, b = pieces[0]
-        ramp = []
-        step = first_rows
-        while b - a > 2 * step:
-            ramp.append((a, a + step))
-            a += step
-            step *= 2
-        ramp.append((a, b))
-        pieces = ramp + pieces[1:]
+        stretches[:1] = _ramp(*pieces[0], first_rows, ramp_lanes if shuffle else 1)
 
     chunks = []
-    for i, (a, b) in enumerate(pieces):
+    for i, parts in enumerate(stretches):
         chunk_seed = _seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
-        chunks.append(ChunkPlan(epoch, i, walk.ranges(start + a, start + b), chunk_seed))
+        ranges: list[tuple[int, int]] = []
+        for a, b in parts:
+            for g0, g1 in walk.ranges(start + a, start + b):
+                _append(ranges, g0, g1)
+        chunks.append(ChunkPlan(epoch, i, tuple(ranges), chunk_seed))
     return EpochPlan(epoch, size, tuple(chunks), batch_size, full, tail)
+
+
+def _ramp(a: int, b: int, first_rows: int, lanes: int) -> list[list[tuple[int, int]]]:
+    """Walk positions ``a:b`` cut into pieces of about ``first_rows``, then twice that, and so
+    on (the last takes the rest); each piece takes the same share of every one of ``lanes``
+    equal stretches of ``a:b`` (so every piece is spread over all of them)."""
+    sizes = []
+    step, rest = first_rows, b - a
+    while rest > 2 * step:
+        sizes.append(step)
+        rest -= step
+        step *= 2
+    sizes.append(rest)
+    total = b - a
+    lanes = max(1, min(lanes, first_rows // 2))  # each piece: more rows than lanes
+    bounds = [a + total * s // lanes for s in range(lanes + 1)]
+    out: list[list[tuple[int, int]]] = []
+    done = 0
+    for size in sizes:
+        parts = []
+        for lo, hi in itertools.pairwise(bounds):
+            # This piece's share of the lane: from `done` to `done + size` of `total`, scaled.
+            x = lo + (hi - lo) * done // total
+            y = lo + (hi - lo) * (done + size) // total
+            if x < y:
+                parts.append((x, y))
+        done += size
+        out.append(parts)
+    return out
 
 
 def _skip(chunks: Sequence[ChunkPlan], samples: int) -> list[ChunkPlan]:

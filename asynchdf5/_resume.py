@@ -38,6 +38,7 @@ _WHAT = {
     "chunk_rows": "the rows per cached chunk",
     "block_rows": "the rows per shuffled block",
     "first_rows": "the rows of the first read of an epoch",
+    "ramp_lanes": "the places each piece of the first read is taken from",
 }
 
 
@@ -61,7 +62,7 @@ class Resume:
         """What differs between the saved fingerprint and ``now``'s, in words."""
         out = []
         for key, what in _WHAT.items():
-            if key in ("chunk_rows", "block_rows", "first_rows"):
+            if key in ("chunk_rows", "block_rows", "first_rows", "ramp_lanes"):
                 continue  # effective values: the state's are adopted (see the layer)
             saved, current = self.fingerprint.get(key), now.get(key)
             if saved != current:

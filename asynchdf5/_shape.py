@@ -11,11 +11,13 @@ from ._config import (
     BLOCKS_PER_CHUNK,
     MIN_BLOCK_BYTES,
     MIN_BLOCKS_PER_CHUNK,
+    MIN_LANE_BYTES,
+    RAMP_LANES,
     STORED_CHUNKS_PER_BLOCK,
     LayerConfig,
 )
 
-__all__ = ["RAMP_BYTES", "DataShape", "default_block_rows", "first_rows"]
+__all__ = ["RAMP_BYTES", "DataShape", "default_block_rows", "first_rows", "ramp_lanes"]
 
 #: Rows of the first chunk of an epoch are ramped up from about this many bytes, so the first
 #: batch waits for a small read rather than a whole chunk.
@@ -35,6 +37,7 @@ class DataShape:
     block_rows: int | None
     first_rows: int | None
     resident: bool
+    ramp_lanes: int = 1  # places each piece of the first read's ramp is taken from
 
     def fingerprint(self, config: LayerConfig) -> dict[str, Any]:
         """What a saved state must agree with (see :mod:`._resume`)."""
@@ -50,12 +53,24 @@ class DataShape:
             "chunk_rows": self.chunk_rows,
             "block_rows": self.block_rows,
             "first_rows": self.first_rows,
+            "ramp_lanes": self.ramp_lanes,
         }
 
 
 def first_rows(batch_size: int, row_bytes: int) -> int:
     """Rows of an epoch's first read: about :data:`RAMP_BYTES`, at least a batch."""
     return max(batch_size, RAMP_BYTES // max(1, row_bytes))
+
+
+def ramp_lanes(first: int, row_bytes: int, stored_rows: int = 0, request_bytes: int = 0) -> int:
+    """Lanes of the ramp (see :func:`~._plan.plan_epoch`): up to :data:`RAMP_LANES`, as long as
+    each lane's part of the first piece (``first`` rows) is at least ``MIN_LANE_BYTES``, a
+    stored chunk decoded whole (``stored_rows``) and a remote request (``request_bytes``): the
+    first read stays a few large requests, and compressed data is not decoded many times over.
+    From the properties and the files' layout only, as the blocks are."""
+    row_bytes = max(1, row_bytes)
+    lane = max(1, MIN_LANE_BYTES // row_bytes, stored_rows, -(-request_bytes // row_bytes))
+    return max(1, min(RAMP_LANES, first // lane))
 
 
 def default_block_rows(

@@ -3,7 +3,8 @@
 No file is read: the orders come from :func:`asynchdf5._plan.plan_epoch` alone, with the sizes an
 :class:`~asynchdf5.AsyncHDF5DataLayer` would use for an image row (uint8 3x32x32 + int64 label,
 3,080 bytes): batch 256, ``chunk_size`` 2**20, ``first_rows`` = max(batch, 8 MiB // row bytes),
-and ``block_size`` = ``BLOCK_BYTES // row_bytes`` by default, or another block size.
+the ramp's lanes and ``block_size`` as the layer computes them for a contiguous local file, or
+other block sizes.
 
 The data set is *class-sorted*: sample ``i`` of ``N`` has label ``i * 10 // N`` (10 classes in
 contiguous runs), the worst case for a loader that reads contiguous stretches. For every mode
@@ -40,9 +41,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from asynchdf5._config import BLOCK_BYTES
 from asynchdf5._plan import plan_epoch
-from asynchdf5._shape import RAMP_BYTES
+from asynchdf5._shape import RAMP_BYTES, default_block_rows, ramp_lanes
 
 __all__ = [
     "BATCH_SIZE",
@@ -86,6 +86,7 @@ class Mode:
     block_size: int | None = None
     default: bool = False
     ramp: bool = True  # the first chunk split into growing sub-chunks, as the layer does
+    lanes: int | None = None  # the ramp's lanes (None: as the layer computes them)
 
 
 @dataclass(frozen=True)
@@ -103,14 +104,21 @@ class OrderSpec:
         return max(self.batch_size, RAMP_BYTES // max(1, self.row_bytes))
 
     @property
+    def ramp_lanes(self) -> int:
+        """As the layer computes them for a contiguous local file
+        (:func:`asynchdf5._shape.ramp_lanes`)."""
+        return ramp_lanes(self.first_rows, self.row_bytes)
+
+    @property
     def default_block(self) -> int:
-        """``block_size=None``'s block, in samples, as the layer computes it."""
-        return max(1, BLOCK_BYTES // self.row_bytes)
+        """``block_size=None``'s block, in samples, as the layer computes it for a contiguous
+        local file (:func:`asynchdf5._shape.default_block_rows`)."""
+        return default_block_rows(self.row_bytes, self.chunk_size)
 
 
 def _mib(nbytes: float) -> str:
     if nbytes >= 2**20:
-        return f"{nbytes / 2**20:g} MiB"
+        return f"{nbytes / 2**20:.4g} MiB"
     return f"{nbytes / 2**10:g} KiB"
 
 
@@ -129,10 +137,15 @@ def modes(
     blocks: dict[int, Mode] = {}
     for nbytes in block_bytes:
         rows = max(1, nbytes // spec.row_bytes)
-        default = nbytes == BLOCK_BYTES
-        label = f"blocks of {_mib(nbytes)} ({rows:,} samples)" + (" **default**" if default else "")
-        blocks[rows] = Mode(label, "planner", rows, default)
-    tab = max(1, BLOCK_BYTES // TABULAR_ROW_BYTES)
+        blocks[rows] = Mode(f"blocks of {_mib(nbytes)} ({rows:,} samples)", "planner", rows)
+    rows = spec.default_block
+    blocks[rows] = Mode(
+        f"blocks of {_mib(rows * spec.row_bytes)} ({rows:,} samples) **default**",
+        "planner",
+        rows,
+        default=True,
+    )
+    tab = default_block_rows(TABULAR_ROW_BYTES, spec.chunk_size)
     if extra and spec.row_bytes != TABULAR_ROW_BYTES and tab not in blocks:
         blocks[tab] = Mode(
             f"blocks of {tab:,} samples (the default for a {TABULAR_ROW_BYTES}-byte tabular row)",
@@ -146,6 +159,14 @@ def modes(
     # few blocks (or short stretches): the same two modes without it show what it costs.
     out.append(Mode("old mode, without the first-chunk ramp", "planner", None, ramp=False))
     default_rows = spec.default_block
+    out.append(
+        Mode(
+            f"default blocks ({default_rows:,}), the ramp in one lane (before it had lanes)",
+            "planner",
+            default_rows,
+            lanes=1,
+        )
+    )
     out.append(
         Mode(
             f"default blocks ({default_rows:,}), without the ramp",
@@ -173,6 +194,7 @@ def epoch_order(mode: Mode, spec: OrderSpec, seed: int, epoch: int) -> npt.NDArr
         seed=seed,
         first_rows=spec.first_rows if mode.ramp else None,
         block_size=mode.block_size,
+        ramp_lanes=spec.ramp_lanes if mode.lanes is None else mode.lanes,
     )
     out = np.empty(sum(c.size for c in plan.chunks), np.int64)
     at = 0
@@ -333,7 +355,8 @@ def describe(spec: OrderSpec, results: Sequence[Quality]) -> str:
     plan_s = np.mean([r.seconds for r in results if r.mode.kind == "planner"])
     return (
         f"N = {spec.n:,} class-sorted samples (label = i * 10 // N), batch {spec.batch_size}, "
-        f"chunk_size {spec.chunk_size:,}, first_rows {spec.first_rows:,}, row {spec.row_bytes} "
+        f"chunk_size {spec.chunk_size:,}, first_rows {spec.first_rows:,} in {spec.ramp_lanes} "
+        f"lanes, row {spec.row_bytes} "
         f"bytes (default block {spec.default_block:,} samples); mean ± sd over "
         f"{results[0].orders} (seed, epoch) pairs. One epoch's order took {plan_s:.2f} s to "
         "compute on average (plan, chunk permutations, global indices)."

@@ -168,15 +168,18 @@ def mapping(mode: str) -> Iterator[None]:
 
 
 @contextmanager
-def ramp(rows: int | None) -> Iterator[None]:
-    """Make the first chunk of every epoch ramp up from ``rows`` rows (None: the default)."""
-    saved = asynchdf5._shape.RAMP_BYTES
+def ramp(rows: int | None, lane_rows: int = 1) -> Iterator[None]:
+    """Make the first chunk of every epoch ramp up from ``rows`` rows (None: the default), its
+    pieces taken from lanes of at least ``lane_rows`` rows (when shuffled)."""
+    shape = vars(asynchdf5._shape)  # the module's globals, as its functions read them
+    saved = shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"]
     if rows is not None:
-        asynchdf5._shape.RAMP_BYTES = rows * ROW_BYTES
+        shape["RAMP_BYTES"] = rows * ROW_BYTES
+        shape["MIN_LANE_BYTES"] = lane_rows * ROW_BYTES
     try:
         yield
     finally:
-        asynchdf5._shape.RAMP_BYTES = saved
+        shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"] = saved
 
 
 def make_layer(case: Case, paths: list[Path], rank: int) -> Any:
@@ -234,7 +237,8 @@ async def run_rank(
 
 
 async def check_case(case: Case) -> None:
-    with tempfile.TemporaryDirectory() as tmp, ramp(case.ramp_rows), mapping(case.mmap):
+    lane_rows = 1 + case.seed % 5  # 1 to 5 rows: one lane to 32
+    with tempfile.TemporaryDirectory() as tmp, ramp(case.ramp_rows, lane_rows), mapping(case.mmap):
         paths = write(Path(tmp), case) if case.kind == "hdf5" else []
         ranks = [await run_rank(case, paths, r) for r in range(case.world_size)]
         n, w, b = case.n, case.world_size, case.batch_size

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -45,6 +47,8 @@ def served(plan: EpochPlan) -> np.ndarray:
     seed=st.integers(0, 2**32),
     epoch=st.integers(0, 5),
     ramp=st.one_of(st.none(), st.integers(1, 500)),
+    lanes=st.integers(1, 40),
+    block=st.one_of(st.none(), st.integers(1, 300)),
 )
 def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
     n: int,
@@ -56,6 +60,8 @@ def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
     seed: int,
     epoch: int,
     ramp: int | None,
+    lanes: int,
+    block: int | None,
 ) -> None:
     kw = dict(
         epoch=epoch,
@@ -66,6 +72,8 @@ def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
         world_size=world_size,
         drop_last=drop_last,
         first_rows=ramp,
+        ramp_lanes=lanes,
+        block_size=block,
     )
     try:
         plans = [plan_epoch(n, rank=r, **kw) for r in range(world_size)]  # type: ignore[arg-type]
@@ -91,6 +99,7 @@ def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
             assert all(s == batch_size for s in sizes)
         assert p.n_served == p.n_samples
         assert all(c.size <= kw["chunk_size"] for c in p.chunks)  # type: ignore[operator]
+        assert all(c.size > 0 for c in p.chunks)
         if not shuffle and world_size == 1 and not drop_last:
             assert np.array_equal(served(p), np.arange(n))
 
@@ -126,6 +135,26 @@ def test_ramp_splits_only_the_first_chunk_into_growing_pieces() -> None:
     sizes = [c.size for c in p.chunks]
     assert sizes[:5] == [100, 200, 400, 800, 2500]
     assert sizes[5:] == [4000, 2000]
+
+
+def test_shuffled_ramp_pieces_are_taken_from_every_lane() -> None:
+    """Each piece of the ramp takes its share of each of the 16 lanes of the first chunk: even
+    the first piece (1,000 rows, with blocks of 100) is read from 16 places, not one or two."""
+    kw = dict(epoch=0, batch_size=10, chunk_size=2**15, shuffle=True, seed=0, first_rows=1000)
+    kw |= dict(block_size=100)
+    lanes = plan_epoch(100_000, ramp_lanes=16, **kw)  # type: ignore[arg-type]
+    one = plan_epoch(100_000, ramp_lanes=1, **kw)  # type: ignore[arg-type]
+    assert len(lanes.chunks) == len(one.chunks)
+    k = 5  # 1,000 + 2,000 + 4,000 + 8,000, then the rest of the first chunk's 32,768
+    assert [c.rows for c in one.chunks[:k]] == [1000, 2000, 4000, 8000, 17768]
+    for mine, theirs in zip(lanes.chunks[:k], one.chunks[:k], strict=True):
+        assert abs(mine.rows - theirs.rows) < 16  # each lane's share rounded down
+    assert len(lanes.chunks[0].ranges) >= 16
+    assert len(one.chunks[0].ranges) <= 11  # 1,000 rows of blocks of 100
+    # The same samples in the first chunk's pieces, the rest of the epoch unchanged.
+    first = [served(dataclasses.replace(p, chunks=p.chunks[:k])) for p in (lanes, one)]
+    assert np.array_equal(np.sort(first[0]), np.sort(first[1]))
+    assert [c.ranges for c in lanes.chunks[k:]] == [c.ranges for c in one.chunks[k:]]
 
 
 def test_uneven_leftover_splits_a_batch_instead_of_repeating_or_dropping() -> None:
