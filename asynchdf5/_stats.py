@@ -95,7 +95,9 @@ class LayerStats:
 
     Times are seconds summed over the layer's life (worker-thread time for the stages).
     ``resident`` is True when the whole data set fits one chunk and the cache budget: it is then
-    read once and later epochs are served from memory. ``read_paths`` says how each top is read:
+    read once and later epochs are served from memory. ``bytes_read`` counts what was read into
+    the cache (with ``mmap=True``: what was mapped; pages kept mapped are not read again).
+    ``read_paths`` says how each top is read:
     ``"pread"`` (stored bytes read straight into the cache, outside h5py's lock),
     ``"chunks"`` (raw chunks read and decoded by a pool of threads, outside h5py's lock),
     ``"h5py"`` (h5py reads it, holding its lock; the reason is in ``read_notes``) or ``"mmap"``

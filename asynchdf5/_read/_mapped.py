@@ -255,11 +255,13 @@ class MappedReader:
         try:
             # As the local source does: submitted from anyio's thread, which waits for it even
             # when cancelled, so the reader's thread never works for a run that is over.
-            await anyio.to_thread.run_sync(lambda: pool.submit(self._prepare, ranges).result())
+            rows = await anyio.to_thread.run_sync(
+                lambda: pool.submit(self._prepare, ranges).result()
+            )
         except BaseException:  # failed or cancelled: nobody will give the chunk back
             self.release(chunk)
             raise
-        stats.bytes += sum(b - a for a, b in ranges) * self._row_bytes
+        stats.bytes += rows * self._row_bytes  # mapped now: kept pages are not read again
         stats.seconds += time.perf_counter() - t0
         stats.chunks += 1
         return self.own_arrays, True
@@ -285,8 +287,9 @@ class MappedReader:
                     del self._live[r]
                 self._given_back = True
 
-    def _prepare(self, ranges: list[tuple[int, int]]) -> None:
-        """Drop the mappings of the chunks given back, then make ``ranges`` ready (blocking)."""
+    def _prepare(self, ranges: list[tuple[int, int]]) -> int:
+        """Drop the mappings of the chunks given back, then make ``ranges`` ready (blocking).
+        Returns how many rows were mapped (those not kept mapped already)."""
         self._drop_done()
         if self.keep:  # only what was never mapped: the rest still is
             todo = [m for a, b in ranges for m in uncovered(self._mapped, a, b)]
@@ -300,6 +303,7 @@ class MappedReader:
             a, b = ranges[0]
             for t in self._tops:
                 _check(t.file, t.name, a, b)
+        return sum(b - a for a, b in todo)
 
     def _populate(self, ranges: list[tuple[int, int]]) -> None:
         """Read the rows ahead and map their pages (blocking); ReadError if a page cannot be."""
