@@ -48,6 +48,8 @@ def _cgroup_limits(root: Path) -> list[int]:
         # The process's group and each group above it limit it; inside a container the path
         # may name the host's hierarchy, where the container sees its own group at the root.
         here = Path(path.strip() or "/")
+        if not here.is_absolute():  # not a group's path (nothing else is written there)
+            continue
         for group in (here, *here.parents):
             value = _read_limit(base / group.relative_to("/") / name)
             if value is not None:

@@ -61,3 +61,9 @@ def test_a_limit_above_the_physical_memory_does_not_count(tmp_path: Path) -> Non
 
 def test_no_proc(tmp_path: Path) -> None:
     assert memory_bytes(tmp_path) == PHYSICAL
+
+
+def test_lines_it_does_not_know_are_skipped(tmp_path: Path) -> None:
+    cgroup = "garbage\n5:memory:relative/path\n1:name=systemd:/x\n0::/job\n"
+    root = layout(tmp_path, cgroup, {"job/memory.max": "1073741824", "memory.max": "oops"})
+    assert memory_bytes(root) == min(2**30, PHYSICAL)
