@@ -258,31 +258,40 @@ async def test_a_file_rewritten_while_served_is_a_read_error_and_no_changed_row_
 # --- memory --------------------------------------------------------------------------------------
 
 
+def _big(path: Path, n: int) -> Path:
+    """Two int64 tops of ``n`` rows: ``data`` is ten times the row's index, ``label`` it."""
+    with h5py.File(path, "w") as f:
+        f["data"] = np.arange(n, dtype=np.int64) * 10
+        f["label"] = np.arange(n, dtype=np.int64)
+    return path
+
+
+def _streamed(path: Path, batch_size: int) -> AsyncHDF5DataLayer:
+    """Mapped, shuffled, in chunks of 2**18 rows (2 MiB a top), each one block of the file."""
+    return AsyncHDF5DataLayer(
+        path,
+        batch_size=batch_size,
+        chunk_size=2**18,
+        block_size=2**18,
+        shuffle=True,
+        seed=0,
+        mmap=True,
+    )
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the reader is the same on both
 async def test_pages_of_chunks_done_with_are_unmapped_unless_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A data set of 256 MiB (128 MiB a top) in chunks of 4 MiB: unless kept, the mapped pages
     stay within the chunks in flight; kept (the control), the whole file ends up mapped."""
-    n = 2**24
-    path = tmp_path / "big.h5"
-    with h5py.File(path, "w") as f:
-        f["data"] = np.arange(n, dtype=np.int64) * 10
-        f["label"] = np.arange(n, dtype=np.int64)
+    path = _big(tmp_path / "big.h5", 2**24)
     peaks = {}
     for kept, bound in ((False, 0), (True, 2**40)):
         monkeypatch.setattr(mapped, "default_keep_bytes", lambda bound=bound: bound)
         peak = 0
         with anyio.fail_after(60):
-            async with AsyncHDF5DataLayer(
-                path,
-                batch_size=2**14,
-                chunk_size=2**18,
-                block_size=2**18,
-                shuffle=True,
-                seed=0,
-                mmap=True,
-            ) as layer:
+            async with _streamed(path, batch_size=2**14) as layer:
                 for _ in range(2):
                     async for i, b in _enumerate(layer):
                         np.testing.assert_array_equal(b["label"], b.indices)
@@ -306,24 +315,12 @@ async def test_chunks_of_epochs_left_early_are_unmapped_too(
     those chunks are given back when the run ends, so the mapped pages stay within the chunks in
     flight. 64 MiB a top in chunks of 2 MiB a top: kept live, the left chunks of six epochs
     had mapped the whole top (found by review)."""
-    n = 2**23
-    path = tmp_path / "big.h5"
-    with h5py.File(path, "w") as f:
-        f["data"] = np.arange(n, dtype=np.int64) * 10
-        f["label"] = np.arange(n, dtype=np.int64)
+    path = _big(tmp_path / "big.h5", 2**23)
     monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
     before = await asnapshot()
     peak = 0
     with anyio.fail_after(60):
-        async with AsyncHDF5DataLayer(
-            path,
-            batch_size=2**12,
-            chunk_size=2**18,
-            block_size=2**18,
-            shuffle=True,
-            seed=0,
-            mmap=True,
-        ) as layer:
+        async with _streamed(path, batch_size=2**12) as layer:
             for _ in range(6):
                 async for b in layer:
                     np.testing.assert_array_equal(b["data"], b.indices * 10)
