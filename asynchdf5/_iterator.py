@@ -34,6 +34,8 @@ class _Owner(Protocol):
 #: step) keeps the event loop from other tasks: then taking a batch lets them run once, and
 #: honours cancellation. A loop round trip costs a few microseconds: well under 1 % of this.
 PAUSE_EVERY_S = 0.001
+#: The timer the iterator waits for when it lets the loop run (see ``_receive``): past at once.
+PAUSE_TIMER_S = 1e-6
 
 
 class EpochIterator:
@@ -133,6 +135,11 @@ class EpochIterator:
         if now - self._paused >= PAUSE_EVERY_S:
             # A consumer whose step never awaits would otherwise keep the event loop from
             # other tasks for a whole group of batches: let them run (and honour cancellation).
+            # Tasks whose timers came due during the step are not ready yet: on asyncio a timer
+            # completes a future, which then queues its task, behind us. Waiting for a timer of
+            # our own lets every timer due before it fire first, and the checkpoint after it
+            # lets the tasks they woke run (on trio, whatever order a batch of tasks runs in).
+            await anyio.sleep(PAUSE_TIMER_S)
             await anyio.lowlevel.checkpoint()
             self._paused = time.perf_counter()
         if ready:

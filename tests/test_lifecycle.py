@@ -280,6 +280,40 @@ async def test_a_consumer_that_never_awaits_still_lets_other_tasks_run() -> None
     assert most <= 20, most
 
 
+async def test_a_task_whose_timer_came_due_in_a_step_runs_before_the_next_step() -> None:
+    # A heartbeat or a watchdog sleeps: its timer comes due during the consumer's step, so it
+    # is not ready yet when the iterator lets the loop run. Letting it run once queued it behind
+    # the consumer on asyncio (and at random on trio): it waited for a second step.
+    x = np.arange(2_000, dtype=np.int64)
+    events: list[str] = []
+    done = False
+
+    async def ticker() -> None:
+        while not done:
+            await anyio.sleep(0.0005)
+            events.append("T")
+
+    def step() -> None:  # 3 ms of work that holds the event loop: the timer comes due
+        end = time.perf_counter() + 0.003
+        while time.perf_counter() < end:
+            pass
+
+    with anyio.fail_after(60):
+        async with (
+            anyio.create_task_group() as tg,
+            MemoryDataLayer(data={"x": x}, batch_size=50) as layer,
+        ):
+            tg.start_soon(ticker)
+            await anyio.sleep(0.05)  # the pipeline fills its queue of groups
+            async for _ in layer:
+                events.append("B")
+                step()
+            done = True
+    order = "".join(events)
+    assert order.count("B") == 40
+    assert "BB" not in order, order
+
+
 async def test_a_failed_run_is_over_before_the_next_one_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
