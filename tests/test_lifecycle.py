@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -244,37 +245,53 @@ def test_memory_layer_works_with_with_and_for() -> None:
         assert all(len(b.indices) == 10 for b in streamed)
 
 
-async def test_a_consumer_that_never_awaits_still_lets_other_tasks_run() -> None:
-    # Batches are handed over in groups without a trip through the event loop; a consumer whose
-    # step never awaits must still let the loop run other tasks (heartbeats, a data-parallel
-    # all-reduce, an HTTP health check) about every millisecond, not once per group of batches.
-    x = np.arange(20_000, dtype=np.int64)
-    batches = 0
-    seen: list[int] = []  # the consumer's batch count each time the other task ran
-    done = False
+def _hold_the_loop(seconds: float) -> None:
+    """A training step that never awaits: busy for ``seconds``, holding the event loop."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
-    async def other_task() -> None:
-        while not done:
-            seen.append(batches)
-            await anyio.lowlevel.checkpoint()
 
-    def step() -> None:  # 0.2 ms of work that holds the event loop
-        end = time.perf_counter() + 0.0002
-        while time.perf_counter() < end:
-            pass
-
+async def _consume_beside(
+    other: Callable[[], Coroutine[Any, Any, None]],
+    n: int,
+    step_s: float,
+    on_batch: Callable[[], None],
+) -> None:
+    """Take every batch of an epoch over ``n`` rows (batches of 50), calling ``on_batch`` and
+    holding the loop ``step_s`` for each, while ``other`` runs in a task (cancelled when the
+    epoch ends)."""
+    x = np.arange(n, dtype=np.int64)
     with anyio.fail_after(60):
         async with (
             anyio.create_task_group() as tg,
             MemoryDataLayer(data={"x": x}, batch_size=50) as layer,
         ):
-            tg.start_soon(other_task)
+            tg.start_soon(other)
             await anyio.sleep(0.05)  # the pipeline fills its queue of groups
             async for _ in layer:
-                step()
-                batches += 1
-            done = True
-    assert batches == 400
+                on_batch()
+                _hold_the_loop(step_s)
+            tg.cancel_scope.cancel()
+
+
+async def test_a_consumer_that_never_awaits_still_lets_other_tasks_run() -> None:
+    # Batches are handed over in groups without a trip through the event loop; a consumer whose
+    # step never awaits must still let the loop run other tasks (heartbeats, a data-parallel
+    # all-reduce, an HTTP health check) about every millisecond, not once per group of batches.
+    batches = [0]
+    seen: list[int] = []  # the consumer's batch count each time the other task ran
+
+    async def other_task() -> None:
+        while True:
+            seen.append(batches[0])
+            await anyio.lowlevel.checkpoint()
+
+    def counted() -> None:
+        batches[0] += 1
+
+    await _consume_beside(other_task, 20_000, 0.0002, counted)  # steps of 0.2 ms
+    assert batches[0] == 400
     # About 5 steps per millisecond; before, a whole group of 64 batches went by unseen.
     most = max(b - a for a, b in itertools.pairwise(seen))
     assert most <= 20, most
@@ -284,31 +301,15 @@ async def test_a_task_whose_timer_came_due_in_a_step_runs_before_the_next_step()
     # A heartbeat or a watchdog sleeps: its timer comes due during the consumer's step, so it
     # is not ready yet when the iterator lets the loop run. Letting it run once queued it behind
     # the consumer on asyncio (and at random on trio): it waited for a second step.
-    x = np.arange(2_000, dtype=np.int64)
     events: list[str] = []
-    done = False
 
     async def ticker() -> None:
-        while not done:
+        while True:
             await anyio.sleep(0.0005)
             events.append("T")
 
-    def step() -> None:  # 3 ms of work that holds the event loop: the timer comes due
-        end = time.perf_counter() + 0.003
-        while time.perf_counter() < end:
-            pass
-
-    with anyio.fail_after(60):
-        async with (
-            anyio.create_task_group() as tg,
-            MemoryDataLayer(data={"x": x}, batch_size=50) as layer,
-        ):
-            tg.start_soon(ticker)
-            await anyio.sleep(0.05)  # the pipeline fills its queue of groups
-            async for _ in layer:
-                events.append("B")
-                step()
-            done = True
+    # Steps of 3 ms: the ticker's timer comes due in each.
+    await _consume_beside(ticker, 2_000, 0.003, lambda: events.append("B"))
     order = "".join(events)
     assert order.count("B") == 40
     assert "BB" not in order, order
