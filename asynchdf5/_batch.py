@@ -251,11 +251,13 @@ def carry(spec: BatchSpec, tops: Mapping[str, tuple[tuple[int, ...], np.dtype[An
     chunk's cache slot go back to the reader without waiting for that next chunk. Blocking:
     run in a worker thread.
 
-    Rows of a mapped file are not checked here (:func:`verify`): the batch a carry goes into
-    is completed with rows of a later chunk of the same file, and checked after that gather,
-    which is later; a file's fingerprint, once changed, stays changed (its ctime).
+    Rows of a mapped file are checked here (:func:`verify`), as after every gather, and not only
+    after the gather that completes the batch: a later check can miss a change this one sees (a
+    file rewritten in place, its modification time set back, then linked or unlinked: the two
+    moves of its change time look like one link change).
     """
     arrays = {name: np.empty((spec.rows, *shape), dtype) for name, (shape, dtype) in tops.items()}
     indices = np.empty(spec.rows, np.int64)
     gather_rows(spec.pieces, arrays, indices)
+    verify(spec.pieces)  # rows of a mapped file: unchanged when they were copied
     return Carry(arrays, indices)

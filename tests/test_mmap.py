@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -253,6 +254,52 @@ async def test_a_file_rewritten_while_served_is_a_read_error_and_no_changed_row_
     check_message(info.value, path)
     # "modified" when checked between the write and the restored modification time.
     assert "changed" in str(info.value) or "modified" in str(info.value), info.value
+
+
+async def test_rows_carried_into_the_next_chunk_are_checked_when_carried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that straddles two chunks has its first rows copied out of the first one (a
+    carry). Rows rewritten in place (modification time restored) just before that copy, and a
+    link to the file made just after it: every later check sees the change time moved *and*
+    the link count moved, which a link alone does; so the check at the copy is the one that can
+    see the rewrite. A ReadError, and every batch yielded before it correct."""
+    import asynchdf5._pipeline as pipeline
+
+    path = write_h5(tmp_path / "one.h5", 0, 300)
+    with h5py.File(path, "r") as f:
+        offset, row = f["data"].id.get_offset(), f["data"].dtype.itemsize * 2
+    real = pipeline.carry
+    carried: list[int] = []
+
+    def rewrite_then_carry(spec: Any, tops: Any) -> Any:
+        if not carried:
+            st = path.stat()
+            with open(path, "r+b") as f:  # rows 64-99 (the first chunk's last 36): other bytes
+                f.seek(offset + 64 * row)
+                f.write(np.full(36 * 2, -1, np.float32).tobytes())
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        try:
+            return real(spec, tops)
+        finally:
+            if not carried:
+                carried.append(spec.rows)
+                os.link(path, tmp_path / "backup.h5")
+
+    monkeypatch.setattr(pipeline, "carry", rewrite_then_carry)
+    got: list[Any] = []
+    with anyio.fail_after(30), pytest.raises(ReadError) as info:
+        async with AsyncHDF5DataLayer(
+            path, batch_size=64, chunk_size=100, shuffle=False, mmap=True
+        ) as layer:
+            async for b in layer:
+                got.append(b)
+    assert carried == [36]
+    assert [b.indices[0] for b in got] == [0]
+    for b in got:
+        np.testing.assert_array_equal(b["data"][:, 0], b.indices * 10)
+    check_message(info.value, path)
+    assert "changed in place" in str(info.value), info.value
 
 
 # --- memory --------------------------------------------------------------------------------------
