@@ -217,9 +217,17 @@ class ChunkLoader:
         async def permute() -> None:
             drawn.append(await anyio.to_thread.run_sync(draw))
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(permute)
-            tg.start_soon(read)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(permute)
+                tg.start_soon(read)
+        except BaseException:
+            # The read may have finished (a reader's thread is waited for, even when the run is
+            # cancelled) while the order failed or was cancelled: no LoadedChunk will carry the
+            # rows it made ready in place, so nothing else would give them back.
+            if where[0] is not None and where[0][1] and slot is None:
+                self.reader.release(chunk)
+            raise
         arrays, rows_are_global = where[0]
         ((positions, indices, checked),) = drawn
         # Checked against what the read returned, or the gather checks each batch itself.

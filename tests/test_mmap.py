@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -269,7 +270,8 @@ async def test_rows_carried_into_the_next_chunk_are_checked_when_carried(
     path = write_h5(tmp_path / "one.h5", 0, 300)
     with h5py.File(path, "r") as f:
         offset, row = f["data"].id.get_offset(), f["data"].dtype.itemsize * 2
-    real = pipeline.carry
+    from asynchdf5._batch import carry as real
+
     carried: list[int] = []
 
     def rewrite_then_carry(spec: Any, tops: Any) -> Any:
@@ -391,6 +393,49 @@ async def _enumerate(it: Any) -> Any:
 
 
 # --- the documented hazard ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_chunk_made_ready_whose_order_was_cancelled_is_unmapped_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk's rows are made ready and its serving order drawn at once. When the consumer
+    leaves while the rows are ready and the order is still being drawn, the load is cancelled
+    with no chunk to hand on: its rows must be given back all the same, or each epoch left
+    that way keeps one chunk mapped for the layer's life."""
+    import asynchdf5._plan as plan
+
+    monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    readers: list[Any] = []
+    init, order = mapped.MappedReader.__init__, plan.ChunkPlan.order
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        readers.append(self)
+
+    def slow(self: Any) -> Any:
+        if self.index >= 1:  # the chunks after the first: drawn long after they are ready
+            time.sleep(0.2)
+        return order(self)
+
+    monkeypatch.setattr(mapped.MappedReader, "__init__", recorded)
+    monkeypatch.setattr(plan.ChunkPlan, "order", slow)
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    with anyio.fail_after(60):
+        async with AsyncHDF5DataLayer(
+            path, batch_size=64, chunk_size=1024, shuffle=True, seed=0, mmap=True
+        ) as layer:
+            for _ in range(4):
+                async for _b in layer:
+                    break  # while the next chunk's order is drawn
+                await anyio.sleep(0.4)  # the left run's threads are done
+            async for _b in layer:
+                pass
+            (reader,) = readers
+            live = sum(b - a for a, b in reader._live)
+    # The run going on holds a chunk or two (1,024 rows each); each epoch left the old way
+    # kept one more.
+    assert live <= 2 * 1024, reader._live
 
 
 def test_a_file_truncated_while_its_chunk_is_served_ends_the_process(tmp_path: Path) -> None:
