@@ -30,19 +30,21 @@ def memory_bytes(root: Path = Path("/")) -> int:
 def _cgroup_limits(root: Path) -> list[int]:
     """The memory limits of this process's cgroup and its ancestors (v2 and v1), as set."""
     try:
-        lines = (root / "proc/self/cgroup").read_text().splitlines()
+        # A group's name may be any bytes: kept as they are (surrogate escapes) for the paths.
+        raw = (root / "proc/self/cgroup").read_bytes()
     except OSError:
         return []
     out = []
-    for line in lines:
+    for line in raw.decode(errors="surrogateescape").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         _, controllers, path = parts
-        if controllers == "":  # v2: one hierarchy
-            base, name = root / "sys/fs/cgroup", "memory.max"
+        if controllers == "":  # v2: one hierarchy (beside v1 ones, mounted at "unified")
+            bases = [root / "sys/fs/cgroup", root / "sys/fs/cgroup/unified"]
+            name = "memory.max"
         elif "memory" in controllers.split(","):
-            base, name = root / "sys/fs/cgroup/memory", "memory.limit_in_bytes"
+            bases, name = [root / "sys/fs/cgroup/memory"], "memory.limit_in_bytes"
         else:
             continue
         # The process's group and each group above it limit it; inside a container the path
@@ -51,9 +53,10 @@ def _cgroup_limits(root: Path) -> list[int]:
         if not here.is_absolute():  # not a group's path (nothing else is written there)
             continue
         for group in (here, *here.parents):
-            value = _read_limit(base / group.relative_to("/") / name)
-            if value is not None:
-                out.append(value)
+            for base in bases:
+                value = _read_limit(base / str(group).lstrip("/") / name)
+                if value is not None:
+                    out.append(value)
     return out
 
 
@@ -62,7 +65,7 @@ def _read_limit(path: Path) -> int | None:
         text = path.read_text().strip()
     except (OSError, ValueError):
         return None
-    if not text.isdigit():  # "max": no limit
+    if not (text.isascii() and text.isdigit()):  # "max": no limit
         return None
     value = int(text)
     # cgroup v1 reports "no limit" as the largest page-aligned 63-bit number.

@@ -67,3 +67,21 @@ def test_lines_it_does_not_know_are_skipped(tmp_path: Path) -> None:
     cgroup = "garbage\n5:memory:relative/path\n1:name=systemd:/x\n0::/job\n"
     root = layout(tmp_path, cgroup, {"job/memory.max": "1073741824", "memory.max": "oops"})
     assert memory_bytes(root) == min(2**30, PHYSICAL)
+
+
+def test_v2_beside_v1_hierarchies_is_found_where_it_is_mounted(tmp_path: Path) -> None:
+    # Hybrid: v1 controllers under /sys/fs/cgroup, the v2 hierarchy at /sys/fs/cgroup/unified.
+    root = layout(tmp_path, "4:cpu:/x\n0::/job\n", {"unified/job/memory.max": "1073741824"})
+    assert memory_bytes(root) == min(2**30, PHYSICAL)
+
+
+def test_names_and_numbers_the_kernel_does_not_write_never_raise(tmp_path: Path) -> None:
+    # A group's name may be any bytes; a path with two leading slashes; digits of other scripts.
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_bytes(b"0::/job/\xe9t\xe9\n0:://two\n")
+    named = tmp_path.joinpath("sys/fs/cgroup/job", b"\xe9t\xe9".decode(errors="surrogateescape"))
+    named.mkdir(parents=True)
+    (named / "memory.max").write_text("536870912\n")
+    (tmp_path / "sys/fs/cgroup/two").mkdir()
+    (tmp_path / "sys/fs/cgroup/two/memory.max").write_text("\u00b2\n")  # superscript two
+    assert memory_bytes(tmp_path) == min(2**29, PHYSICAL)
