@@ -58,8 +58,11 @@ class DataShape:
 
 
 def first_rows(batch_size: int, row_bytes: int) -> int:
-    """Rows of an epoch's first read: about :data:`RAMP_BYTES`, at least a batch."""
-    return max(batch_size, RAMP_BYTES // max(1, row_bytes))
+    """Rows of an epoch's first read: about :data:`RAMP_BYTES`, and enough for a whole batch
+    even when its lanes' shares are rounded down (up to ``RAMP_LANES - 1`` rows short: see
+    :func:`~._plan.plan_epoch`), so that the first batch waits for the first piece alone.
+    States saved with a smaller first read keep theirs (:mod:`._resume`)."""
+    return max(batch_size + RAMP_LANES - 1, RAMP_BYTES // max(1, row_bytes))
 
 
 def ramp_lanes(first: int, row_bytes: int, stored_rows: int = 0, request_bytes: int = 0) -> int:

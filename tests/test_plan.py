@@ -10,7 +10,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from asynchdf5 import ConfigurationError
+from asynchdf5._config import RAMP_LANES
 from asynchdf5._plan import ChunkPlan, EpochPlan, plan_epoch
+from asynchdf5._shape import first_rows, ramp_lanes
 
 
 def _by_search(chunk: ChunkPlan, positions: np.ndarray) -> np.ndarray:
@@ -155,6 +157,29 @@ def test_shuffled_ramp_pieces_are_taken_from_every_lane() -> None:
     first = [served(dataclasses.replace(p, chunks=p.chunks[:k])) for p in (lanes, one)]
     assert np.array_equal(np.sort(first[0]), np.sort(first[1]))
     assert [c.ranges for c in lanes.chunks[k:]] == [c.ranges for c in one.chunks[k:]]
+
+
+@pytest.mark.parametrize("batch_size", [64, 256])
+def test_the_first_piece_of_the_ramp_holds_a_whole_batch_with_large_rows(batch_size: int) -> None:
+    """With rows of 150 kB a batch is more than the ramp's first 8 MiB; each lane's share is
+    rounded down, so a first read of exactly a batch came up short of one (in 1,108 of 1,144
+    chunk sizes): the first batch then waited for the second piece as well."""
+    row_bytes = 150_000
+    first = first_rows(batch_size, row_bytes)
+    lanes = ramp_lanes(first, row_bytes)
+    assert lanes == RAMP_LANES
+    for rows in range(1000, 5000, 7):
+        plan = plan_epoch(
+            10 * rows,
+            epoch=0,
+            batch_size=batch_size,
+            chunk_size=rows,
+            shuffle=True,
+            seed=rows,
+            first_rows=first,
+            ramp_lanes=lanes,
+        )
+        assert plan.chunks[0].rows >= batch_size, (rows, [c.rows for c in plan.chunks[:3]])
 
 
 def test_uneven_leftover_splits_a_batch_instead_of_repeating_or_dropping() -> None:
