@@ -171,6 +171,17 @@ def parse_state(state: object) -> Resume:
     fingerprint = state.get("fingerprint")
     if not isinstance(fingerprint, Mapping):
         raise ConfigurationError("the state has no fingerprint")
+    # The sizes a resumed run adopts as saved (not compared with this layer's): checked here,
+    # so that a bad one fails at loading and not when the epoch is planned.
+    for key, may_lack in (
+        ("chunk_rows", False),
+        ("block_rows", True),
+        ("first_rows", True),
+        ("ramp_lanes", True),
+    ):
+        if may_lack and fingerprint.get(key) is None:
+            continue
+        _int(fingerprint, key, 1)
     return Resume(
         mode=str(mode),
         epoch=_int(state, "epoch"),

@@ -277,6 +277,19 @@ def test_a_state_that_is_not_one() -> None:
             layer.load_state_dict(bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("ramp_lanes", "32"), ("first_rows", 0), ("block_rows", 2.5), ("chunk_rows", None)],
+)
+async def test_a_state_with_a_bad_size_fails_to_load(tmp_path: Path, key: str, value: Any) -> None:
+    """The sizes a resumed run adopts as saved fail at loading, named, not when planned."""
+    kw: dict[str, Any] = dict(batch_size=32, shuffle=True, seed=7, chunk_size=128, block_size=16)
+    _, state = await run(AsyncHDF5DataLayer(write(tmp_path / "a"), **kw), 1, stop=3)
+    state["fingerprint"][key] = value
+    with pytest.raises(ConfigurationError, match=key):
+        AsyncHDF5DataLayer(write(tmp_path / "b"), **kw).load_state_dict(state)
+
+
 async def test_load_while_iterating_is_a_state_error() -> None:
     layer = memory_layer(batch_size=8)
     async with layer:
