@@ -381,7 +381,10 @@ async def test_chunks_of_epochs_left_early_are_unmapped_too(
                     peak = max(peak, max(mappings(path)))
     await aassert_released(before)
     # KiB of one top: the chunks in flight and the folios at their ends, not the top's 64 MiB.
-    assert 0 < peak <= 24 * 1024, peak
+    # In flight, 2 MiB each: up to 3 in each of the 3 groups cut and not yet taken (groups of
+    # 2**19 rows span 2 or 3 chunks of 2**18), and the loader's few; seen 8-25 MiB (the old
+    # code: 47, the left epochs' chunks kept).
+    assert 0 < peak <= 32 * 1024, peak
     assert mappings(path, collect=True) == []
 
 
