@@ -85,3 +85,14 @@ def test_names_and_numbers_the_kernel_does_not_write_never_raise(tmp_path: Path)
     (tmp_path / "sys/fs/cgroup/two").mkdir()
     (tmp_path / "sys/fs/cgroup/two/memory.max").write_text("\u00b2\n")  # superscript two
     assert memory_bytes(tmp_path) == min(2**29, PHYSICAL)
+
+
+def test_the_memory_defaults_take_their_share_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In a container limited to 3 GiB: a cache of 1 GiB, data sets of up to 1.5 GiB stay mapped.
+    import asynchdf5._cache as cache
+    import asynchdf5._read._mapped as mapped
+
+    for module in (cache, mapped):
+        monkeypatch.setattr(module, "memory_bytes", lambda: 3 * 2**30)
+    assert cache.default_cache_bytes() == 2**30
+    assert mapped.default_keep_bytes() == 3 * 2**29
