@@ -315,6 +315,43 @@ async def test_a_task_whose_timer_came_due_in_a_step_runs_before_the_next_step()
     assert "BB" not in order, order
 
 
+@pytest.mark.parametrize("autojump", [None, 0.0])
+def test_the_pause_never_waits_for_a_loop_clock_that_stands_still(
+    autojump: float | None, tmp_path: Path
+) -> None:
+    # Test suites run trio on a virtual clock (pytest-trio's `mock_clock`, `autojump_clock`):
+    # without autojump it moves only when the test moves it. A pause that waited for a timer
+    # on that clock never returned: the first step of 1 ms or more hung the iteration (review
+    # 14, D1). The loop's own deadlines are on that clock too, so a thread watches instead.
+    import threading
+
+    from trio.testing import MockClock
+
+    source = write_source(tmp_path)[0]
+    got: list[Batch] = []
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        async with AsyncHDF5DataLayer(source, batch_size=10, chunk_size=40, shuffle=True) as layer:
+            async for batch in layer:
+                got.append(batch)
+                _hold_the_loop(0.002)
+
+    def run() -> None:
+        clock = MockClock() if autojump is None else MockClock(autojump_threshold=autojump)
+        try:
+            anyio.run(main, backend="trio", backend_options={"clock": clock})
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), f"hung after {len(got)} batches"
+    assert not errors, errors
+    check_epoch(got, N, 10, 0)
+
+
 async def test_a_failed_run_is_over_before_the_next_one_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
