@@ -23,7 +23,7 @@ from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import _Layer
 from ._properties import document
 from ._read import HDF5Reader, MappedReader, Reader, refusal
-from ._shape import DataShape, default_block_rows, first_rows, ramp_lanes
+from ._shape import DataShape, default_block_rows, first_read
 from ._sources import Source, SourceLike, open_source, resolve_source
 from .transforms import Transformer
 
@@ -155,8 +155,7 @@ class AsyncHDF5DataLayer(_Layer):
                 if c.shuffle
                 else None
             )
-            first = first_rows(c.batch_size, row_bytes)
-            lanes = ramp_lanes(first, row_bytes, stored, request) if c.shuffle else 1
+            first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored, request)
         return DataShape(
             n_samples=n,
             row_bytes=row_bytes,

@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from asynchdf5._plan import plan_epoch
-from asynchdf5._shape import RAMP_BYTES, default_block_rows, ramp_lanes
+from asynchdf5._shape import default_block_rows, first_read
 
 __all__ = [
     "BATCH_SIZE",
@@ -100,14 +100,14 @@ class OrderSpec:
 
     @property
     def first_rows(self) -> int:
-        """As the layer computes it (:func:`asynchdf5._shape.first_rows`)."""
-        return max(self.batch_size, RAMP_BYTES // max(1, self.row_bytes))
+        """As the layer computes it for a contiguous local file, shuffled
+        (:func:`asynchdf5._shape.first_read`)."""
+        return first_read(self.batch_size, self.row_bytes, shuffle=True)[0]
 
     @property
     def ramp_lanes(self) -> int:
-        """As the layer computes them for a contiguous local file
-        (:func:`asynchdf5._shape.ramp_lanes`)."""
-        return ramp_lanes(self.first_rows, self.row_bytes)
+        """The same read's lanes (:func:`asynchdf5._shape.first_read`)."""
+        return first_read(self.batch_size, self.row_bytes, shuffle=True)[1]
 
     @property
     def default_block(self) -> int:

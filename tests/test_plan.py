@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from asynchdf5 import ConfigurationError
 from asynchdf5._config import RAMP_LANES
 from asynchdf5._plan import ChunkPlan, EpochPlan, plan_epoch
-from asynchdf5._shape import first_rows, ramp_lanes
+from asynchdf5._shape import RAMP_BYTES, first_read
 
 
 def _by_search(chunk: ChunkPlan, positions: np.ndarray) -> np.ndarray:
@@ -165,12 +165,36 @@ def test_the_first_piece_of_the_ramp_holds_a_whole_batch_with_large_rows(batch_s
     rounded down, so a first read of exactly a batch came up short of one (in 1,108 of 1,144
     chunk sizes): the first batch then waited for the second piece as well."""
     row_bytes = 150_000
-    first = first_rows(batch_size, row_bytes)
-    lanes = ramp_lanes(first, row_bytes)
+    first, lanes = first_read(batch_size, row_bytes, shuffle=True)
     assert lanes == RAMP_LANES
     for rows in range(1000, 5000, 7):
         plan = plan_epoch(
             10 * rows,
+            epoch=0,
+            batch_size=batch_size,
+            chunk_size=rows,
+            shuffle=True,
+            seed=rows,
+            first_rows=first,
+            ramp_lanes=lanes,
+        )
+        assert plan.chunks[0].rows >= batch_size, (rows, [c.rows for c in plan.chunks[:3]])
+
+
+@pytest.mark.parametrize("row_mib", [1, 4, 32])
+@pytest.mark.parametrize("batch_size", [1, 2, 4, 8])
+def test_small_batches_of_large_rows_wait_for_a_small_first_read(
+    row_mib: int, batch_size: int
+) -> None:
+    """The first read is padded by what the lanes' rounding can lose, not by ``RAMP_LANES - 1``
+    rows whatever the lanes: that made the first batch of 1 to 8 rows of 4 MiB wait for 28 to
+    38 rows (review 14, D2). It still holds a whole batch, for every chunk size."""
+    row_bytes = row_mib * 2**20
+    first, lanes = first_read(batch_size, row_bytes, shuffle=True)
+    assert first <= max(2 * batch_size - 1, RAMP_BYTES // row_bytes), (first, lanes)
+    for rows in range(2 * batch_size, 300, 3):
+        plan = plan_epoch(
+            7 * rows,
             epoch=0,
             batch_size=batch_size,
             chunk_size=rows,
