@@ -35,7 +35,9 @@ def _cgroup_limits(root: Path) -> list[int]:
     except OSError:
         return []
     out = []
-    for line in raw.decode(errors="surrogateescape").splitlines():
+    # Lines end at "\n" only: a name may hold "\r", "\f", "\x1c", U+2028 or end in a space,
+    # which str.splitlines() and str.strip() would cut it at (review 14, D3).
+    for line in raw.decode(errors="surrogateescape").split("\n"):
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -49,7 +51,7 @@ def _cgroup_limits(root: Path) -> list[int]:
             continue
         # The process's group and each group above it limit it; inside a container the path
         # may name the host's hierarchy, where the container sees its own group at the root.
-        here = Path(path.strip() or "/")
+        here = Path(path or "/")
         if not here.is_absolute():  # not a group's path (nothing else is written there)
             continue
         for group in (here, *here.parents):

@@ -87,6 +87,22 @@ def test_names_and_numbers_the_kernel_does_not_write_never_raise(tmp_path: Path)
     assert memory_bytes(tmp_path) == min(2**29, PHYSICAL)
 
 
+@pytest.mark.parametrize(
+    "name", ["a\x1cb", "a\x1db", "a\x0bb", "a\x0cb", "a\x85b", "a\u2028b", "a\rb", "sp ace "]
+)
+def test_a_group_whose_name_holds_what_splitlines_or_strip_would_cut_is_found(
+    tmp_path: Path, name: str
+) -> None:
+    # Review 14, D3: these names were cut short, so the group's own limit was missed and the
+    # machine's memory came back.
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_bytes(f"0::/{name}\n".encode())
+    group = tmp_path / "sys/fs/cgroup" / name
+    group.mkdir(parents=True)
+    (group / "memory.max").write_text(f"{2**30}\n")
+    assert memory_bytes(tmp_path) == min(2**30, PHYSICAL)
+
+
 def test_the_memory_defaults_take_their_share_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
     # In a container limited to 3 GiB: a cache of 1 GiB, data sets of up to 1.5 GiB stay mapped.
     import asynchdf5._cache as cache
