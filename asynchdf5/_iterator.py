@@ -117,6 +117,7 @@ class EpochIterator:
                     "the layer was opened with `with`: iterate it with `for`, not `async for`"
                 )
             self._run = await session.begin(self)
+            self._mark_paused()  # the loop ran meanwhile; and the pause needs its clock's reading
         elif session.closed:
             raise StateError(
                 "this iterator's layer was closed: open the layer again and start a new iteration"
