@@ -168,17 +168,23 @@ def test_the_first_piece_of_the_ramp_holds_a_whole_batch_with_large_rows(batch_s
     first, lanes = first_read(batch_size, row_bytes, shuffle=True)
     assert lanes == RAMP_LANES
     for rows in range(1000, 5000, 7):
-        plan = plan_epoch(
-            10 * rows,
-            epoch=0,
-            batch_size=batch_size,
-            chunk_size=rows,
-            shuffle=True,
-            seed=rows,
-            first_rows=first,
-            ramp_lanes=lanes,
-        )
-        assert plan.chunks[0].rows >= batch_size, (rows, [c.rows for c in plan.chunks[:3]])
+        first_chunks = _ramped_first_chunks(10 * rows, batch_size, rows, first, lanes)
+        assert first_chunks[0] >= batch_size, (rows, first_chunks)
+
+
+def _ramped_first_chunks(n: int, batch_size: int, rows: int, first: int, lanes: int) -> list[int]:
+    """Rows of the first three chunks of a shuffled epoch over ``n`` samples, ramped."""
+    plan = plan_epoch(
+        n,
+        epoch=0,
+        batch_size=batch_size,
+        chunk_size=rows,
+        shuffle=True,
+        seed=rows,
+        first_rows=first,
+        ramp_lanes=lanes,
+    )
+    return [c.rows for c in plan.chunks[:3]]
 
 
 @pytest.mark.parametrize("row_mib", [1, 4, 32])
@@ -193,17 +199,8 @@ def test_small_batches_of_large_rows_wait_for_a_small_first_read(
     first, lanes = first_read(batch_size, row_bytes, shuffle=True)
     assert first <= max(2 * batch_size - 1, RAMP_BYTES // row_bytes), (first, lanes)
     for rows in range(2 * batch_size, 300, 3):
-        plan = plan_epoch(
-            7 * rows,
-            epoch=0,
-            batch_size=batch_size,
-            chunk_size=rows,
-            shuffle=True,
-            seed=rows,
-            first_rows=first,
-            ramp_lanes=lanes,
-        )
-        assert plan.chunks[0].rows >= batch_size, (rows, [c.rows for c in plan.chunks[:3]])
+        first_chunks = _ramped_first_chunks(7 * rows, batch_size, rows, first, lanes)
+        assert first_chunks[0] >= batch_size, (rows, first_chunks)
 
 
 def test_uneven_leftover_splits_a_batch_instead_of_repeating_or_dropping() -> None:
