@@ -1,5 +1,5 @@
-"""What a layer knows of its data once it has looked at it (:class:`DataShape`), and the rows
-of an epoch's first read (:func:`first_rows`)."""
+"""What a layer knows of its data once it has looked at it (:class:`DataShape`), and an
+epoch's first read (:func:`first_read`)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,7 @@ from ._config import (
     LayerConfig,
 )
 
-__all__ = [
-    "RAMP_BYTES",
-    "DataShape",
-    "default_block_rows",
-    "first_read",
-    "first_rows",
-    "ramp_lanes",
-]
+__all__ = ["RAMP_BYTES", "DataShape", "default_block_rows", "first_read", "ramp_lanes"]
 
 #: Rows of the first chunk of an epoch are ramped up from about this many bytes, so the first
 #: batch waits for a small read rather than a whole chunk.
@@ -64,30 +57,26 @@ class DataShape:
         }
 
 
-def first_rows(batch_size: int, row_bytes: int, lanes: int = 1) -> int:
-    """Rows of an epoch's first read: about :data:`RAMP_BYTES`, and enough for a whole batch
-    even when the shares of the ramp's ``lanes`` are rounded down (each up to a row short: see
-    :func:`~._plan.plan_epoch`), so that the first batch waits for the first piece alone.
-    States saved with another first read keep theirs (:mod:`._resume`)."""
-    return max(batch_size + lanes - 1, RAMP_BYTES // max(1, row_bytes))
-
-
 def first_read(
     batch_size: int, row_bytes: int, shuffle: bool, stored_rows: int = 0, request_bytes: int = 0
 ) -> tuple[int, int]:
     """An epoch's first read: its rows and the lanes of its ramp (1 unshuffled).
 
-    The lanes are chosen for a read of a batch or :data:`RAMP_BYTES` (:func:`ramp_lanes`), and
-    are no more than a batch's rows (more add nothing to the first batch's mix); the read then
-    grows by what their rounding can lose, ``lanes - 1`` rows. (Padding by ``RAMP_LANES - 1``
-    rows whatever the lanes made the first batch of 1 to 8 rows of 4 MiB wait for 28 to 38
-    rows where it had waited for 2 to 8: review 14.)
+    About :data:`RAMP_BYTES` of rows, and enough for a whole batch even when the shares of the
+    ramp's lanes are rounded down (each up to a row short: see :func:`~._plan.plan_epoch`), so
+    that the first batch waits for the first piece alone. The lanes are chosen for a read of a
+    batch or :data:`RAMP_BYTES` (:func:`ramp_lanes`), and are no more than a batch's rows (more
+    add nothing to the first batch's mix); the read then grows by what their rounding can
+    lose, ``lanes - 1`` rows. (Padding by ``RAMP_LANES - 1`` rows whatever the lanes made the
+    first batch of 1 to 8 rows of 4 MiB wait for 28 to 38 rows where it had waited for 2 to 8:
+    review 14.) States saved with another first read keep theirs (:mod:`._resume`).
     """
-    base = first_rows(batch_size, row_bytes)
+    ramp = RAMP_BYTES // max(1, row_bytes)
     lanes = 1
     if shuffle:
+        base = max(batch_size, ramp)
         lanes = min(ramp_lanes(base, row_bytes, stored_rows, request_bytes), batch_size)
-    return first_rows(batch_size, row_bytes, lanes), lanes
+    return max(batch_size + lanes - 1, ramp), lanes
 
 
 def ramp_lanes(first: int, row_bytes: int, stored_rows: int = 0, request_bytes: int = 0) -> int:
