@@ -7,6 +7,7 @@ Delivery (``_delivery``) decides where gathered rows go and what a :class:`Batch
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,9 @@ class LoadedChunk:
     #: after rows were gathered from it and before they go anywhere; raises ReadError if the
     #: file changed since the chunk was read (None: nothing can change them).
     verify: Callable[[], None] | None = None
+    #: Held around every gather from ``arrays`` when they are a mapped file's (see
+    #: :attr:`~asynchdf5._read.Reader.guard`); None: no gather needs one.
+    guard: AbstractContextManager[None] | None = None
     refs: int = 0  # batches cut from it and not yet gathered
     cut: bool = False  # every row has been cut into a batch (or dropped)
 
@@ -218,18 +222,29 @@ def gather_rows(
             rows = idx
         else:
             rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
-        if isinstance(rows, slice):
-            for name, dest in out.items():
-                dest[at : at + n] = chunk.arrays[name][rows]
+        if chunk.guard is None:
+            _take(chunk, rows, out, at, n)
         else:
-            # mode="clip" writes straight into ``dest``; numpy's default ("raise") gathers into
-            # a temporary first and copies it over (measured: 1.4-2x slower for image batches).
-            # The bounds are checked instead: once per chunk when it was loaded, else here.
-            if n and not chunk.checked:
-                check_rows(rows, chunk.arrays)
-            for name, dest in out.items():
-                np.take(chunk.arrays[name], rows, axis=0, out=dest[at : at + n], mode="clip")
+            with chunk.guard:
+                _take(chunk, rows, out, at, n)
         at += n
+
+
+def _take(
+    chunk: LoadedChunk, rows: np.ndarray | slice, out: dict[str, np.ndarray], at: int, n: int
+) -> None:
+    """Copy ``rows`` of ``chunk`` into rows ``at:at + n`` of ``out``."""
+    if isinstance(rows, slice):
+        for name, dest in out.items():
+            dest[at : at + n] = chunk.arrays[name][rows]
+    else:
+        # mode="clip" writes straight into ``dest``; numpy's default ("raise") gathers into
+        # a temporary first and copies it over (measured: 1.4-2x slower for image batches).
+        # The bounds are checked instead: once per chunk when it was loaded, else here.
+        if n and not chunk.checked:
+            check_rows(rows, chunk.arrays)
+        for name, dest in out.items():
+            np.take(chunk.arrays[name], rows, axis=0, out=dest[at : at + n], mode="clip")
 
 
 def check_rows(rows: np.ndarray, arrays: Mapping[str, np.ndarray]) -> None:

@@ -169,6 +169,7 @@ class ChunkLoader:
                 self._held.add(loaded)
                 loaded.release = functools.partial(self._give_back, loaded)
                 loaded.verify = self.reader.verify
+                loaded.guard = self.reader.guard
             load.item = (plan, loaded)
         finally:
             busy.stop()

@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -441,27 +440,121 @@ async def test_a_chunk_made_ready_whose_order_was_cancelled_is_unmapped_too(
     assert live <= 2 * 1024, reader._live
 
 
-def test_a_file_truncated_while_its_chunk_is_served_ends_the_process(tmp_path: Path) -> None:
-    """What the docs warn of, shown in a child process: the whole data set one chunk, made ready;
-    the file truncated after the first batch; the next batches gathered from pages that no longer
-    exist: SIGBUS. (The copying reader raises a ReadError here: tests/test_faults.py.) The file
-    is truncated once the gather thread has filled the queue and waits: truncated while a group
-    is being gathered, the check after that gather sees it first and the run ends with a
-    ReadError instead (the lucky case the docs do not promise)."""
+# Run in a child process: were the lease not to hold, a gather would meet a truncated page and
+# the SIGBUS would end the child, not the test run. The whole data set one chunk, made ready; the
+# consumer sleeps after its first batch, so the groups ahead are gathered and the gather thread
+# waits: nothing looks at the lease but its own thread. Then the file is truncated, by this
+# process or another; the child reports what the run did.
+_TRUNCATED_WHILE_SERVED = """
+import os, subprocess, sys, time
+import numpy as np
+from asynchdf5 import HDF5DataLayer, ReadError
+path, how = sys.argv[1], sys.argv[2]
+writer = os.open(path, os.O_WRONLY) if how == "writer open before" else None
+got, waited = [], None
+try:
+    with HDF5DataLayer(path, batch_size=64, shuffle=True, seed=0, mmap=True) as layer:
+        print("notes", layer.stats.read_notes, flush=True)
+        for i, b in enumerate(layer):
+            got.append(b)
+            if i == 0:
+                time.sleep(0.5)
+                t0 = time.monotonic()
+                if how == "another process":
+                    code = f"import os; os.truncate({path!r}, 4096)"
+                    subprocess.run([sys.executable, "-c", code], check=True, timeout=100)
+                elif how == "this process":
+                    os.truncate(path, 4096)
+                else:
+                    os.ftruncate(writer, 4096)
+                waited = time.monotonic() - t0
+except ReadError as exc:
+    print("ReadError", exc, flush=True)
+for b in got:  # every batch yielded: the rows of the file as it was
+    assert (b["label"] == b.indices).all() and (b["data"][:, 0] == b.indices * 10).all()
+print("batches", len(got), "waited", waited, flush=True)
+"""
+
+
+def _truncate_while_served(path: Path, how: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _TRUNCATED_WHILE_SERVED, str(path), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("how", ["another process", "this process"])
+def test_a_file_truncated_while_its_chunk_is_served_is_a_read_error_under_the_lease(
+    tmp_path: Path, how: str
+) -> None:
+    """The layer holds a read lease on the mapped file: the truncation waits until no gather is
+    in flight and the lease is given back (a poll away, not the kernel's 45 s), and the run ends
+    with a ReadError naming the file, after correct batches only. Without the lease (the code
+    before it) this child died of SIGBUS."""
     path = write_h5(tmp_path / "one.h5", 0, 200_000)
-    script = textwrap.dedent(
-        f"""
-        import os, time
-        from asynchdf5 import HDF5DataLayer
-        with HDF5DataLayer({str(path)!r}, batch_size=64, shuffle=True, seed=0, mmap=True) as l:
-            for i, b in enumerate(l):
-                if i == 0:
-                    time.sleep(0.5)  # the groups ahead are gathered and checked by now
-                    os.truncate({str(path)!r}, 4096)
-            print("no signal")
-        """
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    proc = _truncate_while_served(path, how)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    out = proc.stdout
+    assert "notes {}" in out, out  # mapped, and guarded
+    assert f"ReadError {path}: the file was truncated" in out, out
+    batches, waited = out.split("batches ")[1].split()[::2]
+    assert int(batches) >= 1
+    assert 0 <= float(waited) < 20, out  # the lease was given back, not timed out by the kernel
+
+
+def test_without_a_lease_a_truncated_file_ends_the_process(tmp_path: Path) -> None:
+    """What the docs warn of where no lease can be taken (here: the file is open for writing
+    when the layer opens it): the rows are mapped all the same, the notes say they are not
+    guarded, and a truncation while a chunk is served is a SIGBUS that ends the process. (The
+    copying reader raises a ReadError here: tests/test_faults.py.)"""
+    path = write_h5(tmp_path / "one.h5", 0, 200_000)
+    proc = _truncate_while_served(path, "writer open before")
+    assert "not guarded by a lease: the file is open for writing" in proc.stdout, proc.stdout
     assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+
+
+async def test_a_lease_is_not_taken_with_a_short_lease_break_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel gives a lease up after the lease-break time: under a few seconds, a gather in
+    flight could outlast it, so the file is mapped unguarded and the notes say why."""
+    import asynchdf5._read._lease as lease
+
+    fake = tmp_path / "lease-break-time"
+    fake.write_text("1\n")
+    monkeypatch.setattr(lease, "_BREAK_TIME", str(fake))
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    with anyio.fail_after(30):
+        got, stats = await batches(path, shuffle=True, seed=0, chunk_size=1000, mmap=True)
+    for epoch, epoch_batches in enumerate(got):
+        check_epoch(epoch_batches, N, 64, epoch)
+    assert stats.read_paths["data"] == "mmap"
+    assert "not guarded by a lease: the lease-break time is 1 s" in stats.read_notes["data"]
+
+
+async def test_a_writer_that_changes_nothing_still_ends_the_mapped_run(tmp_path: Path) -> None:
+    """Another program opens the file for writing and closes it: it waits for the layer to give
+    the lease back, and the run ends with a ReadError saying so (the rows could have changed);
+    after the layer closes, a writer opens the file at once."""
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    before = await asnapshot()
+    opener = [sys.executable, "-c", f"import os; os.close(os.open({str(path)!r}, os.O_WRONLY))"]
+    got: list[Any] = []
+    with anyio.fail_after(60), pytest.raises(ReadError) as info:
+        async with AsyncHDF5DataLayer(
+            path, batch_size=16, chunk_size=1000, shuffle=True, seed=0, mmap=True
+        ) as layer:
+            for _ in range(3):
+                async for b in layer:
+                    got.append(b)
+                    if len(got) == 1:
+                        await anyio.run_process(opener)
+    await aassert_released(before)
+    assert 1 <= len(got) < 3 * N // 16
+    for b in got:
+        np.testing.assert_array_equal(b["data"][:, 0], b.indices * 10)
+    check_message(info.value, path, "opened the file for writing")
+    with anyio.fail_after(20):  # the lease went with the layer: no wait
+        await anyio.run_process(opener)

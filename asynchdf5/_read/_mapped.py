@@ -51,6 +51,7 @@ from .._priority import background
 from .._sources import Source
 from .._sources._local import LocalFile
 from .._stats import ReadStats
+from ._lease import Lease
 from ._spans import merged, uncovered
 
 __all__ = ["MappedReader", "default_keep_bytes", "refusal"]
@@ -212,13 +213,25 @@ class MappedReader:
         self.read_notes: Mapping[str, str] = {}
         (info,) = [f for f in catalog.files if f.nrows > 0]
         self._tops: list[_Top] = []
+        #: The file's read lease (taken before it is mapped): nobody truncates it under a gather.
+        self.guard: Lease | None = None
         try:
+            file = next(iter(info.layouts.values())).extents[0].file
+            assert isinstance(file, LocalFile)
+            lease = Lease.take(file)
+            if isinstance(lease, Lease):
+                self.guard = lease
+            else:
+                note = f"not guarded by a lease: {lease}"
+                self.read_notes = {t: note for t in catalog.tops}
             for name, top in catalog.tops.items():
                 (ext,) = info.layouts[name].extents
                 assert isinstance(ext.file, LocalFile)
                 self._tops.append(_Top(libc, top, ext.file, ext.offset, info.nrows))
         except BaseException:
             self._close_maps()
+            if self.guard is not None:
+                self.guard.close()
             raise
         self.own_arrays: Mapping[str, np.ndarray] | None = {
             t.name: t.array for t in self._tops if t.array is not None
@@ -304,6 +317,8 @@ class MappedReader:
             a, b = ranges[0]
             for t in self._tops:
                 _check(t.file, t.name, a, b)
+            if self.guard is not None and self.guard.broken:
+                raise self.guard.error()
         return sum(b - a for a, b in todo)
 
     def _populate(self, ranges: list[tuple[int, int]]) -> None:
@@ -356,6 +371,8 @@ class MappedReader:
             pool.shutdown(wait=True)
         self.own_arrays = None
         self._close_maps()
+        if self.guard is not None:
+            self.guard.close()
         self.source.close()
 
     async def aclose(self) -> None:

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import anyio
@@ -85,6 +86,13 @@ class Reader(Protocol):
         """For rows served in place from memory that a file can change under (mapped): raises
         :class:`~asynchdf5.ReadError` if a file changed since it was opened; the pipeline calls
         it after gathering rows and before handing them on. None: nothing can change them."""
+        ...
+
+    @property
+    def guard(self) -> AbstractContextManager[None] | None:
+        """For rows served in place from a mapped file: held around every gather from it
+        (raises :class:`~asynchdf5.ReadError` instead once the rows can no longer be read
+        safely). None: no gather needs one."""
         ...
 
     async def aclose(self) -> None:
@@ -269,6 +277,7 @@ class HDF5Reader:
         pass  # resident rows stay for later epochs
 
     verify = None  # rows in memory of its own
+    guard = None
 
     @property
     def in_place(self) -> bool:
@@ -313,6 +322,7 @@ class MemoryReader:
         pass
 
     verify = None
+    guard = None
 
     async def aclose(self) -> None:
         pass

@@ -1,0 +1,169 @@
+"""A read lease on a mapped file: while the layer holds it, no other program can truncate it.
+
+With ``mmap=True`` the gather reads rows straight from the mapped file. A page past the end of a
+file truncated under the mapping is a ``SIGBUS`` when touched, which ends the process. A read
+lease (Linux, ``fcntl(F_SETLEASE, F_RDLCK)``) closes that hole for the common cause, another
+program (or this one) rewriting or truncating the file: the kernel makes anyone's ``open`` for
+writing and ``truncate`` of the file wait until the lease is given back, or for
+``/proc/sys/fs/lease-break-time`` seconds (45 by default), and marks the lease as being broken
+meanwhile. A thread of the layer looks at the lease every :data:`POLL_S` seconds. Once it is
+being broken, no gather may start from the mapping; when the gathers in flight are done, the
+lease is given back and the writer goes on, and the layer's next gather is a
+:class:`~asynchdf5.ReadError`. Every row gathered before that was read while nobody could write
+the file.
+
+The kernel tells a lease's holder that it is being broken with a signal, ``SIGIO`` unless told
+otherwise, which ends a process that does not handle it. The layer asks for none: the signal is
+set to ``SIGURG`` (ignored unless handled) before the lease is taken, and the lease's owner to
+none right after, so no signal is sent at all.
+
+A lease is granted only to the file's owner (or a process with ``CAP_LEASE``), on a file system
+that grants leases (not NFS), while nobody has the file open for writing. Otherwise
+:meth:`Lease.take` says why and the file is mapped without one. What a lease cannot cover: a
+disk error when a page dropped from memory is read again during a gather, and a single gather
+that lasts longer than the lease-break time (a process stopped in the middle of one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import signal
+import threading
+from types import TracebackType
+
+from .._errors import ReadError
+from .._sources._local import LocalFile
+
+__all__ = ["POLL_S", "Lease"]
+
+#: How often the lease is looked at: the longest a writer waits for a layer that is not gathering.
+POLL_S = 0.05
+#: The shortest lease-break time a lease is taken with: the kernel gives a lease up after it, so
+#: a shorter one would leave a gather in flight unguarded.
+MIN_BREAK_S = 5
+
+_BREAK_TIME = "/proc/sys/fs/lease-break-time"
+
+
+class Lease:
+    """A read lease on ``file``, and the gathers from its mapping (``with lease:`` around each).
+
+    Use :meth:`take`; :meth:`close` gives it back and joins its thread."""
+
+    def __init__(self, file: LocalFile, fd: int) -> None:
+        self.file = file
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._active = 0  # gathers in flight
+        self._broken = False  # being broken: no gather may start
+        self._held = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="asynchdf5-lease", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def take(cls, file: LocalFile) -> Lease | str:
+        """A lease on ``file``, or why none can be taken."""
+        try:
+            with open(_BREAK_TIME) as f:
+                break_s = int(f.read())
+        except (OSError, ValueError) as exc:
+            return f"cannot read {_BREAK_TIME}: {exc}"
+        if break_s < MIN_BREAK_S:
+            return f"the lease-break time is {break_s} s ({_BREAK_TIME}), under {MIN_BREAK_S}"
+        try:  # the file the source has open, even if renamed or replaced since
+            fd = os.open(f"/proc/self/fd/{file.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            return f"cannot open the file again to lease it: {exc.strerror}"
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            fcntl.fcntl(fd, fcntl.F_SETOWN, 0)
+        except OSError as exc:
+            os.close(fd)  # gives back a lease taken
+            return _refused(exc)
+        lease = cls(file, fd)
+        try:
+            file.check()  # changed between the source's opening and the lease
+        except BaseException:
+            lease.close()
+            raise
+        return lease
+
+    @property
+    def broken(self) -> bool:
+        with self._lock:
+            return self._broken
+
+    def error(self) -> ReadError:
+        """The error of a gather after the lease was broken: the file's change if it shows."""
+        try:
+            self.file.check()
+        except ReadError as exc:
+            return exc
+        return ReadError(
+            f"{self.file.name}: another program opened the file for writing or truncated it "
+            "while mmap=True served it; it waited for the gathers in flight, and no row was "
+            "gathered after it"
+        )
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if not self._broken:
+                self._active += 1
+                return
+        raise self.error()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._broken and self._active == 0:
+                self._give_back()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                state = fcntl.fcntl(self._fd, fcntl.F_GETLEASE)
+            except OSError:
+                state = fcntl.F_UNLCK
+            if state != fcntl.F_RDLCK:
+                with self._lock:
+                    self._broken = True
+                    if self._active == 0:
+                        self._give_back()
+                return
+
+    def _give_back(self) -> None:
+        """Under the lock, no gather in flight: let the writer go on."""
+        if self._held:
+            self._held = False
+            with contextlib.suppress(OSError):  # given up by the kernel already
+                fcntl.fcntl(self._fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+
+    def close(self) -> None:
+        """Stop watching, give the lease back and close its descriptor (no gather may run)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
+            self._broken = True
+            fd, self._fd = self._fd, -1
+            self._held = False
+        if fd >= 0:
+            os.close(fd)
+
+
+def _refused(exc: OSError) -> str:
+    if exc.errno == errno.EAGAIN:
+        return "the file is open for writing"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "this process does not own the file (nor has CAP_LEASE)"
+    return f"its file system grants no lease ({exc.strerror})"
