@@ -5,9 +5,10 @@ and rows) as ``mmap=False`` for the same seed, streaming and resident, with page
 between epochs and with each chunk unmapped after use (the data set larger than the bound); the
 sources it does not apply to are read as usual and say why; a file changed before a chunk is
 served is a named :class:`ReadError` before any of its batches; the mapped pages stay within the
-chunks in flight when not kept; nothing stays mapped, open or running after the layer closes; and
-the documented hazard (a file truncated while its chunk is served ends the process with SIGBUS)
-is what happens, in a child process.
+chunks in flight when not kept; nothing stays mapped, open or running after the layer closes; a
+file truncated or opened for writing while its chunk is served waits for the layer's read lease
+and ends the run with a ReadError; and where no lease is granted, the documented hazard (a
+truncation then ends the process with SIGBUS) is what happens, in a child process.
 """
 
 from __future__ import annotations

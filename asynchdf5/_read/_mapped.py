@@ -10,10 +10,13 @@ asked to read the chunk's byte ranges ahead (``POSIX_FADV_WILLNEED``), then to m
 them (``MADV_POPULATE_READ``, Linux 5.14+). Populating reports a page that cannot be read (the
 file truncated under it, a disk error) as an error, which becomes a
 :class:`~asynchdf5.ReadError` naming the file, top and rows, and the file's fingerprint is
-checked after it, as after a copying read. What it cannot cover, and why this is opt-in: a page
-dropped from memory *after* its chunk was made ready and read again during the gather meets the
-file as it is then; a file truncated at that moment, or a disk error then, is a ``SIGBUS`` that
-ends the process, where the copying reader would raise a ``ReadError``.
+checked after it, as after a copying read. A page dropped from memory *after* its chunk was made
+ready and read again during the gather meets the file as it is then: a file truncated by then
+would be a ``SIGBUS`` that ends the process. So the reader holds a read lease on the file while
+it is open (:mod:`._lease`): a truncation waits until no gather is in flight, and the run ends
+with a ``ReadError``. What it cannot cover, and why this is opt-in: a disk error on such a page,
+and a truncation where Linux granted no lease (``read_notes`` says so): a ``SIGBUS``, where the
+copying reader would raise a ``ReadError``.
 
 Memory: a chunk's pages stay mapped while its batches are cut and gathered; once the pipeline is
 done with the chunk, their mappings are dropped (``MADV_DONTNEED``: the pages stay in the page
