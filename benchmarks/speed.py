@@ -17,7 +17,9 @@
    wake-ups while ``async for`` streams the image file and the consumer does nothing, awaits a
    simulated GPU step (``anyio.sleep``) or does ~1 ms of GIL-holding CPU work per batch, each
    with the pipeline's threads at the process's priority and 10 nice steps below it
-   (``ASYNCHDF5_NICE``), alternating; then, beside one busy process per core, at 0, 3 and 10.
+   (``ASYNCHDF5_NICE``), alternating; three epochs per opening, the first (opening and ramp
+   included) reported apart from the later ones (the steady state); then, beside one busy
+   process per core, at 0, 3 and 10.
 5. **First batch and sync facade** (``first``): from construction to the first batch in hand for
    three chunk sizes, and ``HDF5DataLayer`` (``with`` / ``for``) against ``AsyncHDF5DataLayer`` on
    the image file.
@@ -99,8 +101,10 @@ class SpeedConfig:
         Section 3: rows of the tabular file and the chunk size of both loaders.
     step_s
         Section 4: the simulated training step (sleep or GIL-holding CPU work) per batch.
-    probe_batches
-        Section 4: batches per probe run (0: a whole epoch).
+    probe_batches, probe_epochs
+        Section 4: batches per probe epoch (0: a whole epoch), and epochs per opening: the
+        first epoch's gaps (opening the files, the ramp) and the later epochs' (the steady
+        state) are reported apart.
     first_chunks, first_repeats
         Section 5: chunk sizes for the first-batch latency, and openings per chunk size.
     deadline_s
@@ -120,6 +124,7 @@ class SpeedConfig:
     tabular_chunk: int = 2**18
     step_s: float = 0.001
     probe_batches: int = 0
+    probe_epochs: int = 3
     first_chunks: tuple[int, ...] = (2**14, 2**17, 2**20)
     first_repeats: int = 3
     deadline_s: float = 120.0
@@ -1030,8 +1035,10 @@ def _cpu_step(seconds: float, scratch: Array) -> None:
 
 
 async def _probe_run(
-    kwargs: dict[str, Any], consumer: str, step_s: float, max_batches: int
-) -> tuple[dict[str, float], dict[str, float], float, int]:
+    kwargs: dict[str, Any], consumer: str, step_s: float, max_batches: int, epochs: int = 1
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], float, int]:
+    """One opening of ``epochs`` epochs beside the ticker: the gaps before it (the idle floor),
+    in its first epoch (opening included), in the later ones; seconds and samples in all."""
     import asynchdf5
 
     gaps: list[float] = []
@@ -1051,19 +1058,27 @@ async def _probe_run(
         tg.start_soon(ticker)
         await anyio.sleep(IDLE_S)
         idle = len(gaps)
+        later = None  # where the second epoch's gaps begin
         t0 = time.perf_counter()
         async with asynchdf5.AsyncHDF5DataLayer(**kwargs) as layer:
-            async for batch in layer:
-                samples += batch.size
-                if consumer == "sleep":
-                    await anyio.sleep(step_s)
-                elif consumer == "cpu":
-                    _cpu_step(step_s, scratch)
-                if max_batches and samples >= max_batches * kwargs["batch_size"]:
-                    break
+            for epoch in range(epochs):
+                if epoch == 1:
+                    later = len(gaps)
+                taken = 0
+                async for batch in layer:
+                    taken += batch.size
+                    if consumer == "sleep":
+                        await anyio.sleep(step_s)
+                    elif consumer == "cpu":
+                        _cpu_step(step_s, scratch)
+                    if max_batches and taken >= max_batches * kwargs["batch_size"]:
+                        break
+                samples += taken
         elapsed = time.perf_counter() - t0
         running = False
-    return _gap_stats(gaps[:idle]), _gap_stats(gaps[idle:]), elapsed, samples
+    first = gaps[idle:later]
+    rest = gaps[later:] if later is not None else []
+    return _gap_stats(gaps[:idle]), _gap_stats(first), _gap_stats(rest), elapsed, samples
 
 
 #: The pipeline threads' priority in section 4: the default (the main thread's), and 10 below.
@@ -1130,15 +1145,21 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                 sources.warm(files)
                 try:
                     with _nice_setting(nice):
-                        idle, busy, elapsed, samples = _run_async(
-                            partial(_probe_run, kwargs, consumer, cfg.step_s, cfg.probe_batches),
+                        idle, busy, steady, elapsed, samples = _run_async(
+                            partial(
+                                _probe_run,
+                                kwargs,
+                                consumer,
+                                cfg.step_s,
+                                cfg.probe_batches,
+                                cfg.probe_epochs,
+                            ),
                             cfg.deadline_s,
                             backend,
                         )
                 except Exception as exc:
-                    rows.append(
-                        [backend, what, nice, f"failed: {_describe(exc)}", "", "", "", "", ""]
-                    )
+                    failed = f"failed: {_describe(exc)}"
+                    rows.append([backend, what, nice, failed, "", "", "", "", "", "", ""])
                     continue
                 rows.append(
                     [
@@ -1149,7 +1170,10 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                         f"{busy.get('p99_ms', math.nan):.2f}",
                         f"{busy.get('max_ms', math.nan):.1f}",
                         f"{busy.get('stalled_ms_per_s', math.nan):.0f}",
-                        f"{busy.get('ticks', 0):.0f}",
+                        f"{steady.get('p99_ms', math.nan):.2f}",
+                        f"{steady.get('max_ms', math.nan):.1f}",
+                        f"{steady.get('stalled_ms_per_s', math.nan):.0f}",
+                        f"{busy.get('ticks', 0) + steady.get('ticks', 0):.0f}",
                         _fmt_rate(_rate(samples, elapsed)),
                     ]
                 )
@@ -1171,7 +1195,7 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
         sources.warm(files)
         try:
             with _nice_setting(nice), _busy_processes(busy_n):
-                _, busy, elapsed, samples = _run_async(
+                _, busy, _, elapsed, samples = _run_async(
                     partial(_probe_run, kwargs, "none", cfg.step_s, cfg.probe_batches),
                     cfg.deadline_s,
                 )
@@ -1190,26 +1214,32 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
             ]
         )
     span = f"{cfg.probe_batches} batches" if cfg.probe_batches else "one epoch"
+    epochs = f"{span} per epoch, {cfg.probe_epochs} epochs per opening per row"
     return [
         "## 4. Event-loop gaps while the consumer trains",
         "",
         f"`AsyncHDF5DataLayer` on the image file ({files.spec.samples:,} samples, the streaming "
-        f"configuration of section 2), {span} per row, while a task sleeps {TICK_S * 1e3:g} ms "
-        "in a loop and records the time between its wake-ups (the probe of "
-        "`benchmarks/probes.py`). Gaps in ms; `stalled` is the time in gaps over 5 ms per "
-        "second of run. The CPU step runs on the event loop's thread, as a training step "
-        "written in the coroutine would: the ticker can only run when the consumer awaits "
-        "(`async for` hands a group of ready batches over without a trip through the loop). "
-        "`ASYNCHDF5_NICE`: how many nice steps below the main thread the pipeline's threads run "
-        "(0, the default: at the main thread's priority; 10: below it), the two alternating.",
+        f"configuration of section 2), {epochs}, while a task sleeps "
+        f"{TICK_S * 1e3:g} ms in a loop and records the time between its wake-ups (the probe of "
+        "`benchmarks/probes.py`). Gaps in ms; `stalled` is the time in gaps over 5 ms per second "
+        "of run. The first epoch (opening the files and the ramp included) and the later ones "
+        "(the steady state) are apart. The CPU step runs on the event loop's thread, as a "
+        "training step written in the coroutine would: the ticker can only run when the consumer "
+        "awaits (`async for` hands a group of ready batches over without a trip through the "
+        "loop). `ASYNCHDF5_NICE`: how many nice steps below the main thread the pipeline's "
+        "threads run (0, the default: at the main thread's priority; 10: below it), the two "
+        "alternating.",
         "",
         *_table(
             [
                 "backend",
                 "consumer per batch",
                 "`ASYNCHDF5_NICE`",
-                "gap p50",
+                "epoch 1: gap p50",
                 "p99",
+                "max",
+                "stalled ms/s",
+                "later epochs: p99",
                 "max",
                 "stalled ms/s",
                 "ticks",
@@ -1224,7 +1254,8 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
         "",
         f"Beside {busy_n} other busy processes (`while True: pass`, one per core, this "
         "process's priority and session), asyncio, a consumer that does nothing, "
-        f"{span} per row: a thread below the main thread's priority is below theirs too.",
+        f"{span} per row (the first epoch of an opening only): a thread below the main "
+        "thread's priority is below theirs too.",
         "",
         *_table(
             [
