@@ -41,6 +41,13 @@ N = 5_003  # rows: not a multiple of the batch, the chunk or a page
 ROW_BYTES = 2 * 4 + 8
 
 
+@pytest.fixture
+def no_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Map without a read lease, as where Linux grants none: the file's fingerprint checks are
+    then what catches a change (with a lease, a writer waits for the gathers in flight)."""
+    monkeypatch.setattr(mapped.Lease, "take", classmethod(lambda cls, file: "not in this test"))
+
+
 def mappings(path: Path, *, collect: bool = False) -> list[int]:
     """The resident kilobytes of each mapping of ``path`` in this process (``collect``: after
     the garbage collector has freed what only reference cycles hold, such as the frames of a
@@ -228,7 +235,7 @@ async def test_a_file_changed_before_a_chunk_is_served_is_a_read_error(
 
 @pytest.mark.parametrize("chunk_size", [1000, 2**20])  # streaming; the whole set one chunk
 async def test_a_file_rewritten_while_served_is_a_read_error_and_no_changed_row_is_yielded(
-    tmp_path: Path, chunk_size: int
+    tmp_path: Path, chunk_size: int, no_lease: None
 ) -> None:
     """Rewritten in place (size and modification time restored) after the first batch: the
     mapped pages show the new bytes at once, so the rows gathered after it would be wrong
@@ -258,7 +265,7 @@ async def test_a_file_rewritten_while_served_is_a_read_error_and_no_changed_row_
 
 
 async def test_rows_carried_into_the_next_chunk_are_checked_when_carried(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_lease: None
 ) -> None:
     """A batch that straddles two chunks has its first rows copied out of the first one (a
     carry). Rows rewritten in place (modification time restored) just before that copy, and a
@@ -514,6 +521,101 @@ def test_without_a_lease_a_truncated_file_ends_the_process(tmp_path: Path) -> No
     proc = _truncate_while_served(path, "writer open before")
     assert "not guarded by a lease: the file is open for writing" in proc.stdout, proc.stdout
     assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+
+
+_TRUNCATED_WHILE_GATHERING = """
+import os, subprocess, sys, threading, time
+from asynchdf5 import HDF5DataLayer, ReadError
+path = sys.argv[1]
+waited = []
+def writer():
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    code = f"import os; os.truncate({path!r}, 4096)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=100)
+    waited.append(time.monotonic() - t0)
+n = 0
+try:
+    with HDF5DataLayer(path, batch_size=256, shuffle=True, seed=0, mmap=True) as layer:
+        print("notes", layer.stats.read_notes, flush=True)
+        thread = threading.Thread(target=writer)
+        thread.start()
+        for _ in range(1000):
+            for b in layer:
+                assert (b["label"] == b.indices).all()
+                assert (b["data"][:, 0] == b.indices * 1024).all()
+                n += 1
+except ReadError as exc:
+    print("ReadError", exc, flush=True)
+thread.join()
+print("batches", n, "waited", waited[0], flush=True)
+"""
+
+
+@pytest.mark.parametrize("attempt", range(2))
+def test_a_file_truncated_while_gathers_are_in_flight_waits_for_them(
+    tmp_path: Path, attempt: int
+) -> None:
+    """The consumer takes batches as fast as they come (rows of 4 KiB: the gather threads are
+    busy), and another process truncates the file: the lease is given back only once no gather
+    is in flight, so none meets a truncated page (a child process: a SIGBUS ends only it). Found
+    by review: the tests above truncate while the gather waits, which a lease given back under
+    a gather in flight passed too."""
+    path = tmp_path / "wide.h5"
+    with h5py.File(path, "w") as f:
+        f["data"] = np.arange(20_000 * 1024, dtype=np.float32).reshape(20_000, 1024)
+        f["label"] = np.arange(20_000, dtype=np.int64)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRUNCATED_WHILE_GATHERING, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert "notes {}" in proc.stdout, proc.stdout
+    assert f"ReadError {path}: the file was truncated" in proc.stdout, proc.stdout
+    waited = float(proc.stdout.split("waited ")[1])
+    assert waited < 20, proc.stdout  # given back after the gathers, not timed out (45 s)
+
+
+_FORKED_WHILE_OPEN = """
+import os, subprocess, sys, time
+from asynchdf5 import HDF5DataLayer
+path = sys.argv[1]
+with HDF5DataLayer(path, batch_size=64, shuffle=True, seed=0, mmap=True) as layer:
+    print("notes", layer.stats.read_notes, flush=True)
+    pid = os.fork()
+    if pid == 0:  # a forked worker that lives on and never touches the layer
+        time.sleep(60)
+        os._exit(0)
+    for i, b in enumerate(layer):
+        if i == 3:
+            break
+t0 = time.monotonic()
+code = f"import os; os.close(os.open({path!r}, os.O_WRONLY))"
+try:
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=25)
+    print("waited", time.monotonic() - t0, flush=True)
+finally:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+"""
+
+
+def test_a_child_forked_while_the_layer_is_open_does_not_keep_the_lease(tmp_path: Path) -> None:
+    """A forked child shares the open file the lease is on: closing the layer gives the lease
+    back explicitly, so a writer opens the file at once, not after the kernel's lease-break
+    time (found by review: 45 s)."""
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKED_WHILE_OPEN, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert "notes {}" in proc.stdout, proc.stdout
+    assert float(proc.stdout.split("waited ")[1]) < 20, proc.stdout
 
 
 async def test_a_lease_is_not_taken_with_a_short_lease_break_time(

@@ -32,6 +32,7 @@ import fcntl
 import os
 import signal
 import threading
+import weakref
 from types import TracebackType
 
 from .._errors import ReadError
@@ -85,7 +86,12 @@ class Lease:
         except OSError as exc:
             os.close(fd)  # gives back a lease taken
             return _refused(exc)
-        lease = cls(file, fd)
+        try:
+            lease = cls(file, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        _live.add(lease)
         try:
             file.check()  # changed between the source's opening and the lease
         except BaseException:
@@ -105,16 +111,22 @@ class Lease:
         except ReadError as exc:
             return exc
         return ReadError(
-            f"{self.file.name}: another program opened the file for writing or truncated it "
-            "while mmap=True served it; it waited for the gathers in flight, and no row was "
-            "gathered after it"
+            f"{self.file.name}: a program (this one or another) opened the file for writing or "
+            "truncated it while mmap=True served it; it waited for the gathers in flight, and "
+            "no row was gathered after it"
         )
 
     def __enter__(self) -> None:
         with self._lock:
-            if not self._broken:
+            # The kernel's word, not only the last poll's: a lease it gave up while this
+            # process could not run (stopped, or its lease thread kept from the GIL by a writer
+            # of this process) is seen before the gather, not after.
+            if not self._broken and self._state() == fcntl.F_RDLCK:
                 self._active += 1
                 return
+            self._broken = True
+            if self._active == 0:
+                self._give_back()
         raise self.error()
 
     def __exit__(
@@ -128,13 +140,18 @@ class Lease:
             if self._broken and self._active == 0:
                 self._give_back()
 
+    def _state(self) -> int:
+        """The lease as the kernel has it: ``F_RDLCK`` while held and not being broken."""
+        if self._fd < 0:
+            return fcntl.F_UNLCK
+        try:
+            return int(fcntl.fcntl(self._fd, fcntl.F_GETLEASE))
+        except OSError:
+            return fcntl.F_UNLCK
+
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
-            try:
-                state = fcntl.fcntl(self._fd, fcntl.F_GETLEASE)
-            except OSError:
-                state = fcntl.F_UNLCK
-            if state != fcntl.F_RDLCK:
+            if self._state() != fcntl.F_RDLCK:
                 with self._lock:
                     self._broken = True
                     if self._active == 0:
@@ -149,16 +166,41 @@ class Lease:
                 fcntl.fcntl(self._fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
 
     def close(self) -> None:
-        """Stop watching, give the lease back and close its descriptor (no gather may run)."""
+        """Stop watching, give the lease back and close its descriptor (no gather may run).
+
+        Given back explicitly, not by closing the descriptor: a child forked meanwhile shares
+        the open file the lease is on, and closing ours would leave the lease to the child."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
         with self._lock:
             self._broken = True
+            self._give_back()
             fd, self._fd = self._fd, -1
-            self._held = False
         if fd >= 0:
             os.close(fd)
+        _live.discard(self)
+
+    def _forked(self) -> None:
+        """In a child forked from this process: the lease is the parent's (the child shares
+        the open file it is on, and giving it back here would give back the parent's). The
+        child's copy of the descriptor is closed, and the child gathers nothing from the file."""
+        self._broken, self._held = True, False
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+#: Leases taken and not closed, for :func:`_after_fork_in_child`.
+_live: weakref.WeakSet[Lease] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lease in list(_live):
+        lease._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _refused(exc: OSError) -> str:
