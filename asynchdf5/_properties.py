@@ -188,10 +188,11 @@ PROPERTIES: tuple[Property, ...] = (
         "otherwise the layer reads as usual and `layer.stats.read_notes` says why. Each chunk is "
         "loaded and checked before its batches are cut, so a file changed or unreadable by then "
         "is a {class}`~asynchdf5.ReadError`. While the layer is open it holds a read lease on the "
-        "file where Linux grants one (the file's owner, a local file system): a truncation or an "
-        "open for writing by any program waits for the gathers in flight, then the run ends with "
-        "a `ReadError`. Without a lease (`read_notes` says so), or on a disk error, a page gone "
-        "*while* a chunk is served ends the process with `SIGBUS`. See "
+        "file where Linux grants one (to the file's owner): another program's truncation or open "
+        "for writing waits for the gathers in flight, then the run ends with a `ReadError`. "
+        "Without a lease (`read_notes` says so), on a disk error, and in the other cases "
+        "[choosing](choosing.md#mmap-one-copy-less) lists, a page gone *while* a chunk is "
+        "served ends the process with `SIGBUS`. See "
         "[choosing](choosing.md#mmap-one-copy-less).",
         "hdf5",
     ),

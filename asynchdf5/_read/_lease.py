@@ -1,13 +1,14 @@
-"""A read lease on a mapped file: while the layer holds it, no other program can truncate it.
+"""A read lease on a mapped file: while the layer holds it, a truncation of the file waits for it.
 
 With ``mmap=True`` the gather reads rows straight from the mapped file. A page past the end of a
 file truncated under the mapping is a ``SIGBUS`` when touched, which ends the process. A read
 lease (Linux, ``fcntl(F_SETLEASE, F_RDLCK)``) closes that hole for the common cause, another
-program (or this one) rewriting or truncating the file: the kernel makes anyone's ``open`` for
-writing and ``truncate`` of the file wait until the lease is given back, or for
+program rewriting or truncating the file: the kernel makes every ``open`` for writing and every
+``truncate(2)`` of the file wait until the lease is given back, or for
 ``/proc/sys/fs/lease-break-time`` seconds (45 by default), and marks the lease as being broken
-meanwhile. A thread of the layer looks at the lease every :data:`POLL_S` seconds. Once it is
-being broken, no gather may start from the mapping; when the gathers in flight are done, the
+meanwhile. A thread of the layer looks at the lease every :data:`POLL_S` seconds, and each top's
+copy asks the kernel right before it. Once it is being broken, no gather may start from the
+mapping; when the gathers in flight are done, the
 lease is given back and the writer goes on, and the layer's next gather is a
 :class:`~asynchdf5.ReadError`. Every row gathered before that was read while nobody could write
 the file.
@@ -19,9 +20,21 @@ none right after, so no signal is sent at all.
 
 A lease is granted only to the file's owner (or a process with ``CAP_LEASE``), on a file system
 that grants leases (not NFS), while nobody has the file open for writing. Otherwise
-:meth:`Lease.take` says why and the file is mapped without one. What a lease cannot cover: a
-disk error when a page dropped from memory is read again during a gather, and a single gather
-that lasts longer than the lease-break time (a process stopped in the middle of one).
+:meth:`Lease.take` says why and the file is mapped without one. What a lease cannot cover (found
+by review, shown in ``/tmp`` scripts, not in the tests):
+
+- ``open(O_RDONLY | O_TRUNC)`` by a user allowed to write the file: Linux truncates it without
+  looking at leases;
+- a writer in this same process that holds the GIL while the kernel makes it wait (h5py opening
+  the file for writing): the lease's thread cannot run to give it back, so the whole process
+  stands still for the lease-break time, the kernel then gives the lease up, and a gather that
+  had already passed its check when the writer took the GIL meets the truncated file;
+- a file system that grants a lease of this machine only (FUSE, network file systems that fall
+  back to local leases): writes from other machines do not break it;
+- a disk error when a page dropped from memory is read again during a gather, and a gather that
+  lasts longer than the lease-break time (a process stopped in the middle of one).
+
+Each is a ``SIGBUS``, as without a lease.
 """
 
 from __future__ import annotations
