@@ -304,11 +304,16 @@ async def test_rows_carried_into_the_next_chunk_are_checked_when_carried(
             async for b in layer:
                 got.append(b)
     assert carried == [36]
-    assert [b.indices[0] for b in got] == [0]
+    # The first batch (rows 0-63) is gathered before the carry fails; the batcher's error may
+    # end the run before that group is handed over (seen on trio, 2 runs in 8, also before the
+    # lease): never a batch after it.
+    assert [b.indices[0] for b in got] in ([], [0])
     for b in got:
         np.testing.assert_array_equal(b["data"][:, 0], b.indices * 10)
     check_message(info.value, path)
-    assert "changed in place" in str(info.value), info.value
+    # "modified" when the first batch's own check ran between the write and the restored
+    # modification time (the same race as in the test above).
+    assert "changed in place" in str(info.value) or "modified" in str(info.value), info.value
 
 
 # --- memory --------------------------------------------------------------------------------------
@@ -484,13 +489,18 @@ print("batches", len(got), "waited", waited, flush=True)
 """
 
 
-def _truncate_while_served(path: Path, how: str) -> subprocess.CompletedProcess[str]:
+def _child(script: str, *args: object) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a child Python (a SIGBUS ends only it), under a deadline."""
     return subprocess.run(
-        [sys.executable, "-c", _TRUNCATED_WHILE_SERVED, str(path), how],
+        [sys.executable, "-c", script, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def _truncate_while_served(path: Path, how: str) -> subprocess.CompletedProcess[str]:
+    return _child(_TRUNCATED_WHILE_SERVED, path, how)
 
 
 @pytest.mark.parametrize("how", ["another process", "this process"])
@@ -507,7 +517,7 @@ def test_a_file_truncated_while_its_chunk_is_served_is_a_read_error_under_the_le
     out = proc.stdout
     assert "notes {}" in out, out  # mapped, and guarded
     assert f"ReadError {path}: the file was truncated" in out, out
-    batches, waited = out.split("batches ")[1].split()[::2]
+    batches, waited = out.rsplit("batches ", 1)[1].split()[::2]
     assert int(batches) >= 1
     assert 0 <= float(waited) < 20, out  # the lease was given back, not timed out by the kernel
 
@@ -565,16 +575,15 @@ def test_a_file_truncated_while_gathers_are_in_flight_waits_for_them(
     with h5py.File(path, "w") as f:
         f["data"] = np.arange(20_000 * 1024, dtype=np.float32).reshape(20_000, 1024)
         f["label"] = np.arange(20_000, dtype=np.int64)
-    proc = subprocess.run(
-        [sys.executable, "-c", _TRUNCATED_WHILE_GATHERING, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _child(_TRUNCATED_WHILE_GATHERING, path)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert "notes {}" in proc.stdout, proc.stdout
-    assert f"ReadError {path}: the file was truncated" in proc.stdout, proc.stdout
-    waited = float(proc.stdout.split("waited ")[1])
+    # The next copy sees the lease broken before or after the writer has truncated the file:
+    # the lease's words, or the file's change.
+    assert f"ReadError {path}: " in proc.stdout, proc.stdout
+    words = ("the file was truncated", "opened the file for writing or truncated it")
+    assert any(w in proc.stdout for w in words), proc.stdout
+    waited = float(proc.stdout.rsplit("waited ", 1)[1])
     assert waited < 20, proc.stdout  # given back after the gathers, not timed out (45 s)
 
 
@@ -607,12 +616,7 @@ def test_a_child_forked_while_the_layer_is_open_does_not_keep_the_lease(tmp_path
     back explicitly, so a writer opens the file at once, not after the kernel's lease-break
     time (found by review: 45 s)."""
     path = write_h5(tmp_path / "one.h5", 0, N)
-    proc = subprocess.run(
-        [sys.executable, "-c", _FORKED_WHILE_OPEN, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _child(_FORKED_WHILE_OPEN, path)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert "notes {}" in proc.stdout, proc.stdout
     assert float(proc.stdout.split("waited ")[1]) < 20, proc.stdout
