@@ -99,17 +99,14 @@ class Lease:
         except OSError as exc:
             os.close(fd)  # gives back a lease taken
             return _refused(exc)
+        # A change between the source's opening and the lease is seen by the fingerprint check
+        # of the first chunk made ready (``MappedReader._prepare``), before any gather.
         try:
             lease = cls(file, fd)
         except BaseException:
             os.close(fd)
             raise
         _live.add(lease)
-        try:
-            file.check()  # changed between the source's opening and the lease
-        except BaseException:
-            lease.close()
-            raise
         return lease
 
     @property
@@ -137,9 +134,7 @@ class Lease:
             if not self._broken and self._state() == fcntl.F_RDLCK:
                 self._active += 1
                 return
-            self._broken = True
-            if self._active == 0:
-                self._give_back()
+            self._break()
         raise self.error()
 
     def __exit__(
@@ -166,10 +161,15 @@ class Lease:
         while not self._stop.wait(POLL_S):
             if self._state() != fcntl.F_RDLCK:
                 with self._lock:
-                    self._broken = True
-                    if self._active == 0:
-                        self._give_back()
+                    self._break()
                 return
+
+    def _break(self) -> None:
+        """Under the lock: no gather may start now; the lease goes back once none is in flight
+        (here, or when the last one ends)."""
+        self._broken = True
+        if self._active == 0:
+            self._give_back()
 
     def _give_back(self) -> None:
         """Under the lock, no gather in flight: let the writer go on."""
@@ -189,9 +189,7 @@ class Lease:
         with self._lock:
             self._broken = True
             self._give_back()
-            fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+            self._close_fd()
         _live.discard(self)
 
     def _forked(self) -> None:
@@ -199,6 +197,9 @@ class Lease:
         the open file it is on, and giving it back here would give back the parent's). The
         child's copy of the descriptor is closed, and the child gathers nothing from the file."""
         self._broken, self._held = True, False
+        self._close_fd()
+
+    def _close_fd(self) -> None:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
