@@ -17,10 +17,11 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import anyio
 from anyio.abc import TaskGroup
 
 from ._batch import Batch
-from ._cache import Slot
+from ._cache import Slot, free_slots
 from ._delivery import Delivery
 from ._errors import StateError
 from ._pipeline import Mode, Run
@@ -231,3 +232,7 @@ class Session:
             await self.reader.aclose()
         finally:
             self.delivery.close()
+            slots, self.slots = self.slots, None
+            if slots:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(free_slots, slots)

@@ -4,6 +4,8 @@ error, a hang, or a silently truncated epoch (issue 9, section 3)."""
 from __future__ import annotations
 
 import itertools
+import mmap
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -386,3 +388,55 @@ async def test_a_failed_run_is_over_before_the_next_one_starts(
             got = [b async for b in layer]  # at once: no await between the failure and this
     assert sum(b.size for b in got) == 4000
     assert seen == [[], [True]]
+
+
+def _pages_in_memory(a: np.ndarray) -> int:
+    """How many of the pages under ``a`` are in memory (bit 63 of ``/proc/self/pagemap``)."""
+    page = mmap.PAGESIZE
+    start = a.__array_interface__["data"][0] // page
+    stop = -(-(a.__array_interface__["data"][0] + a.nbytes) // page)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(start * 8)
+        entries = np.frombuffer(f.read((stop - start) * 8), np.uint64)
+    return int(np.count_nonzero(entries >> np.uint64(63)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs /proc/self/pagemap")
+@pytest.mark.parametrize("chunk_size", [40, 2**20], ids=["streaming", "resident"])
+async def test_the_cache_is_given_back_in_a_worker_thread_on_close(
+    source: Path, chunk_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unmapping a large cache blocks the thread that does it for tens of milliseconds (30 ms for
+    two 196 MiB slots here): a layer's close gives the pages back in a worker thread, not on
+    the event loop's. And it gives them back even while something still refers to the arrays
+    (on asyncio the cancelled pipeline tasks' tracebacks do, until the garbage collector runs):
+    this test holds them."""
+    import asynchdf5._cache
+    import asynchdf5._read._reader
+
+    threads: list[int] = []
+    real = asynchdf5._cache.free_arrays
+
+    def free_arrays(arrays: Any) -> None:
+        threads.append(threading.get_ident())
+        real(arrays)
+
+    monkeypatch.setattr(asynchdf5._cache, "free_arrays", free_arrays)
+    monkeypatch.setattr(asynchdf5._read._reader, "free_arrays", free_arrays)
+    async with AsyncHDF5DataLayer(
+        source, batch_size=10, chunk_size=chunk_size, shuffle=True
+    ) as layer:
+        session = layer._session
+        assert session is not None
+        if chunk_size == 40:
+            assert session.slots
+            held = [a for s in session.slots for a in s.arrays.values()]
+        else:
+            assert not session.slots and session.reader.own_arrays
+            held = list(session.reader.own_arrays.values())
+        del session
+        with anyio.fail_after(10):
+            check_epoch([b async for b in layer], N, 10, 0)
+        assert all(_pages_in_memory(a) for a in held)  # the epoch filled them
+    assert threads and threading.get_ident() not in threads
+    assert [_pages_in_memory(a) for a in held] == [0] * len(held)

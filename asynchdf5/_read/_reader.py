@@ -27,6 +27,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
+from .._cache import free_arrays
 from .._catalog import Catalog, Segment, TopInfo
 from .._codecs import ChunkDecoder
 from .._layout import Layout
@@ -293,6 +294,8 @@ class HDF5Reader:
         if pool is not None:
             pool.shutdown(wait=True)
         self.source.close()
+        if self.resident is not None:
+            free_arrays(self.resident.values())  # here, in the close's worker thread
         self.resident = None
 
     async def aclose(self) -> None:
