@@ -131,6 +131,7 @@ class SpeedConfig:
     seed: int = 0
     data_dir: Path = DEFAULT_DATA_DIR
     only: tuple[str, ...] = ()
+    gc_freeze: bool = False
 
 
 QUICK: dict[str, Any] = {
@@ -1034,11 +1035,34 @@ def _cpu_step(seconds: float, scratch: Array) -> None:
         np.multiply(scratch, 1.000001, out=scratch)
 
 
+@contextlib.contextmanager
+def _full_collections() -> Iterator[list[float]]:
+    """The durations (s) of the garbage collector's full (generation 2) passes meanwhile: they
+    stop every thread that needs the GIL, the event loop's too, for as long as the process's
+    heap takes to walk (10-20 ms for this benchmark's ~40,000 objects on the 2-vCPU VMs)."""
+    out: list[float] = []
+    started: list[float] = []
+
+    def note(phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                out.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(note)
+    try:
+        yield out
+    finally:
+        gc.callbacks.remove(note)
+
+
 async def _probe_run(
     kwargs: dict[str, Any], consumer: str, step_s: float, max_batches: int, epochs: int = 1
-) -> tuple[dict[str, float], dict[str, float], dict[str, float], float, int]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], float, int, list[float]]:
     """One opening of ``epochs`` epochs beside the ticker: the gaps before it (the idle floor),
-    in its first epoch (opening included), in the later ones; seconds and samples in all."""
+    in its first epoch (opening included), in the later ones; seconds and samples in all; the
+    full garbage collections of the opening (their durations)."""
     import asynchdf5
 
     gaps: list[float] = []
@@ -1060,25 +1084,27 @@ async def _probe_run(
         idle = len(gaps)
         later = None  # where the second epoch's gaps begin
         t0 = time.perf_counter()
-        async with asynchdf5.AsyncHDF5DataLayer(**kwargs) as layer:
-            for epoch in range(epochs):
-                if epoch == 1:
-                    later = len(gaps)
-                taken = 0
-                async for batch in layer:
-                    taken += batch.size
-                    if consumer == "sleep":
-                        await anyio.sleep(step_s)
-                    elif consumer == "cpu":
-                        _cpu_step(step_s, scratch)
-                    if max_batches and taken >= max_batches * kwargs["batch_size"]:
-                        break
-                samples += taken
+        with _full_collections() as collections:
+            async with asynchdf5.AsyncHDF5DataLayer(**kwargs) as layer:
+                for epoch in range(epochs):
+                    if epoch == 1:
+                        later = len(gaps)
+                    taken = 0
+                    async for batch in layer:
+                        taken += batch.size
+                        if consumer == "sleep":
+                            await anyio.sleep(step_s)
+                        elif consumer == "cpu":
+                            _cpu_step(step_s, scratch)
+                        if max_batches and taken >= max_batches * kwargs["batch_size"]:
+                            break
+                    samples += taken
         elapsed = time.perf_counter() - t0
         running = False
     first = gaps[idle:later]
     rest = gaps[later:] if later is not None else []
-    return _gap_stats(gaps[:idle]), _gap_stats(first), _gap_stats(rest), elapsed, samples
+    stats = _gap_stats(gaps[:idle]), _gap_stats(first), _gap_stats(rest)
+    return (*stats, elapsed, samples, collections)
 
 
 #: The pipeline threads' priority in section 4: the default (the main thread's), and 10 below.
@@ -1129,6 +1155,10 @@ def _nice_setting(value: str) -> Iterator[None]:
             os.environ["ASYNCHDF5_NICE"] = before
 
 
+def _fmt_gcs(durations: list[float]) -> str:
+    return f"{len(durations)} ({max(durations) * 1e3:.1f})" if durations else "0"
+
+
 def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
     kwargs = _image_layer_kwargs(files, cfg)
     step_ms = cfg.step_s * 1e3
@@ -1145,7 +1175,7 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                 sources.warm(files)
                 try:
                     with _nice_setting(nice):
-                        idle, busy, steady, elapsed, samples = _run_async(
+                        idle, busy, steady, elapsed, samples, full_gcs = _run_async(
                             partial(
                                 _probe_run,
                                 kwargs,
@@ -1159,7 +1189,7 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                         )
                 except Exception as exc:
                     failed = f"failed: {_describe(exc)}"
-                    rows.append([backend, what, nice, failed, "", "", "", "", "", "", ""])
+                    rows.append([backend, what, nice, failed, *[""] * 9])
                     continue
                 rows.append(
                     [
@@ -1173,6 +1203,7 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                         f"{steady.get('p99_ms', math.nan):.2f}",
                         f"{steady.get('max_ms', math.nan):.1f}",
                         f"{steady.get('stalled_ms_per_s', math.nan):.0f}",
+                        _fmt_gcs(full_gcs),
                         f"{busy.get('ticks', 0) + steady.get('ticks', 0):.0f}",
                         _fmt_rate(_rate(samples, elapsed)),
                     ]
@@ -1195,7 +1226,7 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
         sources.warm(files)
         try:
             with _nice_setting(nice), _busy_processes(busy_n):
-                _, busy, _, elapsed, samples = _run_async(
+                _, busy, _, elapsed, samples, _ = _run_async(
                     partial(_probe_run, kwargs, "none", cfg.step_s, cfg.probe_batches),
                     cfg.deadline_s,
                 )
@@ -1228,7 +1259,9 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
         "awaits (`async for` hands a group of ready batches over without a trip through the "
         "loop). `ASYNCHDF5_NICE`: how many nice steps below the main thread the pipeline's "
         "threads run (0, the default: at the main thread's priority; 10: below it), the two "
-        "alternating.",
+        "alternating. `full GCs`: the garbage collector's full passes in the opening (all "
+        "epochs), which stop the event loop for as long as the process's heap takes to walk: "
+        "where the longest gap is about as long, it was one of them.",
         "",
         *_table(
             [
@@ -1242,6 +1275,7 @@ def section_probe(cfg: SpeedConfig, files: DatasetFiles) -> list[str]:
                 "later epochs: p99",
                 "max",
                 "stalled ms/s",
+                "full GCs (longest ms)",
                 "ticks",
                 "samples/s",
             ],
@@ -1433,6 +1467,9 @@ def run(cfg: SpeedConfig, argv: list[str]) -> str:
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     want = set(cfg.only or SECTIONS)
+    if cfg.gc_freeze:
+        gc.collect()
+        gc.freeze()
 
     def image() -> DatasetFiles:
         (files,) = ensure(
@@ -1500,6 +1537,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--deadline", type=float, help=f"seconds per measurement (default {full.deadline_s:g})"
     )
+    p.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() before the sections, as a training script may after its imports: the "
+        "garbage collector's full passes then skip what was alive (section 4 counts them)",
+    )
     return p
 
 
@@ -1517,7 +1560,7 @@ def config_from(args: argparse.Namespace) -> SpeedConfig:
     unknown = [s for s in only if s not in SECTIONS]
     if unknown:
         raise SystemExit(f"--only: unknown section(s) {', '.join(unknown)}; known: {SECTIONS}")
-    return dataclasses.replace(cfg, only=only)
+    return dataclasses.replace(cfg, only=only, gc_freeze=args.gc_freeze)
 
 
 def main(argv: list[str] | None = None) -> int:
