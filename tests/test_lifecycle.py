@@ -440,3 +440,16 @@ async def test_the_cache_is_given_back_in_a_worker_thread_on_close(
         assert all(_pages_in_memory(a) for a in held)  # the epoch filled them
     assert threads and threading.get_ident() not in threads
     assert [_pages_in_memory(a) for a in held] == [0] * len(held)
+
+
+async def test_closing_a_memory_layer_leaves_the_callers_mapped_arrays_alone() -> None:
+    """Only the cache the layer allocated is given back at close: a caller's arrays, even on an
+    anonymous mapping like the cache's, keep their contents."""
+    buf = mmap.mmap(-1, N * 8, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    data = np.frombuffer(buf, np.int64)
+    data[:] = np.arange(N)
+    with anyio.fail_after(10):
+        async with MemoryDataLayer({"data": data}, batch_size=10, shuffle=True) as layer:
+            got = np.sort(np.concatenate([b["data"] async for b in layer]))
+    assert np.array_equal(got, np.arange(N))
+    assert np.array_equal(data, np.arange(N))
