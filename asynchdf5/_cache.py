@@ -6,11 +6,9 @@ flat whatever the data set's size: ``N_SLOTS x chunk rows x bytes per sample``.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import mmap
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +16,7 @@ import numpy as np
 from ._catalog import TopInfo
 from ._errors import ConfigurationError
 from ._machine import memory_bytes
+from ._pages import free_arrays
 from ._plan import shard_share
 
 __all__ = [
@@ -27,7 +26,6 @@ __all__ = [
     "Slot",
     "allocate_slots",
     "default_cache_bytes",
-    "free_arrays",
     "free_slots",
     "size_cache",
     "slot_rows",
@@ -35,8 +33,6 @@ __all__ = [
 
 #: Slots: one being served while the next is read.
 N_SLOTS = 2
-#: How :func:`free_arrays` gives pages back (``None`` where the platform has no such advice).
-_DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)
 
 
 class CacheBudgetWarning(UserWarning):
@@ -103,46 +99,8 @@ def allocate_slots(tops: Mapping[str, TopInfo], rows: int, count: int = N_SLOTS)
     return slots
 
 
-def free_arrays(arrays: Iterable[np.ndarray]) -> None:
-    """Give the pages of cache arrays back to the system now (``MADV_DONTNEED``).
-
-    A layer does this in a worker thread when it closes, for two reasons. Freeing hundreds of
-    MiB of touched pages keeps the thread that does it busy for tens of milliseconds (30 ms for
-    two 196 MiB slots on this project's 2-vCPU VMs): the event loop's thread must not wait for
-    it, and ``madvise`` through ctypes releases the GIL meanwhile (``mmap.mmap.madvise`` does
-    not). And the arrays may outlive the close: on asyncio the tracebacks of the pipeline's
-    cancelled tasks keep views of them in reference cycles until the garbage collector runs, so
-    dropping the layer's own references would not free the memory. Nothing reads the cache
-    after the close (its threads are joined), so its contents may go; the mapping itself goes
-    with its last reference, cheaply, as it has no pages left. Arrays not made by
-    :func:`_anonymous` are left alone.
-    """
-    madvise = _madvise()
-    for a in arrays:
-        root = a
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        m = root.base.obj if isinstance(root.base, memoryview) else None
-        if madvise is not None and isinstance(m, mmap.mmap) and not m.closed and root.nbytes:
-            madvise(root.__array_interface__["data"][0], root.nbytes, _DONTNEED)
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """The C library's ``madvise`` (a ctypes call, which releases the GIL), or None."""
-    if _DONTNEED is None:
-        return None
-    try:
-        f = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    f.restype = ctypes.c_int
-    return f
-
-
 def free_slots(slots: Iterable[Slot]) -> None:
-    """:func:`free_arrays` of every slot's arrays, then drop them."""
+    """Give every slot's pages back (:func:`~._pages.free_arrays`), then drop its arrays."""
     for s in slots:
         free_arrays(s.arrays.values())
         s.arrays.clear()

@@ -412,15 +412,18 @@ async def test_the_cache_is_given_back_in_a_worker_thread_on_close(
     (on asyncio the cancelled pipeline tasks' tracebacks do, until the garbage collector runs):
     this test holds them."""
     import asynchdf5._cache
+    import asynchdf5._pages
     import asynchdf5._read._reader
 
     threads: list[int] = []
-    real = asynchdf5._cache.free_arrays
+    real = asynchdf5._pages.free_arrays
 
     def free_arrays(arrays: Any) -> None:
         threads.append(threading.get_ident())
         real(arrays)
 
+    # Where each caller looks the name up: the slots' (`_cache.free_slots`), the resident
+    # arrays' (`HDF5Reader.close`).
     monkeypatch.setattr(asynchdf5._cache, "free_arrays", free_arrays)
     monkeypatch.setattr(asynchdf5._read._reader, "free_arrays", free_arrays)
     async with AsyncHDF5DataLayer(

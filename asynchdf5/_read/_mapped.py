@@ -49,6 +49,7 @@ import numpy as np
 from .._catalog import Catalog, TopInfo
 from .._errors import ReadError
 from .._machine import memory_bytes
+from .._pages import libc_madvise
 from .._plan import ChunkPlan
 from .._priority import background
 from .._sources import Source
@@ -87,9 +88,10 @@ class _Libc:
         self._munmap = libc.munmap
         self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         self._munmap.restype = ctypes.c_int
-        self._madvise = libc.madvise
-        self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self._madvise.restype = ctypes.c_int
+        madvise = libc_madvise()
+        if madvise is None:
+            raise OSError("the C library has no madvise")
+        self._madvise = madvise
 
     def map(self, fd: int, length: int, offset: int) -> int:
         """The address of ``length`` bytes of ``fd`` from ``offset`` (a page boundary), mapped

@@ -27,10 +27,10 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from .._cache import free_arrays
 from .._catalog import Catalog, Segment, TopInfo
 from .._codecs import ChunkDecoder
 from .._layout import Layout
+from .._pages import free_arrays
 from .._plan import ChunkPlan
 from .._priority import background
 from .._sources import ByteRange, Source
