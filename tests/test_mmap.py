@@ -30,6 +30,7 @@ import pytest
 
 import asynchdf5._read._mapped as mapped
 from asynchdf5 import AsyncHDF5DataLayer, ConfigurationError, HDF5DataLayer, ReadError
+from asynchdf5._read._lease import Lease
 
 from ._files import check_epoch, check_message, write_h5
 from ._leaks import aassert_released, asnapshot
@@ -45,7 +46,7 @@ ROW_BYTES = 2 * 4 + 8
 def no_lease(monkeypatch: pytest.MonkeyPatch) -> None:
     """Map without a read lease, as where Linux grants none: the file's fingerprint checks are
     then what catches a change (with a lease, a writer waits for the gathers in flight)."""
-    monkeypatch.setattr(mapped.Lease, "take", classmethod(lambda cls, file: "not in this test"))
+    monkeypatch.setattr(Lease, "take", classmethod(lambda cls, file: "not in this test"))
 
 
 def mappings(path: Path, *, collect: bool = False) -> list[int]:
