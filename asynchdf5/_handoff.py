@@ -105,6 +105,10 @@ class Handoff(Generic[T]):
                     await anyio.wait_readable(self._recv)
                 except anyio.ClosedResourceError:
                     continue  # finish() or close(): get_nowait says which
+                if self._finished or self._closed:
+                    # Readable, and then finished or closed (the socket with it) before this
+                    # task went on: get_nowait says which.
+                    continue
                 with contextlib.suppress(BlockingIOError):
                     self._recv.recv(4096)  # wake-ups of puts already taken do no harm
             finally:

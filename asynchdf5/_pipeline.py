@@ -1,4 +1,4 @@
-"""The pipeline: a reader and a batcher task, and a gathering thread, wired with bounded queues.
+"""The pipeline: a reader and a batcher task, and the gathering threads, wired with bounded queues.
 
 One :class:`Run` serves epochs from ``start_epoch`` on, in one *mode*: ``"epoch"`` (per-epoch
 batch cuts, an :class:`EpochEnd` marker after each epoch) or ``"stream"`` (full batches that wrap
@@ -7,16 +7,17 @@ leaves an epoch early or switches mode, and cancels it when the layer closes.
 
 Data moves one way::
 
-    reader ──(LoadedChunk)──▶ batcher ══(GroupSpec)══▶ gather thread ══(Batch group)══▶ consumer
-     task      memory stream    task      queue.Queue   (long-lived)      Handoff     (take / ready)
+    reader ──(LoadedChunk)──▶ batcher ══(GroupSpec)══▶ gather threads ══(Batch group)══▶ consumer
+     task      memory stream    task     queue.Queue   (long-lived)      Handoff    (take / ready)
 
 The reader (a :class:`~._loading.ChunkLoader`) fills each cache slot with the next chunk as soon
 as the slot is free, even while the chunk before is still being read, drawing each chunk's
 serving order meanwhile, and hands the chunks on in order; the batcher cuts that order into
-groups of batches; the gather thread has the :class:`~._delivery.Delivery` gather, transform
-(and upload) them, ahead of the consumer by a bounded number of groups; the consumer takes each
-group's batches one at a time. The gather thread never waits for the event loop: it takes the
-next group from a thread-safe queue the batcher keeps filled, and puts the result where the
+groups of batches; the gathering stage (:class:`~._gathering.Gatherers`) has the
+:class:`~._delivery.Delivery` gather, transform (and upload) them, ahead of the consumer by a
+bounded number of groups, and hands them over in the order they were cut; the consumer takes
+each group's batches one at a time. The gather threads never wait for the event loop: they take
+the next group from a thread-safe queue the batcher keeps filled, and put the result where the
 consumer takes it without a loop round trip (:class:`~._handoff.Handoff`). A slot goes back to
 the reader once every batch cut from it is gathered and taken. A failure in any stage is sent to
 the consumer, after the batches that were complete before it, and ends the run.
@@ -28,27 +29,21 @@ import collections
 import contextlib
 import logging
 import math
-import queue
 import sys
-import threading
-import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
 from anyio.abc import ObjectReceiveStream
 
-from ._batch import Batch, BatchSpec, GroupSpec, carry, verify
+from ._batch import BatchSpec, GroupSpec, carry
 from ._cache import Slot
 from ._delivery import Delivery, line_offset
-from ._errors import DataLayerError
-from ._handoff import Handoff
+from ._gathering import Entry, EpochEnd, Failure, Gatherers, GroupItem, Item
+from ._gathering import leaf as _leaf
 from ._loading import ChunkItem, ChunkLoader
 from ._plan import EpochPlan
-from ._priority import background
 from ._read import Reader
 from ._stats import Stats
 
@@ -65,30 +60,6 @@ Mode = Literal["epoch", "stream"]
 #: queue item) holds about this many bytes ...
 GROUP_BYTES = 8 * 2**20
 #: ... and at most ``Delivery.group_batches`` batches.
-
-
-@dataclass(frozen=True)
-class EpochEnd:
-    """Marker: every batch of ``epoch`` has been sent."""
-
-    epoch: int
-
-
-@dataclass(frozen=True)
-class Failure:
-    """The run failed with ``error``; nothing follows."""
-
-    error: BaseException
-
-
-Item = Batch | EpochEnd | Failure
-#: What the batcher hands the gather thread; errors travel in order.
-_GroupItem = GroupSpec | EpochEnd | Failure
-#: A work item for the gather thread, and whether it holds a unit of the batcher's room.
-_Work = tuple[_GroupItem, bool]
-#: What the gather thread hands the consumer per work item: the group (its chunks are let go of
-#: when the consumer takes it), its items, and whether it held room.
-_Entry = tuple[GroupSpec | None, list[Item], bool]
 
 
 class Run:
@@ -137,24 +108,19 @@ class Run:
         )
         capacity = max(prefetch, self.group)
         groups = -(-capacity // self.group)  # gathered groups waiting for the consumer
-        # Groups cut and not yet taken by the consumer: `groups` ready, one being gathered, one
-        # queued behind it (so the gather thread never waits for the batcher to wake up).
-        self._room = anyio.Semaphore(groups + 2)
+        #: The gathering stage: worker threads, and the queue to the consumer.
+        self._gatherers = Gatherers(delivery, stats.gather, gather_threads)
+        workers = self._gatherers.workers
+        # Groups cut and not yet taken by the consumer: `groups` ready, one being gathered by
+        # each worker, one queued behind them (so a worker never waits for the batcher to wake).
+        room = groups + workers + 1
+        self._room = anyio.Semaphore(room)
         # Batch buffers: enough for the groups in flight and the group the consumer takes
         # batches from, reused once the consumer lets go of them.
         sources = slots[0].arrays if slots else reader.own_arrays
         offsets = {k: line_offset(a) for k, a in (sources or {}).items()}
-        delivery.start(reader.tops, batch_size * self.group, groups + 4, offsets)
-        self._pool = (
-            ThreadPoolExecutor(1, "asynchdf5-gather", initializer=background)
-            if gather_threads > 1
-            else None
-        )
-        #: Batcher -> gather thread: groups, epoch ends and errors in order; None ends it.
-        self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
-        self._stopping = False  # the gather thread drops what is queued and ends
-        #: Gather thread -> consumer: one entry per work item, in order.
-        self._out: Handoff[_Entry] = Handoff()
+        delivery.start(reader.tops, batch_size * self.group, room + 2, offsets)
+        self._out = self._gatherers.out
         #: The consumer's side of the current group: items taken, not yet served.
         self.ready: collections.deque[Item] = collections.deque()
         #: Epoch at the head of the queue when the consumer stands at an epoch boundary, else None.
@@ -164,10 +130,10 @@ class Run:
         self._row_specs = {t.name: (t.sample_shape, t.dtype) for t in reader.tops.values()}
 
     async def main(self) -> None:
-        """Run until cancelled or failed; always ends the gather thread and the consumer's queue."""
-        thread = threading.Thread(target=self._gather_thread, name="asynchdf5-gather", daemon=True)
-        thread.start()
-        drain = False  # let the gather thread finish what is queued (a failure is behind it)
+        """Run until cancelled or failed; always ends the gathering threads and the consumer's
+        queue."""
+        self._gatherers.start()
+        drain = False  # let the gather threads finish what is queued (a failure is behind it)
         try:
             with self.scope:
                 send, recv = anyio.create_memory_object_stream[ChunkItem](
@@ -179,7 +145,7 @@ class Run:
                         await self._batcher(recv)
                     drain = True  # the batcher forwarded an error and ended
                 except Exception as exc:  # every failure goes to the consumer, in order
-                    self._work.put((Failure(_leaf(exc)), False))
+                    self._gatherers.put(Failure(_leaf(exc)), False)
                     drain = True
                 except BaseExceptionGroup as group:
                     # Errors beside a cancellation: a read failed while the run was being
@@ -193,12 +159,9 @@ class Run:
                     send.close()
                     recv.close()
         finally:
-            self._stopping = not drain or self.scope.cancel_called
-            self._work.put(None)
-            with anyio.CancelScope(shield=True):  # quick: at most a group in progress
-                await anyio.to_thread.run_sync(thread.join)
-                if self._pool is not None:
-                    await anyio.to_thread.run_sync(self._pool.shutdown)
+            self._gatherers.finish(drop=not drain or self.scope.cancel_called)
+            with anyio.CancelScope(shield=True):  # quick: at most a group in progress each
+                await anyio.to_thread.run_sync(self._gatherers.join)
             self._loader.give_back_all()  # nothing gathers from them any more
             self._out.finish()
             self.done.set()
@@ -227,7 +190,7 @@ class Run:
             if items:
                 return items
 
-    def _taken(self, entry: _Entry) -> list[Item]:
+    def _taken(self, entry: Entry) -> list[Item]:
         """The consumer took ``entry``: its chunks' rows are no longer needed, and its room
         goes back to the batcher."""
         group, items, permit = entry
@@ -246,10 +209,10 @@ class Run:
 
     # --- the stages -----------------------------------------------------------------------------
 
-    async def _submit(self, item: _GroupItem) -> None:
-        """Queue ``item`` for the gather thread, once there is room for it."""
+    async def _submit(self, item: GroupItem) -> None:
+        """Queue ``item`` for the gathering threads, once there is room for it."""
         await self._room.acquire()
-        self._work.put((item, True))
+        self._gatherers.put(item, True)
 
     async def _batcher(self, recv: ObjectReceiveStream[ChunkItem]) -> None:
         """Cut the chunks' serving orders into batches, in groups for the gatherer.
@@ -348,70 +311,9 @@ class Run:
             chunk.refs -= 1
             chunk.done_with()
 
-    def _gather_thread(self) -> None:
-        """The gather thread: gather and transform each queued group, and put the batches where
-        the consumer takes them, until None. Never waits for the event loop; a failure of a
-        group goes to the consumer after the batches before it, and what follows is dropped."""
-        if not self.delivery.runs_user_code:
-            background()
-        times = self.stats.gather.stage
-        clock = time.perf_counter
-        failed = False
-        work, out = self._work, self._out
-        t0 = clock()
-        while True:
-            # Waiting with groups the consumer has not taken yet: the consumer is behind (the
-            # batcher waits for room, or the reader for the slots those groups hold), so the
-            # stage is blocked; with none, it is starved by the reader or the batcher.
-            blocked = bool(out)
-            work_item = work.get()
-            t1 = clock()
-            if blocked:
-                times.blocked += t1 - t0
-            else:
-                times.starved += t1 - t0
-            if work_item is None:
-                return
-            item, permit = work_item
-            if self._stopping or failed:
-                t0 = clock()
-                continue
-            if not isinstance(item, GroupSpec):  # an epoch end, or the error that ended a stage
-                out.put((None, [item], permit))
-                failed = isinstance(item, Failure)
-            else:
-                try:
-                    batches, error = self.delivery.make(item, self.stats.gather, self._pool)
-                    verify(item.pieces)  # a mapped file changed: none of the rows is sure
-                except Exception as exc:  # that, or a bug: reported in order
-                    batches, error = [], exc
-                group: list[Item] = []
-                for i, batch in enumerate(batches):  # fewer than item.sizes on an error
-                    group.append(batch)
-                    if i in item.ends:
-                        group.append(EpochEnd(item.ends[i]))
-                if error is not None:
-                    group.append(Failure(_leaf(error)))
-                    failed = True
-                out.put((item, group, permit))
-            t0 = clock()
-            times.busy += t0 - t1
-
 
 async def _upstream(stage: Callable[..., Awaitable[None]], *args: Any) -> None:
     """Run a stage that feeds another; when the one downstream has ended (its stream closed),
     stop quietly: the downstream stage reports whatever ended it."""
     with contextlib.suppress(anyio.BrokenResourceError):
         await stage(*args)
-
-
-def _leaf(exc: BaseException) -> BaseException:
-    """The one real error inside (nested) exception groups, preferring asynchdf5's own."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    if isinstance(exc, BaseExceptionGroup):
-        for sub in exc.exceptions:
-            leaf = _leaf(sub)
-            if isinstance(leaf, DataLayerError):
-                return leaf
-    return exc

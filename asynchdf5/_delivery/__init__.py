@@ -45,6 +45,12 @@ class Delivery(Protocol):
         code starts from it would inherit a lowered one (:mod:`asynchdf5._priority`)."""
         ...
 
+    @property
+    def concurrent(self) -> bool:
+        """Whether :meth:`make` may run on two threads at once, for two groups (else one thread
+        makes every group, and may hand part of its copying to the ``helper`` it is given)."""
+        ...
+
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Raise :class:`~asynchdf5.SchemaError` for a top this delivery cannot carry (at open,
         before any batch)."""

@@ -163,6 +163,8 @@ class CudaDelivery:
     group_batches = 16
     #: CuPy and the CUDA driver run in the gather thread (and the transformers, if any).
     runs_user_code = True
+    #: One thread stages and uploads every group, in order, on the layer's stream.
+    concurrent = False
 
     def __init__(
         self,

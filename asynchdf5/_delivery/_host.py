@@ -153,6 +153,11 @@ class HostDelivery:
     def runs_user_code(self) -> bool:
         return bool(self.transformers)
 
+    @property
+    def concurrent(self) -> bool:
+        """Groups gather on two threads at once, but a transformer is never called from two."""
+        return not self.transformers
+
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Host memory holds every dtype a top may have."""
 

@@ -1,0 +1,148 @@
+"""The gathering stage: two workers gather whole groups, and the consumer gets them in order.
+
+A group that takes longer than the one queued after it (here: made slow on purpose) must not
+change what the consumer sees: the same batches in the same order as when every group takes the
+same time, every sample once; and an error in a group ends the epoch after exactly the batches
+of the groups before it, even when groups after it were finished first.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from asynchdf5 import AsyncHDF5DataLayer, MemoryDataLayer
+from asynchdf5._delivery import HostDelivery
+
+from ._files import N, check_batch, check_epoch, rows, write_source
+
+pytestmark = pytest.mark.anyio
+
+#: Small batches in groups of two (``group_batches``): an epoch is dozens of groups.
+KW: dict[str, Any] = {"batch_size": 4, "shuffle": True, "seed": 11}
+
+
+@pytest.fixture(autouse=True)
+def _small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(HostDelivery, "group_batches", 2)
+
+
+def _layer(kind: str, tmp_path: Path) -> Any:
+    if kind == "hdf5":
+        source = write_source(tmp_path)[0]
+        return AsyncHDF5DataLayer(source, chunk_size=16, cache_bytes=2**16, **KW)
+    return MemoryDataLayer(rows(0, N), **KW)
+
+
+async def _epoch_indices(layer: Any) -> list[np.ndarray]:
+    got = []
+    with anyio.fail_after(30):
+        async for batch in layer:
+            check_batch(batch, batch.size)
+            got.append(batch.indices.copy())
+    return got
+
+
+class _Overtaken:
+    """Wraps ``HostDelivery.make`` so that the first group to start at batch ``at`` or later
+    waits, after its gather, until a group after it has been made (then ``fail``s, if given):
+    groups finish out of order, for sure, whenever two workers make them."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, want: list[np.ndarray], at: int, fail: bool
+    ) -> None:
+        self.position = {tuple(b.tolist()): i for i, b in enumerate(want)}
+        self.at, self.fail = at, fail
+        self.lock = threading.Lock()
+        self.target: int | None = None  # the first batch of the group that waits
+        self.overtaken = threading.Event()
+        self.threads: set[str] = set()
+        real = HostDelivery.make
+
+        def make(delivery: HostDelivery, group: Any, stats: Any, helper: Any) -> Any:
+            batches, error = real(delivery, group, stats, helper)
+            first = self.position[tuple(batches[0].indices.tolist())] if batches else -1
+            with self.lock:
+                self.threads.add(threading.current_thread().name)
+                wait = self.target is None and first >= self.at
+                if wait:
+                    self.target = first
+                elif self.target is not None and first > self.target:
+                    self.overtaken.set()
+            if wait:
+                self.overtaken.wait(10)
+                if self.fail:
+                    raise RuntimeError("this group failed")
+            return batches, error
+
+        monkeypatch.setattr(HostDelivery, "make", make)
+
+
+@pytest.mark.parametrize("kind", ["hdf5", "memory"])
+async def test_groups_finished_out_of_order_reach_the_consumer_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    async with _layer(kind, tmp_path) as plain:
+        want = await _epoch_indices(plain)
+    slowed = _Overtaken(monkeypatch, want, at=20, fail=False)
+    async with _layer(kind, tmp_path) as layer:
+        got = await _epoch_indices(layer)
+    assert slowed.overtaken.is_set(), "no group finished before an earlier one: nothing tested"
+    assert slowed.threads == {"asynchdf5-gather", "asynchdf5-gather_1"}
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    np.testing.assert_array_equal(np.sort(np.concatenate(got)), np.arange(N))
+
+
+@pytest.mark.parametrize("kind", ["hdf5", "memory"])
+async def test_a_failed_group_ends_the_epoch_after_exactly_the_groups_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    async with _layer(kind, tmp_path) as plain:
+        want = await _epoch_indices(plain)
+    failing = _Overtaken(monkeypatch, want, at=20, fail=True)
+    got: list[np.ndarray] = []
+    async with _layer(kind, tmp_path) as layer:
+        with anyio.fail_after(30), pytest.raises(RuntimeError, match="this group failed"):
+            async for batch in layer:
+                check_batch(batch, batch.size)
+                got.append(batch.indices.copy())
+    assert failing.overtaken.is_set(), "no group after the failed one was made: nothing tested"
+    # Exactly the batches before the failed group, in order; none of those made after it.
+    assert failing.target is not None
+    assert [g.tolist() for g in got] == [w.tolist() for w in want[: failing.target]]
+
+
+async def test_an_epoch_with_transformers_is_gathered_on_one_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A transformer is never called from two threads at once: with one, one worker makes the
+    # groups (and may hand half of a large group's copying to a helper, not the transformer).
+    source = write_source(tmp_path)[0]
+    calls: set[str] = set()
+    threads: set[str] = set()
+    real = HostDelivery.make
+
+    def make(delivery: HostDelivery, group: Any, stats: Any, helper: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return real(delivery, group, stats, helper)
+
+    def record(x: np.ndarray) -> np.ndarray:
+        calls.add(threading.current_thread().name)
+        return x
+
+    monkeypatch.setattr(HostDelivery, "make", make)
+    async with AsyncHDF5DataLayer(
+        source, chunk_size=16, cache_bytes=2**16, transformers=[("data", record)], **KW
+    ) as layer:
+        batches = []
+        with anyio.fail_after(30):
+            async for batch in layer:
+                batches.append(batch)
+        check_epoch(batches, N, KW["batch_size"], 0)
+    assert threads == {"asynchdf5-gather"}
+    assert calls == {"asynchdf5-gather"}
