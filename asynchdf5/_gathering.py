@@ -23,7 +23,6 @@ from __future__ import annotations
 import queue
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ from ._delivery import Delivery
 from ._errors import DataLayerError
 from ._handoff import Handoff
 from ._priority import background
-from ._stats import GatherStats, StageTimes
+from ._stats import GatherStats, StageClock
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]
@@ -87,7 +86,9 @@ class Gatherers:
         self._next = 0  # the next item to hand to the consumer
         self._failed = False  # a failure went to the consumer: nothing follows it
         self._stopping = False  # drop what is queued: nobody takes it
-        self._clock = _StageClock(stats.stage)
+        # Idle with groups the consumer has not taken, the stage is blocked (the consumer is
+        # behind); with none, starved (by the reader or the batcher).
+        self._clock = StageClock(stats.stage, blocked=False)
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -169,41 +170,6 @@ class Gatherers:
                 self.out.put(done)
                 if done[1] and isinstance(done[1][-1], Failure):
                     self._failed = True
-
-
-class _StageClock:
-    """The gathering stage's busy time (some worker making a group), and its idle time, starved
-    (nothing waits for the consumer: the stages before are slower) or blocked (the consumer is
-    behind), in wall time, with workers that overlap."""
-
-    __slots__ = ("active", "blocked", "lock", "since", "times")
-
-    def __init__(self, times: StageTimes) -> None:
-        self.times = times
-        self.lock = threading.Lock()
-        self.active = 0
-        self.since = time.perf_counter()
-        self.blocked = False
-
-    def start(self) -> None:
-        with self.lock:
-            if self.active == 0:
-                now = time.perf_counter()
-                if self.blocked:
-                    self.times.blocked += now - self.since
-                else:
-                    self.times.starved += now - self.since
-                self.since = now
-            self.active += 1
-
-    def stop(self, blocked: bool) -> None:
-        with self.lock:
-            self.active -= 1
-            if self.active == 0:
-                now = time.perf_counter()
-                self.times.busy += now - self.since
-                self.since = now
-                self.blocked = blocked
 
 
 def leaf(exc: BaseException) -> BaseException:

@@ -28,7 +28,7 @@ from ._batch import LoadedChunk, check_rows
 from ._cache import Slot
 from ._plan import ChunkPlan, EpochPlan
 from ._read import Reader
-from ._stats import ReadStats, StageTimes
+from ._stats import ReadStats, StageClock
 
 __all__ = ["ChunkItem", "ChunkLoader"]
 
@@ -79,7 +79,8 @@ class ChunkLoader:
         work_send, work_recv = anyio.create_memory_object_stream[_Work](workers)
         # The loads started, in chunk order; at most one per worker.
         loads_send, loads_recv = anyio.create_memory_object_stream[_Load](workers)
-        busy = _BusyClock(self.stats.stage)
+        # Idle, the reader waits for a free slot: blocked by the stages after it.
+        busy = StageClock(self.stats.stage, blocked=True)
         async with (
             send,
             free_send,
@@ -133,7 +134,7 @@ class ChunkLoader:
         self,
         work: ObjectReceiveStream[_Work],
         free_send: MemoryObjectSendStream[Slot],
-        busy: _BusyClock,
+        busy: StageClock,
     ) -> None:
         async for load, plan, chunk, slot in work:
             await self._run_load(load, plan, chunk, slot, free_send, busy)
@@ -145,7 +146,7 @@ class ChunkLoader:
         chunk: ChunkPlan,
         slot: Slot | None,
         free_send: MemoryObjectSendStream[Slot],
-        busy: _BusyClock,
+        busy: StageClock,
     ) -> None:
         t0 = time.perf_counter()
         busy.start()
@@ -172,7 +173,7 @@ class ChunkLoader:
                 loaded.guard = self.reader.guard
             load.item = (plan, loaded)
         finally:
-            busy.stop()
+            busy.stop(blocked=True)
             load.done.set()
 
     def _give_back(self, loaded: LoadedChunk) -> None:
@@ -253,32 +254,6 @@ class _Load:
 
 #: A chunk for a worker to read: its load, its epoch's plan, the chunk, the slot to read it into.
 _Work = tuple[_Load, EpochPlan, ChunkPlan, Slot | None]
-
-
-class _BusyClock:
-    """The reader stage's busy time (some read in flight) and blocked time (none: waiting for a
-    free slot), in wall time, with reads that overlap."""
-
-    __slots__ = ("active", "since", "times")
-
-    def __init__(self, times: StageTimes) -> None:
-        self.times = times
-        self.active = 0
-        self.since = time.perf_counter()
-
-    def start(self) -> None:
-        now = time.perf_counter()
-        if self.active == 0:
-            self.times.blocked += now - self.since
-            self.since = now
-        self.active += 1
-
-    def stop(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            now = time.perf_counter()
-            self.times.busy += now - self.since
-            self.since = now
 
 
 def _releaser(free: MemoryObjectSendStream[Slot], slot: Slot) -> Callable[[], None]:

@@ -8,6 +8,8 @@ copies them into a frozen :class:`LayerStats`.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -16,6 +18,7 @@ __all__ = [
     "GatherStats",
     "LayerStats",
     "ReadStats",
+    "StageClock",
     "StageStats",
     "StageTimes",
     "Stats",
@@ -29,6 +32,44 @@ class StageTimes:
     busy: float = 0.0  # doing its own work
     starved: float = 0.0  # waiting for its input: the stage before it is slower
     blocked: float = 0.0  # waiting for room downstream: the stage after it is slower
+
+
+class StageClock:
+    """A stage's busy time (some of its work in flight: overlapping units count once) and idle
+    time (none), in wall time, into ``times``. Idle time is *blocked* (waiting for room
+    downstream) or *starved* (waiting for input), as the last :meth:`stop` said (``blocked``
+    before the first). Thread-safe: the units may run on several threads."""
+
+    __slots__ = ("active", "blocked", "lock", "since", "times")
+
+    def __init__(self, times: StageTimes, blocked: bool) -> None:
+        self.times = times
+        self.lock = threading.Lock()
+        self.active = 0
+        self.since = time.perf_counter()
+        self.blocked = blocked
+
+    def start(self) -> None:
+        with self.lock:
+            if self.active == 0:
+                now = time.perf_counter()
+                if self.blocked:
+                    self.times.blocked += now - self.since
+                else:
+                    self.times.starved += now - self.since
+                self.since = now
+            self.active += 1
+
+    def stop(self, blocked: bool) -> None:
+        """A unit is done; if it was the last, the stage is idle from now on, ``blocked`` or
+        starved."""
+        with self.lock:
+            self.active -= 1
+            if self.active == 0:
+                now = time.perf_counter()
+                self.times.busy += now - self.since
+                self.since = now
+                self.blocked = blocked
 
 
 @dataclass(frozen=True)
