@@ -9,6 +9,7 @@ of the groups before it, even when groups after it were finished first.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,13 @@ def _small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(HostDelivery, "group_batches", 2)
 
 
-def _layer(kind: str, tmp_path: Path) -> Any:
+def _layers(kind: str, tmp_path: Path) -> Callable[[], Any]:
+    """New layers of ``kind`` over the same data (written once)."""
     if kind == "hdf5":
         source = write_source(tmp_path)[0]
-        return AsyncHDF5DataLayer(source, chunk_size=16, cache_bytes=2**16, **KW)
-    return MemoryDataLayer(rows(0, N), **KW)
+        return lambda: AsyncHDF5DataLayer(source, chunk_size=16, cache_bytes=2**16, **KW)
+    data = rows(0, N)
+    return lambda: MemoryDataLayer(data, **KW)
 
 
 async def _epoch_indices(layer: Any) -> list[np.ndarray]:
@@ -83,14 +86,22 @@ class _Overtaken:
         monkeypatch.setattr(HostDelivery, "make", make)
 
 
+async def _plain_then_overtaken(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: bool
+) -> tuple[Callable[[], Any], list[np.ndarray], _Overtaken]:
+    """A plain epoch's batches, then :class:`_Overtaken` from batch 20 on, for new layers."""
+    new = _layers(kind, tmp_path)
+    async with new() as plain:
+        want = await _epoch_indices(plain)
+    return new, want, _Overtaken(monkeypatch, want, at=20, fail=fail)
+
+
 @pytest.mark.parametrize("kind", ["hdf5", "memory"])
 async def test_groups_finished_out_of_order_reach_the_consumer_in_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    async with _layer(kind, tmp_path) as plain:
-        want = await _epoch_indices(plain)
-    slowed = _Overtaken(monkeypatch, want, at=20, fail=False)
-    async with _layer(kind, tmp_path) as layer:
+    new, want, slowed = await _plain_then_overtaken(kind, tmp_path, monkeypatch, fail=False)
+    async with new() as layer:
         got = await _epoch_indices(layer)
     assert slowed.overtaken.is_set(), "no group finished before an earlier one: nothing tested"
     assert slowed.threads == {"asynchdf5-gather", "asynchdf5-gather_1"}
@@ -102,11 +113,9 @@ async def test_groups_finished_out_of_order_reach_the_consumer_in_order(
 async def test_a_failed_group_ends_the_epoch_after_exactly_the_groups_before_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    async with _layer(kind, tmp_path) as plain:
-        want = await _epoch_indices(plain)
-    failing = _Overtaken(monkeypatch, want, at=20, fail=True)
+    new, want, failing = await _plain_then_overtaken(kind, tmp_path, monkeypatch, fail=True)
     got: list[np.ndarray] = []
-    async with _layer(kind, tmp_path) as layer:
+    async with new() as layer:
         with anyio.fail_after(30), pytest.raises(RuntimeError, match="this group failed"):
             async for batch in layer:
                 check_batch(batch, batch.size)
