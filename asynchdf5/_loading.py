@@ -7,6 +7,10 @@ the I/O in worker threads, and each chunk's serving order is drawn meanwhile. Wh
 reads finish in, the chunks (and an error, after the chunks read before it) go downstream in plan
 order. A chunk's slot comes back through ``LoadedChunk.release`` once the pipeline is done with it
 (a chunk served in place, to the reader: at the latest when the run ends).
+
+Chunks smaller than a slot share one while they fit, one after the other in it (:class:`_Shared`):
+an epoch's ramp (its first chunk's rows, in pieces) takes one slot, not one per piece, so the
+chunk after the ramp is read meanwhile instead of waiting for the pieces to be served.
 """
 
 from __future__ import annotations
@@ -92,8 +96,8 @@ class ChunkLoader:
             anyio.create_task_group() as tg,
         ):
             for _ in range(workers):
-                tg.start_soon(self._worker, work_recv, free_send, busy)
-            tg.start_soon(self._launcher, loads_send, work_send, free_recv)
+                tg.start_soon(self._worker, work_recv, busy)
+            tg.start_soon(self._launcher, loads_send, work_send, free_send, free_recv)
             async for load in loads_recv:
                 await load.done.wait()
                 # An error is queued behind the chunks already read, so that the batcher
@@ -112,42 +116,55 @@ class ChunkLoader:
         self,
         loads: ObjectSendStream[_Load],
         work: ObjectSendStream[_Work],
+        free_send: MemoryObjectSendStream[Slot],
         free_recv: ObjectReceiveStream[Slot],
     ) -> None:
-        """Hand each chunk, in order, to a worker once a slot is free for it."""
+        """Hand each chunk, in order, to a worker once a slot is free for it (or room in the slot
+        the chunk before it was given: :class:`_Shared`)."""
         epoch = self.start_epoch
-        while True:
-            plan = self.plan(epoch)
-            if not plan.chunks:  # nothing to read: the batcher ends the epoch
-                load = _Load()
-                load.item = plan
-                load.done.set()
-                await loads.send(load)
-            for chunk in plan.chunks:
-                slot = await free_recv.receive() if self.slots is not None else None
-                load = _Load()
-                await work.send((load, plan, chunk, slot))
-                await loads.send(load)
-            epoch += 1
+        shared: _Shared | None = None
+        try:
+            while True:
+                plan = self.plan(epoch)
+                if not plan.chunks:  # nothing to read: the batcher ends the epoch
+                    load = _Load()
+                    load.item = plan
+                    load.done.set()
+                    await loads.send(load)
+                for chunk in plan.chunks:
+                    region = None
+                    if self.slots is not None:
+                        if shared is None or not shared.fits(chunk.rows):
+                            if shared is not None:
+                                shared.close()
+                            shared = None  # not kept open while waiting for a slot
+                            shared = _Shared(await free_recv.receive(), free_send)
+                        region = shared.take(chunk.rows)
+                    load = _Load()
+                    await work.send((load, plan, chunk, region))
+                    await loads.send(load)
+                epoch += 1
+        finally:
+            if shared is not None:
+                shared.close()
 
     async def _worker(
         self,
         work: ObjectReceiveStream[_Work],
-        free_send: MemoryObjectSendStream[Slot],
         busy: StageClock,
     ) -> None:
-        async for load, plan, chunk, slot in work:
-            await self._run_load(load, plan, chunk, slot, free_send, busy)
+        async for load, plan, chunk, region in work:
+            await self._run_load(load, plan, chunk, region, busy)
 
     async def _run_load(
         self,
         load: _Load,
         plan: EpochPlan,
         chunk: ChunkPlan,
-        slot: Slot | None,
-        free_send: MemoryObjectSendStream[Slot],
+        region: _Region | None,
         busy: StageClock,
     ) -> None:
+        slot = None if region is None else region.slot
         t0 = time.perf_counter()
         busy.start()
         try:
@@ -164,8 +181,8 @@ class ChunkLoader:
                     len(chunk.ranges),
                     (time.perf_counter() - t0) * 1e3,
                 )
-            if slot is not None:
-                loaded.release = _releaser(free_send, slot)
+            if region is not None:
+                loaded.release = region.release
             elif loaded.rows_are_global:
                 self._held.add(loaded)
                 loaded.release = functools.partial(self._give_back, loaded)
@@ -252,14 +269,62 @@ class _Load:
         self.error: Exception | None = None
 
 
-#: A chunk for a worker to read: its load, its epoch's plan, the chunk, the slot to read it into.
-_Work = tuple[_Load, EpochPlan, ChunkPlan, Slot | None]
+class _Shared:
+    """A cache slot that consecutive chunks share while they fit, each in the rows after the one
+    before (chunks smaller than a slot: an epoch's ramp, a short last chunk). It goes back to the
+    free slots once the launcher has closed it (the next chunk did not fit) and every chunk read
+    into it has been released. Used on the event loop's thread only."""
+
+    __slots__ = ("_closed", "_free", "_used", "_users", "slot")
+
+    def __init__(self, slot: Slot, free: MemoryObjectSendStream[Slot]) -> None:
+        self.slot = slot
+        self._free = free
+        self._used = 0
+        self._users = 0
+        self._closed = False
+
+    def fits(self, rows: int) -> bool:
+        capacity = min((len(a) for a in self.slot.arrays.values()), default=0)
+        return self._used + rows <= capacity
+
+    def take(self, rows: int) -> _Region:
+        """The next ``rows`` rows of the slot, for one chunk."""
+        a = self._used
+        self._used += rows
+        self._users += 1
+        return _Region(
+            Slot(self.slot.index, {k: v[a : a + rows] for k, v in self.slot.arrays.items()}), self
+        )
+
+    def close(self) -> None:
+        """No more chunks go in."""
+        self._closed = True
+        self._give_back()
+
+    def _give_back(self) -> None:
+        if self._closed and self._users == 0:
+            self._users = -1  # once
+            # After the run is over the stream is closed; the slot is free anyway.
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                self._free.send_nowait(self.slot)
 
 
-def _releaser(free: MemoryObjectSendStream[Slot], slot: Slot) -> Callable[[], None]:
-    def release() -> None:
-        # After the run is over the stream is closed; the slot is free anyway.
-        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-            free.send_nowait(slot)
+class _Region:
+    """One chunk's rows of a :class:`_Shared` slot: ``slot`` (views), released once."""
 
-    return release
+    __slots__ = ("_shared", "slot")
+
+    def __init__(self, slot: Slot, shared: _Shared) -> None:
+        self.slot = slot
+        self._shared: _Shared | None = shared
+
+    def release(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared._users -= 1
+            shared._give_back()
+
+
+#: A chunk for a worker to read: its load, its epoch's plan, the chunk, where to read it into.
+_Work = tuple[_Load, EpochPlan, ChunkPlan, _Region | None]

@@ -1,0 +1,142 @@
+"""The reader stage: chunks smaller than a cache slot share one, and no read overwrites rows
+still in use.
+
+An epoch's first chunk is read as a ramp of growing pieces (so that the first batch waits for
+the first piece only). The pieces together hold one chunk's rows, so they go one after the
+other into one cache slot, and the chunk after the ramp is read into the other slot meanwhile,
+before any piece is served. A slot shared so goes back only once every chunk in it is released.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import asynchdf5._shape
+from asynchdf5 import AsyncHDF5DataLayer
+from asynchdf5._loading import _Region
+from asynchdf5._read import HDF5Reader
+
+from ._files import N, check_epoch, write_source
+
+pytestmark = pytest.mark.anyio
+
+ROW_BYTES = 16  # float32 x 2 + int64
+CHUNK = 64  # rows per chunk: 300 rows make chunks of 64 (the first ramped) and one of 44
+BATCH = 4
+
+
+def _span(arrays: Any) -> list[tuple[int, int]]:
+    """The memory each array of ``arrays`` covers: [first byte, past the last)."""
+    out = []
+    for a in arrays.values():
+        start = a.__array_interface__["data"][0]
+        out.append((start, start + a.nbytes))
+    return out
+
+
+class _Reads:
+    """Records every read of a chunk into a slot (where it went, how many chunks had been
+    released when it started) and checks that it writes no row of a chunk still in use."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads: list[tuple[int, int, int, list[tuple[int, int]]]] = []
+        self.live: dict[int, list[tuple[int, int]]] = {}  # id(region.slot.arrays): spans
+        self.released = 0
+        self.overlaps: list[str] = []
+        real_read, real_release = HDF5Reader.read, _Region.release
+
+        async def read(reader: HDF5Reader, chunk: Any, into: Any, stats: Any) -> Any:
+            if into is not None:
+                spans = _span(into)
+                for other in self.live.values():
+                    for a, b in spans:
+                        if any(a < y and x < b for x, y in other):
+                            self.overlaps.append(f"epoch {chunk.epoch} chunk {chunk.index}")
+                self.live[id(into)] = spans
+                self.reads.append((chunk.epoch, chunk.index, self.released, spans))
+            return await real_read(reader, chunk, into, stats)
+
+        def release(region: _Region) -> None:
+            if self.live.pop(id(region.slot.arrays), None) is not None:
+                self.released += 1
+            real_release(region)
+
+        monkeypatch.setattr(HDF5Reader, "read", read)
+        monkeypatch.setattr(_Region, "release", release)
+
+
+@contextmanager
+def _ramp_from(rows: int) -> Iterator[None]:
+    """Every epoch's first chunk ramps up from ``rows`` rows (then twice that, ...), in one lane."""
+    shape = vars(asynchdf5._shape)
+    saved = shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"]
+    shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"] = rows * ROW_BYTES, 10**9
+    try:
+        yield
+    finally:
+        shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"] = saved
+
+
+async def _epochs(layer: AsyncHDF5DataLayer, count: int) -> None:
+    for epoch in range(count):
+        with anyio.fail_after(30):
+            batches = [b async for b in layer]
+        check_epoch(batches, N, BATCH, epoch)
+
+
+async def test_ramp_pieces_share_one_slot_and_the_next_chunk_is_read_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = _Reads(monkeypatch)
+    source = write_source(tmp_path)[0]
+    with _ramp_from(8):  # a first chunk of 64 rows read as pieces of 8, 16 and 40
+        layer = AsyncHDF5DataLayer(
+            source, batch_size=BATCH, shuffle=True, seed=5, chunk_size=CHUNK,
+            cache_bytes=2 * CHUNK * ROW_BYTES,
+        )  # fmt: skip
+        async with layer:
+            await _epochs(layer, 3)
+    first = [r for r in reads.reads if r[0] == 0]
+    assert [r[1] for r in first[:4]] == [0, 1, 2, 3]
+    ramp, after = first[:3], first[3]
+    # The three pieces lie one after the other in one slot, in each top's array ...
+    for top in range(2):
+        ends = [r[3][top] for r in ramp]
+        assert all(b == c for (_, b), (c, _) in itertools.pairwise(ends))
+    # ... so the chunk after the ramp had the other slot: all four read before any release.
+    assert [r[2] for r in first[:4]] == [0, 0, 0, 0]
+    assert after[3][0][0] not in range(ramp[0][3][0][0], ramp[-1][3][0][1])
+    assert not reads.overlaps
+
+
+@pytest.mark.parametrize("ramp_rows", [None, 1, 3, 8, 20])
+@pytest.mark.parametrize("sizes", [(100, 150, 50), (7, 61, 1, 131)])
+async def test_no_read_overwrites_rows_still_in_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ramp_rows: int | None, sizes: tuple[int, ...]
+) -> None:
+    """Over epochs whose ramps and short last chunks share slots (within an epoch and across
+    its end), every read goes into rows no chunk still being served holds, and every epoch
+    yields every sample once, aligned."""
+    reads = _Reads(monkeypatch)
+    source = write_source(tmp_path, sizes)[0]
+    with _ramp_from(ramp_rows) if ramp_rows else nullcontext():
+        layer = AsyncHDF5DataLayer(
+            source, batch_size=BATCH, shuffle=True, seed=ramp_rows or 0, chunk_size=CHUNK,
+            cache_bytes=2 * CHUNK * ROW_BYTES, prefetch=1,
+        )  # fmt: skip
+        async with layer:
+            n = sum(sizes)
+            for epoch in range(4):
+                with anyio.fail_after(30):
+                    batches = [b async for b in layer]
+                    await anyio.sleep(0)
+                check_epoch(batches, n, BATCH, epoch)
+    assert len(reads.reads) >= 4 * -(-sum(sizes) // CHUNK)
+    assert not reads.overlaps, reads.overlaps
