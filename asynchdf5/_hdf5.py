@@ -254,7 +254,7 @@ class HDF5DataLayer(AsyncHDF5DataLayer):
 
     The same keyword properties as :class:`AsyncHDF5DataLayer` (``backend`` picks the event loop
     the pipeline runs on, in a background thread). Every call crosses one bridge to that loop;
-    iterating takes the batches the pipeline has ready, a handful per trip.
+    iterating takes the batches the pipeline has ready (up to 256) per trip.
 
     Examples
     --------

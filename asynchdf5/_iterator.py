@@ -229,7 +229,7 @@ class EpochIterator:
     async def next_batches(self, limit: int) -> list[Batch]:
         """The next batch and up to ``limit - 1`` more that are ready now; ``[]`` at the end.
 
-        For the sync bridge: one trip across its thread bridge per handful of batches, never
+        For the sync bridge: one trip across its thread bridge per group of ready batches, never
         more than are already gathered (an epoch is never collected).
         """
         try:
