@@ -134,10 +134,10 @@ class ChunkLoader:
                 for chunk in plan.chunks:
                     region = None
                     if self.slots is not None:
-                        if shared is None or not shared.fits(chunk.rows):
-                            if shared is not None:
-                                shared.close()
-                            shared = None  # not kept open while waiting for a slot
+                        if shared is not None and not shared.fits(chunk.rows):
+                            shared.close()  # before waiting for a slot: it may be the one
+                            shared = None
+                        if shared is None:
                             shared = _Shared(await free_recv.receive(), free_send)
                         region = shared.take(chunk.rows)
                     load = _Load()
@@ -210,13 +210,10 @@ class ChunkLoader:
         drawn: list[tuple[np.ndarray | None, np.ndarray, bool]] = []
         where: list[Any] = [None]
         # Where the rows will be taken from: the reader's own arrays at global indices, or the
-        # slot at the positions of the order. Checked here, once, off the event loop.
+        # slot at the positions of the order (a region of a slot holding exactly the chunk's
+        # rows: :class:`_Shared`). Checked here, once, off the event loop.
         in_place = self.reader.in_place
         target = self.reader.own_arrays if in_place else (None if slot is None else slot.arrays)
-        bounds = target
-        if target is not None and not in_place:
-            # In a slot, only the chunk's own rows: the rest holds an older chunk's.
-            bounds = {k: a[: chunk.rows] for k, a in target.items()}
 
         async def read() -> None:
             where[0] = await self.reader.read(
@@ -227,10 +224,10 @@ class ChunkLoader:
             positions = chunk.order()
             indices = chunk.served_indices(positions)
             rows = indices if in_place else positions
-            if bounds is None:
+            if target is None:
                 return positions, indices, False
             if rows is not None:
-                check_rows(rows, bounds)
+                check_rows(rows, target)
             return positions, indices, True
 
         async def permute() -> None:
@@ -275,18 +272,18 @@ class _Shared:
     free slots once the launcher has closed it (the next chunk did not fit) and every chunk read
     into it has been released. Used on the event loop's thread only."""
 
-    __slots__ = ("_closed", "_free", "_used", "_users", "slot")
+    __slots__ = ("_capacity", "_closed", "_free", "_used", "_users", "slot")
 
     def __init__(self, slot: Slot, free: MemoryObjectSendStream[Slot]) -> None:
         self.slot = slot
         self._free = free
+        self._capacity = min((len(a) for a in slot.arrays.values()), default=0)
         self._used = 0
         self._users = 0
         self._closed = False
 
     def fits(self, rows: int) -> bool:
-        capacity = min((len(a) for a in self.slot.arrays.values()), default=0)
-        return self._used + rows <= capacity
+        return self._used + rows <= self._capacity
 
     def take(self, rows: int) -> _Region:
         """The next ``rows`` rows of the slot, for one chunk."""
@@ -300,6 +297,11 @@ class _Shared:
     def close(self) -> None:
         """No more chunks go in."""
         self._closed = True
+        self._give_back()
+
+    def release(self) -> None:
+        """A chunk read into it is done with."""
+        self._users -= 1
         self._give_back()
 
     def _give_back(self) -> None:
@@ -322,8 +324,7 @@ class _Region:
     def release(self) -> None:
         shared, self._shared = self._shared, None
         if shared is not None:
-            shared._users -= 1
-            shared._give_back()
+            shared.release()
 
 
 #: A chunk for a worker to read: its load, its epoch's plan, the chunk, where to read it into.
