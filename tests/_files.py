@@ -7,13 +7,15 @@ exactly-once are checkable from the batches alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
+import asynchdf5._shape
 from asynchdf5 import Batch
 
 #: The layouts ``write_h5`` writes, and the read path the layer takes for each.
@@ -28,6 +30,7 @@ LAYOUTS = {
 
 
 SIZES = (100, 150, 50)  # three files, 300 samples
+ROW_BYTES = 2 * 4 + 8  # a row of every top: float32[2] + int64
 N = sum(SIZES)
 
 
@@ -115,3 +118,18 @@ def check_message(exc: BaseException, *parts: object) -> None:
     msg = str(exc)
     for p in parts:
         assert str(p) in msg, f"{str(p)!r} not in message {msg!r}"
+
+
+@contextmanager
+def ramp(rows: int | None, lane_rows: int = 1) -> Iterator[None]:
+    """Make the first chunk of every epoch ramp up from ``rows`` rows (None: the default), its
+    pieces taken from lanes of at least ``lane_rows`` rows (when shuffled)."""
+    shape = vars(asynchdf5._shape)  # the module's globals, as its functions read them
+    saved = shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"]
+    if rows is not None:
+        shape["RAMP_BYTES"] = rows * ROW_BYTES
+        shape["MIN_LANE_BYTES"] = lane_rows * ROW_BYTES
+    try:
+        yield
+    finally:
+        shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"] = saved

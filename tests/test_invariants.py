@@ -40,9 +40,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asynchdf5._read._mapped
-import asynchdf5._shape
 from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning, MemoryDataLayer
 from asynchdf5._plan import shard_share
+
+from ._files import ROW_BYTES, ramp
 
 pytestmark = pytest.mark.anyio
 
@@ -50,8 +51,7 @@ pytestmark = pytest.mark.anyio
 EXAMPLES = int(os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", "100"))
 #: Seconds one example may take. Generous (a loaded CI machine), and far below "forever".
 DEADLINE = float(os.environ.get("ASYNCHDF5_EXAMPLE_DEADLINE", "30"))
-SAMPLE_SHAPE = (2,)
-ROW_BYTES = 2 * 4 + 8  # float32[2] + int64
+SAMPLE_SHAPE = (2,)  # with an int64 label: rows of ROW_BYTES
 
 
 @dataclass(frozen=True)
@@ -165,21 +165,6 @@ def mapping(mode: str) -> Iterator[None]:
         yield
     finally:
         asynchdf5._read._mapped.default_keep_bytes = saved
-
-
-@contextmanager
-def ramp(rows: int | None, lane_rows: int = 1) -> Iterator[None]:
-    """Make the first chunk of every epoch ramp up from ``rows`` rows (None: the default), its
-    pieces taken from lanes of at least ``lane_rows`` rows (when shuffled)."""
-    shape = vars(asynchdf5._shape)  # the module's globals, as its functions read them
-    saved = shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"]
-    if rows is not None:
-        shape["RAMP_BYTES"] = rows * ROW_BYTES
-        shape["MIN_LANE_BYTES"] = lane_rows * ROW_BYTES
-    try:
-        yield
-    finally:
-        shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"] = saved
 
 
 def make_layer(case: Case, paths: list[Path], rank: int) -> Any:

@@ -10,24 +10,20 @@ for a piece to be served. A slot shared so goes back only once every chunk in it
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-import asynchdf5._shape
 from asynchdf5 import AsyncHDF5DataLayer
 from asynchdf5._loading import _Region
 from asynchdf5._read import HDF5Reader
 
-from ._files import N, check_epoch, write_source
+from ._files import ROW_BYTES, N, check_epoch, ramp, write_source
 
 pytestmark = pytest.mark.anyio
 
-ROW_BYTES = 16  # float32 x 2 + int64
 CHUNK = 64  # rows per chunk: 300 rows make chunks of 64 (the first ramped) and one of 44
 BATCH = 4
 
@@ -70,18 +66,6 @@ class _Reads:
         monkeypatch.setattr(_Region, "release", release)
 
 
-@contextmanager
-def _ramp_from(rows: int) -> Iterator[None]:
-    """Every epoch's first chunk ramps up from ``rows`` rows (then twice that, ...), in one lane."""
-    shape = vars(asynchdf5._shape)
-    saved = shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"]
-    shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"] = rows * ROW_BYTES, 10**9
-    try:
-        yield
-    finally:
-        shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"] = saved
-
-
 async def _epochs(layer: AsyncHDF5DataLayer, count: int) -> None:
     for epoch in range(count):
         with anyio.fail_after(30):
@@ -94,7 +78,7 @@ async def test_ramp_pieces_share_one_slot_and_the_next_chunk_has_the_other(
 ) -> None:
     reads = _Reads(monkeypatch)
     source = write_source(tmp_path)[0]
-    with _ramp_from(8):  # a first chunk of 64 rows read as pieces of 8, 16 and 40
+    with ramp(8, lane_rows=2**26):  # a first chunk of 64 rows: pieces of 8, 16 and 40, one lane
         layer = AsyncHDF5DataLayer(
             source, batch_size=BATCH, shuffle=True, seed=5, chunk_size=CHUNK,
             cache_bytes=2 * CHUNK * ROW_BYTES,
@@ -103,14 +87,14 @@ async def test_ramp_pieces_share_one_slot_and_the_next_chunk_has_the_other(
             await _epochs(layer, 3)
     first = [r for r in reads.reads if r[0] == 0]
     assert [r[1] for r in first[:4]] == [0, 1, 2, 3]
-    ramp, after = first[:3], first[3]
+    pieces, after = first[:3], first[3]
     # The three pieces lie one after the other in one slot, in each top's array ...
     for top in range(2):
-        ends = [r[2][top] for r in ramp]
+        ends = [r[2][top] for r in pieces]
         assert all(b == c for (_, b), (c, _) in itertools.pairwise(ends))
     # ... so the chunk after the ramp has the other slot (with a slot per piece, it had to
     # wait for the second piece's).
-    assert after[2][0][0] not in range(ramp[0][2][0][0], ramp[-1][2][0][1])
+    assert after[2][0][0] not in range(pieces[0][2][0][0], pieces[-1][2][0][1])
     assert not reads.overlaps
 
 
@@ -124,7 +108,7 @@ async def test_no_read_overwrites_rows_still_in_use(
     yields every sample once, aligned."""
     reads = _Reads(monkeypatch)
     source = write_source(tmp_path, sizes)[0]
-    with _ramp_from(ramp_rows) if ramp_rows else nullcontext():
+    with ramp(ramp_rows, lane_rows=2**26):
         layer = AsyncHDF5DataLayer(
             source, batch_size=BATCH, shuffle=True, seed=ramp_rows or 0, chunk_size=CHUNK,
             cache_bytes=2 * CHUNK * ROW_BYTES, prefetch=1,
