@@ -27,9 +27,10 @@ from ._config import LayerConfig
 from ._delivery import make_delivery
 from ._errors import ConfigurationError, StateError
 from ._iterator import EpochIterator
-from ._plan import EpochPlan, check_split, plan_epoch, skip_samples
+from ._plan import EpochPlan, check_split, plan_epoch
 from ._priority import nice_steps
 from ._read import Reader
+from ._replan import skip_samples
 from ._resume import Resume, epoch_plan, parse_state, save_state
 from ._session import Session
 from ._shape import DataShape

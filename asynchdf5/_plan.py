@@ -1,6 +1,7 @@
 """Planner: pure functions from (samples, epoch, seed, shard) to the epoch's chunks and batches.
 
-No I/O happens here, so shuffling, sharding and resuming are testable without a file.
+No I/O happens here, so shuffling and sharding are testable without a file (and so is resuming:
+:mod:`._replan` continues these plans part-way).
 
 The epoch's order. The samples lie on a ring, ``0 ... n-1``. With ``shuffle=False`` the epoch
 walks the ring from 0. With ``shuffle=True`` (CorgiPile: block-wise random reads into a buffer,
@@ -37,8 +38,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.random  # numpy imports it lazily: not on the event loop at the first plan
@@ -48,12 +49,10 @@ from ._errors import ConfigurationError
 __all__ = [
     "ChunkPlan",
     "EpochPlan",
+    "batch_layout",
     "check_split",
-    "elastic_plan",
     "plan_epoch",
-    "resume_plan",
     "shard_share",
-    "skip_samples",
 ]
 
 
@@ -182,9 +181,10 @@ def check_split(n: int, batch_size: int, world_size: int, drop_last: bool) -> No
         )
 
 
-def _batch_layout(
+def batch_layout(
     n: int, batch_size: int, rank: int, world_size: int, drop_last: bool
 ) -> tuple[int, tuple[int, ...]]:
+    """A rank's full batches and the sizes of its batches after them, for ``n`` samples in all."""
     check_split(n, batch_size, world_size, drop_last)
     q, r = divmod(n, world_size * batch_size)
     if drop_last or r == 0:
@@ -288,7 +288,7 @@ def plan_epoch(
         start, size = shard_share(n, batch_size, rank, world_size)
         full, tail = size // batch_size, ()
     else:
-        full, tail = _batch_layout(n, batch_size, rank, world_size, drop_last)
+        full, tail = batch_layout(n, batch_size, rank, world_size, drop_last)
         start, size = shard_share(n, batch_size, rank, world_size, drop_last)
     walk = _Walk(n, epoch, seed, shuffle, block_size)
 
@@ -342,94 +342,3 @@ def _ramp(a: int, b: int, first_rows: int, lanes: int) -> list[list[tuple[int, i
         done += size
         out.append(parts)
     return out
-
-
-def _skip(chunks: Sequence[ChunkPlan], samples: int) -> list[ChunkPlan]:
-    """The chunks left once ``samples`` of their served samples have been served."""
-    out = []
-    for chunk in chunks:
-        if samples >= chunk.size:
-            samples -= chunk.size
-            continue
-        if samples > 0:
-            a, _ = chunk.serve or (0, chunk.rows)
-            b = a + chunk.size
-            chunk = replace(chunk, serve=(a + samples, b))
-            samples = 0
-        out.append(chunk)
-    return [replace(c, index=i) for i, c in enumerate(out)]
-
-
-def skip_samples(plan: EpochPlan, samples: int) -> EpochPlan:
-    """``plan`` once its first ``samples`` served samples are done (a stream resumed mid-epoch:
-    stream batches are cut by size, so only the samples matter)."""
-    if not 0 <= samples <= plan.n_samples:
-        raise ConfigurationError(
-            f"cannot resume epoch {plan.epoch} after {samples} samples: the share has "
-            f"{plan.n_samples}"
-        )
-    left = plan.n_samples - samples
-    return EpochPlan(
-        plan.epoch,
-        left,
-        tuple(_skip(plan.chunks, samples)),
-        plan.batch_size,
-        left // plan.batch_size,
-    )
-
-
-def resume_plan(plan: EpochPlan, batches: int) -> EpochPlan:
-    """``plan`` once its first ``batches`` batches have been yielded: the next batch is the one
-    that would have come next, with the same rows."""
-    sizes = list(plan.batch_sizes())
-    if not 0 <= batches <= len(sizes):
-        raise ConfigurationError(
-            f"cannot resume epoch {plan.epoch} after {batches} batches: it has {len(sizes)}"
-        )
-    done = sum(sizes[:batches])
-    rest = sizes[batches:]
-    full = max(0, plan.full_batches - batches)
-    tail = tuple(rest[full:])
-    chunks = _skip(plan.chunks, done)
-    return EpochPlan(plan.epoch, plan.n_samples - done, tuple(chunks), plan.batch_size, full, tail)
-
-
-def elastic_plan(
-    old: Sequence[EpochPlan],
-    batches: int,
-    *,
-    rank: int,
-    world_size: int,
-    drop_last: bool,
-) -> EpochPlan:
-    """The rest of an epoch that ``old`` (the plans of every rank of a run with another world
-    size) had served ``batches`` batches of on every rank, re-split over ``world_size`` ranks.
-
-    What the old ranks had not yet yielded is walked in old rank order (each old rank's chunks
-    from where it stood, a chunk partly served keeping the rest of its serving order), and cut
-    into this run's shares and batches by the same rules as an epoch (:func:`shard_share`,
-    equal batch counts, the remainder rule). A chunk cut by a share boundary is read by both
-    ranks, each serving its part. With ``drop_last``, a rest smaller than a batch per rank is
-    left out, as any epoch's leftover is; without it, a rest that cannot be split in equal batch
-    counts without repeating samples is a :class:`ConfigurationError` (on every rank alike).
-    """
-    batch_size = old[0].batch_size
-    rest = [resume_plan(p, batches) for p in old]
-    walk: list[ChunkPlan] = [c for p in rest for c in p.chunks]
-    total = sum(p.n_served for p in rest)
-    if total == 0 or (drop_last and total < world_size * batch_size):
-        # Nothing left, or (drop_last) less than a batch per rank: the leftover is left out.
-        return EpochPlan(old[0].epoch, 0, (), batch_size, 0, ())
-    full, tail = _batch_layout(total, batch_size, rank, world_size, drop_last)
-    start, size = shard_share(total, batch_size, rank, world_size, drop_last)
-    mine: list[ChunkPlan] = []
-    pos = 0
-    for chunk in walk:  # keep the part of the walk in [start, start + size)
-        a, b = max(start, pos), min(start + size, pos + chunk.size)
-        if a < b:
-            first = (chunk.serve or (0, chunk.rows))[0]
-            serve = (first + a - pos, first + b - pos)
-            mine.append(replace(chunk, serve=None if serve == (0, chunk.rows) else serve))
-        pos += chunk.size
-    chunks = tuple(replace(c, index=i) for i, c in enumerate(mine))
-    return EpochPlan(old[0].epoch, size, chunks, batch_size, full, tail)

@@ -6,7 +6,7 @@ makes the next batch exactly the one that would have come next: same indices, sa
 
 Elastic resume: a state saved by every rank of a run at the same batch count, loaded into a run
 of another world size, continues the epoch over the new ranks: every sample the old run had not
-yet yielded, each exactly once, in equal batch counts per rank (:func:`~._plan.elastic_plan`). A
+yet yielded, each exactly once, in equal batch counts per rank (:func:`~._replan.elastic_plan`). A
 run resumed that way may itself be saved and resumed again, so a state carries the *chain* of
 (world size, batches) steps of its epoch.
 """
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import ConfigurationError, StateError
-from ._plan import EpochPlan, elastic_plan, resume_plan
+from ._plan import EpochPlan
+from ._replan import elastic_plan, resume_plan
 
 __all__ = ["FORMAT", "Resume", "epoch_plan", "parse_state", "save_state"]
 
