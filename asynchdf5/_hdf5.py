@@ -23,7 +23,7 @@ from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import _Layer
 from ._properties import document
 from ._read import HDF5Reader, MappedReader, Reader, refusal
-from ._shape import DataShape, default_block_rows, first_read
+from ._shape import DataShape, chunk_lanes, default_block_rows, first_read
 from ._sources import Source, SourceLike, open_source, resolve_source
 from .transforms import Transformer
 
@@ -148,6 +148,7 @@ class AsyncHDF5DataLayer(_Layer):
         )
         if forced is not None:
             block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
+            laned = forced.chunk_lanes
         else:
             stored, request = _stored_rows(catalog), _request_bytes(catalog)
             block = (
@@ -156,6 +157,7 @@ class AsyncHDF5DataLayer(_Layer):
                 else None
             )
             first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored, request)
+            laned = chunk_lanes(cache.chunk_rows, block, row_bytes, stored, request)
         return DataShape(
             n_samples=n,
             row_bytes=row_bytes,
@@ -166,6 +168,7 @@ class AsyncHDF5DataLayer(_Layer):
             first_rows=first,
             resident=cache.resident,
             ramp_lanes=lanes,
+            chunk_lanes=laned,
         )
 
     def _look(self) -> DataShape:
