@@ -9,6 +9,7 @@ options fails.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,9 @@ def credentials(s3: S3Server, user_key: dict[str, str]) -> Iterator[dict[str, st
 @pytest.fixture
 def misleading_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """AWS settings that lead nowhere: an endpoint that refuses connections, keys and a session
-    token the server does not know; a home without ``~/.aws``."""
+    token the server does not know; a home without ``~/.aws``, and no other AWS setting."""
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("HOME", str(tmp_path))
     for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.setenv(name, REFUSED)
