@@ -24,7 +24,7 @@ from ._layer import _Layer
 from ._properties import document
 from ._read import HDF5Reader, MappedReader, Reader, refusal
 from ._shape import DataShape, chunk_lanes, default_block_rows, first_read
-from ._sources import Source, SourceLike, open_source, resolve_source
+from ._sources import Source, SourceLike, SourceOptions
 from .transforms import Transformer
 
 if sys.version_info >= (3, 11):
@@ -118,18 +118,17 @@ class AsyncHDF5DataLayer(_Layer):
             block_size=block_size,
             mmap=mmap,
         )
+        # Every remote read (a list file given as a URL, now; the files, at open) goes through
+        # this one object, with the layer's options.
+        self._reach = SourceOptions(
+            config.storage_options, config.remote_cache, config.remote_cache_bytes
+        )
         #: The files (absolute paths, or URLs), resolved at construction.
-        self.paths = resolve_source(source)
+        self.paths = self._reach.resolve(source)
         super().__init__(config)
 
     def _source(self) -> Source:
-        c = self.config
-        return open_source(
-            self.paths,
-            storage_options=c.storage_options,
-            cache=c.remote_cache,
-            cache_bytes=c.remote_cache_bytes,
-        )
+        return self._reach.open(self.paths)
 
     def _shape_of(self, catalog: Catalog) -> DataShape:
         """The data's shape, and how it is cached: as a loaded state says, else as the
