@@ -78,8 +78,9 @@ class Clock:
 
 def sequential(job: dict[str, Any]) -> dict[str, Any]:
     """One thread, ``os.preadv`` of the whole file in pieces of ``piece_bytes``."""
-    buf = np.ones(int(job["piece_bytes"]), np.uint8)  # touched before the clock starts
+    buf = bytearray(int(job["piece_bytes"]))
     view = memoryview(buf)
+    view[:] = b"\1" * len(buf)  # touched before the clock starts
     c0 = cpu_seconds()
     t0 = time.perf_counter()
     fd = os.open(job["path"], os.O_RDONLY)
@@ -243,7 +244,7 @@ def torch_h5py(job: dict[str, Any]) -> dict[str, Any]:
         ds = H5BatchDataset(job["path"], job["n"])
         g = torch.Generator().manual_seed(job["seed"])
         sampler = BatchSampler(RandomSampler(ds, generator=g), job["batch_size"], drop_last=False)
-        loader = DataLoader(
+        loader: Any = DataLoader(
             ds,  # type: ignore[arg-type]  # duck-typed map-style dataset
             batch_sampler=sampler,
             num_workers=job["workers"],
@@ -297,7 +298,7 @@ def _preload(kind: str) -> None:
         import asynchdf5  # noqa: F401
         import benchmarks.page_cache  # noqa: F401
     elif kind == "torch_h5py":
-        import torch  # noqa: F401
+        import torch
         import torch.utils.data  # noqa: F401
 
 

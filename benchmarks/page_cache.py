@@ -63,7 +63,7 @@ def resident_fraction(path: str | Path) -> float | None:
             vec = (ctypes.c_ubyte * pages)()
             if libc.mincore(addr, size, vec) != 0:
                 return None
-            return float((np.frombuffer(vec, np.uint8) & 1).sum()) / pages
+            return float((np.frombuffer(memoryview(vec), np.uint8) & 1).sum()) / pages
         finally:
             libc.munmap(addr, size)
     finally:
