@@ -106,7 +106,8 @@ def sequential(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def layer(job: dict[str, Any]) -> dict[str, Any]:
-    """``AsyncHDF5DataLayer`` with default properties; ``epochs`` epochs in one open."""
+    """``AsyncHDF5DataLayer`` with default properties (and the job's ``layer_props``); ``epochs``
+    epochs in one open."""
     import anyio
 
     from asynchdf5 import AsyncHDF5DataLayer
@@ -117,7 +118,9 @@ def layer(job: dict[str, Any]) -> dict[str, Any]:
 
     async def run() -> None:
         t0 = time.perf_counter()
-        lay = AsyncHDF5DataLayer(job["path"], batch_size=job["batch_size"], shuffle=shuffle)
+        lay = AsyncHDF5DataLayer(
+            job["path"], batch_size=job["batch_size"], shuffle=shuffle, **job["layer_props"]
+        )
         async with lay:
             start = t0
             for epoch in range(job["epochs"]):

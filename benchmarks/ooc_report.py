@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 
@@ -20,11 +21,14 @@ def markdown(out: dict[str, Any]) -> str:
     limit = out["limit_samples_per_s"]
     mb_s = None if limit is None else limit * 3080 / 1e6
     lines = [
-        f"- command: `{' '.join(out['command'])}` ({out['started_utc']} UTC, "
+        *out.get("machine", []),
+        "",
+        f"- command: `{shlex.join(out['command'])}` ({out['started_utc']} UTC, "
         f"{out['wall_s']:.0f} s)",
         f"- file: {out['file']} ({out['file_bytes'] / 1e9:.2f} GB, {out['samples']:,} samples, "
         f"{'reused' if out['file_reused'] else 'written now'}), "
         f"{out['file_over_limit']:.1f} x the memory limit",
+        f"- layer properties beyond the defaults: {out.get('layer_props') or 'none'}",
         f"- load average (1/5/15 min): at start {load0}, at end {load1}; {out['cpus']} CPUs",
         f"- limit (the larger of {' and '.join(out['limit_from']) or 'nothing measured'}): "
         f"{_f(limit, ',.0f')} samples/s ({_f(mb_s, ',.0f')} MB/s)",

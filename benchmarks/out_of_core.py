@@ -44,7 +44,7 @@ from benchmarks import cgroups
 from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE
 from benchmarks.ooc_report import markdown
 from benchmarks.page_cache import evict, resident_fraction
-from benchmarks.shuffle_quality import utc_now
+from benchmarks.shuffle_quality import header, utc_now
 
 SAMPLE_BYTES = 3 * 32 * 32 + 8
 PIECE_BYTES = 8 * 2**20
@@ -143,6 +143,7 @@ def run_reader(
         "data_offset": data_offset,
         "label_offset": label_offset,
         "cgroup_procs": str(group.procs) if group else None,
+        "layer_props": args.layer_props,
         **params,
     }
     job_file, result_file = work / f"{name}.job.json", work / f"{name}.result.json"
@@ -222,18 +223,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         r["ratio_to_limit"] = r["rate"] / limit if limit and r.get("rate") else None
         for p in r.get("passes") or []:
             p["ratio_to_limit"] = p["rate"] / limit if limit else None
+    wall = time.perf_counter() - t0
+    load1 = os.getloadavg()
     return {
-        "command": ["python", "-m", "benchmarks.out_of_core", *args.argv],
+        "machine": header(args.argv, "benchmarks.out_of_core", started, wall),
         "started_utc": started,
-        "wall_s": time.perf_counter() - t0,
+        "command": ["python", "-m", "benchmarks.out_of_core", *args.argv],
+        "wall_s": wall,
         "load_avg_start": load0,
-        "load_avg_end": os.getloadavg(),
+        "load_avg_end": load1,
         "cpus": os.cpu_count(),
         "file": str(path),
         "file_reused": reused,
         "file_bytes": size,
         "samples": n,
         "limit_mib": None if args.no_cgroup else args.limit_mib,
+        "layer_props": args.layer_props,
         "file_over_limit": size / (args.limit_mib * 2**20),
         "limit_samples_per_s": limit,
         "limit_from": [k for k in ("sequential", "layer_unshuffled") if k in readers],
@@ -257,6 +262,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", help=f"comma-separated readers: {', '.join(READERS)}")
     p.add_argument("--epochs", type=int, default=2, help="layer epochs per open (default 2)")
     p.add_argument("--bound-s", type=float, help="seconds per bounded reader (default 30)")
+    p.add_argument(
+        "--layer-props",
+        type=json.loads,
+        default={},
+        help="JSON of extra layer properties for both layer readers, e.g. '{\"block_size\": 8192}' "
+        "(default: none, the default properties)",
+    )
     p.add_argument("--child-timeout", type=float, default=1200.0, help="seconds per child")
     return p
 
