@@ -46,12 +46,13 @@ def markdown(out: dict[str, Any]) -> str:
         rss = f"{r['maxrss_mib']:.0f}"
         if r.get("workers_maxrss_mib"):
             rss += f" ({r['workers_maxrss_mib']:.0f})"
+        no_group = "" if r["cgroup"].startswith("cgroup v") else " (no cgroup)"
         for i, p in enumerate(r["passes"]):
             first = p.get("first_batch_s", r.get("first_batch_s"))
             resident = r["resident_before"] if i == 0 else p.get("resident_before")
             mixing = p.get("mixing")
             lines.append(
-                f"| {name} | {_pass_name(name, i)} | {p['rate']:,.0f} "
+                f"| {name} | {_pass_name(name, i)}{no_group} | {p['rate']:,.0f} "
                 f"| {_f(p.get('ratio_to_limit'), '.2f')} "
                 f"| {_f(r.get('cpu_s_per_gb'), '.2f') if i == 0 else '〃'} "
                 f"| {_f(first, '.3f')} | {rss if i == 0 else '〃'} "
@@ -60,6 +61,11 @@ def markdown(out: dict[str, Any]) -> str:
                 f"| {_f(mixing['ratio'], '.3f') if mixing else '—'} |"
             )
         notes.append(f"- {name}: {r['cgroup']}" + _group_note(r))
+        if r["resident_before"] is not None and r["resident_before"] > 0.05:
+            notes.append(
+                f"  - {100 * r['resident_before']:.1f} % of the file stayed in the page cache "
+                "after eviction (pages mapped or dirty elsewhere?): this reader did not start cold"
+            )
         for w in r.get("warnings", []):
             notes.append(f"  - warning: {w}")
         if "stats" in r:

@@ -51,3 +51,15 @@ def test_quick_run_reports_every_reader(tmp_path: Path) -> None:
     for name, r in figures["readers"].items():
         if r["cgroup"].startswith("cgroup v"):
             assert not Path(r["cgroup"].split()[2].rstrip(",")).exists(), name
+
+
+def test_no_memory_controller_is_a_reason_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import cgroups
+
+    monkeypatch.setattr(cgroups, "V1_ROOT", tmp_path / "v1")
+    monkeypatch.setattr(cgroups, "V2_ROOT", tmp_path / "v2")
+    made = cgroups.make("asynchdf5-ooc-test", 2**20)
+    assert isinstance(made, str)
+    assert "no memory cgroup" in made
