@@ -21,6 +21,7 @@ from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import _Layer
+from ._machine import memory_bytes
 from ._properties import document
 from ._read import HDF5Reader, MappedReader, Reader, refusal
 from ._shape import DataShape, chunk_lanes, default_block_rows, first_read
@@ -208,7 +209,11 @@ class AsyncHDF5DataLayer(_Layer):
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
                 slots = allocate_slots(catalog.tops, shape.chunk_rows)
-                reader = HDF5Reader(catalog, files)
+                # Data larger than the memory the process may use is read from the disk every
+                # epoch: keeping it in the page cache gains nothing.
+                memory = memory_bytes()
+                streaming = 0 < memory < shape.n_samples * shape.row_bytes
+                reader = HDF5Reader(catalog, files, streaming=streaming)
             if refused is not None and isinstance(reader, HDF5Reader):
                 notes = dict(reader.read_notes)
                 for top in catalog.tops:

@@ -10,12 +10,14 @@ for a piece to be served. A slot shared so goes back only once every chunk in it
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+import asynchdf5._hdf5
 from asynchdf5 import AsyncHDF5DataLayer
 from asynchdf5._loading import _Region
 from asynchdf5._read import HDF5Reader
@@ -124,3 +126,33 @@ async def test_no_read_overwrites_rows_still_in_use(
                 check_epoch(batches, n, BATCH, epoch)
     assert len(reads.reads) >= 4 * -(-sum(sizes) // CHUNK)
     assert not reads.overlaps, reads.overlaps
+
+
+async def test_data_larger_than_memory_is_read_ahead_and_dropped_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the data outgrows the memory the process may use, the reader tells the kernel of
+    each thread's ranges before reading them and drops them after; the epochs are as exact."""
+    advice: list[int] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, length: int, what: int) -> None:
+        advice.append(what)
+        real(fd, offset, length, what)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    source = write_source(tmp_path)[0]
+    for memory, streams in ((N * ROW_BYTES - 1, True), (N * ROW_BYTES, False)):
+        advice.clear()
+        monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda memory=memory: memory)
+        layer = AsyncHDF5DataLayer(
+            source, batch_size=BATCH, shuffle=True, seed=3, chunk_size=CHUNK,
+            cache_bytes=2 * CHUNK * ROW_BYTES,
+        )  # fmt: skip
+        async with layer:
+            await _epochs(layer, 2)
+        if streams:
+            assert advice.count(os.POSIX_FADV_WILLNEED) > 0
+            assert advice.count(os.POSIX_FADV_DONTNEED) > 0
+        else:
+            assert not advice

@@ -10,6 +10,7 @@ a rename keeps being read, consistently, from the descriptor opened first.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -196,6 +197,8 @@ class LocalSource:
         work: Executor,
         limiter: anyio.CapacityLimiter,
         stats: ReadStats,
+        *,
+        streaming: bool = False,
     ) -> int:
         with self._lock:
             if self._closed:
@@ -207,9 +210,11 @@ class LocalSource:
                     max(1, n), "asynchdf5-read", initializer=background
                 )
             readers = self._readers
+        # In file order: each thread's call then reads ahead through its part of the file.
+        ordered = sorted(ranges, key=lambda r: (id(r.file), r.offset))
         async with anyio.create_task_group() as tg:
-            for batch in _batches(ranges):
-                tg.start_soon(self._fetch_in_thread, batch, work, limiter, readers)
+            for batch in _batches(ordered):
+                tg.start_soon(self._fetch_in_thread, batch, work, limiter, readers, streaming)
         return sum(r.size for r in ranges)
 
     @staticmethod
@@ -218,10 +223,11 @@ class LocalSource:
         work: Executor,
         limiter: anyio.CapacityLimiter,
         readers: Executor,
+        streaming: bool = False,
     ) -> None:
         def read() -> None:
             try:
-                future = readers.submit(_fetch, batch, work)
+                future = readers.submit(_fetch, batch, work, streaming)
             except RuntimeError:  # the pool was shut down: the source closed under this fetch
                 raise ReadError(_closed_message(batch)) from None
             future.result()
@@ -273,15 +279,24 @@ def _batches(ranges: Sequence[ByteRange]) -> Iterator[list[ByteRange]]:
         yield batch
 
 
-def _fetch(batch: list[ByteRange], work: Executor) -> None:
+def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> None:
     """Read a batch of ranges (blocking); raw bytes go to their ``then`` on ``work``'s threads.
 
     Every ``then`` handed to ``work`` has finished when this returns, errors or not: nothing
     writes into a cache slot after its chunk was given up.
+
+    ``streaming`` (data larger than memory): the kernel is told of the whole batch first
+    (``WILLNEED``: it reads every range at once, as it reads ahead of a sequential reader, where
+    one ``preadv`` at a time would leave the disk one request deep), and each range is dropped
+    from the page cache once read (``DONTNEED``: it would only be evicted later, by the kernel's
+    reclaim, at a higher cost and under a memory limit in the reading thread itself). Advice
+    only: a failure to give it changes nothing.
     """
     pending: list[tuple[ByteRange, Future[None]]] = []
     files: dict[int, LocalFile] = {}
     error: BaseException | None = None
+    if streaming:
+        _advise(batch, _WILLNEED)
     try:
         for r in batch:
             f = r.file
@@ -295,6 +310,8 @@ def _fetch(batch: list[ByteRange], work: Executor) -> None:
                 assert r.then is not None
                 raw = _pread(f, r)
                 pending.append((r, work.submit(r.then, raw)))
+            if streaming:
+                _advise((r,), _DONTNEED)
     except BaseException as exc:
         error = exc
     for _, future in pending:
@@ -313,6 +330,21 @@ def _fetch(batch: list[ByteRange], work: Executor) -> None:
                 raise ReadError(f"{r.about}: {exc}") from exc
     if error is not None:
         raise _read_error(error, batch[0])
+
+
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
+
+
+def _advise(ranges: Sequence[ByteRange], advice: int | None) -> None:
+    """``posix_fadvise`` each range (where the platform has it); errors are ignored."""
+    if advice is None:
+        return
+    for r in ranges:
+        f = r.file
+        assert isinstance(f, LocalFile)
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(f.fd, r.offset, r.size, advice)
 
 
 def _read_error(exc: BaseException, r: ByteRange) -> BaseException:
