@@ -18,9 +18,10 @@ import anyio
 import pytest
 
 import asynchdf5._hdf5
-from asynchdf5 import AsyncHDF5DataLayer
+from asynchdf5 import AsyncHDF5DataLayer, ReadError
 from asynchdf5._loading import _Region
 from asynchdf5._read import HDF5Reader
+from asynchdf5._sources import _direct, _local
 
 from ._files import ROW_BYTES, N, check_epoch, ramp, write_source
 
@@ -128,22 +129,31 @@ async def test_no_read_overwrites_rows_still_in_use(
     assert not reads.overlaps, reads.overlaps
 
 
-async def test_data_larger_than_memory_is_read_ahead_and_dropped_behind(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "refused"])
+async def test_data_larger_than_memory_is_read_around_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
 ) -> None:
-    """Where the data outgrows the memory the process may use, the reader tells the kernel of
-    each thread's ranges before reading them and drops them after; the epochs are as exact."""
-    advice: list[int] = []
-    real = os.posix_fadvise
+    """Where the data outgrows the memory the process may use, the reader reads around the
+    page cache: ``O_DIRECT``, or where the file system refuses it, advice before and after each
+    read. The epochs are as exact; data that fits reads as before."""
+    calls: list[object] = []
+    real_read, real_advise = _direct.read_direct, _direct.advise
 
-    def fadvise(fd: int, offset: int, length: int, what: int) -> None:
-        advice.append(what)
-        real(fd, offset, length, what)
+    def read_direct(*args: Any) -> bool:
+        calls.append("direct")
+        return real_read(*args)
 
-    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    def advise(fd: int, offset: int, size: int, what: int | None) -> None:
+        calls.append(what)
+        real_advise(fd, offset, size, what)
+
+    monkeypatch.setattr(_local, "read_direct", read_direct)
+    monkeypatch.setattr(_local, "advise", advise)
+    if not direct:
+        monkeypatch.setattr(_local, "open_direct", lambda *args: -1)
     source = write_source(tmp_path)[0]
     for memory, streams in ((N * ROW_BYTES - 1, True), (N * ROW_BYTES, False)):
-        advice.clear()
+        calls.clear()
         monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda memory=memory: memory)
         layer = AsyncHDF5DataLayer(
             source, batch_size=BATCH, shuffle=True, seed=3, chunk_size=CHUNK,
@@ -151,8 +161,26 @@ async def test_data_larger_than_memory_is_read_ahead_and_dropped_behind(
         )  # fmt: skip
         async with layer:
             await _epochs(layer, 2)
-        if streams:
-            assert advice.count(os.POSIX_FADV_WILLNEED) > 0
-            assert advice.count(os.POSIX_FADV_DONTNEED) > 0
+        if not streams:
+            assert not calls
+        elif direct:
+            assert set(calls) == {"direct"}
         else:
-            assert not advice
+            assert {_direct.WILLNEED, _direct.DONTNEED} == set(calls)
+
+
+async def test_a_file_truncated_under_direct_reads_is_a_read_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source, paths = write_source(tmp_path)
+    monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda: N * ROW_BYTES - 1)
+    layer = AsyncHDF5DataLayer(
+        source, batch_size=BATCH, shuffle=False, chunk_size=CHUNK,
+        cache_bytes=2 * CHUNK * ROW_BYTES,
+    )  # fmt: skip
+    with pytest.raises(ReadError, match=r"part1\.h5.*truncated"):
+        with anyio.fail_after(30):
+            async with layer:
+                os.truncate(paths[1], 4096)
+                async for _ in layer:
+                    pass
