@@ -10,13 +10,14 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
 
-from ._cache import Slot, allocate_slots, size_cache
+from ._cache import CacheBudgetWarning, Slot, allocate_slots, size_cache
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
@@ -24,7 +25,7 @@ from ._layer import _Layer
 from ._machine import memory_bytes
 from ._properties import document
 from ._read import HDF5Reader, MappedReader, Reader, refusal
-from ._shape import DataShape, chunk_lanes, default_block_rows, first_read
+from ._shape import DataShape, chunk_lanes, default_block_rows, first_read, mixing_warning
 from ._sources import Source, SourceLike, SourceOptions
 from .transforms import Transformer
 
@@ -158,6 +159,9 @@ class AsyncHDF5DataLayer(_Layer):
             )
             first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored, request)
             laned = chunk_lanes(cache.chunk_rows, block, row_bytes, stored, request)
+            why = mixing_warning(cache.chunk_rows, block, laned, row_bytes, stored, request)
+            if why is not None and cache.chunk_rows < min(c.chunk_size, n):  # the budget's doing
+                warnings.warn(why, CacheBudgetWarning, stacklevel=2)
         return DataShape(
             n_samples=n,
             row_bytes=row_bytes,
