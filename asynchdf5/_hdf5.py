@@ -16,7 +16,7 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 
-from ._cache import Slot, allocate_slots, size_cache
+from ._cache import CachePlan, Slot, allocate_slots, size_cache
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
@@ -137,15 +137,7 @@ class AsyncHDF5DataLayer(_Layer):
         c = self.config
         n, row_bytes = catalog.n_samples, catalog.row_bytes
         forced = self._shape if self._resume is not None else None
-        cache = size_cache(
-            n,
-            row_bytes,
-            batch_size=c.batch_size,
-            world_size=c.world_size,
-            chunk_size=c.chunk_size,
-            cache_bytes=c.cache_bytes,
-            rows=forced.chunk_rows if forced is not None else None,
-        )
+        cache = self._size_cache(catalog, forced.chunk_rows if forced is not None else None)
         if forced is not None:
             block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
         else:
@@ -166,6 +158,18 @@ class AsyncHDF5DataLayer(_Layer):
             first_rows=first,
             resident=cache.resident,
             ramp_lanes=lanes,
+        )
+
+    def _size_cache(self, catalog: Catalog, rows: int | None) -> CachePlan:
+        c = self.config
+        return size_cache(
+            catalog.n_samples,
+            catalog.row_bytes,
+            batch_size=c.batch_size,
+            world_size=c.world_size,
+            chunk_size=c.chunk_size,
+            cache_bytes=c.cache_bytes,
+            rows=rows,
         )
 
     def _look(self) -> DataShape:
@@ -205,7 +209,10 @@ class AsyncHDF5DataLayer(_Layer):
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
-                slots = allocate_slots(catalog.tops, shape.chunk_rows)
+                rows = self._cache_rows(shape)  # an elastically resumed epoch's may be larger
+                if rows > shape.chunk_rows:
+                    self._size_cache(catalog, rows)  # the budget must hold them
+                slots = allocate_slots(catalog.tops, rows)
                 reader = HDF5Reader(catalog, files)
             if refused is not None and isinstance(reader, HDF5Reader):
                 notes = dict(reader.read_notes)

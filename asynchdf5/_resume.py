@@ -9,6 +9,10 @@ of another world size, continues the epoch over the new ranks: every sample the 
 yet yielded, each exactly once, in equal batch counts per rank (:func:`~._replan.elastic_plan`). A
 run resumed that way may itself be saved and resumed again, so a state carries the *chain* of
 (world size, batches) steps of its epoch.
+
+A layer that serves one *part* of its rank's plan (a DataLoader worker's contiguous run of
+batches, :func:`~._replan.split_plan`) saves ``part: [part, parts]``, its chain counting the
+batches of that part: such a state resumes only a layer serving the same part of the same ranks.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class Resume:
     seed: int
     rank: int
     fingerprint: Mapping[str, Any]
+    part: tuple[int, int] | None = None  # (part, parts): a worker's run of the rank's batches
 
     @property
     def world_size(self) -> int:
@@ -84,6 +89,11 @@ class Resume:
                 "the state was saved by a layer over other data or with other properties: "
                 + "; ".join(differs)
             )
+        if self.part is not None and any(w != world_size for w, _ in self.chain):
+            raise ConfigurationError(
+                f"a DataLoader worker's state (part {self.part[0]} of {self.part[1]}) resumes on "
+                f"the same world size only (saved {self.world_size}, now {world_size})"
+            )
         if self.mode == "stream" and self.world_size != world_size:
             raise ConfigurationError(
                 f"a stream's state resumes on the same world size only (saved "
@@ -99,6 +109,7 @@ def save_state(
     rank: int,
     world_size: int,
     fingerprint: Mapping[str, Any],
+    part: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The state of a consumer at ``position`` (mode, epoch, and the batches and samples of that
     epoch yielded on this rank) on ``world_size`` ranks: when the run resumed from ``resume``
@@ -122,7 +133,7 @@ def save_state(
             else:
                 steps.append([world_size, batches])
             chain = steps
-    return {
+    out: dict[str, Any] = {
         "format": FORMAT,
         "mode": mode,
         "epoch": epoch,
@@ -134,6 +145,9 @@ def save_state(
         "world_size": world_size,
         "fingerprint": fingerprint,
     }
+    if part is not None:
+        out["part"] = list(part)
+    return out
 
 
 def _short(value: Any) -> str:
@@ -183,6 +197,17 @@ def parse_state(state: object) -> Resume:
         if may_lack and fingerprint.get(key) is None:
             continue
         _int(fingerprint, key, 1)
+    part_in = state.get("part")
+    part: tuple[int, int] | None = None
+    if part_in is not None:
+        if (
+            not isinstance(part_in, Sequence)
+            or len(part_in) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in part_in)
+            or not 0 <= part_in[0] < part_in[1]
+        ):
+            raise ConfigurationError(f"the state's 'part' is malformed: {part_in!r}")
+        part = (int(part_in[0]), int(part_in[1]))
     return Resume(
         mode=str(mode),
         epoch=_int(state, "epoch"),
@@ -191,6 +216,7 @@ def parse_state(state: object) -> Resume:
         seed=_int(state, "seed"),
         rank=_int(state, "rank"),
         fingerprint=dict(fingerprint),
+        part=part,
     )
 
 
