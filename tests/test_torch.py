@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+import asynchdf5._cache
 import asynchdf5.torch
 import asynchdf5.torch._dataset
 import asynchdf5.torch._epoch
@@ -536,6 +537,27 @@ def test_the_deprecated_num_workers_must_agree(
     monkeypatch.setattr(asynchdf5.torch._dataset, "get_worker_info", lambda: info)
     with pytest.raises(ConfigurationError, match="made with num_workers=2, but DataLoader"):
         next(iter(worker))
+
+
+@pytest.mark.parametrize("cache_bytes", [None, 2**20])
+def test_workers_share_the_budgets(
+    source: Path, monkeypatch: pytest.MonkeyPatch, cache_bytes: int | None
+) -> None:
+    """Each of k workers' layers gets 1/k of a given cache budget (of the default, 1/(k + 1):
+    the workers' own memory counts too) and of the batches read ahead, and every worker plans
+    with the same chunks."""
+    ds = make("hdf5", source, prefetch=8, cache_bytes=cache_bytes)
+    chunks = []
+    for w in range(4):
+        worker = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets
+        info = SimpleNamespace(id=w, num_workers=4)
+        monkeypatch.setattr(asynchdf5.torch._dataset, "get_worker_info", lambda: info)
+        c = worker._this_layer().config
+        budget = 2**18 if cache_bytes else asynchdf5._cache.default_cache_bytes() // 5
+        assert (c.cache_bytes, c.prefetch) == (budget, 2)
+        assert len(worker) == [5, 5, 5, 4][w]  # 19 batches of the rank, in runs
+        chunks.append(worker._this_layer().state_dict()["fingerprint"]["chunk_rows"])
+    assert len(set(chunks)) == 1
 
 
 def test_a_worker_state_resumes_only_the_same_worker(source: Path) -> None:

@@ -162,9 +162,13 @@ class HDF5IterableDataset(_LayerDataset):
         return HDF5DataLayer(self._source, **properties)
 
     def _worker_properties(self, properties: dict[str, Any], workers: int) -> dict[str, Any]:
+        # A given budget is the workers' together. The default (a third of the memory) is
+        # shared as if by one more: each worker process also holds its own runtime, batch
+        # buffers and batches in transit, which a layer in the main process shares with the
+        # training loop (2 workers under a 512 MiB limit did not fit with halves of it).
         budget = properties.get("cache_bytes")
-        budget = default_cache_bytes() if budget is None else budget
-        return {**properties, "cache_bytes": max(1, budget // workers)}
+        share = budget // workers if budget is not None else default_cache_bytes() // (workers + 1)
+        return {**super()._worker_properties(properties, workers), "cache_bytes": max(1, share)}
 
 
 class MemoryIterableDataset(_LayerDataset):

@@ -100,6 +100,7 @@ class _LayerDataset(IterableDataset[Tensors]):
             k: v for k, v in properties.items() if k not in ("seed", "rank", "world_size")
         }
         self._seed, self._seed_given = c.seed, c.seed_given
+        self._prefetch = c.prefetch
         self._rank, self._world_size = c.rank, c.world_size
         self._start_epoch = 0  # where a copy in another process starts (no workers)
         self._board = _Board()  # shared with the workers (see the package's docstring)
@@ -120,8 +121,9 @@ class _LayerDataset(IterableDataset[Tensors]):
         raise NotImplementedError
 
     def _worker_properties(self, properties: dict[str, Any], workers: int) -> dict[str, Any]:
-        """The properties of one of ``workers`` workers' layers (their share of the budgets)."""
-        return properties
+        """The properties of one of ``workers`` workers' layers: they share the batches read
+        ahead (``prefetch``), as they share the cache budget (where there is one)."""
+        return {**properties, "prefetch": max(1, self._prefetch // workers)}
 
     # --- this process's layer -----------------------------------------------------------------
 
