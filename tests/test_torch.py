@@ -551,7 +551,7 @@ def test_workers_share_the_budgets(
     for w in range(4):
         worker = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets
         info = SimpleNamespace(id=w, num_workers=4)
-        monkeypatch.setattr(asynchdf5.torch._dataset, "get_worker_info", lambda: info)
+        monkeypatch.setattr(asynchdf5.torch._dataset, "get_worker_info", lambda i=info: i)
         c = worker._this_layer().config
         budget = 2**18 if cache_bytes else asynchdf5._cache.default_cache_bytes() // 5
         assert (c.cache_bytes, c.prefetch) == (budget, 2)
@@ -568,7 +568,7 @@ def test_a_worker_state_resumes_only_the_same_worker(source: Path) -> None:
     for _ in range(3):
         next(it)
     state = run.state_dict()
-    (key, worker0), *_ = sorted(state["_snapshot"]["_worker_snapshots"].items())
+    (_, worker0), *_ = sorted(state["_snapshot"]["_worker_snapshots"].items())
     layer_state = worker0["dataset_state"]
     assert layer_state["part"] == [0, 2]
     with pytest.raises(ConfigurationError, match="part 0 of 2"):

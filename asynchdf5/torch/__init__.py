@@ -54,11 +54,12 @@ How it works, for whoever carries it on:
   loader's snapshot holds, per worker, the state after the last batch of that worker it
   yielded, restores each worker from it and replays the batches since the snapshot
   (``snapshot_every_n_steps``); a worker's state says which run of the rank's batches it
-  counts (``part``), and resumes only the same worker of as many. Both are exact: same next batch, same indices, same bytes. A
-  loader whose state says its epoch was over starts the next epoch with fresh workers, which
-  read the shared tensor: a worker that loads a state with nothing left of its epoch writes
-  the epoch after it. ``len()`` of a resumed epoch counts the batches before the state too, as
-  the loader counts them (it warns when it yields more batches than ``len()`` said).
+  counts (``part``), and resumes only the same worker of as many. Both are exact: same next
+  batch, same indices, same bytes. A loader whose state says its epoch was over starts the
+  next epoch with fresh workers, which read the shared board: a worker that loads a state
+  with nothing left of its epoch writes the epoch after it. ``len()`` of a resumed epoch
+  counts the batches before the state too, as the loader counts them (it warns when it
+  yields more batches than ``len()`` said).
 """
 
 from __future__ import annotations
