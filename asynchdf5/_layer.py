@@ -217,19 +217,6 @@ class _Layer(SyncInterface):
         if session is not None:
             session.restart_at(epoch)
 
-    def _set_shard(self, rank: int, world_size: int, *, seed_given: bool | None = None) -> None:
-        """Serve shard ``rank`` of ``world_size`` (a DataLoader worker's share of its rank's, for
-        :mod:`asynchdf5.torch`): only on a closed layer, whatever torch.distributed says."""
-        if self._state != "closed":
-            raise StateError("a layer's shard can change only while it is closed")
-        if not 0 <= rank < world_size:
-            raise ConfigurationError(
-                f"rank={rank} is outside 0 ... world_size-1 = {world_size - 1}"
-            )
-        c = self.config
-        given = c.seed_given if seed_given is None else seed_given
-        self.config = dataclasses.replace(c, rank=rank, world_size=world_size, seed_given=given)
-
     def _set_part(self, part: int, parts: int) -> None:
         """Serve part ``part`` of ``parts`` of this rank's epochs, a contiguous run of each
         epoch's batches (a DataLoader worker's, for :mod:`asynchdf5.torch`; see
@@ -282,34 +269,15 @@ class _Layer(SyncInterface):
             shape.fingerprint(c),
             seed=c.seed if c.seed_given else None,
             world_size=c.world_size,
+            part=self._part,
         )
-        if r.part != self._part:
+        saved_rows = r.fingerprint["chunk_rows"]
+        if session is not None and saved_rows > self._slot_rows:
             raise ConfigurationError(
-                f"the state was saved by a layer serving {_part_words(r.part)}, this one serves "
-                f"{_part_words(self._part)}: resume a DataLoader with as many workers as the one "
-                "that saved it"
+                f"the saved run cached chunks of {saved_rows} rows, this open layer's cache "
+                f"holds {self._slot_rows}: load the state before opening it"
             )
-        saved = r.fingerprint
-        resumed: DataShape | None = None
-        # A state saved before the ramp had lanes: its runs read the ramp in one.
-        rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
-        lanes = saved.get("ramp_lanes", 1)
-        if (*rows, lanes) != (
-            shape.chunk_rows,
-            shape.block_rows,
-            shape.first_rows,
-            shape.ramp_lanes,
-        ):
-            if session is not None and saved["chunk_rows"] > self._slot_rows:
-                raise ConfigurationError(
-                    f"the saved run cached chunks of {saved['chunk_rows']} rows, this open "
-                    f"layer's cache holds {self._slot_rows}: load the state before opening it"
-                )
-            resumed = dataclasses.replace(
-                shape, chunk_rows=rows[0], block_rows=rows[1], first_rows=rows[2], ramp_lanes=lanes
-            )
-            if all(w == c.world_size for w, _ in r.chain):
-                self._shape, resumed = resumed, None  # later epochs too are the saved run's
+        self._shape, resumed = r.shapes(shape, c.world_size)
         if not c.seed_given:
             self.config = dataclasses.replace(c, seed=r.seed)
         self._resume, self._resumed_shape = r, resumed
@@ -443,7 +411,3 @@ class _Layer(SyncInterface):
                 "the layer is not open: iterate inside `async with layer:` (or `with layer:`)"
             )
         return self._session
-
-
-def _part_words(part: tuple[int, int] | None) -> str:
-    return "its rank's whole epochs" if part is None else f"part {part[0]} of {part[1]} of them"

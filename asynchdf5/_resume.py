@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ._errors import ConfigurationError, StateError
 from ._plan import EpochPlan
 from ._replan import elastic_plan, resume_plan
+from ._shape import DataShape
 
 __all__ = ["FORMAT", "Resume", "epoch_plan", "parse_state", "save_state"]
 
@@ -64,6 +65,32 @@ class Resume:
     def world_size(self) -> int:
         return self.chain[-1][0]
 
+    def shapes(self, shape: DataShape, world_size: int) -> tuple[DataShape, DataShape | None]:
+        """The shapes a layer whose own is ``shape`` plans with once it resumes this state on
+        ``world_size`` ranks: ``(every epoch's, the resumed epoch's where it differs)``.
+
+        The resumed epoch is planned with the saved run's chunks, blocks and first read (a
+        state saved before the ramp had lanes read it in one). On the saved world size, every
+        later epoch is the saved run's too; after an elastic resume, a layer's started on
+        ``world_size`` ranks (the saved chunks were cut by the old run's shares).
+        """
+        saved = self.fingerprint
+        rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
+        lanes = saved.get("ramp_lanes", 1)
+        if (*rows, lanes) == (
+            shape.chunk_rows,
+            shape.block_rows,
+            shape.first_rows,
+            shape.ramp_lanes,
+        ):
+            return shape, None
+        resumed = replace(
+            shape, chunk_rows=rows[0], block_rows=rows[1], first_rows=rows[2], ramp_lanes=lanes
+        )
+        if all(w == world_size for w, _ in self.chain):
+            return resumed, None
+        return shape, resumed
+
     def differences(self, now: Mapping[str, Any]) -> list[str]:
         """What differs between the saved fingerprint and ``now``'s, in words."""
         out = []
@@ -76,7 +103,12 @@ class Resume:
         return out
 
     def check_resumes(
-        self, fingerprint: Mapping[str, Any], *, seed: int | None, world_size: int
+        self,
+        fingerprint: Mapping[str, Any],
+        *,
+        seed: int | None,
+        world_size: int,
+        part: tuple[int, int] | None = None,
     ) -> None:
         """:class:`ConfigurationError` unless a layer whose fingerprint is ``fingerprint`` (and
         whose seed, if given, is ``seed``) on ``world_size`` ranks can continue this state; the
@@ -88,6 +120,12 @@ class Resume:
             raise ConfigurationError(
                 "the state was saved by a layer over other data or with other properties: "
                 + "; ".join(differs)
+            )
+        if self.part != part:
+            raise ConfigurationError(
+                f"the state was saved by a layer serving {_part_words(self.part)}, this one "
+                f"serves {_part_words(part)}: resume a DataLoader with as many workers as the "
+                "one that saved it"
             )
         if self.part is not None and any(w != world_size for w, _ in self.chain):
             raise ConfigurationError(
@@ -148,6 +186,10 @@ def save_state(
     if part is not None:
         out["part"] = list(part)
     return out
+
+
+def _part_words(part: tuple[int, int] | None) -> str:
+    return "its rank's whole epochs" if part is None else f"part {part[0]} of {part[1]} of them"
 
 
 def _short(value: Any) -> str:
