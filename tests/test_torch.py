@@ -181,6 +181,19 @@ def test_dataloader_serves_every_sample_once_per_epoch(
     ds.close()
 
 
+def test_a_loader_with_more_workers_goes_on_with_the_next_epoch(source: Path) -> None:
+    """Two epochs with 2 workers, then a loader with 3 over the same dataset: its third worker
+    (an id the first loader had not) serves the same epoch as the other two."""
+    plain = make("memory", source, shuffle=True, seed=13)
+    plans = [indices(epoch(DataLoader(plain, batch_size=None))) for _ in range(3)]
+    ds = make("memory", source, shuffle=True, seed=13)
+    two = DataLoader(ds, batch_size=None, num_workers=2)
+    assert [indices(epoch(two)) for _ in range(2)] == [interleaved(p, 2) for p in plans[:2]]
+    assert indices(epoch(DataLoader(ds, batch_size=None, num_workers=3))) == interleaved(
+        plans[2], 3
+    )
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_trio_backend(source: Path, workers: int) -> None:
     ds = make("hdf5", source, shuffle=True, seed=12, backend="trio")

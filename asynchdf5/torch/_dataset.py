@@ -227,11 +227,14 @@ class _LayerDataset(IterableDataset[Tensors]):
         return iter(layer)
 
     def _mark(self, epoch: int) -> None:
-        """Workers started from now on serve ``epoch`` next: in a worker, its successor; in
-        the main process, every worker."""
+        """Workers started from now on serve ``epoch`` next: in a worker, its successor and
+        those of ids its DataLoader has none of (a later loader may have more workers); in the
+        main process, every worker."""
         values = self._board.values
-        if get_worker_info() is not None:
+        worker = get_worker_info()
+        if worker is not None:
             values[self._slot] = epoch
+            values[2 + worker.num_workers :] = epoch
         else:
             values[2:] = epoch
 
