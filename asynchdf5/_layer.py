@@ -172,6 +172,7 @@ class _Layer(SyncInterface):
                 stream=stream,
                 block_size=shape.block_rows,
                 ramp_lanes=shape.ramp_lanes,
+                chunk_lanes=shape.chunk_lanes,
             )
             return whole if part is None else split_plan(whole, *part)
 

@@ -45,6 +45,7 @@ _WHAT = {
     "block_rows": "the rows per shuffled block",
     "first_rows": "the rows of the first read of an epoch",
     "ramp_lanes": "the places each piece of the first read is taken from",
+    "chunk_lanes": "the places each chunk is taken from",
 }
 
 
@@ -69,23 +70,30 @@ class Resume:
         """The shapes a layer whose own is ``shape`` plans with once it resumes this state on
         ``world_size`` ranks: ``(every epoch's, the resumed epoch's where it differs)``.
 
-        The resumed epoch is planned with the saved run's chunks, blocks and first read (a
-        state saved before the ramp had lanes read it in one). On the saved world size, every
-        later epoch is the saved run's too; after an elastic resume, a layer's started on
-        ``world_size`` ranks (the saved chunks were cut by the old run's shares).
+        The resumed epoch is planned with the saved run's chunks, blocks, first read and
+        lanes (a state saved before the ramp, or the chunks, had lanes read each in one
+        stretch). On the saved world size, every later epoch is the saved run's too; after an
+        elastic resume, a layer's started on ``world_size`` ranks (the saved chunks were cut
+        by the old run's shares).
         """
         saved = self.fingerprint
         rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
-        lanes = saved.get("ramp_lanes", 1)
-        if (*rows, lanes) == (
+        lanes = (saved.get("ramp_lanes", 1), saved.get("chunk_lanes", 1))
+        if (*rows, *lanes) == (
             shape.chunk_rows,
             shape.block_rows,
             shape.first_rows,
             shape.ramp_lanes,
+            shape.chunk_lanes,
         ):
             return shape, None
         resumed = replace(
-            shape, chunk_rows=rows[0], block_rows=rows[1], first_rows=rows[2], ramp_lanes=lanes
+            shape,
+            chunk_rows=rows[0],
+            block_rows=rows[1],
+            first_rows=rows[2],
+            ramp_lanes=lanes[0],
+            chunk_lanes=lanes[1],
         )
         if all(w == world_size for w, _ in self.chain):
             return resumed, None
@@ -95,7 +103,7 @@ class Resume:
         """What differs between the saved fingerprint and ``now``'s, in words."""
         out = []
         for key, what in _WHAT.items():
-            if key in ("chunk_rows", "block_rows", "first_rows", "ramp_lanes"):
+            if key in ("chunk_rows", "block_rows", "first_rows", "ramp_lanes", "chunk_lanes"):
                 continue  # effective values: the state's are adopted (see the layer)
             saved, current = self.fingerprint.get(key), now.get(key)
             if saved != current:
@@ -235,6 +243,7 @@ def parse_state(state: object) -> Resume:
         ("block_rows", True),
         ("first_rows", True),
         ("ramp_lanes", True),
+        ("chunk_lanes", True),
     ):
         if may_lack and fingerprint.get(key) is None:
             continue
