@@ -17,7 +17,7 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 
-from ._cache import CacheBudgetWarning, Slot, allocate_slots, size_cache
+from ._cache import CacheBudgetWarning, CachePlan, Slot, allocate_slots, size_cache
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
@@ -138,15 +138,7 @@ class AsyncHDF5DataLayer(_Layer):
         c = self.config
         n, row_bytes = catalog.n_samples, catalog.row_bytes
         forced = self._shape if self._resume is not None else None
-        cache = size_cache(
-            n,
-            row_bytes,
-            batch_size=c.batch_size,
-            world_size=c.world_size,
-            chunk_size=c.chunk_size,
-            cache_bytes=c.cache_bytes,
-            rows=forced.chunk_rows if forced is not None else None,
-        )
+        cache = self._size_cache(catalog, forced.chunk_rows if forced is not None else None)
         if forced is not None:
             block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
             laned = forced.chunk_lanes
@@ -173,6 +165,18 @@ class AsyncHDF5DataLayer(_Layer):
             resident=cache.resident,
             ramp_lanes=lanes,
             chunk_lanes=laned,
+        )
+
+    def _size_cache(self, catalog: Catalog, rows: int | None) -> CachePlan:
+        c = self.config
+        return size_cache(
+            catalog.n_samples,
+            catalog.row_bytes,
+            batch_size=c.batch_size,
+            world_size=c.world_size,
+            chunk_size=c.chunk_size,
+            cache_bytes=c.cache_bytes,
+            rows=rows,
         )
 
     def _look(self) -> DataShape:
@@ -212,7 +216,10 @@ class AsyncHDF5DataLayer(_Layer):
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
-                slots = allocate_slots(catalog.tops, shape.chunk_rows)
+                rows = self._cache_rows(shape)  # an elastically resumed epoch's may be larger
+                if rows > shape.chunk_rows:
+                    self._size_cache(catalog, rows)  # the budget must hold them
+                slots = allocate_slots(catalog.tops, rows)
                 # Data larger than the memory the process may use is read from the disk every
                 # epoch: keeping it in the page cache gains nothing.
                 memory = memory_bytes()
