@@ -152,7 +152,7 @@ class AsyncHDF5DataLayer(_Layer):
             first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored, request)
             laned = chunk_lanes(cache.chunk_rows, block, row_bytes, stored, request)
             why = mixing_warning(cache.chunk_rows, block, laned, row_bytes, stored, request)
-            if why is not None and cache.chunk_rows < min(c.chunk_size, n):  # the budget's doing
+            if why is not None and cache.shrunk:  # the budget's doing, not the properties'
                 warnings.warn(why, CacheBudgetWarning, stacklevel=2)
         return DataShape(
             n_samples=n,
