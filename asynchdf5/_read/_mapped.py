@@ -220,9 +220,13 @@ class MappedReader:
         self._tops: list[_Top] = []
         #: The file's read lease (taken before it is mapped): nobody truncates it under a gather.
         self.guard: Lease | None = None
+        file = next(iter(info.layouts.values())).extents[0].file
+        assert isinstance(file, LocalFile)
+        # Pinned for the reader's life: the source never closes the descriptor the mapping, the
+        # lease and the read-ahead advice use.
+        file.pin()
+        self._pinned: LocalFile | None = file
         try:
-            file = next(iter(info.layouts.values())).extents[0].file
-            assert isinstance(file, LocalFile)
             lease = Lease.take(file)
             if isinstance(lease, Lease):
                 self.guard = lease
@@ -237,6 +241,7 @@ class MappedReader:
             self._close_maps()
             if self.guard is not None:
                 self.guard.close()
+            self._unpin()
             raise
         self.own_arrays: Mapping[str, np.ndarray] | None = {
             t.name: t.array for t in self._tops if t.array is not None
@@ -378,7 +383,13 @@ class MappedReader:
         self._close_maps()
         if self.guard is not None:
             self.guard.close()
+        self._unpin()
         self.source.close()
+
+    def _unpin(self) -> None:
+        file, self._pinned = self._pinned, None
+        if file is not None:
+            file.unpin()
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):

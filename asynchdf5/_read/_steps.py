@@ -40,13 +40,14 @@ class H5pyRead:
     def __call__(self) -> int:
         layout = self.layout
         assert layout.file is not None
-        try:
-            layout.dataset.read_direct(self.dest, np.s_[self.r0 : self.r1])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
-            self._check()  # a file that changed is the cause to report
-            raise ReadError(f"{layout.file.name}: {self.about}: read failed: {exc}") from exc
-        self._check()
+        with layout.file.pinned():  # its h5py handle is not closed under the read
+            try:
+                layout.open_dataset().read_direct(self.dest, np.s_[self.r0 : self.r1])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
+                self._check()  # a file that changed is the cause to report
+                raise ReadError(f"{layout.file.name}: {self.about}: read failed: {exc}") from exc
+            self._check()
         return int(self.dest.nbytes)
 
     def _check(self) -> None:

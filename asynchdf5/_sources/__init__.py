@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._base import ByteRange, Source, StoredFile
-from ._entries import SourceLike, is_hdf5_file, is_url, resolve_source
+from ._entries import SourceLike, is_hdf5_file, is_url, name_entry, resolve_source
 from ._local import LocalSource
 from ._remote import RemoteSource
 
@@ -24,6 +24,7 @@ __all__ = [
     "StoredFile",
     "is_hdf5_file",
     "is_url",
+    "name_entry",
     "open_source",
     "resolve_source",
 ]
