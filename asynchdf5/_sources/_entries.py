@@ -90,11 +90,10 @@ def _local(entry: str | os.PathLike[str], base: Path | None = None) -> str:
     return os.path.normpath(path)
 
 
-def _parse_list(
-    data: bytes, shown: str, resolve: Callable[[str], str], named: str | None = None
-) -> list[str]:
+def _parse_list(data: bytes, shown: str, resolve: Callable[[str], str]) -> list[str]:
     """The entries of a source list file's ``data``, each resolved by ``resolve`` (URLs as they
-    are), and remembering its line of the list (which the user named ``named``)."""
+    are), and remembering its line of the list (named by its file name: the entry's own path
+    says where it is)."""
     try:
         # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first path.
         text = data.decode("utf-8-sig")
@@ -103,25 +102,25 @@ def _parse_list(
             f"source {shown!r} is neither an HDF5 file nor a source list file (it is not "
             "UTF-8 text); pass a list file naming HDF5 files, an HDF5 file, or a sequence of paths"
         ) from exc
+    list_name = posixpath.basename(shown.split("?", 1)[0].rstrip("/")) or shown
     entries: list[str] = []
     for number, line in enumerate(text.splitlines(), 1):  # "\n", "\r\n" and "\r" alike
         entry = line.strip()
         if not entry or entry.startswith("#"):
             continue
-        where = f"{named or shown}, line {number}"
+        where = f"{list_name}, line {number}"
         entries.append(Entry(entry if is_url(entry) else resolve(entry), where))
     if not entries:
         raise SourceError(f"source list file {shown!r} names no HDF5 file")
     return entries
 
 
-def _read_list_file(path: Path, shown: str) -> list[str]:
-    """The entries of the list file at ``path``, which the user named ``shown``."""
+def _read_list_file(path: Path) -> list[str]:
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise SourceError(f"cannot read source list file {str(path)!r}: {exc}") from exc
-    return _parse_list(data, str(path), lambda entry: _local(entry, path.parent), shown)
+    return _parse_list(data, str(path), lambda entry: _local(entry, path.parent))
 
 
 def join_url(base: str, entry: str) -> str:
@@ -191,7 +190,7 @@ def resolve_source(
             raise SourceError(f"source {text!r} is not readable (permission denied)")
         if is_hdf5_file(path):
             return [str(path)]
-        return _read_list_file(path, text)
+        return _read_list_file(path)
     if isinstance(source, (bytes, bytearray)) or not isinstance(source, Sequence):
         raise ConfigurationError(
             f"source must be a path to a source list file or an HDF5 file, or a sequence of HDF5 "
