@@ -114,20 +114,26 @@ async def test_files_closed_and_opened_again_read_exactly_once(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("fault", ["rewritten", "deleted"])
 @pytest.mark.parametrize("layout", ["contiguous", "gzip-split"])
-async def test_a_file_rewritten_while_closed_is_a_read_error_when_opened_again(
-    tmp_path: Path, few_open: int, layout: str
+async def test_a_file_changed_while_closed_is_a_read_error_when_opened_again(
+    tmp_path: Path, few_open: int, layout: str, fault: str
 ) -> None:
+    """Kept open, a deleted file would still be read (from its descriptor); closed in between,
+    it cannot be, and a rewritten one must not be: both are named errors."""
     lst = write_many(tmp_path, 8, 20, layout)
     victim = tmp_path / "s00003.h5"  # not in the next epoch's first chunk (read already)
     with anyio.fail_after(30):
         async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:
             check_epoch([b async for b in layer], 160, 10, 0)  # the early files are closed now
-            rewrite_in_place(victim)  # size and modification time kept
+            if fault == "rewritten":
+                rewrite_in_place(victim)  # size and modification time kept
+            else:
+                victim.unlink()
             with pytest.raises(ReadError) as info:
                 async for _ in layer:
                     pass
-    check_message(info.value, victim, "changed since the layer opened it")
+    check_message(info.value, victim, "changed since the layer opened it", "rows 0:20")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_NOFILE")

@@ -8,6 +8,7 @@ bytes are in (:func:`swapper`). :class:`~asynchdf5._read.HDF5Reader` plans them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,11 @@ class H5pyRead:
     def __call__(self) -> int:
         layout = self.layout
         assert layout.file is not None
-        with layout.file.pinned():  # its h5py handle is not closed under the read
+        with contextlib.ExitStack() as stack:
+            try:  # its h5py handle is not closed under the read
+                stack.enter_context(layout.file.pinned())
+            except ReadError as exc:  # it changed while it was closed
+                raise ReadError(f"{self.about}: {exc}") from exc
             try:
                 layout.open_dataset().read_direct(self.dest, np.s_[self.r0 : self.r1])
             except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -239,14 +239,17 @@ class LocalFile:
         try:
             fd = self._owner.os_open(self.name)
         except FileNotFoundError as exc:
-            raise ReadError(f"{gone} (deleted, or renamed away)") from exc
+            raise ReadError(f"{gone}: deleted, or renamed away") from exc
         except OSError as exc:
             hint = self._owner.limit_hint() if exc.errno in (errno.EMFILE, errno.ENFILE) else ""
             raise ReadError(f"{self.name}: cannot open the file again: {exc}{hint}") from exc
         try:
             change = self.fingerprint.change(Fingerprint.of(os.fstat(fd)))
             if change is not None:
-                raise ReadError(f"{gone} ({change}; seen when it was opened again)")
+                raise ReadError(
+                    f"{gone}: {change} (seen when it was opened again, after being closed to keep "
+                    "the files open under the limit)"
+                )
         except BaseException:
             os.close(fd)
             raise
