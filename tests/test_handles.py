@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, Batch, ReadError, SourceError
-from asynchdf5._sources import _handles
+from asynchdf5._sources import LocalSource, _handles
 
 from ._files import LAYOUTS, check_epoch, check_message, write_h5
 from .test_faults import rewrite_in_place
@@ -182,3 +182,25 @@ def test_out_of_descriptors_counts_the_files_really_held(tmp_path: Path) -> None
     check_message(
         SourceError(out.stdout), paths[3], "no more files", "holds 3 files open, 3 of them in use"
     )
+
+
+def test_the_least_recently_used_file_not_pinned_is_closed(tmp_path: Path) -> None:
+    paths = [str(write_h5(tmp_path / f"f{i}.h5", i * 5, 5)) for i in range(6)]
+    source = LocalSource(max_open=2)
+    try:
+        first = source.open(paths[0])
+        fd = first.pin()  # a read in flight
+        others = [source.open(p) for p in paths[1:]]
+        assert first.fd == fd
+        os.fstat(fd)  # still open: never closed under its read
+        assert [f.fd >= 0 for f in others] == [False, False, False, False, True]
+        first.unpin()
+        first.check()  # still open, and now the most recently used
+        others[0].check()  # opened again, checked against its catalogued fingerprint
+        assert (first.fd >= 0, others[0].fd >= 0, others[-1].fd >= 0) == (True, True, False)
+        with others[1].pinned():
+            assert others[1].h5py_file()["label"][0] == 10
+        assert (first.fd >= 0, others[0].fd >= 0) == (False, True)
+    finally:
+        source.close()
+    assert all(f.fd == -1 for f in [first, *others])

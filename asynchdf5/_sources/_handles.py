@@ -114,7 +114,8 @@ class OpenFiles:
 
     def os_open(self, name: str) -> int:
         """``os.open(name)`` for reading; out of descriptors, once more after closing every file
-        not pinned. OSError as ``os.open`` raises it, with :meth:`limit_hint` in its place."""
+        not pinned. Raises OSError as ``os.open`` does (add :meth:`limit_hint` to its message
+        when it is EMFILE)."""
         try:
             return os.open(name, _FLAGS)
         except OSError as exc:
@@ -133,10 +134,11 @@ class OpenFiles:
         )
 
     def close(self) -> None:
-        """Close every file; later pins raise."""
+        """Close every file, pinned or not (the source is closing: its reads are over); later
+        pins raise."""
         with self.lock:
             self.closed = True
-            out = [f.detach() for f in list(self.open)]
+            out = [f.take() for f in list(self.open)]
         for fd, h5 in out:
             _close(fd, h5)
 
@@ -185,7 +187,12 @@ class LocalFile:
 
     def detach(self) -> tuple[int, h5py.File | None]:
         """Take the file's handles out of it, to close (with the owner's lock held; not pinned)."""
-        assert self.pins == 0
+        if self.pins:  # a bug: not an assert, which `python -O` would drop
+            raise AssertionError(f"{self.name}: closing a file that a read has pinned")
+        return self.take()
+
+    def take(self) -> tuple[int, h5py.File | None]:
+        """Take the file's handles out of it, pinned or not (with the owner's lock held)."""
         self._owner.open.pop(self, None)
         fd, h5 = self._fd, self._h5
         self._fd, self._h5 = -1, None
@@ -221,7 +228,8 @@ class LocalFile:
 
     def unpin(self) -> None:
         with self._owner.lock:
-            assert self.pins > 0
+            if self.pins <= 0:  # a bug: not an assert, which `python -O` would drop
+                raise AssertionError(f"{self.name}: unpinned more often than pinned")
             self.pins -= 1
 
     @contextlib.contextmanager
@@ -314,7 +322,5 @@ class LocalFile:
     def close(self) -> None:
         """Close the file's handles now (pinned or not: the source is closing)."""
         with self._owner.lock:
-            self._owner.open.pop(self, None)
-            fd, h5 = self._fd, self._h5
-            self._fd, self._h5 = -1, None
+            fd, h5 = self.take()
         _close(fd, h5)
