@@ -294,3 +294,6 @@ def test_entries_remember_their_line_through_copies_and_pickles(tmp_path: Path) 
     entries = pickle.loads(pickle.dumps(list(resolve_source(lst))))
     assert entries == [str(tmp_path / "a.h5"), str(tmp_path / "b.h5")]
     assert [e.where for e in entries] == ["train.txt, line 2", "train.txt, line 3"]
+    # Resolved again as a sequence (as the torch adapter's workers do): still the list's lines.
+    again = resolve_source(entries)
+    assert [getattr(e, "where", None) for e in again] == ["train.txt, line 2", "train.txt, line 3"]

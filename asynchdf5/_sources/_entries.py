@@ -203,7 +203,10 @@ def resolve_source(
                 f"source entries must be paths, not {type(item).__name__}: {item!r}"
             )
         text = os.fspath(item)
-        entries.append(Entry(text if is_url(text) else _local(text), f"source[{i}]"))
+        # An entry resolved before (a layer's paths, handed to a DataLoader's workers) keeps
+        # where its list named it.
+        where = getattr(item, "where", None) or f"source[{i}]"
+        entries.append(Entry(text if is_url(text) else _local(text), where))
     if not entries:
         raise SourceError("source is an empty sequence: name at least one HDF5 file")
     return entries
