@@ -4,9 +4,11 @@ open at once, files closed and opened again checked against the catalog's finger
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -204,3 +206,36 @@ def test_the_least_recently_used_file_not_pinned_is_closed(tmp_path: Path) -> No
     finally:
         source.close()
     assert all(f.fd == -1 for f in [first, *others])
+
+
+def test_threads_pinning_files_never_meet_a_closed_descriptor(tmp_path: Path) -> None:
+    """Eight threads pin, read and unpin twenty files through three slots: every read sees its
+    own file's bytes, and no more files are open than the slots and the pins in flight."""
+    paths = [str(write_h5(tmp_path / f"f{i}.h5", i * 5, 5)) for i in range(20)]
+    heads = [Path(p).read_bytes()[:4096] for p in paths]
+    source = LocalSource(max_open=3)
+    files = [source.open(p) for p in paths]
+    errors: list[BaseException] = []
+    most = [0]
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                k = rng.randrange(len(files))
+                with files[k].pinned():
+                    assert os.pread(files[k].fd, 4096, 0) == heads[k]
+                    held = sum(f.fd >= 0 for f in files)
+                    most[0] = max(most[0], held)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    source.close()
+    assert not errors, errors[0]
+    assert most[0] <= 3 + 8
+    assert all(f.fd == -1 for f in files)
