@@ -305,7 +305,8 @@ def _describe_file(
             )
         rows[name] = int(dset.shape[0])
         holder, dset = _physical(source, file, dset)
-        layout = layouts[name] = describe(source, holder, dset, name)
+        with holder.pinned():  # an external link's target: not closed while described
+            layout = layouts[name] = describe(source, holder, dset, name)
         touched[id(holder)] = holder
         for dep in layout.depends:
             touched[id(dep)] = dep

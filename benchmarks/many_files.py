@@ -120,6 +120,7 @@ def run(files: int, data_dir: str | None, nofile: int) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if nofile and (soft == resource.RLIM_INFINITY or soft > nofile):
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+    load_start = list(os.getloadavg())
     folder = Path(tempfile.mkdtemp(prefix="asynchdf5-many-files-", dir=data_dir))
     try:
         t0 = time.perf_counter()
@@ -143,7 +144,8 @@ def run(files: int, data_dir: str | None, nofile: int) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "h5py / HDF5": f"{h5py.version.version} / {h5py.version.hdf5_version}",
-            "load_average": list(os.getloadavg()),
+            "load_average_start": load_start,
+            "load_average_end": list(os.getloadavg()),
         },
         "results": results,
     }

@@ -160,6 +160,11 @@ def _top(source: Source, file: Any, name: str) -> TopReport:
         _refuse_external_links(file.name, h5, name)
     dset = _check_top(file.name, h5, name)
     holder, dset = _physical(source, file, dset)
+    with holder.pinned():  # an external link's target: not closed while described
+        return _describe_top(source, holder, file, dset, name)
+
+
+def _describe_top(source: Source, holder: Any, file: Any, dset: Any, name: str) -> TopReport:
     layout = describe(source, holder, dset, name)
     shape = tuple(int(s) for s in dset.shape[1:])
     dtype = dset.dtype.newbyteorder("=")
