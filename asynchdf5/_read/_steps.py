@@ -42,12 +42,13 @@ class H5pyRead:
         layout = self.layout
         assert layout.file is not None
         with contextlib.ExitStack() as stack:
-            try:  # its h5py handle is not closed under the read
+            try:  # its h5py handle is not closed under the read (opened again if it was)
                 stack.enter_context(layout.file.pinned())
+                dataset = layout.open_dataset()
             except ReadError as exc:  # it changed while it was closed
                 raise ReadError(f"{self.about}: {exc}") from exc
             try:
-                layout.open_dataset().read_direct(self.dest, np.s_[self.r0 : self.r1])
+                dataset.read_direct(self.dest, np.s_[self.r0 : self.r1])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
                 self._check()  # a file that changed is the cause to report

@@ -171,6 +171,7 @@ class LocalFile:
         self.pins = 0
         self._fd = fd
         self._h5: h5py.File | None = None
+        self._h5_opened = False
         self._owner = owner
         self._opening = threading.Lock()  # one thread at a time opens this file's handles
         with owner.lock:
@@ -269,9 +270,13 @@ class LocalFile:
         with self.pinned(), self._opening:
             if self._h5 is None:
                 self._h5 = self._open_h5()
+                self._h5_opened = True
             return self._h5
 
     def _open_h5(self) -> h5py.File:
+        # The first time, for the catalog: a SourceError. Opened again for a read during an
+        # epoch (it was closed to make room), a failure is that read's ReadError.
+        error = ReadError if self._h5_opened else SourceError
         try:
             try:
                 h5 = h5py.File(self.name, "r")
@@ -282,7 +287,7 @@ class LocalFile:
                 h5 = h5py.File(self.name, "r")
         except OSError as exc:
             hint = self._owner.limit_hint() if _out_of_descriptors(exc) else ""
-            raise SourceError(f"cannot open HDF5 file {self.name!r}: {exc}{hint}") from exc
+            raise error(f"cannot open HDF5 file {self.name!r}: {exc}{hint}") from exc
         # By path: HDF5 resolves external links and sources relative to the file's folder.
         # It must be the file our descriptor has open, not one renamed into its place.
         try:
@@ -291,7 +296,7 @@ class LocalFile:
             st = os.stat(self.name)
         if (st.st_dev, st.st_ino) != (self.fingerprint.dev, self.fingerprint.ino):
             h5.close()
-            raise SourceError(f"{self.name}: the file was replaced while it was opened")
+            raise error(f"{self.name}: the file was replaced while it was opened")
         return h5
 
     def close_h5py(self) -> None:
