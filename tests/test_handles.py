@@ -239,3 +239,20 @@ def test_threads_pinning_files_never_meet_a_closed_descriptor(tmp_path: Path) ->
     assert not errors, errors[0]
     assert most[0] <= 3 + 8
     assert all(f.fd == -1 for f in files)
+
+
+@pytest.mark.anyio
+async def test_a_mapped_file_stays_open_among_files_closed_to_make_room(
+    tmp_path: Path, few_open: int
+) -> None:
+    """``mmap=True`` on a source whose file with rows was closed to make room for empty ones:
+    the mapped reader opens it again and keeps it pinned (never closed under its mapping)."""
+    data = write_h5(tmp_path / "data.h5", 0, 300)
+    empty = [write_h5(tmp_path / f"empty{i}.h5", 300, 0) for i in range(4)]
+    with anyio.fail_after(30):
+        async with AsyncHDF5DataLayer(
+            [data, *empty], batch_size=10, shuffle=True, seed=0, chunk_size=100, mmap=True
+        ) as layer:
+            assert layer.stats.read_paths["data"] == "mmap"
+            for epoch in range(2):
+                check_epoch([b async for b in layer], 300, 10, epoch)

@@ -222,11 +222,11 @@ class MappedReader:
         self.guard: Lease | None = None
         file = next(iter(info.layouts.values())).extents[0].file
         assert isinstance(file, LocalFile)
-        # Pinned for the reader's life: the source never closes the descriptor the mapping, the
-        # lease and the read-ahead advice use.
-        file.pin()
-        self._pinned: LocalFile | None = file
+        # The files mapped stay pinned while the reader lives: the source never closes the
+        # descriptors that the mappings, the lease and the read-ahead advice use.
+        self._pinned: list[LocalFile] = []
         try:
+            self._pin(file)
             lease = Lease.take(file)
             if isinstance(lease, Lease):
                 self.guard = lease
@@ -236,6 +236,7 @@ class MappedReader:
             for name, top in catalog.tops.items():
                 (ext,) = info.layouts[name].extents
                 assert isinstance(ext.file, LocalFile)
+                self._pin(ext.file)
                 self._tops.append(_Top(libc, top, ext.file, ext.offset, info.nrows))
         except BaseException:
             self._close_maps()
@@ -386,10 +387,15 @@ class MappedReader:
         self._unpin()
         self.source.close()
 
+    def _pin(self, file: LocalFile) -> None:
+        if all(file is not f for f in self._pinned):
+            file.pin()
+            self._pinned.append(file)
+
     def _unpin(self) -> None:
-        file, self._pinned = self._pinned, None
-        if file is not None:
-            file.unpin()
+        pinned, self._pinned = self._pinned, []
+        for f in pinned:
+            f.unpin()
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
