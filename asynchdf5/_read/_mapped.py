@@ -220,9 +220,13 @@ class MappedReader:
         self._tops: list[_Top] = []
         #: The file's read lease (taken before it is mapped): nobody truncates it under a gather.
         self.guard: Lease | None = None
+        file = next(iter(info.layouts.values())).extents[0].file
+        assert isinstance(file, LocalFile)
+        # The files mapped stay pinned while the reader lives: the source never closes the
+        # descriptors that the mappings, the lease and the read-ahead advice use.
+        self._pinned: list[LocalFile] = []
         try:
-            file = next(iter(info.layouts.values())).extents[0].file
-            assert isinstance(file, LocalFile)
+            self._pin(file)
             lease = Lease.take(file)
             if isinstance(lease, Lease):
                 self.guard = lease
@@ -232,11 +236,13 @@ class MappedReader:
             for name, top in catalog.tops.items():
                 (ext,) = info.layouts[name].extents
                 assert isinstance(ext.file, LocalFile)
+                self._pin(ext.file)
                 self._tops.append(_Top(libc, top, ext.file, ext.offset, info.nrows))
         except BaseException:
             self._close_maps()
             if self.guard is not None:
                 self.guard.close()
+            self._unpin()
             raise
         self.own_arrays: Mapping[str, np.ndarray] | None = {
             t.name: t.array for t in self._tops if t.array is not None
@@ -378,7 +384,18 @@ class MappedReader:
         self._close_maps()
         if self.guard is not None:
             self.guard.close()
+        self._unpin()
         self.source.close()
+
+    def _pin(self, file: LocalFile) -> None:
+        if all(file is not f for f in self._pinned):
+            file.pin()
+            self._pinned.append(file)
+
+    def _unpin(self) -> None:
+        pinned, self._pinned = self._pinned, []
+        for f in pinned:
+            f.unpin()
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
