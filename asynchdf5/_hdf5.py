@@ -224,7 +224,10 @@ class AsyncHDF5DataLayer(_Layer):
                 # epoch: keeping it in the page cache gains nothing.
                 memory = memory_bytes()
                 streaming = 0 < memory < shape.n_samples * shape.row_bytes
-                reader = HDF5Reader(catalog, files, streaming=streaming)
+                # Streaming, reads wait on the disk rather than the CPU: more of them in flight.
+                reader = HDF5Reader(
+                    catalog, files, read_threads=8 if streaming else 2, streaming=streaming
+                )
             if refused is not None and isinstance(reader, HDF5Reader):
                 notes = dict(reader.read_notes)
                 for top in catalog.tops:

@@ -23,6 +23,7 @@ from .._errors import ReadError
 __all__ = [
     "DIRECT_ALIGN",
     "DIRECT_BYTES",
+    "DIRECT_MIN",
     "DONTNEED",
     "WILLNEED",
     "advise",
@@ -35,6 +36,10 @@ __all__ = [
 DIRECT_ALIGN = 4096
 #: ... and move at most this many bytes each, through a buffer of each reading thread's.
 DIRECT_BYTES = 4 * 2**20
+#: Ranges smaller than this are read through the page cache all the same: a narrow top's rows
+#: (labels) stay cached from epoch to epoch, and a direct read of a few KiB costs a round trip
+#: to the device each.
+DIRECT_MIN = 64 * 2**10
 
 #: ``posix_fadvise`` advice (None where the platform has none).
 WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)

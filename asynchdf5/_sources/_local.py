@@ -27,7 +27,7 @@ from .._errors import DataLayerError, ReadError, SourceError
 from .._priority import background
 from .._stats import ReadStats
 from ._base import ByteRange, StoredFile
-from ._direct import DONTNEED, WILLNEED, advise, read_direct
+from ._direct import DIRECT_BYTES, DIRECT_MIN, DONTNEED, WILLNEED, advise, read_direct
 from ._entries import HDF5_SIGNATURE
 from ._handles import Fingerprint, LocalFile, OpenFiles
 
@@ -116,7 +116,8 @@ class LocalSource:
         # In file order: each thread's call then reads ahead through its part of the file.
         ordered = sorted(ranges, key=lambda r: (id(r.file), r.offset))
         async with anyio.create_task_group() as tg:
-            for batch in _batches(ordered):
+            # Streaming, calls of a direct read each: more of them in flight for the disk.
+            for batch in _batches(ordered, DIRECT_BYTES if streaming else PIECE_BYTES):
                 tg.start_soon(self._fetch_in_thread, batch, work, limiter, readers, streaming)
         return sum(r.size for r in ranges)
 
@@ -169,15 +170,15 @@ def is_hdf5_file_fd(fd: int) -> bool:
     return False
 
 
-def _batches(ranges: Sequence[ByteRange]) -> Iterator[list[ByteRange]]:
-    """Consecutive ranges, about ``PIECE_BYTES`` per batch (one worker-thread call each), of at
+def _batches(ranges: Sequence[ByteRange], piece: int) -> Iterator[list[ByteRange]]:
+    """Consecutive ranges, about ``piece`` bytes per batch (one worker-thread call each), of at
     most ``FILES_PER_PIECE`` files (each pinned open for the call)."""
     batch: list[ByteRange] = []
     size = 0
     files: set[int] = set()
     for r in ranges:
         new_file = id(r.file) not in files
-        if batch and (size + r.size > PIECE_BYTES or (new_file and len(files) >= FILES_PER_PIECE)):
+        if batch and (size + r.size > piece or (new_file and len(files) >= FILES_PER_PIECE)):
             yield batch
             batch, size, files = [], 0, set()
         batch.append(r)
@@ -200,7 +201,7 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
     and for raw chunks, the kernel is told of the whole batch first (``WILLNEED``: it reads
     every range at once, where one ``preadv`` at a time leaves the disk one request deep) and
     each range is dropped once read (``DONTNEED``). Advice only: a failure to give it changes
-    nothing.
+    nothing. Ranges under ``DIRECT_MIN`` are read through the page cache all the same.
     """
     pending: list[tuple[ByteRange, Future[None]]] = []
     files: dict[int, LocalFile] = {}
@@ -215,13 +216,14 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
                 except ReadError as exc:
                     raise ReadError(f"{r.about}: {exc}") from exc
                 files[id(f)] = f
-        if streaming:
-            _advise([r for r in batch if not _direct(r)], WILLNEED)
+        # The ranges read around the page cache: with O_DIRECT, or with advice.
+        around = {id(r) for r in batch if streaming and r.size >= DIRECT_MIN}
+        _advise([r for r in batch if id(r) in around and not _direct(r)], WILLNEED)
         for r in batch:
             f = r.file
             assert isinstance(f, LocalFile)
             if r.into is not None:
-                if not (streaming and _direct(r) and _read_direct(f, r)):
+                if not (id(r) in around and _direct(r) and _read_direct(f, r)):
                     _preadv(f, r)
                 if r.then is not None:
                     r.then(r.into)
@@ -229,7 +231,7 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
                 assert r.then is not None
                 raw = _pread(f, r)
                 pending.append((r, work.submit(r.then, raw)))
-            if streaming and not _direct(r):
+            if id(r) in around and not _direct(r):
                 _advise((r,), DONTNEED)
     except BaseException as exc:
         error = exc
