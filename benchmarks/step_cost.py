@@ -37,8 +37,11 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
+import resource
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -59,6 +62,7 @@ BATCH = 256
 FULL = {"samples": 327_680, "chunk_size": 2**17, "steps": 1000}  # 1.01 GB
 QUICK = {"samples": 6_656, "chunk_size": 2**11, "steps": 40}  # 20.5 MB
 CHILD_MARK = "STEP_COST_RESULT "
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # Linux: the thread
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,6 +209,49 @@ def _thread_sched() -> tuple[float, float, int, int]:
     )
 
 
+def threads_snapshot() -> dict[str, list[float]]:
+    """Per thread of this process (by Python name, else ``tid N``): CPU seconds, voluntary and
+    involuntary context switches, summed over threads of the same name (Linux; else empty)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, list[float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run_ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
+        except (OSError, ValueError):
+            continue
+        name = names.get(int(tid), f"tid {tid}")
+        name = re.sub(r"[-_ ]?[0-9a-f]*[0-9][0-9a-f]*$", "", name) or name  # pools as one
+        row = out.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+        row[0] += run_ns / 1e9
+        row[1] += int(fields["voluntary_ctxt_switches"])
+        row[2] += int(fields["nonvoluntary_ctxt_switches"])
+        row[3] += 1
+    return out
+
+
+def threads_delta(
+    before: dict[str, list[float]], after: dict[str, list[float]], batches: int
+) -> dict[str, dict[str, float]]:
+    """Per thread name over a run: CPU seconds, and switches per batch."""
+    out = {}
+    for name, row in after.items():
+        b = before.get(name, [0.0, 0.0, 0.0, 0.0])
+        out[name] = {
+            "threads": row[3],
+            "cpu_s": row[0] - b[0],
+            "voluntary_per_batch": (row[1] - b[1]) / batches,
+            "involuntary_per_batch": (row[2] - b[2]) / batches,
+        }
+    return out
+
+
 class Clock:
     """Per-step wall and CPU times, the waits for batches, and the main thread's scheduling
     counters over one run of ``steps`` steps (first batch to last step)."""
@@ -212,23 +259,35 @@ class Clock:
     def __init__(self, steps: int) -> None:
         self.step_s = np.empty(steps)
         self.cpu_s = np.empty(steps)
+        self.blocked = np.zeros(steps, np.int64)  # voluntary switches in the step: GIL waits
+        self.preempted = np.zeros(steps, np.int64)  # involuntary switches in the step
         self.wait_s = np.zeros(steps)
         self.started = self.first = self.end = 0.0
         self.sched0 = self.sched1 = (0.0, 0.0, 0, 0)
+        self.threads0: dict[str, list[float]] = {}
+        self.threads1: dict[str, list[float]] = {}
 
     def step(self, k: int, d: npt.NDArray[Any], label: npt.NDArray[Any], iterations: int) -> None:
+        # getrusage keeps the GIL (a file read would let the loader's threads in here).
+        r0 = resource.getrusage(RUSAGE_THREAD)
         t, c = time.perf_counter(), time.thread_time()
         python_step(d, label, iterations)
         self.cpu_s[k] = time.thread_time() - c
         self.step_s[k] = time.perf_counter() - t
+        r1 = resource.getrusage(RUSAGE_THREAD)
+        self.blocked[k] = r1.ru_nvcsw - r0.ru_nvcsw
+        self.preempted[k] = r1.ru_nivcsw - r0.ru_nivcsw
 
-    def summary(self, free: Clock | None = None) -> dict[str, float]:
+    def summary(self, free: Clock | None = None) -> dict[str, Any]:
         steps = len(self.step_s)
         wall = self.end - self.first
         median = float(np.median(self.step_s))
         ref = float(np.median(free.step_s)) if free is not None else median
         ref_cpu = float(np.median(free.cpu_s)) if free is not None else float(np.median(self.cpu_s))
         off = self.step_s - self.cpu_s
+        # Off-CPU time of the steps that were not preempted: the GIL waits, nothing else.
+        calm = self.preempted == 0
+        gil_ms = float(off[calm].mean()) * 1e3 if calm.any() else float("nan")
         return {
             "first_batch_s": self.first - self.started,
             "step_median_ms": median * 1e3,
@@ -236,6 +295,10 @@ class Clock:
             "cpu_median_ms": float(np.median(self.cpu_s)) * 1e3,
             "off_cpu_median_ms": float(np.median(off)) * 1e3,
             "off_cpu_total_s": float(off.sum()),
+            "gil_waits_per_step": float(self.blocked.mean()),
+            "steps_with_gil_wait": float((self.blocked > 0).mean()),
+            "gil_wait_ms_per_step": gil_ms,
+            "preempted_steps": float((self.preempted > 0).mean()),
             "wait_total_s": float(self.wait_s.sum()),
             "wait_p90_ms": float(np.percentile(self.wait_s, 90)) * 1e3,
             "wall_s": wall,
@@ -246,6 +309,7 @@ class Clock:
             "runqueue_wait_s": self.sched1[0] - self.sched0[0],
             "voluntary_switches": self.sched1[2] - self.sched0[2],
             "involuntary_switches": self.sched1[3] - self.sched0[3],
+            "threads": threads_delta(self.threads0, self.threads1, steps),
         }
 
 
@@ -254,6 +318,7 @@ def drive(batches: Iterator[Pair], steps: int, iterations: int) -> Clock:
     clock.started = time.perf_counter()
     try:
         d, label = next(batches)
+        clock.threads0 = threads_snapshot()
         clock.sched0 = _thread_sched()
         clock.first = time.perf_counter()
         for k in range(steps):
@@ -264,6 +329,7 @@ def drive(batches: Iterator[Pair], steps: int, iterations: int) -> Clock:
             clock.step(k, d, label, iterations)
         clock.end = time.perf_counter()
         clock.sched1 = _thread_sched()
+        clock.threads1 = threads_snapshot()
     finally:
         close = getattr(batches, "close", None)
         if close is not None:
@@ -276,6 +342,7 @@ async def drive_async(batches: AsyncIterator[Pair], steps: int, iterations: int)
     clock.started = time.perf_counter()
     try:
         d, label = await anext(batches)
+        clock.threads0 = threads_snapshot()
         clock.sched0 = _thread_sched()
         clock.first = time.perf_counter()
         for k in range(steps):
@@ -286,6 +353,7 @@ async def drive_async(batches: AsyncIterator[Pair], steps: int, iterations: int)
             clock.step(k, d, label, iterations)
         clock.end = time.perf_counter()
         clock.sched1 = _thread_sched()
+        clock.threads1 = threads_snapshot()
     finally:
         await batches.aclose()  # type: ignore[attr-defined]
     return clock
@@ -358,22 +426,18 @@ def _range(values: list[float], fmt: str = "{:.3f}") -> str:
     return lo if lo == hi else f"{lo}–{hi}"
 
 
-def _row(name: str, runs: list[dict[str, Any]], failed: int, steps: int) -> str:
+def _row(name: str, runs: list[dict[str, Any]], failed: int) -> str:
     def col(key: str, fmt: str = "{:.3f}", free: bool = False) -> str:
         return _range([float((r["free"] if free else r)[key]) for r in runs], fmt)
 
-    def switches(free: bool = False) -> str:
-        vol = [(r["free"] if free else r)["voluntary_switches"] / steps for r in runs]
-        invol = [(r["free"] if free else r)["involuntary_switches"] / steps for r in runs]
-        return f"{_range(vol, '{:.2f}')} / {_range(invol, '{:.2f}')}"
-
     cpu = _range([r["cpu_s"] + r["children_cpu_s"] for r in runs], "{:.1f}")
     load = _range([r["load_start"] for r in runs] + [r["load_end"] for r in runs], "{:.1f}")
-    off = f"{col('off_cpu_median_ms')} ({col('off_cpu_median_ms', free=True)})"
     return (
         f"| {name}{f' ({failed} failed)' if failed else ''} | {col('median_ratio')} | "
         f"{col('p90_ratio')} | {col('epoch_ratio')} | {col('free_epoch_ratio')} | "
-        f"{col('cpu_ratio')} | {off} | {switches()} ({switches(True)}) | "
+        f"{col('cpu_ratio')} | {col('gil_waits_per_step', '{:.2f}')} "
+        f"({col('steps_with_gil_wait', '{:.0%}')}) | {col('gil_wait_ms_per_step')} | "
+        f"{col('preempted_steps', '{:.0%}')} ({col('preempted_steps', '{:.0%}', True)}) | "
         f"{col('wait_total_s', '{:.2f}')} | {col('first_batch_s', '{:.2f}')} | {cpu} | {load} |"
     )
 
@@ -387,21 +451,44 @@ def render(out: dict[str, Any]) -> str:
         f"{cfg['samples']:,} samples ({cfg['bytes'] / 1e9:.2f} GB, warm); "
         f"{cfg['repeats']} repeat(s), ranges over them; switch interval "
         f"{cfg['switch_interval_ms'] or 5:g} ms; ASYNCHDF5_NICE={cfg['nice'] or 'unset'}. "
-        "Each ratio is against the free step measured in the same process just before.",
+        "Each ratio is against the free step measured in the same process just before. A GIL "
+        "wait is a voluntary context switch of the main thread inside a step (the step never "
+        "blocks otherwise); its time is the mean off-CPU time of the steps not preempted.",
         "",
         "| loader | median step ÷ free | p90 step ÷ free median | epoch ÷ ideal | "
-        "epoch ÷ free epoch | step CPU ÷ free | step off-CPU, median ms (free) | "
-        "main-thread switches per step, vol. / invol. (free) | waits for batches (s) | "
+        "epoch ÷ free epoch | step CPU ÷ free | GIL waits per step (steps with one) | "
+        "GIL wait per step, ms | steps preempted (free) | waits for batches (s) | "
         "first batch (s) | CPU-s (+ children) | load avg (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in cfg["loaders"]:
         runs = [r for r in out["runs"] if r["loader"] == name and "error" not in r]
         errors = [r["error"] for r in out["runs"] if r["loader"] == name and "error" in r]
         if runs:
-            lines.append(_row(name, runs, len(errors), cfg["steps"]))
+            lines.append(_row(name, runs, len(errors)))
         else:
-            lines.append(f"| {name} | error: {'; '.join(errors)} |" + " |" * 10)
+            lines.append(f"| {name} | error: {'; '.join(errors)} |" + " |" * 11)
+    lines += [
+        "",
+        "Threads of the measuring process over the run (the loader's, and the main thread that "
+        "runs the steps): CPU seconds, context switches per batch.",
+        "",
+        "| loader | thread (count) | CPU-s | voluntary switches per batch | involuntary |",
+        "|---|---|---|---|---|",
+    ]
+    for name in cfg["loaders"]:
+        runs = [r for r in out["runs"] if r["loader"] == name and "error" not in r]
+        names = sorted(
+            {t for r in runs for t in r["threads"]}, key=lambda t: (t != "MainThread", t)
+        )
+        for t in names:
+            rows = [r["threads"][t] for r in runs if t in r["threads"]]
+            lines.append(
+                f"| {name} | {t} ({_range([x['threads'] for x in rows], '{:.0f}')}) | "
+                f"{_range([x['cpu_s'] for x in rows], '{:.2f}')} | "
+                f"{_range([x['voluntary_per_batch'] for x in rows], '{:.2f}')} | "
+                f"{_range([x['involuntary_per_batch'] for x in rows], '{:.2f}')} |"
+            )
     return "\n".join(lines)
 
 
