@@ -101,6 +101,12 @@ def calibrate(step_ms: float) -> int:
 # Loaders: endless iterators of (data, label) NumPy arrays, over as many epochs as asked for
 
 
+#: Extra layer properties for this run (``--layer``), set in the child.
+LAYER_OPTIONS: dict[str, Any] = {}
+#: ``--yield-us``: the trainer sleeps this long before asking for each batch (0: not at all).
+YIELD_S = 0.0
+
+
 def _kwargs(source: str, chunk_size: int) -> dict[str, Any]:
     return {
         "batch_size": BATCH,
@@ -108,7 +114,7 @@ def _kwargs(source: str, chunk_size: int) -> dict[str, Any]:
         "shuffle": True,
         "seed": 0,
         "chunk_size": chunk_size,
-    }
+    } | LAYER_OPTIONS
 
 
 def free_batches(*_: Any) -> Iterator[Pair]:
@@ -324,6 +330,8 @@ def drive(batches: Iterator[Pair], steps: int, iterations: int) -> Clock:
         for k in range(steps):
             if k:
                 t = time.perf_counter()
+                if YIELD_S:
+                    time.sleep(YIELD_S)
                 d, label = next(batches)
                 clock.wait_s[k] = time.perf_counter() - t
             clock.step(k, d, label, iterations)
@@ -348,6 +356,8 @@ async def drive_async(batches: AsyncIterator[Pair], steps: int, iterations: int)
         for k in range(steps):
             if k:
                 t = time.perf_counter()
+                if YIELD_S:
+                    time.sleep(YIELD_S)
                 d, label = await anext(batches)
                 clock.wait_s[k] = time.perf_counter() - t
             clock.step(k, d, label, iterations)
@@ -361,8 +371,11 @@ async def drive_async(batches: AsyncIterator[Pair], steps: int, iterations: int)
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One loader's run: the free step, then the step fed by the loader."""
+    global YIELD_S
     if spec["switch_interval_ms"]:
         sys.setswitchinterval(spec["switch_interval_ms"] / 1e3)
+    LAYER_OPTIONS.update(spec["layer"])
+    YIELD_S = spec["yield_us"] / 1e6
     steps, iterations = spec["steps"], spec["iterations"]
     free = drive(free_batches(), steps, iterations)
     cpu0, load0 = os.times(), os.getloadavg()
@@ -450,7 +463,9 @@ def render(out: dict[str, Any]) -> str:
         f"{cfg['steps']:,} steps, batch {BATCH}, chunk_size {cfg['chunk_size']:,}, "
         f"{cfg['samples']:,} samples ({cfg['bytes'] / 1e9:.2f} GB, warm); "
         f"{cfg['repeats']} repeat(s), ranges over them; switch interval "
-        f"{cfg['switch_interval_ms'] or 5:g} ms; ASYNCHDF5_NICE={cfg['nice'] or 'unset'}. "
+        f"{cfg['switch_interval_ms'] or 5:g} ms; ASYNCHDF5_NICE={cfg['nice'] or 'unset'}; "
+        f"extra layer properties {cfg['layer'] or 'none'}; trainer yields "
+        f"{cfg['yield_us']:g} µs before each batch. "
         "Each ratio is against the free step measured in the same process just before. A GIL "
         "wait is a voluntary context switch of the main thread inside a step (the step never "
         "blocks otherwise); its time is the mean off-CPU time of the steps not preempted.",
@@ -502,6 +517,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="runs of each loader (interleaved)")
     p.add_argument("--loaders", default=",".join(LOADERS), help="comma-separated subset")
     p.add_argument("--switch-interval", type=float, default=0.0, help="ms (default: Python's)")
+    p.add_argument(
+        "--layer", default="{}", help="extra asynchdf5 properties, JSON: '{\"mmap\": true}'"
+    )
+    p.add_argument(
+        "--yield-us",
+        type=float,
+        default=0.0,
+        help="the trainer sleeps this long before asking for each batch (a GIL switch point)",
+    )
     p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
     p.add_argument("--timeout", type=float, default=300.0, help="s per child process")
     p.add_argument("--output", type=Path, help="write the results as JSON to this file")
@@ -545,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "loaders": loaders,
         "switch_interval_ms": args.switch_interval,
+        "layer": json.loads(args.layer),
+        "yield_us": args.yield_us,
         "nice": os.environ.get("ASYNCHDF5_NICE", ""),
         "load_start": list(os.getloadavg()),
     }
@@ -560,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
                 "iterations": iterations,
                 "chunk_size": config["chunk_size"],
                 "switch_interval_ms": args.switch_interval,
+                "layer": json.loads(args.layer),
+                "yield_us": args.yield_us,
             }
             result = run_child(job, files, args.timeout)
             runs.append(result)
