@@ -21,7 +21,7 @@ import asynchdf5._hdf5
 from asynchdf5 import AsyncHDF5DataLayer, ReadError
 from asynchdf5._loading import _Region
 from asynchdf5._read import HDF5Reader
-from asynchdf5._sources import _direct, _handles, _local
+from asynchdf5._sources import _direct, _local
 
 from ._files import ROW_BYTES, N, check_epoch, ramp, write_source
 
@@ -150,8 +150,8 @@ async def test_data_larger_than_memory_is_read_around_the_page_cache(
     monkeypatch.setattr(_local, "read_direct", read_direct)
     monkeypatch.setattr(_local, "advise", advise)
     monkeypatch.setattr(_local, "DIRECT_MIN", 0)  # the test's rows are a few bytes
-    if not direct:
-        monkeypatch.setattr(_handles, "open_direct", lambda *args: -1)
+    if not direct:  # as a file system that refuses O_DIRECT would
+        monkeypatch.setenv("ASYNCHDF5_DIRECT", "0")
     source = write_source(tmp_path)[0]
     for memory, streams in ((N * ROW_BYTES - 1, True), (N * ROW_BYTES, False)):
         calls.clear()
