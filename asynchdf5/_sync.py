@@ -127,9 +127,17 @@ class _Bridge:
                     started.set_exception(exc)
 
         self._thread = threading.Thread(target=run, name=f"asynchdf5-{backend}-bridge", daemon=True)
-        with interrupts_held():  # the thread is started and serving, or this raises
-            self._thread.start()
-            self.portal = started.result()
+        portal = None
+        try:
+            with interrupts_held():  # the thread is started and serving, or this raises
+                self._thread.start()
+                portal = started.result()
+        except BaseException:  # a Ctrl-C held back meanwhile: nobody else could stop the loop
+            if portal is not None:
+                self.portal = portal
+                self.stop(cancel=True)
+            raise
+        self.portal = portal
 
     def stop(self, *, cancel: bool) -> None:
         """Ask the loop to stop (cancelling what still runs there if ``cancel``), then wait.

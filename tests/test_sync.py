@@ -100,3 +100,22 @@ def test_a_ctrl_c_at_the_worst_moment_of_the_close_still_ends_the_loop(
             armed = True
     assert not armed
     assert_released(before, strict=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_ctrl_c_while_the_loop_starts_leaves_no_thread(
+    monkeypatch: pytest.MonkeyPatch, backend: Literal["asyncio", "trio"]
+) -> None:
+    real = BlockingPortal.__aenter__
+
+    async def interrupted(portal: BlockingPortal) -> BlockingPortal:
+        signal.raise_signal(signal.SIGINT)  # the main thread waits for this loop to start
+        return await real(portal)
+
+    monkeypatch.setattr(BlockingPortal, "__aenter__", interrupted)
+    before = snapshot()
+    with pytest.raises(KeyboardInterrupt):
+        with MemoryDataLayer({"x": np.arange(100)}, batch_size=10, backend=backend):
+            pytest.fail("opened")
+    assert_released(before, strict=False)
