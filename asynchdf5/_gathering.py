@@ -77,6 +77,9 @@ class Gatherers:
         # Batch by batch only with one worker: it makes the groups in order, so everything
         # queued before a group has been handed over when the group's first batch is.
         self._per_batch = self.workers == 1 and delivery.per_batch
+        #: A group is being made batch by batch: its batches are put without waking the
+        #: consumer, which looks again every so often meanwhile (its group still wakes it).
+        self.emitting = False
         self._helper = (
             ThreadPoolExecutor(1, "asynchdf5-gather-helper", initializer=background)
             if threads > 1 and not concurrent
@@ -136,12 +139,14 @@ class Gatherers:
             entry: Entry | None = None
             if not (self._stopping or self._failed):
                 clock.start()
+                self.emitting = self._per_batch and isinstance(item, GroupSpec)
                 entry = self._make(item, permit, mine, seq)
                 with self._lock:
                     self.stats.gather_seconds += mine.gather_seconds
                     self.stats.transform_seconds += mine.transform_seconds
                 mine.gather_seconds = mine.transform_seconds = 0.0
             self._hand_on(seq, entry)
+            self.emitting = False
             if entry is not None:
                 clock.stop(blocked=bool(self.out))
 
@@ -159,7 +164,7 @@ class Gatherers:
             with self._lock:
                 assert self._next == seq, "batch by batch needs groups made in order"
                 if not self._failed:
-                    self.out.put((None, items, False))
+                    self.out.put((None, items, False), urgent=False)
             emitted += 1
 
         try:
