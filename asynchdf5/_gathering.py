@@ -7,7 +7,8 @@ transform (and upload) each group, and put the results where the consumer takes 
 loop round trip (:class:`~._handoff.Handoff`), in the order the batcher queued them, whatever
 order they finished in. None of them ever waits for the event loop. Where transformers run
 (:attr:`Delivery.per_batch`), each batch is handed over as soon as it is transformed, ahead of
-the rest of its group: one slow transformer call holds back only the batches after it.
+the rest of its group: one slow transformer call holds back only the batches after it. Such
+batches do not wake a waiting consumer; it looks again soon by itself (``Run.take``).
 
 How many workers. Two by default, when the delivery allows it (:attr:`Delivery.concurrent`:
 host batches without transformers): each gathers whole groups, the next free one takes the
