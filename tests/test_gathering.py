@@ -205,7 +205,7 @@ async def test_a_mapped_file_rewritten_while_batches_go_one_by_one_is_a_read_err
     got: list[Any] = []
     with anyio.fail_after(30), pytest.raises(ReadError) as info:
         async with AsyncHDF5DataLayer(
-            path, batch_size=4, shuffle=True, seed=0, mmap=True, transformers=[("data", _same)]
+            path, batch_size=4, shuffle=True, seed=0, mmap=True, transformers=[("data", _paced)]
         ) as layer:
             for _ in range(2):
                 async for batch in layer:
@@ -218,5 +218,6 @@ async def test_a_mapped_file_rewritten_while_batches_go_one_by_one_is_a_read_err
     check_message(info.value, path)
 
 
-def _same(x: np.ndarray) -> np.ndarray:
+def _paced(x: np.ndarray) -> np.ndarray:
+    time.sleep(0.002)  # so that most batches are made after the change, for sure
     return x
