@@ -18,6 +18,7 @@ import anyio
 import numpy as np
 import pytest
 
+import asynchdf5._gathering as gathering
 from asynchdf5 import AsyncHDF5DataLayer, MemoryDataLayer, ReadError
 from asynchdf5._delivery import HostDelivery
 from asynchdf5._read._lease import Lease
@@ -221,3 +222,27 @@ async def test_a_mapped_file_rewritten_while_batches_go_one_by_one_is_a_read_err
 def _paced(x: np.ndarray) -> np.ndarray:
     time.sleep(0.002)  # so that most batches are made after the change, for sure
     return x
+
+
+async def test_each_batch_handed_over_on_its_own_is_checked_before_it_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The chunks' checks (a mapped file's fingerprint) run before each batch goes, not only
+    # once the group is done: the second check fails, so only the first batch is yielded.
+    checks = 0
+
+    def verify(pieces: Any) -> None:
+        nonlocal checks
+        checks += 1
+        if checks == 2:
+            raise ReadError("the file changed")
+
+    monkeypatch.setattr(gathering, "verify", verify)
+    monkeypatch.setattr(HostDelivery, "group_batches", 256)
+    got = []
+    layer = MemoryDataLayer(rows(0, N), transformers=[("data", _paced)], **KW)
+    with anyio.fail_after(30), pytest.raises(ReadError, match="the file changed"):
+        async with layer:
+            async for batch in layer:
+                got.append(batch)
+    assert len(got) == 1
