@@ -5,7 +5,10 @@ queues them here with :meth:`Gatherers.put`; epoch ends and errors travel in the
 order. Worker threads take them one at a time, have the :class:`~._delivery.Delivery` gather,
 transform (and upload) each group, and put the results where the consumer takes them without a
 loop round trip (:class:`~._handoff.Handoff`), in the order the batcher queued them, whatever
-order they finished in. None of them ever waits for the event loop.
+order they finished in. None of them ever waits for the event loop. Where transformers run
+(:attr:`Delivery.per_batch`), each batch is handed over as soon as it is transformed, ahead of
+the rest of its group: one slow transformer call holds back only the batches after it. Such
+batches do not wake a waiting consumer; it looks again soon by itself (``Run.take``).
 
 How many workers. Two by default, when the delivery allows it (:attr:`Delivery.concurrent`:
 host batches without transformers): each gathers whole groups, the next free one takes the
@@ -72,6 +75,12 @@ class Gatherers:
         self.stats = stats
         concurrent = threads > 1 and delivery.concurrent
         self.workers = threads if concurrent else 1
+        # Batch by batch only with one worker: it makes the groups in order, so everything
+        # queued before a group has been handed over when the group's first batch is.
+        self._per_batch = self.workers == 1 and delivery.per_batch
+        #: A group is being made batch by batch: its batches are put without waking the
+        #: consumer, which looks again every so often meanwhile (its group still wakes it).
+        self.emitting = False
         self._helper = (
             ThreadPoolExecutor(1, "asynchdf5-gather-helper", initializer=background)
             if threads > 1 and not concurrent
@@ -131,30 +140,52 @@ class Gatherers:
             entry: Entry | None = None
             if not (self._stopping or self._failed):
                 clock.start()
-                entry = self._make(item, permit, mine)
+                self.emitting = self._per_batch and isinstance(item, GroupSpec)
+                entry = self._make(item, permit, mine, seq)
                 with self._lock:
                     self.stats.gather_seconds += mine.gather_seconds
                     self.stats.transform_seconds += mine.transform_seconds
                 mine.gather_seconds = mine.transform_seconds = 0.0
             self._hand_on(seq, entry)
+            self.emitting = False
             if entry is not None:
                 clock.stop(blocked=bool(self.out))
 
-    def _make(self, item: GroupItem, permit: bool, stats: GatherStats) -> Entry:
+    def _make(self, item: GroupItem, permit: bool, stats: GatherStats, seq: int) -> Entry:
         if not isinstance(item, GroupSpec):  # an epoch end, or the error that ended a stage
             return (None, [item], permit)
+        emitted = 0  # batches already handed over, one by one
+
+        def emit(batch: Batch) -> None:
+            nonlocal emitted
+            verify(item.pieces)  # before the rows go anywhere (see below)
+            items: list[Item] = [batch]
+            if emitted in item.ends:
+                items.append(EpochEnd(item.ends[emitted]))
+            with self._lock:
+                assert self._next == seq, "batch by batch needs groups made in order"
+                if not self._failed:
+                    self.out.put((None, items, False), urgent=False)
+            emitted += 1
+
         try:
-            batches, error = self.delivery.make(item, stats, self._helper)
+            batches, error = self.delivery.make(
+                item, stats, self._helper, emit if self._per_batch else None
+            )
             verify(item.pieces)  # a mapped file changed: none of the rows is sure
         except Exception as exc:  # that, or a bug: reported in order
             batches, error = [], exc
         group: list[Item] = []
         for i, batch in enumerate(batches):  # fewer than item.sizes on an error
+            if i < emitted:
+                continue
             group.append(batch)
             if i in item.ends:
                 group.append(EpochEnd(item.ends[i]))
         if error is not None:
             group.append(Failure(leaf(error)))
+        # The group itself goes last, even with nothing left in it: taking it lets go of its
+        # chunks and gives its room back to the batcher.
         return (item, group, permit)
 
     def _hand_on(self, seq: int, entry: Entry | None) -> None:

@@ -8,7 +8,9 @@ that too. Here neither does: :meth:`Handoff.put` appends to a deque and returns,
 :meth:`Handoff.get` takes a ready item without a checkpoint. Only a consumer that finds nothing
 ready waits, on a socket the producer writes one byte to when (and only when) someone waits:
 the same self-pipe that event loops use to be woken from other threads, here through anyio's
-:func:`anyio.wait_readable`, so it works on asyncio and trio alike.
+:func:`anyio.wait_readable`, so it works on asyncio and trio alike. Items that may wait a little
+(``put(..., urgent=False)``) do not wake a consumer that looks again every so often
+(``get(poll=...)``): one wake-up costs about as much as handing over a small batch.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Handoff(Generic[T]):
         self._recv.setblocking(False)
         self._send.setblocking(False)
         self._waiting = False  # the consumer is parked in get(): put() must wake it
+        self._polling = False  # ... and looks again soon by itself: only urgent puts wake it
         self._finished = False  # no more items will come
         self._closed = False  # the consumer is gone: items are dropped
 
@@ -47,12 +50,13 @@ class Handoff(Generic[T]):
         """Items queued and not yet taken (any thread: a snapshot)."""
         return len(self._items)
 
-    def put(self, item: T) -> None:
-        """Queue ``item`` (from any thread; returns at once). Dropped once the consumer closed."""
+    def put(self, item: T, *, urgent: bool = True) -> None:
+        """Queue ``item`` (from any thread; returns at once). Dropped once the consumer closed.
+        Not ``urgent``: a consumer waiting with ``poll`` takes it when it looks again."""
         if self._closed:
             return
         self._items.append(item)
-        if self._waiting:
+        if self._waiting and (urgent or not self._polling):
             self._wake()
 
     def _wake(self) -> None:
@@ -79,6 +83,12 @@ class Handoff(Generic[T]):
         if not self._finished:
             anyio.notify_closing(self._recv)
 
+    def peek(self) -> T | None:
+        """The next item without taking it, or None when none is ready (consumer side: only the
+        consumer takes items, so it stays the next one)."""
+        items = self._items
+        return items[0] if items and not self._closed else None
+
     def get_nowait(self) -> T:
         """The next item; :class:`anyio.WouldBlock` when none is ready, :class:`anyio.EndOfStream`
         after the last one, :class:`anyio.ClosedResourceError` once :meth:`close` was called."""
@@ -90,19 +100,30 @@ class Handoff(Generic[T]):
             raise anyio.EndOfStream
         raise anyio.WouldBlock
 
-    async def get(self) -> T:
-        """The next item, waiting for one when none is ready (a cancellation point only then)."""
+    async def get(self, poll: float | None = None) -> T:
+        """The next item, waiting for one when none is ready (a cancellation point only then).
+
+        ``poll``: wait at most that long (an urgent put wakes it at once), then raise
+        :class:`anyio.WouldBlock` if nothing came.
+        """
         while True:
             try:
                 return self.get_nowait()
             except anyio.WouldBlock:
-                pass
+                if poll == 0:
+                    raise
+            self._polling = poll is not None  # before _waiting: put() reads them in turn
             self._waiting = True
             try:
                 if self._items:  # put() ran before it could see that we wait
                     continue
                 try:
-                    await anyio.wait_readable(self._recv)
+                    if poll is None:
+                        await anyio.wait_readable(self._recv)
+                    else:
+                        with anyio.move_on_after(poll):
+                            await anyio.wait_readable(self._recv)
+                        poll = 0  # looked again: an item, or WouldBlock
                 except anyio.ClosedResourceError:
                     continue  # finish() or close(): get_nowait says which
                 if self._finished or self._closed:
@@ -112,4 +133,4 @@ class Handoff(Generic[T]):
                 with contextlib.suppress(BlockingIOError):
                     self._recv.recv(4096)  # wake-ups of puts already taken do no harm
             finally:
-                self._waiting = False
+                self._waiting = self._polling = False

@@ -61,6 +61,11 @@ Mode = Literal["epoch", "stream"]
 GROUP_BYTES = 8 * 2**20
 #: ... and at most ``Delivery.group_batches`` batches.
 
+#: With transformers, a batch handed over on its own waits at most about this long for a
+#: consumer that waits for batches: the consumer looks again this often, rather than being woken
+#: for each batch (a wake-up costs several times what taking a small batch does).
+POLL_S = 0.001
+
 
 class Run:
     """The background pipeline from ``start_epoch`` on, in one mode.
@@ -181,14 +186,29 @@ class Run:
         while True:
             items = self._taken(self._out.get_nowait())
             if items:
-                return items
+                return self._loose(items)
 
     async def take(self) -> list[Item]:
         """:meth:`take_nowait`, waiting for a group when none is ready."""
         while True:
-            items = self._taken(await self._out.get())
+            poll = POLL_S if self._gatherers.emitting else None
+            try:
+                entry = await self._out.get(poll)
+            except anyio.WouldBlock:
+                continue
+            items = self._taken(entry)
             if items:
-                return items
+                return self._loose(items)
+
+    def _loose(self, items: list[Item]) -> list[Item]:
+        """``items``, and with them the batches handed over one by one that are ready behind
+        them (with transformers: see :class:`~._gathering.Gatherers`). They hold no chunk and
+        no room, so taking them early changes no bound; taken together, they cost the consumer
+        one trip instead of one each."""
+        out = self._out
+        while (entry := out.peek()) is not None and entry[0] is None and not entry[2]:
+            items += out.get_nowait()[1]
+        return items
 
     def _taken(self, entry: Entry) -> list[Item]:
         """The consumer took ``entry``: its chunks' rows are no longer needed, and its room

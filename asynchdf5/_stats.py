@@ -172,7 +172,12 @@ class LayerStats:
     stages: dict[str, StageStats] = field(default_factory=dict)
 
     def bottleneck(self) -> str:
-        """In words, which stage holds the others up (from :attr:`stages`)."""
+        """In words, which stage holds the others up (from :attr:`stages`).
+
+        The consumer, when it waited for batches less than a tenth of its own steps; else the
+        busier of reading and gathering (busy seconds, as the stages' table shows them): the
+        stage working most of the time is the one the others wait for.
+        """
         if not self.stages or self.batches == 0:
             return "no batch yet"
         consumer = self.stages["consumer"]
@@ -182,15 +187,17 @@ class LayerStats:
                 f"{consumer.starved_seconds:.3g} s for batches in {consumer.busy_seconds:.3g} s "
                 "of steps)"
             )
-        read, gather = self.stages["read"], self.stages["gather"]
-        if gather.starved_seconds > gather.busy_seconds:
+        read, gather = self.stages["read"].busy_seconds, self.stages["gather"].busy_seconds
+        if read >= gather:
             return (
-                f"reading: the reader was busy {read.busy_seconds:.3g} s (disk, network or "
-                "decompression on the h5py path; see read_paths); the batches waited for chunks"
+                f"reading: the reader was busy {read:.3g} s, gathering and transforming "
+                f"{gather:.3g} s (disk, network or decompression on the h5py path; see "
+                "read_paths); the batches waited for chunks"
             )
         return (
-            f"gathering and transforming: {gather.busy_seconds:.3g} s in the worker thread "
-            f"(gather {self.gather_seconds:.3g} s, transformers {self.transform_seconds:.3g} s)"
+            f"gathering and transforming: {gather:.3g} s in the worker thread (gather "
+            f"{self.gather_seconds:.3g} s, transformers {self.transform_seconds:.3g} s), "
+            f"reading {read:.3g} s"
         )
 
 

@@ -6,18 +6,26 @@ that one bridge: opening and closing, and iterating, which takes at most :data:`
 batches that are already gathered per trip (never an epoch: nothing is collected ahead of what
 the pipeline has ready). Batches are handed over (for a device: made ready on the current CUDA
 stream) in the ``for`` loop's own thread, not the bridge's.
+
+Ctrl-C never leaves the bridge's thread running with nobody to stop it: closing asks the loop to
+stop with ``KeyboardInterrupt`` held back until the request is queued (a second Ctrl-C during
+the close cannot split it), and waits for the thread only once it was asked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from types import TracebackType
+from concurrent.futures import Future
+from types import FrameType, TracebackType
 from typing import Any
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 
 from ._batch import Batch
 from ._errors import StateError
@@ -40,7 +48,7 @@ class SyncInterface:
     """``with`` / ``for`` for a layer whose async side provides ``_opened(sync=True)``."""
 
     _portal: BlockingPortal | None = None
-    _portal_cm: Any = None
+    _bridge: _Bridge | None = None
     _opening: Any = None
 
     def _opened(self, *, sync: bool) -> contextlib.AbstractAsyncContextManager[Any]:
@@ -52,15 +60,14 @@ class SyncInterface:
     def __enter__(self) -> Self:
         if self._portal is not None:
             raise StateError("the layer is already open")
-        cm = start_blocking_portal(self._backend())
-        portal = cm.__enter__()
+        bridge = _Bridge(self._backend())
         try:
-            opening = portal.wrap_async_context_manager(self._opened(sync=True))
+            opening = bridge.portal.wrap_async_context_manager(self._opened(sync=True))
             opening.__enter__()
         except BaseException:
-            cm.__exit__(*sys.exc_info())
+            bridge.stop(cancel=True)
             raise
-        self._portal_cm, self._portal, self._opening = cm, portal, opening
+        self._bridge, self._portal, self._opening = bridge, bridge.portal, opening
         return self
 
     def __exit__(
@@ -72,15 +79,21 @@ class SyncInterface:
         self.close()
 
     def close(self) -> None:
-        """Stop the pipeline and its event loop thread; release everything (idempotent)."""
-        cm, opening = self._portal_cm, self._opening
-        self._portal_cm = self._portal = self._opening = None
-        if cm is None:
+        """Stop the pipeline and its event loop thread; release everything (idempotent).
+
+        A ``KeyboardInterrupt`` during the close cuts the graceful part short (what still runs
+        on the loop is cancelled) but never the request to stop the loop.
+        """
+        bridge, opening = self._bridge, self._opening
+        self._bridge = self._portal = self._opening = None
+        if bridge is None:
             return
+        closed = False
         try:
             opening.__exit__(None, None, None)
+            closed = True
         finally:
-            cm.__exit__(None, None, None)
+            bridge.stop(cancel=not closed)
 
     def _iterate_sync(self, it: EpochIterator) -> Iterator[Batch]:
         portal = self._portal
@@ -88,6 +101,78 @@ class SyncInterface:
             raise StateError("the layer is not open: iterate inside `with layer:`")
         it.bridged = True  # batches are handed over here, in the loop's thread
         return _bridged(portal, it)
+
+
+class _Bridge:
+    """An event loop in a daemon thread, serving a blocking portal until :meth:`stop`.
+
+    anyio's ``start_blocking_portal`` waits for its thread in a ``finally``, even when a
+    ``KeyboardInterrupt`` came before the loop was asked to stop: the wait never ended. Here the
+    request is made with Ctrl-C held back, and the wait comes only after it.
+    """
+
+    def __init__(self, backend: str) -> None:
+        started: Future[BlockingPortal] = Future()
+
+        async def serve() -> None:
+            async with BlockingPortal() as portal:
+                started.set_result(portal)
+                await portal.sleep_until_stopped()
+
+        def run() -> None:
+            try:
+                anyio.run(serve, backend=backend)
+            except BaseException as exc:  # reported to __init__ if the loop never started
+                if not started.done():
+                    started.set_exception(exc)
+
+        self._thread = threading.Thread(target=run, name=f"asynchdf5-{backend}-bridge", daemon=True)
+        portal = None
+        try:
+            with interrupts_held():  # the thread is started and serving, or this raises
+                self._thread.start()
+                portal = started.result()
+        except BaseException:  # a Ctrl-C held back meanwhile: nobody else could stop the loop
+            if portal is not None:
+                self.portal = portal
+                self.stop(cancel=True)
+            raise
+        self.portal = portal
+
+    def stop(self, *, cancel: bool) -> None:
+        """Ask the loop to stop (cancelling what still runs there if ``cancel``), then wait.
+
+        The request is queued before any ``KeyboardInterrupt`` can leave; the wait is for a loop
+        that is ending, so a Ctrl-C during it leaves nothing that needs another one.
+        """
+        with interrupts_held(), contextlib.suppress(RuntimeError):  # RuntimeError: stopped
+            self.portal.call(self.portal.stop, cancel)
+        self._thread.join()
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold back SIGINT in the block and deliver it (to the handler it had) once it ends.
+
+    Only the main thread receives SIGINT, and only a handler written in Python can be held:
+    elsewhere this does nothing. The block must be short; the loop it talks to never blocks.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:

@@ -9,6 +9,7 @@ of the groups before it, even when groups after it were finished first.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,13 @@ import anyio
 import numpy as np
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer, MemoryDataLayer
+import asynchdf5._gathering as gathering
+from asynchdf5 import AsyncHDF5DataLayer, MemoryDataLayer, ReadError
 from asynchdf5._delivery import HostDelivery
+from asynchdf5._read._lease import Lease
 
-from ._files import N, check_batch, check_epoch, rows, write_source
+from ._files import N, check_batch, check_epoch, check_message, rows, write_h5, write_source
+from .test_faults import rewrite_in_place
 
 pytestmark = pytest.mark.anyio
 
@@ -67,8 +71,8 @@ class _Overtaken:
         self.threads: set[str] = set()
         real = HostDelivery.make
 
-        def make(delivery: HostDelivery, group: Any, stats: Any, helper: Any) -> Any:
-            batches, error = real(delivery, group, stats, helper)
+        def make(delivery: HostDelivery, group: Any, stats: Any, helper: Any, emit: Any) -> Any:
+            batches, error = real(delivery, group, stats, helper, emit)
             first = self.position[tuple(batches[0].indices.tolist())] if batches else -1
             with self.lock:
                 self.threads.add(threading.current_thread().name)
@@ -136,9 +140,9 @@ async def test_an_epoch_with_transformers_is_gathered_on_one_thread(
     threads: set[str] = set()
     real = HostDelivery.make
 
-    def make(delivery: HostDelivery, group: Any, stats: Any, helper: Any) -> Any:
+    def make(delivery: HostDelivery, group: Any, stats: Any, helper: Any, emit: Any) -> Any:
         threads.add(threading.current_thread().name)
-        return real(delivery, group, stats, helper)
+        return real(delivery, group, stats, helper, emit)
 
     def record(x: np.ndarray) -> np.ndarray:
         calls.add(threading.current_thread().name)
@@ -155,3 +159,90 @@ async def test_an_epoch_with_transformers_is_gathered_on_one_thread(
         check_epoch(batches, N, KW["batch_size"], 0)
     assert threads == {"asynchdf5-gather"}
     assert calls == {"asynchdf5-gather"}
+
+
+@pytest.mark.parametrize("kind", ["hdf5", "memory"])
+async def test_one_slow_transformer_call_holds_back_only_the_batches_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    # Batch 10 takes 2 s to transform; batches 1-9 are done long before and reach the consumer
+    # then, not with their group (issue 30, item 7). Groups of 256 batches, as by default.
+    monkeypatch.setattr(HostDelivery, "group_batches", 256)
+    calls = 0
+
+    def slow_tenth(x: np.ndarray) -> np.ndarray:
+        nonlocal calls
+        calls += 1
+        if calls == 10:
+            time.sleep(2.0)
+        return x
+
+    if kind == "hdf5":
+        source = write_source(tmp_path)[0]
+        layer: Any = AsyncHDF5DataLayer(source, transformers=[("data", slow_tenth)], **KW)
+    else:
+        layer = MemoryDataLayer(rows(0, N), transformers=[("data", slow_tenth)], **KW)
+    arrived: list[float] = []
+    batches = []
+    async with layer:
+        with anyio.fail_after(30):
+            start = time.perf_counter()
+            async for batch in layer:
+                arrived.append(time.perf_counter() - start)
+                batches.append(batch)
+    check_epoch(batches, N, KW["batch_size"], 0)
+    assert max(arrived[:9]) < 1.0, arrived[:10]
+    assert arrived[9] >= 1.5, arrived[:10]  # the tenth waited for its transformer
+
+
+async def test_a_mapped_file_rewritten_while_batches_go_one_by_one_is_a_read_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Batch by batch (a transformer runs), each batch is checked against the file's fingerprint
+    # before it goes: after the change, a ReadError, and every batch yielded before it is right.
+    monkeypatch.setattr(Lease, "take", classmethod(lambda cls, file: "not in this test"))
+    monkeypatch.setattr(HostDelivery, "group_batches", 256)
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    got: list[Any] = []
+    with anyio.fail_after(30), pytest.raises(ReadError) as info:
+        async with AsyncHDF5DataLayer(
+            path, batch_size=4, shuffle=True, seed=0, mmap=True, transformers=[("data", _paced)]
+        ) as layer:
+            for _ in range(2):
+                async for batch in layer:
+                    got.append(batch)
+                    if len(got) == 1:
+                        rewrite_in_place(path)
+    assert 1 <= len(got) < 2 * N // 4
+    for batch in got:
+        check_batch(batch, 4)
+    check_message(info.value, path)
+
+
+def _paced(x: np.ndarray) -> np.ndarray:
+    time.sleep(0.002)  # so that most batches are made after the change, for sure
+    return x
+
+
+async def test_each_batch_handed_over_on_its_own_is_checked_before_it_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The chunks' checks (a mapped file's fingerprint) run before each batch goes, not only
+    # once the group is done: the second check fails, so only the first batch is yielded.
+    checks = 0
+
+    def verify(pieces: Any) -> None:
+        nonlocal checks
+        checks += 1
+        if checks == 2:
+            raise ReadError("the file changed")
+
+    monkeypatch.setattr(gathering, "verify", verify)
+    monkeypatch.setattr(HostDelivery, "group_batches", 256)
+    got = []
+    layer = MemoryDataLayer(rows(0, N), transformers=[("data", _paced)], **KW)
+    with anyio.fail_after(30), pytest.raises(ReadError, match="the file changed"):
+        async with layer:
+            async for batch in layer:
+                got.append(batch)
+    assert len(got) == 1

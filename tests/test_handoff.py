@@ -120,3 +120,29 @@ async def test_cancelling_a_parked_consumer_loses_nothing() -> None:
     with anyio.fail_after(10):
         assert [await box.get() for _ in range(3)] == [0, 1, 2]
     box.finish()
+
+
+async def test_a_polling_consumer_is_woken_only_by_urgent_items() -> None:
+    box: Handoff[str] = Handoff()
+    try:
+        with anyio.fail_after(10):
+            with pytest.raises(anyio.WouldBlock):  # nothing came within the poll
+                await box.get(poll=0.01)
+            # An item that may wait does not wake a consumer that polls: it is taken when the
+            # consumer looks again.
+            threading.Timer(0.05, lambda: box.put("quiet", urgent=False)).start()
+            t0 = time.perf_counter()
+            assert await box.get(poll=0.5) == "quiet"
+            assert time.perf_counter() - t0 >= 0.45
+            # An urgent one wakes it at once; a consumer that does not poll, any item does.
+            threading.Timer(0.05, lambda: box.put("urgent")).start()
+            t0 = time.perf_counter()
+            assert await box.get(poll=5.0) == "urgent"
+            assert time.perf_counter() - t0 < 4.0
+            threading.Timer(0.05, lambda: box.put("quiet", urgent=False)).start()
+            assert await box.get() == "quiet"
+            assert box.peek() is None
+            box.put("next", urgent=False)
+            assert box.peek() == "next" and box.get_nowait() == "next"
+    finally:
+        box.finish()

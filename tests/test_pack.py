@@ -227,11 +227,51 @@ def test_image_folder_options_are_checked(
     assert status == 1 and "no class subfolders" in err
     make_image_folder(tmp_path / "images2", corrupt=False)
     status, _, err = run_main(["pack", tmp_path / "images2", tmp_path / "out"], capsys)
-    assert status == 1 and "--size is needed" in err
+    assert status == 1 and "the images differ in size" in err and "give --size" in err
     status, _, err = run_main(
         ["pack", tmp_path / "images2", tmp_path / "out", "--size", 8, "--labels", "x.npy"], capsys
     )
     assert status == 1 and "--labels does not apply to images" in err
+
+
+def test_image_folder_of_one_size_needs_no_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every image is 12 high and 20 wide as decoded: PNG, JPEG, and a JPEG stored 20 high and
+    # 12 wide whose EXIF orientation (6: turned a quarter) makes it 12 x 20 too.
+    root = tmp_path / "images"
+    for label, name in enumerate(CLASSES):
+        (root / name).mkdir(parents=True)
+        for i in range(4):
+            im = Image.new("RGB", (20, 12), color_of(label, i))
+            if i == 3:
+                exif = Image.Exif()
+                exif[0x0112] = 6
+                im.transpose(Image.Transpose.ROTATE_90).save(
+                    root / name / f"{i}.jpg", quality=95, exif=exif
+                )
+            else:
+                im.save(root / name / (f"{i}.jpg" if i % 2 else f"{i}.png"), quality=95)
+    status, stdout, err = run_main(["pack", root, tmp_path / "out", "--workers", 0], capsys)
+    assert status == 0, err
+    assert "data uint8(3, 12, 20)" in stdout
+    rows = epoch(tmp_path / "out" / "train.txt")
+    assert sorted(identify(rows["data"], rows["label"])) == [
+        (label, i) for label in range(len(CLASSES)) for i in range(4)
+    ]
+    # One image of another size: refused, naming it and the first image, with both sizes.
+    Image.new("RGB", (21, 12), color_of(1, 9)).save(root / CLASSES[1] / "9.png")
+    status, _, err = run_main(["pack", root, tmp_path / "out2"], capsys)
+    assert status == 1
+    for part in (
+        f"the images differ in size: {root / CLASSES[0] / '0.png'} is 12x20 and",
+        f"{root / CLASSES[1] / '9.png'} is 12x21 (height x width)",
+        "give --size HEIGHT [WIDTH]",
+    ):
+        assert part in err, err
+    # --size still resizes them all.
+    status, stdout, err = run_main(["pack", root, tmp_path / "out2", "--size", 6, 10], capsys)
+    assert status == 0 and "data uint8(3, 6, 10)" in stdout, err
 
 
 # --- arrays, tables, HDF5 ----------------------------------------------------------------------

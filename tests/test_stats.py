@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, MemoryDataLayer
+from asynchdf5._stats import LayerStats, StageStats
 
 from ._files import write_source
 
@@ -48,6 +49,34 @@ async def test_a_slow_transformer_is_the_bottleneck() -> None:
     assert stats.bottleneck().startswith("gathering and transforming")
     assert stats.transform_seconds >= 40 * 0.005
     assert stats.transform_seconds <= gather.busy_seconds
+
+
+def _stats(read: StageStats, gather: StageStats, consumer: StageStats) -> LayerStats:
+    return LayerStats(
+        read_seconds=read.busy_seconds,
+        gather_seconds=gather.busy_seconds,
+        transform_seconds=0.0,
+        consumer_wait_seconds=consumer.starved_seconds,
+        bytes_read=1 << 30,
+        chunks_read=10,
+        batches=1000,
+        samples=100_000,
+        first_batch_seconds=0.01,
+        chunk_rows=10_000,
+        resident=False,
+        stages={"read": read, "gather": gather, "consumer": consumer},
+    )
+
+
+def test_the_bottleneck_agrees_with_the_stages_busy_seconds() -> None:
+    # The reader three times busier than the gather thread, which was starved less than it was
+    # busy (chunks came in, just slowly): once named "gathering and transforming" (issue 30).
+    consumer = StageStats(busy_seconds=0.2, starved_seconds=3.0, blocked_seconds=0.0)
+    stats = _stats(StageStats(3.0, 0.1, 0.2), StageStats(1.0, 0.8, 0.1), consumer)
+    assert stats.bottleneck().startswith("reading: the reader was busy 3 s, gathering")
+    stats = _stats(StageStats(1.0, 0.1, 0.2), StageStats(3.0, 0.0, 0.1), consumer)
+    assert stats.bottleneck().startswith("gathering and transforming: 3 s")
+    assert stats.bottleneck().endswith("reading 1 s")
 
 
 async def test_without_transformers_no_time_is_counted_as_transforming() -> None:

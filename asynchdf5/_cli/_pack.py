@@ -24,7 +24,7 @@ import numpy as np
 from .. import __version__
 from .._config import DEFAULT_TOPS
 from .._sources import is_hdf5_file
-from ._pack_images import POOL_MIN_IMAGES, ImageInput, ImageOptions
+from ._pack_images import POOL_MIN_IMAGES, ImageInput
 from ._pack_inputs import Index, Input, hdf5_input, npy_input, npz_input, table_input
 from ._pack_write import (
     COMPRESSIONS,
@@ -98,16 +98,10 @@ def open_input(args: argparse.Namespace, out: Path) -> Input:
         },
     )
     if kind == "images":
-        if args.size is None:
-            raise PackError(
-                "--size is needed for an image folder: every image is resized to it "
-                "(e.g. --size 64, or --size 224 256 for height and width)"
-            )
-        if len(args.size) > 2:
+        if args.size is not None and len(args.size) > 2:
             raise PackError("--size takes HEIGHT [WIDTH]")
-        height, width = args.size[0], args.size[-1]
-        opts = ImageOptions(height, width, args.channels, args.resize)
-        return ImageInput(inputs[0], opts, args.workers)
+        size = None if args.size is None else (args.size[0], args.size[-1])
+        return ImageInput(inputs[0], size, args.channels, args.resize, args.workers)
     if kind == "npy":
         return npy_input(inputs, args.labels or [])
     if kind == "npz":
@@ -354,7 +348,8 @@ def add_parser(commands: Any) -> None:
         type=positive,
         nargs="+",
         metavar="PIXELS",
-        help="HEIGHT [WIDTH] every image is resized to (required for an image folder)",
+        help="HEIGHT [WIDTH] every image is resized to (default: the images' own size, when "
+        "they all have the same one)",
     )
     g.add_argument(
         "--channels", type=int, choices=(1, 3), default=3, help="3: RGB; 1: grayscale (default: 3)"

@@ -5,6 +5,7 @@ The layout is the usual one (torchvision's ``ImageFolder``): ``ROOT/CLASS/.../IM
 names are the subfolders' names, sorted; a sample's label is its class's index in that order.
 Images are read in sorted path order within each class, converted to RGB (or grayscale, with
 ``--channels 1``), resized to one size, and stored as uint8 ``(channels, height, width)``.
+Without ``--size`` that size is the images' own, when every image has the same one.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from ._pack_inputs import Block, Index
 from ._pack_write import PackError, TopSpec
 
-__all__ = ["IMAGE_SUFFIXES", "ImageInput", "ImageOptions", "decode_image"]
+__all__ = ["IMAGE_SUFFIXES", "ImageInput", "ImageOptions", "common_size", "decode_image"]
 
 IMAGE_SUFFIXES = frozenset(
     {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm"}
@@ -71,6 +72,50 @@ def decode_image(path: str, opts: ImageOptions) -> np.ndarray:
             im = im.resize(size, Image.Resampling.BILINEAR)
         a = np.asarray(im, dtype=np.uint8)
     return np.ascontiguousarray(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
+
+
+def image_size(path: str) -> tuple[int, int]:
+    """``(height, width)`` of an image as :func:`decode_image` sees it (EXIF orientation applied),
+    from its header only."""
+    Image, _ = _pillow()
+    with Image.open(path) as im:
+        width, height = im.size
+        if im.getexif().get(0x0112) in (5, 6, 7, 8):  # Orientation: turned a quarter
+            width, height = height, width
+    return height, width
+
+
+def common_size(paths: Sequence[str]) -> tuple[int, int]:
+    """The ``(height, width)`` every image has; a :class:`PackError` naming two images that
+    differ (and ``--size``) when they do not agree. An image whose header cannot be read is
+    left to the decoding, which reports it as ``--on-error`` says."""
+    first: tuple[str, tuple[int, int]] | None = None
+    unreadable: tuple[str, str] | None = None
+    for path in paths:
+        try:
+            size = image_size(path)
+        except Exception as exc:  # Pillow raises OSError, ValueError, SyntaxError, ...
+            unreadable = unreadable or (path, f"{type(exc).__name__}: {exc}")
+            continue
+        if first is None:
+            first = (path, size)
+        elif size != first[1]:
+            raise PackError(
+                f"the images differ in size: {first[0]} is {_hw(first[1])} and {path} is "
+                f"{_hw(size)} (height x width); give --size HEIGHT [WIDTH] to resize every "
+                "image to one size"
+            )
+    if first is None:
+        assert unreadable is not None
+        raise PackError(
+            f"no image's size could be read (first: {unreadable[0]}: {unreadable[1]}); "
+            "give --size HEIGHT [WIDTH]"
+        )
+    return first[1]
+
+
+def _hw(size: tuple[int, int]) -> str:
+    return f"{size[0]}x{size[1]}"
 
 
 def decode_images(
@@ -121,11 +166,23 @@ def scan(root: Path) -> tuple[list[str], list[str], Index]:
 
 
 class ImageInput:
-    """An image folder: ``data`` uint8 (N, C, H, W), ``label`` int64, classes sorted."""
+    """An image folder: ``data`` uint8 (N, C, H, W), ``label`` int64, classes sorted.
 
-    def __init__(self, root: Path, opts: ImageOptions, workers: int | None) -> None:
+    ``size`` is ``(height, width)``; None: the images' own (:func:`common_size`).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        size: tuple[int, int] | None,
+        channels: int,
+        resize: str,
+        workers: int | None,
+    ) -> None:
         _pillow()
         classes, self.paths, labels = scan(root)
+        height, width = common_size(self.paths) if size is None else size
+        opts = ImageOptions(height, width, channels, resize)
         self.classes: list[str] | None = classes
         self.labels: Index | None = labels
         if workers is None:

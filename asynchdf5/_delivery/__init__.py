@@ -8,7 +8,7 @@ are, and hands each batch over in the consumer's thread. Nothing above this seam
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Protocol
 
@@ -51,6 +51,13 @@ class Delivery(Protocol):
         makes every group, and may hand part of its copying to the ``helper`` it is given)."""
         ...
 
+    @property
+    def per_batch(self) -> bool:
+        """Whether each batch goes to the consumer as soon as :meth:`make` has it, rather than
+        with its group: where transformers run, so that one slow call does not hold back the
+        batches made before it (without them, a group's batches are ready together)."""
+        ...
+
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Raise :class:`~asynchdf5.SchemaError` for a top this delivery cannot carry (at open,
         before any batch)."""
@@ -69,12 +76,17 @@ class Delivery(Protocol):
         ...
 
     def make(
-        self, group: GroupSpec, stats: GatherStats, helper: Executor | None
+        self,
+        group: GroupSpec,
+        stats: GatherStats,
+        helper: Executor | None,
+        emit: Callable[[Batch], None] | None = None,
     ) -> tuple[list[Batch], Exception | None]:
         """Gather, transform (and upload) the batches of ``group`` (blocking: a worker thread).
         Returns the complete batches and the error that stopped it, if one did: the batches
         before an error are still delivered, and only they. ``helper``: a second thread to
-        gather on."""
+        gather on. ``emit``: called with each batch, in order, as soon as it is complete (the
+        returned list holds it too); an error it raises ends ``make`` there."""
         ...
 
     def hand_off(self, batch: Batch) -> None:

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
 from types import ModuleType
@@ -199,12 +199,22 @@ class CudaDelivery:
         page-aligned, like the cache slots, so ``offsets`` are not needed)."""
         self._tops = list(tops.values())
 
+    @property
+    def per_batch(self) -> bool:
+        """Transformed batches go to the consumer one by one, as each is queued."""
+        return bool(self.transformers)
+
     def make(
-        self, group: GroupSpec, stats: GatherStats, helper: Executor | None
+        self,
+        group: GroupSpec,
+        stats: GatherStats,
+        helper: Executor | None,
+        emit: Callable[[Batch], None] | None = None,
     ) -> tuple[list[Batch], Exception | None]:
         """Each batch is gathered into its own staging buffers and its upload queued at once,
         so copies start early; a failure (staging, upload, transformer) keeps the complete
-        batches before it, and gives the failed batch's buffers back."""
+        batches before it, and gives the failed batch's buffers back. ``emit`` gets each batch
+        once its upload and transformers are queued."""
         out: list[Batch] = []
         for pieces, size, epoch in zip(
             group.batch_pieces(), group.sizes, group.epochs, strict=True
@@ -221,7 +231,13 @@ class CudaDelivery:
                 return out, exc
             stats.gather_seconds += t1 - t0
             stats.transform_seconds += time.perf_counter() - t1
-            out.append(Batch(data, indices, epoch))
+            batch = Batch(data, indices, epoch)
+            if emit is not None:
+                try:
+                    emit(batch)
+                except Exception as exc:  # not handed over: not among those made
+                    return out, exc
+            out.append(batch)
         return out, None
 
     def hand_off(self, batch: Batch) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -158,6 +158,11 @@ class HostDelivery:
         """Groups gather on two threads at once, but a transformer is never called from two."""
         return not self.transformers
 
+    @property
+    def per_batch(self) -> bool:
+        """Transformed batches go to the consumer one by one, as each is transformed."""
+        return bool(self.transformers)
+
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Host memory holds every dtype a top may have."""
 
@@ -174,7 +179,11 @@ class HostDelivery:
             self._shape = shape
 
     def make(
-        self, group: GroupSpec, stats: GatherStats, helper: Executor | None
+        self,
+        group: GroupSpec,
+        stats: GatherStats,
+        helper: Executor | None,
+        emit: Callable[[Batch], None] | None = None,
     ) -> tuple[list[Batch], Exception | None]:
         """Gather and transform ``group`` (blocking; runs in a worker thread).
 
@@ -184,7 +193,8 @@ class HostDelivery:
         work is what limits small batches); the batches are views of it. With a ``helper`` and a
         group of at least ``PARALLEL_BYTES``, half of the rows are gathered on the helper's
         thread (``np.take`` releases the GIL). Transformers always run here, one batch after the
-        other: a transformer is never called from two threads at once.
+        other: a transformer is never called from two threads at once; ``emit`` gets each batch
+        once its transformers are done.
         """
         assert self._buffers is not None, "start() first"
         t0 = time.perf_counter()
@@ -223,7 +233,14 @@ class HostDelivery:
                     break
                 finally:
                     transforming += time.perf_counter() - t1
-            out.append(Batch(data, rows, epoch))
+            batch = Batch(data, rows, epoch)
+            if emit is not None:
+                try:
+                    emit(batch)
+                except Exception as exc:  # not handed over: not among those made
+                    error = exc
+                    break
+            out.append(batch)
         stats.gather_seconds += time.perf_counter() - t0 - transforming
         stats.transform_seconds += transforming
         return out, error

@@ -1,0 +1,79 @@
+"""Trials of a double Ctrl-C in a sync loop, run by ``tests/test_sync.py`` as a script.
+
+``python tests/_double_sigint.py SOURCE BACKEND TRIALS SEED`` imports the package once, then
+forks one child per trial. The child opens ``HDF5DataLayer(SOURCE)`` with ``with``, says it is
+ready, and streams epochs with ``for``; it runs at module level, so an uncaught
+``KeyboardInterrupt`` ends it as it ends any script (threads joined, then killed by SIGINT). The
+parent sends it two SIGINTs a random 0.2-8 ms apart at a random moment of the loop, waits up to
+``DEADLINE`` seconds, and prints one line per trial: ``ok``, ``hung`` or ``status N``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import sys
+import time
+
+from asynchdf5 import HDF5DataLayer
+
+DEADLINE = 10.0  # seconds from the second SIGINT to the child's exit
+
+
+def _wait(pid: int, deadline: float) -> int | None:
+    """The child's wait status, or None if it is still alive at ``deadline``."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.005)
+
+
+def _parent(pid: int, ready: int, rng: random.Random) -> str:
+    status = None
+    try:
+        if not select.select([ready], [], [], DEADLINE)[0] or os.read(ready, 1) != b"r":
+            return "did not start"
+        time.sleep(rng.uniform(0.0, 0.03))  # a random moment of the streaming loop
+        os.kill(pid, signal.SIGINT)
+        time.sleep(rng.uniform(0.0002, 0.008))
+        os.kill(pid, signal.SIGINT)
+        status = _wait(pid, time.monotonic() + DEADLINE)
+        if status is None:
+            return "hung"
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT:
+            return "ok"  # as an uncaught KeyboardInterrupt ends a script
+        return f"status {status}"
+    finally:
+        os.close(ready)
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":
+    source, trials, seed = sys.argv[1], int(sys.argv[3]), int(sys.argv[4])
+    backend = "trio" if sys.argv[2] == "trio" else "asyncio"
+    rng = random.Random(seed)
+    for _ in range(trials):
+        ready, tell = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the tracebacks of the interrupts
+            break
+        os.close(tell)
+        print(_parent(pid, ready, rng), flush=True)
+    else:
+        sys.exit(0)
+    # The child (the loop above was left by `break`).
+    with HDF5DataLayer(source, batch_size=10, chunk_size=40, shuffle=True, backend=backend) as L:
+        os.write(tell, b"r")
+        os.close(tell)
+        while True:
+            for _batch in L:
+                pass

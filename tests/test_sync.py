@@ -1,0 +1,121 @@
+"""The sync facade under Ctrl-C: a second interrupt during the close never leaves a hang.
+
+Each trial is a process iterating ``with HDF5DataLayer(...) as layer: for batch in layer``
+(``tests/_double_sigint.py``); it gets two SIGINTs a random 0.2-8 ms apart at a random moment of
+the loop, and must exit as an uncaught ``KeyboardInterrupt`` exits (killed by SIGINT) within
+its deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pytest
+from anyio.from_thread import BlockingPortal
+
+from asynchdf5 import MemoryDataLayer
+from asynchdf5._sync import interrupts_held
+
+from ._files import write_source
+from ._leaks import assert_released, snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+TRIALS = 160
+RUNNERS = 4  # trial runners side by side, half on each backend: a busy machine is where it hung
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the trials fork and send SIGINT")
+def test_a_double_ctrl_c_always_exits(tmp_path: Path) -> None:
+    source = write_source(tmp_path)[0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def runner(i: int) -> list[str]:
+        backend = ("asyncio", "trio")[i % 2]
+        args = [source, backend, TRIALS // RUNNERS, i]
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "_double_sigint.py"), *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=170,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [f"{backend}: {line}" for line in out.stdout.split()]
+
+    with ThreadPoolExecutor(RUNNERS) as pool:
+        outcomes = Counter(o for lines in pool.map(runner, range(RUNNERS)) for o in lines)
+    assert sum(outcomes.values()) == TRIALS
+    assert set(outcomes) <= {"asyncio: ok", "trio: ok"}, outcomes
+
+
+def test_an_interrupt_held_back_comes_once_the_block_ends() -> None:
+    went_on = False
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+            went_on = True
+    assert went_on
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("during", ["the graceful close", "the stop request"])
+def test_a_ctrl_c_at_the_worst_moment_of_the_close_still_ends_the_loop(
+    monkeypatch: pytest.MonkeyPatch, backend: Literal["asyncio", "trio"], during: str
+) -> None:
+    """The second Ctrl-C of the trials above, placed for sure: it arrives as the close crosses
+    the bridge, before the call is queued (the first call: telling the layer to close; or the
+    call that stops the loop). The close raises it, and the loop's thread still ends."""
+    armed = False
+    real: Callable[..., Any] = BlockingPortal.call
+
+    def call(portal: BlockingPortal, func: Callable[..., Any], *args: Any) -> Any:
+        nonlocal armed
+        if armed and (during == "the graceful close" or func == portal.stop):
+            armed = False
+            signal.raise_signal(signal.SIGINT)
+        return real(portal, func, *args)
+
+    before = snapshot()
+    layer = MemoryDataLayer({"x": np.arange(1000)}, batch_size=10, backend=backend)
+    with pytest.raises(KeyboardInterrupt):
+        with layer:
+            batches = iter(layer)
+            for _ in range(3):
+                next(batches)
+            batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
+            monkeypatch.setattr(BlockingPortal, "call", call)
+            armed = True
+    assert not armed
+    assert_released(before, strict=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_ctrl_c_while_the_loop_starts_leaves_no_thread(
+    monkeypatch: pytest.MonkeyPatch, backend: Literal["asyncio", "trio"]
+) -> None:
+    real = BlockingPortal.__aenter__
+
+    async def interrupted(portal: BlockingPortal) -> BlockingPortal:
+        signal.raise_signal(signal.SIGINT)  # the main thread waits for this loop to start
+        return await real(portal)
+
+    monkeypatch.setattr(BlockingPortal, "__aenter__", interrupted)
+    before = snapshot()
+    with pytest.raises(KeyboardInterrupt):
+        with MemoryDataLayer({"x": np.arange(100)}, batch_size=10, backend=backend):
+            pytest.fail("opened")
+    assert_released(before, strict=False)
