@@ -150,7 +150,12 @@ class AsyncHDF5DataLayer(_Layer):
                 else None
             )
             first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored, request)
-            laned = chunk_lanes(cache.chunk_rows, block, row_bytes, stored, request)
+            # Lanes with the default blocks only: a block_size given is the order asked for.
+            laned = (
+                chunk_lanes(cache.chunk_rows, block, row_bytes, stored, request)
+                if c.block_size is None
+                else 1
+            )
             why = mixing_warning(cache.chunk_rows, block, laned, row_bytes, stored, request)
             if why is not None and cache.shrunk:  # the budget's doing, not the properties'
                 warnings.warn(why, CacheBudgetWarning, stacklevel=2)
