@@ -27,9 +27,6 @@ read over the time spent reading chunks).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
-import mmap
 import os
 import statistics
 import sys
@@ -46,6 +43,7 @@ import numpy as np
 from asynchdf5._config import BLOCK_BYTES
 from asynchdf5._sources._local import PIECE_BYTES
 from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
+from benchmarks.page_cache import resident_fraction
 from benchmarks.shuffle_quality import IMAGE_ROW_BYTES, header, utc_now
 
 MB = 1e6
@@ -63,44 +61,6 @@ def evict(path: str | Path) -> None:
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def resident_fraction(path: str | Path) -> float | None:
-    """The share of the file's pages in the page cache (``mincore``), or None if unavailable."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    except (OSError, AttributeError):
-        return None
-    size = os.path.getsize(path)
-    if size == 0:
-        return None
-    page = mmap.PAGESIZE
-    pages = -(-size // page)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr is None or addr == ctypes.c_void_p(-1).value:
-            return None
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(addr, size, vec) != 0:
-                return None
-            return float(np.frombuffer(vec, np.uint8).__and__(1).sum()) / pages
-        finally:
-            libc.munmap(addr, size)
     finally:
         os.close(fd)
 

@@ -15,6 +15,7 @@ import h5py
 import numpy as np
 import numpy.typing as npt
 
+from benchmarks import page_cache
 from benchmarks.data import TOPS, DatasetFiles
 
 
@@ -60,12 +61,7 @@ def byte_ranges(files: DatasetFiles, coalesce: bool = True) -> list[ByteRange]:
 def evict(files: DatasetFiles) -> None:
     """Drop the files' pages from the page cache (they must be clean: the generator syncs)."""
     for path in files.paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        page_cache.evict(path)
 
 
 def warm(files: DatasetFiles, buffer_bytes: int = 4 << 20) -> None:
