@@ -16,6 +16,7 @@ import select
 import signal
 import sys
 import time
+from typing import Literal
 
 from asynchdf5 import HDF5DataLayer
 
@@ -57,7 +58,7 @@ def _parent(pid: int, ready: int, rng: random.Random) -> str:
 
 if __name__ == "__main__":
     source, trials, seed = sys.argv[1], int(sys.argv[3]), int(sys.argv[4])
-    backend = "trio" if sys.argv[2] == "trio" else "asyncio"
+    backend: Literal["asyncio", "trio"] = "trio" if sys.argv[2] == "trio" else "asyncio"
     rng = random.Random(seed)
     for _ in range(trials):
         ready, tell = os.pipe()

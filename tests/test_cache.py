@@ -174,7 +174,7 @@ class _Overlapping(AsyncHDF5DataLayer):
                 active.remove(me)
             return n
 
-        source.fetch = overlapping  # type: ignore[method-assign,assignment]
+        source.fetch = overlapping  # type: ignore[method-assign]
         return source
 
     chunks_to_read = 0
