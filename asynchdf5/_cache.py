@@ -76,10 +76,8 @@ def slot_rows(chunk_size: int, shard_samples: int, row_bytes: int, cache_bytes: 
 def _anonymous(nbytes: int) -> np.ndarray:
     """Page-aligned anonymous memory, untouched until it is first written.
 
-    No ``MADV_HUGEPAGE``: on this project's machines (2-vCPU VMs) it made the first fill of a slot
-    about 4x slower (0.34 vs 1.26 GB/s for ``preadv`` into fresh memory) and later fills about
-    30% slower, for a gather gain under 3% (measured with ``/tmp``-style micro-benchmarks,
-    2026-11-21; see benchmarks/RESULTS.md).
+    No ``MADV_HUGEPAGE``: huge pages made the first fill of a slot several times slower and
+    later fills slower too, for a gather gain of a few per cent (docs/design-notes.md).
     """
     if nbytes == 0:
         return np.empty(0, np.uint8)

@@ -27,9 +27,8 @@ __all__ = ["DEFAULT_TOPS", "LayerConfig"]
 _log = logging.getLogger("asynchdf5")
 
 DEFAULT_TOPS = ("data", "label")
-#: ``block_size=None``: blocks of about this many bytes of samples, the smallest block read at
-#: >= 90 % of a sequential cold read on this project's machine (benchmarks/RESULTS.md, "Block
-#: size and read rate") ...
+#: ``block_size=None``: blocks of about this many bytes of samples, the smallest block that read
+#: at >= 90 % of a sequential cold read (``benchmarks.block_size``; docs/shuffle.md) ...
 BLOCK_BYTES = 32 * 2**20
 #: ... but at least this many blocks per chunk, so that small rows still mix (docs/shuffle.md:
 #: 193 blocks of class-sorted data give 0.96 of a full permutation's batch label entropy).

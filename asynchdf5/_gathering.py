@@ -16,9 +16,8 @@ next group. Otherwise one worker, which hands half of each large group to a help
 waits for it (a transformer is never called from two threads at once, and a device's uploads
 stay in one thread). Whole groups on two workers, rather than halves of every group, because
 the halves are joined: on a machine whose cores are also busy with the reads, the helper's half
-waited for a core while the worker that joined it sat idle, and the two halves ran one after the
-other (2 vCPUs, the streaming image set of ``benchmarks.copy_bound``: 127 ms of each 160 ms
-epoch spent in the gather calls, of which 68 ms copying).
+waits for a core while the worker that joined it sits idle, and the two halves run one after the
+other.
 """
 
 from __future__ import annotations

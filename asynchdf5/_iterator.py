@@ -33,7 +33,7 @@ class _Owner(Protocol):
 #: The longest a consumer that takes ready batches back to back (and never awaits in its own
 #: step) keeps the event loop from other tasks: then taking a batch lets them run (those whose
 #: timers came due meanwhile too), and honours cancellation. The two loop round trips cost
-#: 8-16 µs (asyncio, trio; review 14): about 1 % of this.
+#: about 1 % of this.
 PAUSE_EVERY_S = 0.001
 #: The timer the iterator waits for when it lets the loop run (see ``_receive``): past at once.
 PAUSE_TIMER_S = 1e-6

@@ -36,7 +36,7 @@ def _cgroup_limits(root: Path) -> list[int]:
         return []
     out = []
     # Lines end at "\n" only: a name may hold "\r", "\f", "\x1c", U+2028 or end in a space,
-    # which str.splitlines() and str.strip() would cut it at (review 14, D3).
+    # which str.splitlines() and str.strip() would cut it at.
     for line in raw.decode(errors="surrogateescape").split("\n"):
         parts = line.split(":", 2)
         if len(parts) != 3:

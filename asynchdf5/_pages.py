@@ -23,8 +23,8 @@ def free_arrays(arrays: Iterable[np.ndarray]) -> None:
     """Give the pages of cache arrays back to the system now (``MADV_DONTNEED``).
 
     A layer does this in a worker thread when it closes, for two reasons. Freeing hundreds of
-    MiB of touched pages keeps the thread that does it busy for tens of milliseconds (30 ms for
-    two 196 MiB slots on this project's 2-vCPU VMs): the event loop's thread must not wait for
+    MiB of touched pages keeps the thread that does it busy for tens of milliseconds: the event
+    loop's thread must not wait for
     it, and ``madvise`` through ctypes releases the GIL meanwhile (``mmap.mmap.madvise`` does
     not). And the arrays may outlive the close: on asyncio the tracebacks of the pipeline's
     cancelled tasks keep views of them in reference cycles until the garbage collector runs, so

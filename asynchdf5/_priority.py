@@ -2,9 +2,8 @@
 
 A streaming layer keeps more threads busy than a small machine has cores: the reads (the copy out
 of the page cache), the gather, decompression. The consumer's thread, which runs the training step
-and the event loop, then waits in the kernel's run queue behind them: on 2 vCPUs it spent a third
-of a streaming epoch runnable but not running, and most of the event loop's gaps over 5 ms were
-that wait (``benchmarks/speed.py``, section 4). With ``ASYNCHDF5_NICE=N`` (1 to 19), threads
+and the event loop, then waits in the kernel's run queue behind them, and the event loop's long
+gaps are that wait. With ``ASYNCHDF5_NICE=N`` (1 to 19), threads
 started by asynchdf5 for bulk work lower their own priority by ``N`` nice steps, so that a busy
 core goes to the consumer first and to them otherwise.
 
@@ -12,9 +11,8 @@ Not the default (:data:`DEFAULT_STEPS` is 0): a nice value is not relative to th
 but to every thread on the machine (every one in the same session, with autogroup scheduling).
 Beside other busy processes (other ranks of a job, another job's workers) the lowered threads
 get a fraction of a core, and the consumer's thread waits on the GIL that a preempted one holds:
-in section 4 beside one busy process per core, a streaming epoch took 1.31-1.46 s at the default
-and 4.61-5.65 s with 10 steps (1.42-1.70 s with 3), with longer loop gaps, not shorter. On a
-machine that runs nothing else it shortens the gaps (p99 by 0.1-3.4 ms; RESULTS.md, run 9).
+an epoch then takes several times as long, with longer loop gaps, not shorter. On a machine
+that runs nothing else it shortens the gaps (docs/design-notes.md has the figures).
 
 Linux only: elsewhere (and where the kernel refuses), nothing changes. A thread's nice value is
 set once, when it starts, relative to the process's main thread, and only ever raised: an

@@ -78,9 +78,9 @@ def first_read(
     that the first batch waits for the first piece alone. The lanes are chosen for a read of a
     batch or :data:`RAMP_BYTES` (:func:`ramp_lanes`), and are no more than a batch's rows (more
     add nothing to the first batch's mix); the read then grows by what their rounding can
-    lose, ``lanes - 1`` rows. (Padding by ``RAMP_LANES - 1`` rows whatever the lanes made the
-    first batch of 1 to 8 rows of 4 MiB wait for 28 to 38 rows where it had waited for 2 to 8:
-    review 14.) States saved with another first read keep theirs (:mod:`._resume`).
+    lose, ``lanes - 1`` rows (not ``RAMP_LANES - 1`` whatever the lanes: a first batch of a few
+    large rows would wait for dozens). States saved with another first read keep theirs
+    (:mod:`._resume`).
     """
     ramp = RAMP_BYTES // max(1, row_bytes)
     lanes = 1

@@ -38,9 +38,8 @@ else:  # pragma: no cover
 
 __all__ = ["BRIDGE_BATCHES", "SyncInterface"]
 
-#: Batches taken per trip across the bridge, at most (only those gathered already). A trip costs
-#: about 0.1 ms on the 2-vCPU machines: tiny batches (32 of 24 bytes, ``MemoryDataLayer``, the
-#: loop does nothing) cost 8.4 µs each at 16 a trip, 3.6 at 64, 2.4 at 256 (a group's most).
+#: Batches taken per trip across the bridge, at most (only those gathered already): a trip costs
+#: about a tenth of a millisecond, so tiny batches must share it (a group's most).
 BRIDGE_BATCHES = 256
 
 

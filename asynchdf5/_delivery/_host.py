@@ -51,9 +51,9 @@ def aligned_empty(nbytes: int, offset: int) -> tuple[np.ndarray, int]:
     and the index of that start.
 
     Why: copying rows whose source and destination sit at different offsets within their cache
-    lines is up to 1.7x slower (``__memmove_avx_unaligned_erms`` on this project's AMD EPYC VMs:
-    3 KB rows from a page-aligned cache slot into ``np.empty``'s 16-bytes-past-a-line memory,
-    830-910 against 470-570 ns a row; RESULTS.md, speed run 6). Cache slots are page-aligned
+    lines is up to 1.7x slower (``__memmove_avx_unaligned_erms`` on AMD EPYC: 3 KB rows from a
+    page-aligned cache slot into ``np.empty``'s 16-bytes-past-a-line memory). Cache slots are
+    page-aligned
     (``mmap``); a user's arrays for ``MemoryDataLayer`` are wherever NumPy put them. So batch
     buffers follow their source instead of a fixed alignment.
     """
