@@ -37,7 +37,6 @@ with another world size had not yet yielded over this run's ranks.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -45,6 +44,7 @@ import numpy as np
 import numpy.random  # numpy imports it lazily: not on the event loop at the first plan
 
 from ._errors import ConfigurationError
+from ._walk import Lanes, Walk, append_range, ramp, seed_tuple, within
 
 __all__ = [
     "ChunkPlan",
@@ -197,60 +197,6 @@ def batch_layout(
     return q - 1, (batch_size - 1, 1)
 
 
-def _seed_tuple(seed: int, epoch: int, *more: int) -> tuple[int, ...]:
-    return (seed, epoch, *more)
-
-
-class _Walk:
-    """An epoch's walk over the ring: the blocks in order, as global ranges per position."""
-
-    def __init__(
-        self, n: int, epoch: int, seed: int, shuffle: bool, block_size: int | None
-    ) -> None:
-        self.n = n
-        if not shuffle:
-            self.starts = np.zeros(1, np.int64)
-            self.lengths = np.array([n], np.int64)
-        else:
-            rng = np.random.default_rng(_seed_tuple(seed, epoch))
-            offset = int(rng.integers(n))
-            block = max(1, min(n, block_size or n))
-            nblocks = -(-n // block)
-            lengths = np.full(nblocks, block, np.int64)
-            lengths[-1] = n - block * (nblocks - 1)
-            starts = (offset + np.arange(nblocks, dtype=np.int64) * block) % n
-            perm = np.random.default_rng(_seed_tuple(seed, epoch, 0)).permutation(nblocks)
-            self.starts, self.lengths = starts[perm], lengths[perm]
-        self.firsts = np.cumsum(self.lengths) - self.lengths  # walk position of each block
-
-    def ranges(self, a: int, b: int) -> tuple[tuple[int, int], ...]:
-        """The global ranges of walk positions ``a:b`` (split where the ring wraps)."""
-        out: list[tuple[int, int]] = []
-        i = int(np.searchsorted(self.firsts, a, side="right")) - 1
-        pos = a
-        while pos < b:
-            first, length = int(self.firsts[i]), int(self.lengths[i])
-            lo = pos - first
-            hi = min(length, b - first)
-            g0 = (int(self.starts[i]) + lo) % self.n
-            g1 = g0 + (hi - lo)
-            if g1 <= self.n:
-                _append(out, g0, g1)
-            else:
-                _append(out, g0, self.n)
-                _append(out, 0, g1 - self.n)
-            pos += hi - lo
-            i += 1
-        return tuple(out)
-
-
-def _append(out: list[tuple[int, int]], a: int, b: int) -> None:
-    if out and out[-1][1] == a:  # neighbours join: one read
-        out[-1] = (out[-1][0], b)
-    else:
-        out.append((a, b))
-
-
 def plan_epoch(
     n: int,
     *,
@@ -297,18 +243,18 @@ def plan_epoch(
     else:
         full, tail = batch_layout(n, batch_size, rank, world_size, drop_last)
         start, size = shard_share(n, batch_size, rank, world_size, drop_last)
-    walk = _Walk(n, epoch, seed, shuffle, block_size)
+    walk = Walk(n, epoch, seed, shuffle, block_size)
 
     # Each chunk: its stretches of walk positions, relative to the share's start (one, but for
     # the lanes of chunks and of the ramp), in a random order when shuffled: with blocks, the
     # chunks hold random blocks already; with one (the rotated ring, or a block_size beyond the
     # data) they are stretches of it.
     lanes = max(1, min(chunk_lanes, chunk_size, size)) if shuffle else 1
-    laned = _Lanes(walk, start, size, chunk_size, lanes) if lanes > 1 else None
+    laned = Lanes(walk, start, size, chunk_size, lanes) if lanes > 1 else None
     count = laned.count if laned is not None else -(-size // chunk_size)
     order = list(range(count))
     if shuffle:
-        perm = np.random.default_rng(_seed_tuple(seed, epoch, rank, 1)).permutation(count)
+        perm = np.random.default_rng(seed_tuple(seed, epoch, rank, 1)).permutation(count)
         order = perm.tolist()
 
     def stretches(k: int) -> list[tuple[int, int]]:
@@ -320,141 +266,22 @@ def plan_epoch(
         out: list[tuple[int, int]] = []
         for a, b in parts:
             for g0, g1 in walk.ranges(start + a, start + b):
-                _append(out, g0, g1)
+                append_range(out, g0, g1)
         return tuple(out)
 
     chunks: list[ChunkPlan] = []
     for k in order:
         i = len(chunks)
-        chunk_seed = _seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
+        chunk_seed = seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
         if i == 0 and first_rows is not None:
             first = stretches(k)
             rows = sum(b - a for a, b in first)
             if rows > 2 * first_rows:  # the first chunk, read as a ramp of growing pieces
-                for part in _ramp(0, rows, first_rows, ramp_lanes if shuffle else 1):
+                for part in ramp(0, rows, first_rows, ramp_lanes if shuffle else 1):
                     i = len(chunks)
-                    chunk_seed = _seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
-                    chunks.append(ChunkPlan(epoch, i, ranges(_within(first, part)), chunk_seed))
+                    chunk_seed = seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
+                    chunks.append(ChunkPlan(epoch, i, ranges(within(first, part)), chunk_seed))
                 continue
         got = laned.ranges(k) if laned is not None else ranges(stretches(k))
         chunks.append(ChunkPlan(epoch, i, got, chunk_seed))
     return EpochPlan(epoch, size, tuple(chunks), batch_size, full, tail)
-
-
-class _Lanes:
-    """A rank's share of the walk (``size`` positions from ``start``) dealt to ``lanes`` lanes
-    row by row (position ``p`` to lane ``p % lanes``; each lane is then one stretch of the
-    walk), and cut into chunks of ``chunk_size`` dealt rows: chunk ``k`` takes, from every
-    lane, the stretch of its rows dealt while positions ``k * chunk_size`` to ``(k + 1) *
-    chunk_size`` were. So every chunk holds exactly ``chunk_size`` rows (the last, the rest),
-    taken from ``lanes`` places of the walk, and the chunks together hold every row once.
-
-    Computed for all chunks at once with NumPy: a small cache over a large data set makes
-    thousands of chunks of hundreds of parts each.
-    """
-
-    def __init__(self, walk: _Walk, start: int, size: int, chunk_size: int, lanes: int) -> None:
-        lane = np.arange(lanes, dtype=np.int64)
-        lens = (size - lane + lanes - 1) // lanes  # rows of each lane
-        first = np.cumsum(lens) - lens  # its first position
-        self.count = -(-size // chunk_size)
-        m0 = np.arange(self.count, dtype=np.int64)[:, None] * chunk_size
-        m1 = np.minimum(m0 + chunk_size, size)
-        # Rows of lane l dealt among the first m positions: ceil((m - l) / lanes), or 0.
-        x = first + np.minimum((m0 - lane + lanes - 1) // lanes, lens)
-        y = first + np.minimum((m1 - lane + lanes - 1) // lanes, lens)
-        keep = x < y
-        self.x, self.y = x[keep], y[keep]  # chunk-major, lanes in order
-        per_chunk = keep.sum(axis=1)
-        self.parts = np.concatenate(([0], np.cumsum(per_chunk)))  # chunk k: parts[k]:parts[k+1]
-        g0, g1, chunk = _global(
-            walk, self.x + start, self.y + start, np.repeat(np.arange(self.count), per_chunk)
-        )
-        self.g0, self.g1 = g0.tolist(), g1.tolist()
-        self.bounds = np.searchsorted(chunk, np.arange(self.count + 1)).tolist()
-
-    def stretches(self, k: int) -> list[tuple[int, int]]:
-        """Chunk ``k``'s stretches, as walk positions relative to the share's start."""
-        a, b = self.parts[k], self.parts[k + 1]
-        return list(zip(self.x[a:b].tolist(), self.y[a:b].tolist(), strict=True))
-
-    def ranges(self, k: int) -> tuple[tuple[int, int], ...]:
-        """Chunk ``k``'s global ranges, neighbours joined."""
-        a, b = self.bounds[k], self.bounds[k + 1]
-        return tuple(zip(self.g0[a:b], self.g1[a:b], strict=True))
-
-
-def _global(
-    walk: _Walk, x: np.ndarray, y: np.ndarray, chunk: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:meth:`_Walk.ranges` of every part ``x[i]:y[i]`` at once: the global ranges, in part
-    order, neighbours of the same chunk joined, with the chunk of each."""
-    n = walk.n
-    pieces = []
-    pos, end, part = x, y, np.arange(len(x), dtype=np.int64)
-    step = 0
-    while len(pos):
-        i = np.searchsorted(walk.firsts, pos, side="right") - 1
-        stop = np.minimum(end, walk.firsts[i] + walk.lengths[i])  # to the end of the block
-        g0 = (walk.starts[i] + pos - walk.firsts[i]) % n
-        g1 = g0 + (stop - pos)
-        wraps = g1 > n  # the ring wraps inside the block: two ranges
-        pieces.append((part, np.full(len(part), step), g0, np.minimum(g1, n)))
-        pieces.append(
-            (part[wraps], np.full(int(wraps.sum()), step + 1), 0 * g0[wraps], g1[wraps] - n)
-        )
-        step += 2
-        more = stop < end
-        pos, end, part = stop[more], end[more], part[more]
-    p, s, g0, g1 = (np.concatenate(c) for c in zip(*pieces, strict=True))
-    sort = np.lexsort((s, p))
-    p, g0, g1 = p[sort], g0[sort], g1[sort]
-    c = chunk[p]
-    joins = np.zeros(len(p), bool)
-    joins[1:] = (g0[1:] == g1[:-1]) & (c[1:] == c[:-1])
-    heads = np.flatnonzero(~joins)
-    tails = np.append(heads[1:], len(p)) - 1
-    return g0[heads], g1[tails], c[heads]
-
-
-def _within(stretches: list[tuple[int, int]], part: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``part`` (positions within the concatenation of ``stretches``) as positions of the
-    stretches themselves."""
-    out: list[tuple[int, int]] = []
-    for x, y in part:
-        first = 0
-        for a, b in stretches:
-            lo, hi = max(x, first), min(y, first + b - a)
-            if lo < hi:
-                _append(out, a + lo - first, a + hi - first)
-            first += b - a
-    return out
-
-
-def _ramp(a: int, b: int, first_rows: int, lanes: int) -> list[list[tuple[int, int]]]:
-    """Walk positions ``a:b`` cut into pieces of about ``first_rows``, then twice that, and so
-    on (the last takes the rest); each piece takes the same share of every one of ``lanes``
-    equal stretches of ``a:b`` (so every piece is spread over all of them)."""
-    sizes = []
-    step, rest = first_rows, b - a
-    while rest > 2 * step:
-        sizes.append(step)
-        rest -= step
-        step *= 2
-    sizes.append(rest)
-    total = b - a
-    lanes = max(1, min(lanes, first_rows // 2))  # each piece: more rows than lanes
-    bounds = [a + total * s // lanes for s in range(lanes + 1)]
-    out: list[list[tuple[int, int]]] = []
-    done = 0
-    for size in sizes:
-        parts = []
-        for lo, hi in itertools.pairwise(bounds):
-            # This piece's share of the lane: from `done` to `done + size` of `total`, scaled.
-            x = lo + (hi - lo) * done // total
-            y = lo + (hi - lo) * (done + size) // total
-            if x < y:
-                parts.append((x, y))
-        done += size
-        out.append(parts)
-    return out

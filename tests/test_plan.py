@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from asynchdf5 import ConfigurationError
 from asynchdf5._config import RAMP_LANES
-from asynchdf5._plan import ChunkPlan, EpochPlan, _append, _Lanes, _Walk, plan_epoch, shard_share
+from asynchdf5._plan import ChunkPlan, EpochPlan, plan_epoch, shard_share
 from asynchdf5._shape import RAMP_BYTES, first_read
+from asynchdf5._walk import Lanes, Walk, append_range
 
 
 def _by_search(chunk: ChunkPlan, positions: np.ndarray) -> np.ndarray:
@@ -317,12 +318,12 @@ def test_laned_chunks_are_full_and_join_the_walks_ranges(
         assert all(c.rows <= chunk_size for c in plan.chunks)
         assert sum(c.rows != chunk_size for c in plan.chunks) <= 1
         assert np.array_equal(np.sort(served(plan)), np.sort(served(plain)))
-        walk = _Walk(n, 0, seed, True, block)
+        walk = Walk(n, 0, seed, True, block)
         start, size = shard_share(n, 1, rank, world_size, True)
-        laned = _Lanes(walk, start, size, chunk_size, min(lanes, chunk_size, size))
+        laned = Lanes(walk, start, size, chunk_size, min(lanes, chunk_size, size))
         for k in range(laned.count):
             want: list[tuple[int, int]] = []
             for a, b in laned.stretches(k):
                 for g0, g1 in walk.ranges(start + a, start + b):
-                    _append(want, g0, g1)
+                    append_range(want, g0, g1)
             assert laned.ranges(k) == tuple(want)
