@@ -22,7 +22,7 @@ from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import _Layer
 from ._properties import document
-from ._read import HDF5Reader, MappedReader, Reader, refusal
+from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
 from ._shape import DataShape, default_block_rows, first_read
 from ._sources import Source, SourceLike, open_source, resolve_source
 from .transforms import Transformer
@@ -95,7 +95,7 @@ class AsyncHDF5DataLayer(_Layer):
         remote_cache: str | os.PathLike[str] | None = None,
         remote_cache_bytes: int | None = None,
         block_size: int | None = None,
-        mmap: bool = False,
+        mmap: bool | Literal["auto"] = "auto",
     ) -> None:
         config = LayerConfig.parse(
             batch_size=batch_size,
@@ -191,29 +191,34 @@ class AsyncHDF5DataLayer(_Layer):
 
     async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
         files = self._source()
+        chosen: Choice | None = None  # holds the file's lease until the mapped reader takes it
         try:
             catalog = await anyio.to_thread.run_sync(
                 build_catalog, files, self.paths, self.config.tops
             )
             shape = self._shape_of(catalog)
             slots: list[Slot] | None = None
-            refused = refusal(catalog) if self.config.mmap else None
+            chosen = choice = await anyio.to_thread.run_sync(choose, catalog, self.config.mmap)
             reader: Reader
-            if self.config.mmap and refused is None:
-                reader = MappedReader(catalog, files)  # no slots: rows served in place
+            if choice.mapped:  # no slots: rows served in place
+                assert choice.lease is not None
+                lease, choice.lease = choice.lease, None  # the reader's now
+                reader = MappedReader(catalog, files, lease, choice.note)
             elif shape.resident:
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
                 slots = allocate_slots(catalog.tops, shape.chunk_rows)
                 reader = HDF5Reader(catalog, files)
-            if refused is not None and isinstance(reader, HDF5Reader):
+            if isinstance(reader, HDF5Reader) and choice.note != "copied: mmap=False":
                 notes = dict(reader.read_notes)
                 for top in catalog.tops:
-                    notes[top] = "; ".join(filter(None, (notes.get(top), f"not mapped: {refused}")))
+                    notes[top] = "; ".join(filter(None, (notes.get(top), choice.note)))
                 reader.read_notes = notes
         except BaseException:
             with anyio.CancelScope(shield=True):
+                if chosen is not None:
+                    chosen.close()
                 await anyio.to_thread.run_sync(files.close)
             raise
         c = self.config
@@ -226,14 +231,16 @@ class AsyncHDF5DataLayer(_Layer):
             ", ".join(f"{t.name} {t.dtype}{t.sample_shape}" for t in catalog.tops.values()),
             c.rank,
             c.world_size,
-            "none: the file is mapped (mmap=True), rows served from the page cache"
+            f"none: the file is mapped ({choice.note}), rows served from the page cache"
             if isinstance(reader, MappedReader)
             else "resident (read once)"
             if shape.resident
             else f"2 slots of {shape.chunk_rows} samples ({slot_bytes} bytes)",
         )
-        if refused is not None:
-            _log.warning("mmap=True does not apply: %s; reading through the cache", refused)
+        if choice.refused:
+            _log.warning("mmap=True does not apply: %s; reading through the cache", choice.note)
+        elif not choice.mapped:
+            _log.info("not mapped: %s", choice.note)
         for top, path in reader.read_paths.items():
             note = reader.read_notes.get(top)
             if "chunks" in path:

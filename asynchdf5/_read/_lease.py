@@ -1,6 +1,7 @@
 """A read lease on a mapped file: while the layer holds it, a truncation of the file waits for it.
 
-With ``mmap=True`` the gather reads rows straight from the mapped file. A page past the end of a
+Mapped (``mmap=True``, or ``"auto"``, which maps only with a lease), the gather reads rows
+straight from the file's pages. A page past the end of a
 file truncated under the mapping is a ``SIGBUS`` when touched, which ends the process. A read
 lease (Linux, ``fcntl(F_SETLEASE, F_RDLCK)``) closes that hole for the common cause, another
 program rewriting or truncating the file: the kernel makes every ``open`` for writing and every
@@ -20,7 +21,8 @@ none right after, so no signal is sent at all.
 
 A lease is granted only to the file's owner (or a process with ``CAP_LEASE``), on a file system
 that grants leases (not NFS), while nobody has the file open for writing. Otherwise
-:meth:`Lease.take` says why and the file is mapped without one. What a lease cannot cover (found
+:meth:`Lease.take` says why, and ``mmap="auto"`` copies the file while ``mmap=True`` maps it
+without one. What a lease cannot cover (found
 by review, shown in ``/tmp`` scripts, not in the tests):
 
 - ``open(O_RDONLY | O_TRUNC)`` by a user allowed to write the file: Linux truncates it without
@@ -30,7 +32,8 @@ by review, shown in ``/tmp`` scripts, not in the tests):
   stands still for the lease-break time, the kernel then gives the lease up, and a gather that
   had already passed its check when the writer took the GIL meets the truncated file;
 - a file system that grants a lease of this machine only (FUSE, network file systems that fall
-  back to local leases): writes from other machines do not break it;
+  back to local leases): writes from other machines do not break it (``mmap="auto"`` maps only
+  files on file systems known to be local: :mod:`._choice`);
 - a disk error when a page dropped from memory is read again during a gather, and a gather that
   lasts longer than the lease-break time (a process stopped in the middle of one).
 
@@ -122,7 +125,7 @@ class Lease:
             return exc
         return ReadError(
             f"{self.file.name}: a program (this one or another) opened the file for writing or "
-            "truncated it while mmap=True served it; it waited for the gathers in flight, and "
+            "truncated it while it was mapped; it waited for the gathers in flight, and "
             "no row was gathered after it"
         )
 

@@ -1,4 +1,4 @@
-"""Rows served straight from the page cache: the opt-in ``mmap=True`` reader.
+"""Rows served straight from the page cache: the mapped reader (``mmap``, :mod:`._choice`).
 
 Streaming from a local file, the copying reader moves every byte twice: out of the page cache
 into a cache slot (``preadv``), then out of the slot into a batch (the gather). This reader maps
@@ -14,9 +14,10 @@ checked after it, as after a copying read. A page dropped from memory *after* it
 ready and read again during the gather meets the file as it is then: a file truncated by then
 would be a ``SIGBUS`` that ends the process. So the reader holds a read lease on the file while
 it is open (:mod:`._lease`): a truncation waits until no gather is in flight, and the run ends
-with a ``ReadError``. What it cannot cover, and why this is opt-in: a disk error on such a page,
-and a truncation where Linux granted no lease (``read_notes`` says so): a ``SIGBUS``, where the
-copying reader would raise a ``ReadError``.
+with a ``ReadError``. What it cannot cover: a disk error on such a page, the other cases
+:mod:`._lease` lists, and a truncation where Linux granted no lease (only ``mmap=True`` maps
+then, and ``read_notes`` says so): a ``SIGBUS``, where the copying reader would raise a
+``ReadError``.
 
 Memory: a chunk's pages stay mapped while its batches are cut and gathered; once the pipeline is
 done with the chunk, their mappings are dropped (``MADV_DONTNEED``: the pages stay in the page
@@ -25,7 +26,7 @@ So the mapped pages stay within the chunks in flight, as the copying reader's sl
 never the process's own memory: the kernel can take them back at any time.
 
 Applies when the source is one local file whose tops are stored contiguously, uncompressed, in
-this machine's byte order (:func:`refusal` says why not otherwise, and the layer reads as usual).
+this machine's byte order (:func:`._choice.refusal` says why not otherwise, and the layer copies).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from .._stats import ReadStats
 from ._lease import Lease
 from ._spans import merged, uncovered
 
-__all__ = ["MappedReader", "default_keep_bytes", "refusal"]
+__all__ = ["MappedReader", "default_keep_bytes", "supported"]
 
 _PAGE = mmap.PAGESIZE
 #: ``madvise`` advice values (Linux's, the same on every architecture it runs on).
@@ -138,30 +139,12 @@ def _get_libc() -> _Libc | None:
         return _libc
 
 
-def refusal(catalog: Catalog) -> str | None:
-    """Why ``mmap=True`` cannot serve this catalogued source (None: it can)."""
+def supported() -> str | None:
+    """Why this platform cannot map a source (None: it can)."""
     if _get_libc() is None:
-        return "mmap=True needs Linux 5.14 or newer (MADV_POPULATE_READ)"
+        return "mapping needs Linux 5.14 or newer (MADV_POPULATE_READ)"
     if sys.maxsize < 2**32:  # file offsets are passed to mmap as 64-bit off_t
-        return "mmap=True needs a 64-bit Python"
-    files = [f for f in catalog.files if f.nrows > 0]
-    if len(files) != 1:
-        return f"mmap=True serves a source of one file; this one has {len(files)} with samples"
-    (info,) = files
-    for top, layout in info.layouts.items():
-        row_bytes = catalog.tops[top].row_bytes
-        if layout.path != "pread" or len(layout.extents) != 1:
-            how = f"stored {layout.storage}"
-            if layout.note:
-                how = f"read through h5py ({layout.note})"
-            return f"top {top!r} is {how}: mmap=True needs contiguous, uncompressed storage"
-        if layout.swap:
-            return f"top {top!r} is stored in the other byte order"
-        (ext,) = layout.extents
-        if not isinstance(ext.file, LocalFile):
-            return f"top {top!r} is not in a local file"
-        if row_bytes == 0 or ext.start != 0 or ext.size != info.nrows * row_bytes:
-            return f"top {top!r}: its stored bytes do not hold exactly its rows"
+        return "mapping needs a 64-bit Python"
     return None
 
 
@@ -207,28 +190,31 @@ class MappedReader:
 
     in_place = True
 
-    def __init__(self, catalog: Catalog, source: Source, *, keep_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        source: Source,
+        lease: Lease | str,
+        note: str,
+        *,
+        keep_bytes: int | None = None,
+    ) -> None:
+        """Serve ``catalog``'s one file mapped, guarded by ``lease`` (taken over: closed with
+        the reader) or, where none was granted, not (``lease`` says why); ``note`` is each
+        top's read note (:func:`._choice.choose`)."""
         libc = _get_libc()
-        assert libc is not None and refusal(catalog) is None
+        assert libc is not None
         self._libc = libc
         self.source = source
         self.tops: Mapping[str, TopInfo] = catalog.tops
         self.n_samples = catalog.n_samples
         self.read_paths = {t: "mmap" for t in catalog.tops}
-        self.read_notes: Mapping[str, str] = {}
+        self.read_notes: Mapping[str, str] = {t: note for t in catalog.tops}
         (info,) = [f for f in catalog.files if f.nrows > 0]
         self._tops: list[_Top] = []
         #: The file's read lease (taken before it is mapped): nobody truncates it under a gather.
-        self.guard: Lease | None = None
+        self.guard: Lease | None = lease if isinstance(lease, Lease) else None
         try:
-            file = next(iter(info.layouts.values())).extents[0].file
-            assert isinstance(file, LocalFile)
-            lease = Lease.take(file)
-            if isinstance(lease, Lease):
-                self.guard = lease
-            else:
-                note = f"not guarded by a lease: {lease}"
-                self.read_notes = {t: note for t in catalog.tops}
             for name, top in catalog.tops.items():
                 (ext,) = info.layouts[name].extents
                 assert isinstance(ext.file, LocalFile)
@@ -323,7 +309,9 @@ class MappedReader:
             for t in self._tops:
                 _check(t.file, t.name, a, b)
             if self.guard is not None and self.guard.broken:
-                raise self.guard.error()
+                err = self.guard.error()
+                tops = ", ".join(repr(t.name) for t in self._tops)
+                raise ReadError(f"top {tops}, rows {a}:{b}: {err}") from err
         return sum(b - a for a, b in todo)
 
     def _populate(self, ranges: list[tuple[int, int]]) -> None:

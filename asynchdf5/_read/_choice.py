@@ -1,0 +1,180 @@
+"""Whether a source is served mapped (:mod:`._mapped`) or copied (:mod:`._reader`), and why.
+
+``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: a file with its
+tops stored contiguously, uncompressed, in this machine's byte order, on Linux 5.14 or newer,
+with a read lease where Linux grants one and without one elsewhere.
+
+``mmap="auto"`` (the default) maps only where no ``SIGBUS`` case that a lease can prevent is
+left open, and copies everywhere else:
+
+- the file is on a file system known to be local (:data:`LOCAL_FILE_SYSTEMS`, by the
+  ``statfs`` magic number: an allow-list, so a network, FUSE or unknown one is copied), since a
+  lease is this machine's and writes from another machine do not wait for it;
+- a read lease is granted (the file's owner, nobody has it open for writing, a lease-break time
+  of at least :data:`~._lease.MIN_BREAK_S`), since without one a truncation is a ``SIGBUS``.
+
+What no check can exclude, even then, is listed in :mod:`._lease` and docs/choosing.md.
+
+Every answer is one line for ``layer.stats.read_notes`` and ``asynchdf5 inspect``:
+``"mapped: ..."`` or ``"copied: ..."``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from .._catalog import Catalog
+from .._sources._local import LocalFile
+from ._lease import Lease
+from ._mapped import supported
+
+__all__ = ["LOCAL_FILE_SYSTEMS", "Choice", "choose", "file_system", "probe", "refusal"]
+
+#: File systems whose files ``mmap="auto"`` maps (``statfs`` ``f_type``): local disks and memory.
+LOCAL_FILE_SYSTEMS = {
+    0xEF53: "ext2/ext3/ext4",
+    0x58465342: "xfs",
+    0x9123683E: "btrfs",
+    0x01021994: "tmpfs",
+    0x858458F6: "ramfs",
+    0x794C7630: "overlay",
+    0x2FC12FC1: "zfs",
+    0xF2F52010: "f2fs",
+    0xCA451A4E: "bcachefs",
+    0x3153464A: "jfs",
+    0x52654973: "reiserfs",
+}
+#: Others, named in the reason they are copied.
+OTHER_FILE_SYSTEMS = {
+    0x6969: "network file system nfs",
+    0x517B: "network file system smb",
+    0xFF534D42: "network file system cifs",
+    0xFE534D42: "network file system smb2",
+    0x65735546: "FUSE file system",
+    0x00C36400: "network file system ceph",
+    0x01021997: "network file system 9p",
+    0x5346414F: "network file system afs",
+    0x6B414653: "network file system afs",
+    0x01161970: "cluster file system gfs2",
+    0x7461636F: "cluster file system ocfs2",
+    0x0BD00BD0: "network file system lustre",
+    0x47504653: "network file system gpfs",
+    0x20030528: "network file system orangefs",
+    0x73757245: "network file system coda",
+    0x564C: "network file system ncp",
+}
+
+
+def file_system(fd: int) -> int | None:
+    """The ``statfs`` magic number of the file system that holds ``fd`` (None: not known)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fstatfs = libc.fstatfs
+    except (OSError, AttributeError):
+        return None
+    # struct statfs starts with f_type (a long on the 64-bit ABIs; 120 bytes on x86-64).
+    buf = (ctypes.c_long * 32)()
+    fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    fstatfs.restype = ctypes.c_int
+    if fstatfs(fd, buf) != 0:
+        return None
+    return int(buf[0]) & 0xFFFFFFFF
+
+
+def _local(file: LocalFile) -> str | None:
+    """Why ``file`` is not known to be on a local file system (None: it is)."""
+    magic = file_system(file.fd)
+    if magic is None:
+        return "the file system could not be told (statfs)"
+    if magic in LOCAL_FILE_SYSTEMS:
+        return None
+    return OTHER_FILE_SYSTEMS.get(magic, f"file system 0x{magic:x} is not known to be local")
+
+
+def _fs_name(file: LocalFile) -> str:
+    magic = file_system(file.fd)
+    if magic is None:
+        return "a file system"
+    return LOCAL_FILE_SYSTEMS.get(magic) or OTHER_FILE_SYSTEMS.get(magic, f"0x{magic:x}")
+
+
+def refusal(catalog: Catalog) -> str | None:
+    """Why the mapped reader cannot serve this catalogued source at all (None: it can)."""
+    why = supported()
+    if why is not None:
+        return why
+    files = [f for f in catalog.files if f.nrows > 0]
+    if len(files) != 1:
+        return f"mapping serves a source of one file; this one has {len(files)} with samples"
+    (info,) = files
+    for top, layout in info.layouts.items():
+        row_bytes = catalog.tops[top].row_bytes
+        if layout.path != "pread" or len(layout.extents) != 1:
+            how = f"stored {layout.storage}"
+            if layout.note:
+                how = f"read through h5py ({layout.note})"
+            return f"top {top!r} is {how}: mapping needs contiguous, uncompressed storage"
+        if layout.swap:
+            return f"top {top!r} is stored in the other byte order"
+        (ext,) = layout.extents
+        if not isinstance(ext.file, LocalFile):
+            return f"top {top!r} is not in a local file"
+        if row_bytes == 0 or ext.start != 0 or ext.size != info.nrows * row_bytes:
+            return f"top {top!r}: its stored bytes do not hold exactly its rows"
+    return None
+
+
+@dataclass
+class Choice:
+    """How a source is served: ``lease`` is set when it is mapped (the lease taken, or why
+    none was: only with ``mmap=True``); ``note`` says how and why, in one line."""
+
+    mapped: bool
+    note: str
+    lease: Lease | str | None = None
+    #: The property asked for mapping (``mmap=True``) and did not get it: worth a warning.
+    refused: bool = False
+
+    def close(self) -> None:
+        """Give back a lease taken (the source will not be mapped after all)."""
+        if isinstance(self.lease, Lease):
+            self.lease.close()
+        self.lease = None
+
+
+def choose(catalog: Catalog, mmap: bool | Literal["auto"]) -> Choice:
+    """Map or copy ``catalog``'s source, as the ``mmap`` property says (blocking: a few system
+    calls). A mapped choice holds the file's lease: the mapped reader takes it over, or
+    :meth:`Choice.close` gives it back."""
+    if mmap is False:
+        return Choice(False, "copied: mmap=False")
+    why = refusal(catalog)
+    if why is not None:
+        return Choice(False, f"copied: {why}", refused=mmap is True)
+    (info,) = [f for f in catalog.files if f.nrows > 0]
+    file = next(iter(info.layouts.values())).extents[0].file
+    assert isinstance(file, LocalFile)
+    if mmap == "auto":
+        remote = _local(file)
+        if remote is not None:
+            return Choice(False, f"copied: {remote}")
+    lease = Lease.take(file)
+    if isinstance(lease, Lease):
+        return Choice(True, f"mapped: {_fs_name(file)}, read lease held", lease)
+    if mmap == "auto":
+        return Choice(False, f"copied: no read lease: {lease}")
+    return Choice(True, f"mapped, not guarded by a lease: {lease}", lease)
+
+
+def probe(catalog: Catalog) -> str:
+    """What ``mmap="auto"`` would do with ``catalog``'s source, now (a lease taken and given
+    back at once): the note of :func:`choose`."""
+    choice = choose(catalog, "auto")
+    choice.close()
+    return choice.note
+
