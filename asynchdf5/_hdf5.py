@@ -238,7 +238,8 @@ class AsyncHDF5DataLayer(_Layer):
             else f"2 slots of {shape.chunk_rows} samples ({slot_bytes} bytes)",
         )
         if choice.refused:
-            _log.warning("mmap=True does not apply: %s; reading through the cache", choice.note)
+            why = choice.note.split(": ", 1)[-1]
+            _log.warning("mmap=True does not apply: %s; reading through the cache", why)
         elif not choice.mapped:
             _log.info("not mapped: %s", choice.note)
         for top, path in reader.read_paths.items():
