@@ -38,7 +38,7 @@ from asynchdf5._read._lease import Lease
 
 from ._files import check_epoch, check_message, write_h5
 from ._leaks import aassert_released, asnapshot
-from .test_faults import rewrite_in_place, truncate
+from .test_faults import rewrite_in_place, truncate, write_linked
 
 pytestmark = pytest.mark.anyio
 
@@ -194,6 +194,18 @@ async def test_where_it_does_not_apply_the_layer_reads_as_usual_and_says_why(
         assert "copied: " in stats.read_notes[top] and reason in stats.read_notes[top]
     warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("mmap=True does not apply" in r.getMessage() for r in warned) == (mode is True)
+
+
+@pytest.mark.parametrize("mode", [True, "auto"])
+async def test_tops_in_two_files_are_copied(tmp_path: Path, mode: bool | str) -> None:
+    """A top reached through an external link is stored in another file: one lease guards one
+    file, so the source is copied (``mmap=True`` mapped it, the linked file unguarded)."""
+    link, target = write_linked(tmp_path, "contiguous")
+    with anyio.fail_after(30):
+        got, stats = await batches(link, epochs=1, shuffle=True, seed=0, mmap=mode)
+    check_epoch(got[0], 500, 64, 0)
+    assert stats.read_paths == {"data": "pread", "label": "pread"}
+    assert f"copied: top 'data' is stored in another file ({target})" in stats.read_notes["label"]
 
 
 @pytest.mark.parametrize("value", ["yes", "AUTO", 1, None])

@@ -124,6 +124,8 @@ def refusal(catalog: Catalog) -> str | None:
         (ext,) = layout.extents
         if not isinstance(ext.file, LocalFile):
             return f"top {top!r} is not in a local file"
+        if ext.file is not info.file:  # one lease guards one file
+            return f"top {top!r} is stored in another file ({ext.file.name}): an external link"
         if row_bytes == 0 or ext.start != 0 or ext.size != info.nrows * row_bytes:
             return f"top {top!r}: its stored bytes do not hold exactly its rows"
     return None
@@ -157,7 +159,7 @@ def choose(catalog: Catalog, mmap: bool | Literal["auto"]) -> Choice:
     if why is not None:
         return Choice(False, f"copied: {why}", refused=mmap is True)
     (info,) = [f for f in catalog.files if f.nrows > 0]
-    file = next(iter(info.layouts.values())).extents[0].file
+    file = info.file
     assert isinstance(file, LocalFile)
     if mmap == "auto":
         remote = _local(file)
