@@ -55,8 +55,8 @@ TOP_KEYS = {
     "chunk_bytes", "filters", "read_path", "reason", "hints", "stored_in", "error",
 }  # fmt: skip
 DOC_KEYS = {
-    "format", "source", "tops", "ok", "samples", "sample_bytes", "bytes", "read_paths", "files",
-    "hints", "problems",
+    "format", "source", "tops", "ok", "samples", "sample_bytes", "bytes", "read_paths", "mmap",
+    "files", "hints", "problems",
 }  # fmt: skip
 
 

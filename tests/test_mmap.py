@@ -14,6 +14,7 @@ truncation then ends the process with SIGBUS) is what happens, in a child proces
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import re
@@ -672,7 +673,7 @@ async def test_auto_maps_a_file_on_tmpfs(tmp_path: Path) -> None:
         path.unlink()
     check_epoch(got[0], N, 64, 0)
     assert stats.read_paths == {"data": "mmap", "label": "mmap"}
-    assert stats.read_notes["data"] == "mapped: tmpfs, read lease held"
+    assert stats.read_notes["data"] == "mapped: local file system tmpfs, read lease held"
 
 
 _TRUNCATED_WHILE_GATHERING = """
@@ -814,3 +815,35 @@ async def test_a_writer_that_changes_nothing_still_ends_the_mapped_run(tmp_path:
     check_message(info.value, path, "opened the file for writing", "top '", "rows ")
     with anyio.fail_after(20):  # the lease went with the layer: no wait
         await anyio.run_process(opener)
+
+
+# --- asynchdf5 inspect ---------------------------------------------------------------------------
+
+
+def test_inspect_says_whether_the_default_maps_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The JSON's ``mmap`` and the text's last lines: what ``mmap="auto"`` does with the source
+    now, as the layer would decide it (the lease taken and given back)."""
+    from asynchdf5._cli import main
+
+    plain = write_h5(tmp_path / "plain.h5", 0, N)
+    gzip = write_h5(tmp_path / "z.h5", 0, N, layout="gzip")
+
+    def inspect(*args: object) -> tuple[int, str]:
+        status = main(["inspect", *map(str, args)])
+        return status, capsys.readouterr().out
+
+    status, out = inspect("--json", plain)
+    assert status == 0 and json.loads(out)["mmap"].startswith("mapped: local file system ")
+    status, out = inspect(plain)
+    assert 'OK: the layer maps the file (mmap="auto", the default): mapped: local' in out, out
+    with open(plain, "r+b"):  # open for writing: no lease
+        status, out = inspect("--json", plain)
+    assert json.loads(out)["mmap"] == "copied: no read lease: the file is open for writing"
+    status, out = inspect(gzip)
+    assert "OK: the layer reads data by chunks" in out, out
+    assert "(mmap=\"auto\", the default: copied: top 'data' is stored chunked" in out, out
+    t0 = time.monotonic()  # the lease was given back: a writer opens the file at once
+    subprocess.run([sys.executable, "-c", f"open({str(plain)!r}, 'r+b')"], check=True, timeout=40)
+    assert time.monotonic() - t0 < 20

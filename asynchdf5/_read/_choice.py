@@ -100,7 +100,9 @@ def _fs_name(file: LocalFile) -> str:
     magic = file_system(file.fd)
     if magic is None:
         return "a file system"
-    return LOCAL_FILE_SYSTEMS.get(magic) or OTHER_FILE_SYSTEMS.get(magic, f"0x{magic:x}")
+    if magic in LOCAL_FILE_SYSTEMS:
+        return f"local file system {LOCAL_FILE_SYSTEMS[magic]}"
+    return OTHER_FILE_SYSTEMS.get(magic, f"file system 0x{magic:x}")
 
 
 def refusal(catalog: Catalog) -> str | None:
