@@ -183,7 +183,7 @@ PROPERTIES: tuple[Property, ...] = (
         '`"auto"`',
         "Serve the rows of a local file straight from the operating system's page cache (the "
         "file memory-mapped) instead of copying each chunk into the host cache: one copy of "
-        "every byte less, the same batches. `\"auto\"` maps where it is safe and copies "
+        'every byte less, the same batches. `"auto"` maps where it is safe and copies '
         "elsewhere: a source of one file whose tops are stored in it contiguously, "
         "uncompressed, in this machine's byte order, on Linux 5.14 or newer, on a local file "
         "system (not NFS, SMB, FUSE or another network file system), on which the layer gets a "

@@ -554,7 +554,9 @@ def test_a_file_truncated_while_its_chunk_is_served_is_a_read_error_under_the_le
     out = proc.stdout
     assert "read lease held" in out, out  # mapped, and guarded
     # Named as the copying reader names a read (issue 30 item 10): the top(s) and the rows.
-    assert re.search(rf"ReadError top '[^\n]*, (\d+ )?rows( in)? \d+:\d+: {path}: the file was truncated", out), out
+    assert re.search(
+        rf"ReadError top '[^\n]*, (\d+ )?rows( in)? \d+:\d+: {path}: the file was truncated", out
+    ), out
     batches, waited = out.rsplit("batches ", 1)[1].split()[::2]
     assert int(batches) >= 1
     assert 0 <= float(waited) < 20, out  # the lease was given back, not timed out by the kernel

@@ -181,4 +181,3 @@ def probe(catalog: Catalog) -> str:
     choice = choose(catalog, "auto")
     choice.close()
     return choice.note
-
