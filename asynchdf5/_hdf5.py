@@ -201,9 +201,8 @@ class AsyncHDF5DataLayer(_Layer):
             chosen = choice = await anyio.to_thread.run_sync(choose, catalog, self.config.mmap)
             reader: Reader
             if choice.mapped:  # no slots: rows served in place
-                assert choice.lease is not None
-                lease, choice.lease = choice.lease, None  # the reader's now
-                reader = MappedReader(catalog, files, lease, choice.note)
+                leases, choice.leases = choice.leases, []  # the reader's now
+                reader = MappedReader(catalog, files, leases, choice.note)
             elif shape.resident:
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)

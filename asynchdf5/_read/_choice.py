@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .._catalog import Catalog
@@ -31,8 +31,19 @@ from .._sources._local import LocalFile
 from ._lease import Lease
 from ._mapped import supported
 
-__all__ = ["LOCAL_FILE_SYSTEMS", "Choice", "choose", "file_system", "probe", "refusal"]
+__all__ = [
+    "LOCAL_FILE_SYSTEMS",
+    "MAX_FILES",
+    "Choice",
+    "choose",
+    "file_system",
+    "max_files",
+    "probe",
+    "refusal",
+]
 
+#: The most files of a source that are mapped (see :func:`max_files`).
+MAX_FILES = 64
 #: File systems whose files ``mmap="auto"`` maps (``statfs`` ``f_type``): local disks and memory.
 LOCAL_FILE_SYSTEMS = {
     0xEF53: "ext2/ext3/ext4",
@@ -105,79 +116,132 @@ def _fs_name(file: LocalFile) -> str:
     return OTHER_FILE_SYSTEMS.get(magic, f"file system 0x{magic:x}")
 
 
+def max_files() -> int:
+    """The most files a source may have to be mapped: each mapped file holds a descriptor for
+    its lease beside the source's own, so an eighth of the soft ``RLIMIT_NOFILE``, and at most
+    :data:`MAX_FILES` (a lease's thread each, and a lease to check before each gather)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1
+    if soft == resource.RLIM_INFINITY:
+        return MAX_FILES
+    return max(1, min(MAX_FILES, soft // 8))
+
+
 def refusal(catalog: Catalog) -> str | None:
     """Why the mapped reader cannot serve this catalogued source at all (None: it can)."""
     why = supported()
     if why is not None:
         return why
     files = [f for f in catalog.files if f.nrows > 0]
-    if len(files) != 1:
-        return f"mapping serves a source of one file; this one has {len(files)} with samples"
-    (info,) = files
-    for top, layout in info.layouts.items():
-        row_bytes = catalog.tops[top].row_bytes
-        if layout.path != "pread" or len(layout.extents) != 1:
-            how = f"stored {layout.storage}"
-            if layout.note:
-                how = f"read through h5py ({layout.note})"
-            return f"top {top!r} is {how}: mapping needs contiguous, uncompressed storage"
-        if layout.swap:
-            return f"top {top!r} is stored in the other byte order"
-        (ext,) = layout.extents
-        if not isinstance(ext.file, LocalFile):
-            return f"top {top!r} is not in a local file"
-        if ext.file is not info.file:  # one lease guards one file
-            return f"top {top!r} is stored in another file ({ext.file.name}): an external link"
-        if row_bytes == 0 or ext.start != 0 or ext.size != info.nrows * row_bytes:
-            return f"top {top!r}: its stored bytes do not hold exactly its rows"
+    bound = max_files()
+    if len(files) > bound:
+        return (
+            f"{len(files):,} files, more than the {bound} mapped at most (a read lease's "
+            f"descriptor each: an eighth of RLIMIT_NOFILE, at most {MAX_FILES})"
+        )
+    for info in files:
+        for top, layout in info.layouts.items():
+            where = f"{info.name}: " if len(files) > 1 else ""
+            row_bytes = catalog.tops[top].row_bytes
+            if layout.path != "pread" or len(layout.extents) != 1:
+                how = f"stored {layout.storage}"
+                if layout.note:
+                    how = f"read through h5py ({layout.note})"
+                return (
+                    f"{where}top {top!r} is {how}: mapping needs contiguous, uncompressed storage"
+                )
+            if layout.swap:
+                return f"{where}top {top!r} is stored in the other byte order"
+            (ext,) = layout.extents
+            if not isinstance(ext.file, LocalFile):
+                return f"{where}top {top!r} is not in a local file"
+            if ext.file is not info.file:  # one lease guards one file
+                return (
+                    f"{where}top {top!r} is stored in another file ({ext.file.name}): "
+                    "an external link"
+                )
+            if row_bytes == 0 or ext.start != 0 or ext.size != info.nrows * row_bytes:
+                return f"{where}top {top!r}: its stored bytes do not hold exactly its rows"
     return None
 
 
 @dataclass
 class Choice:
-    """How a source is served: ``lease`` is set when it is mapped (the lease taken, or why
-    none was: only with ``mmap=True``); ``note`` says how and why, in one line."""
+    """How a source is served: ``leases`` (one per file with rows) is set when it is mapped
+    (each lease taken, or why none was: only with ``mmap=True``); ``note`` says how and why, in
+    one line."""
 
     mapped: bool
     note: str
-    lease: Lease | str | None = None
+    leases: list[Lease | str] = field(default_factory=list)
     #: The property asked for mapping (``mmap=True``) and did not get it: worth a warning.
     refused: bool = False
 
     def close(self) -> None:
-        """Give back a lease taken (the source will not be mapped after all)."""
-        if isinstance(self.lease, Lease):
-            self.lease.close()
-        self.lease = None
+        """Give back the leases taken (the source will not be mapped after all)."""
+        for lease in self.leases:
+            if isinstance(lease, Lease):
+                lease.close()
+        self.leases = []
 
 
 def choose(catalog: Catalog, mmap: bool | Literal["auto"]) -> Choice:
     """Map or copy ``catalog``'s source, as the ``mmap`` property says (blocking: a few system
-    calls). A mapped choice holds the file's lease: the mapped reader takes it over, or
-    :meth:`Choice.close` gives it back."""
+    calls a file). A mapped choice holds the files' leases: the mapped reader takes them over,
+    or :meth:`Choice.close` gives them back."""
     if mmap is False:
         return Choice(False, "copied: mmap=False")
     why = refusal(catalog)
     if why is not None:
         return Choice(False, f"copied: {why}", refused=mmap is True)
-    (info,) = [f for f in catalog.files if f.nrows > 0]
-    file = info.file
-    assert isinstance(file, LocalFile)
+    files: list[LocalFile] = []
+    for info in catalog.files:
+        if info.nrows > 0:
+            assert isinstance(info.file, LocalFile)
+            files.append(info.file)
+    many = len(files) > 1
+
+    def of(file: LocalFile) -> str:
+        return f" ({file.name})" if many else ""
+
     if mmap == "auto":
-        remote = _local(file)
-        if remote is not None:
-            return Choice(False, f"copied: {remote}")
-    lease = Lease.take(file)
-    if isinstance(lease, Lease):
-        return Choice(True, f"mapped: {_fs_name(file)}, read lease held", lease)
-    if mmap == "auto":
-        return Choice(False, f"copied: no read lease: {lease}")
-    return Choice(True, f"mapped, not guarded by a lease: {lease}", lease)
+        for file in files:
+            remote = _local(file)
+            if remote is not None:
+                return Choice(False, f"copied: {remote}{of(file)}")
+    choice = Choice(True, "")
+    try:
+        for file in files:
+            lease = Lease.take(file)
+            choice.leases.append(lease)
+            if isinstance(lease, str) and mmap == "auto":
+                choice.close()
+                return Choice(False, f"copied: no read lease: {lease}{of(file)}")
+    except BaseException:
+        choice.close()
+        raise
+    unguarded = [
+        (f, why) for f, why in zip(files, choice.leases, strict=True) if isinstance(why, str)
+    ]
+    if unguarded:
+        file, why = unguarded[0]
+        more = f" (and {len(unguarded) - 1} more)" if len(unguarded) > 1 else ""
+        choice.note = f"mapped, not guarded by a lease: {why}{of(file)}{more}"
+    elif many:
+        kinds = ", ".join(sorted({_fs_name(f) for f in files}))
+        choice.note = f"mapped: {len(files)} files on {kinds}, read leases held"
+    else:
+        choice.note = f"mapped: {_fs_name(files[0])}, read lease held"
+    return choice
 
 
 def probe(catalog: Catalog) -> str:
-    """What ``mmap="auto"`` would do with ``catalog``'s source, now (a lease taken and given
-    back at once): the note of :func:`choose`."""
+    """What ``mmap="auto"`` would do with ``catalog``'s source, now (the leases taken and
+    given back at once): the note of :func:`choose`."""
     choice = choose(catalog, "auto")
     choice.close()
     return choice.note

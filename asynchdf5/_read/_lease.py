@@ -54,7 +54,7 @@ from types import TracebackType
 from .._errors import ReadError
 from .._sources._local import LocalFile
 
-__all__ = ["POLL_S", "Lease"]
+__all__ = ["POLL_S", "Lease", "Leases"]
 
 #: How often the lease is looked at: the longest a writer waits for a layer that is not gathering.
 POLL_S = 0.05
@@ -206,6 +206,47 @@ class Lease:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+class Leases:
+    """The leases of several mapped files held as one guard: a gather enters every one (it may
+    take rows of any of the files), and none starts once one is being broken."""
+
+    def __init__(self, leases: list[Lease]) -> None:
+        self.leases = leases
+
+    @property
+    def broken(self) -> bool:
+        return any(lease.broken for lease in self.leases)
+
+    def error(self) -> ReadError:
+        """The error of the first lease being broken (as :meth:`Lease.error`)."""
+        broken = [lease for lease in self.leases if lease.broken] or self.leases
+        return broken[0].error()
+
+    def __enter__(self) -> None:
+        entered: list[Lease] = []
+        try:
+            for lease in self.leases:
+                lease.__enter__()
+                entered.append(lease)
+        except BaseException:
+            for lease in reversed(entered):
+                lease.__exit__(None, None, None)
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for lease in reversed(self.leases):
+            lease.__exit__(None, None, None)
+
+    def close(self) -> None:
+        for lease in self.leases:
+            lease.close()
 
 
 #: Leases taken and not closed, for :func:`_after_fork_in_child`.
