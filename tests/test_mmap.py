@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -127,6 +128,97 @@ async def test_the_same_batches_as_the_copying_reader(
     assert mappings(path, collect=True) == []  # unmapped once closed
 
 
+def _files(folder: Path, sizes: list[int]) -> Path:
+    """A source list of files with ``sizes`` rows (some may have none), rows numbered across."""
+    start, names = 0, []
+    for i, n in enumerate(sizes):
+        write_h5(folder / f"part{i}.h5", start, n)
+        names.append(f"part{i}.h5")
+        start += n
+    (folder / "list.txt").write_text("\n".join(names) + "\n")
+    return folder / "list.txt"
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("kept", [True, False])
+async def test_several_files_are_mapped_and_give_the_copying_readers_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool, kept: bool
+) -> None:
+    """Four files (one without rows), chunks and batches across their boundaries: mapped, a
+    lease on each, the same batches as copied; nothing mapped or open once closed."""
+    if not kept:
+        monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    source = _files(tmp_path, [1700, 0, 2003, 1300])
+    kw: dict[str, Any] = dict(shuffle=shuffle, seed=5, chunk_size=1024, epochs=2)
+    kw["cache_bytes"] = 2048 * ROW_BYTES
+    before = await asnapshot()
+    with anyio.fail_after(60):
+        copied, _ = await batches(source, mmap=False, **kw)
+        served, stats = await batches(source, **kw)
+    await aassert_released(before)
+    assert stats.read_paths == {"data": "mmap", "label": "mmap"}
+    assert stats.read_notes["data"].startswith("mapped: 3 files on local file system"), stats
+    assert stats.read_notes["data"].endswith("read leases held")
+    for epoch, (mine, theirs) in enumerate(zip(served, copied, strict=True)):
+        check_epoch(mine, N, 64, epoch)
+        for a, b in zip(mine, theirs, strict=True):
+            np.testing.assert_array_equal(a.indices, b.indices)
+            np.testing.assert_array_equal(a["data"], b["data"])
+            np.testing.assert_array_equal(a["label"], b["label"])
+    for i in range(4):
+        assert mappings(tmp_path / f"part{i}.h5", collect=True) == []
+
+
+async def test_a_source_of_more_files_than_the_bound_is_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each mapped file holds a lease's descriptor: past the bound, the source is copied, and
+    the notes say why."""
+    monkeypatch.setattr(choice, "max_files", lambda: 2)
+    source = _files(tmp_path, [2000, 2000, 1003])
+    with anyio.fail_after(30):
+        got, stats = await batches(source, epochs=1, shuffle=True, seed=0, chunk_size=1000)
+    check_epoch(got[0], N, 64, 0)
+    assert stats.read_paths == {"data": "pread", "label": "pread"}
+    assert stats.read_notes["data"].startswith("copied: 3 files, more than the 2 mapped at most")
+
+
+_BOUND = """
+import resource, sys
+from asynchdf5._read._choice import max_files
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+for soft in (64, 200, 1024, 4096):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, hard), hard))
+    print(min(soft, hard), max_files())
+"""
+
+
+def test_the_bound_is_an_eighth_of_the_descriptor_limit_and_at_most_64() -> None:
+    proc = _child(_BOUND)
+    assert proc.returncode == 0, proc.stderr
+    for line in proc.stdout.splitlines():
+        soft, bound = map(int, line.split())
+        assert bound == max(1, min(64, soft // 8)), proc.stdout
+
+
+@pytest.mark.parametrize("mode", [True, "auto"])
+async def test_one_file_of_several_without_a_lease(tmp_path: Path, mode: bool | str) -> None:
+    """One of three files is open for writing: "auto" copies the source and names the file;
+    ``mmap=True`` maps it, the notes naming the file not guarded."""
+    source = _files(tmp_path, [2000, 2000, 1003])
+    with open(tmp_path / "part1.h5", "r+b"), anyio.fail_after(30):
+        got, stats = await batches(source, epochs=1, shuffle=True, seed=0, mmap=mode)
+    check_epoch(got[0], N, 64, 0)
+    note = stats.read_notes["data"]
+    if mode is True:
+        assert stats.read_paths["data"] == "mmap"
+        assert note.startswith("mapped, not guarded by a lease: the file is open for writing")
+    else:
+        assert stats.read_paths["data"] == "pread"
+        assert note.startswith("copied: no read lease: the file is open for writing")
+    assert str(tmp_path / "part1.h5") in note
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_sync_facade(tmp_path: Path, backend: Literal["asyncio", "trio"]) -> None:
     path = write_h5(tmp_path / "one.h5", 0, N)
@@ -148,13 +240,6 @@ def _big_endian(folder: Path) -> Path:
     return path
 
 
-def _two_files(folder: Path) -> Path:
-    write_h5(folder / "a.h5", 0, 3000)
-    write_h5(folder / "b.h5", 3000, N - 3000)
-    (folder / "list.txt").write_text("a.h5\nb.h5\n")
-    return folder / "list.txt"
-
-
 def _compact(folder: Path) -> Path:
     """A contiguous-looking top read through h5py: the compact layout (data in the header)."""
     path = write_h5(folder / "compact.h5", 0, N)
@@ -169,8 +254,7 @@ def _compact(folder: Path) -> Path:
     return path
 
 
-REFUSED = {
-    "two files": (_two_files, "mapping serves a source of one file; this one has 2"),
+REFUSED: dict[str, tuple[Callable[[Path], Path], str]] = {
     "gzip": (lambda d: write_h5(d / "z.h5", 0, N, layout="gzip"), "needs contiguous"),
     "chunked": (lambda d: write_h5(d / "c.h5", 0, N, layout="chunked"), "needs contiguous"),
     "other byte order": (_big_endian, "stored in the other byte order"),
