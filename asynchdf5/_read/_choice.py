@@ -1,8 +1,9 @@
 """Whether a source is served mapped (:mod:`._mapped`) or copied (:mod:`._reader`), and why.
 
-``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: a file with its
-tops stored contiguously, uncompressed, in this machine's byte order, on Linux 5.14 or newer,
-with a read lease where Linux grants one and without one elsewhere.
+``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: files with their
+tops stored in them contiguously, uncompressed, in this machine's byte order, on Linux 5.14 or
+newer, at most :func:`max_files` of them, with a read lease where Linux grants one and without
+one elsewhere.
 
 ``mmap="auto"`` (the default) maps only where no ``SIGBUS`` case that a lease can prevent is
 left open, and copies everywhere else:
@@ -10,8 +11,9 @@ left open, and copies everywhere else:
 - the file is on a file system known to be local (:data:`LOCAL_FILE_SYSTEMS`, by the
   ``statfs`` magic number: an allow-list, so a network, FUSE or unknown one is copied), since a
   lease is this machine's and writes from another machine do not wait for it;
-- a read lease is granted (the file's owner, nobody has it open for writing, a lease-break time
-  of at least :data:`~._lease.MIN_BREAK_S`), since without one a truncation is a ``SIGBUS``.
+- a read lease is granted on every file (the file's owner, nobody has it open for writing, a
+  lease-break time of at least :data:`~._lease.MIN_BREAK_S`), since without one a truncation is a
+  ``SIGBUS``.
 
 What no check can exclude, even then, is listed in :mod:`._lease` and docs/choosing.md.
 

@@ -25,8 +25,10 @@ cache; only this process's mapping of them goes), except the pages a chunk in fl
 So the mapped pages stay within the chunks in flight, as the copying reader's slots do, and are
 never the process's own memory: the kernel can take them back at any time.
 
-Applies when the source is one local file whose tops are stored contiguously, uncompressed, in
-this machine's byte order (:func:`._choice.refusal` says why not otherwise, and the layer copies).
+Applies to local files whose tops are stored contiguously, uncompressed, in this machine's byte
+order, up to a bound on their number (:func:`._choice.refusal` says why not otherwise, and the
+layer copies). With several files, each top's rows are a :class:`._maps.Spliced` of the files'
+mappings, and the guard is the leases of all (:class:`._lease.Leases`).
 """
 
 from __future__ import annotations
