@@ -597,6 +597,9 @@ try:
                     subprocess.run([sys.executable, "-c", code], check=True, timeout=100)
                 elif how in ("this process", "not the owner"):
                     os.truncate(path, 4096)
+                elif how == "O_RDONLY | O_TRUNC":  # truncates without looking at leases
+                    code = f"import os; os.close(os.open({path!r}, os.O_RDONLY | os.O_TRUNC))"
+                    subprocess.run([sys.executable, "-c", code], check=True, timeout=100)
                 else:
                     os.ftruncate(writer, 4096)
                 waited = time.monotonic() - t0
@@ -760,6 +763,18 @@ async def test_auto_maps_a_file_on_tmpfs(tmp_path: Path) -> None:
     check_epoch(got[0], N, 64, 0)
     assert stats.read_paths == {"data": "mmap", "label": "mmap"}
     assert stats.read_notes["data"] == "mapped: local file system tmpfs, read lease held"
+
+
+def test_what_no_check_can_exclude_o_rdonly_o_trunc_still_ends_a_mapped_run(
+    tmp_path: Path,
+) -> None:
+    """The documented hole that "auto" cannot see at open: another process opens the file with
+    ``O_RDONLY | O_TRUNC``, which Linux truncates without breaking the read lease, and the
+    mapped run ends with SIGBUS (docs/choosing.md says so, and to set ``mmap=False``)."""
+    path = write_h5(tmp_path / "one.h5", 0, 200_000)
+    proc = _truncate_while_served(path, "O_RDONLY | O_TRUNC")
+    assert "read lease held" in proc.stdout, proc.stdout  # mapped, and guarded
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stdout, proc.stderr[-2000:])
 
 
 _TRUNCATED_WHILE_GATHERING = """
