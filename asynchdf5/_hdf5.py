@@ -21,10 +21,11 @@ from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import _Layer
+from ._machine import memory_bytes
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
-from ._shape import DataShape, default_block_rows, first_read
-from ._sources import Source, SourceLike, open_source, resolve_source
+from ._shape import DataShape, chunk_lanes, default_block_rows, first_read
+from ._sources import Source, SourceLike, SourceOptions
 from .transforms import Transformer
 
 if sys.version_info >= (3, 11):
@@ -118,18 +119,17 @@ class AsyncHDF5DataLayer(_Layer):
             block_size=block_size,
             mmap=mmap,
         )
+        # Every remote read (a list file given as a URL, now; the files, at open) goes through
+        # this one object, with the layer's options.
+        self._reach = SourceOptions(
+            config.storage_options, config.remote_cache, config.remote_cache_bytes
+        )
         #: The files (absolute paths, or URLs), resolved at construction.
-        self.paths = resolve_source(source)
+        self.paths = self._reach.resolve(source)
         super().__init__(config)
 
     def _source(self) -> Source:
-        c = self.config
-        return open_source(
-            self.paths,
-            storage_options=c.storage_options,
-            cache=c.remote_cache,
-            cache_bytes=c.remote_cache_bytes,
-        )
+        return self._reach.open(self.paths)
 
     def _shape_of(self, catalog: Catalog) -> DataShape:
         """The data's shape, and how it is cached: as a loaded state says, else as the
@@ -148,6 +148,7 @@ class AsyncHDF5DataLayer(_Layer):
         )
         if forced is not None:
             block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
+            laned = forced.chunk_lanes
         else:
             stored, request = _stored_rows(catalog), _request_bytes(catalog)
             block = (
@@ -156,6 +157,7 @@ class AsyncHDF5DataLayer(_Layer):
                 else None
             )
             first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored, request)
+            laned = chunk_lanes(cache.chunk_rows, block, row_bytes, stored, request)
         return DataShape(
             n_samples=n,
             row_bytes=row_bytes,
@@ -166,6 +168,7 @@ class AsyncHDF5DataLayer(_Layer):
             first_rows=first,
             resident=cache.resident,
             ramp_lanes=lanes,
+            chunk_lanes=laned,
         )
 
     def _look(self) -> DataShape:
@@ -208,7 +211,11 @@ class AsyncHDF5DataLayer(_Layer):
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
                 slots = allocate_slots(catalog.tops, shape.chunk_rows)
-                reader = HDF5Reader(catalog, files)
+                # Data larger than the memory the process may use is read from the disk every
+                # epoch: keeping it in the page cache gains nothing.
+                memory = memory_bytes()
+                streaming = 0 < memory < shape.n_samples * shape.row_bytes
+                reader = HDF5Reader(catalog, files, streaming=streaming)
             if isinstance(reader, HDF5Reader) and choice.note != "copied: mmap=False":
                 notes = dict(reader.read_notes)
                 for top in catalog.tops:

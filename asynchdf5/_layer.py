@@ -166,6 +166,7 @@ class _Layer(SyncInterface):
                 stream=stream,
                 block_size=shape.block_rows,
                 ramp_lanes=shape.ramp_lanes,
+                chunk_lanes=shape.chunk_lanes,
             )
 
         r = self._resume
@@ -250,12 +251,15 @@ class _Layer(SyncInterface):
         saved = r.fingerprint
         # A state saved before the ramp had lanes: its runs read the ramp in one.
         rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
+        # ... and one saved before chunks had lanes, each chunk in one stretch.
         lanes = saved.get("ramp_lanes", 1)
-        if (*rows, lanes) != (
+        laned = saved.get("chunk_lanes", 1)
+        if (*rows, lanes, laned) != (
             shape.chunk_rows,
             shape.block_rows,
             shape.first_rows,
             shape.ramp_lanes,
+            shape.chunk_lanes,
         ):
             if session is not None and saved["chunk_rows"] > shape.chunk_rows:
                 raise ConfigurationError(
@@ -263,7 +267,12 @@ class _Layer(SyncInterface):
                     f"layer's cache holds {shape.chunk_rows}: load the state before opening it"
                 )
             self._shape = dataclasses.replace(
-                shape, chunk_rows=rows[0], block_rows=rows[1], first_rows=rows[2], ramp_lanes=lanes
+                shape,
+                chunk_rows=rows[0],
+                block_rows=rows[1],
+                first_rows=rows[2],
+                ramp_lanes=lanes,
+                chunk_lanes=laned,
             )
         if not c.seed_given:
             self.config = dataclasses.replace(c, seed=r.seed)

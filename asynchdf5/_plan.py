@@ -266,6 +266,7 @@ def plan_epoch(
     stream: bool = False,
     block_size: int | None = None,
     ramp_lanes: int = 1,
+    chunk_lanes: int = 1,
 ) -> EpochPlan:
     """Plan epoch ``epoch`` of rank ``rank`` over ``n`` samples. Pure and deterministic.
 
@@ -280,6 +281,12 @@ def plan_epoch(
     that even the first piece draws from that many places of the data set (in one lane, the
     first pieces would hold a block or two: every epoch's first batches would come from a few
     places, which class-sorted data shows as batches of one class).
+
+    ``chunk_lanes`` (shuffled only): the rank's share is cut into that many lanes, equal
+    stretches of its walk, and each chunk takes the same share of every lane, so that a chunk
+    draws from at least that many places of the data set however few blocks it holds (a cache
+    shrunk to a small memory budget, blocks kept large for the disk). Chunks then hold at most
+    ``chunk_size`` rows each (their lanes' shares are rounded); 1 is the plain cut.
     """
     tail: tuple[int, ...]
     if stream:
@@ -292,27 +299,136 @@ def plan_epoch(
         start, size = shard_share(n, batch_size, rank, world_size, drop_last)
     walk = _Walk(n, epoch, seed, shuffle, block_size)
 
-    # Chunk boundaries on this rank's share, walk positions relative to the share's start.
-    pieces = [(a, min(a + chunk_size, size)) for a in range(0, size, chunk_size)]
+    # Each chunk: its stretches of walk positions, relative to the share's start (one, but for
+    # the lanes of chunks and of the ramp), in a random order when shuffled: with blocks, the
+    # chunks hold random blocks already; with one (the rotated ring, or a block_size beyond the
+    # data) they are stretches of it.
+    lanes = max(1, min(chunk_lanes, chunk_size, size)) if shuffle else 1
+    laned = _Lanes(walk, start, size, chunk_size, lanes) if lanes > 1 else None
+    count = laned.count if laned is not None else -(-size // chunk_size)
+    order = list(range(count))
     if shuffle:
-        # With blocks, the chunks hold random blocks already; with one (the rotated ring, or a
-        # block_size beyond the data) they are stretches of it: either way, a random order.
-        perm = np.random.default_rng(_seed_tuple(seed, epoch, rank, 1)).permutation(len(pieces))
-        pieces = [pieces[int(i)] for i in perm]
-    # Each chunk: its stretches of the walk (one, but for the ramp's lanes).
-    stretches = [[piece] for piece in pieces]
-    if first_rows is not None and pieces and pieces[0][1] - pieces[0][0] > 2 * first_rows:
-        stretches[:1] = _ramp(*pieces[0], first_rows, ramp_lanes if shuffle else 1)
+        perm = np.random.default_rng(_seed_tuple(seed, epoch, rank, 1)).permutation(count)
+        order = perm.tolist()
 
-    chunks = []
-    for i, parts in enumerate(stretches):
-        chunk_seed = _seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
-        ranges: list[tuple[int, int]] = []
+    def stretches(k: int) -> list[tuple[int, int]]:
+        if laned is not None:
+            return laned.stretches(k)
+        return [(k * chunk_size, min((k + 1) * chunk_size, size))]
+
+    def ranges(parts: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        out: list[tuple[int, int]] = []
         for a, b in parts:
             for g0, g1 in walk.ranges(start + a, start + b):
-                _append(ranges, g0, g1)
-        chunks.append(ChunkPlan(epoch, i, tuple(ranges), chunk_seed))
+                _append(out, g0, g1)
+        return tuple(out)
+
+    chunks: list[ChunkPlan] = []
+    for k in order:
+        i = len(chunks)
+        chunk_seed = _seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
+        if i == 0 and first_rows is not None:
+            first = stretches(k)
+            rows = sum(b - a for a, b in first)
+            if rows > 2 * first_rows:  # the first chunk, read as a ramp of growing pieces
+                for part in _ramp(0, rows, first_rows, ramp_lanes if shuffle else 1):
+                    i = len(chunks)
+                    chunk_seed = _seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
+                    chunks.append(ChunkPlan(epoch, i, ranges(_within(first, part)), chunk_seed))
+                continue
+        got = laned.ranges(k) if laned is not None else ranges(stretches(k))
+        chunks.append(ChunkPlan(epoch, i, got, chunk_seed))
     return EpochPlan(epoch, size, tuple(chunks), batch_size, full, tail)
+
+
+class _Lanes:
+    """A rank's share of the walk (``size`` positions from ``start``) dealt to ``lanes`` lanes
+    row by row (position ``p`` to lane ``p % lanes``; each lane is then one stretch of the
+    walk), and cut into chunks of ``chunk_size`` dealt rows: chunk ``k`` takes, from every
+    lane, the stretch of its rows dealt while positions ``k * chunk_size`` to ``(k + 1) *
+    chunk_size`` were. So every chunk holds exactly ``chunk_size`` rows (the last, the rest),
+    taken from ``lanes`` places of the walk, and the chunks together hold every row once.
+
+    Computed for all chunks at once with NumPy: a small cache over a large data set makes
+    thousands of chunks of hundreds of parts each.
+    """
+
+    def __init__(self, walk: _Walk, start: int, size: int, chunk_size: int, lanes: int) -> None:
+        lane = np.arange(lanes, dtype=np.int64)
+        lens = (size - lane + lanes - 1) // lanes  # rows of each lane
+        first = np.cumsum(lens) - lens  # its first position
+        self.count = -(-size // chunk_size)
+        m0 = np.arange(self.count, dtype=np.int64)[:, None] * chunk_size
+        m1 = np.minimum(m0 + chunk_size, size)
+        # Rows of lane l dealt among the first m positions: ceil((m - l) / lanes), or 0.
+        x = first + np.minimum((m0 - lane + lanes - 1) // lanes, lens)
+        y = first + np.minimum((m1 - lane + lanes - 1) // lanes, lens)
+        keep = x < y
+        self.x, self.y = x[keep], y[keep]  # chunk-major, lanes in order
+        per_chunk = keep.sum(axis=1)
+        self.parts = np.concatenate(([0], np.cumsum(per_chunk)))  # chunk k: parts[k]:parts[k+1]
+        g0, g1, chunk = _global(
+            walk, self.x + start, self.y + start, np.repeat(np.arange(self.count), per_chunk)
+        )
+        self.g0, self.g1 = g0.tolist(), g1.tolist()
+        self.bounds = np.searchsorted(chunk, np.arange(self.count + 1)).tolist()
+
+    def stretches(self, k: int) -> list[tuple[int, int]]:
+        """Chunk ``k``'s stretches, as walk positions relative to the share's start."""
+        a, b = self.parts[k], self.parts[k + 1]
+        return list(zip(self.x[a:b].tolist(), self.y[a:b].tolist(), strict=True))
+
+    def ranges(self, k: int) -> tuple[tuple[int, int], ...]:
+        """Chunk ``k``'s global ranges, neighbours joined."""
+        a, b = self.bounds[k], self.bounds[k + 1]
+        return tuple(zip(self.g0[a:b], self.g1[a:b], strict=True))
+
+
+def _global(
+    walk: _Walk, x: np.ndarray, y: np.ndarray, chunk: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`_Walk.ranges` of every part ``x[i]:y[i]`` at once: the global ranges, in part
+    order, neighbours of the same chunk joined, with the chunk of each."""
+    n = walk.n
+    pieces = []
+    pos, end, part = x, y, np.arange(len(x), dtype=np.int64)
+    step = 0
+    while len(pos):
+        i = np.searchsorted(walk.firsts, pos, side="right") - 1
+        stop = np.minimum(end, walk.firsts[i] + walk.lengths[i])  # to the end of the block
+        g0 = (walk.starts[i] + pos - walk.firsts[i]) % n
+        g1 = g0 + (stop - pos)
+        wraps = g1 > n  # the ring wraps inside the block: two ranges
+        pieces.append((part, np.full(len(part), step), g0, np.minimum(g1, n)))
+        pieces.append(
+            (part[wraps], np.full(int(wraps.sum()), step + 1), 0 * g0[wraps], g1[wraps] - n)
+        )
+        step += 2
+        more = stop < end
+        pos, end, part = stop[more], end[more], part[more]
+    p, s, g0, g1 = (np.concatenate(c) for c in zip(*pieces, strict=True))
+    sort = np.lexsort((s, p))
+    p, g0, g1 = p[sort], g0[sort], g1[sort]
+    c = chunk[p]
+    joins = np.zeros(len(p), bool)
+    joins[1:] = (g0[1:] == g1[:-1]) & (c[1:] == c[:-1])
+    heads = np.flatnonzero(~joins)
+    tails = np.append(heads[1:], len(p)) - 1
+    return g0[heads], g1[tails], c[heads]
+
+
+def _within(stretches: list[tuple[int, int]], part: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``part`` (positions within the concatenation of ``stretches``) as positions of the
+    stretches themselves."""
+    out: list[tuple[int, int]] = []
+    for x, y in part:
+        first = 0
+        for a, b in stretches:
+            lo, hi = max(x, first), min(y, first + b - a)
+            if lo < hi:
+                _append(out, a + lo - first, a + hi - first)
+            first += b - a
+    return out
 
 
 def _ramp(a: int, b: int, first_rows: int, lanes: int) -> list[list[tuple[int, int]]]:

@@ -40,6 +40,7 @@ _WHAT = {
     "block_rows": "the rows per shuffled block",
     "first_rows": "the rows of the first read of an epoch",
     "ramp_lanes": "the places each piece of the first read is taken from",
+    "chunk_lanes": "the places each chunk is taken from",
 }
 
 
@@ -63,7 +64,7 @@ class Resume:
         """What differs between the saved fingerprint and ``now``'s, in words."""
         out = []
         for key, what in _WHAT.items():
-            if key in ("chunk_rows", "block_rows", "first_rows", "ramp_lanes"):
+            if key in ("chunk_rows", "block_rows", "first_rows", "ramp_lanes", "chunk_lanes"):
                 continue  # effective values: the state's are adopted (see the layer)
             saved, current = self.fingerprint.get(key), now.get(key)
             if saved != current:
@@ -179,6 +180,7 @@ def parse_state(state: object) -> Resume:
         ("block_rows", True),
         ("first_rows", True),
         ("ramp_lanes", True),
+        ("chunk_lanes", True),
     ):
         if may_lack and fingerprint.get(key) is None:
             continue

@@ -17,7 +17,14 @@ from ._config import (
     LayerConfig,
 )
 
-__all__ = ["RAMP_BYTES", "DataShape", "default_block_rows", "first_read", "ramp_lanes"]
+__all__ = [
+    "RAMP_BYTES",
+    "DataShape",
+    "chunk_lanes",
+    "default_block_rows",
+    "first_read",
+    "ramp_lanes",
+]
 
 #: Rows of the first chunk of an epoch are ramped up from about this many bytes, so the first
 #: batch waits for a small read rather than a whole chunk.
@@ -38,6 +45,7 @@ class DataShape:
     first_rows: int | None
     resident: bool
     ramp_lanes: int = 1  # places each piece of the first read's ramp is taken from
+    chunk_lanes: int = 1  # places each chunk is taken from, besides its blocks
 
     def fingerprint(self, config: LayerConfig) -> dict[str, Any]:
         """What a saved state must agree with (see :mod:`._resume`)."""
@@ -54,6 +62,7 @@ class DataShape:
             "block_rows": self.block_rows,
             "first_rows": self.first_rows,
             "ramp_lanes": self.ramp_lanes,
+            "chunk_lanes": self.chunk_lanes,
         }
 
 
@@ -88,6 +97,29 @@ def ramp_lanes(first: int, row_bytes: int, stored_rows: int = 0, request_bytes: 
     row_bytes = max(1, row_bytes)
     lane = max(1, MIN_LANE_BYTES // row_bytes, stored_rows, -(-request_bytes // row_bytes))
     return max(1, min(RAMP_LANES, first // lane))
+
+
+def chunk_lanes(
+    chunk_rows: int,
+    block_rows: int | None,
+    row_bytes: int,
+    stored_rows: int = 0,
+    request_bytes: int = 0,
+) -> int:
+    """Lanes of every chunk (see :func:`~._plan.plan_epoch`): 1 when a chunk holds
+    ``BLOCKS_PER_CHUNK`` blocks, else up to that many, so that a chunk still draws from enough
+    places of the data set for its batches to mix when the cache had to shrink (a small memory
+    budget) or the rows are narrow. Each lane's part of a chunk stays at least
+    ``MIN_LANE_BYTES``, a stored chunk decoded whole and a remote request, as the ramp's do.
+
+    Unlike the blocks, the lanes may depend on the cache (``chunk_rows``): they cut this rank's
+    share into chunks, and never change which samples a rank serves.
+    """
+    if block_rows is None or chunk_rows // block_rows >= BLOCKS_PER_CHUNK:
+        return 1
+    row_bytes = max(1, row_bytes)
+    part = max(1, MIN_LANE_BYTES // row_bytes, stored_rows, -(-request_bytes // row_bytes))
+    return max(1, min(BLOCKS_PER_CHUNK, chunk_rows // part))
 
 
 def default_block_rows(

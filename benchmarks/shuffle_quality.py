@@ -34,6 +34,7 @@ import math
 import shlex
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -41,8 +42,10 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from asynchdf5 import CacheBudgetWarning
+from asynchdf5._cache import size_cache
 from asynchdf5._plan import plan_epoch
-from asynchdf5._shape import default_block_rows, first_read
+from asynchdf5._shape import chunk_lanes, default_block_rows, first_read
 
 __all__ = [
     "BATCH_SIZE",
@@ -334,8 +337,64 @@ def _parser() -> argparse.ArgumentParser:
         default=IMAGE_ROW_BYTES,
         help=f"bytes per sample, for the default block and first_rows (default {IMAGE_ROW_BYTES})",
     )
+    p.add_argument(
+        "--widths",
+        action="store_true",
+        help="instead: the default shuffle at row widths of 9 bytes to 150 KB, with the cache "
+        "of a 24 GiB machine and of a 512 MiB process (the sizes the layer computes)",
+    )
     p.add_argument("--output", help="also write the markdown to this file")
     return p
+
+
+#: Row widths of ``--widths`` (bytes of a sample, label included), and memory budgets.
+WIDTHS = (9, 64, IMAGE_ROW_BYTES, 150 * 2**10 + 8)
+BUDGETS = {"24 GiB machine": 24 * 2**30 // 3, "512 MiB process": 512 * 2**20 // 3}
+
+
+def widths_table(n: int, seeds: int, epochs: int) -> list[str]:
+    """The default shuffle's quality at each row width and budget: the cache's chunk rows,
+    the default blocks, the chunks' lanes (as :class:`~asynchdf5.AsyncHDF5DataLayer` computes
+    them for a local contiguous file), the batch label entropy against a full permutation's,
+    and the median read (a range of a chunk)."""
+    lines = [
+        "| row bytes | budget | chunk rows | block rows | lanes | batch label entropy "
+        "÷ permutation | first 100 batches | median read |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    perm_mode = Mode("permutation", "permutation")
+    for row_bytes in WIDTHS:
+        for name, budget in BUDGETS.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CacheBudgetWarning)
+                cache = size_cache(
+                    n, row_bytes, batch_size=BATCH_SIZE, world_size=1, chunk_size=CHUNK_SIZE,
+                    cache_bytes=budget,
+                )  # fmt: skip
+            spec = OrderSpec(n, BATCH_SIZE, cache.chunk_rows, row_bytes)
+            block = default_block_rows(row_bytes, CHUNK_SIZE)
+            lanes = chunk_lanes(cache.chunk_rows, block, row_bytes)
+            ent, first, reads = [], [], []
+            for seed, epoch in pairs_of(seeds, epochs):
+                plan = plan_epoch(
+                    n, epoch=epoch, batch_size=BATCH_SIZE, chunk_size=cache.chunk_rows,
+                    shuffle=True, seed=seed, first_rows=spec.first_rows, block_size=block,
+                    ramp_lanes=spec.ramp_lanes, chunk_lanes=lanes,
+                )  # fmt: skip
+                order = np.concatenate([c.served_indices(c.order()) for c in plan.chunks])
+                h = batch_label_entropy(labels_of(order, n), BATCH_SIZE)
+                p = batch_label_entropy(
+                    labels_of(epoch_order(perm_mode, spec, seed, epoch), n), BATCH_SIZE
+                )
+                ent.append(h.mean() / p.mean())
+                first.append(h[:FIRST_BATCHES].mean() / p[:FIRST_BATCHES].mean())
+                reads += [b - a for c in plan.chunks for a, b in c.ranges]
+            lines.append(
+                f"| {row_bytes:,} | {name} | {cache.chunk_rows:,} | {block:,} | {lanes} | "
+                f"{np.mean(ent):.3f} | {np.mean(first):.3f} | "
+                f"{_mib(np.median(reads) * row_bytes)} |"
+            )
+    return lines
 
 
 def run(args: argparse.Namespace) -> tuple[OrderSpec, list[Quality]]:
@@ -367,14 +426,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     started, t0 = utc_now(), time.perf_counter()
-    spec, results = run(args)
-    lines = [
-        *header(argv, "benchmarks.shuffle_quality", started, time.perf_counter() - t0),
-        "",
-        describe(spec, results),
-        "",
-        *quality_table(results, spec.chunk_size),
-    ]
+    if args.widths:
+        table = widths_table(args.samples, args.seeds, args.epochs)
+        lines = [
+            *header(argv, "benchmarks.shuffle_quality", started, time.perf_counter() - t0),
+            "",
+            f"N = {args.samples:,} class-sorted samples, batch {BATCH_SIZE}, default "
+            f"chunk_size {CHUNK_SIZE:,}; the cache is a third of the memory (two slots). "
+            f"Mean over {args.seeds * args.epochs} (seed, epoch) pairs.",
+            "",
+            *table,
+        ]
+    else:
+        spec, results = run(args)
+        lines = [
+            *header(argv, "benchmarks.shuffle_quality", started, time.perf_counter() - t0),
+            "",
+            describe(spec, results),
+            "",
+            *quality_table(results, spec.chunk_size),
+        ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:

@@ -2,9 +2,10 @@
 
 Every error below is checked for its class *and* for a message that names the file, the top, the
 rows or the transformer involved. Configuration errors are raised at construction; source and
-schema errors when the layer is opened, before any batch; read and transform errors from the
-``async for`` (or ``for``) that was waiting, after only complete, correct batches. After leaving
-``async with`` (or ``with``) no task, busy thread or file descriptor of ours may be left behind.
+schema errors at the first call that needs the files (``len()``, ...) or when the layer is opened,
+before any batch; read and transform errors from the ``async for`` (or ``for``) that was
+waiting, after only complete, correct batches. After leaving ``async with`` (or ``with``) no task,
+busy thread or file descriptor of ours may be left behind.
 
 The fixture data make alignment checkable from the batch alone: row ``i`` of the source has
 ``label == i`` and ``data == [10 * i, 10 * i + 1]``, so a batch is correct when its labels equal
@@ -198,6 +199,27 @@ async def test_top_missing_from_second_file(tmp_path: Path) -> None:
         assert "label" not in f
     err = await open_must_fail(AsyncHDF5DataLayer([a, b], batch_size=10), SchemaError)
     check_message(err, b, "'label'", "missing")
+
+
+@pytest.mark.parametrize(
+    "ask",
+    [len, lambda layer: layer.n_samples, lambda layer: layer.state_dict()],
+    ids=["len", "n_samples", "state_dict"],
+)
+def test_schema_error_comes_at_the_first_call_that_needs_the_files(
+    tmp_path: Path, ask: Callable[[AsyncHDF5DataLayer], object]
+) -> None:
+    # docs/errors.md, moment 2: construction opens no file; len() and the like, before
+    # `async with`, read the files' metadata and raise what is wrong with them, every time.
+    a = write_h5(tmp_path / "a.h5", 0, 100)
+    b = write_h5(tmp_path / "b.h5", 100, 100, label=None)
+    before = snapshot()
+    layer = AsyncHDF5DataLayer([a, b], batch_size=10)
+    for _ in range(2):
+        with pytest.raises(SchemaError) as info:
+            ask(layer)
+        check_message(info.value, b, "'label'", "missing")
+    assert_released(before)
 
 
 @pytest.mark.anyio

@@ -10,15 +10,18 @@ for a piece to be served. A slot shared so goes back only once every chunk in it
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer
+import asynchdf5._hdf5
+from asynchdf5 import AsyncHDF5DataLayer, ReadError
 from asynchdf5._loading import _Region
 from asynchdf5._read import HDF5Reader
+from asynchdf5._sources import _direct, _local
 
 from ._files import ROW_BYTES, N, check_epoch, ramp, write_source
 
@@ -124,3 +127,60 @@ async def test_no_read_overwrites_rows_still_in_use(
                 check_epoch(batches, n, BATCH, epoch)
     assert len(reads.reads) >= 4 * -(-sum(sizes) // CHUNK)
     assert not reads.overlaps, reads.overlaps
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "refused"])
+async def test_data_larger_than_memory_is_read_around_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    """Where the data outgrows the memory the process may use, the reader reads around the
+    page cache: ``O_DIRECT``, or where the file system refuses it, advice before and after each
+    read. The epochs are as exact; data that fits reads as before."""
+    calls: list[object] = []
+    real_read, real_advise = _direct.read_direct, _direct.advise
+
+    def read_direct(*args: Any) -> bool:
+        calls.append("direct")
+        return real_read(*args)
+
+    def advise(fd: int, offset: int, size: int, what: int | None) -> None:
+        calls.append(what)
+        real_advise(fd, offset, size, what)
+
+    monkeypatch.setattr(_local, "read_direct", read_direct)
+    monkeypatch.setattr(_local, "advise", advise)
+    if not direct:
+        monkeypatch.setattr(_local, "open_direct", lambda *args: -1)
+    source = write_source(tmp_path)[0]
+    for memory, streams in ((N * ROW_BYTES - 1, True), (N * ROW_BYTES, False)):
+        calls.clear()
+        monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda memory=memory: memory)
+        layer = AsyncHDF5DataLayer(
+            source, batch_size=BATCH, shuffle=True, seed=3, chunk_size=CHUNK,
+            cache_bytes=2 * CHUNK * ROW_BYTES,
+        )  # fmt: skip
+        async with layer:
+            await _epochs(layer, 2)
+        if not streams:
+            assert not calls
+        elif direct:
+            assert set(calls) == {"direct"}
+        else:
+            assert {_direct.WILLNEED, _direct.DONTNEED} == set(calls)
+
+
+async def test_a_file_truncated_under_direct_reads_is_a_read_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source, paths = write_source(tmp_path)
+    monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda: N * ROW_BYTES - 1)
+    layer = AsyncHDF5DataLayer(
+        source, batch_size=BATCH, shuffle=False, chunk_size=CHUNK,
+        cache_bytes=2 * CHUNK * ROW_BYTES,
+    )  # fmt: skip
+    with pytest.raises(ReadError, match=r"part1\.h5.*truncated"):
+        with anyio.fail_after(30):
+            async with layer:
+                os.truncate(paths[1], 4096)
+                async for _ in layer:
+                    pass

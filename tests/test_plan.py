@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from asynchdf5 import ConfigurationError
 from asynchdf5._config import RAMP_LANES
-from asynchdf5._plan import ChunkPlan, EpochPlan, plan_epoch
+from asynchdf5._plan import ChunkPlan, EpochPlan, _append, _Lanes, _Walk, plan_epoch, shard_share
 from asynchdf5._shape import RAMP_BYTES, first_read
 
 
@@ -51,6 +51,7 @@ def served(plan: EpochPlan) -> np.ndarray:
     ramp=st.one_of(st.none(), st.integers(1, 500)),
     lanes=st.integers(1, 40),
     block=st.one_of(st.none(), st.integers(1, 300)),
+    chunk_lanes=st.integers(1, 50),
 )
 def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
     n: int,
@@ -64,6 +65,7 @@ def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
     ramp: int | None,
     lanes: int,
     block: int | None,
+    chunk_lanes: int,
 ) -> None:
     kw = dict(
         epoch=epoch,
@@ -76,6 +78,7 @@ def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
         first_rows=ramp,
         ramp_lanes=lanes,
         block_size=block,
+        chunk_lanes=chunk_lanes,
     )
     try:
         plans = [plan_epoch(n, rank=r, **kw) for r in range(world_size)]  # type: ignore[arg-type]
@@ -289,3 +292,37 @@ def test_stream_plans_ignore_drop_last(
     ]
     everything = np.sort(np.concatenate([served(p) for p in plans]))
     np.testing.assert_array_equal(everything, np.arange(n))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 5000),
+    chunk_size=st.integers(1, 900),
+    lanes=st.integers(2, 60),
+    block=st.integers(1, 400),
+    seed=st.integers(0, 2**32),
+    world_size=st.integers(1, 4),
+)
+def test_laned_chunks_are_full_and_join_the_walks_ranges(
+    n: int, chunk_size: int, lanes: int, block: int, seed: int, world_size: int
+) -> None:
+    """Laned chunks hold exactly ``chunk_size`` rows (one of a share, the rest), the share's
+    samples once, and the global ranges the walk gives stretch by stretch, neighbours joined."""
+    world_size = min(world_size, n)
+    kw = dict(epoch=0, batch_size=1, shuffle=True, seed=seed, block_size=block, drop_last=True)
+    for rank in range(world_size):
+        args = dict(rank=rank, world_size=world_size, **kw)
+        plan = plan_epoch(n, chunk_size=chunk_size, chunk_lanes=lanes, **args)  # type: ignore[arg-type]
+        plain = plan_epoch(n, chunk_size=chunk_size, **args)  # type: ignore[arg-type]
+        assert all(c.rows <= chunk_size for c in plan.chunks)
+        assert sum(c.rows != chunk_size for c in plan.chunks) <= 1
+        assert np.array_equal(np.sort(served(plan)), np.sort(served(plain)))
+        walk = _Walk(n, 0, seed, True, block)
+        start, size = shard_share(n, 1, rank, world_size, True)
+        laned = _Lanes(walk, start, size, chunk_size, min(lanes, chunk_size, size))
+        for k in range(laned.count):
+            want: list[tuple[int, int]] = []
+            for a, b in laned.stretches(k):
+                for g0, g1 in walk.ranges(start + a, start + b):
+                    _append(want, g0, g1)
+            assert laned.ranges(k) == tuple(want)

@@ -74,9 +74,16 @@ def test_explicit_credentials_and_endpoint(tmp_path: Path) -> None:
     assert got["config"] == {
         "aws_region": "us-east-1",
         "aws_endpoint": "http://127.0.0.1:9000",
-        "aws_access_key_id": "k1",
-        "aws_secret_access_key": "s1",
+        "aws_endpoint_url_s3": "http://127.0.0.1:9000",  # obstore prefers it to aws_endpoint
     }
+    creds = got["credential_provider"]
+    assert creds() == {
+        "access_key_id": "k1",
+        "secret_access_key": "s1",
+        "token": None,
+        "expires_at": None,
+    }
+    assert "s1" not in repr(creds)
     assert got["client_options"]["allow_http"] is True
     assert got["retry_config"]["max_retries"] == 0  # ours are counted and bounded
 
@@ -90,19 +97,33 @@ def test_credentials_region_and_endpoint_from_the_environment(tmp_path: Path) ->
         AWS_REGION="eu-west-3",
         AWS_ENDPOINT_URL_S3="https://s3.example.com",
     )
-    config = obstore_settings({}, T, env)["config"]
-    assert config == {
+    got = obstore_settings({}, T, env)
+    assert got["config"] == {
         "aws_region": "eu-west-3",
         "aws_endpoint": "https://s3.example.com",
-        "aws_access_key_id": "k2",
-        "aws_secret_access_key": "s2",
-        "aws_session_token": "t2",
+        "aws_endpoint_url_s3": "https://s3.example.com",
     }
+    assert got["credential_provider"]() == {
+        "access_key_id": "k2",
+        "secret_access_key": "s2",
+        "token": "t2",
+        "expires_at": None,
+    }
+
+
+def test_keys_in_the_options_take_no_token_from_the_environment(tmp_path: Path) -> None:
+    # As botocore: keys given explicitly are used alone (obstore would add the variable's token).
+    env = clean_env(tmp_path, AWS_SESSION_TOKEN="t3", AWS_ENDPOINT_URL_S3="http://127.0.0.1:9")
+    options = {"key": "k3", "secret": "s3", "endpoint_url": "http://h:1"}
+    got = obstore_settings(options, T, env)
+    assert got["credential_provider"]()["token"] is None
+    assert got["config"]["aws_endpoint_url_s3"] == "http://h:1"
 
 
 def test_anonymous_needs_no_credentials(tmp_path: Path) -> None:
     config = obstore_settings({"anon": True}, T, clean_env(tmp_path, AWS_REGION="us-west-2"))
     assert config["config"] == {"aws_region": "us-west-2", "aws_skip_signature": True}
+    assert "credential_provider" not in config
 
 
 @pytest.mark.parametrize(

@@ -127,7 +127,7 @@ async def test_a_cancelled_fetch_never_leaves_a_read_running(
     events: list[str] = []
     lock = threading.Lock()
 
-    def slow_read(batch: Any, work: Any) -> None:
+    def slow_read(batch: Any, work: Any, streaming: bool) -> None:
         with lock:
             events.append("start")
         time.sleep(0.2)

@@ -117,6 +117,7 @@ class HDF5Reader:
         resident: dict[str, np.ndarray] | None = None,
         read_threads: int = 2,
         decode_threads: int | None = None,
+        streaming: bool = False,
     ) -> None:
         self.catalog = catalog
         self.source = source
@@ -125,6 +126,8 @@ class HDF5Reader:
         self.read_paths = catalog.read_paths()
         self.read_notes = catalog.read_notes()
         self.resident = resident
+        #: Data larger than memory, read from the disk every epoch (see ``Source.fetch``).
+        self.streaming = streaming
         self._loaded: list[tuple[int, int]] = []  # sorted, disjoint: what `resident` holds
         # Pieces of a chunk (several tops, several files) move on up to `read_threads` threads at
         # once: more requests in flight for the disk, more memcpy for a warm cache.
@@ -229,7 +232,9 @@ class HDF5Reader:
 
         async def fetch() -> None:
             assert self._pool is not None
-            n = await self.source.fetch(ranges, self._pool, self._limiter, stats)
+            n = await self.source.fetch(
+                ranges, self._pool, self._limiter, stats, streaming=self.streaming
+            )
             total[0] += n  # not `+= await`: that reads the total before the await
             for step in after:
                 step()  # in place on bytes just read: microseconds per megabyte

@@ -8,6 +8,7 @@ work with any source.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ._base import ByteRange, Source, StoredFile
@@ -21,6 +22,7 @@ __all__ = [
     "RemoteSource",
     "Source",
     "SourceLike",
+    "SourceOptions",
     "StoredFile",
     "is_hdf5_file",
     "is_url",
@@ -47,3 +49,28 @@ def open_source(
     if any(is_url(e) for e in entries):
         return RemoteSource(storage_options, cache=cache, cache_bytes=cache_bytes)
     return LocalSource()
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """How a layer reaches its files: its ``storage_options``, ``remote_cache`` and
+    ``remote_cache_bytes`` properties, in one object through which the layer both resolves its
+    source (a list file given as a URL is read at construction) and opens its files, so that
+    every remote read, of the list or of an HDF5 object, takes the same options."""
+
+    storage_options: Mapping[str, Any] | None = None
+    cache: str | None = None
+    cache_bytes: int | None = None
+
+    def resolve(self, source: SourceLike) -> list[str]:
+        """:func:`resolve_source` with these options."""
+        return resolve_source(source, storage_options=self.storage_options)
+
+    def open(self, entries: Sequence[str]) -> Source:
+        """:func:`open_source` with these options."""
+        return open_source(
+            entries,
+            storage_options=self.storage_options,
+            cache=self.cache,
+            cache_bytes=self.cache_bytes,
+        )

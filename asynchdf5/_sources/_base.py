@@ -116,8 +116,15 @@ class Source(Protocol):
         work: Executor,
         limiter: anyio.CapacityLimiter,
         stats: ReadStats,
+        *,
+        streaming: bool = False,
     ) -> int:
         """Fetch every range (concurrently, in any order), then check the files they came from.
+
+        ``streaming``: the ranges belong to data larger than memory, read once an epoch, so
+        nothing is gained by keeping them cached after the fetch; a source may read around its
+        cache (local files: the kernel is told of a batch of ranges before they are read, and
+        to drop them once they are).
 
         ``then`` callables run on ``work``'s threads; at most ``limiter``'s tokens of worker
         threads move bytes at a time. Returns the bytes fetched; transient errors retried are

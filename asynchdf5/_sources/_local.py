@@ -26,6 +26,7 @@ from .._errors import DataLayerError, ReadError, SourceError
 from .._priority import background
 from .._stats import ReadStats
 from ._base import ByteRange, StoredFile
+from ._direct import DONTNEED, WILLNEED, advise, open_direct, read_direct
 from ._entries import HDF5_SIGNATURE
 
 __all__ = ["PIECE_BYTES", "LocalFile", "LocalSource"]
@@ -79,6 +80,7 @@ class LocalFile:
         self.fd = fd
         self.fingerprint = fingerprint
         self._h5: h5py.File | None = None
+        self._direct: int | None = None  # -1: the file system refused O_DIRECT
         self._lock = threading.Lock()
 
     @property
@@ -110,6 +112,23 @@ class LocalFile:
         if h5 is not None:
             h5.close()
 
+    def direct_fd(self) -> int | None:
+        """A second descriptor of this very file (reopened through ``/proc/self/fd``, so a
+        rename cannot swap it) with ``O_DIRECT``: reads that bypass the page cache, for data
+        read once an epoch. Opened on first use; None where the platform or the file system
+        refuses it (then, and after :meth:`refuse_direct`, reads go through the page cache)."""
+        with self._lock:
+            if self._direct is None:
+                self._direct = open_direct(self.fd, self.fingerprint.dev, self.fingerprint.ino)
+            return self._direct if self._direct >= 0 else None
+
+    def refuse_direct(self) -> None:
+        """Read through the page cache from now on (a direct read was refused)."""
+        with self._lock:
+            fd, self._direct = self._direct, -1
+        if fd is not None and fd >= 0:
+            os.close(fd)
+
     def check(self, *, by_name: bool = False) -> None:
         try:
             now = Fingerprint.of(os.fstat(self.fd))
@@ -130,6 +149,7 @@ class LocalFile:
 
     def close(self) -> None:
         self.close_h5py()
+        self.refuse_direct()
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
@@ -196,6 +216,8 @@ class LocalSource:
         work: Executor,
         limiter: anyio.CapacityLimiter,
         stats: ReadStats,
+        *,
+        streaming: bool = False,
     ) -> int:
         with self._lock:
             if self._closed:
@@ -207,9 +229,11 @@ class LocalSource:
                     max(1, n), "asynchdf5-read", initializer=background
                 )
             readers = self._readers
+        # In file order: each thread's call then reads ahead through its part of the file.
+        ordered = sorted(ranges, key=lambda r: (id(r.file), r.offset))
         async with anyio.create_task_group() as tg:
-            for batch in _batches(ranges):
-                tg.start_soon(self._fetch_in_thread, batch, work, limiter, readers)
+            for batch in _batches(ordered):
+                tg.start_soon(self._fetch_in_thread, batch, work, limiter, readers, streaming)
         return sum(r.size for r in ranges)
 
     @staticmethod
@@ -218,10 +242,11 @@ class LocalSource:
         work: Executor,
         limiter: anyio.CapacityLimiter,
         readers: Executor,
+        streaming: bool = False,
     ) -> None:
         def read() -> None:
             try:
-                future = readers.submit(_fetch, batch, work)
+                future = readers.submit(_fetch, batch, work, streaming)
             except RuntimeError:  # the pool was shut down: the source closed under this fetch
                 raise ReadError(_closed_message(batch)) from None
             future.result()
@@ -273,28 +298,42 @@ def _batches(ranges: Sequence[ByteRange]) -> Iterator[list[ByteRange]]:
         yield batch
 
 
-def _fetch(batch: list[ByteRange], work: Executor) -> None:
+def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> None:
     """Read a batch of ranges (blocking); raw bytes go to their ``then`` on ``work``'s threads.
 
     Every ``then`` handed to ``work`` has finished when this returns, errors or not: nothing
     writes into a cache slot after its chunk was given up.
+
+    ``streaming`` (data larger than memory, read once an epoch): ranges read into a buffer
+    bypass the page cache (``O_DIRECT``, through an aligned buffer of the thread's: filling the
+    page cache only for the kernel's reclaim to empty it again cost, under a memory limit, more
+    than twice the CPU, and in the reading thread itself). Where the file system refuses that,
+    and for raw chunks, the kernel is told of the whole batch first (``WILLNEED``: it reads
+    every range at once, where one ``preadv`` at a time leaves the disk one request deep) and
+    each range is dropped once read (``DONTNEED``). Advice only: a failure to give it changes
+    nothing.
     """
     pending: list[tuple[ByteRange, Future[None]]] = []
     files: dict[int, LocalFile] = {}
     error: BaseException | None = None
+    if streaming:
+        _advise([r for r in batch if not _direct(r)], WILLNEED)
     try:
         for r in batch:
             f = r.file
             assert isinstance(f, LocalFile)
             files[id(f)] = f
             if r.into is not None:
-                _preadv(f, r)
+                if not (streaming and _direct(r) and _read_direct(f, r)):
+                    _preadv(f, r)
                 if r.then is not None:
                     r.then(r.into)
             else:
                 assert r.then is not None
                 raw = _pread(f, r)
                 pending.append((r, work.submit(r.then, raw)))
+            if streaming and not _direct(r):
+                _advise((r,), DONTNEED)
     except BaseException as exc:
         error = exc
     for _, future in pending:
@@ -313,6 +352,31 @@ def _fetch(batch: list[ByteRange], work: Executor) -> None:
                 raise ReadError(f"{r.about}: {exc}") from exc
     if error is not None:
         raise _read_error(error, batch[0])
+
+
+def _direct(r: ByteRange) -> bool:
+    """Whether ``r`` is read with ``O_DIRECT`` when streaming."""
+    return r.into is not None and isinstance(r.file, LocalFile) and r.file.direct_fd() is not None
+
+
+def _read_direct(f: LocalFile, r: ByteRange) -> bool:
+    """:func:`~._direct.read_direct` of ``r``; False (nothing read) where the file's descriptor
+    refuses direct reads (it is then read through the page cache from now on)."""
+    assert r.into is not None
+    fd = f.direct_fd()
+    if fd is None:
+        return False
+    if read_direct(fd, r.offset, r.size, r.into, f"{f.name}: {r.about}"):
+        return True
+    f.refuse_direct()
+    return False
+
+
+def _advise(ranges: Sequence[ByteRange], advice: int | None) -> None:
+    for r in ranges:
+        f = r.file
+        assert isinstance(f, LocalFile)
+        advise(f.fd, r.offset, r.size, advice)
 
 
 def _read_error(exc: BaseException, r: ByteRange) -> BaseException:

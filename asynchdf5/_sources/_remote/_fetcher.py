@@ -5,6 +5,7 @@ buffers or to the codec threads."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
@@ -36,14 +37,22 @@ class Fetcher(Requests):
         work: Executor,
         limiter: anyio.CapacityLimiter,
         stats: ReadStats,
+        *,
+        streaming: bool = False,
     ) -> int:
         remote = [r for r in ranges if isinstance(r.file, RemoteFile)]
         if len(remote) < len(ranges):
             local = [r for r in ranges if not isinstance(r.file, RemoteFile)]
             if not remote:
-                return await self._local.fetch(local, work, limiter, stats)
+                return await self._local.fetch(local, work, limiter, stats, streaming=streaming)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._local.fetch, local, work, limiter, stats)
+                tg.start_soon(
+                    functools.partial(self._local.fetch, streaming=streaming),
+                    local,
+                    work,
+                    limiter,
+                    stats,
+                )
                 await self._fetch_remote(remote, work, stats)
             return sum(r.size for r in ranges)
         await self._fetch_remote(remote, work, stats)

@@ -111,19 +111,40 @@ def obstore_settings(
         region = "us-east-1"  # what botocore signs with for an endpoint of no region
     config: dict[str, Any] = {"aws_region": str(region)}
     if endpoint:
-        config["aws_endpoint"] = str(endpoint)
+        # obstore also reads AWS_ENDPOINT_URL_S3 itself, and prefers it to ``aws_endpoint``:
+        # the endpoint chosen here goes in both, so that the environment cannot override it.
+        config["aws_endpoint"] = config["aws_endpoint_url_s3"] = str(endpoint)
+    settings: dict[str, Any] = {"config": config}
     if anon:
         config["aws_skip_signature"] = True
     else:
-        config["aws_access_key_id"] = str(key)
-        config["aws_secret_access_key"] = str(secret)
-        if token:
-            config["aws_session_token"] = str(token)
+        # A provider, not config keys: obstore would add the environment's AWS_SESSION_TOKEN to
+        # keys given in its config; these credentials are signed with as they are.
+        settings["credential_provider"] = Credentials(str(key), str(secret), token and str(token))
     # Our retries and timeouts govern (counted, bounded once): obstore's would only add to them.
     limit = f"{int(transfer.timeout) + 5}s"
-    client = {"allow_http": plain_http, "timeout": limit}
-    retry = {"max_retries": 0, "retry_timeout": dt.timedelta(seconds=transfer.timeout + 5)}
-    return {"config": config, "client_options": client, "retry_config": retry}
+    settings["client_options"] = {"allow_http": plain_http, "timeout": limit}
+    settings["retry_config"] = {
+        "max_retries": 0,
+        "retry_timeout": dt.timedelta(seconds=transfer.timeout + 5),
+    }
+    return settings
+
+
+class Credentials:
+    """Static S3 credentials for obstore's ``credential_provider`` (asked once: they never
+    expire). Its ``repr`` shows no value."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, key: str, secret: str, token: str | None) -> None:
+        self._value = {"access_key_id": key, "secret_access_key": secret, "token": token}
+
+    def __call__(self) -> dict[str, Any]:
+        return {**self._value, "expires_at": None}
+
+    def __repr__(self) -> str:
+        return "Credentials(...)"
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""A memory cgroup for one benchmark child process: made, joined, read and removed.
+
+The out-of-core benchmark runs each reader in a child process whose memory (anonymous memory
+and the page cache it fills) is capped, so that a data set a few times the cap has to stream
+from the disk. cgroup v1 (``memory.limit_in_bytes``) and v2 (``memory.max``, where
+``/sys/fs/cgroup/cgroup.controllers`` lists ``memory``) are both handled. Making a group needs
+root (or a delegated hierarchy); where it cannot be made, :func:`make` says why and the caller
+runs without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+V1_ROOT = Path("/sys/fs/cgroup/memory")
+V2_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class MemoryCgroup:
+    """One memory cgroup made by :func:`make` (remove it with :meth:`remove`).
+
+    Attributes
+    ----------
+    path
+        Its directory.
+    version
+        1 or 2.
+    limit_bytes
+        The limit written to it.
+    """
+
+    path: Path
+    version: int
+    limit_bytes: int
+
+    @property
+    def procs(self) -> Path:
+        """The file a process writes its pid to, to join the group."""
+        return self.path / "cgroup.procs"
+
+    def peak_bytes(self) -> int | None:
+        """The most memory the group has held (page cache included), where the kernel says."""
+        name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
+        return _read_int(self.path / name)
+
+    def limit_hits(self) -> int | None:
+        """How often the group reached its limit (v1 ``memory.failcnt``; v2 ``max`` events)."""
+        if self.version == 1:
+            return _read_int(self.path / "memory.failcnt")
+        with contextlib.suppress(OSError, ValueError):
+            for line in (self.path / "memory.events").read_text().splitlines():
+                key, value = line.split()
+                if key == "max":
+                    return int(value)
+        return None
+
+    def oom_kills(self) -> int | None:
+        """Processes of the group the kernel killed for memory, where it counts them."""
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        with contextlib.suppress(OSError, ValueError):
+            for line in (self.path / name).read_text().splitlines():
+                key, value = line.split()
+                if key == "oom_kill":
+                    return int(value)
+        return None
+
+    def remove(self, timeout_s: float = 10.0) -> None:
+        """Remove the group once its processes have gone (the kernel refuses it before)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def version() -> int | None:
+    """1 or 2: which hierarchy holds the memory controller here; None where none is mounted."""
+    with contextlib.suppress(OSError):
+        if "memory" in (V2_ROOT / "cgroup.controllers").read_text().split():
+            return 2
+    if (V1_ROOT / "memory.limit_in_bytes").exists():
+        return 1
+    return None
+
+
+def make(name: str, limit_bytes: int) -> MemoryCgroup | str:
+    """A new memory cgroup ``name`` at the hierarchy's root, limited to ``limit_bytes``; or, where
+    one cannot be made, the reason, in words."""
+    v = version()
+    if v is None:
+        return "no memory cgroup controller is mounted"
+    root = V1_ROOT if v == 1 else V2_ROOT
+    path = root / name
+    try:
+        path.mkdir()
+    except OSError as exc:
+        return f"cannot make {path}: {exc.strerror or exc}"
+    group = MemoryCgroup(path, v, limit_bytes)
+    limit_file = path / ("memory.limit_in_bytes" if v == 1 else "memory.max")
+    try:
+        limit_file.write_text(str(limit_bytes))
+        if v == 2:  # no swap, so that the limit is one on memory, not memory + swap
+            with contextlib.suppress(OSError):
+                (path / "memory.swap.max").write_text("0")
+    except OSError as exc:
+        group.remove()
+        return f"cannot set {limit_file}: {exc.strerror or exc}"
+    return group
+
+
+def join(procs: str | os.PathLike[str]) -> None:
+    """Move this process (all its threads) into the group whose ``cgroup.procs`` is ``procs``.
+
+    Memory the process already holds stays charged where it was (neither v1 by default nor v2
+    move charges): what counts against the limit is what it uses from now on.
+    """
+    with open(procs, "w") as f:
+        f.write(str(os.getpid()))

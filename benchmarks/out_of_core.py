@@ -1,0 +1,298 @@
+"""Shuffled epochs out of core: each reader in a memory-capped child, from a cold page cache
+(``python -m benchmarks.out_of_core``).
+
+The data set is one HDF5 file of ``N`` uint8 3x32x32 images (``data``) and int64 labels
+(``label``), class-sorted (sample ``i`` is class ``i * 10 // N``), contiguous and uncompressed,
+as the packer writes it. By default it is at least four times the memory the reading process
+may use: each reader runs in a child process placed in a memory cgroup (:mod:`benchmarks.cgroups`)
+of ``--limit-mib``, and the file is evicted from the page cache (``posix_fadvise(DONTNEED)`` on
+the file only, never the whole cache) before each reader starts; ``mincore`` says what stayed.
+
+The readers, in one run on the same file under the same limit:
+
+- ``sequential``: one thread, ``os.preadv`` of the whole file in 8 MiB pieces;
+- ``layer_unshuffled`` / ``layer_shuffled``: :class:`asynchdf5.AsyncHDF5DataLayer` with default
+  properties, ``shuffle=False`` / ``True``, ``--epochs`` epochs in one open (residency of the file
+  before the second epoch is reported; label mixing is measured per epoch);
+- ``torch_h5py``: a ``DataLoader`` (2 workers, each opening the file) over an h5py map-style
+  dataset, random batches from a ``BatchSampler``, one sorted fancy-index read per batch;
+- ``memmap``: nanoGPT's loader, a fresh ``np.memmap`` per batch and random indices.
+
+The last two are time-bounded (``--bound-s`` or one epoch, whichever comes first) and their rate
+is taken from the first batch on. The limit is the larger of the sequential read and the
+unshuffled layer (which keeps several reads in flight); each rate is reported against it.
+Timings depend on the machine's load and, on a VM, on the host's cache of the virtual disk:
+compare the ratios of one run, not absolute rates across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from benchmarks import cgroups
+from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE
+from benchmarks.ooc_report import markdown
+from benchmarks.page_cache import evict, resident_fraction
+from benchmarks.shuffle_quality import header, utc_now
+
+SAMPLE_BYTES = 3 * 32 * 32 + 8
+PIECE_BYTES = 8 * 2**20
+PARAMS_ATTR = "asynchdf5_ooc_bench"
+#: name: (child kind, job parameters)
+READERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sequential": ("sequential", {}),
+    "layer_unshuffled": ("layer", {"shuffle": False}),
+    "layer_shuffled": ("layer", {"shuffle": True}),
+    "torch_h5py": ("torch_h5py", {"workers": 2}),
+    "memmap": ("memmap", {}),
+}
+#: --quick: 64 MiB would be 2.9x smaller than the file, but a child of the layer with default
+#: properties is killed for memory under it; 128 MiB keeps the smoke test running.
+QUICK = {"samples": 60_000, "limit_mib": 128, "bound_s": 3.0}
+FULL = {"samples": 1_000_000, "limit_mib": 512, "bound_s": 30.0}
+
+
+# --- the data file -----------------------------------------------------------------------------
+
+
+def data_path(data_dir: Path, n: int) -> Path:
+    return data_dir / f"ooc-class-sorted-{n}.h5"
+
+
+def ensure_file(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bool]:
+    """The class-sorted image file of ``n`` samples, written unless a complete one exists;
+    returns (path, reused). Image bytes are random (no reader here decodes or compresses)."""
+    path = data_path(data_dir, n)
+    params = json.dumps({"samples": n, "seed": seed, "version": 1})
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get(PARAMS_ATTR) == params:
+                return path, True
+    except OSError:
+        pass
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".h5.tmp")
+    rng = np.random.default_rng(seed)
+    step = 16384
+    with h5py.File(tmp, "w") as f:
+        data = f.create_dataset("data", (n, *IMAGE_SHAPE), "uint8")  # contiguous
+        label = f.create_dataset("label", (n,), "int64")
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            data[a:b] = rng.integers(0, 256, (b - a, *IMAGE_SHAPE), dtype=np.uint8)
+            label[a:b] = np.arange(a, b, dtype=np.int64) * 10 // n
+        f.attrs[PARAMS_ATTR] = params
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be evicted
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path, False
+
+
+def offsets(path: Path) -> tuple[int, int]:
+    """Byte offsets of the ``data`` and ``label`` datasets in the file (contiguous layout)."""
+    with h5py.File(path, "r") as f:
+        d, lab = f["data"].id.get_offset(), f["label"].id.get_offset()
+    if d is None or lab is None:
+        raise RuntimeError(f"{path}: the datasets are not contiguous and allocated")
+    return int(d), int(lab)
+
+
+# --- one reader --------------------------------------------------------------------------------
+
+
+def run_reader(
+    name: str, args: argparse.Namespace, path: Path, n: int, work: Path
+) -> dict[str, Any]:
+    """Evict, make the cgroup, run the child, collect its figures and the group's; remove it."""
+    kind, params = READERS[name]
+    evict(path)
+    resident = resident_fraction(path)
+    group: cgroups.MemoryCgroup | None = None
+    note = "no cgroup (--no-cgroup)"
+    if not args.no_cgroup:
+        made = cgroups.make(f"asynchdf5-ooc-{os.getpid()}-{name}", args.limit_mib * 2**20)
+        if isinstance(made, str):
+            note = f"no cgroup: {made}"
+        else:
+            group, note = made, f"cgroup v{made.version} {made.path}, limit {args.limit_mib} MiB"
+    data_offset, label_offset = offsets(path)
+    job = {
+        "kind": kind,
+        "path": str(path),
+        "n": n,
+        "sample_bytes": SAMPLE_BYTES,
+        "batch_size": 256,
+        "epochs": args.epochs,
+        "bound_s": args.bound_s,
+        "seed": 0,
+        "piece_bytes": PIECE_BYTES,
+        "data_offset": data_offset,
+        "label_offset": label_offset,
+        "cgroup_procs": str(group.procs) if group else None,
+        "layer_props": args.layer_props,
+        **params,
+    }
+    job_file, result_file = work / f"{name}.job.json", work / f"{name}.result.json"
+    job_file.write_text(json.dumps(job))
+    result: dict[str, Any] = {"reader": name, "cgroup": note, "resident_before": resident}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks._ooc_child", str(job_file), str(result_file)],
+            capture_output=True,
+            text=True,
+            timeout=args.child_timeout,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        result["returncode"] = proc.returncode
+        if proc.returncode == 0:
+            result.update(json.loads(result_file.read_text()))
+        else:
+            result["error"] = (proc.stderr or proc.stdout)[-2000:] or (
+                f"exit status {proc.returncode}"
+                + (" (killed by signal 9: out of memory?)" if proc.returncode == -9 else "")
+            )
+    except subprocess.TimeoutExpired:
+        result["returncode"] = None
+        result["error"] = f"timed out after {args.child_timeout} s"
+    finally:
+        result["wall_s"] = time.perf_counter() - t0
+        if group is not None:
+            result["cgroup_peak_mib"] = _mib(group.peak_bytes())
+            result["cgroup_limit_hits"] = group.limit_hits()
+            result["cgroup_oom_kills"] = group.oom_kills()
+            group.remove()
+    _derive(result, n)
+    print(f"# {name}: {_one_line(result)}", file=sys.stderr, flush=True)
+    return result
+
+
+def _mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**20
+
+
+def _derive(r: dict[str, Any], n: int) -> None:
+    """Per pass, and overall: the rate and CPU-seconds per GB of what was delivered."""
+    passes = r.get("passes") or []
+    if not passes:
+        r["rate"] = None
+        return
+    r["rate"] = max(p["rate"] for p in passes)
+    delivered_gb = sum(p["samples"] for p in passes) * SAMPLE_BYTES / 1e9
+    r["cpu_s_per_gb"] = r["cpu_s"] / delivered_gb if delivered_gb else None
+
+
+def _one_line(r: dict[str, Any]) -> str:
+    if r.get("error"):
+        return f"FAILED ({r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'})"
+    rates = ", ".join(f"{p['rate']:,.0f}" for p in r["passes"])
+    return f"{rates} samples/s, {r['cpu_s']:.2f} CPU-s"
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.samples
+    path, reused = ensure_file(Path(args.data_dir), n)
+    size = path.stat().st_size
+    names = list(READERS) if not args.only else args.only
+    load0 = os.getloadavg()
+    started, t0 = utc_now(), time.perf_counter()
+    readers: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="asynchdf5-ooc-") as work:
+        for name in names:
+            readers[name] = run_reader(name, args, path, n, Path(work))
+    base = [readers[k]["rate"] for k in ("sequential", "layer_unshuffled") if k in readers]
+    limit = max((r for r in base if r), default=None)
+    for r in readers.values():
+        r["ratio_to_limit"] = r["rate"] / limit if limit and r.get("rate") else None
+        for p in r.get("passes") or []:
+            p["ratio_to_limit"] = p["rate"] / limit if limit else None
+    wall = time.perf_counter() - t0
+    load1 = os.getloadavg()
+    return {
+        "machine": header(args.argv, "benchmarks.out_of_core", started, wall),
+        "started_utc": started,
+        "command": ["python", "-m", "benchmarks.out_of_core", *args.argv],
+        "wall_s": wall,
+        "load_avg_start": load0,
+        "load_avg_end": load1,
+        "cpus": os.cpu_count(),
+        "file": str(path),
+        "file_reused": reused,
+        "file_bytes": size,
+        "samples": n,
+        "limit_mib": None if args.no_cgroup else args.limit_mib,
+        "layer_props": args.layer_props,
+        "file_over_limit": size / (args.limit_mib * 2**20),
+        "limit_samples_per_s": limit,
+        "limit_from": [k for k in ("sequential", "layer_unshuffled") if k in readers],
+        "readers": readers,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.out_of_core",
+        description="Each reader in a memory-capped child process, the file evicted first: "
+        "sequential preadv, the layer unshuffled and shuffled, DataLoader + h5py, np.memmap. "
+        "Prints a markdown table; --output writes JSON.",
+    )
+    p.add_argument("--quick", action="store_true", help="60k samples, 128 MiB: a smoke test")
+    p.add_argument("--samples", type=int, help="images in the file (default 1,000,000: 3.1 GB)")
+    p.add_argument("--limit-mib", type=int, help="the child's memory limit (default 512)")
+    p.add_argument("--no-cgroup", action="store_true", help="run the children without a cgroup")
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="where the file is kept")
+    p.add_argument("--output", help="write the figures as JSON to this file")
+    p.add_argument("--only", help=f"comma-separated readers: {', '.join(READERS)}")
+    p.add_argument("--epochs", type=int, default=2, help="layer epochs per open (default 2)")
+    p.add_argument("--bound-s", type=float, help="seconds per bounded reader (default 30)")
+    p.add_argument(
+        "--layer-props",
+        type=json.loads,
+        default={},
+        help="JSON of extra layer properties for both layer readers, e.g. '{\"block_size\": 8192}' "
+        "(default: none, the default properties)",
+    )
+    p.add_argument("--child-timeout", type=float, default=1200.0, help="seconds per child")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    args.argv = argv
+    sizes = QUICK if args.quick else FULL
+    args.samples = args.samples or sizes["samples"]
+    args.limit_mib = args.limit_mib or sizes["limit_mib"]
+    args.bound_s = args.bound_s or sizes["bound_s"]
+    if args.only:
+        args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+        unknown = set(args.only) - set(READERS)
+        if unknown:
+            raise SystemExit(f"unknown readers {sorted(unknown)}; known: {', '.join(READERS)}")
+    out = run(args)
+    print(markdown(out))
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=1, default=str))
+    failed = [k for k, r in out["readers"].items() if r.get("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
