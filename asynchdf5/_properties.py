@@ -186,7 +186,8 @@ PROPERTIES: tuple[Property, ...] = (
         'every byte less, the same batches. `"auto"` maps where it is safe and copies '
         "elsewhere: files whose tops are stored in them contiguously, uncompressed, in this "
         "machine's byte order, on Linux 5.14 or newer, on a local file system (not NFS, SMB, "
-        "FUSE or another network file system), on each of which the layer gets a read lease "
+        "FUSE or another network file system), no larger than the memory the process may use, "
+        "on each of which the layer gets a read lease "
         "(the file's owner, nobody writing it), at most 64 files (and an eighth of "
         "`ulimit -n`). `True` maps whatever it can, "
         "without the file system check and without a lease where none is granted, and warns "

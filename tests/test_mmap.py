@@ -293,6 +293,27 @@ async def test_tops_in_two_files_are_copied(tmp_path: Path, mode: bool | str) ->
     assert f"copied: top 'data' is stored in another file ({target})" in stats.read_notes["label"]
 
 
+async def test_auto_copies_a_data_set_larger_than_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read from the disk every epoch anyway: the copying reader streams it (``mmap=True``
+    maps it all the same)."""
+    import asynchdf5._machine
+
+    monkeypatch.setattr(asynchdf5._machine, "memory_bytes", lambda *a: N * ROW_BYTES - 1)
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    with anyio.fail_after(30):
+        got, stats = await batches(path, epochs=1, shuffle=True, seed=0, chunk_size=1000)
+        _, forced = await batches(path, epochs=1, chunk_size=1000, mmap=True)
+    check_epoch(got[0], N, 64, 0)
+    assert stats.read_paths == {"data": "pread", "label": "pread"}
+    assert (
+        "copied: the data set (0.0 GiB) is larger than the memory this process may use"
+        in (stats.read_notes["data"])
+    )
+    assert forced.read_paths["data"] == "mmap"
+
+
 @pytest.mark.parametrize("value", ["yes", "AUTO", 1, None])
 def test_the_property_is_true_false_or_auto(tmp_path: Path, value: object) -> None:
     with pytest.raises(ConfigurationError, match='mmap must be True, False or "auto"'):

@@ -11,6 +11,8 @@ left open, and copies everywhere else:
 - the file is on a file system known to be local (:data:`LOCAL_FILE_SYSTEMS`, by the
   ``statfs`` magic number: an allow-list, so a network, FUSE or unknown one is copied), since a
   lease is this machine's and writes from another machine do not wait for it;
+- the data set fits the memory the process may use (:func:`~.._machine.memory_bytes`): larger,
+  it is read from the disk every epoch, and the copying reader streams it;
 - a read lease is granted on every file (the file's owner, nobody has it open for writing, a
   lease-break time of at least :data:`~._lease.MIN_BREAK_S`), since without one a truncation is a
   ``SIGBUS``.
@@ -28,10 +30,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .. import _machine
 from .._catalog import Catalog
 from .._sources._local import LocalFile
 from ._lease import Lease
-from ._mapped import supported
+from ._maps import supported
 
 __all__ = [
     "LOCAL_FILE_SYSTEMS",
@@ -211,6 +214,15 @@ def choose(catalog: Catalog, mmap: bool | Literal["auto"]) -> Choice:
         return f" ({file.name})" if many else ""
 
     if mmap == "auto":
+        # Larger than the memory the process may use: read from the disk every epoch, where
+        # the copying reader's streaming reads (direct, read ahead) beat faults on mapped pages.
+        size, memory = catalog.n_samples * catalog.row_bytes, _machine.memory_bytes()
+        if 0 < memory < size:
+            return Choice(
+                False,
+                f"copied: the data set ({size / 2**30:.1f} GiB) is larger than the memory this "
+                f"process may use ({memory / 2**30:.1f} GiB): streamed from the disk",
+            )
         for file in files:
             remote = _local(file)
             if remote is not None:
