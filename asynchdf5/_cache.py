@@ -113,6 +113,7 @@ class CachePlan:
     chunk_rows: int
     resident: bool
     budget: int
+    shrunk: bool = False  # chunks hold fewer rows than chunk_size and the shard give: the budget
 
 
 def size_cache(
@@ -152,4 +153,5 @@ def size_cache(
         chunk_rows = slot_rows(chunk_size, max(1, share), row_bytes, budget)
     # The whole data set is one chunk and fits the budget: keep it, read each sample once.
     resident = n <= chunk_size and n * row_bytes <= budget
-    return CachePlan(chunk_rows, resident, budget)
+    shrunk = chunk_rows < min(chunk_size, max(1, share))
+    return CachePlan(chunk_rows, resident, budget, shrunk)

@@ -10,13 +10,14 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
 
-from ._cache import Slot, allocate_slots, size_cache
+from ._cache import CacheBudgetWarning, CachePlan, Slot, allocate_slots, size_cache
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
@@ -24,7 +25,7 @@ from ._layer import _Layer
 from ._machine import memory_bytes
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
-from ._shape import DataShape, chunk_lanes, default_block_rows, first_read
+from ._shape import DataShape, chunk_lanes, default_block_rows, first_read, mixing_warning
 from ._sources import Source, SourceLike, SourceOptions
 from .transforms import Transformer
 
@@ -137,15 +138,7 @@ class AsyncHDF5DataLayer(_Layer):
         c = self.config
         n, row_bytes = catalog.n_samples, catalog.row_bytes
         forced = self._shape if self._resume is not None else None
-        cache = size_cache(
-            n,
-            row_bytes,
-            batch_size=c.batch_size,
-            world_size=c.world_size,
-            chunk_size=c.chunk_size,
-            cache_bytes=c.cache_bytes,
-            rows=forced.chunk_rows if forced is not None else None,
-        )
+        cache = self._size_cache(catalog, forced.chunk_rows if forced is not None else None)
         if forced is not None:
             block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
             laned = forced.chunk_lanes
@@ -158,6 +151,9 @@ class AsyncHDF5DataLayer(_Layer):
             )
             first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored, request)
             laned = chunk_lanes(cache.chunk_rows, block, row_bytes, stored, request)
+            why = mixing_warning(cache.chunk_rows, block, laned, row_bytes, stored, request)
+            if why is not None and cache.shrunk:  # the budget's doing, not the properties'
+                warnings.warn(why, CacheBudgetWarning, stacklevel=2)
         return DataShape(
             n_samples=n,
             row_bytes=row_bytes,
@@ -169,6 +165,18 @@ class AsyncHDF5DataLayer(_Layer):
             resident=cache.resident,
             ramp_lanes=lanes,
             chunk_lanes=laned,
+        )
+
+    def _size_cache(self, catalog: Catalog, rows: int | None) -> CachePlan:
+        c = self.config
+        return size_cache(
+            catalog.n_samples,
+            catalog.row_bytes,
+            batch_size=c.batch_size,
+            world_size=c.world_size,
+            chunk_size=c.chunk_size,
+            cache_bytes=c.cache_bytes,
+            rows=rows,
         )
 
     def _look(self) -> DataShape:
@@ -210,7 +218,10 @@ class AsyncHDF5DataLayer(_Layer):
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
-                slots = allocate_slots(catalog.tops, shape.chunk_rows)
+                rows = self._cache_rows(shape)  # an elastically resumed epoch's may be larger
+                if rows > shape.chunk_rows:
+                    self._size_cache(catalog, rows)  # the budget must hold them
+                slots = allocate_slots(catalog.tops, rows)
                 # Data larger than the memory the process may use is read from the disk every
                 # epoch: keeping it in the page cache gains nothing.
                 memory = memory_bytes()

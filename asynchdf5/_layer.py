@@ -30,7 +30,7 @@ from ._iterator import EpochIterator
 from ._plan import EpochPlan, check_split, plan_epoch
 from ._priority import nice_steps
 from ._read import Reader
-from ._replan import skip_samples
+from ._replan import skip_samples, split_plan
 from ._resume import Resume, epoch_plan, parse_state, save_state
 from ._session import Session
 from ._shape import DataShape
@@ -64,6 +64,11 @@ class _Layer(SyncInterface):
         self._epoch = 0
         self._shape: DataShape | None = None
         self._resume: Resume | None = None
+        # An elastic resume's epoch is planned with the saved run's chunks (its rows were cut
+        # by the saved run's shares); the epochs after it with this layer's own.
+        self._resumed_shape: DataShape | None = None
+        self._part: tuple[int, int] | None = None  # a DataLoader worker's run of the batches
+        self._slot_rows = 0  # the rows the open layer's cache slots hold
         self._read_paths: Mapping[str, str] = {}
         self._read_notes: Mapping[str, str] = {}
 
@@ -149,10 +154,11 @@ class _Layer(SyncInterface):
         ``stream=True``: the plan that :meth:`stream` follows (``drop_last`` does not apply).
         """
         c = self.config
-        shape = self._data_shape()
+        shape = self._plan_shape(epoch)
+        part = self._part if not stream else None
 
         def fresh(rank: int, world_size: int, stream: bool = stream) -> EpochPlan:
-            return plan_epoch(
+            whole = plan_epoch(
                 shape.n_samples,
                 epoch=epoch,
                 batch_size=c.batch_size,
@@ -168,6 +174,7 @@ class _Layer(SyncInterface):
                 ramp_lanes=shape.ramp_lanes,
                 chunk_lanes=shape.chunk_lanes,
             )
+            return whole if part is None else split_plan(whole, *part)
 
         r = self._resume
         if r is None or epoch != r.epoch:
@@ -182,6 +189,22 @@ class _Layer(SyncInterface):
             drop_last=c.drop_last and not stream,
         )
 
+    def _plan_shape(self, epoch: int) -> DataShape:
+        """The shape ``epoch`` is planned with: an elastically resumed epoch's is the saved
+        run's, every other epoch's this layer's."""
+        r, resumed = self._resume, self._resumed_shape
+        if r is not None and resumed is not None and epoch == r.epoch:
+            return resumed
+        return self._data_shape()
+
+    def _cache_rows(self, shape: DataShape) -> int:
+        """The rows a cache slot must hold when the layer opens with ``shape``: its chunks', and
+        an elastically resumed epoch's still to come."""
+        r, resumed = self._resume, self._resumed_shape
+        if r is not None and resumed is not None and self._epoch <= r.epoch:
+            return max(shape.chunk_rows, resumed.chunk_rows)
+        return shape.chunk_rows
+
     def set_epoch(self, epoch: int) -> None:
         """Serve ``epoch`` next, from its first batch (as ``DistributedSampler.set_epoch`` does
         for PyTorch; epochs otherwise advance by themselves). Not while an iterator is live."""
@@ -190,23 +213,20 @@ class _Layer(SyncInterface):
         session = self._session
         if session is not None and session.consumer() is not None:
             raise StateError("set_epoch while an iterator is live: finish or close it first")
-        self._resume = None
+        self._resume = self._resumed_shape = None
         self._epoch = epoch
         if session is not None:
             session.restart_at(epoch)
 
-    def _set_shard(self, rank: int, world_size: int, *, seed_given: bool | None = None) -> None:
-        """Serve shard ``rank`` of ``world_size`` (a DataLoader worker's share of its rank's, for
-        :mod:`asynchdf5.torch`): only on a closed layer, whatever torch.distributed says."""
-        if self._state != "closed":
-            raise StateError("a layer's shard can change only while it is closed")
-        if not 0 <= rank < world_size:
-            raise ConfigurationError(
-                f"rank={rank} is outside 0 ... world_size-1 = {world_size - 1}"
-            )
-        c = self.config
-        given = c.seed_given if seed_given is None else seed_given
-        self.config = dataclasses.replace(c, rank=rank, world_size=world_size, seed_given=given)
+    def _set_part(self, part: int, parts: int) -> None:
+        """Serve part ``part`` of ``parts`` of this rank's epochs, a contiguous run of each
+        epoch's batches (a DataLoader worker's, for :mod:`asynchdf5.torch`; see
+        :func:`~._replan.split_plan`): only on a closed layer with no state loaded."""
+        if self._state != "closed" or self._resume is not None:
+            raise StateError("a layer's part can change only while it is closed, before a state")
+        if not 0 <= part < parts:
+            raise ConfigurationError(f"part {part} is outside 0 ... {parts - 1}")
+        self._part = None if parts == 1 else (part, parts)
 
     # --- resume -------------------------------------------------------------------------------
 
@@ -224,12 +244,15 @@ class _Layer(SyncInterface):
             seed=c.seed,
             rank=c.rank,
             world_size=c.world_size,
-            fingerprint=self._data_shape().fingerprint(c),
+            fingerprint=self._plan_shape(position[1]).fingerprint(c),
+            part=self._part,
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`): the next batch is the one that
-        would have come next in the run that saved it, and every later epoch is that run's.
+        would have come next in the run that saved it, and every later epoch is that run's
+        (after an elastic resume, every later epoch is that of a layer started on this run's
+        world size).
 
         Allowed when the layer is not iterating: before ``async with`` (best: the cache is
         then sized for the saved run's chunks), or between epochs. A state from other files
@@ -247,36 +270,18 @@ class _Layer(SyncInterface):
             shape.fingerprint(c),
             seed=c.seed if c.seed_given else None,
             world_size=c.world_size,
+            part=self._part,
         )
-        saved = r.fingerprint
-        # A state saved before the ramp had lanes: its runs read the ramp in one.
-        rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
-        # ... and one saved before chunks had lanes, each chunk in one stretch.
-        lanes = saved.get("ramp_lanes", 1)
-        laned = saved.get("chunk_lanes", 1)
-        if (*rows, lanes, laned) != (
-            shape.chunk_rows,
-            shape.block_rows,
-            shape.first_rows,
-            shape.ramp_lanes,
-            shape.chunk_lanes,
-        ):
-            if session is not None and saved["chunk_rows"] > shape.chunk_rows:
-                raise ConfigurationError(
-                    f"the saved run cached chunks of {saved['chunk_rows']} rows, this open "
-                    f"layer's cache holds {shape.chunk_rows}: load the state before opening it"
-                )
-            self._shape = dataclasses.replace(
-                shape,
-                chunk_rows=rows[0],
-                block_rows=rows[1],
-                first_rows=rows[2],
-                ramp_lanes=lanes,
-                chunk_lanes=laned,
+        saved_rows = r.fingerprint["chunk_rows"]
+        if session is not None and saved_rows > self._slot_rows:
+            raise ConfigurationError(
+                f"the saved run cached chunks of {saved_rows} rows, this open layer's cache "
+                f"holds {self._slot_rows}: load the state before opening it"
             )
+        self._shape, resumed = r.shapes(shape, c.world_size)
         if not c.seed_given:
             self.config = dataclasses.replace(c, seed=r.seed)
-        self._resume = r
+        self._resume, self._resumed_shape = r, resumed
         self._epoch = r.epoch
         if session is not None:
             session.restart_at(r.epoch)
@@ -335,6 +340,7 @@ class _Layer(SyncInterface):
             self._state = "closed"
             raise
         self._shape = shape
+        self._slot_rows = self._cache_rows(shape)
         self._read_paths, self._read_notes = reader.read_paths, reader.read_notes
         self._opener = anyio.get_current_task().id
         self._session = Session(

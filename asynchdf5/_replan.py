@@ -4,7 +4,8 @@ A resumed run does not re-plan from scratch: it takes the epoch's plan (:mod:`._
 on every rank) and drops what was already served, so that the next batch is the one that would
 have come next. :func:`skip_samples` and :func:`resume_plan` do that for one rank (a stream, cut
 by samples; an epoch, cut by batches); :func:`elastic_plan` re-splits the rest of an epoch that
-every rank of an old run had served the same batches of over the ranks of a new run.
+every rank of an old run had served the same batches of over the ranks of a new run;
+:func:`split_plan` cuts a rank's plan into contiguous runs of batches (DataLoader workers).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import replace
 from ._errors import ConfigurationError
 from ._plan import ChunkPlan, EpochPlan, batch_layout, shard_share
 
-__all__ = ["elastic_plan", "resume_plan", "skip_samples"]
+__all__ = ["elastic_plan", "resume_plan", "skip_samples", "split_plan", "take_batches"]
 
 
 def _skip(chunks: Sequence[ChunkPlan], samples: int) -> list[ChunkPlan]:
@@ -66,6 +67,45 @@ def resume_plan(plan: EpochPlan, batches: int) -> EpochPlan:
     tail = tuple(rest[full:])
     chunks = _skip(plan.chunks, done)
     return EpochPlan(plan.epoch, plan.n_samples - done, tuple(chunks), plan.batch_size, full, tail)
+
+
+def take_batches(plan: EpochPlan, batches: int) -> EpochPlan:
+    """``plan``'s first ``batches`` batches only (all of them when it has no more): the same
+    rows in the same order, ending after the last of them."""
+    sizes = list(plan.batch_sizes())
+    if batches >= len(sizes):
+        return plan
+    left = sum(sizes[:batches])
+    full = min(plan.full_batches, batches)
+    chunks: list[ChunkPlan] = []
+    for chunk in plan.chunks:
+        if left <= 0:
+            break
+        if chunk.size > left:
+            a, _ = chunk.serve or (0, chunk.rows)
+            chunk = replace(chunk, serve=(a, a + left))
+        chunks.append(chunk)
+        left -= chunk.size
+    return EpochPlan(
+        plan.epoch,
+        sum(sizes[:batches]),
+        tuple(chunks),
+        plan.batch_size,
+        full,
+        tuple(sizes[full:batches]),
+    )
+
+
+def split_plan(plan: EpochPlan, part: int, parts: int) -> EpochPlan:
+    """Part ``part`` of ``parts`` of ``plan``: a contiguous run of its batches, the first
+    ``n % parts`` parts one batch longer. The parts in order are ``plan`` (each sample in
+    exactly one part), and each part reads only the chunks its batches come from (a chunk cut
+    by a part boundary is read by both, each serving its rows)."""
+    if not 0 <= part < parts:
+        raise ConfigurationError(f"part {part} is outside 0 ... {parts - 1}")
+    q, r = divmod(plan.n_batches, parts)
+    start = part * q + min(part, r)
+    return take_batches(resume_plan(plan, start), q + (part < r))
 
 
 def elastic_plan(

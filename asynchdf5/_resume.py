@@ -9,18 +9,23 @@ of another world size, continues the epoch over the new ranks: every sample the 
 yet yielded, each exactly once, in equal batch counts per rank (:func:`~._replan.elastic_plan`). A
 run resumed that way may itself be saved and resumed again, so a state carries the *chain* of
 (world size, batches) steps of its epoch.
+
+A layer that serves one *part* of its rank's plan (a DataLoader worker's contiguous run of
+batches, :func:`~._replan.split_plan`) saves ``part: [part, parts]``, its chain counting the
+batches of that part: such a state resumes only a layer serving the same part of the same ranks.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ._errors import ConfigurationError, StateError
 from ._plan import EpochPlan
 from ._replan import elastic_plan, resume_plan
+from ._shape import DataShape
 
 __all__ = ["FORMAT", "Resume", "epoch_plan", "parse_state", "save_state"]
 
@@ -55,10 +60,44 @@ class Resume:
     seed: int
     rank: int
     fingerprint: Mapping[str, Any]
+    part: tuple[int, int] | None = None  # (part, parts): a worker's run of the rank's batches
 
     @property
     def world_size(self) -> int:
         return self.chain[-1][0]
+
+    def shapes(self, shape: DataShape, world_size: int) -> tuple[DataShape, DataShape | None]:
+        """The shapes a layer whose own is ``shape`` plans with once it resumes this state on
+        ``world_size`` ranks: ``(every epoch's, the resumed epoch's where it differs)``.
+
+        The resumed epoch is planned with the saved run's chunks, blocks, first read and
+        lanes (a state saved before the ramp, or the chunks, had lanes read each in one
+        stretch). On the saved world size, every later epoch is the saved run's too; after an
+        elastic resume, a layer's started on ``world_size`` ranks (the saved chunks were cut
+        by the old run's shares).
+        """
+        saved = self.fingerprint
+        rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
+        lanes = (saved.get("ramp_lanes", 1), saved.get("chunk_lanes", 1))
+        if (*rows, *lanes) == (
+            shape.chunk_rows,
+            shape.block_rows,
+            shape.first_rows,
+            shape.ramp_lanes,
+            shape.chunk_lanes,
+        ):
+            return shape, None
+        resumed = replace(
+            shape,
+            chunk_rows=rows[0],
+            block_rows=rows[1],
+            first_rows=rows[2],
+            ramp_lanes=lanes[0],
+            chunk_lanes=lanes[1],
+        )
+        if all(w == world_size for w, _ in self.chain):
+            return resumed, None
+        return shape, resumed
 
     def differences(self, now: Mapping[str, Any]) -> list[str]:
         """What differs between the saved fingerprint and ``now``'s, in words."""
@@ -72,7 +111,12 @@ class Resume:
         return out
 
     def check_resumes(
-        self, fingerprint: Mapping[str, Any], *, seed: int | None, world_size: int
+        self,
+        fingerprint: Mapping[str, Any],
+        *,
+        seed: int | None,
+        world_size: int,
+        part: tuple[int, int] | None = None,
     ) -> None:
         """:class:`ConfigurationError` unless a layer whose fingerprint is ``fingerprint`` (and
         whose seed, if given, is ``seed``) on ``world_size`` ranks can continue this state; the
@@ -84,6 +128,17 @@ class Resume:
             raise ConfigurationError(
                 "the state was saved by a layer over other data or with other properties: "
                 + "; ".join(differs)
+            )
+        if self.part != part:
+            raise ConfigurationError(
+                f"the state was saved by a layer serving {_part_words(self.part)}, this one "
+                f"serves {_part_words(part)}: resume a DataLoader with as many workers as the "
+                "one that saved it"
+            )
+        if self.part is not None and any(w != world_size for w, _ in self.chain):
+            raise ConfigurationError(
+                f"a DataLoader worker's state (part {self.part[0]} of {self.part[1]}) resumes on "
+                f"the same world size only (saved {self.world_size}, now {world_size})"
             )
         if self.mode == "stream" and self.world_size != world_size:
             raise ConfigurationError(
@@ -100,6 +155,7 @@ def save_state(
     rank: int,
     world_size: int,
     fingerprint: Mapping[str, Any],
+    part: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The state of a consumer at ``position`` (mode, epoch, and the batches and samples of that
     epoch yielded on this rank) on ``world_size`` ranks: when the run resumed from ``resume``
@@ -123,7 +179,7 @@ def save_state(
             else:
                 steps.append([world_size, batches])
             chain = steps
-    return {
+    out: dict[str, Any] = {
         "format": FORMAT,
         "mode": mode,
         "epoch": epoch,
@@ -135,6 +191,13 @@ def save_state(
         "world_size": world_size,
         "fingerprint": fingerprint,
     }
+    if part is not None:
+        out["part"] = list(part)
+    return out
+
+
+def _part_words(part: tuple[int, int] | None) -> str:
+    return "its rank's whole epochs" if part is None else f"part {part[0]} of {part[1]} of them"
 
 
 def _short(value: Any) -> str:
@@ -185,6 +248,17 @@ def parse_state(state: object) -> Resume:
         if may_lack and fingerprint.get(key) is None:
             continue
         _int(fingerprint, key, 1)
+    part_in = state.get("part")
+    part: tuple[int, int] | None = None
+    if part_in is not None:
+        if (
+            not isinstance(part_in, Sequence)
+            or len(part_in) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in part_in)
+            or not 0 <= part_in[0] < part_in[1]
+        ):
+            raise ConfigurationError(f"the state's 'part' is malformed: {part_in!r}")
+        part = (int(part_in[0]), int(part_in[1]))
     return Resume(
         mode=str(mode),
         epoch=_int(state, "epoch"),
@@ -193,6 +267,7 @@ def parse_state(state: object) -> Resume:
         seed=_int(state, "seed"),
         rank=_int(state, "rank"),
         fingerprint=dict(fingerprint),
+        part=part,
     )
 
 

@@ -12,6 +12,7 @@ from ._config import (
     MIN_BLOCK_BYTES,
     MIN_BLOCKS_PER_CHUNK,
     MIN_LANE_BYTES,
+    MIN_PLACES,
     RAMP_LANES,
     STORED_CHUNKS_PER_BLOCK,
     LayerConfig,
@@ -23,6 +24,7 @@ __all__ = [
     "chunk_lanes",
     "default_block_rows",
     "first_read",
+    "mixing_warning",
     "ramp_lanes",
 ]
 
@@ -107,19 +109,61 @@ def chunk_lanes(
     request_bytes: int = 0,
 ) -> int:
     """Lanes of every chunk (see :func:`~._plan.plan_epoch`): 1 when a chunk holds
-    ``BLOCKS_PER_CHUNK`` blocks, else up to that many, so that a chunk still draws from enough
+    ``BLOCKS_PER_CHUNK`` blocks (``MIN_BLOCKS_PER_CHUNK`` of compressed or remote data), else up
+    to ``BLOCKS_PER_CHUNK``, so that a chunk still draws from enough
     places of the data set for its batches to mix when the cache had to shrink (a small memory
     budget) or the rows are narrow. Each lane's part of a chunk stays at least
-    ``MIN_LANE_BYTES``, a stored chunk decoded whole and a remote request, as the ramp's do.
+    ``MIN_LANE_BYTES``, ``STORED_CHUNKS_PER_BLOCK`` stored chunks decoded whole (as blocks do)
+    and a remote request.
 
     Unlike the blocks, the lanes may depend on the cache (``chunk_rows``): they cut this rank's
     share into chunks, and never change which samples a rank serves.
     """
-    if block_rows is None or chunk_rows // block_rows >= BLOCKS_PER_CHUNK:
+    # As for blocks (:func:`default_block_rows`): compressed data and remote objects keep 16
+    # places a chunk, so that reads stay a few stored chunks or a request long.
+    want = MIN_BLOCKS_PER_CHUNK if stored_rows or request_bytes else BLOCKS_PER_CHUNK
+    if block_rows is None or chunk_rows // block_rows >= want:
         return 1
     row_bytes = max(1, row_bytes)
-    part = max(1, MIN_LANE_BYTES // row_bytes, stored_rows, -(-request_bytes // row_bytes))
+    part = max(
+        1,
+        MIN_LANE_BYTES // row_bytes,
+        STORED_CHUNKS_PER_BLOCK * stored_rows,
+        -(-request_bytes // row_bytes),
+    )
     return max(1, min(BLOCKS_PER_CHUNK, chunk_rows // part))
+
+
+def mixing_warning(
+    chunk_rows: int,
+    block_rows: int | None,
+    lanes: int,
+    row_bytes: int,
+    stored_rows: int = 0,
+    request_bytes: int = 0,
+) -> str | None:
+    """Why the chunks will not mix class-sorted data to the documented 0.95 (None: they will):
+    a chunk drawing from fewer than ``MIN_PLACES`` places, its blocks and lanes, because the
+    cache is too small for that many lane parts of ``MIN_LANE_BYTES`` (or of a stored chunk
+    decoded whole, or a remote request: see :func:`chunk_lanes`), with the cache that would."""
+    if block_rows is None:
+        return None
+    places = lanes + chunk_rows // block_rows
+    if places >= MIN_PLACES:
+        return None
+    row_bytes = max(1, row_bytes)
+    part = max(
+        1,
+        MIN_LANE_BYTES // row_bytes,
+        STORED_CHUNKS_PER_BLOCK * stored_rows,
+        -(-request_bytes // row_bytes),
+    )
+    need = 2 * MIN_PLACES * part * row_bytes
+    return (
+        f"chunks of {chunk_rows} samples draw from {places} places of the data set, fewer than "
+        f"the {MIN_PLACES} that mix class-sorted data to 0.95 of a full permutation: give the "
+        f"cache at least {need / 2**20:.0f} MiB (cache_bytes), or lower block_size"
+    )
 
 
 def default_block_rows(

@@ -159,7 +159,7 @@ class _Overlapping(AsyncHDF5DataLayer):
         calls = [0]
         fetch = source.fetch
 
-        async def overlapping(ranges: Any, *args: Any) -> int:
+        async def overlapping(ranges: Any, *args: Any, **kwargs: Any) -> int:
             me = anyio.Event()
             if active:
                 me.set()
@@ -169,7 +169,7 @@ class _Overlapping(AsyncHDF5DataLayer):
             index = calls[0]
             calls[0] += 1
             try:
-                n = await fetch(ranges, *args)
+                n = await fetch(ranges, *args, **kwargs)
                 if index + 1 < self.chunks_to_read:
                     await me.wait()
             finally:

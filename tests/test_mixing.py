@@ -120,3 +120,17 @@ def test_the_planned_order_of_wide_rows_mixes(row_bytes: int, budget: int) -> No
     # Reads stay large where the rows are wide: every stretch of a chunk is >= 256 KiB.
     pieces = [b - a for c in plan.chunks[1:] for a, b in c.ranges]
     assert np.median(pieces) * row_bytes >= 256 * 2**10
+
+
+def test_a_cache_too_small_to_mix_says_so_and_how_much_would(tmp_path: Path) -> None:
+    """Chunks of 40 rows of 3 KB draw from fewer than 36 places: the layer warns, naming the
+    cache that would mix; 36 lane parts of 256 KiB in each of two slots do not warn."""
+    source = [str(write_sorted(tmp_path / "sorted.h5", 20_000, 3072))]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "chunk_size=", CacheBudgetWarning)  # they shrink
+        with pytest.warns(CacheBudgetWarning, match=r"draw from \d+ places.*at least 18 MiB"):
+            len(AsyncHDF5DataLayer(source, shuffle=True, batch_size=8, cache_bytes=2 * 40 * 3080))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at all, beyond the shrunk chunks'
+        warnings.filterwarnings("ignore", "chunk_size=", CacheBudgetWarning)
+        len(AsyncHDF5DataLayer(source, shuffle=True, batch_size=8, cache_bytes=18 * 2**20))

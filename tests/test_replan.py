@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from asynchdf5 import ConfigurationError
 from asynchdf5._plan import EpochPlan, plan_epoch
-from asynchdf5._replan import elastic_plan, resume_plan, skip_samples
+from asynchdf5._replan import elastic_plan, resume_plan, skip_samples, split_plan
 
 from .test_plan import served
 
@@ -121,3 +121,28 @@ def test_an_elastic_plan_serves_every_sample_left_once_in_equal_batch_counts(
         assert len(left) - len(got) < new_world * batch_size
     else:
         np.testing.assert_array_equal(got, left)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 800),
+    batch_size=st.integers(1, 50),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**32),
+    parts=st.integers(1, 6),
+)
+def test_the_parts_of_a_plan_are_contiguous_runs_of_its_batches(
+    n: int, batch_size: int, drop_last: bool, seed: int, parts: int
+) -> None:
+    """DataLoader workers' shares: in order, the parts serve the plan's samples in its batches,
+    their batch counts differ by one at most, the longer ones first."""
+    assume(not drop_last or n >= batch_size)
+    (plan,) = _plans(n, batch_size, 1, drop_last, seed)
+    split = [split_plan(plan, p, parts) for p in range(parts)]
+    assert [s for part in split for s in part.batch_sizes()] == list(plan.batch_sizes())
+    counts = [part.n_batches for part in split]
+    assert counts == sorted(counts, reverse=True) and counts[0] - counts[-1] <= 1
+    np.testing.assert_array_equal(np.concatenate([served(p) for p in split]), served(plan))
+    for part in split:
+        assert part.n_served == sum(part.batch_sizes())
+        assert [c.index for c in part.chunks] == list(range(len(part.chunks)))

@@ -409,3 +409,37 @@ async def test_elastic_then_normal_epochs_and_chains() -> None:
     fresh.set_epoch(2)
     async with layer, fresh:
         assert snapshot([b async for b in layer]) == snapshot([b async for b in fresh])
+
+
+@pytest.mark.parametrize(("old", "new"), [(4, 1), (4, 2), (1, 3)])
+async def test_after_an_elastic_resume_later_epochs_are_a_fresh_runs(
+    tmp_path: Path, old: int, new: int
+) -> None:
+    """Files whose cached chunks are cut by the shares (chunk_size above a rank's share): saved
+    by ``old`` ranks mid-epoch 1, resumed on ``new`` ranks. The rest of epoch 1 is exactly-once,
+    and epoch 2 is that of a layer started on ``new`` ranks, not one with the saved run's chunks
+    (which, from 1 rank to 3, are larger than the new layer's own: its cache holds them)."""
+    paths = write(tmp_path / "data")
+    kw: dict[str, Any] = dict(batch_size=16, shuffle=True, seed=3, chunk_size=2**20)
+
+    def layer(rank: int, world: int) -> AsyncHDF5DataLayer:
+        return AsyncHDF5DataLayer(paths, rank=rank, world_size=world, **kw)
+
+    states, before = [], []
+    for rank in range(old):
+        (_, part), state = await run(layer(rank, old), 2, stop=5)
+        states.append(state)
+        before += [i for idx, _ in part for i in idx]
+    own = layer(0, new).state_dict()["fingerprint"]["chunk_rows"]
+    assert states[0]["fingerprint"]["chunk_rows"] != own  # the old run's chunks: its shares
+    after = []
+    for rank in range(new):
+        resumed = layer(rank, new)
+        resumed.load_state_dict(states[rank % old])
+        (rest, later), _ = await run(resumed, 2)
+        after += [i for idx, _ in rest for i in idx]
+        fresh = layer(rank, new)
+        fresh.set_epoch(2)
+        (expected,), _ = await run(fresh, 1)
+        assert later == expected
+    assert sorted(before + after) == list(range(N))

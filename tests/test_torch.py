@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+import asynchdf5._cache
 import asynchdf5.torch
 import asynchdf5.torch._dataset
 import asynchdf5.torch._epoch
@@ -36,7 +37,11 @@ from ._fake_cupy import FakeCupy, FakeDevice, FakeMemory, FakePinnedMemory
 from ._files import rows, write_source
 from ._leaks import assert_released, snapshot
 
-pytestmark = [pytest.mark.timeout(60)]
+pytestmark = [
+    pytest.mark.timeout(60),
+    # 3 workers on a 2-core machine: torch suggests fewer; the tests want 3 all the same.
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+]
 
 SIZES = (250, 13, 337)  # three files: shards and batches cut across them
 N = sum(SIZES)
@@ -140,30 +145,58 @@ def test_public_names() -> None:
 # --- DataLoader --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("workers", "batches"), [(0, 19), (2, 20)])
+def interleaved(plan: list[list[int]], workers: int) -> list[list[int]]:
+    """The DataLoader's round robin over ``workers`` workers, each serving a contiguous run of
+    ``plan`` (the first ``len % workers`` runs one batch longer)."""
+    q, r = divmod(len(plan), workers)
+    runs, start = [], 0
+    for w in range(workers):
+        runs.append(plan[start : start + q + (w < r)])
+        start += q + (w < r)
+    return [run[i] for i in range(q + 1) for run in runs if i < len(run)]
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
 def test_dataloader_serves_every_sample_once_per_epoch(
-    kind: str, source: Path, workers: int, batches: int
+    kind: str, source: Path, workers: int
 ) -> None:
-    """600 samples in batches of 32: 19 batches; with two workers, each serves 300 samples in
-    10 batches (its own last partial batch): 20, and len(loader) says so."""
-    ds = make(kind, source, shuffle=True, seed=1, num_workers=workers)
+    """600 samples in batches of 32: 19 batches with any number of workers, the DataLoader's
+    only (the dataset is not told): the workers serve contiguous runs of the rank's batches,
+    interleaved by the round robin, and len(loader) says 19."""
+    plain = make(kind, source, shuffle=True, seed=1)
+    plans = [indices(epoch(DataLoader(plain, batch_size=None))) for _ in range(2)]
+    ds = make(kind, source, shuffle=True, seed=1)
     loader = DataLoader(ds, batch_size=None, num_workers=workers)
-    assert len(ds) == len(loader) == batches
+    assert len(ds) == len(loader) == 19
     orders = []
     for e in range(2):
         assert ds.epoch == e
         got = epoch(loader)
-        assert len(got) == batches
+        assert len(got) == 19
         exactly_once(got)
         orders.append(indices(got))
+        assert orders[-1] == interleaved(plans[e], max(workers, 1))
     assert orders[0] != orders[1]  # each epoch its own order
     assert ds.epoch == 2
     ds.close()
 
 
+def test_a_loader_with_more_workers_goes_on_with_the_next_epoch(source: Path) -> None:
+    """Two epochs with 2 workers, then a loader with 3 over the same dataset: its third worker
+    (an id the first loader had not) serves the same epoch as the other two."""
+    plain = make("memory", source, shuffle=True, seed=13)
+    plans = [indices(epoch(DataLoader(plain, batch_size=None))) for _ in range(3)]
+    ds = make("memory", source, shuffle=True, seed=13)
+    two = DataLoader(ds, batch_size=None, num_workers=2)
+    assert [indices(epoch(two)) for _ in range(2)] == [interleaved(p, 2) for p in plans[:2]]
+    assert indices(epoch(DataLoader(ds, batch_size=None, num_workers=3))) == interleaved(
+        plans[2], 3
+    )
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_trio_backend(source: Path, workers: int) -> None:
-    ds = make("hdf5", source, shuffle=True, seed=12, backend="trio", num_workers=workers)
+    ds = make("hdf5", source, shuffle=True, seed=12, backend="trio")
     for _ in range(2):
         exactly_once(epoch(DataLoader(ds, batch_size=None, num_workers=workers)))
 
@@ -191,7 +224,7 @@ def test_epochs_advance_and_set_epoch_with_workers(
     def loader(ds: Dataset) -> DataLoader[Tensors]:
         return DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
 
-    a = make(kind, source, shuffle=True, seed=3, num_workers=2)
+    a = make(kind, source, shuffle=True, seed=3)
     la = loader(a)
     first = [indices(epoch(la)) for _ in range(3)]
     assert a.epoch == 3
@@ -202,7 +235,7 @@ def test_epochs_advance_and_set_epoch_with_workers(
     assert indices(epoch(la)) == first[2]
     del la
 
-    b = make(kind, source, shuffle=True, seed=3, num_workers=2)
+    b = make(kind, source, shuffle=True, seed=3)
     b.set_epoch(2)
     assert indices(epoch(loader(b))) == first[2]
 
@@ -243,9 +276,7 @@ def test_workers_under_an_initialised_process_group(tmp_path: Path) -> None:
     store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        ds = MemoryIterableDataset(
-            rows(0, N), batch_size=BATCH, shuffle=True, indices=True, num_workers=2
-        )
+        ds = MemoryIterableDataset(rows(0, N), batch_size=BATCH, shuffle=True, indices=True)
         assert (ds.rank, ds.world_size) == (0, 1)
         exactly_once(epoch(DataLoader(ds, batch_size=None, num_workers=2)))
     finally:
@@ -267,7 +298,7 @@ def resource_tracker() -> None:
 def test_spawned_workers(resource_tracker: None, source: Path) -> None:
     """The "spawn" start method: the dataset is pickled to the workers, the next epoch is
     shared through shared memory all the same."""
-    ds = make("hdf5", source, shuffle=True, seed=5, num_workers=2)
+    ds = make("hdf5", source, shuffle=True, seed=5)
     loader = DataLoader(
         ds, batch_size=None, num_workers=2, multiprocessing_context="spawn", persistent_workers=True
     )
@@ -301,7 +332,7 @@ def test_tensors_share_the_batch_memory() -> None:
 def test_kept_tensors_are_never_overwritten(kind: str, source: Path, workers: int) -> None:
     """A training loop may keep batches: the layer reuses a buffer only once no tensor refers
     to it (small batches, a short prefetch: buffers would come round again many times)."""
-    ds = make(kind, source, batch_size=8, prefetch=2, shuffle=True, seed=6, num_workers=workers)
+    ds = make(kind, source, batch_size=8, prefetch=2, shuffle=True, seed=6)
     loader = DataLoader(ds, batch_size=None, num_workers=workers)
     kept = [epoch(loader) for _ in range(3)]
     for got in kept:
@@ -324,11 +355,11 @@ def test_conversion_copies_only_what_torch_cannot_share() -> None:
 
 
 def stateful(kind: str, source: Path, workers: int, **kw: Any) -> StatefulDataLoader:
-    ds = make(kind, source, shuffle=True, seed=7, num_workers=workers)
+    ds = make(kind, source, shuffle=True, seed=7)
     return StatefulDataLoader(ds, batch_size=None, num_workers=workers, **kw)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
 @pytest.mark.parametrize("k", [0, 7, 18])
 def test_stateful_dataloader_resumes_mid_epoch_exactly(
     kind: str, source: Path, workers: int, k: int
@@ -502,21 +533,65 @@ def test_leaving_the_with_block_closes(source: Path) -> None:
 # --- errors ------------------------------------------------------------------------------------
 
 
-def test_workers_must_match_the_dataset(source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker of a DataLoader with another num_workers than the dataset's refuses to serve
-    (in this process, as a worker: through a real worker the error is the same, but torch then
-    takes 10 s to stop its workers)."""
-    ds = make("memory", source)  # made for num_workers=0
+def test_the_deprecated_num_workers_must_agree(
+    source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dataset's own num_workers= (deprecated: a DeprecationWarning) still works when it
+    is the DataLoader's; a worker of a DataLoader with another number refuses to serve (in this
+    process, as a worker: through a real worker the error is the same, but torch then takes
+    10 s to stop its workers)."""
+    with pytest.warns(DeprecationWarning, match="set it on the DataLoader only"):
+        ds = make("memory", source, shuffle=True, seed=2, num_workers=2)
+    got = epoch(DataLoader(ds, batch_size=None, num_workers=2))
+    assert len(got) == len(ds) == 19
+    exactly_once(got)
     worker = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets
-    info = SimpleNamespace(id=1, num_workers=2)
+    info = SimpleNamespace(id=1, num_workers=3)
     monkeypatch.setattr(asynchdf5.torch._dataset, "get_worker_info", lambda: info)
-    with pytest.raises(ConfigurationError, match="pass the DataLoader's num_workers"):
+    with pytest.raises(ConfigurationError, match="made with num_workers=2, but DataLoader"):
         next(iter(worker))
 
 
+@pytest.mark.parametrize("cache_bytes", [None, 2**20])
+def test_workers_share_the_budgets(
+    source: Path, monkeypatch: pytest.MonkeyPatch, cache_bytes: int | None
+) -> None:
+    """Each of k workers' layers gets 1/k of a given cache budget (of the default, 1/(k + 1):
+    the workers' own memory counts too) and of the batches read ahead, and every worker plans
+    with the same chunks."""
+    ds = make("hdf5", source, prefetch=8, cache_bytes=cache_bytes)
+    chunks = []
+    for w in range(4):
+        worker = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets
+        info = SimpleNamespace(id=w, num_workers=4)
+        monkeypatch.setattr(asynchdf5.torch._dataset, "get_worker_info", lambda i=info: i)
+        c = worker._this_layer().config
+        budget = 2**18 if cache_bytes else asynchdf5._cache.default_cache_bytes() // 5
+        assert (c.cache_bytes, c.prefetch) == (budget, 2)
+        assert len(worker) == [5, 5, 5, 4][w]  # 19 batches of the rank, in runs
+        chunks.append(worker._this_layer().state_dict()["fingerprint"]["chunk_rows"])
+    assert len(set(chunks)) == 1
+
+
+def test_a_worker_state_resumes_only_the_same_worker(source: Path) -> None:
+    """A worker's state counts batches of its run: another worker (or a dataset without
+    workers) refuses it."""
+    run = stateful("memory", source, 2)
+    it = iter(run)
+    for _ in range(3):
+        next(it)
+    state = run.state_dict()
+    (_, worker0), *_ = sorted(state["_snapshot"]["_worker_snapshots"].items())
+    layer_state = worker0["dataset_state"]
+    assert layer_state["part"] == [0, 2]
+    with pytest.raises(ConfigurationError, match="part 0 of 2"):
+        make("memory", source, shuffle=True, seed=7).load_state_dict(layer_state)
+
+
 def test_with_workers_the_main_process_neither_iterates_nor_saves(source: Path) -> None:
-    ds = make("memory", source, num_workers=2)
-    with pytest.raises(StateError, match="iterate it through that DataLoader"):
+    ds = make("memory", source)
+    exactly_once(epoch(DataLoader(ds, batch_size=None, num_workers=2)))
+    with pytest.raises(StateError, match="through a DataLoader"):
         iter(ds)
     with pytest.raises(StateError, match="StatefulDataLoader"):
         ds.state_dict()
@@ -576,9 +651,15 @@ def test_device_batches_go_through_dlpack(fake_cupy: FakeCupy) -> None:
     assert [b["data"].data_ptr() for b in batches] == made[: len(batches)]
 
 
-def test_device_batches_need_num_workers_0(fake_cupy: FakeCupy) -> None:
+def test_device_batches_need_num_workers_0(
+    fake_cupy: FakeCupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = MemoryIterableDataset(rows(0, N), batch_size=BATCH, device="cuda")
+    worker = pickle.loads(pickle.dumps(ds))  # what a spawned worker gets
+    info = SimpleNamespace(id=0, num_workers=2)
+    monkeypatch.setattr(asynchdf5.torch._dataset, "get_worker_info", lambda: info)
     with pytest.raises(ConfigurationError, match="device batches need num_workers=0"):
-        MemoryIterableDataset(rows(0, N), batch_size=BATCH, device="cuda", num_workers=2)
+        next(iter(worker))
 
 
 @pytest.fixture

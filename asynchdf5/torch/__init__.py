@@ -27,21 +27,23 @@ How it works, for whoever carries it on:
   overwritten), ``torch.from_dlpack`` on device batches (CuPy), which also orders PyTorch's
   current stream after the stream the batch was made ready on. A read-only array or one with a
   negative stride (a transformer's result; ``from_numpy`` refuses or warns) is copied.
-* **Workers** (``num_workers=k > 0``): worker ``w`` of rank ``r`` of ``W`` serves the layer
-  shard ``r * k + w`` of ``W * k``, so the union over workers and ranks is every sample exactly
-  once per epoch and every worker yields the same number of batches. The worker's layer is
-  made with the dataset's rank and world size and then given its share while closed
-  (``_set_shard``): a forked worker inherits an initialised ``torch.distributed``, against
-  which the layer refuses an explicit rank of another value. The dataset must be told
-  ``k`` (``num_workers=``), because ``DataLoader`` asks ``len(dataset)`` in the main process,
-  which cannot know it; a worker checks that it agrees. A DataLoader starts fresh workers for
-  each epoch (unless ``persistent_workers=True``), copied from the main process's dataset,
-  which iterates nothing itself: so the dataset keeps a small shared-memory tensor, made at
-  construction: a count of :meth:`set_epoch` calls, and per worker the epoch its next
-  iteration serves, which the worker writes when it starts an epoch (or ends one, or loads a
-  state) and the main process's :meth:`set_epoch` overwrites. Per worker, because workers
-  start at different moments: a worker that read a value one of its siblings had already
-  advanced would serve the wrong epoch.
+* **Workers** (the DataLoader's ``num_workers=k > 0``, learned in each worker from
+  ``get_worker_info()``): worker ``w`` serves the ``w``-th of ``k`` contiguous runs of its
+  rank's batch plan (:func:`~asynchdf5._replan.split_plan`, through the layer's ``_set_part``
+  while closed), so the workers together serve the rank's epoch exactly once, ``len()`` is
+  the rank's batch count for any ``k``, and the DataLoader's round robin over the workers
+  yields their runs interleaved (worker 0's first batch, worker 1's first, ...). Each
+  worker's layer gets ``1/k`` of the cache budget (``cache_bytes``, or the default), so the
+  workers together hold what one layer would; all ``k`` plan with the same budget, hence the
+  same chunks. A DataLoader starts fresh workers for each epoch (unless
+  ``persistent_workers=True``), copied from the main process's dataset, which iterates
+  nothing itself: so the dataset keeps a small board in shared memory (:class:`_Board`,
+  anonymous until pickled for spawned workers): a count of :meth:`set_epoch` calls, the most
+  workers seen, and per worker the epoch its next iteration serves, which the worker writes
+  when it starts an epoch (or ends one, or loads a state) and the main process's
+  :meth:`set_epoch` overwrites. Per worker, because workers start at different moments: a
+  worker that read a value one of its siblings had already advanced would serve the wrong
+  epoch.
 * **Resume with StatefulDataLoader** (torchdata 0.11): the iterator that ``__iter__`` returns has
   no ``state_dict``, so torchdata saves the *dataset's* state. With ``num_workers=0`` it calls
   :meth:`state_dict` in the main process when ``loader.state_dict()`` is called, and restores
@@ -51,11 +53,13 @@ How it works, for whoever carries it on:
   state is taken inside the worker right after it produced a batch and travels with it; the
   loader's snapshot holds, per worker, the state after the last batch of that worker it
   yielded, restores each worker from it and replays the batches since the snapshot
-  (``snapshot_every_n_steps``). Both are exact: same next batch, same indices, same bytes. A
-  loader whose state says its epoch was over starts the next epoch with fresh workers, which
-  read the shared tensor: a worker that loads a state with nothing left of its epoch writes
-  the epoch after it. ``len()`` of a resumed epoch counts the batches before the state too, as
-  the loader counts them (it warns when it yields more batches than ``len()`` said).
+  (``snapshot_every_n_steps``); a worker's state says which run of the rank's batches it
+  counts (``part``), and resumes only the same worker of as many. Both are exact: same next
+  batch, same indices, same bytes. A loader whose state says its epoch was over starts the
+  next epoch with fresh workers, which read the shared board: a worker that loads a state
+  with nothing left of its epoch writes the epoch after it. ``len()`` of a resumed epoch
+  counts the batches before the state too, as the loader counts them (it warns when it
+  yields more batches than ``len()`` said).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ except ImportError as exc:  # tested with torch hidden from the import system
         'asynchdf5.torch needs PyTorch, which is not installed: pip install "asynchdf5[torch]"'
     ) from exc
 
+from .._cache import default_cache_bytes
 from .._hdf5 import HDF5DataLayer
 from .._layer import _Layer
 from .._memory import MemoryDataLayer
@@ -89,8 +94,10 @@ class HDF5IterableDataset(_LayerDataset):
     batches through ``torch.from_numpy``, device batches through DLPack).
 
     ``num_workers=0`` is the recommended setting: the layer reads, gathers and transforms on
-    threads of its own, outside the training loop, so worker processes only add copies between
-    processes. With ``num_workers=k`` (the same on every rank), pass ``k`` here too.
+    threads of its own, outside the training loop, so worker processes mostly add copies
+    between processes. They help when the transformers are CPU-heavy Python. Set
+    ``num_workers`` on the DataLoader only: its workers split each epoch of this rank into
+    contiguous runs of batches, and share the cache budget.
 
     Parameters
     ----------
@@ -100,12 +107,9 @@ class HDF5IterableDataset(_LayerDataset):
     indices : bool
         Add the global indices of the batch's samples as an ``int64`` tensor under
         ``"indices"`` (on the host, also for device batches).
-    num_workers : int
-        The ``num_workers`` of the DataLoader that iterates this dataset. With ``k > 0``,
-        worker ``w`` of rank ``r`` serves the shard ``r * k + w`` of ``world_size * k``: every
-        worker yields the same number of batches, each with its own last partial batch (or
-        leftover, with ``drop_last=True``), so an epoch may have up to ``k - 1`` more batches
-        than with ``num_workers=0``, in another order.
+    num_workers : int, optional
+        Deprecated, and no longer needed: the DataLoader's ``num_workers`` is learned in its
+        workers. When given, it must equal the DataLoader's.
     **properties
         The keyword properties of :class:`~asynchdf5.HDF5DataLayer` (``batch_size`` is
         required; ``shuffle``, ``seed``, ``rank``, ``world_size``, ``transformers``,
@@ -116,8 +120,8 @@ class HDF5IterableDataset(_LayerDataset):
 
     Attributes
     ----------
-    num_workers : int
-        As given.
+    num_workers : int or None
+        As given (deprecated).
     indices : bool
         As given.
 
@@ -125,7 +129,7 @@ class HDF5IterableDataset(_LayerDataset):
     ------
     ConfigurationError
         A bad property (at once, as the layer would), ``indices=True`` with a top named
-        ``"indices"``, or ``device`` with ``num_workers > 0``.
+        ``"indices"``, or ``device`` with DataLoader workers (in the worker).
     SourceError
         The source cannot be resolved.
 
@@ -147,7 +151,7 @@ class HDF5IterableDataset(_LayerDataset):
         source: SourceLike,
         *,
         indices: bool = False,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         **properties: Any,
     ) -> None:
         self._source: Any = source
@@ -157,6 +161,15 @@ class HDF5IterableDataset(_LayerDataset):
 
     def _new_layer(self, **properties: Any) -> _Layer:
         return HDF5DataLayer(self._source, **properties)
+
+    def _worker_properties(self, properties: dict[str, Any], workers: int) -> dict[str, Any]:
+        # A given budget is the workers' together. The default (a third of the memory) is
+        # shared as if by one more: each worker process also holds its own runtime, batch
+        # buffers and batches in transit, which a layer in the main process shares with the
+        # training loop (2 workers under a 512 MiB limit did not fit with halves of it).
+        budget = properties.get("cache_bytes")
+        share = budget // workers if budget is not None else default_cache_bytes() // (workers + 1)
+        return {**super()._worker_properties(properties, workers), "cache_bytes": max(1, share)}
 
 
 class MemoryIterableDataset(_LayerDataset):
@@ -173,17 +186,16 @@ class MemoryIterableDataset(_LayerDataset):
     indices : bool
         Add the global indices (row numbers) of the batch's samples as an ``int64`` tensor
         under ``"indices"``.
-    num_workers : int
-        The ``num_workers`` of the DataLoader that iterates this dataset (see
-        :class:`HDF5IterableDataset`).
+    num_workers : int, optional
+        Deprecated (see :class:`HDF5IterableDataset`).
     **properties
         The keyword properties of :class:`~asynchdf5.MemoryDataLayer` (``batch_size`` is
         required).
 
     Attributes
     ----------
-    num_workers : int
-        As given.
+    num_workers : int or None
+        As given (deprecated).
     indices : bool
         As given.
 
@@ -203,7 +215,7 @@ class MemoryIterableDataset(_LayerDataset):
         data: Mapping[str, Any],
         *,
         indices: bool = False,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         **properties: Any,
     ) -> None:
         self._data = data

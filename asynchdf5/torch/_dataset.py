@@ -3,14 +3,17 @@ and resume (see the package's docstring)."""
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing.util
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -25,6 +28,35 @@ else:  # pragma: no cover
     from typing_extensions import Self
 
 
+#: The most DataLoader workers a dataset serves (each has an entry in the shared board).
+MAX_WORKERS = 256
+
+
+class _Board:
+    """A few ``int64`` values shared with DataLoader workers: ``[set_epoch calls, the most
+    workers seen, worker 0's next epoch, worker 1's, ...]``.
+
+    Anonymous shared memory (no descriptor held; forked workers inherit it), moved into
+    torch's shared memory the first time it is pickled (spawned workers get it that way).
+    """
+
+    def __init__(self) -> None:
+        self._map: mmap.mmap | None = mmap.mmap(-1, 8 * (2 + MAX_WORKERS))
+        self._tensor: torch.Tensor | None = None
+        self.values = np.frombuffer(self._map, np.int64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._tensor is None:
+            tensor = torch.from_numpy(self.values.copy())
+            self._tensor = tensor.share_memory_()  # type: ignore[no-untyped-call]
+            self.values = self._tensor.numpy()  # from now on, here too
+        return {"tensor": self._tensor}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._map, self._tensor = None, state["tensor"]
+        self.values = state["tensor"].numpy()
+
+
 def _close_layer(layer: _Layer, pid: int) -> None:
     """Close ``layer`` if this process opened it (a forked copy is never touched)."""
     if os.getpid() == pid:
@@ -34,9 +66,13 @@ def _close_layer(layer: _Layer, pid: int) -> None:
 class _LayerDataset(IterableDataset[Tensors]):
     """What both datasets share; subclasses say how to make their layer."""
 
-    def __init__(self, properties: Mapping[str, Any], *, indices: bool, num_workers: int) -> None:
+    def __init__(
+        self, properties: Mapping[str, Any], *, indices: bool, num_workers: int | None
+    ) -> None:
         super().__init__()
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        if num_workers is not None and (
+            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
+        ):
             raise ConfigurationError(f"num_workers must be an int >= 0, not {num_workers!r}")
         if not isinstance(indices, bool):
             raise ConfigurationError(f"indices must be True or False, not {indices!r}")
@@ -46,12 +82,17 @@ class _LayerDataset(IterableDataset[Tensors]):
             raise ConfigurationError(
                 f"indices=True adds the key {INDICES!r}, which is already a top's name"
             )
-        if num_workers and c.device is not None:
-            raise ConfigurationError(
-                "device batches need num_workers=0: CUDA does not survive in DataLoader worker "
-                "processes (and the layer has its own threads; see the docs)"
+        if num_workers:
+            self._check_device(c.device)
+        if num_workers is not None:
+            warnings.warn(
+                "num_workers= of the dataset is deprecated and no longer needed: set it on the "
+                "DataLoader only (the workers split this rank's batches among themselves)",
+                DeprecationWarning,
+                stacklevel=3,
             )
-        #: The ``num_workers`` of the DataLoader that iterates this dataset.
+        #: The deprecated ``num_workers`` given at construction (``None``: not given); a
+        #: DataLoader with another number of workers is then refused.
         self.num_workers = num_workers
         #: Whether batches carry the global indices of their samples under ``"indices"``.
         self.indices = indices
@@ -59,14 +100,11 @@ class _LayerDataset(IterableDataset[Tensors]):
             k: v for k, v in properties.items() if k not in ("seed", "rank", "world_size")
         }
         self._seed, self._seed_given = c.seed, c.seed_given
+        self._prefetch = c.prefetch
         self._rank, self._world_size = c.rank, c.world_size
         self._start_epoch = 0  # where a copy in another process starts (no workers)
-        # With workers, shared with them: [set_epoch calls, worker 0's next epoch, worker 1's...]
-        self._shared: torch.Tensor | None = None
-        if num_workers:
-            shared = torch.zeros(1 + num_workers, dtype=torch.int64)
-            self._shared = shared.share_memory_()  # type: ignore[no-untyped-call]
-        self._slot = 1  # this worker's entry in _shared
+        self._board = _Board()  # shared with the workers (see the package's docstring)
+        self._slot = 2  # this worker's entry in the board
         self._generation = 0  # the set_epoch calls this worker's layer has followed
         # (epoch, batches of it before the loaded state): len() counts them, as
         # StatefulDataLoader counts them among the batches of the epoch.
@@ -75,36 +113,56 @@ class _LayerDataset(IterableDataset[Tensors]):
         self._pid: int | None = None
         self._opened = False
         self._live: weakref.ReferenceType[_Epoch] | None = None
-        self._adopt(self._reshard(layer, worker=None))
+        self._adopt(layer)
 
     # --- what subclasses provide --------------------------------------------------------------
 
     def _new_layer(self, **properties: Any) -> _Layer:
         raise NotImplementedError
 
+    def _worker_properties(self, properties: dict[str, Any], workers: int) -> dict[str, Any]:
+        """The properties of one of ``workers`` workers' layers: they share the batches read
+        ahead (``prefetch``), as they share the cache budget (where there is one)."""
+        return {**properties, "prefetch": max(1, self._prefetch // workers)}
+
     # --- this process's layer -----------------------------------------------------------------
 
     def _in_main_with_workers(self) -> bool:
-        """In a process that hands the work to DataLoader workers (and iterates nothing)."""
-        return self.num_workers > 0 and get_worker_info() is None
+        """In a process that hands the work to DataLoader workers (and iterates nothing): made
+        with the deprecated ``num_workers > 0``, or whose workers have served."""
+        if get_worker_info() is not None:
+            return False
+        return bool(self.num_workers) or int(self._board.values[1]) > 0
 
-    def _reshard(self, layer: _Layer, worker: Any) -> _Layer:
-        """``layer`` (closed, fresh) set to this process's shard: the dataset's rank, or a
-        worker's share of it; in a process that hands the work to workers, the share of its
-        first worker (every worker's share has the same number of batches: ``len``)."""
-        k, r, world = self.num_workers, self._rank, self._world_size
-        if worker is not None:
-            if worker.num_workers != k:
-                raise ConfigurationError(
-                    f"this dataset was made with num_workers={k}, but DataLoader worker "
-                    f"{worker.id} of {worker.num_workers} iterates it: pass the DataLoader's "
-                    "num_workers to the dataset too (it splits this rank's shard among the "
-                    "workers, and len() counts their batches)"
-                )
-            rank = r * k + worker.id
-        else:
-            rank = r * k if k else r
-        layer._set_shard(rank, world * max(k, 1), seed_given=self._seed_given)
+    def _check_device(self, device: Any) -> None:
+        if device is not None:
+            raise ConfigurationError(
+                "device batches need num_workers=0: CUDA does not survive in DataLoader worker "
+                "processes (and the layer has its own threads; see the docs)"
+            )
+
+    def _worker_layer(self, worker: Any) -> _Layer:
+        """A DataLoader worker's layer: this rank's, serving the worker's contiguous run of
+        every epoch's batches, with its share of the cache budget."""
+        k, declared = worker.num_workers, self.num_workers
+        if declared is not None and declared != k:
+            raise ConfigurationError(
+                f"this dataset was made with num_workers={declared}, but DataLoader worker "
+                f"{worker.id} of {k} iterates it: leave num_workers out of the dataset (it is "
+                "deprecated), or give the DataLoader's"
+            )
+        if k > MAX_WORKERS:
+            raise ConfigurationError(
+                f"a DataLoader with {k} workers: this dataset serves at most {MAX_WORKERS}"
+            )
+        properties = self._worker_properties(dict(self._properties), k)
+        layer = self._new_layer(
+            **properties, seed=self._seed, rank=self._rank, world_size=self._world_size
+        )
+        self._check_device(layer.config.device)
+        layer._set_part(worker.id, k)
+        values = self._board.values
+        values[1] = max(int(values[1]), k)
         return layer
 
     def _adopt(self, layer: _Layer) -> None:
@@ -122,15 +180,16 @@ class _LayerDataset(IterableDataset[Tensors]):
         if layer is not None and self._pid == os.getpid():
             return layer
         worker = get_worker_info()
-        layer = self._new_layer(
-            **self._properties, seed=self._seed, rank=self._rank, world_size=self._world_size
-        )
-        self._reshard(layer, worker)
-        if self._shared is not None:
-            self._slot = 1 + (worker.id if worker is not None else 0)
-            layer.set_epoch(int(self._shared[self._slot]))
-            self._generation = int(self._shared[0])
+        if worker is not None:
+            layer = self._worker_layer(worker)
+            values = self._board.values
+            self._slot = 2 + worker.id
+            layer.set_epoch(int(values[self._slot]))
+            self._generation = int(values[0])
         else:
+            layer = self._new_layer(
+                **self._properties, seed=self._seed, rank=self._rank, world_size=self._world_size
+            )
             inherited = self._layer  # a forked copy: only its epoch is read
             layer.set_epoch(inherited.epoch if inherited is not None else self._start_epoch)
         self._adopt(layer)
@@ -149,31 +208,42 @@ class _LayerDataset(IterableDataset[Tensors]):
         """One epoch (the next one) of this process's share, as dicts of tensors."""
         if self._in_main_with_workers():
             raise StateError(
-                f"this dataset was made for a DataLoader with num_workers={self.num_workers}: "
-                "iterate it through that DataLoader (or make it with num_workers=0)"
+                "this dataset's epochs are served by DataLoader workers (num_workers > 0): "
+                "iterate it through a DataLoader"
             )
         return _Epoch(self)
 
     def _begin(self, epoch: _Epoch) -> Iterator[Batch]:
         layer = self._this_layer()
         self._abandon(keep=epoch)
-        shared = self._shared
-        if shared is not None and int(shared[0]) != self._generation:
-            layer.set_epoch(int(shared[self._slot]))  # the main process called set_epoch
-            self._generation = int(shared[0])
+        values = self._board.values
+        if get_worker_info() is not None and int(values[0]) != self._generation:
+            layer.set_epoch(int(values[self._slot]))  # the main process called set_epoch
+            self._generation = int(values[0])
         if not self._opened:
             layer.__enter__()
             self._opened = True
         self._live = weakref.ref(epoch)
         return iter(layer)
 
+    def _mark(self, epoch: int) -> None:
+        """Workers started from now on serve ``epoch`` next: in a worker, its successor and
+        those of ids its DataLoader has none of (a later loader may have more workers); in the
+        main process, every worker."""
+        values = self._board.values
+        worker = get_worker_info()
+        if worker is not None:
+            values[self._slot] = epoch
+            values[2 + worker.num_workers :] = epoch
+        else:
+            values[2:] = epoch
+
     def _started(self, epoch: int) -> None:
-        if self._shared is not None:  # this worker's successor starts after this epoch
-            self._shared[self._slot] = epoch + 1
+        self._mark(epoch + 1)
 
     def _ended(self) -> None:
-        if self._shared is not None and self._layer is not None:
-            self._shared[self._slot] = self._layer.epoch
+        if self._layer is not None:
+            self._mark(self._layer.epoch)
 
     def _tensors(self, batch: Batch) -> Tensors:
         out = {name: _tensor(array) for name, array in batch.items()}
@@ -182,15 +252,12 @@ class _LayerDataset(IterableDataset[Tensors]):
         return out
 
     def __len__(self) -> int:
-        """Batches of the next epoch of this process's share: with ``num_workers=k``, in the
-        main process, of all ``k`` workers together (what ``len(DataLoader)`` says). An epoch
-        resumed from a state counts the batches before the state too, as ``StatefulDataLoader``
-        does (only the rest are yielded). May read the files' metadata (blocking) the first
-        time."""
+        """Batches of this rank's next epoch, whatever the DataLoader's ``num_workers`` (its
+        workers share them out; in a worker, that worker's run of them). An epoch resumed from
+        a state counts the batches before the state too, as ``StatefulDataLoader`` does (only
+        the rest are yielded). May read the files' metadata (blocking) the first time."""
         layer = self._this_layer()
         n = len(layer)  # the rest, for a resumed epoch
-        if self._in_main_with_workers():
-            return n * self.num_workers
         resumed = self._resumed
         if resumed is not None and resumed[0] == layer.epoch:
             n += resumed[1]
@@ -201,8 +268,9 @@ class _LayerDataset(IterableDataset[Tensors]):
     @property
     def epoch(self) -> int:
         """The epoch the next iteration serves (the epochs finished, as ``layer.epoch``)."""
-        if self._shared is not None and self._in_main_with_workers():
-            return int(self._shared[1:].max())
+        if self._in_main_with_workers():
+            k = max(int(self._board.values[1]), self.num_workers or 0)
+            return int(self._board.values[2 : 2 + k].max())
         return self._this_layer().epoch
 
     @property
@@ -225,17 +293,13 @@ class _LayerDataset(IterableDataset[Tensors]):
         epochs otherwise advance by themselves). An epoch left suspended in this process (a
         loop left with ``break`` whose iterator is still referenced) is abandoned. With
         workers, call it in the main process: the workers follow."""
-        if self._shared is not None and self._in_main_with_workers():
-            self._this_layer().set_epoch(epoch)  # checks the value
-            self._shared[1:] = epoch
-            self._shared[0] += 1
-            return
         layer = self._this_layer()
         self._abandon()
-        layer.set_epoch(epoch)
+        layer.set_epoch(epoch)  # checks the value
         self._resumed = None
-        if self._shared is not None:
-            self._shared[self._slot] = epoch
+        self._mark(epoch)
+        if get_worker_info() is None:
+            self._board.values[0] += 1  # persistent workers follow too
 
     def state_dict(self) -> dict[str, Any]:
         """Where this process's consumer is: the layer's state (plain values, JSON-ready).
@@ -264,15 +328,14 @@ class _LayerDataset(IterableDataset[Tensors]):
         self._seed = layer.config.seed  # seed=None takes the saved seed
         done = state["chain"] if state["mode"] == "epoch" else []
         self._resumed = (layer.epoch, sum(int(batches) for _, batches in done))
-        if self._shared is not None:
-            # Workers started later (the next epoch's) go on after this epoch, or, when nothing
-            # is left of it (a state saved at its end), after it already: StatefulDataLoader
-            # then starts them at once, while these may still be finding the epoch empty.
-            self._shared[self._slot] = layer.epoch + (len(layer) == 0)
+        # Workers started later (the next epoch's) go on after this epoch, or, when nothing is
+        # left of it (a state saved at its end), after it already: StatefulDataLoader then
+        # starts them at once, while these may still be finding the epoch empty.
+        self._mark(layer.epoch + (len(layer) == 0))
 
     def _no_state(self, what: str) -> str:
         return (
-            f"{what}() in the main process of a DataLoader with num_workers={self.num_workers}: "
+            f"{what}() in the main process of a DataLoader with worker processes: "
             "the positions are in the workers; use torchdata's StatefulDataLoader, whose "
             f"{what}() handles each worker's"
         )
@@ -302,7 +365,7 @@ class _LayerDataset(IterableDataset[Tensors]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         layer = self._layer
-        if layer is not None and self._pid == os.getpid() and self._shared is None:
+        if layer is not None and self._pid == os.getpid():
             state["_start_epoch"] = layer.epoch
         state.update(_layer=None, _pid=None, _opened=False, _live=None)
         return state
