@@ -209,7 +209,13 @@ class AsyncHDF5DataLayer(_Layer):
             )
             shape = self._shape_of(catalog)
             slots: list[Slot] | None = None
-            chosen = choice = await anyio.to_thread.run_sync(choose, catalog, self.config.mmap)
+            # Data larger than the memory the process may use is read from the disk every
+            # epoch: it is copied (mmap="auto"), and the reader streams it around the page
+            # cache. One figure for both decisions.
+            memory = memory_bytes()
+            chosen = choice = await anyio.to_thread.run_sync(
+                choose, catalog, self.config.mmap, memory
+            )
             reader: Reader
             if choice.mapped:  # no slots: rows served in place
                 leases, choice.leases = choice.leases, []  # the reader's now
@@ -222,9 +228,6 @@ class AsyncHDF5DataLayer(_Layer):
                 if rows > shape.chunk_rows:
                     self._size_cache(catalog, rows)  # the budget must hold them
                 slots = allocate_slots(catalog.tops, rows)
-                # Data larger than the memory the process may use is read from the disk every
-                # epoch: keeping it in the page cache gains nothing.
-                memory = memory_bytes()
                 streaming = 0 < memory < shape.n_samples * shape.row_bytes
                 reader = HDF5Reader(catalog, files, streaming=streaming)
             if isinstance(reader, HDF5Reader) and choice.note != "copied: mmap=False":

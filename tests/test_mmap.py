@@ -298,9 +298,9 @@ async def test_auto_copies_a_data_set_larger_than_memory(
 ) -> None:
     """Read from the disk every epoch anyway: the copying reader streams it (``mmap=True``
     maps it all the same)."""
-    import asynchdf5._machine
+    import asynchdf5._hdf5
 
-    monkeypatch.setattr(asynchdf5._machine, "memory_bytes", lambda *a: N * ROW_BYTES - 1)
+    monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda *a: N * ROW_BYTES - 1)
     path = write_h5(tmp_path / "one.h5", 0, N)
     with anyio.fail_after(30):
         got, stats = await batches(path, epochs=1, shuffle=True, seed=0, chunk_size=1000)

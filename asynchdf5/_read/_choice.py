@@ -194,9 +194,10 @@ class Choice:
         self.leases = []
 
 
-def choose(catalog: Catalog, mmap: bool | Literal["auto"]) -> Choice:
+def choose(catalog: Catalog, mmap: bool | Literal["auto"], memory: int | None = None) -> Choice:
     """Map or copy ``catalog``'s source, as the ``mmap`` property says (blocking: a few system
-    calls a file). A mapped choice holds the files' leases: the mapped reader takes them over,
+    calls a file); ``memory``: what the process may use (None: :func:`~.._machine.memory_bytes`;
+    0: not known). A mapped choice holds the files' leases: the mapped reader takes them over,
     or :meth:`Choice.close` gives them back."""
     if mmap is False:
         return Choice(False, "copied: mmap=False")
@@ -216,7 +217,9 @@ def choose(catalog: Catalog, mmap: bool | Literal["auto"]) -> Choice:
     if mmap == "auto":
         # Larger than the memory the process may use: read from the disk every epoch, where
         # the copying reader's streaming reads (direct, read ahead) beat faults on mapped pages.
-        size, memory = catalog.n_samples * catalog.row_bytes, _machine.memory_bytes()
+        size = catalog.n_samples * catalog.row_bytes
+        if memory is None:
+            memory = _machine.memory_bytes()
         if 0 < memory < size:
             return Choice(
                 False,
