@@ -22,9 +22,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ._errors import SchemaError, SourceError
+from ._errors import DataLayerError, SchemaError, SourceError
 from ._layout import ChunkIndex, Extent, Layout, ReadPath, describe
-from ._sources import Source, StoredFile
+from ._sources import Source, StoredFile, name_entry
 
 __all__ = [
     "Catalog",
@@ -242,7 +242,9 @@ def build_catalog(source: Source, entries: Sequence[str], tops: Sequence[str]) -
     """Open every file once, check the tops and record their layout. Blocking: run in a thread.
 
     Raises :class:`SourceError` (a file missing, unreadable, not HDF5, or data that would come
-    out as fill values) or :class:`SchemaError` (tops missing or not matching across files).
+    out as fill values) or :class:`SchemaError` (tops missing or not matching across files),
+    naming the file, and where the source named it (a list file's line: :func:`name_entry`).
+    Each file is pinned open while it is described; the source may close it afterwards.
     """
     infos: list[FileInfo] = []
     specs: dict[str, TopInfo] = {}
@@ -251,45 +253,15 @@ def build_catalog(source: Source, entries: Sequence[str], tops: Sequence[str]) -
     needed: set[int] = set()  # ... and those the h5py read path goes on using
     start = 0
     for entry in entries:
-        file = source.open(entry)
-        h5 = file.h5py_file()
-        touched[id(file)] = file
-        rows: dict[str, int] = {}
-        layouts: dict[str, Layout] = {}
-        for name in tops:
-            if not file.local:
-                _refuse_external_links(file.name, h5, name)
-            dset = _check_top(file.name, h5, name)
-            native = dset.dtype.newbyteorder("=")
-            shape = tuple(int(s) for s in dset.shape[1:])
-            spec = specs.get(name)
-            if spec is None:
-                specs[name] = TopInfo(name, np.dtype(native.str), shape)
-                first_file[name] = file.name
-            elif spec.sample_shape != shape or spec.dtype != native:
-                raise SchemaError(
-                    f"{file.name}: top {name!r} has samples of shape {shape} and dtype {native}, "
-                    f"but {first_file[name]} has shape {spec.sample_shape} and dtype "
-                    f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
-                )
-            rows[name] = int(dset.shape[0])
-            holder, dset = _physical(source, file, dset)
-            layout = layouts[name] = describe(source, holder, dset, name)
-            touched[id(holder)] = holder
-            for dep in layout.depends:
-                touched[id(dep)] = dep
-            if layout.path == "h5py":
-                needed.add(id(holder))
-        counts = set(rows.values())
-        if len(counts) > 1:
-            detail = ", ".join(f"{k!r}: {v} rows" for k, v in rows.items())
-            raise SchemaError(
-                f"{file.name}: the tops have different row counts ({detail}); row r of every "
-                "top must be the same sample"
-            )
-        nrows = counts.pop()
-        infos.append(FileInfo(file, nrows, start, layouts))
-        start += nrows
+        try:
+            file = source.open(entry)
+            with file.pinned():
+                info = _describe_file(source, file, tops, start, specs, first_file, touched, needed)
+        except DataLayerError as exc:
+            name_entry(exc, entry)
+            raise
+        infos.append(info)
+        start += info.nrows
     for key, stored in touched.items():  # the fast paths read through the source, not h5py
         if key not in needed:
             stored.close_h5py()
@@ -298,3 +270,53 @@ def build_catalog(source: Source, entries: Sequence[str], tops: Sequence[str]) -
             f"the source's {len(infos)} file(s) hold no samples (every top has 0 rows)"
         )
     return Catalog(infos, specs)
+
+
+def _describe_file(
+    source: Source,
+    file: StoredFile,
+    tops: Sequence[str],
+    start: int,
+    specs: dict[str, TopInfo],
+    first_file: dict[str, str],
+    touched: dict[int, StoredFile],
+    needed: set[int],
+) -> FileInfo:
+    """One file of the catalog, its rows from global index ``start`` (the file pinned)."""
+    h5 = file.h5py_file()
+    touched[id(file)] = file
+    rows: dict[str, int] = {}
+    layouts: dict[str, Layout] = {}
+    for name in tops:
+        if not file.local:
+            _refuse_external_links(file.name, h5, name)
+        dset = _check_top(file.name, h5, name)
+        native = dset.dtype.newbyteorder("=")
+        shape = tuple(int(s) for s in dset.shape[1:])
+        spec = specs.get(name)
+        if spec is None:
+            specs[name] = TopInfo(name, np.dtype(native.str), shape)
+            first_file[name] = file.name
+        elif spec.sample_shape != shape or spec.dtype != native:
+            raise SchemaError(
+                f"{file.name}: top {name!r} has samples of shape {shape} and dtype {native}, "
+                f"but {first_file[name]} has shape {spec.sample_shape} and dtype "
+                f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
+            )
+        rows[name] = int(dset.shape[0])
+        holder, dset = _physical(source, file, dset)
+        with holder.pinned():  # an external link's target: not closed while described
+            layout = layouts[name] = describe(source, holder, dset, name)
+        touched[id(holder)] = holder
+        for dep in layout.depends:
+            touched[id(dep)] = dep
+        if layout.path == "h5py":
+            needed.add(id(holder))
+    counts = set(rows.values())
+    if len(counts) > 1:
+        detail = ", ".join(f"{k!r}: {v} rows" for k, v in rows.items())
+        raise SchemaError(
+            f"{file.name}: the tops have different row counts ({detail}); row r of every "
+            "top must be the same sample"
+        )
+    return FileInfo(file, counts.pop(), start, layouts)

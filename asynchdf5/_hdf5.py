@@ -229,7 +229,10 @@ class AsyncHDF5DataLayer(_Layer):
                     self._size_cache(catalog, rows)  # the budget must hold them
                 slots = allocate_slots(catalog.tops, rows)
                 streaming = 0 < memory < shape.n_samples * shape.row_bytes
-                reader = HDF5Reader(catalog, files, streaming=streaming)
+                # Streaming, reads wait on the disk rather than the CPU: more of them in flight.
+                reader = HDF5Reader(
+                    catalog, files, read_threads=8 if streaming else 2, streaming=streaming
+                )
             if isinstance(reader, HDF5Reader) and choice.note != "copied: mmap=False":
                 notes = dict(reader.read_notes)
                 for top in catalog.tops:

@@ -68,9 +68,10 @@ class Layout:
     """How one top is stored in one file, and so which read path it takes.
 
     ``swap``: stored in the other byte order (swapped in place after a fast read). For the
-    ``h5py`` path: ``dataset`` is the open dataset to read, ``file`` the file holding it, and
-    ``depends`` the files whose bytes that read uses besides (external raw files, virtual
-    sources), which HDF5 opens by name; all are checked after every read.
+    ``h5py`` path: ``dataset_name`` is the dataset to read in ``file``, the file holding it
+    (:meth:`open_dataset`), and ``depends`` the files whose bytes that read uses besides
+    (external raw files, virtual sources), which HDF5 opens by name; all are checked after
+    every read.
     """
 
     path: ReadPath
@@ -79,10 +80,17 @@ class Layout:
     swap: bool = False
     extents: tuple[Extent, ...] = ()
     chunks: ChunkIndex | None = None
-    dataset: Any = None  # h5py.Dataset (h5py ships no types)
+    dataset_name: str = ""
     file: StoredFile | None = None
     depends: tuple[StoredFile, ...] = ()
     note: str = ""  # why the h5py path is taken
+
+    def open_dataset(self) -> Any:
+        """The h5py dataset to read (blocking; the h5py path): call it, and use what it returns,
+        while ``file`` is pinned. Looked up again each time: a local source may close the file's
+        h5py handle between reads, and every dataset of it with it."""
+        assert self.file is not None
+        return self.file.h5py_file()[self.dataset_name]
 
 
 def _stored_as_numpy(dset: h5py.Dataset) -> bool:
@@ -277,7 +285,7 @@ def _refuse_names(file: StoredFile, top: str, what: str) -> None:
 
 
 def _h5py(storage: str, file: StoredFile, dset: h5py.Dataset, note: str, **kw: Any) -> Layout:
-    return Layout("h5py", storage, dataset=dset, file=file, note=note, **kw)
+    return Layout("h5py", storage, dataset_name=dset.name, file=file, note=note, **kw)
 
 
 def describe(source: Source, file: StoredFile, dset: h5py.Dataset, top: str) -> Layout:

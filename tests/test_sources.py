@@ -4,6 +4,7 @@ local source's reads and closed state."""
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 from collections.abc import Iterator
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer, ReadError, SourceError
+from asynchdf5 import AsyncHDF5DataLayer, DataLayerError, ReadError, SchemaError, SourceError
 from asynchdf5._sources import _local, resolve_source
 from asynchdf5._sources._base import ByteRange
 from asynchdf5._stats import ReadStats
@@ -233,3 +235,65 @@ def test_an_open_that_loses_a_race_keeps_no_descriptor(
     with pytest.raises(OSError):
         os.fstat(fds[0])
     source.close()
+
+
+# --- errors about an entry say where the source named it ---------------------------------------
+
+
+async def _open_error(source: Any) -> BaseException:
+    with pytest.raises(DataLayerError) as info:
+        with anyio.fail_after(30):
+            async with AsyncHDF5DataLayer(source, batch_size=10):
+                pytest.fail("the layer opened")
+    return info.value
+
+
+async def test_a_missing_file_names_the_list_file_and_line(tmp_path: Path) -> None:
+    _files(tmp_path)
+    lst = tmp_path / "train.txt"
+    lst.write_text("# the training set\na.h5\nb_missing.h5\n")
+    err = await _open_error(lst)
+    assert isinstance(err, SourceError)
+    check_message(err, tmp_path / "b_missing.h5", "does not exist", "(train.txt, line 3)")
+
+
+@pytest.mark.parametrize("bad", ["not an HDF5 file", "is a directory"])
+async def test_a_bad_entry_names_the_list_file_and_line(tmp_path: Path, bad: str) -> None:
+    _files(tmp_path)
+    if bad == "is a directory":
+        (tmp_path / "c.h5").mkdir()
+    else:
+        (tmp_path / "c.h5").write_bytes(b"not an HDF5 file\n" * 50)
+    lst = tmp_path / "train.txt"
+    lst.write_text("a.h5\n\n  c.h5\nb.h5\n")
+    err = await _open_error(lst)
+    assert isinstance(err, SourceError)
+    check_message(err, tmp_path / "c.h5", bad, "(train.txt, line 3)")
+
+
+async def test_a_schema_mismatch_names_the_line_of_the_file_that_differs(tmp_path: Path) -> None:
+    write_h5(tmp_path / "a.h5", 0, 30)
+    write_h5(tmp_path / "b.h5", 30, 20, label=np.arange(20, dtype=np.float32))
+    lst = tmp_path / "train.txt"
+    lst.write_text("a.h5\nb.h5\n")
+    err = await _open_error(lst)
+    assert isinstance(err, SchemaError)
+    check_message(err, tmp_path / "b.h5", "top 'label'", "(train.txt, line 2)")
+
+
+async def test_a_bad_entry_of_a_sequence_names_its_index(tmp_path: Path) -> None:
+    a, _ = _files(tmp_path)
+    err = await _open_error([a, tmp_path / "gone.h5"])
+    check_message(err, tmp_path / "gone.h5", "does not exist", "(source[1])")
+
+
+def test_entries_remember_their_line_through_copies_and_pickles(tmp_path: Path) -> None:
+    _files(tmp_path)
+    lst = tmp_path / "train.txt"
+    lst.write_text("# files\na.h5\nb.h5\n")
+    entries = pickle.loads(pickle.dumps(list(resolve_source(lst))))
+    assert entries == [str(tmp_path / "a.h5"), str(tmp_path / "b.h5")]
+    assert [e.where for e in entries] == ["train.txt, line 2", "train.txt, line 3"]
+    # Resolved again as a sequence (as the torch adapter's workers do): still the list's lines.
+    again = resolve_source(entries)
+    assert [getattr(e, "where", None) for e in again] == ["train.txt, line 2", "train.txt, line 3"]

@@ -21,7 +21,7 @@ from .._codecs import FILTER_NAMES
 from .._config import DEFAULT_TOPS
 from .._layout import describe
 from .._read import probe
-from .._sources import Source, open_source, resolve_source
+from .._sources import Source, name_entry, open_source, resolve_source
 from ._hints import PATH_WORDS, explain
 from ._util import mib, plural, table, write_json
 
@@ -165,6 +165,11 @@ def _top(source: Source, file: Any, name: str) -> TopReport:
         _refuse_external_links(file.name, h5, name)
     dset = _check_top(file.name, h5, name)
     holder, dset = _physical(source, file, dset)
+    with holder.pinned():  # an external link's target: not closed while described
+        return _describe_top(source, holder, file, dset, name)
+
+
+def _describe_top(source: Source, holder: Any, file: Any, dset: Any, name: str) -> TopReport:
     layout = describe(source, holder, dset, name)
     shape = tuple(int(s) for s in dset.shape[1:])
     dtype = dset.dtype.newbyteorder("=")
@@ -192,10 +197,16 @@ def _file(source: Source, entry: str, tops: Sequence[str]) -> FileReport:
     report = FileReport(entry)
     try:
         file = source.open(entry)
-        file.h5py_file()
+        with file.pinned():
+            _tops(source, file, entry, tops, report)
     except DataLayerError as exc:
+        name_entry(exc, entry)
         report.error = str(exc)
-        return report
+    return report
+
+
+def _tops(source: Source, file: Any, entry: str, tops: Sequence[str], report: FileReport) -> None:
+    file.h5py_file()
     for name in tops:
         try:
             report.tops.append(_top(source, file, name))
@@ -203,7 +214,6 @@ def _file(source: Source, entry: str, tops: Sequence[str]) -> FileReport:
             report.tops.append(TopReport(name, error=str(exc)))
         except (OSError, KeyError, ValueError) as exc:  # h5py on a damaged file
             report.tops.append(TopReport(name, error=f"{entry}: top {name!r}: {exc}"))
-    return report
 
 
 def analyze(

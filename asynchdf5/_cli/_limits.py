@@ -62,15 +62,18 @@ def _ranges(layout: Layout) -> list[tuple[str, int, int]]:
         c = layout.chunks
         assert c is not None
         return [(c.file.name, int(o), int(s)) for o, s in zip(c.offsets, c.sizes, strict=True)]
-    dset, file = layout.dataset, layout.file
-    if dset is None or file is None:
+    file = layout.file
+    if file is None:
         return []
-    if dset.chunks is not None:
-        found: list[tuple[str, int, int]] = []
-        dset.id.chunk_iter(lambda info: found.append((file.name, info.byte_offset, info.size)))
-        return found
-    offset = dset.id.get_offset()
-    return [] if offset is None else [(file.name, int(offset), int(dset.id.get_storage_size()))]
+    with file.pinned():
+        dset = layout.open_dataset()
+        if dset.chunks is not None:
+            found: list[tuple[str, int, int]] = []
+            dset.id.chunk_iter(lambda info: found.append((file.name, info.byte_offset, info.size)))
+            return found
+        offset = dset.id.get_offset()
+        size = int(dset.id.get_storage_size())
+    return [] if offset is None else [(file.name, int(offset), size)]
 
 
 def stored_ranges(catalog: Catalog) -> list[tuple[str, int, int]]:

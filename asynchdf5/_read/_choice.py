@@ -25,6 +25,7 @@ Every answer is one line for ``layer.stats.read_notes`` and ``asynchdf5 inspect`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 from dataclasses import dataclass, field
@@ -209,6 +210,15 @@ def choose(catalog: Catalog, mmap: bool | Literal["auto"], memory: int | None = 
         if info.nrows > 0:
             assert isinstance(info.file, LocalFile)
             files.append(info.file)
+    with contextlib.ExitStack() as stack:  # open (pinned) while they are looked at and leased
+        for file in files:
+            stack.enter_context(file.pinned())
+        return _choose(catalog, mmap, memory, files)
+
+
+def _choose(
+    catalog: Catalog, mmap: bool | Literal["auto"], memory: int | None, files: list[LocalFile]
+) -> Choice:
     many = len(files) > 1
 
     def of(file: LocalFile) -> str:

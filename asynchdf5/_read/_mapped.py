@@ -102,17 +102,22 @@ class MappedReader:
         self.guard: Lease | Leases | None = (
             None if not held else held[0] if len(held) == 1 else Leases(held)
         )
+        # The files mapped stay pinned while the reader lives: the source never closes the
+        # descriptors that the mappings, the checks and the read-ahead advice use.
+        self._pinned: list[LocalFile] = []
         try:
             for info in infos:
                 for name, top in catalog.tops.items():
                     (ext,) = info.layouts[name].extents
                     assert isinstance(ext.file, LocalFile)
+                    self._pin(ext.file)
                     t = MappedTop(libc, top, ext.file, ext.offset, info.nrows, info.start)
                     self._tops.append(t)
         except BaseException:
             self._close_maps()
             if self.guard is not None:
                 self.guard.close()
+            self._unpin()
             raise
         arrays: dict[str, Any] = {}
         for name in catalog.tops:
@@ -262,7 +267,18 @@ class MappedReader:
         self._close_maps()
         if self.guard is not None:
             self.guard.close()
+        self._unpin()
         self.source.close()
+
+    def _pin(self, file: LocalFile) -> None:
+        if all(file is not f for f in self._pinned):
+            file.pin()
+            self._pinned.append(file)
+
+    def _unpin(self) -> None:
+        pinned, self._pinned = self._pinned, []
+        for f in pinned:
+            f.unpin()
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):

@@ -8,6 +8,7 @@ bytes are in (:func:`swapper`). :class:`~asynchdf5._read.HDF5Reader` plans them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -40,13 +41,19 @@ class H5pyRead:
     def __call__(self) -> int:
         layout = self.layout
         assert layout.file is not None
-        try:
-            layout.dataset.read_direct(self.dest, np.s_[self.r0 : self.r1])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
-            self._check()  # a file that changed is the cause to report
-            raise ReadError(f"{layout.file.name}: {self.about}: read failed: {exc}") from exc
-        self._check()
+        with contextlib.ExitStack() as stack:
+            try:  # its h5py handle is not closed under the read (opened again if it was)
+                stack.enter_context(layout.file.pinned())
+                dataset = layout.open_dataset()
+            except ReadError as exc:  # it changed while it was closed
+                raise ReadError(f"{self.about}: {exc}") from exc
+            try:
+                dataset.read_direct(self.dest, np.s_[self.r0 : self.r1])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
+                self._check()  # a file that changed is the cause to report
+                raise ReadError(f"{layout.file.name}: {self.about}: read failed: {exc}") from exc
+            self._check()
         return int(self.dest.nbytes)
 
     def _check(self) -> None:

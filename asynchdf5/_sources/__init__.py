@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._base import ByteRange, Source, StoredFile
-from ._entries import SourceLike, is_hdf5_file, is_url, resolve_source
+from ._entries import SourceLike, is_hdf5_file, is_url, name_entry, resolve_source
 from ._local import LocalSource
 from ._remote import RemoteSource
 
@@ -26,6 +26,7 @@ __all__ = [
     "StoredFile",
     "is_hdf5_file",
     "is_url",
+    "name_entry",
     "open_source",
     "resolve_source",
 ]

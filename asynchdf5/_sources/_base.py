@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,7 +30,7 @@ __all__ = ["ByteRange", "Source", "StoredFile"]
 
 
 class StoredFile(Protocol):
-    """One file of a source, opened once for the layer's life."""
+    """One file of a source, catalogued once for the layer's life."""
 
     #: The path or URL, as messages show it.
     name: str
@@ -56,12 +57,20 @@ class StoredFile(Protocol):
 
     def h5py_file(self) -> h5py.File:
         """The file opened with h5py (blocking; opened on first use and kept until
-        :meth:`close_h5py`). It reads the same bytes as :meth:`Source.fetch`, even when the
-        path is replaced meanwhile."""
+        :meth:`close_h5py`, or until a local source closes the file to make room: use it while
+        the file is :meth:`pinned`). It reads the same bytes as :meth:`Source.fetch`, even when
+        the path is replaced meanwhile."""
         ...
 
     def close_h5py(self) -> None:
         """Close the h5py handle, if open (blocking)."""
+        ...
+
+    def pinned(self) -> AbstractContextManager[None]:
+        """Keep the file open while the block runs (blocking). A local source keeps a bounded
+        number of files open, closing the least recently used between reads and opening them
+        again (checked against their fingerprints, else :class:`~asynchdf5.ReadError`) when
+        next used; every read pins its file, and so does any user of :meth:`h5py_file`."""
         ...
 
     def check(self, *, by_name: bool = False) -> None:

@@ -5,7 +5,8 @@ read is evicted again before the next epoch, by the kernel's reclaim, which unde
 limit runs in the reading thread itself and costs more than the read. A direct read moves the
 bytes from the device into an aligned buffer of the thread's, then one copy puts them in place
 (offsets, sizes and the buffer aligned to :data:`DIRECT_ALIGN`). Where a file system refuses
-direct reads, :func:`advise` tells the kernel what is read next and what is done with.
+direct reads, or ``ASYNCHDF5_DIRECT=0`` is set, :func:`advise` tells the kernel what is read
+next and what is done with.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .._errors import ReadError
 __all__ = [
     "DIRECT_ALIGN",
     "DIRECT_BYTES",
+    "DIRECT_MIN",
     "DONTNEED",
     "WILLNEED",
     "advise",
@@ -35,10 +37,17 @@ __all__ = [
 DIRECT_ALIGN = 4096
 #: ... and move at most this many bytes each, through a buffer of each reading thread's.
 DIRECT_BYTES = 4 * 2**20
+#: Ranges smaller than this are read through the page cache all the same: a narrow top's rows
+#: (labels) stay cached from epoch to epoch, and a direct read of a few KiB costs a round trip
+#: to the device each.
+DIRECT_MIN = 64 * 2**10
 
 #: ``posix_fadvise`` advice (None where the platform has none).
 WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 DONTNEED: int | None = getattr(os, "POSIX_FADV_DONTNEED", None)
+
+#: ``ASYNCHDF5_DIRECT=0``: never read with ``O_DIRECT`` (advice only).
+VARIABLE = "ASYNCHDF5_DIRECT"
 
 _buffers = threading.local()
 
@@ -52,10 +61,10 @@ def advise(fd: int, offset: int, size: int, advice: int | None) -> None:
 
 def open_direct(fd: int, dev: int, ino: int) -> int:
     """``fd``'s file opened again, through ``/proc/self/fd`` (so a rename cannot swap it),
-    with ``O_DIRECT``; -1 where the platform or the file system refuses it, or the file
-    opened is not ``(dev, ino)``."""
+    with ``O_DIRECT``; -1 where the platform or the file system refuses it, ``ASYNCHDF5_DIRECT``
+    is ``0``, or the file opened is not ``(dev, ino)``."""
     flag = getattr(os, "O_DIRECT", 0)
-    if not flag or not os.path.isdir("/proc/self/fd"):
+    if not flag or os.environ.get(VARIABLE) == "0" or not os.path.isdir("/proc/self/fd"):
         return -1
     try:
         direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))

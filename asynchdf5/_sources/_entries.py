@@ -17,7 +17,15 @@ from typing import Any, Union
 
 from .._errors import ConfigurationError, SourceError
 
-__all__ = ["HDF5_SIGNATURE", "SourceLike", "is_hdf5_file", "is_url", "resolve_source"]
+__all__ = [
+    "HDF5_SIGNATURE",
+    "Entry",
+    "SourceLike",
+    "is_hdf5_file",
+    "is_url",
+    "name_entry",
+    "resolve_source",
+]
 
 SourceLike = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
 
@@ -26,6 +34,34 @@ SourceLike = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+class Entry(str):
+    """A resolved entry (a path or URL, as a ``str``) that remembers where the source named it:
+    ``where`` is ``"train.txt, line 3"`` for a list file's line, ``"source[2]"`` for an item of
+    a sequence. It travels with the entry (copies, pickles), so that an error about the file,
+    wherever it is raised, can say which line to fix (:func:`name_entry`)."""
+
+    where: str
+
+    def __new__(cls, value: str, where: str) -> Entry:
+        entry = super().__new__(cls, value)
+        entry.where = where
+        return entry
+
+    def __reduce__(self) -> tuple[type[Entry], tuple[str, str]]:
+        return Entry, (str(self), self.where)
+
+
+def name_entry(exc: BaseException, entry: str) -> None:
+    """Add to the message of ``exc`` (an error about ``entry``'s file) where the source named
+    the entry, as ``" (train.txt, line 3)"``: the one place such messages get it."""
+    where = getattr(entry, "where", None)
+    if not where or not exc.args or not isinstance(exc.args[0], str):
+        return
+    suffix = f" ({where})"
+    if not exc.args[0].endswith(suffix):
+        exc.args = (exc.args[0] + suffix, *exc.args[1:])
 
 
 def is_url(entry: str) -> bool:
@@ -56,7 +92,8 @@ def _local(entry: str | os.PathLike[str], base: Path | None = None) -> str:
 
 def _parse_list(data: bytes, shown: str, resolve: Callable[[str], str]) -> list[str]:
     """The entries of a source list file's ``data``, each resolved by ``resolve`` (URLs as they
-    are)."""
+    are), and remembering its line of the list (named by its file name: the entry's own path
+    says where it is)."""
     try:
         # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first path.
         text = data.decode("utf-8-sig")
@@ -65,12 +102,14 @@ def _parse_list(data: bytes, shown: str, resolve: Callable[[str], str]) -> list[
             f"source {shown!r} is neither an HDF5 file nor a source list file (it is not "
             "UTF-8 text); pass a list file naming HDF5 files, an HDF5 file, or a sequence of paths"
         ) from exc
-    entries = []
-    for line in text.splitlines():  # "\n", "\r\n" and "\r" alike
+    list_name = posixpath.basename(shown.split("?", 1)[0].rstrip("/")) or shown
+    entries: list[str] = []
+    for number, line in enumerate(text.splitlines(), 1):  # "\n", "\r\n" and "\r" alike
         entry = line.strip()
         if not entry or entry.startswith("#"):
             continue
-        entries.append(entry if is_url(entry) else resolve(entry))
+        where = f"{list_name}, line {number}"
+        entries.append(Entry(entry if is_url(entry) else resolve(entry), where))
     if not entries:
         raise SourceError(f"source list file {shown!r} names no HDF5 file")
     return entries
@@ -157,14 +196,17 @@ def resolve_source(
             f"source must be a path to a source list file or an HDF5 file, or a sequence of HDF5 "
             f"paths, not {type(source).__name__}"
         )
-    entries = []
-    for item in source:
+    entries: list[str] = []
+    for i, item in enumerate(source):
         if not isinstance(item, (str, os.PathLike)):
             raise ConfigurationError(
                 f"source entries must be paths, not {type(item).__name__}: {item!r}"
             )
         text = os.fspath(item)
-        entries.append(text if is_url(text) else _local(text))
+        # An entry resolved before (a layer's paths, handed to a DataLoader's workers) keeps
+        # where its list named it.
+        where = getattr(item, "where", None) or f"source[{i}]"
+        entries.append(Entry(text if is_url(text) else _local(text), where))
     if not entries:
         raise SourceError("source is an empty sequence: name at least one HDF5 file")
     return entries

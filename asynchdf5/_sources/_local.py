@@ -1,11 +1,14 @@
-"""Local files: one file descriptor per file for the layer's life, ``preadv`` on threads of
-the source's own (``ASYNCHDF5_NICE`` can put them below the consumer: :mod:`.._priority`).
+"""Local files: ``preadv`` on threads of the source's own (``ASYNCHDF5_NICE`` can put them
+below the consumer: :mod:`.._priority`), from descriptors of which a bounded number is open
+(:mod:`._handles`: thousands of files fit any ``ulimit -n``).
 
-Each file is opened once, and its fingerprint (device, inode, size, mtime, ctime) taken from the
-open descriptor. Every fetch reads from that descriptor and then checks the fingerprint again
-(one ``fstat``): a file rewritten in place or truncated is a :class:`~asynchdf5.ReadError`,
-even when its size and mtime were restored (the ctime cannot be). A file deleted or replaced by
-a rename keeps being read, consistently, from the descriptor opened first.
+Each file is opened when it is catalogued, and its fingerprint (device, inode, size, mtime,
+ctime) taken from the open descriptor. Every fetch pins the files it reads (none is closed under
+it), reads from their descriptors and then checks the fingerprint again (one ``fstat``): a file
+rewritten in place or truncated is a :class:`~asynchdf5.ReadError`, even when its size and mtime
+were restored (the ctime cannot be). A file deleted or replaced by a rename keeps being read,
+consistently, from the descriptor opened first, while it stays open; once closed to make room
+for others, it is opened again by name and must match its fingerprint, else ``ReadError``.
 """
 
 from __future__ import annotations
@@ -16,150 +19,34 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import NamedTuple
 
 import anyio
 import anyio.to_thread
-import h5py
 
 from .._errors import DataLayerError, ReadError, SourceError
 from .._priority import background
 from .._stats import ReadStats
 from ._base import ByteRange, StoredFile
-from ._direct import DONTNEED, WILLNEED, advise, open_direct, read_direct
+from ._direct import DIRECT_BYTES, DIRECT_MIN, DONTNEED, WILLNEED, advise, read_direct
 from ._entries import HDF5_SIGNATURE
+from ._handles import Fingerprint, LocalFile, OpenFiles
 
-__all__ = ["PIECE_BYTES", "LocalFile", "LocalSource"]
+__all__ = ["PIECE_BYTES", "Fingerprint", "LocalFile", "LocalSource"]
 
 #: Bytes moved per worker-thread call: bounds how long a call holds a thread, so cancelling a
 #: run never waits for more than this per thread.
 PIECE_BYTES = 32 * 2**20
-
-
-class Fingerprint(NamedTuple):
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-    nlink: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> Fingerprint:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink)
-
-    def change(self, now: Fingerprint) -> str | None:
-        """How the file changed from this fingerprint to ``now`` (None: its bytes did not).
-
-        The change time catches a rewrite whose size and modification time were restored (the
-        change time cannot be set back). Deleting or renaming over the file moves it too, by
-        changing its link count; that leaves its bytes alone, so it is not a change.
-        """
-        if (now.dev, now.ino) != (self.dev, self.ino):
-            return "replaced"
-        if now.size != self.size:
-            return f"truncated or resized ({self.size} -> {now.size} bytes)"
-        if now.mtime_ns != self.mtime_ns:
-            return "modified"
-        if now.ctime_ns != self.ctime_ns and now.nlink == self.nlink:
-            return (
-                "changed in place (its change time moved: rewritten with its modification time "
-                "set back, or its permissions changed)"
-            )
-        return None
-
-
-class LocalFile:
-    """A local file, open for reading, with the fingerprint it had when opened."""
-
-    local = True  # HDF5 resolves the names stored in it on this file system
-    request_bytes = 0  # a pread of any size is cheap next to a network round trip
-
-    def __init__(self, name: str, fd: int, fingerprint: Fingerprint) -> None:
-        self.name = name
-        self.fd = fd
-        self.fingerprint = fingerprint
-        self._h5: h5py.File | None = None
-        self._direct: int | None = None  # -1: the file system refused O_DIRECT
-        self._lock = threading.Lock()
-
-    @property
-    def size(self) -> int:
-        return self.fingerprint.size
-
-    def h5py_file(self) -> h5py.File:
-        with self._lock:
-            if self._h5 is None:
-                try:
-                    h5 = h5py.File(self.name, "r")
-                except OSError as exc:
-                    raise SourceError(f"cannot open HDF5 file {self.name!r}: {exc}") from exc
-                # By path: HDF5 resolves external links and sources relative to the file's folder.
-                # It must be the file our descriptor has open, not one renamed into its place.
-                try:
-                    st = os.fstat(h5.id.get_vfd_handle())
-                except Exception:  # a driver without a descriptor: compare the path instead
-                    st = os.stat(self.name)
-                if (st.st_dev, st.st_ino) != (self.fingerprint.dev, self.fingerprint.ino):
-                    h5.close()
-                    raise SourceError(f"{self.name}: the file was replaced while it was opened")
-                self._h5 = h5
-            return self._h5
-
-    def close_h5py(self) -> None:
-        with self._lock:
-            h5, self._h5 = self._h5, None
-        if h5 is not None:
-            h5.close()
-
-    def direct_fd(self) -> int | None:
-        """A second descriptor of this very file (reopened through ``/proc/self/fd``, so a
-        rename cannot swap it) with ``O_DIRECT``: reads that bypass the page cache, for data
-        read once an epoch. Opened on first use; None where the platform or the file system
-        refuses it (then, and after :meth:`refuse_direct`, reads go through the page cache)."""
-        with self._lock:
-            if self._direct is None:
-                self._direct = open_direct(self.fd, self.fingerprint.dev, self.fingerprint.ino)
-            return self._direct if self._direct >= 0 else None
-
-    def refuse_direct(self) -> None:
-        """Read through the page cache from now on (a direct read was refused)."""
-        with self._lock:
-            fd, self._direct = self._direct, -1
-        if fd is not None and fd >= 0:
-            os.close(fd)
-
-    def check(self, *, by_name: bool = False) -> None:
-        try:
-            now = Fingerprint.of(os.fstat(self.fd))
-        except OSError as exc:
-            raise ReadError(f"{self.name}: cannot check the file: {exc}") from exc
-        change = self.fingerprint.change(now)
-        if change is None and by_name:
-            try:
-                named = Fingerprint.of(os.stat(self.name))
-            except FileNotFoundError:
-                change = "deleted"
-            except OSError as exc:
-                raise ReadError(f"{self.name}: cannot check the file: {exc}") from exc
-            else:
-                change = self.fingerprint.change(named)
-        if change is not None:
-            raise ReadError(f"{self.name}: the file was {change} after the source was opened")
-
-    def close(self) -> None:
-        self.close_h5py()
-        self.refuse_direct()
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+#: Files one worker-thread call reads at most: each is pinned open until the call checks it.
+FILES_PER_PIECE = 16
 
 
 class LocalSource:
-    """The files of a source on local (or network-mounted) file systems."""
+    """The files of a source on local (or network-mounted) file systems, at most
+    ``max_open`` of them open at once (default: :func:`._handles.open_limit`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_open: int | None = None) -> None:
         self._files: dict[str, LocalFile] = {}
+        self._open = OpenFiles(max_open)
         self._lock = threading.Lock()
         self._readers: ThreadPoolExecutor | None = None  # made at the first fetch
         self._closed = False
@@ -181,27 +68,24 @@ class LocalSource:
         kind = "HDF5 file" if hdf5 else "file"
         if os.path.isdir(name):
             raise SourceError(f"{name!r} (named in the source) is a directory, not an HDF5 file")
+        self._open.make_room()
         try:
-            fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = self._open.os_open(name)
         except FileNotFoundError as exc:
             raise SourceError(f"{kind} {name!r} does not exist") from exc
         except PermissionError as exc:
             raise SourceError(f"{kind} {name!r} is not readable (permission denied)") from exc
         except OSError as exc:
-            hint = ""
-            if exc.errno == errno.EMFILE:
-                hint = (
-                    f" (this process may open no more files; the source keeps each of its "
-                    f"{len(self._files)}+ files open: raise the limit with `ulimit -n`)"
-                )
+            hint = self._open.limit_hint() if exc.errno in (errno.EMFILE, errno.ENFILE) else ""
             raise SourceError(f"cannot open {kind} {name!r}: {exc}{hint}") from exc
         try:
-            file = LocalFile(name, fd, Fingerprint.of(os.fstat(fd)))
+            fingerprint = Fingerprint.of(os.fstat(fd))
             if hdf5 and not is_hdf5_file_fd(fd):
                 raise SourceError(f"{name!r} (named in the source) is not an HDF5 file")
         except BaseException:
             os.close(fd)
             raise
+        file = LocalFile(name, fd, fingerprint, self._open)
         with self._lock:
             kept = None if self._closed else self._files.setdefault(name, file)
         if kept is not file:
@@ -232,7 +116,8 @@ class LocalSource:
         # In file order: each thread's call then reads ahead through its part of the file.
         ordered = sorted(ranges, key=lambda r: (id(r.file), r.offset))
         async with anyio.create_task_group() as tg:
-            for batch in _batches(ordered):
+            # Streaming, calls of a direct read each: more of them in flight for the disk.
+            for batch in _batches(ordered, DIRECT_BYTES if streaming else PIECE_BYTES):
                 tg.start_soon(self._fetch_in_thread, batch, work, limiter, readers, streaming)
         return sum(r.size for r in ranges)
 
@@ -264,6 +149,7 @@ class LocalSource:
             readers, self._readers = self._readers, None
         if readers is not None:
             readers.shutdown(wait=True)
+        self._open.close()
         for f in files:
             f.close()
 
@@ -284,16 +170,20 @@ def is_hdf5_file_fd(fd: int) -> bool:
     return False
 
 
-def _batches(ranges: Sequence[ByteRange]) -> Iterator[list[ByteRange]]:
-    """Consecutive ranges, about ``PIECE_BYTES`` per batch (one worker-thread call each)."""
+def _batches(ranges: Sequence[ByteRange], piece: int) -> Iterator[list[ByteRange]]:
+    """Consecutive ranges, about ``piece`` bytes per batch (one worker-thread call each), of at
+    most ``FILES_PER_PIECE`` files (each pinned open for the call)."""
     batch: list[ByteRange] = []
     size = 0
+    files: set[int] = set()
     for r in ranges:
-        if batch and size + r.size > PIECE_BYTES:
+        new_file = id(r.file) not in files
+        if batch and (size + r.size > piece or (new_file and len(files) >= FILES_PER_PIECE)):
             yield batch
-            batch, size = [], 0
+            batch, size, files = [], 0, set()
         batch.append(r)
         size += r.size
+        files.add(id(r.file))
     if batch:
         yield batch
 
@@ -311,20 +201,29 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
     and for raw chunks, the kernel is told of the whole batch first (``WILLNEED``: it reads
     every range at once, where one ``preadv`` at a time leaves the disk one request deep) and
     each range is dropped once read (``DONTNEED``). Advice only: a failure to give it changes
-    nothing.
+    nothing. Ranges under ``DIRECT_MIN`` are read through the page cache all the same.
     """
     pending: list[tuple[ByteRange, Future[None]]] = []
     files: dict[int, LocalFile] = {}
     error: BaseException | None = None
-    if streaming:
-        _advise([r for r in batch if not _direct(r)], WILLNEED)
     try:
         for r in batch:
             f = r.file
             assert isinstance(f, LocalFile)
-            files[id(f)] = f
+            if id(f) not in files:
+                try:
+                    f.pin()  # open (again) until checked below: never closed under a read
+                except ReadError as exc:
+                    raise ReadError(f"{r.about}: {exc}") from exc
+                files[id(f)] = f
+        # The ranges read around the page cache: with O_DIRECT, or with advice.
+        around = {id(r) for r in batch if streaming and r.size >= DIRECT_MIN}
+        _advise([r for r in batch if id(r) in around and not _direct(r)], WILLNEED)
+        for r in batch:
+            f = r.file
+            assert isinstance(f, LocalFile)
             if r.into is not None:
-                if not (streaming and _direct(r) and _read_direct(f, r)):
+                if not (id(r) in around and _direct(r) and _read_direct(f, r)):
                     _preadv(f, r)
                 if r.then is not None:
                     r.then(r.into)
@@ -332,7 +231,7 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
                 assert r.then is not None
                 raw = _pread(f, r)
                 pending.append((r, work.submit(r.then, raw)))
-            if streaming and not _direct(r):
+            if id(r) in around and not _direct(r):
                 _advise((r,), DONTNEED)
     except BaseException as exc:
         error = exc
@@ -342,14 +241,19 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
             error = failed
     # After the reads: catches a change before or during them. Checked on a failed read too,
     # since a file that changed (say, truncated) is the cause to report, not the short read.
-    for r in batch:
-        f = r.file
-        if id(f) in files:
-            del files[id(f)]
-            try:
-                f.check()
-            except ReadError as exc:
-                raise ReadError(f"{r.about}: {exc}") from exc
+    pinned = list(files.values())
+    try:
+        for r in batch:
+            f = r.file
+            if id(f) in files:
+                del files[id(f)]
+                try:
+                    f.check()
+                except ReadError as exc:
+                    raise ReadError(f"{r.about}: {exc}") from exc
+    finally:
+        for f in pinned:
+            f.unpin()
     if error is not None:
         raise _read_error(error, batch[0])
 

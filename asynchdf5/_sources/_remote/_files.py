@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 from collections import OrderedDict
@@ -79,6 +80,9 @@ class RemoteFile:
 
     def check(self, *, by_name: bool = False) -> None:
         self._source.check(self)
+
+    def pinned(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()  # no descriptor to keep: nothing is closed between reads
 
     def read(self, start: int, stop: int) -> bytes:
         """Bytes ``start:stop`` (blocking; retried; a worker thread)."""

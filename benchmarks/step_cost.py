@@ -1,0 +1,447 @@
+"""What a loader costs the training step beside it (``python -m benchmarks.step_cost``).
+
+A GPU job's step is mostly Python that holds the GIL (kernel launches, optimizer bookkeeping);
+loader threads in the same process take GIL time and cores from it. This benchmark runs a fixed
+step, pure Python calibrated to ``--step-ms`` plus a read of a few values of the batch, first on
+a batch that costs nothing (one pre-made batch, reused: the *free* step), then fed by each loader,
+in a fresh process per loader and repeat, on a warm (page-cached) image set. It reports, per
+loader, the step's median and p90 time divided by the free step's median (measured in the same
+process just before), and the wall time of the ``--steps`` steps, from the first batch on
+(start-up excluded), divided by ``steps x free median``: what the loader costs the step, and
+whether it keeps up.
+
+Loaders (``--loaders``):
+
+* ``free``: the free batch again, for the noise floor of the ratios;
+* ``layer``: :class:`asynchdf5.HDF5DataLayer`, plain ``for``;
+* ``async``: :class:`asynchdf5.AsyncHDF5DataLayer`, ``async for`` on asyncio (the step runs in
+  the coroutine, as a training coroutine would);
+* ``torch``: :class:`asynchdf5.torch.HDF5IterableDataset` through
+  ``DataLoader(batch_size=None, num_workers=0)``;
+* ``dataloader``: PyTorch ``DataLoader`` over h5py, 2 workers, a random batch sampler with one
+  sorted fancy-index read per top and batch (:mod:`benchmarks.torch_loaders`);
+* ``shm``: the pipeline in one helper process (the SPDL way): the process runs ``HDF5DataLayer``
+  and copies each batch into a ring of shared-memory slots; the trainer reads NumPy views of a
+  slot and hands it back, with a few bytes over a pipe each way (:mod:`benchmarks.shm_ring`).
+
+Every asynchdf5 loader uses default properties with ``shuffle=True, seed=0``, ``chunk_size``
+``--chunk-size`` and batches of 256. ``--switch-interval`` sets ``sys.setswitchinterval`` in the
+measuring processes (Python's default 5 ms); ``ASYNCHDF5_NICE`` in the environment reaches them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from benchmarks import data
+from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
+from benchmarks.step_clock import Clock, calibrate, thread_sched, threads_snapshot
+
+__all__ = ["LOADERS", "main"]
+
+Pair = tuple[npt.NDArray[Any], npt.NDArray[Any]]
+
+LOADERS = ("free", "layer", "async", "torch", "dataloader", "shm")
+BATCH = 256
+FULL = {"samples": 327_680, "chunk_size": 2**17, "steps": 1000}  # 1.01 GB
+QUICK = {"samples": 6_656, "chunk_size": 2**11, "steps": 40}  # 20.5 MB
+CHILD_MARK = "STEP_COST_RESULT "
+
+
+# --------------------------------------------------------------------------------------------
+# Loaders: endless iterators of (data, label) NumPy arrays, over as many epochs as asked for
+
+
+#: Extra layer properties for this run (``--layer``), set in the child.
+LAYER_OPTIONS: dict[str, Any] = {}
+#: ``--yield-us``: the trainer sleeps this long before asking for each batch (0: not at all).
+YIELD_S = 0.0
+
+
+def _kwargs(source: str, chunk_size: int) -> dict[str, Any]:
+    return {
+        "batch_size": BATCH,
+        "tops": ("data", "label"),
+        "shuffle": True,
+        "seed": 0,
+        "chunk_size": chunk_size,
+    } | LAYER_OPTIONS
+
+
+def free_batches(*_: Any) -> Iterator[Pair]:
+    rng = np.random.default_rng(0)
+    pair = (
+        rng.integers(0, 256, (BATCH, *IMAGE_SHAPE), dtype=np.uint8),
+        rng.integers(0, 10, BATCH, dtype=np.int64),
+    )
+    while True:
+        yield pair
+
+
+def layer_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    from asynchdf5 import HDF5DataLayer
+
+    with HDF5DataLayer(source, **_kwargs(source, chunk_size)) as layer:
+        while True:
+            for batch in layer:
+                yield batch["data"], batch["label"]
+
+
+async def async_batches(source: str, chunk_size: int) -> AsyncIterator[Pair]:
+    from asynchdf5 import AsyncHDF5DataLayer
+
+    async with AsyncHDF5DataLayer(source, **_kwargs(source, chunk_size)) as layer:
+        while True:
+            async for batch in layer:
+                yield batch["data"], batch["label"]
+
+
+def torch_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    from torch.utils.data import DataLoader
+
+    from asynchdf5.torch import HDF5IterableDataset
+
+    kwargs = _kwargs(source, chunk_size)
+    del kwargs["tops"]
+    with HDF5IterableDataset(source, tops=("data", "label"), **kwargs) as ds:
+        loader = DataLoader(ds, batch_size=None, num_workers=0)
+        while True:
+            for batch in loader:
+                yield batch["data"].numpy(), batch["label"].numpy()
+
+
+def dataloader_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    from benchmarks.torch_loaders import BatchDataset
+
+    files = data.DatasetFiles.from_json(json.loads(os.environ["STEP_COST_FILES"]))
+    dataset: Any = BatchDataset(files)
+    generator = torch.Generator().manual_seed(0)
+    sampler = BatchSampler(RandomSampler(dataset, generator=generator), BATCH, False)
+    loader = DataLoader(
+        dataset, sampler=sampler, batch_size=None, num_workers=2, persistent_workers=True
+    )
+    while True:
+        for d, label in loader:
+            yield d.numpy(), label.numpy()
+
+
+def shm_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    from benchmarks.shm_ring import ShmRing
+
+    with ShmRing(source, _kwargs(source, chunk_size), BATCH, IMAGE_SHAPE) as ring:
+        yield from ring
+
+
+SYNC: dict[str, Callable[[str, int], Iterator[Pair]]] = {
+    "free": free_batches,
+    "layer": layer_batches,
+    "torch": torch_batches,
+    "dataloader": dataloader_batches,
+    "shm": shm_batches,
+}
+
+
+def drive(batches: Iterator[Pair], steps: int, iterations: int) -> Clock:
+    clock = Clock(steps)
+    clock.started = time.perf_counter()
+    try:
+        d, label = next(batches)
+        clock.threads0 = threads_snapshot()
+        clock.sched0 = thread_sched()
+        clock.first = time.perf_counter()
+        for k in range(steps):
+            if k:
+                t = time.perf_counter()
+                if YIELD_S:
+                    time.sleep(YIELD_S)
+                d, label = next(batches)
+                clock.wait_s[k] = time.perf_counter() - t
+            clock.step(k, d, label, iterations)
+        clock.end = time.perf_counter()
+        clock.sched1 = thread_sched()
+        clock.threads1 = threads_snapshot()
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+    return clock
+
+
+async def drive_async(batches: AsyncIterator[Pair], steps: int, iterations: int) -> Clock:
+    clock = Clock(steps)
+    clock.started = time.perf_counter()
+    try:
+        d, label = await anext(batches)
+        clock.threads0 = threads_snapshot()
+        clock.sched0 = thread_sched()
+        clock.first = time.perf_counter()
+        for k in range(steps):
+            if k:
+                t = time.perf_counter()
+                if YIELD_S:
+                    time.sleep(YIELD_S)
+                d, label = await anext(batches)
+                clock.wait_s[k] = time.perf_counter() - t
+            clock.step(k, d, label, iterations)
+        clock.end = time.perf_counter()
+        clock.sched1 = thread_sched()
+        clock.threads1 = threads_snapshot()
+    finally:
+        await batches.aclose()  # type: ignore[attr-defined]
+    return clock
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One loader's run: the free step, then the step fed by the loader."""
+    global YIELD_S
+    if spec["switch_interval_ms"]:
+        sys.setswitchinterval(spec["switch_interval_ms"] / 1e3)
+    LAYER_OPTIONS.update(spec["layer"])
+    YIELD_S = spec["yield_us"] / 1e6
+    steps, iterations = spec["steps"], spec["iterations"]
+    free = drive(free_batches(), steps, iterations)
+    cpu0, load0 = os.times(), os.getloadavg()
+    name, source, chunk = spec["loader"], spec["source"], spec["chunk_size"]
+    if name == "async":
+        clock = asyncio.run(drive_async(async_batches(source, chunk), steps, iterations))
+    else:
+        clock = drive(SYNC[name](source, chunk), steps, iterations)
+    cpu1 = os.times()
+    return (
+        {
+            "loader": name,
+            "repeat": spec["repeat"],
+            "free": free.summary(),
+            "free_median_ms": float(np.median(free.step_s)) * 1e3,
+            "cpu_s": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
+            "children_cpu_s": (cpu1.children_user + cpu1.children_system)
+            - (cpu0.children_user + cpu0.children_system),
+            "load_start": load0[0],
+            "load_end": os.getloadavg()[0],
+        }
+        | clock.summary(free)
+        | {"free_epoch_ratio": (clock.end - clock.first) / (free.end - free.first)}
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The parent: data, calibration, one child per loader and repeat, the report
+
+
+def _warm(paths: tuple[Path, ...]) -> None:
+    buf = bytearray(64 * 2**20)
+    for path in paths:
+        with path.open("rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def run_child(spec: dict[str, Any], files: data.DatasetFiles, timeout: float) -> dict[str, Any]:
+    env = os.environ | {"STEP_COST_FILES": json.dumps(files.to_json())}
+    cmd = [sys.executable, "-m", "benchmarks.step_cost", "--child", json.dumps(spec)]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        proc = subprocess.run(
+            cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"loader": spec["loader"], "repeat": spec["repeat"], "error": "timed out"}
+    for line in proc.stdout.splitlines():
+        if line.startswith(CHILD_MARK):
+            result: dict[str, Any] = json.loads(line[len(CHILD_MARK) :])
+            return result
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"loader": spec["loader"], "repeat": spec["repeat"], "error": " | ".join(tail)}
+
+
+def _range(values: list[float], fmt: str = "{:.3f}") -> str:
+    if not values:
+        return "—"
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _row(name: str, runs: list[dict[str, Any]], failed: int) -> str:
+    def col(key: str, fmt: str = "{:.3f}", free: bool = False) -> str:
+        return _range([float((r["free"] if free else r)[key]) for r in runs], fmt)
+
+    cpu = _range([r["cpu_s"] + r["children_cpu_s"] for r in runs], "{:.1f}")
+    load = _range([r["load_start"] for r in runs] + [r["load_end"] for r in runs], "{:.1f}")
+    return (
+        f"| {name}{f' ({failed} failed)' if failed else ''} | {col('median_ratio')} | "
+        f"{col('p90_ratio')} | {col('epoch_ratio')} | {col('free_epoch_ratio')} | "
+        f"{col('cpu_ratio')} | {col('gil_waits_per_step', '{:.2f}')} "
+        f"({col('steps_with_gil_wait', '{:.0%}')}) | {col('gil_wait_ms_per_step')} | "
+        f"{col('preempted_steps', '{:.0%}')} ({col('preempted_steps', '{:.0%}', True)}) | "
+        f"{col('wait_total_s', '{:.2f}')} | {col('first_batch_s', '{:.2f}')} | {cpu} | {load} |"
+    )
+
+
+def render(out: dict[str, Any]) -> str:
+    """The markdown report of one run: ranges over the repeats."""
+    cfg = out["config"]
+    lines = [
+        f"Step: {cfg['step_ms']:g} ms of GIL-holding Python ({cfg['iterations']:,} iterations), "
+        f"{cfg['steps']:,} steps, batch {BATCH}, chunk_size {cfg['chunk_size']:,}, "
+        f"{cfg['samples']:,} samples ({cfg['bytes'] / 1e9:.2f} GB, warm); "
+        f"{cfg['repeats']} repeat(s), ranges over them; switch interval "
+        f"{cfg['switch_interval_ms'] or 5:g} ms; ASYNCHDF5_NICE={cfg['nice'] or 'unset'}; "
+        f"extra layer properties {cfg['layer'] or 'none'}; trainer yields "
+        f"{cfg['yield_us']:g} µs before each batch. "
+        "Each ratio is against the free step measured in the same process just before. A GIL "
+        "wait is a voluntary context switch of the main thread inside a step (the step never "
+        "blocks otherwise); its time is the mean off-CPU time of the steps not preempted.",
+        "",
+        "| loader | median step ÷ free | p90 step ÷ free median | epoch ÷ ideal | "
+        "epoch ÷ free epoch | step CPU ÷ free | GIL waits per step (steps with one) | "
+        "GIL wait per step, ms | steps preempted (free) | waits for batches (s) | "
+        "first batch (s) | CPU-s (+ children) | load avg (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in cfg["loaders"]:
+        runs = [r for r in out["runs"] if r["loader"] == name and "error" not in r]
+        errors = [r["error"] for r in out["runs"] if r["loader"] == name and "error" in r]
+        if runs:
+            lines.append(_row(name, runs, len(errors)))
+        else:
+            lines.append(f"| {name} | error: {'; '.join(errors)} |" + " |" * 11)
+    lines += [
+        "",
+        "Threads of the measuring process over the run (the loader's, and the main thread that "
+        "runs the steps): CPU seconds, context switches per batch.",
+        "",
+        "| loader | thread (count) | CPU-s | voluntary switches per batch | involuntary |",
+        "|---|---|---|---|---|",
+    ]
+    for name in cfg["loaders"]:
+        runs = [r for r in out["runs"] if r["loader"] == name and "error" not in r]
+        names = sorted(
+            {t for r in runs for t in r["threads"]}, key=lambda t: (t != "MainThread", t)
+        )
+        for t in names:
+            rows = [r["threads"][t] for r in runs if t in r["threads"]]
+            lines.append(
+                f"| {name} | {t} ({_range([x['threads'] for x in rows], '{:.0f}')}) | "
+                f"{_range([x['cpu_s'] for x in rows], '{:.2f}')} | "
+                f"{_range([x['voluntary_per_batch'] for x in rows], '{:.2f}')} | "
+                f"{_range([x['involuntary_per_batch'] for x in rows], '{:.2f}')} |"
+            )
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_cost", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="20 MB, 40 steps: a smoke test")
+    p.add_argument("--steps", type=int, help=f"steps per run (default {FULL['steps']})")
+    p.add_argument("--step-ms", type=float, default=3.0, help="the step's time (default 3)")
+    p.add_argument("--samples", type=int, help=f"image samples (default {FULL['samples']:,})")
+    p.add_argument("--chunk-size", type=int, help=f"default {FULL['chunk_size']:,}")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each loader (interleaved)")
+    p.add_argument("--loaders", default=",".join(LOADERS), help="comma-separated subset")
+    p.add_argument("--switch-interval", type=float, default=0.0, help="ms (default: Python's)")
+    p.add_argument(
+        "--layer", default="{}", help="extra asynchdf5 properties, JSON: '{\"mmap\": true}'"
+    )
+    p.add_argument(
+        "--yield-us",
+        type=float,
+        default=0.0,
+        help="the trainer sleeps this long before asking for each batch (a GIL switch point)",
+    )
+    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    p.add_argument("--timeout", type=float, default=300.0, help="s per child process")
+    p.add_argument("--output", type=Path, help="write the results as JSON to this file")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.child:
+        result = child(json.loads(args.child))
+        print(CHILD_MARK + json.dumps(result), flush=True)
+        return 0
+    size = QUICK if args.quick else FULL
+    loaders = [n.strip() for n in args.loaders.split(",") if n.strip()]
+    unknown = set(loaders) - set(LOADERS)
+    if unknown:
+        raise SystemExit(f"--loaders: unknown {sorted(unknown)}; known: {', '.join(LOADERS)}")
+    spec = DatasetSpec(
+        name="contiguous",
+        title="image, uint8 3x32x32 + int64 label, contiguous, one file",
+        kind="image",
+        samples=args.samples or size["samples"],
+        shape=IMAGE_SHAPE,
+        dtype="uint8",
+    )
+    (files,) = data.ensure([spec], args.data_dir)
+    started = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    iterations = calibrate(args.step_ms, BATCH, IMAGE_SHAPE)
+    config = {
+        "argv": sys.argv[1:] if argv is None else argv,
+        "started": started,
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "step_ms": args.step_ms,
+        "iterations": iterations,
+        "steps": args.steps or size["steps"],
+        "samples": spec.samples,
+        "bytes": spec.total_bytes,
+        "chunk_size": args.chunk_size or size["chunk_size"],
+        "repeats": args.repeats,
+        "loaders": loaders,
+        "switch_interval_ms": args.switch_interval,
+        "layer": json.loads(args.layer),
+        "yield_us": args.yield_us,
+        "nice": os.environ.get("ASYNCHDF5_NICE", ""),
+        "load_start": list(os.getloadavg()),
+    }
+    runs = []
+    for repeat in range(args.repeats):
+        for name in loaders:
+            _warm(files.paths)
+            job = {
+                "loader": name,
+                "repeat": repeat,
+                "source": str(files.source),
+                "steps": config["steps"],
+                "iterations": iterations,
+                "chunk_size": config["chunk_size"],
+                "switch_interval_ms": args.switch_interval,
+                "layer": json.loads(args.layer),
+                "yield_us": args.yield_us,
+            }
+            result = run_child(job, files, args.timeout)
+            runs.append(result)
+            what = result.get("error") or (
+                f"median x{result['median_ratio']:.3f}, epoch x{result['epoch_ratio']:.3f}"
+            )
+            print(f"# {name} #{repeat}: {what}", file=sys.stderr, flush=True)
+    config["load_end"] = list(os.getloadavg())
+    out = {"config": config, "runs": runs}
+    print(render(out))
+    if args.output:
+        args.output.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
