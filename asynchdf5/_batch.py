@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import ReadError
 from ._plan import ChunkPlan
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "carry",
     "gather_rows",
     "merge_pieces",
+    "rows_words",
     "split_pieces",
     "verify",
 ]
@@ -168,9 +170,26 @@ class GroupSpec:
 def verify(pieces: Sequence[Piece]) -> None:
     """Run the ``verify`` of every chunk the pieces were gathered from (see
     :attr:`LoadedChunk.verify`): after the gather, before the rows go anywhere."""
-    checks = {c.verify for c, _, _ in pieces if isinstance(c, LoadedChunk) and c.verify}
-    for check in checks:
-        check()
+    checks = {c.verify: c for c, _, _ in pieces if isinstance(c, LoadedChunk) and c.verify}
+    for check, chunk in checks.items():
+        try:
+            check()
+        except ReadError as exc:  # named as the copying reader names a read's rows
+            idx = [c.indices[a:b] for c, a, b in pieces if isinstance(c, LoadedChunk)]
+            tops = ", ".join(map(repr, chunk.arrays))
+            raise ReadError(f"top {tops}, {rows_words(np.concatenate(idx))}: {exc}") from exc
+
+
+def rows_words(indices: np.ndarray) -> str:
+    """Global rows in an error message: ``rows a:b`` when they are that run, else how many and
+    the range they lie in."""
+    n = len(indices)
+    if n == 0:
+        return "no rows"
+    lo, hi = int(indices.min()), int(indices.max())
+    if hi - lo == n - 1 and (n == 1 or bool(np.all(np.diff(indices) == 1))):
+        return f"rows {lo}:{hi + 1}"
+    return f"{n} rows in {lo}:{hi + 1}"
 
 
 def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
@@ -231,8 +250,14 @@ def gather_rows(
             if guard is None:
                 _take(chunk.arrays[name], rows, dest[at : at + n])
             else:  # each top's copy on its own: the guard's check right before it
-                with guard:
+                try:
+                    guard.__enter__()
+                except ReadError as exc:  # named as the copying reader names a read's rows
+                    raise ReadError(f"top {name!r}, {rows_words(idx)}: {exc}") from exc
+                try:
                     _take(chunk.arrays[name], rows, dest[at : at + n])
+                finally:
+                    guard.__exit__(None, None, None)
         at += n
 
 

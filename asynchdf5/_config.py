@@ -74,6 +74,14 @@ def _bool(name: str, value: object) -> bool:
     return bool(value)
 
 
+def _mmap(value: object) -> bool | Literal["auto"]:
+    if isinstance(value, str) and value == "auto":
+        return "auto"
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigurationError(f'mmap must be True, False or "auto", not {value!r}')
+    return bool(value)
+
+
 def _tops(tops: object) -> tuple[str, ...]:
     if isinstance(tops, str):
         tops = (tops,)
@@ -202,7 +210,8 @@ class LayerConfig:
     remote_cache: str | None = None
     remote_cache_bytes: int | None = None
     block_size: int | None = None
-    mmap: bool = False
+    #: ``"auto"``: mapped where no documented ``SIGBUS`` case can reach (``_read._choice``).
+    mmap: bool | Literal["auto"] = "auto"
     #: Where rank and world_size came from: "explicit", or what :func:`detect` found.
     rank_source: str = "explicit"
     #: The seed property was given (not drawn): a state to resume must have the same one.
@@ -230,7 +239,7 @@ class LayerConfig:
         remote_cache: object = None,
         remote_cache_bytes: object = None,
         block_size: object = None,
-        mmap: object = False,
+        mmap: object = "auto",
     ) -> LayerConfig:
         """Check every property; raise :class:`ConfigurationError` naming the first bad one."""
         batch = _int("batch_size", batch_size, minimum=1)
@@ -286,7 +295,7 @@ class LayerConfig:
             if remote_cache_bytes is None
             else _int("remote_cache_bytes", remote_cache_bytes, minimum=1),
             block_size=None if block_size is None else _int("block_size", block_size, minimum=1),
-            mmap=_bool("mmap", mmap),
+            mmap=_mmap(mmap),
             rank_source=source,
             seed_given=given,
         )

@@ -24,7 +24,7 @@ from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import _Layer
 from ._machine import memory_bytes
 from ._properties import document
-from ._read import HDF5Reader, MappedReader, Reader, refusal
+from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
 from ._shape import DataShape, chunk_lanes, default_block_rows, first_read, mixing_warning
 from ._sources import Source, SourceLike, SourceOptions
 from .transforms import Transformer
@@ -97,7 +97,7 @@ class AsyncHDF5DataLayer(_Layer):
         remote_cache: str | os.PathLike[str] | None = None,
         remote_cache_bytes: int | None = None,
         block_size: int | None = None,
-        mmap: bool = False,
+        mmap: bool | Literal["auto"] = "auto",
     ) -> None:
         config = LayerConfig.parse(
             batch_size=batch_size,
@@ -207,16 +207,24 @@ class AsyncHDF5DataLayer(_Layer):
 
     async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
         files = self._source()
+        chosen: Choice | None = None  # holds the file's lease until the mapped reader takes it
         try:
             catalog = await anyio.to_thread.run_sync(
                 build_catalog, files, self.paths, self.config.tops
             )
             shape = self._shape_of(catalog)
             slots: list[Slot] | None = None
-            refused = refusal(catalog) if self.config.mmap else None
+            # Data larger than the memory the process may use is read from the disk every
+            # epoch: it is copied (mmap="auto"), and the reader streams it around the page
+            # cache. One figure for both decisions.
+            memory = memory_bytes()
+            chosen = choice = await anyio.to_thread.run_sync(
+                choose, catalog, self.config.mmap, memory
+            )
             reader: Reader
-            if self.config.mmap and refused is None:
-                reader = MappedReader(catalog, files)  # no slots: rows served in place
+            if choice.mapped:  # no slots: rows served in place
+                leases, choice.leases = choice.leases, []  # the reader's now
+                reader = MappedReader(catalog, files, leases, choice.note)
             elif shape.resident:
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)
@@ -225,21 +233,20 @@ class AsyncHDF5DataLayer(_Layer):
                 if rows > shape.chunk_rows:
                     self._size_cache(catalog, rows)  # the budget must hold them
                 slots = allocate_slots(catalog.tops, rows)
-                # Data larger than the memory the process may use is read from the disk every
-                # epoch: keeping it in the page cache gains nothing.
-                memory = memory_bytes()
                 streaming = 0 < memory < shape.n_samples * shape.row_bytes
                 # Streaming, reads wait on the disk rather than the CPU: more of them in flight.
                 reader = HDF5Reader(
                     catalog, files, read_threads=8 if streaming else 2, streaming=streaming
                 )
-            if refused is not None and isinstance(reader, HDF5Reader):
+            if isinstance(reader, HDF5Reader) and choice.note != "copied: mmap=False":
                 notes = dict(reader.read_notes)
                 for top in catalog.tops:
-                    notes[top] = "; ".join(filter(None, (notes.get(top), f"not mapped: {refused}")))
+                    notes[top] = "; ".join(filter(None, (notes.get(top), choice.note)))
                 reader.read_notes = notes
         except BaseException:
             with anyio.CancelScope(shield=True):
+                if chosen is not None:
+                    chosen.close()
                 await anyio.to_thread.run_sync(files.close)
             raise
         c = self.config
@@ -252,14 +259,17 @@ class AsyncHDF5DataLayer(_Layer):
             ", ".join(f"{t.name} {t.dtype}{t.sample_shape}" for t in catalog.tops.values()),
             c.rank,
             c.world_size,
-            "none: the file is mapped (mmap=True), rows served from the page cache"
+            f"none: the file is mapped ({choice.note}), rows served from the page cache"
             if isinstance(reader, MappedReader)
             else "resident (read once)"
             if shape.resident
             else f"2 slots of {shape.chunk_rows} samples ({slot_bytes} bytes)",
         )
-        if refused is not None:
-            _log.warning("mmap=True does not apply: %s; reading through the cache", refused)
+        if choice.refused:
+            why = choice.note.split(": ", 1)[-1]
+            _log.warning("mmap=True does not apply: %s; reading through the cache", why)
+        elif not choice.mapped:
+            _log.info("not mapped: %s", choice.note)
         for top, path in reader.read_paths.items():
             note = reader.read_notes.get(top)
             if "chunks" in path:

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
+import numpy as np
 from anyio.abc import ObjectReceiveStream
 
 from ._batch import BatchSpec, GroupSpec, carry
@@ -123,7 +124,10 @@ class Run:
         # Batch buffers: enough for the groups in flight and the group the consumer takes
         # batches from, reused once the consumer lets go of them.
         sources = slots[0].arrays if slots else reader.own_arrays
-        offsets = {k: line_offset(a) for k, a in (sources or {}).items()}
+        # Rows of several mapped files (``_read._maps.Spliced``) start at several offsets.
+        offsets = {
+            k: line_offset(a) for k, a in (sources or {}).items() if isinstance(a, np.ndarray)
+        }
         delivery.start(reader.tops, batch_size * self.group, room + 2, offsets)
         self._out = self._gatherers.out
         #: The consumer's side of the current group: items taken, not yet served.

@@ -180,19 +180,22 @@ PROPERTIES: tuple[Property, ...] = (
     ),
     Property(
         "mmap",
-        "`False`",
-        "`True`: serve the rows of a local file straight from the operating system's page cache "
-        "(the file memory-mapped) instead of copying each chunk into the host cache: one copy "
-        "of every byte less, the same batches. Applies to a source of one file whose tops are "
-        "stored contiguously, uncompressed, in this machine's byte order, on Linux 5.14 or newer; "
-        "otherwise the layer reads as usual and `layer.stats.read_notes` says why. Each chunk is "
-        "loaded and checked before its batches are cut, so a file changed or unreadable by then "
-        "is a {class}`~asynchdf5.ReadError`. While the layer is open it holds a read lease on the "
-        "file where Linux grants one (to the file's owner): another program's truncation or open "
-        "for writing waits for the gathers in flight, then the run ends with a `ReadError`. "
-        "Without a lease (`read_notes` says so), on a disk error, and in the other cases "
-        "[choosing](choosing.md#mmap-one-copy-less) lists, a page gone *while* a chunk is "
-        "served ends the process with `SIGBUS`. See "
+        '`"auto"`',
+        "Serve the rows of a local file straight from the operating system's page cache (the "
+        "file memory-mapped) instead of copying each chunk into the host cache: one copy of "
+        'every byte less, the same batches. `"auto"` maps where it is safe and copies '
+        "elsewhere: files whose tops are stored in them contiguously, uncompressed, in this "
+        "machine's byte order, on Linux 5.14 or newer, on a local file system (not NFS, SMB, "
+        "FUSE or another network file system), no larger than the memory the process may use, "
+        "on each of which the layer gets a read lease "
+        "(the file's owner, nobody writing it), at most 64 files (and an eighth of "
+        "`ulimit -n`). `True` maps whatever it can, "
+        "without the file system check and without a lease where none is granted, and warns "
+        "where it cannot; `False` always copies. `layer.stats.read_paths` says `mmap` for a "
+        "mapped top, and `layer.stats.read_notes` says which and why (`asynchdf5 inspect` too). "
+        "While a mapped layer is open, another program's truncation or open for writing waits "
+        "for the gathers in flight, then the run ends with a {class}`~asynchdf5.ReadError`. "
+        "What no check can exclude ends the process with `SIGBUS` instead: see "
         "[choosing](choosing.md#mmap-one-copy-less).",
         "hdf5",
     ),

@@ -137,13 +137,13 @@ class LayerStats:
     Times are seconds summed over the layer's life (worker-thread time for the stages).
     ``resident`` is True when the whole data set fits one chunk and the cache budget: it is then
     read once and later epochs are served from memory. ``bytes_read`` counts what was read into
-    the cache (with ``mmap=True``: what was mapped; pages kept mapped are not read again).
+    the cache (mapped: what was mapped; pages kept mapped are not read again).
     ``read_paths`` says how each top is read:
     ``"pread"`` (stored bytes read straight into the cache, outside h5py's lock),
     ``"chunks"`` (raw chunks read and decoded by a pool of threads, outside h5py's lock),
     ``"h5py"`` (h5py reads it, holding its lock; the reason is in ``read_notes``) or ``"mmap"``
-    (with ``mmap=True``: served from the mapped file, no cache; when it does not apply,
-    ``read_notes`` says why).
+    (served from the mapped file, no cache). Unless ``mmap=False``, ``read_notes`` says whether
+    the source is mapped and why: ``"mapped: ..."`` or ``"copied: why"``.
     ``consumer_wait_seconds`` is the time ``async for`` waited for a batch. With a ``device``,
     ``device_bytes`` (held now), ``device_bytes_in_use``, ``device_bytes_peak`` and
     ``pinned_bytes`` report the device stage's memory (all 0 without one). ``read_retries``

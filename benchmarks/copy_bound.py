@@ -25,7 +25,7 @@ run:
 7. 2-6 again with the slots on transparent huge pages (as NumPy gives the ceiling's arrays; the
    layer's are on 4 KiB pages, see ``asynchdf5._cache._anonymous``): the gather is faster
    there, the read slower; the better of the two bounds is the copying pipeline's;
-8. ``AsyncHDF5DataLayer`` streaming, copying (the default) and ``mmap=True``, in the same run.
+8. ``AsyncHDF5DataLayer`` streaming, copying (``mmap=False``) and ``mmap=True``, in the same run.
 
 Not a proof for every machine: a machine with more cores and memory channels, or a pipeline
 that copies once (``mmap=True``), is not bound by it.
@@ -248,7 +248,7 @@ def run(cfg: SpeedConfig, rounds: int, argv: list[str]) -> str:
                     for kind, copies in kinds.items():
                         for k, v in _copy_times(copies, pool).items():
                             m.setdefault(f"{k} ({kind})", []).append(v)
-                for name, extra in (("copying", {}), ("mmap=True", {"mmap": True})):
+                for name, extra in (("copying", {"mmap": False}), ("mmap=True", {"mmap": True})):
                     runs = _run_async(
                         lambda extra=extra: _layer_epochs(  # type: ignore[misc]
                             {**kwargs, **extra}, cfg.layer_epochs

@@ -137,7 +137,9 @@ async def test_a_data_set_that_fits_one_chunk_is_read_once(tmp_path: Path) -> No
 
 async def test_streaming_rereads_every_epoch(tmp_path: Path) -> None:
     src, n = write_files(tmp_path, [600, 400])
-    async with AsyncHDF5DataLayer(src, batch_size=64, chunk_size=300, shuffle=True) as layer:
+    async with AsyncHDF5DataLayer(
+        src, batch_size=64, chunk_size=300, shuffle=True, mmap=False
+    ) as layer:
         for _ in range(3):
             async for _batch in layer:
                 pass

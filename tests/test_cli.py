@@ -55,8 +55,8 @@ TOP_KEYS = {
     "chunk_bytes", "filters", "read_path", "reason", "hints", "stored_in", "error",
 }  # fmt: skip
 DOC_KEYS = {
-    "format", "source", "tops", "ok", "samples", "sample_bytes", "bytes", "read_paths", "files",
-    "hints", "problems",
+    "format", "source", "tops", "ok", "samples", "sample_bytes", "bytes", "read_paths", "mmap",
+    "files", "hints", "problems",
 }  # fmt: skip
 
 
@@ -84,7 +84,10 @@ def test_inspect_shows_the_layers_read_path(
     assert status == 0
     assert f"source {source}: 3 files, {N} samples of 16 bytes" in text
     assert re.search(r"data\s+100\s+\(2\)\s+float32", text)
-    assert "OK: the layer reads data by " + LAYOUTS[layout] in text
+    if LAYOUTS[layout] == "pread":  # mapped by default (mmap="auto"): local, leased
+        assert "OK: the layer maps the file" in text and "reads data by pread" in text
+    else:
+        assert "OK: the layer reads data by " + LAYOUTS[layout] in text
 
 
 def test_inspect_hints_for_slow_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,7 +191,8 @@ def test_bench_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     stats = doc["stats"]
     assert set(stats["stages"]) == {"read", "gather", "consumer"}
     assert set(stats["stages"]["read"]) == {"busy_seconds", "starved_seconds", "blocked_seconds"}
-    assert stats["bottleneck"] and stats["read_paths"] == {"data": "pread", "label": "pread"}
+    # The default, mmap="auto", maps local contiguous files.
+    assert stats["bottleneck"] and stats["read_paths"] == {"data": "mmap", "label": "mmap"}
     assert stats["chunk_rows"] == 64 and not stats["resident"]
     assert doc["hints"] == [] and doc["layout_is_bottleneck"] is False
 

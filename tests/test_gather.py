@@ -90,7 +90,7 @@ async def test_an_order_outside_the_chunk_fails_the_epoch_before_any_batch(
     got = []
     with anyio.fail_after(30), pytest.raises(IndexError):
         async with AsyncHDF5DataLayer(
-            source, batch_size=10, chunk_size=chunk_size, shuffle=True, seed=3
+            source, batch_size=10, chunk_size=chunk_size, shuffle=True, seed=3, mmap=False
         ) as layer:
             async for batch in layer:
                 got.append(batch)
@@ -114,7 +114,13 @@ async def test_a_short_chunks_order_is_checked_against_its_rows_not_its_slot(
     got: list[Batch] = []
     with anyio.fail_after(30), pytest.raises(IndexError, match=r"of 44 \(top"):
         async with AsyncHDF5DataLayer(
-            source, batch_size=4, chunk_size=128, cache_bytes=2**20, shuffle=True, seed=3
+            source,
+            batch_size=4,
+            chunk_size=128,
+            cache_bytes=2**20,
+            shuffle=True,
+            seed=3,
+            mmap=False,
         ) as layer:
             async for batch in layer:
                 got.append(batch)

@@ -111,7 +111,7 @@ async def test_files_closed_and_opened_again_read_exactly_once(
     most = [before]
     with anyio.fail_after(30):
         async with AsyncHDF5DataLayer(
-            lst, batch_size=10, shuffle=True, seed=1, chunk_size=40
+            lst, batch_size=10, shuffle=True, seed=1, chunk_size=40, mmap=False
         ) as layer:
             assert layer.stats.read_paths["data"] == LAYOUTS[layout]
             for epoch in range(2):
@@ -132,7 +132,7 @@ async def test_a_file_changed_while_closed_is_a_read_error_when_opened_again(
     lst = write_many(tmp_path, 8, 20, layout)
     victim = tmp_path / "s00003.h5"  # not in the next epoch's first chunk (read already)
     with anyio.fail_after(30):
-        async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:
+        async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20, mmap=False) as layer:
             check_epoch([b async for b in layer], 160, 10, 0)  # the early files are closed now
             if fault == "rewritten":
                 rewrite_in_place(victim)  # size and modification time kept

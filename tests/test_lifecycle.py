@@ -427,7 +427,7 @@ async def test_the_cache_is_given_back_in_a_worker_thread_on_close(
     monkeypatch.setattr(asynchdf5._cache, "free_arrays", free_arrays)
     monkeypatch.setattr(asynchdf5._read._reader, "free_arrays", free_arrays)
     async with AsyncHDF5DataLayer(
-        source, batch_size=10, chunk_size=chunk_size, shuffle=True
+        source, batch_size=10, chunk_size=chunk_size, shuffle=True, mmap=False
     ) as layer:
         session = layer._session
         assert session is not None

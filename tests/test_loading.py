@@ -84,7 +84,7 @@ async def test_ramp_pieces_share_one_slot_and_the_next_chunk_has_the_other(
     with ramp(8, lane_rows=2**26):  # a first chunk of 64 rows: pieces of 8, 16 and 40, one lane
         layer = AsyncHDF5DataLayer(
             source, batch_size=BATCH, shuffle=True, seed=5, chunk_size=CHUNK,
-            cache_bytes=2 * CHUNK * ROW_BYTES,
+            cache_bytes=2 * CHUNK * ROW_BYTES, mmap=False,
         )  # fmt: skip
         async with layer:
             await _epochs(layer, 3)
@@ -116,7 +116,7 @@ async def test_no_read_overwrites_rows_still_in_use(
     with ramp(ramp_rows, lane_rows=2**26):
         layer = AsyncHDF5DataLayer(
             source, batch_size=BATCH, shuffle=True, seed=ramp_rows or 0, chunk_size=CHUNK,
-            cache_bytes=2 * CHUNK * ROW_BYTES, prefetch=1,
+            cache_bytes=2 * CHUNK * ROW_BYTES, prefetch=1, mmap=False,
         )  # fmt: skip
         async with layer:
             n = sum(sizes)

@@ -75,7 +75,9 @@ async def test_pipeline_threads_run_as_many_steps_below_the_consumer_as_set(
     assert nice_of(threading.get_native_id()) == base  # the consumer: the main thread
     source = write_source(tmp_path, layout=layout)[0]
     with anyio.fail_after(30):
-        async with AsyncHDF5DataLayer(source, batch_size=10, chunk_size=40, shuffle=True) as layer:
+        async with AsyncHDF5DataLayer(
+            source, batch_size=10, chunk_size=40, shuffle=True, mmap=False
+        ) as layer:
             seen = await epoch_priorities(layer)
             # anyio's worker threads (which waited for the reads) are as they were.
             in_worker = await anyio.to_thread.run_sync(lambda: nice_of(threading.get_native_id()))
@@ -115,7 +117,11 @@ async def test_the_gather_thread_keeps_the_consumers_priority_when_it_runs_user_
     source = write_source(tmp_path)[0]
     with anyio.fail_after(30):
         async with AsyncHDF5DataLayer(
-            source, batch_size=10, chunk_size=40, transformers=[("data", lambda a: a * 1)]
+            source,
+            batch_size=10,
+            chunk_size=40,
+            transformers=[("data", lambda a: a * 1)],
+            mmap=False,
         ) as layer:
             seen = await epoch_priorities(layer)
     assert seen["asynchdf5-gather"] == {base}, seen

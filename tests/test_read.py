@@ -24,7 +24,7 @@ def _plugin(name: str) -> dict[str, Any]:
 
 LAYOUTS: dict[str, tuple[str, Any]] = {
     # name: (expected read path of "data", dataset keyword arguments or a factory)
-    "contiguous": ("pread", {}),
+    "contiguous": ("mmap", {}),  # the default, mmap="auto", maps a local contiguous file
     "contiguous-big-endian": ("pread", {"dtype": ">f4"}),
     "gzip-big-endian": ("chunks", {"chunks": (256, 3, 4), "compression": "gzip", "dtype": ">f4"}),
     "chunked": ("chunks", {"chunks": (256, 3, 4)}),

@@ -20,6 +20,7 @@ from .._catalog import _check_top, _physical, _refuse_external_links, build_cata
 from .._codecs import FILTER_NAMES
 from .._config import DEFAULT_TOPS
 from .._layout import describe
+from .._read import probe
 from .._sources import Source, name_entry, open_source, resolve_source
 from ._hints import PATH_WORDS, explain
 from ._util import mib, plural, table, write_json
@@ -110,8 +111,11 @@ class Report:
     entries: list[str] = field(default_factory=list)
     files: list[FileReport] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    #: From the layer's catalog (empty when it refused the source).
+    #: From the layer's catalog (empty when it refused the source): how each top is copied.
     read_paths: dict[str, str] = field(default_factory=dict)
+    #: What the default, ``mmap="auto"``, does with the source now: ``"mapped: ..."`` (rows
+    #: served from the page cache: the read path ``mmap``) or ``"copied: why"`` (the paths above).
+    mmap: str | None = None
     samples: int | None = None
     sample_bytes: int | None = None
 
@@ -140,6 +144,7 @@ class Report:
             if self.samples is None or self.sample_bytes is None
             else self.samples * self.sample_bytes,
             "read_paths": self.read_paths,
+            "mmap": self.mmap,
             "files": [f.to_json() for f in self.files],
             "hints": self.hints(),
             "problems": self.problems,
@@ -248,6 +253,7 @@ def analyze(
         report.read_paths = catalog.read_paths()
         report.samples = catalog.n_samples
         report.sample_bytes = catalog.row_bytes
+        report.mmap = probe(catalog)  # takes the file's read lease and gives it back
     finally:
         files.close()
     return report
@@ -323,7 +329,13 @@ def render(report: Report) -> str:
         out += ["", "FAILED: the layer would refuse this source"]
     else:
         paths = ", ".join(f"{t} by {p}" for t, p in report.read_paths.items())
-        out += ["", f"OK: the layer reads {paths}"]
+        if report.mmap is not None and report.mmap.startswith("mapped"):
+            out += ["", f'OK: the layer maps the file (mmap="auto", the default): {report.mmap}']
+            out += [f"    (with mmap=False it reads {paths})"]
+        else:
+            out += ["", f"OK: the layer reads {paths}"]
+            if report.mmap is not None:
+                out += [f'    (mmap="auto", the default: {report.mmap})']
     return "\n".join(out)
 
 

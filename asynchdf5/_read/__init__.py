@@ -1,7 +1,9 @@
 """Chunk reading: the reader the pipeline reads through (:mod:`._reader`) and the steps of its
-read plans (:mod:`._steps`), and the reader that serves a mapped file in place (:mod:`._mapped`)."""
+read plans (:mod:`._steps`), the reader that serves a mapped file in place (:mod:`._mapped`),
+and the choice between them (:mod:`._choice`)."""
 
-from ._mapped import MappedReader, refusal
+from ._choice import Choice, choose, probe
+from ._mapped import MappedReader
 from ._reader import HDF5Reader, MemoryReader, Reader
 
-__all__ = ["HDF5Reader", "MappedReader", "MemoryReader", "Reader", "refusal"]
+__all__ = ["Choice", "HDF5Reader", "MappedReader", "MemoryReader", "Reader", "choose", "probe"]

@@ -1,6 +1,7 @@
 """A read lease on a mapped file: while the layer holds it, a truncation of the file waits for it.
 
-With ``mmap=True`` the gather reads rows straight from the mapped file. A page past the end of a
+Mapped (``mmap=True``, or ``"auto"``, which maps only with a lease), the gather reads rows
+straight from the file's pages. A page past the end of a
 file truncated under the mapping is a ``SIGBUS`` when touched, which ends the process. A read
 lease (Linux, ``fcntl(F_SETLEASE, F_RDLCK)``) closes that hole for the common cause, another
 program rewriting or truncating the file: the kernel makes every ``open`` for writing and every
@@ -20,7 +21,8 @@ none right after, so no signal is sent at all.
 
 A lease is granted only to the file's owner (or a process with ``CAP_LEASE``), on a file system
 that grants leases (not NFS), while nobody has the file open for writing. Otherwise
-:meth:`Lease.take` says why and the file is mapped without one. What a lease cannot cover (found
+:meth:`Lease.take` says why, and ``mmap="auto"`` copies the file while ``mmap=True`` maps it
+without one. What a lease cannot cover (found
 by review, shown in ``/tmp`` scripts, not in the tests):
 
 - ``open(O_RDONLY | O_TRUNC)`` by a user allowed to write the file: Linux truncates it without
@@ -30,7 +32,8 @@ by review, shown in ``/tmp`` scripts, not in the tests):
   stands still for the lease-break time, the kernel then gives the lease up, and a gather that
   had already passed its check when the writer took the GIL meets the truncated file;
 - a file system that grants a lease of this machine only (FUSE, network file systems that fall
-  back to local leases): writes from other machines do not break it;
+  back to local leases): writes from other machines do not break it (``mmap="auto"`` maps only
+  files on file systems known to be local: :mod:`._choice`);
 - a disk error when a page dropped from memory is read again during a gather, and a gather that
   lasts longer than the lease-break time (a process stopped in the middle of one).
 
@@ -51,7 +54,7 @@ from types import TracebackType
 from .._errors import ReadError
 from .._sources._local import LocalFile
 
-__all__ = ["POLL_S", "Lease"]
+__all__ = ["POLL_S", "Lease", "Leases"]
 
 #: How often the lease is looked at: the longest a writer waits for a layer that is not gathering.
 POLL_S = 0.05
@@ -122,7 +125,7 @@ class Lease:
             return exc
         return ReadError(
             f"{self.file.name}: a program (this one or another) opened the file for writing or "
-            "truncated it while mmap=True served it; it waited for the gathers in flight, and "
+            "truncated it while it was mapped; it waited for the gathers in flight, and "
             "no row was gathered after it"
         )
 
@@ -203,6 +206,47 @@ class Lease:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+class Leases:
+    """The leases of several mapped files held as one guard: a gather enters every one (it may
+    take rows of any of the files), and none starts once one is being broken."""
+
+    def __init__(self, leases: list[Lease]) -> None:
+        self.leases = leases
+
+    @property
+    def broken(self) -> bool:
+        return any(lease.broken for lease in self.leases)
+
+    def error(self) -> ReadError:
+        """The error of the first lease being broken (as :meth:`Lease.error`)."""
+        broken = [lease for lease in self.leases if lease.broken] or self.leases
+        return broken[0].error()
+
+    def __enter__(self) -> None:
+        entered: list[Lease] = []
+        try:
+            for lease in self.leases:
+                lease.__enter__()
+                entered.append(lease)
+        except BaseException:
+            for lease in reversed(entered):
+                lease.__exit__(None, None, None)
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for lease in reversed(self.leases):
+            lease.__exit__(None, None, None)
+
+    def close(self) -> None:
+        for lease in self.leases:
+            lease.close()
 
 
 #: Leases taken and not closed, for :func:`_after_fork_in_child`.

@@ -1,4 +1,4 @@
-"""Rows served straight from the page cache: the opt-in ``mmap=True`` reader.
+"""Rows served straight from the page cache: the mapped reader (``mmap``, :mod:`._choice`).
 
 Streaming from a local file, the copying reader moves every byte twice: out of the page cache
 into a cache slot (``preadv``), then out of the slot into a batch (the gather). This reader maps
@@ -14,9 +14,10 @@ checked after it, as after a copying read. A page dropped from memory *after* it
 ready and read again during the gather meets the file as it is then: a file truncated by then
 would be a ``SIGBUS`` that ends the process. So the reader holds a read lease on the file while
 it is open (:mod:`._lease`): a truncation waits until no gather is in flight, and the run ends
-with a ``ReadError``. What it cannot cover, and why this is opt-in: a disk error on such a page,
-and a truncation where Linux granted no lease (``read_notes`` says so): a ``SIGBUS``, where the
-copying reader would raise a ``ReadError``.
+with a ``ReadError``. What it cannot cover: a disk error on such a page, the other cases
+:mod:`._lease` lists, and a truncation where Linux granted no lease (only ``mmap=True`` maps
+then, and ``read_notes`` says so): a ``SIGBUS``, where the copying reader would raise a
+``ReadError``.
 
 Memory: a chunk's pages stay mapped while its batches are cut and gathered; once the pipeline is
 done with the chunk, their mappings are dropped (``MADV_DONTNEED``: the pages stay in the page
@@ -24,23 +25,23 @@ cache; only this process's mapping of them goes), except the pages a chunk in fl
 So the mapped pages stay within the chunks in flight, as the copying reader's slots do, and are
 never the process's own memory: the kernel can take them back at any time.
 
-Applies when the source is one local file whose tops are stored contiguously, uncompressed, in
-this machine's byte order (:func:`refusal` says why not otherwise, and the layer reads as usual).
+Applies to local files whose tops are stored contiguously, uncompressed, in this machine's byte
+order, up to a bound on their number (:func:`._choice.refusal` says why not otherwise, and the
+layer copies). With several files, each top's rows are a :class:`._maps.Spliced` of the files'
+mappings, and the guard is the leases of all (:class:`._lease.Leases`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import mmap
 import os
-import sys
 import threading
 import time
-import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -49,16 +50,16 @@ import numpy as np
 from .._catalog import Catalog, TopInfo
 from .._errors import ReadError
 from .._machine import memory_bytes
-from .._pages import libc_madvise
 from .._plan import ChunkPlan
 from .._priority import background
 from .._sources import Source
 from .._sources._local import LocalFile
 from .._stats import ReadStats
-from ._lease import Lease
+from ._lease import Lease, Leases
+from ._maps import MappedTop, Spliced, get_libc, supported
 from ._spans import merged, uncovered
 
-__all__ = ["MappedReader", "default_keep_bytes", "refusal"]
+__all__ = ["MappedReader", "default_keep_bytes", "supported"]
 
 _PAGE = mmap.PAGESIZE
 #: ``madvise`` advice values (Linux's, the same on every architecture it runs on).
@@ -66,187 +67,68 @@ _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
-class _Libc:
-    """``mmap``, ``munmap`` and ``madvise`` through ctypes. Unlike ``mmap.mmap.madvise``, the
-    calls release the GIL, so populating a chunk (which may wait for the disk) never holds up
-    the event loop; and unlike ``mmap.mmap`` (before Python 3.13), a mapping made this way keeps
-    no duplicate of the file's descriptor, so a view that outlives the layer in a reference
-    cycle holds no descriptor open until the garbage collector frees it."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self._mmap = libc.mmap
-        self._mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int64,
-        ]
-        self._mmap.restype = ctypes.c_void_p
-        self._munmap = libc.munmap
-        self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        self._munmap.restype = ctypes.c_int
-        madvise = libc_madvise()
-        if madvise is None:
-            raise OSError("the C library has no madvise")
-        self._madvise = madvise
-
-    def map(self, fd: int, length: int, offset: int) -> int:
-        """The address of ``length`` bytes of ``fd`` from ``offset`` (a page boundary), mapped
-        read-only; OSError if they cannot be."""
-        address = self._mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
-        if address is None or address == ctypes.c_void_p(-1).value:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        return int(address)
-
-    def unmap(self, address: int, length: int) -> None:
-        self._munmap(address, length)
-
-    def madvise(self, address: int, length: int, advice: int) -> int:
-        """0, or the ``errno`` of the failed call."""
-        if self._madvise(address, length, advice) == 0:
-            return 0
-        return ctypes.get_errno()
-
-
-_libc: _Libc | None = None
-_libc_lock = threading.Lock()
-
-
-def _get_libc() -> _Libc | None:
-    """The C library's ``madvise``, where the platform has it and ``MADV_POPULATE_READ`` works
-    (None elsewhere)."""
-    global _libc
-    with _libc_lock:
-        if _libc is None and sys.platform.startswith("linux"):
-            try:
-                libc = _Libc()
-            except (OSError, AttributeError):
-                return None
-            # Probe on one anonymous page: kernels before 5.14 answer EINVAL.
-            probe = mmap.mmap(-1, _PAGE)
-            try:
-                address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
-                ok = libc.madvise(address, _PAGE, _POPULATE_READ) == 0
-            finally:
-                probe.close()
-            if ok:
-                _libc = libc
-        return _libc
-
-
-def refusal(catalog: Catalog) -> str | None:
-    """Why ``mmap=True`` cannot serve this catalogued source (None: it can)."""
-    if _get_libc() is None:
-        return "mmap=True needs Linux 5.14 or newer (MADV_POPULATE_READ)"
-    if sys.maxsize < 2**32:  # file offsets are passed to mmap as 64-bit off_t
-        return "mmap=True needs a 64-bit Python"
-    files = [f for f in catalog.files if f.nrows > 0]
-    if len(files) != 1:
-        return f"mmap=True serves a source of one file; this one has {len(files)} with samples"
-    (info,) = files
-    for top, layout in info.layouts.items():
-        row_bytes = catalog.tops[top].row_bytes
-        if layout.path != "pread" or len(layout.extents) != 1:
-            how = f"stored {layout.storage}"
-            if layout.note:
-                how = f"read through h5py ({layout.note})"
-            return f"top {top!r} is {how}: mmap=True needs contiguous, uncompressed storage"
-        if layout.swap:
-            return f"top {top!r} is stored in the other byte order"
-        (ext,) = layout.extents
-        if not isinstance(ext.file, LocalFile):
-            return f"top {top!r} is not in a local file"
-        if row_bytes == 0 or ext.start != 0 or ext.size != info.nrows * row_bytes:
-            return f"top {top!r}: its stored bytes do not hold exactly its rows"
-    return None
-
-
-class _Top:
-    """One top's stored bytes, mapped: the array of its rows and where it lies in memory.
-
-    The mapping goes when the last view of :attr:`array` does (never under a live view)."""
-
-    __slots__ = ("address", "array", "file", "name", "nrows", "offset", "row_bytes", "skip")
-
-    def __init__(
-        self, libc: _Libc, info: TopInfo, file: LocalFile, offset: int, nrows: int
-    ) -> None:
-        self.name, self.file, self.row_bytes = info.name, file, info.row_bytes
-        self.offset, self.nrows = offset, nrows
-        # A mapping starts at a page boundary: `skip` bytes of the page before the data.
-        self.skip = offset % _PAGE
-        length = self.skip + nrows * info.row_bytes
-        try:
-            self.address = libc.map(file.fd, length, offset - self.skip)
-        except OSError as exc:
-            raise ReadError(f"{file.name}: top {info.name!r}: cannot map the file: {exc}") from exc
-        whole = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(self.address))
-        # Every view of `whole` refers to it (it does not own its memory): unmapped once the
-        # last view is gone.
-        finalizer = weakref.finalize(whole, libc.unmap, self.address, length)
-        # Not at interpreter exit: a daemon gather thread may still be reading the mapping then.
-        finalizer.atexit = False
-        rows = whole[self.skip :].view(info.dtype).reshape(nrows, *info.sample_shape)
-        rows.flags.writeable = False  # mapped read-only: a write would be a SIGSEGV
-        self.array: np.ndarray | None = rows
-
-    def pages(self, a: int, b: int) -> tuple[int, int]:
-        """Where the pages holding rows ``a:b`` start and end, from :attr:`address`."""
-        lo = self.skip + a * self.row_bytes
-        hi = self.skip + b * self.row_bytes
-        return lo - lo % _PAGE, -(-hi // _PAGE) * _PAGE
-
-
 class MappedReader:
-    """The pipeline's :class:`~asynchdf5._read.Reader` over a memory-mapped local file: rows
+    """The pipeline's :class:`~asynchdf5._read.Reader` over memory-mapped local files: rows
     are served in place, at their global indices (see the module docstring)."""
 
     in_place = True
 
-    def __init__(self, catalog: Catalog, source: Source, *, keep_bytes: int | None = None) -> None:
-        libc = _get_libc()
-        assert libc is not None and refusal(catalog) is None
+    def __init__(
+        self,
+        catalog: Catalog,
+        source: Source,
+        leases: Sequence[Lease | str],
+        note: str,
+        *,
+        keep_bytes: int | None = None,
+    ) -> None:
+        """Serve ``catalog``'s files mapped, each guarded by its entry of ``leases`` (in the
+        order of the files with rows; taken over: closed with the reader) or, where none was
+        granted, not (the entry says why); ``note`` is each top's read note
+        (:func:`._choice.choose`)."""
+        libc = get_libc()
+        assert libc is not None
         self._libc = libc
         self.source = source
         self.tops: Mapping[str, TopInfo] = catalog.tops
         self.n_samples = catalog.n_samples
         self.read_paths = {t: "mmap" for t in catalog.tops}
-        self.read_notes: Mapping[str, str] = {}
-        (info,) = [f for f in catalog.files if f.nrows > 0]
-        self._tops: list[_Top] = []
-        #: The file's read lease (taken before it is mapped): nobody truncates it under a gather.
-        self.guard: Lease | None = None
-        file = next(iter(info.layouts.values())).extents[0].file
-        assert isinstance(file, LocalFile)
+        self.read_notes: Mapping[str, str] = {t: note for t in catalog.tops}
+        infos = [f for f in catalog.files if f.nrows > 0]
+        self._tops: list[MappedTop] = []
+        #: The files' read leases (taken before they are mapped): nobody truncates a file
+        #: under a gather.
+        held = [lease for lease in leases if isinstance(lease, Lease)]
+        self.guard: Lease | Leases | None = (
+            None if not held else held[0] if len(held) == 1 else Leases(held)
+        )
         # The files mapped stay pinned while the reader lives: the source never closes the
-        # descriptors that the mappings, the lease and the read-ahead advice use.
+        # descriptors that the mappings, the checks and the read-ahead advice use.
         self._pinned: list[LocalFile] = []
         try:
-            self._pin(file)
-            lease = Lease.take(file)
-            if isinstance(lease, Lease):
-                self.guard = lease
-            else:
-                note = f"not guarded by a lease: {lease}"
-                self.read_notes = {t: note for t in catalog.tops}
-            for name, top in catalog.tops.items():
-                (ext,) = info.layouts[name].extents
-                assert isinstance(ext.file, LocalFile)
-                self._pin(ext.file)
-                self._tops.append(_Top(libc, top, ext.file, ext.offset, info.nrows))
+            for info in infos:
+                for name, top in catalog.tops.items():
+                    (ext,) = info.layouts[name].extents
+                    assert isinstance(ext.file, LocalFile)
+                    self._pin(ext.file)
+                    t = MappedTop(libc, top, ext.file, ext.offset, info.nrows, info.start)
+                    self._tops.append(t)
         except BaseException:
             self._close_maps()
             if self.guard is not None:
                 self.guard.close()
             self._unpin()
             raise
-        self.own_arrays: Mapping[str, np.ndarray] | None = {
-            t.name: t.array for t in self._tops if t.array is not None
-        }
+        arrays: dict[str, Any] = {}
+        for name in catalog.tops:
+            parts = [t for t in self._tops if t.name == name]
+            if len(parts) == 1:  # one file: its rows are the array (global index = row)
+                arrays[name] = parts[0].array
+            else:
+                arrays[name] = Spliced(
+                    [t.array for t in parts if t.array is not None], [t.start for t in parts]
+                )
+        self.own_arrays: Mapping[str, np.ndarray] | None = arrays
         self._files = list({id(t.file): t.file for t in self._tops}.values())
         self._row_bytes = catalog.row_bytes
         #: Keep pages mapped from one epoch to the next: the data set fits in memory (see
@@ -329,31 +211,32 @@ class MappedReader:
             for t in self._tops:
                 _check(t.file, t.name, a, b)
             if self.guard is not None and self.guard.broken:
-                raise self.guard.error()
+                err = self.guard.error()
+                tops = ", ".join(dict.fromkeys(repr(t.name) for t in self._tops))
+                raise ReadError(f"top {tops}, rows {a}:{b}: {err}") from err
         return sum(b - a for a, b in todo)
 
     def _populate(self, ranges: list[tuple[int, int]]) -> None:
         """Read the rows ahead and map their pages (blocking); ReadError if a page cannot be."""
-        for a, b in ranges:  # every read queued first: the disk sees them all at once
-            for t in self._tops:
-                with contextlib.suppress(OSError):  # advice only
-                    os.posix_fadvise(
-                        t.file.fd,
-                        t.offset + a * t.row_bytes,
-                        (b - a) * t.row_bytes,
-                        os.POSIX_FADV_WILLNEED,
-                    )
-        for a, b in ranges:
-            for t in self._tops:
-                lo, hi = t.pages(a, b)
-                err = self._libc.madvise(t.address + lo, hi - lo, _POPULATE_READ)
-                if err:
-                    for f in self._files:  # a file that changed is the cause to report
-                        _check(f, t.name, a, b)
-                    raise ReadError(
-                        f"{t.file.name}: top {t.name!r}, rows {a}:{b}: read failed: "
-                        f"{os.strerror(err)}"
-                    )
+        pieces = [(t, rows) for a, b in ranges for t in self._tops if (rows := t.local(a, b))]
+        for t, (a, b) in pieces:  # every read queued first: the disk sees them all at once
+            with contextlib.suppress(OSError):  # advice only
+                os.posix_fadvise(
+                    t.file.fd,
+                    t.offset + a * t.row_bytes,
+                    (b - a) * t.row_bytes,
+                    os.POSIX_FADV_WILLNEED,
+                )
+        for t, (a, b) in pieces:
+            lo, hi = t.pages(a, b)
+            err = self._libc.madvise(t.address + lo, hi - lo, _POPULATE_READ)
+            if err:
+                a, b = t.start + a, t.start + b  # global rows, as everywhere in messages
+                for f in self._files:  # a file that changed is the cause to report
+                    _check(f, t.name, a, b)
+                raise ReadError(
+                    f"{t.file.name}: top {t.name!r}, rows {a}:{b}: read failed: {os.strerror(err)}"
+                )
 
     def _drop_done(self) -> None:
         """Once a chunk was given back: unmap every page but those of the live chunks.
@@ -367,7 +250,7 @@ class MappedReader:
         if not given_back:
             return
         for t in self._tops:
-            used = merged([t.pages(a, b) for a, b in live])
+            used = merged([t.pages(*rows) for a, b in live if (rows := t.local(a, b))])
             for x, y in uncovered(used, 0, t.pages(0, t.nrows)[1]):
                 self._libc.madvise(t.address + x, y - x, _DONTNEED)
 

@@ -1,0 +1,274 @@
+"""Whether a source is served mapped (:mod:`._mapped`) or copied (:mod:`._reader`), and why.
+
+``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: files with their
+tops stored in them contiguously, uncompressed, in this machine's byte order, on Linux 5.14 or
+newer, at most :func:`max_files` of them, with a read lease where Linux grants one and without
+one elsewhere.
+
+``mmap="auto"`` (the default) maps only where no ``SIGBUS`` case that a lease can prevent is
+left open, and copies everywhere else:
+
+- the file is on a file system known to be local (:data:`LOCAL_FILE_SYSTEMS`, by the
+  ``statfs`` magic number: an allow-list, so a network, FUSE or unknown one is copied), since a
+  lease is this machine's and writes from another machine do not wait for it;
+- the data set fits the memory the process may use (:func:`~.._machine.memory_bytes`): larger,
+  it is read from the disk every epoch, and the copying reader streams it;
+- a read lease is granted on every file (the file's owner, nobody has it open for writing, a
+  lease-break time of at least :data:`~._lease.MIN_BREAK_S`), since without one a truncation is a
+  ``SIGBUS``.
+
+What no check can exclude, even then, is listed in :mod:`._lease` and docs/choosing.md.
+
+Every answer is one line for ``layer.stats.read_notes`` and ``asynchdf5 inspect``:
+``"mapped: ..."`` or ``"copied: ..."``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .. import _machine
+from .._catalog import Catalog
+from .._sources._local import LocalFile
+from ._lease import Lease
+from ._maps import supported
+
+__all__ = [
+    "LOCAL_FILE_SYSTEMS",
+    "MAX_FILES",
+    "Choice",
+    "choose",
+    "file_system",
+    "max_files",
+    "probe",
+    "refusal",
+]
+
+#: The most files of a source that are mapped (see :func:`max_files`).
+MAX_FILES = 64
+#: File systems whose files ``mmap="auto"`` maps (``statfs`` ``f_type``): local disks and memory.
+LOCAL_FILE_SYSTEMS = {
+    0xEF53: "ext2/ext3/ext4",
+    0x58465342: "xfs",
+    0x9123683E: "btrfs",
+    0x01021994: "tmpfs",
+    0x858458F6: "ramfs",
+    0x794C7630: "overlay",
+    0x2FC12FC1: "zfs",
+    0xF2F52010: "f2fs",
+    0xCA451A4E: "bcachefs",
+    0x3153464A: "jfs",
+    0x52654973: "reiserfs",
+}
+#: Others, named in the reason they are copied.
+OTHER_FILE_SYSTEMS = {
+    0x6969: "network file system nfs",
+    0x517B: "network file system smb",
+    0xFF534D42: "network file system cifs",
+    0xFE534D42: "network file system smb2",
+    0x65735546: "FUSE file system",
+    0x00C36400: "network file system ceph",
+    0x01021997: "network file system 9p",
+    0x5346414F: "network file system afs",
+    0x6B414653: "network file system afs",
+    0x01161970: "cluster file system gfs2",
+    0x7461636F: "cluster file system ocfs2",
+    0x0BD00BD0: "network file system lustre",
+    0x47504653: "network file system gpfs",
+    0x20030528: "network file system orangefs",
+    0x73757245: "network file system coda",
+    0x564C: "network file system ncp",
+}
+
+
+def file_system(fd: int) -> int | None:
+    """The ``statfs`` magic number of the file system that holds ``fd`` (None: not known)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fstatfs = libc.fstatfs
+    except (OSError, AttributeError):
+        return None
+    # struct statfs starts with f_type (a long on the 64-bit ABIs; 120 bytes on x86-64).
+    buf = (ctypes.c_long * 32)()
+    fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    fstatfs.restype = ctypes.c_int
+    if fstatfs(fd, buf) != 0:
+        return None
+    return int(buf[0]) & 0xFFFFFFFF
+
+
+def _local(file: LocalFile) -> str | None:
+    """Why ``file`` is not known to be on a local file system (None: it is)."""
+    magic = file_system(file.fd)
+    if magic is None:
+        return "the file system could not be told (statfs)"
+    if magic in LOCAL_FILE_SYSTEMS:
+        return None
+    return OTHER_FILE_SYSTEMS.get(magic, f"file system 0x{magic:x} is not known to be local")
+
+
+def _fs_name(file: LocalFile) -> str:
+    magic = file_system(file.fd)
+    if magic is None:
+        return "a file system"
+    if magic in LOCAL_FILE_SYSTEMS:
+        return f"local file system {LOCAL_FILE_SYSTEMS[magic]}"
+    return OTHER_FILE_SYSTEMS.get(magic, f"file system 0x{magic:x}")
+
+
+def max_files() -> int:
+    """The most files a source may have to be mapped: each mapped file holds a descriptor for
+    its lease beside the source's own, so an eighth of the soft ``RLIMIT_NOFILE``, and at most
+    :data:`MAX_FILES` (a lease's thread each, and a lease to check before each gather)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1
+    if soft == resource.RLIM_INFINITY:
+        return MAX_FILES
+    return max(1, min(MAX_FILES, soft // 8))
+
+
+def refusal(catalog: Catalog) -> str | None:
+    """Why the mapped reader cannot serve this catalogued source at all (None: it can)."""
+    why = supported()
+    if why is not None:
+        return why
+    files = [f for f in catalog.files if f.nrows > 0]
+    bound = max_files()
+    if len(files) > bound:
+        return (
+            f"{len(files):,} files, more than the {bound} mapped at most (a read lease's "
+            f"descriptor each: an eighth of RLIMIT_NOFILE, at most {MAX_FILES})"
+        )
+    for info in files:
+        for top, layout in info.layouts.items():
+            where = f"{info.name}: " if len(files) > 1 else ""
+            row_bytes = catalog.tops[top].row_bytes
+            if layout.path != "pread" or len(layout.extents) != 1:
+                how = f"stored {layout.storage}"
+                if layout.note:
+                    how = f"read through h5py ({layout.note})"
+                return (
+                    f"{where}top {top!r} is {how}: mapping needs contiguous, uncompressed storage"
+                )
+            if layout.swap:
+                return f"{where}top {top!r} is stored in the other byte order"
+            (ext,) = layout.extents
+            if not isinstance(ext.file, LocalFile):
+                return f"{where}top {top!r} is not in a local file"
+            if ext.file is not info.file:  # one lease guards one file
+                return (
+                    f"{where}top {top!r} is stored in another file ({ext.file.name}): "
+                    "an external link"
+                )
+            if row_bytes == 0 or ext.start != 0 or ext.size != info.nrows * row_bytes:
+                return f"{where}top {top!r}: its stored bytes do not hold exactly its rows"
+    return None
+
+
+@dataclass
+class Choice:
+    """How a source is served: ``leases`` (one per file with rows) is set when it is mapped
+    (each lease taken, or why none was: only with ``mmap=True``); ``note`` says how and why, in
+    one line."""
+
+    mapped: bool
+    note: str
+    leases: list[Lease | str] = field(default_factory=list)
+    #: The property asked for mapping (``mmap=True``) and did not get it: worth a warning.
+    refused: bool = False
+
+    def close(self) -> None:
+        """Give back the leases taken (the source will not be mapped after all)."""
+        for lease in self.leases:
+            if isinstance(lease, Lease):
+                lease.close()
+        self.leases = []
+
+
+def choose(catalog: Catalog, mmap: bool | Literal["auto"], memory: int | None = None) -> Choice:
+    """Map or copy ``catalog``'s source, as the ``mmap`` property says (blocking: a few system
+    calls a file); ``memory``: what the process may use (None: :func:`~.._machine.memory_bytes`;
+    0: not known). A mapped choice holds the files' leases: the mapped reader takes them over,
+    or :meth:`Choice.close` gives them back."""
+    if mmap is False:
+        return Choice(False, "copied: mmap=False")
+    why = refusal(catalog)
+    if why is not None:
+        return Choice(False, f"copied: {why}", refused=mmap is True)
+    files: list[LocalFile] = []
+    for info in catalog.files:
+        if info.nrows > 0:
+            assert isinstance(info.file, LocalFile)
+            files.append(info.file)
+    with contextlib.ExitStack() as stack:  # open (pinned) while they are looked at and leased
+        for file in files:
+            stack.enter_context(file.pinned())
+        return _choose(catalog, mmap, memory, files)
+
+
+def _choose(
+    catalog: Catalog, mmap: bool | Literal["auto"], memory: int | None, files: list[LocalFile]
+) -> Choice:
+    many = len(files) > 1
+
+    def of(file: LocalFile) -> str:
+        return f" ({file.name})" if many else ""
+
+    if mmap == "auto":
+        # Larger than the memory the process may use: read from the disk every epoch, where
+        # the copying reader's streaming reads (direct, read ahead) beat faults on mapped pages.
+        size = catalog.n_samples * catalog.row_bytes
+        if memory is None:
+            memory = _machine.memory_bytes()
+        if 0 < memory < size:
+            return Choice(
+                False,
+                f"copied: the data set ({size / 2**30:.1f} GiB) is larger than the memory this "
+                f"process may use ({memory / 2**30:.1f} GiB): streamed from the disk",
+            )
+        for file in files:
+            remote = _local(file)
+            if remote is not None:
+                return Choice(False, f"copied: {remote}{of(file)}")
+    choice = Choice(True, "")
+    try:
+        for file in files:
+            lease = Lease.take(file)
+            choice.leases.append(lease)
+            if isinstance(lease, str) and mmap == "auto":
+                choice.close()
+                return Choice(False, f"copied: no read lease: {lease}{of(file)}")
+    except BaseException:
+        choice.close()
+        raise
+    unguarded = [
+        (f, why) for f, why in zip(files, choice.leases, strict=True) if isinstance(why, str)
+    ]
+    if unguarded:
+        file, why = unguarded[0]
+        more = f" (and {len(unguarded) - 1} more)" if len(unguarded) > 1 else ""
+        choice.note = f"mapped, not guarded by a lease: {why}{of(file)}{more}"
+    elif many:
+        kinds = ", ".join(sorted({_fs_name(f) for f in files}))
+        choice.note = f"mapped: {len(files)} files on {kinds}, read leases held"
+    else:
+        choice.note = f"mapped: {_fs_name(files[0])}, read lease held"
+    return choice
+
+
+def probe(catalog: Catalog) -> str:
+    """What ``mmap="auto"`` would do with ``catalog``'s source, now (the leases taken and
+    given back at once): the note of :func:`choose`."""
+    choice = choose(catalog, "auto")
+    choice.close()
+    return choice.note

@@ -1,0 +1,196 @@
+"""The mappings the mapped reader (:mod:`._mapped`) serves rows from: ``mmap`` and ``madvise``
+through the C library, one top of one file mapped (:class:`MappedTop`), and the rows of one top
+over several mapped files indexed as one (:class:`Spliced`)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import threading
+import weakref
+
+import numpy as np
+
+from .._catalog import TopInfo
+from .._errors import ReadError
+from .._pages import libc_madvise
+from .._sources._local import LocalFile
+
+__all__ = ["Libc", "MappedTop", "Spliced", "get_libc", "supported"]
+
+_PAGE = mmap.PAGESIZE
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+class Libc:
+    """``mmap``, ``munmap`` and ``madvise`` through ctypes. Unlike ``mmap.mmap.madvise``, the
+    calls release the GIL, so populating a chunk (which may wait for the disk) never holds up
+    the event loop; and unlike ``mmap.mmap`` (before Python 3.13), a mapping made this way keeps
+    no duplicate of the file's descriptor, so a view that outlives the layer in a reference
+    cycle holds no descriptor open until the garbage collector frees it."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._mmap = libc.mmap
+        self._mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        ]
+        self._mmap.restype = ctypes.c_void_p
+        self._munmap = libc.munmap
+        self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._munmap.restype = ctypes.c_int
+        madvise = libc_madvise()
+        if madvise is None:
+            raise OSError("the C library has no madvise")
+        self._madvise = madvise
+
+    def map(self, fd: int, length: int, offset: int) -> int:
+        """The address of ``length`` bytes of ``fd`` from ``offset`` (a page boundary), mapped
+        read-only; OSError if they cannot be."""
+        address = self._mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+        if address is None or address == ctypes.c_void_p(-1).value:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        return int(address)
+
+    def unmap(self, address: int, length: int) -> None:
+        self._munmap(address, length)
+
+    def madvise(self, address: int, length: int, advice: int) -> int:
+        """0, or the ``errno`` of the failed call."""
+        if self._madvise(address, length, advice) == 0:
+            return 0
+        return ctypes.get_errno()
+
+
+_libc: Libc | None = None
+_libc_lock = threading.Lock()
+
+
+def get_libc() -> Libc | None:
+    """The C library's ``madvise``, where the platform has it and ``MADV_POPULATE_READ`` works
+    (None elsewhere)."""
+    global _libc
+    with _libc_lock:
+        if _libc is None and sys.platform.startswith("linux"):
+            try:
+                libc = Libc()
+            except (OSError, AttributeError):
+                return None
+            # Probe on one anonymous page: kernels before 5.14 answer EINVAL.
+            probe = mmap.mmap(-1, _PAGE)
+            try:
+                address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+                ok = libc.madvise(address, _PAGE, _POPULATE_READ) == 0
+            finally:
+                probe.close()
+            if ok:
+                _libc = libc
+        return _libc
+
+
+def supported() -> str | None:
+    """Why this platform cannot map a source (None: it can)."""
+    if get_libc() is None:
+        return "mapping needs Linux 5.14 or newer (MADV_POPULATE_READ)"
+    if sys.maxsize < 2**32:  # file offsets are passed to mmap as 64-bit off_t
+        return "mapping needs a 64-bit Python"
+    return None
+
+
+class MappedTop:
+    """One top's stored bytes in one file, mapped: the array of its rows, where it lies in
+    memory, and the global index of its row 0 (:attr:`start`).
+
+    The mapping goes when the last view of :attr:`array` does (never under a live view)."""
+
+    __slots__ = (
+        "address", "array", "file", "name", "nrows", "offset", "row_bytes", "skip", "start"
+    )  # fmt: skip
+
+    def __init__(
+        self, libc: Libc, info: TopInfo, file: LocalFile, offset: int, nrows: int, start: int
+    ) -> None:
+        self.name, self.file, self.row_bytes = info.name, file, info.row_bytes
+        self.offset, self.nrows, self.start = offset, nrows, start
+        # A mapping starts at a page boundary: `skip` bytes of the page before the data.
+        self.skip = offset % _PAGE
+        length = self.skip + nrows * info.row_bytes
+        try:
+            self.address = libc.map(file.fd, length, offset - self.skip)
+        except OSError as exc:
+            raise ReadError(f"{file.name}: top {info.name!r}: cannot map the file: {exc}") from exc
+        whole = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(self.address))
+        # Every view of `whole` refers to it (it does not own its memory): unmapped once the
+        # last view is gone.
+        finalizer = weakref.finalize(whole, libc.unmap, self.address, length)
+        # Not at interpreter exit: a daemon gather thread may still be reading the mapping then.
+        finalizer.atexit = False
+        rows = whole[self.skip :].view(info.dtype).reshape(nrows, *info.sample_shape)
+        rows.flags.writeable = False  # mapped read-only: a write would be a SIGSEGV
+        self.array: np.ndarray | None = rows
+
+    def pages(self, a: int, b: int) -> tuple[int, int]:
+        """Where the pages holding rows ``a:b`` start and end, from :attr:`address`."""
+        lo = self.skip + a * self.row_bytes
+        hi = self.skip + b * self.row_bytes
+        return lo - lo % _PAGE, -(-hi // _PAGE) * _PAGE
+
+    def local(self, a: int, b: int) -> tuple[int, int] | None:
+        """Global rows ``a:b``, as rows of this file (None: none of them is)."""
+        lo, hi = max(a, self.start), min(b, self.start + self.nrows)
+        return (lo - self.start, hi - self.start) if lo < hi else None
+
+
+class Spliced:
+    """One top's rows over several mapped files, indexed by global row: what the gather takes
+    rows from when a source of several files is mapped (it calls :meth:`take`, as
+    ``np.take`` does on an object that has one; :func:`len` bounds the rows it may ask for).
+
+    A batch whose rows are all in one file is one ``np.take``; one spread over several files
+    is taken file by file into its places in ``out``."""
+
+    def __init__(self, parts: list[np.ndarray], starts: list[int]) -> None:
+        self.parts = parts
+        self.starts = np.asarray(starts, np.int64)
+        self.ends = self.starts + np.asarray([len(p) for p in parts], np.int64)
+        self.dtype = parts[0].dtype
+        self.shape = (int(self.ends[-1]), *parts[0].shape[1:])
+
+    def __len__(self) -> int:
+        return int(self.ends[-1])
+
+    def take(
+        self, indices: np.ndarray, axis: int = 0, out: np.ndarray | None = None, mode: str = "clip"
+    ) -> np.ndarray:
+        """``np.take(rows, indices, axis=0, out=out)`` over the files' rows (every index a row:
+        the pipeline checks them)."""
+        assert axis == 0 and out is not None
+        idx = np.asarray(indices, np.int64)
+        if len(idx) == 0:
+            return out
+        part = np.searchsorted(self.ends, idx, side="right")
+        first, last = int(part.min()), int(part.max())
+        if first == last:
+            np.take(self.parts[first], idx - self.starts[first], axis=0, out=out, mode="clip")
+            return out
+        order = np.argsort(part, kind="stable")
+        bounds = np.searchsorted(part[order], np.arange(first, last + 2))
+        for k in range(first, last + 1):
+            where = order[bounds[k - first] : bounds[k - first + 1]]
+            if len(where):
+                out[where] = self.parts[k][idx[where] - self.starts[k]]
+        return out
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, step = rows.indices(len(self))
+        idx = np.arange(start, stop, step, dtype=np.int64)
+        out = np.empty((len(idx), *self.shape[1:]), self.dtype)
+        return self.take(idx, out=out)
