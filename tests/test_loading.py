@@ -129,13 +129,15 @@ async def test_no_read_overwrites_rows_still_in_use(
     assert not reads.overlaps, reads.overlaps
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "refused"])
+@pytest.mark.parametrize("how", ["O_DIRECT", "refused", "long"])
 async def test_data_larger_than_memory_is_read_around_the_page_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """Where the data outgrows the memory the process may use, the reader reads around the
     page cache: ``O_DIRECT``, or where the file system refuses it, advice before and after each
-    read. The epochs are as exact; data that fits reads as before."""
+    read; long ranges through the kernel's read-ahead, dropped after. The epochs are as exact;
+    data that fits reads as before."""
+    direct = how == "O_DIRECT"
     calls: list[object] = []
     real_read, real_advise = _direct.read_direct, _direct.advise
 
@@ -150,8 +152,10 @@ async def test_data_larger_than_memory_is_read_around_the_page_cache(
     monkeypatch.setattr(_local, "read_direct", read_direct)
     monkeypatch.setattr(_local, "advise", advise)
     monkeypatch.setattr(_local, "DIRECT_MIN", 0)  # the test's rows are a few bytes
-    if not direct:  # as a file system that refuses O_DIRECT would
+    if how == "refused":  # as a file system that refuses O_DIRECT would
         monkeypatch.setenv("ASYNCHDF5_DIRECT", "0")
+    if how == "long":  # every range is long
+        monkeypatch.setattr(_local, "DIRECT_MAX", 1)
     source = write_source(tmp_path)[0]
     for memory, streams in ((N * ROW_BYTES - 1, True), (N * ROW_BYTES, False)):
         calls.clear()
@@ -166,8 +170,10 @@ async def test_data_larger_than_memory_is_read_around_the_page_cache(
             assert not calls
         elif direct:
             assert set(calls) == {"direct"}
-        else:
+        elif how == "refused":
             assert {_direct.WILLNEED, _direct.DONTNEED} == set(calls)
+        else:
+            assert {_direct.DONTNEED} == set(calls)
 
 
 async def test_a_file_truncated_under_direct_reads_is_a_read_error(

@@ -27,7 +27,7 @@ from .._errors import DataLayerError, ReadError, SourceError
 from .._priority import background
 from .._stats import ReadStats
 from ._base import ByteRange, StoredFile
-from ._direct import DIRECT_BYTES, DIRECT_MIN, DONTNEED, WILLNEED, advise, read_direct
+from ._direct import DIRECT_BYTES, DIRECT_MAX, DIRECT_MIN, DONTNEED, WILLNEED, advise, read_direct
 from ._entries import HDF5_SIGNATURE
 from ._handles import Fingerprint, LocalFile, OpenFiles
 
@@ -194,14 +194,16 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
     Every ``then`` handed to ``work`` has finished when this returns, errors or not: nothing
     writes into a cache slot after its chunk was given up.
 
-    ``streaming`` (data larger than memory, read once an epoch): ranges read into a buffer
-    bypass the page cache (``O_DIRECT``, through an aligned buffer of the thread's: filling the
-    page cache only for the kernel's reclaim to empty it again cost, under a memory limit, more
-    than twice the CPU, and in the reading thread itself). Where the file system refuses that,
-    and for raw chunks, the kernel is told of the whole batch first (``WILLNEED``: it reads
-    every range at once, where one ``preadv`` at a time leaves the disk one request deep) and
-    each range is dropped once read (``DONTNEED``). Advice only: a failure to give it changes
-    nothing. Ranges under ``DIRECT_MIN`` are read through the page cache all the same.
+    ``streaming`` (data larger than memory, read once an epoch; see :mod:`._direct` for the
+    sizes): a range read into a buffer bypasses the page cache (``O_DIRECT``, through an aligned
+    buffer of the thread's: filling the page cache only for the kernel's reclaim to empty it
+    again costs, under a memory limit, more than twice the CPU, and in the reading thread
+    itself). Where the file system refuses that, and for raw chunks, the kernel is told of the
+    batch's ranges first (``WILLNEED``: it reads them all at once, where one ``preadv`` at a
+    time leaves the disk one request deep). Long ranges (``DIRECT_MAX``) are read through the
+    page cache, which reads ahead of them faster than direct reads go. Each range read through
+    the page cache is dropped once read (``DONTNEED``), but short ones (``DIRECT_MIN``), which
+    are read as usual. Advice only: a failure to give it changes nothing.
     """
     pending: list[tuple[ByteRange, Future[None]]] = []
     files: dict[int, LocalFile] = {}
@@ -218,7 +220,11 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
                 files[id(f)] = f
         # The ranges read around the page cache: with O_DIRECT, or with advice.
         around = {id(r) for r in batch if streaming and r.size >= DIRECT_MIN}
-        _advise([r for r in batch if id(r) in around and not _direct(r)], WILLNEED)
+        # Long ranges are read ahead by the kernel itself (WILLNEED made them slower).
+        _advise(
+            [r for r in batch if id(r) in around and r.size < DIRECT_MAX and not _direct(r)],
+            WILLNEED,
+        )
         for r in batch:
             f = r.file
             assert isinstance(f, LocalFile)
@@ -259,8 +265,13 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
 
 
 def _direct(r: ByteRange) -> bool:
-    """Whether ``r`` is read with ``O_DIRECT`` when streaming."""
-    return r.into is not None and isinstance(r.file, LocalFile) and r.file.direct_fd() is not None
+    """Whether ``r`` is read with ``O_DIRECT`` when streaming (see ``DIRECT_MAX``)."""
+    return (
+        r.into is not None
+        and r.size < DIRECT_MAX
+        and isinstance(r.file, LocalFile)
+        and r.file.direct_fd() is not None
+    )
 
 
 def _read_direct(f: LocalFile, r: ByteRange) -> bool:
