@@ -43,9 +43,10 @@ DIRECT_BYTES = 4 * 2**20
 #: to the device each.
 DIRECT_MIN = 64 * 2**10
 #: Ranges this long or longer are read through the page cache too, with the kernel's read-ahead
-#: (and dropped behind): long sequential reads went faster that way than direct, whose rate
-#: stayed lower whatever the number of reads in flight.
-DIRECT_MAX = 8 * 2**20
+#: (and dropped behind): longer than a shuffle's blocks (``BLOCK_BYTES``), they are the chunks
+#: of an epoch read in order, which the kernel reads ahead of faster than direct reads go. A
+#: block read through the page cache had the kernel read ahead past its end, for nothing.
+DIRECT_MAX = 64 * 2**20
 
 #: ``posix_fadvise`` advice (None where the platform has none).
 WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
