@@ -26,7 +26,7 @@ from ._machine import memory_bytes
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
 from ._shape import DataShape, chunk_lanes, default_block_rows, first_read, mixing_warning
-from ._sources import Source, SourceLike, SourceOptions
+from ._sources import Source, SourceLike, SourceOptions, Streaming
 from .transforms import Transformer
 
 if sys.version_info >= (3, 11):
@@ -233,10 +233,16 @@ class AsyncHDF5DataLayer(_Layer):
                 if rows > shape.chunk_rows:
                     self._size_cache(catalog, rows)  # the budget must hold them
                 slots = allocate_slots(catalog.tops, rows)
-                streaming = 0 < memory < shape.n_samples * shape.row_bytes
-                # Streaming, reads wait on the disk rather than the CPU: more of them in flight.
+                # Data larger than memory: read from the disk every epoch, around the page cache
+                # (Source.fetch); scattered reads wait on the disk, not the CPU: more in flight.
+                streaming: Streaming | None = None
+                if 0 < memory < shape.n_samples * shape.row_bytes:
+                    streaming = "scattered" if self.config.shuffle else "in order"
                 reader = HDF5Reader(
-                    catalog, files, read_threads=8 if streaming else 2, streaming=streaming
+                    catalog,
+                    files,
+                    read_threads=8 if streaming == "scattered" else 2,
+                    streaming=streaming,
                 )
             if isinstance(reader, HDF5Reader) and choice.note != "copied: mmap=False":
                 notes = dict(reader.read_notes)

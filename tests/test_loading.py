@@ -9,12 +9,17 @@ for a piece to be served. A slot shared so goes back only once every chunk in it
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import itertools
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import anyio
+import h5py
+import numpy as np
 import pytest
 
 import asynchdf5._hdf5
@@ -129,14 +134,14 @@ async def test_no_read_overwrites_rows_still_in_use(
     assert not reads.overlaps, reads.overlaps
 
 
-@pytest.mark.parametrize("how", ["O_DIRECT", "refused", "long"])
+@pytest.mark.parametrize("how", ["O_DIRECT", "refused", "in order"])
 async def test_data_larger_than_memory_is_read_around_the_page_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """Where the data outgrows the memory the process may use, the reader reads around the
-    page cache: ``O_DIRECT``, or where the file system refuses it, advice before and after each
-    read; long ranges through the kernel's read-ahead, dropped after. The epochs are as exact;
-    data that fits reads as before."""
+    page cache: shuffled, ``O_DIRECT``, or where the file system refuses it, advice before and
+    after each read; in order, through the kernel's read-ahead, dropped after. The epochs are as
+    exact; data that fits reads as before."""
     direct = how == "O_DIRECT"
     calls: list[object] = []
     real_read, real_advise = _direct.read_direct, _direct.advise
@@ -154,14 +159,12 @@ async def test_data_larger_than_memory_is_read_around_the_page_cache(
     monkeypatch.setattr(_local, "DIRECT_MIN", 0)  # the test's rows are a few bytes
     if how == "refused":  # as a file system that refuses O_DIRECT would
         monkeypatch.setenv("ASYNCHDF5_DIRECT", "0")
-    if how == "long":  # every range is long
-        monkeypatch.setattr(_local, "DIRECT_MAX", 1)
     source = write_source(tmp_path)[0]
     for memory, streams in ((N * ROW_BYTES - 1, True), (N * ROW_BYTES, False)):
         calls.clear()
         monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda memory=memory: memory)
         layer = AsyncHDF5DataLayer(
-            source, batch_size=BATCH, shuffle=True, seed=3, chunk_size=CHUNK,
+            source, batch_size=BATCH, shuffle=how != "in order", seed=3, chunk_size=CHUNK,
             cache_bytes=2 * CHUNK * ROW_BYTES,
         )  # fmt: skip
         async with layer:
@@ -192,3 +195,40 @@ async def test_a_file_truncated_under_direct_reads_is_a_read_error(
                 os.truncate(paths[1], 4096)
                 async for _ in layer:
                     pass
+
+
+async def test_a_file_system_refusing_direct_reads_falls_back_on_every_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that opens with ``O_DIRECT`` but refuses the reads (``EINVAL``): the file is
+    read through the page cache from then on, by every reading thread, the descriptor still open
+    for those already reading from it (closing it at the first refusal failed the others' reads
+    with EBADF)."""
+    real = os.preadv
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            time.sleep(0.002)  # widen the window: other threads take the descriptor meanwhile
+            fcntl.fcntl(fd, fcntl.F_GETFL)  # EBADF, as the read would be, if it was closed
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    n = 40_000  # rows of 1 KiB: chunks of 16 MiB, read by several threads at once
+    path = tmp_path / "wide.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("data", data=np.repeat(np.arange(n, dtype=np.int64), 128).reshape(n, 128))
+        f.create_dataset("label", data=np.arange(n, dtype=np.int64))
+    monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda: n * 1032 - 1)
+    layer = AsyncHDF5DataLayer(
+        [str(path)], batch_size=256, shuffle=True, seed=1, chunk_size=16384, block_size=64
+    )
+    async with layer:
+        for _ in range(2):
+            seen = []
+            with anyio.fail_after(60):
+                async for b in layer:
+                    np.testing.assert_array_equal(b["data"][:, 0], b["label"])
+                    np.testing.assert_array_equal(b["label"], b.indices)
+                    seen.append(b.indices)
+            np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(n))

@@ -33,7 +33,7 @@ from .._layout import Layout
 from .._pages import free_arrays
 from .._plan import ChunkPlan
 from .._priority import background
-from .._sources import ByteRange, Source
+from .._sources import ByteRange, Source, Streaming
 from .._sources._local import PIECE_BYTES
 from .._stats import ReadStats
 from ._spans import merged, uncovered
@@ -117,7 +117,7 @@ class HDF5Reader:
         resident: dict[str, np.ndarray] | None = None,
         read_threads: int = 2,
         decode_threads: int | None = None,
-        streaming: bool = False,
+        streaming: Streaming | None = None,
     ) -> None:
         self.catalog = catalog
         self.source = source

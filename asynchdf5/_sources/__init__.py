@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._base import ByteRange, Source, StoredFile
+from ._base import ByteRange, Source, StoredFile, Streaming
 from ._entries import SourceLike, is_hdf5_file, is_url, name_entry, resolve_source
 from ._local import LocalSource
 from ._remote import RemoteSource
@@ -24,6 +24,7 @@ __all__ = [
     "SourceLike",
     "SourceOptions",
     "StoredFile",
+    "Streaming",
     "is_hdf5_file",
     "is_url",
     "name_entry",

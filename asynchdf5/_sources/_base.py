@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import anyio
 
@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 
     from .._stats import ReadStats
 
-__all__ = ["ByteRange", "Source", "StoredFile"]
+__all__ = ["ByteRange", "Source", "StoredFile", "Streaming"]
+
+#: How a fetch's ranges are read from data larger than memory (see :meth:`Source.fetch`).
+Streaming = Literal["in order", "scattered"]
 
 
 class StoredFile(Protocol):
@@ -126,14 +129,15 @@ class Source(Protocol):
         limiter: anyio.CapacityLimiter,
         stats: ReadStats,
         *,
-        streaming: bool = False,
+        streaming: Streaming | None = None,
     ) -> int:
         """Fetch every range (concurrently, in any order), then check the files they came from.
 
         ``streaming``: the ranges belong to data larger than memory, read once an epoch, so
         nothing is gained by keeping them cached after the fetch; a source may read around its
-        cache (local files: the kernel is told of a batch of ranges before they are read, and
-        to drop them once they are).
+        cache. ``"in order"``: an epoch read in order, chunk after chunk (local files: through
+        the kernel's read-ahead, dropped once read); ``"scattered"``: blocks from all over the
+        data set (local files: ``O_DIRECT``).
 
         ``then`` callables run on ``work``'s threads; at most ``limiter``'s tokens of worker
         threads move bytes at a time. Returns the bytes fetched; transient errors retried are

@@ -24,7 +24,6 @@ from .._errors import ReadError
 __all__ = [
     "DIRECT_ALIGN",
     "DIRECT_BYTES",
-    "DIRECT_MAX",
     "DIRECT_MIN",
     "DONTNEED",
     "WILLNEED",
@@ -42,11 +41,6 @@ DIRECT_BYTES = 4 * 2**20
 #: (labels) stay cached from epoch to epoch, and a direct read of a few KiB costs a round trip
 #: to the device each.
 DIRECT_MIN = 64 * 2**10
-#: Ranges this long or longer are read through the page cache too, with the kernel's read-ahead
-#: (and dropped behind): longer than a shuffle's blocks (``BLOCK_BYTES``), they are the chunks
-#: of an epoch read in order, which the kernel reads ahead of faster than direct reads go. A
-#: block read through the page cache had the kernel read ahead past its end, for nothing.
-DIRECT_MAX = 64 * 2**20
 
 #: ``posix_fadvise`` advice (None where the platform has none).
 WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
@@ -76,8 +70,11 @@ def open_direct(fd: int, dev: int, ino: int) -> int:
         direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return -1
-    st = os.fstat(direct)
-    if (st.st_dev, st.st_ino) != (dev, ino):
+    try:
+        st = os.fstat(direct)
+    except OSError:
+        st = None
+    if st is None or (st.st_dev, st.st_ino) != (dev, ino):
         os.close(direct)
         return -1
     return direct

@@ -172,7 +172,8 @@ class LocalFile:
         self.pins = 0
         self._fd = fd
         self._h5: h5py.File | None = None
-        self._direct: int | None = None  # O_DIRECT descriptor; -1: the file system refused it
+        self._direct: int | None = None  # its O_DIRECT descriptor, once opened
+        self._direct_refused = False  # the file system refused O_DIRECT (open or first read)
         self._h5_opened = False
         self._owner = owner
         self._opening = threading.Lock()  # one thread at a time opens this file's handles
@@ -199,7 +200,7 @@ class LocalFile:
         self._owner.open.pop(self, None)
         fd, h5 = self._fd, self._h5
         self._fd, self._h5 = -1, None
-        if self._direct is not None and self._direct >= 0:
+        if self._direct is not None:
             os.close(self._direct)  # opened again with the file, if it is
             self._direct = None
         return fd, h5
@@ -209,16 +210,21 @@ class LocalFile:
         :mod:`._direct`), while the file is pinned; None where the file system refuses it (and
         after :meth:`refuse_direct`). Opened on first use, closed with the file."""
         with self._owner.lock:
+            if self._direct_refused:
+                return None
             if self._direct is None and self._fd >= 0:
-                self._direct = open_direct(self._fd, self.fingerprint.dev, self.fingerprint.ino)
-            return self._direct if self._direct is not None and self._direct >= 0 else None
+                fd = open_direct(self._fd, self.fingerprint.dev, self.fingerprint.ino)
+                if fd < 0:
+                    self._direct_refused = True
+                    return None
+                self._direct = fd
+            return self._direct
 
     def refuse_direct(self) -> None:
-        """Read this file through the page cache from now on (a direct read was refused)."""
+        """Read this file through the page cache from now on (a direct read was refused). The
+        descriptor stays open until the file's are closed: other threads may be reading from it."""
         with self._owner.lock:
-            fd, self._direct = self._direct, -1
-        if fd is not None and fd >= 0:
-            os.close(fd)
+            self._direct_refused = True
 
     def pin(self) -> int:
         """Keep the file open until :meth:`unpin`, opening it again if it was closed; returns

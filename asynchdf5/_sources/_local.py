@@ -26,8 +26,8 @@ import anyio.to_thread
 from .._errors import DataLayerError, ReadError, SourceError
 from .._priority import background
 from .._stats import ReadStats
-from ._base import ByteRange, StoredFile
-from ._direct import DIRECT_BYTES, DIRECT_MAX, DIRECT_MIN, DONTNEED, WILLNEED, advise, read_direct
+from ._base import ByteRange, StoredFile, Streaming
+from ._direct import DIRECT_BYTES, DIRECT_MIN, DONTNEED, WILLNEED, advise, read_direct
 from ._entries import HDF5_SIGNATURE
 from ._handles import Fingerprint, LocalFile, OpenFiles
 
@@ -101,7 +101,7 @@ class LocalSource:
         limiter: anyio.CapacityLimiter,
         stats: ReadStats,
         *,
-        streaming: bool = False,
+        streaming: Streaming | None = None,
     ) -> int:
         with self._lock:
             if self._closed:
@@ -117,7 +117,8 @@ class LocalSource:
         ordered = sorted(ranges, key=lambda r: (id(r.file), r.offset))
         async with anyio.create_task_group() as tg:
             # Streaming, calls of a direct read each: more of them in flight for the disk.
-            for batch in _batches(ordered, DIRECT_BYTES if streaming else PIECE_BYTES):
+            scattered = streaming == "scattered"
+            for batch in _batches(ordered, DIRECT_BYTES if scattered else PIECE_BYTES):
                 tg.start_soon(self._fetch_in_thread, batch, work, limiter, readers, streaming)
         return sum(r.size for r in ranges)
 
@@ -127,7 +128,7 @@ class LocalSource:
         work: Executor,
         limiter: anyio.CapacityLimiter,
         readers: Executor,
-        streaming: bool = False,
+        streaming: Streaming | None = None,
     ) -> None:
         def read() -> None:
             try:
@@ -188,22 +189,23 @@ def _batches(ranges: Sequence[ByteRange], piece: int) -> Iterator[list[ByteRange
         yield batch
 
 
-def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> None:
+def _fetch(batch: list[ByteRange], work: Executor, streaming: Streaming | None = None) -> None:
     """Read a batch of ranges (blocking); raw bytes go to their ``then`` on ``work``'s threads.
 
     Every ``then`` handed to ``work`` has finished when this returns, errors or not: nothing
     writes into a cache slot after its chunk was given up.
 
-    ``streaming`` (data larger than memory, read once an epoch; see :mod:`._direct` for the
-    sizes): a range read into a buffer bypasses the page cache (``O_DIRECT``, through an aligned
-    buffer of the thread's: filling the page cache only for the kernel's reclaim to empty it
-    again costs, under a memory limit, more than twice the CPU, and in the reading thread
-    itself). Where the file system refuses that, and for raw chunks, the kernel is told of the
-    batch's ranges first (``WILLNEED``: it reads them all at once, where one ``preadv`` at a
-    time leaves the disk one request deep). Long ranges (``DIRECT_MAX``) are read through the
-    page cache, which reads ahead of them faster than direct reads go. Each range read through
-    the page cache is dropped once read (``DONTNEED``), but short ones (``DIRECT_MIN``), which
-    are read as usual. Advice only: a failure to give it changes nothing.
+    ``streaming`` (data larger than memory, read once an epoch; :mod:`._direct` has the
+    sizes): ``"scattered"`` ranges (blocks and lanes of a shuffled epoch) bypass the page cache
+    (``O_DIRECT``, through an aligned buffer of the thread's: filling the page cache only for the
+    kernel's reclaim to empty it again costs, under a memory limit, more than twice the CPU, and
+    in the reading thread itself); where the file system refuses that, and for raw chunks, the
+    kernel is told of the batch's ranges first (``WILLNEED``: it reads them all at once, where
+    one ``preadv`` at a time leaves the disk one request deep). ``"in order"`` ranges (an epoch
+    read chunk after chunk) go through the page cache, whose read-ahead streams them faster than
+    direct reads. Either way a range read through the page cache is dropped once read
+    (``DONTNEED``), but for short ones (``DIRECT_MIN``), which are read as usual. Advice only: a
+    failure to give it changes nothing.
     """
     pending: list[tuple[ByteRange, Future[None]]] = []
     files: dict[int, LocalFile] = {}
@@ -220,16 +222,14 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
                 files[id(f)] = f
         # The ranges read around the page cache: with O_DIRECT, or with advice.
         around = {id(r) for r in batch if streaming and r.size >= DIRECT_MIN}
-        # Long ranges are read ahead by the kernel itself (WILLNEED made them slower).
-        _advise(
-            [r for r in batch if id(r) in around and r.size < DIRECT_MAX and not _direct(r)],
-            WILLNEED,
-        )
+        scattered = streaming == "scattered"
+        # In order, the kernel reads ahead by itself (WILLNEED on long ranges made it slower).
+        _advise([r for r in batch if id(r) in around and scattered and not _direct(r)], WILLNEED)
         for r in batch:
             f = r.file
             assert isinstance(f, LocalFile)
             if r.into is not None:
-                if not (id(r) in around and _direct(r) and _read_direct(f, r)):
+                if not (id(r) in around and scattered and _direct(r) and _read_direct(f, r)):
                     _preadv(f, r)
                 if r.then is not None:
                     r.then(r.into)
@@ -237,7 +237,7 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
                 assert r.then is not None
                 raw = _pread(f, r)
                 pending.append((r, work.submit(r.then, raw)))
-            if id(r) in around and not _direct(r):
+            if id(r) in around and not (scattered and _direct(r)):
                 _advise((r,), DONTNEED)
     except BaseException as exc:
         error = exc
@@ -265,13 +265,8 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: bool = False) -> N
 
 
 def _direct(r: ByteRange) -> bool:
-    """Whether ``r`` is read with ``O_DIRECT`` when streaming (see ``DIRECT_MAX``)."""
-    return (
-        r.into is not None
-        and r.size < DIRECT_MAX
-        and isinstance(r.file, LocalFile)
-        and r.file.direct_fd() is not None
-    )
+    """Whether ``r`` can be read with ``O_DIRECT`` (a buffer to read into, a file that takes it)."""
+    return r.into is not None and isinstance(r.file, LocalFile) and r.file.direct_fd() is not None
 
 
 def _read_direct(f: LocalFile, r: ByteRange) -> bool:

@@ -13,7 +13,7 @@ import anyio
 
 from ..._errors import ReadError
 from ..._stats import ReadStats
-from .._base import ByteRange
+from .._base import ByteRange, Streaming
 from .._local import LocalSource
 from ._errors import ObjectChanged
 from ._fetch import Unit, assign, gather_all, settle, spans, wrap_error
@@ -38,7 +38,7 @@ class Fetcher(Requests):
         limiter: anyio.CapacityLimiter,
         stats: ReadStats,
         *,
-        streaming: bool = False,
+        streaming: Streaming | None = None,
     ) -> int:
         remote = [r for r in ranges if isinstance(r.file, RemoteFile)]
         if len(remote) < len(ranges):
