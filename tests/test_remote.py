@@ -1,5 +1,5 @@
-"""Remote sources: fsspec URLs, against a real S3 API (moto's server, see ``_s3``) and fsspec's
-``memory://``.
+"""Remote sources: fsspec URLs, against a real S3 API (moto's server, see
+``benchmarks/s3_server``) and fsspec's ``memory://``.
 
 The same guarantees as for local files: every epoch yields every sample exactly once, data and
 label aligned, on every read path (contiguous, chunked, gzip, and the h5py fallback over a file
@@ -48,11 +48,11 @@ from asynchdf5._sources._remote import RemoteSource, Transfer, _transfer
 from asynchdf5._sources._remote._errors import Secrets
 from asynchdf5._sources._remote._fetch import spans
 from asynchdf5._sources._remote._obstore import CLIENT_VARIABLE
+from benchmarks.s3_server import SECRET, S3Server
 
 from ._files import LAYOUTS, SIZES, check_batch, check_epoch, check_message, check_prefix, rows
 from ._files import write_h5 as _write_h5
 from ._leaks import aassert_released, asnapshot
-from ._s3 import SECRET, S3Server
 
 pytestmark = pytest.mark.anyio
 

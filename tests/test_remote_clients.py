@@ -27,10 +27,10 @@ from asynchdf5._sources._remote._obstore import (
     obstore_settings,
     translate,
 )
+from benchmarks.s3_server import KEY_ID, SECRET, S3Server
 
 from ._files import SIZES, check_epoch, check_message, write_h5
 from ._leaks import aassert_released, asnapshot
-from ._s3 import KEY_ID, SECRET, S3Server
 
 pytest.importorskip("obstore")
 pytestmark = pytest.mark.anyio

@@ -18,9 +18,9 @@ import anyio
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, Batch
+from benchmarks.s3_server import S3Server
 
 from ._files import SIZES, check_epoch, write_h5
-from ._s3 import S3Server
 
 pytestmark = pytest.mark.anyio
 
