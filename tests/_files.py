@@ -7,13 +7,14 @@ exactly-once are checkable from the batches alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
+import numpy.typing as npt
 
 import asynchdf5._shape
 from asynchdf5 import Batch
@@ -65,7 +66,9 @@ def write_h5(path: Path, start: int, n: int, *, layout: str = "contiguous", **ex
 def write_source(
     folder: Path, sizes: Sequence[int] = SIZES, *, layout: str = "contiguous"
 ) -> tuple[Path, list[Path]]:
-    """Files ``part{i}.h5`` with consecutive global indices, and a list file naming them."""
+    """Files ``part{i}.h5`` with consecutive global indices, and a list file naming them (the
+    folder is made if need be)."""
+    folder.mkdir(parents=True, exist_ok=True)
     paths = []
     start = 0
     for i, n in enumerate(sizes):
@@ -109,8 +112,16 @@ def check_epoch(batches: Sequence[Batch], n: int, batch_size: int, epoch: int) -
     check_batch(batches[-1], batches[-1].size)
     assert 0 < batches[-1].size <= batch_size
     assert {b.epoch for b in batches} == {epoch}
-    seen = np.concatenate([b.indices for b in batches])
+    check_exactly_once([b.indices for b in batches], n)
+
+
+def check_exactly_once(indices: Iterable[npt.ArrayLike], n: int) -> np.ndarray:
+    """Every sample ``0 .. n - 1`` exactly once among ``indices`` (batches' global indices, in
+    any order, from any number of ranks or epochs' parts); returns them, concatenated."""
+    parts = [np.asarray(i, np.int64) for i in indices]
+    seen = np.concatenate(parts) if parts else np.empty(0, np.int64)
     np.testing.assert_array_equal(np.sort(seen), np.arange(n))
+    return seen
 
 
 def check_message(exc: BaseException, *parts: object) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,10 @@ import h5py
 import numpy as np
 import pytest
 
+from benchmarks.s3_server import S3Server
+
+from . import _fake_cupy
+from ._fake_cupy import FakeCupy, FakeDevice, FakeMemory, FakePinnedMemory
 from ._leaks import assert_released, snapshot
 
 
@@ -99,3 +104,37 @@ def h5_source(tmp_path: Path) -> tuple[Path, int]:
     src, n = write_files(tmp_path, [400, 0, 350, 250])
     assert isinstance(src, Path)
     return src, n
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
+    """A fresh stand-in for CuPy (``_fake_cupy``) as ``cupy`` and as ``_fake_cupy.FAKE``, its
+    counters at zero."""
+    fake = FakeCupy()
+    monkeypatch.setattr(_fake_cupy, "FAKE", fake)
+    monkeypatch.setitem(sys.modules, "cupy", fake.module())
+    FakeMemory.created = FakePinnedMemory.created = FakeDevice.synchronized = 0
+    yield fake
+    FakeMemory.capacity = None
+
+
+#: What a test module's S3 server holds: bucket -> key -> object (a file, or its bytes).
+S3Objects = Mapping[str, Mapping[str, Path | bytes]]
+
+
+@pytest.fixture(scope="module")
+def s3_objects() -> S3Objects:
+    """The objects of the module's ``s3`` server: none, unless the module says otherwise by a
+    fixture of this name."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory, s3_objects: S3Objects) -> Iterator[S3Server]:
+    """A real S3 API (moto's server in a subprocess, see ``benchmarks/s3_server``) for each test
+    module that asks for one, holding the module's ``s3_objects``."""
+    folder = tmp_path_factory.mktemp("s3")
+    with S3Server(log=folder / "server.log") as server:
+        for bucket, objects in s3_objects.items():
+            server.upload(bucket, objects)
+        yield server

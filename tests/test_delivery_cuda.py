@@ -37,7 +37,6 @@ from asynchdf5 import (
 from asynchdf5._delivery._cuda import CudaDelivery, parse_device
 from asynchdf5._delivery._cuda_memory import STAGING_DEPTH, DeviceMemory, Staging
 
-from . import _fake_cupy
 from ._fake_cupy import (
     FakeArray,
     FakeCUDARuntimeError,
@@ -112,17 +111,6 @@ def test_importing_asynchdf5_and_host_layers_never_import_cupy() -> None:
 
 
 # -- the stage on the stand-in for CuPy ---------------------------------------------------------
-
-
-@pytest.fixture
-def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
-    """A fresh stand-in as ``cupy`` (and as ``_fake_cupy.FAKE``), its counters at zero."""
-    fake = FakeCupy()
-    monkeypatch.setattr(_fake_cupy, "FAKE", fake)
-    monkeypatch.setitem(sys.modules, "cupy", fake.module())
-    FakeMemory.created = FakePinnedMemory.created = FakeDevice.synchronized = 0
-    yield fake
-    FakeMemory.capacity = None
 
 
 @pytest.mark.parametrize("spec", ["cuda", "cuda:0", 0])
