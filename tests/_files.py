@@ -35,14 +35,30 @@ ROW_BYTES = 2 * 4 + 8  # a row of every top: float32[2] + int64
 N = sum(SIZES)
 
 
-def rows(start: int, n: int) -> dict[str, np.ndarray]:
-    """Rows ``start:start + n`` of the source: the label is the global index."""
+#: A sample shape of more than one axis (small "images"), for tests that want one.
+IMAGE = (3, 4)
+
+
+def rows(start: int, n: int, shape: tuple[int, ...] = (2,)) -> dict[str, np.ndarray]:
+    """Rows ``start:start + n`` of the source: the label is the global index ``i``, and a
+    sample's data are ``10 * i`` plus their flat position in the sample."""
     idx = np.arange(start, start + n, dtype=np.int64)
-    return {"data": (idx[:, None] * 10 + np.arange(2)).astype(np.float32), "label": idx}
+    offsets = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    data = idx.reshape(-1, *([1] * len(shape))) * 10 + offsets
+    return {"data": data.astype(np.float32), "label": idx}
 
 
-def write_h5(path: Path, start: int, n: int, *, layout: str = "contiguous", **extra: Any) -> Path:
-    """One HDF5 file with rows ``start:start + n``; ``extra`` datasets replace or add tops."""
+def write_h5(
+    path: Path,
+    start: int,
+    n: int,
+    *,
+    layout: str = "contiguous",
+    shape: tuple[int, ...] = (2,),
+    **extra: Any,
+) -> Path:
+    """One HDF5 file with rows ``start:start + n`` (samples of ``shape``); ``extra`` datasets
+    replace or add tops."""
     kwargs: dict[str, Any] = {}
     if layout == "chunked":
         kwargs = {"chunks": True}
@@ -51,7 +67,7 @@ def write_h5(path: Path, start: int, n: int, *, layout: str = "contiguous", **ex
     elif layout.startswith("fletcher32"):
         kwargs = {"chunks": True, "fletcher32": True}
     with h5py.File(path, "w") as f:
-        for name, arr in rows(start, n).items():
+        for name, arr in rows(start, n, shape).items():
             if name not in extra:
                 # "...-split": chunks that split a sample, which only h5py reads.
                 shape = (1,) * (arr.ndim - 1) if layout.endswith("-split") else arr.shape[1:]
@@ -64,7 +80,11 @@ def write_h5(path: Path, start: int, n: int, *, layout: str = "contiguous", **ex
 
 
 def write_source(
-    folder: Path, sizes: Sequence[int] = SIZES, *, layout: str = "contiguous"
+    folder: Path,
+    sizes: Sequence[int] = SIZES,
+    *,
+    layout: str = "contiguous",
+    shape: tuple[int, ...] = (2,),
 ) -> tuple[Path, list[Path]]:
     """Files ``part{i}.h5`` with consecutive global indices, and a list file naming them (the
     folder is made if need be)."""
@@ -72,7 +92,7 @@ def write_source(
     paths = []
     start = 0
     for i, n in enumerate(sizes):
-        paths.append(write_h5(folder / f"part{i}.h5", start, n, layout=layout))
+        paths.append(write_h5(folder / f"part{i}.h5", start, n, layout=layout, shape=shape))
         start += n
     lst = folder / "train.txt"
     lst.write_text("# fixture\n\n" + "\n".join(p.name for p in paths) + "\n")

@@ -1,14 +1,12 @@
-"""Shared fixtures: the anyio backends and small HDF5 data sets written into ``tmp_path``."""
+"""Shared fixtures: the anyio backends, the leak check, the stand-in for CuPy and the S3 server.
+The data sets tests write are in ``_files``."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
-import h5py
-import numpy as np
 import pytest
 
 from benchmarks.s3_server import S3Server
@@ -58,52 +56,6 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Every ``@pytest.mark.anyio`` test runs on asyncio and on trio."""
     return str(request.param)
-
-
-def sample_data(start: int, n: int, shape: tuple[int, ...] = (3, 4)) -> dict[str, np.ndarray]:
-    """Rows whose values encode their global index, so alignment is checkable from the data."""
-    idx = np.arange(start, start + n, dtype=np.int64)
-    data = (idx.reshape(-1, *([1] * len(shape))) * 10 + np.zeros(shape, np.int64)).astype(
-        np.float32
-    )
-    return {"data": data, "label": idx}
-
-
-def write_files(
-    folder: Path,
-    sizes: Sequence[int],
-    *,
-    shape: tuple[int, ...] = (3, 4),
-    list_file: bool = True,
-    **dataset_kwargs: Any,
-) -> tuple[Path | list[Path], int]:
-    """Write one HDF5 file per size (global index continues across files).
-
-    Returns the source (a list file, or the list of paths) and the total sample count.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    start = 0
-    for i, n in enumerate(sizes):
-        path = folder / f"part{i}.h5"
-        with h5py.File(path, "w") as f:
-            for name, arr in sample_data(start, n, shape).items():
-                f.create_dataset(name, data=arr, **dataset_kwargs)
-        paths.append(path)
-        start += n
-    if not list_file:
-        return paths, start
-    lst = folder / "train.txt"
-    lst.write_text("# training files\n\n" + "\n".join(p.name for p in paths) + "\n")
-    return lst, start
-
-
-@pytest.fixture
-def h5_source(tmp_path: Path) -> tuple[Path, int]:
-    """A source list of three files (one of them empty): 1000 samples."""
-    src, n = write_files(tmp_path, [400, 0, 350, 250])
-    assert isinstance(src, Path)
-    return src, n
 
 
 @pytest.fixture

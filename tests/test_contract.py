@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 from asynchdf5 import AsyncHDF5DataLayer, Batch, HDF5DataLayer, MemoryDataLayer
 from asynchdf5 import transforms as T
 
-from ._files import check_exactly_once
-from .conftest import sample_data, write_files
+from ._files import IMAGE, check_exactly_once, rows, write_source
 
 pytestmark = pytest.mark.anyio
 
@@ -56,7 +55,7 @@ class AsyncDriver(Driver):
     kind = "async-hdf5"
 
     def make(self) -> Any:
-        src, _ = write_files(self.folder, self.sizes)
+        src, _ = write_source(self.folder, self.sizes, shape=IMAGE)
         return AsyncHDF5DataLayer(src, **self.kw)
 
     async def __aenter__(self) -> Driver:
@@ -92,7 +91,7 @@ class MemoryDriver(AsyncDriver):
     kind = "memory"
 
     def make(self) -> Any:
-        data = sample_data(0, sum(self.sizes))
+        data = rows(0, sum(self.sizes), IMAGE)
         kw = {k: v for k, v in self.kw.items() if k != "chunk_size"}
         return MemoryDataLayer(data, tops=("data", "label"), **kw)
 
@@ -103,7 +102,7 @@ class SyncDriver(Driver):
     kind = "sync-hdf5"
 
     async def __aenter__(self) -> Driver:
-        src, _ = write_files(self.folder, self.sizes)
+        src, _ = write_source(self.folder, self.sizes, shape=IMAGE)
         self.layer = HDF5DataLayer(src, **self.kw)
         self.layer.__enter__()
         return self
