@@ -99,6 +99,24 @@ def write_source(
     return lst, paths
 
 
+def write_bad_file(folder: Path, kind: str) -> Path:
+    """Write a good source (``write_source``) whose second file is replaced by something bad of
+    ``kind`` (missing, text, zero-byte, directory, corrupt); return that path."""
+    _, paths = write_source(folder)
+    bad = paths[1]
+    bad.unlink()
+    if kind == "text":
+        bad.write_text("data,label\n1,2\n")
+    elif kind == "zero-byte":
+        bad.touch()
+    elif kind == "directory":
+        bad.mkdir()
+    elif kind == "corrupt":
+        # The HDF5 signature, then garbage: passes the signature check, fails in HDF5.
+        bad.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(range(256)) * 8)
+    return bad
+
+
 def write_list(folder: Path, names: Sequence[str]) -> Path:
     lst = folder / "train.txt"
     lst.write_text("\n".join(names) + "\n")

@@ -13,6 +13,7 @@ from benchmarks.s3_server import S3Server
 
 from . import _fake_cupy
 from ._fake_cupy import FakeCupy, FakeDevice, FakeMemory, FakePinnedMemory
+from ._files import write_source
 from ._leaks import assert_released, snapshot
 
 
@@ -90,3 +91,10 @@ def s3(tmp_path_factory: pytest.TempPathFactory, s3_objects: S3Objects) -> Itera
         for bucket, objects in s3_objects.items():
             server.upload(bucket, objects)
         yield server
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """A list file naming three files, 300 samples (``_files.write_source``), and the files. A
+    module that means another source defines its own fixture of this name."""
+    return write_source(tmp_path)
