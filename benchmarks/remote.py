@@ -1,7 +1,7 @@
 """Remote sources against an S3 API on localhost: ``python -m benchmarks.remote``.
 
-The server is moto's, in a subprocess (``tests/_s3.py``), with a latency injected into every
-request: its WSGI middleware sleeps ``--latency`` seconds (default 20 ms, a realistic object
+The server is moto's, in a subprocess (``benchmarks/s3_server.py``), with a latency injected into
+every request: its WSGI middleware sleeps ``--latency`` seconds (default 20 ms, a realistic object
 store round trip) in the request's own server thread before handling it, so concurrent requests
 wait concurrently, as on a real link. moto reads a whole object for every ranged GET; the server
 runs with ``--fast-ranges``, which serves ranged GETs of stored objects in O(range) straight from
@@ -54,14 +54,10 @@ import h5py
 import numpy as np
 
 from asynchdf5 import AsyncHDF5DataLayer
+from asynchdf5._sources._remote._obstore import CLIENT_VARIABLE
 from benchmarks import data
 from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests._s3: the server the tests use
-
-from asynchdf5._sources._remote._obstore import CLIENT_VARIABLE  # noqa: E402
-from tests._s3 import KEY_ID, REGION, SECRET, S3Server  # noqa: E402
+from benchmarks.s3_server import KEY_ID, REGION, SECRET, S3Server
 
 BUCKET = "bench"
 PART = 8 * 2**20

@@ -7,13 +7,14 @@ exactly-once are checkable from the batches alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
+import numpy.typing as npt
 
 import asynchdf5._shape
 from asynchdf5 import Batch
@@ -34,14 +35,30 @@ ROW_BYTES = 2 * 4 + 8  # a row of every top: float32[2] + int64
 N = sum(SIZES)
 
 
-def rows(start: int, n: int) -> dict[str, np.ndarray]:
-    """Rows ``start:start + n`` of the source: the label is the global index."""
+#: A sample shape of more than one axis (small "images"), for tests that want one.
+IMAGE = (3, 4)
+
+
+def rows(start: int, n: int, shape: tuple[int, ...] = (2,)) -> dict[str, np.ndarray]:
+    """Rows ``start:start + n`` of the source: the label is the global index ``i``, and a
+    sample's data are ``10 * i`` plus their flat position in the sample."""
     idx = np.arange(start, start + n, dtype=np.int64)
-    return {"data": (idx[:, None] * 10 + np.arange(2)).astype(np.float32), "label": idx}
+    offsets = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    data = idx.reshape(-1, *([1] * len(shape))) * 10 + offsets
+    return {"data": data.astype(np.float32), "label": idx}
 
 
-def write_h5(path: Path, start: int, n: int, *, layout: str = "contiguous", **extra: Any) -> Path:
-    """One HDF5 file with rows ``start:start + n``; ``extra`` datasets replace or add tops."""
+def write_h5(
+    path: Path,
+    start: int,
+    n: int,
+    *,
+    layout: str = "contiguous",
+    shape: tuple[int, ...] = (2,),
+    **extra: Any,
+) -> Path:
+    """One HDF5 file with rows ``start:start + n`` (samples of ``shape``); ``extra`` datasets
+    replace or add tops."""
     kwargs: dict[str, Any] = {}
     if layout == "chunked":
         kwargs = {"chunks": True}
@@ -50,7 +67,7 @@ def write_h5(path: Path, start: int, n: int, *, layout: str = "contiguous", **ex
     elif layout.startswith("fletcher32"):
         kwargs = {"chunks": True, "fletcher32": True}
     with h5py.File(path, "w") as f:
-        for name, arr in rows(start, n).items():
+        for name, arr in rows(start, n, shape).items():
             if name not in extra:
                 # "...-split": chunks that split a sample, which only h5py reads.
                 shape = (1,) * (arr.ndim - 1) if layout.endswith("-split") else arr.shape[1:]
@@ -63,17 +80,41 @@ def write_h5(path: Path, start: int, n: int, *, layout: str = "contiguous", **ex
 
 
 def write_source(
-    folder: Path, sizes: Sequence[int] = SIZES, *, layout: str = "contiguous"
+    folder: Path,
+    sizes: Sequence[int] = SIZES,
+    *,
+    layout: str = "contiguous",
+    shape: tuple[int, ...] = (2,),
 ) -> tuple[Path, list[Path]]:
-    """Files ``part{i}.h5`` with consecutive global indices, and a list file naming them."""
+    """Files ``part{i}.h5`` with consecutive global indices, and a list file naming them (the
+    folder is made if need be)."""
+    folder.mkdir(parents=True, exist_ok=True)
     paths = []
     start = 0
     for i, n in enumerate(sizes):
-        paths.append(write_h5(folder / f"part{i}.h5", start, n, layout=layout))
+        paths.append(write_h5(folder / f"part{i}.h5", start, n, layout=layout, shape=shape))
         start += n
     lst = folder / "train.txt"
     lst.write_text("# fixture\n\n" + "\n".join(p.name for p in paths) + "\n")
     return lst, paths
+
+
+def write_bad_file(folder: Path, kind: str) -> Path:
+    """Write a good source (``write_source``) whose second file is replaced by something bad of
+    ``kind`` (missing, text, zero-byte, directory, corrupt); return that path."""
+    _, paths = write_source(folder)
+    bad = paths[1]
+    bad.unlink()
+    if kind == "text":
+        bad.write_text("data,label\n1,2\n")
+    elif kind == "zero-byte":
+        bad.touch()
+    elif kind == "directory":
+        bad.mkdir()
+    elif kind == "corrupt":
+        # The HDF5 signature, then garbage: passes the signature check, fails in HDF5.
+        bad.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(range(256)) * 8)
+    return bad
 
 
 def write_list(folder: Path, names: Sequence[str]) -> Path:
@@ -109,8 +150,16 @@ def check_epoch(batches: Sequence[Batch], n: int, batch_size: int, epoch: int) -
     check_batch(batches[-1], batches[-1].size)
     assert 0 < batches[-1].size <= batch_size
     assert {b.epoch for b in batches} == {epoch}
-    seen = np.concatenate([b.indices for b in batches])
+    check_exactly_once([b.indices for b in batches], n)
+
+
+def check_exactly_once(indices: Iterable[npt.ArrayLike], n: int) -> np.ndarray:
+    """Every sample ``0 .. n - 1`` exactly once among ``indices`` (batches' global indices, in
+    any order, from any number of ranks or epochs' parts); returns them, concatenated."""
+    parts = [np.asarray(i, np.int64) for i in indices]
+    seen = np.concatenate(parts) if parts else np.empty(0, np.int64)
     np.testing.assert_array_equal(np.sort(seen), np.arange(n))
+    return seen
 
 
 def check_message(exc: BaseException, *parts: object) -> None:

@@ -18,7 +18,7 @@ from asynchdf5._catalog import TopInfo
 from asynchdf5._delivery import BatchBuffers, line_offset
 from asynchdf5._sources import Source
 
-from .conftest import write_files
+from ._files import IMAGE, write_source
 
 pytestmark = pytest.mark.anyio
 
@@ -70,7 +70,7 @@ async def test_batches_follow_the_alignment_of_what_they_are_gathered_from(
     """Cache slots are page-aligned, so streamed batches start on a cache line; a
     ``MemoryDataLayer``'s batches start where the user's arrays do. (Rows of 64 bytes: every
     batch of a group starts at the same offset as the group.)"""
-    src, _ = write_files(tmp_path, [700, 300], shape=(16,))
+    src, _ = write_source(tmp_path, [700, 300], shape=(16,))
     with anyio.fail_after(30):
         async with AsyncHDF5DataLayer(src, batch_size=32, shuffle=True, chunk_size=256) as L:
             offsets = {line_offset(b["data"]) async for b in L}
@@ -91,7 +91,7 @@ async def test_batches_follow_the_alignment_of_what_they_are_gathered_from(
 
 
 async def test_kept_batches_stay_intact_across_epochs(tmp_path: Path) -> None:
-    src, _ = write_files(tmp_path, [700, 300])
+    src, _ = write_source(tmp_path, [700, 300], shape=IMAGE)
     kept = []
     async with AsyncHDF5DataLayer(src, batch_size=32, shuffle=True, seed=0, chunk_size=256) as L:
         for _ in range(3):
@@ -104,7 +104,8 @@ async def test_kept_batches_stay_intact_across_epochs(tmp_path: Path) -> None:
 
 
 async def test_cache_budget_shrinks_chunks(tmp_path: Path) -> None:
-    src, n = write_files(tmp_path, [1000])
+    src, _ = write_source(tmp_path, [1000], shape=IMAGE)
+    n = 1000
     row = 3 * 4 * 4 + 8
     layer = AsyncHDF5DataLayer(src, batch_size=10, cache_bytes=2 * 100 * row)
     with pytest.warns(CacheBudgetWarning):
@@ -125,7 +126,8 @@ async def _enumerate(layer: AsyncHDF5DataLayer) -> AsyncIterator[tuple[int, Batc
 
 
 async def test_a_data_set_that_fits_one_chunk_is_read_once(tmp_path: Path) -> None:
-    src, n = write_files(tmp_path, [600, 400])
+    src, _ = write_source(tmp_path, [600, 400], shape=IMAGE)
+    n = 1000
     async with AsyncHDF5DataLayer(src, batch_size=64, shuffle=True, seed=1) as layer:
         for _ in range(3):
             idx = np.concatenate([b.indices async for b in layer])
@@ -136,7 +138,8 @@ async def test_a_data_set_that_fits_one_chunk_is_read_once(tmp_path: Path) -> No
 
 
 async def test_streaming_rereads_every_epoch(tmp_path: Path) -> None:
-    src, n = write_files(tmp_path, [600, 400])
+    src, _ = write_source(tmp_path, [600, 400], shape=IMAGE)
+    n = 1000
     async with AsyncHDF5DataLayer(
         src, batch_size=64, chunk_size=300, shuffle=True, mmap=False
     ) as layer:
@@ -185,7 +188,8 @@ class _Overlapping(AsyncHDF5DataLayer):
 async def test_the_next_chunk_is_read_while_the_one_before_is_still_being_read(
     tmp_path: Path,
 ) -> None:
-    src, n = write_files(tmp_path, [600, 400])
+    src, _ = write_source(tmp_path, [600, 400], shape=IMAGE)
+    n = 1000
     layer = _Overlapping(src, batch_size=50, chunk_size=250, shuffle=True, seed=3)
     layer.chunks_to_read = 4  # the epoch's chunks (a ramped first chunk, then 250 each)
     with anyio.fail_after(20):  # reads one after the other: the first fetch never returns

@@ -19,19 +19,13 @@ import numpy as np
 import pytest
 
 from asynchdf5 import DataLayerError, HDF5DataLayer
-from asynchdf5._cli import main
 from asynchdf5._cli._hints import SEEK_BYTES
 from asynchdf5._cli._util import size_in_bytes
 
 from ._files import LAYOUTS, N, write_h5, write_source
+from ._helpers import run_main
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def run_main(args: Sequence[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    status = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def inspect_json(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, dict[str, Any]]:

@@ -37,7 +37,6 @@ from asynchdf5 import (
 from asynchdf5._delivery._cuda import CudaDelivery, parse_device
 from asynchdf5._delivery._cuda_memory import STAGING_DEPTH, DeviceMemory, Staging
 
-from . import _fake_cupy
 from ._fake_cupy import (
     FakeArray,
     FakeCUDARuntimeError,
@@ -49,8 +48,8 @@ from ._fake_cupy import (
     FakeStream,
     fake_blocks,
 )
+from ._files import IMAGE, write_source
 from ._gpu_data import IMAGES, LABELS, TRANSFORMERS, check_epoch, host_copy, run_epochs, stage_of
-from .conftest import write_files
 
 # -- device specs and errors without CuPy -------------------------------------------------------
 
@@ -90,7 +89,7 @@ def test_malformed_spec_fails_before_cupy_is_imported(no_cupy: None) -> None:
 
 
 def test_hdf5_layer_checks_device_at_construction(tmp_path: Path, no_cupy: None) -> None:
-    src, _ = write_files(tmp_path, [50])
+    src, _ = write_source(tmp_path, [50], shape=IMAGE)
     with pytest.raises(ConfigurationError, match="needs CuPy"):
         AsyncHDF5DataLayer(src, batch_size=8, device="cuda:0")
 
@@ -112,17 +111,6 @@ def test_importing_asynchdf5_and_host_layers_never_import_cupy() -> None:
 
 
 # -- the stage on the stand-in for CuPy ---------------------------------------------------------
-
-
-@pytest.fixture
-def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
-    """A fresh stand-in as ``cupy`` (and as ``_fake_cupy.FAKE``), its counters at zero."""
-    fake = FakeCupy()
-    monkeypatch.setattr(_fake_cupy, "FAKE", fake)
-    monkeypatch.setitem(sys.modules, "cupy", fake.module())
-    FakeMemory.created = FakePinnedMemory.created = FakeDevice.synchronized = 0
-    yield fake
-    FakeMemory.capacity = None
 
 
 @pytest.mark.parametrize("spec", ["cuda", "cuda:0", 0])
@@ -320,7 +308,8 @@ def test_fake_sync_facade_hands_batches_off_in_the_loops_thread(
     """The ``for`` loop's thread, not the portal's, is the consumer: its stream waits for each
     upload, blocks it frees are ordered on its stream, and ``reuse_buffers`` recycles a batch
     only once the loop has moved past it (the portal takes up to 16 batches at a time)."""
-    src, n = write_files(tmp_path, [700])
+    src, _ = write_source(tmp_path, [700], shape=IMAGE)
+    n = 700
     layer = HDF5DataLayer(src, batch_size=8, device="cuda")
     layer._delivery = CudaDelivery("cuda", [], 8, 8, reuse_buffers=reuse)
     training = FakeStream(non_blocking=True, name="training", busy=True)  # never catches up
@@ -536,7 +525,8 @@ async def test_fake_hand_off_failure_ends_the_epoch(fake_cupy: FakeCupy) -> None
 
 
 def test_fake_sync_hand_off_failure_ends_the_epoch(fake_cupy: FakeCupy, tmp_path: Path) -> None:
-    src, n = write_files(tmp_path, [300])
+    src, _ = write_source(tmp_path, [300], shape=IMAGE)
+    n = 300
     layer = HDF5DataLayer(src, batch_size=8, device="cuda")
     got: list[Batch] = []
     with _FailingStream(fail_at=20), layer:

@@ -30,8 +30,8 @@ from asynchdf5._delivery._cuda import CudaDelivery
 from asynchdf5._delivery._cuda_memory import DeviceMemory
 
 from ._fake_cupy import FakeCupy, FakeMemory, FakeStream
+from ._files import IMAGE, write_source
 from ._gpu_data import IMAGES, LABELS, TRANSFORMERS, check_epoch, run_epochs, stage_of
-from .conftest import write_files
 
 # -- the real CuPy, without a GPU ---------------------------------------------------------------
 #
@@ -280,7 +280,8 @@ async def test_gpu_memory_layer_matches_host(cupy_gpu: Any, shuffle: bool) -> No
 @pytest.mark.gpu
 @pytest.mark.anyio
 async def test_gpu_hdf5_layer_matches_host(cupy_gpu: Any, tmp_path: Path) -> None:
-    src, n = write_files(tmp_path, [300, 0, 250])
+    src, _ = write_source(tmp_path, [300, 0, 250], shape=IMAGE)
+    n = 550
     kw: dict[str, Any] = dict(batch_size=32, shuffle=True, seed=2, chunk_size=128)
     host = await run_epochs(AsyncHDF5DataLayer(src, **kw), epochs=2)
     dev = await run_epochs(AsyncHDF5DataLayer(src, device=0, **kw), epochs=2)
@@ -350,7 +351,8 @@ def test_gpu_sync_facade_on_a_busy_consumer_stream(
     """The sync facade hands each batch to the ``for`` loop's thread and stream: with that
     stream lagging far behind the host, every batch still reads its own rows (with
     ``reuse_buffers``, as long as it is used before the next one is asked for)."""
-    src, n = write_files(tmp_path, [500, 300])
+    src, _ = write_source(tmp_path, [500, 300], shape=IMAGE)
+    n = 800
     layer = HDF5DataLayer(
         src,
         batch_size=8,

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from asynchdf5 import HDF5DataLayer
-from asynchdf5._cli import main
+
+from ._helpers import run_main
 
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
@@ -120,12 +121,6 @@ def epoch(
     out = {k: np.concatenate(v) for k, v in rows.items()}
     np.testing.assert_array_equal(np.sort(out["indices"]), np.arange(n))
     return out
-
-
-def run_main(args: Sequence[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    status = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def inspect_json(source: Path, capsys: pytest.CaptureFixture[str], *tops: str) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Remote sources: fsspec URLs, against a real S3 API (moto's server, see ``_s3``) and fsspec's
-``memory://``.
+"""Remote sources: fsspec URLs, against a real S3 API (moto's server, see
+``benchmarks/s3_server``) and fsspec's ``memory://``.
 
 The same guarantees as for local files: every epoch yields every sample exactly once, data and
 label aligned, on every read path (contiguous, chunked, gzip, and the h5py fallback over a file
@@ -48,11 +48,21 @@ from asynchdf5._sources._remote import RemoteSource, Transfer, _transfer
 from asynchdf5._sources._remote._errors import Secrets
 from asynchdf5._sources._remote._fetch import spans
 from asynchdf5._sources._remote._obstore import CLIENT_VARIABLE
+from benchmarks.s3_server import SECRET, S3Server
 
-from ._files import LAYOUTS, SIZES, check_batch, check_epoch, check_message, check_prefix, rows
-from ._files import write_h5 as _write_h5
+from ._files import (
+    LAYOUTS,
+    SIZES,
+    check_batch,
+    check_epoch,
+    check_message,
+    check_prefix,
+    rows,
+    write_h5,
+    write_source,
+)
 from ._leaks import aassert_released, asnapshot
-from ._s3 import SECRET, S3Server
+from .conftest import S3Objects
 
 pytestmark = pytest.mark.anyio
 
@@ -66,13 +76,13 @@ _counter = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """One S3 server for the module, with the data sets of every layout uploaded."""
-    folder = tmp_path_factory.mktemp("s3")
-    with S3Server(log=folder / "server.log") as server:
-        for layout in LAYOUTS:
-            upload(server, f"layouts/{layout}", SIZES, layout, folder / layout)
-        yield server
+def s3_objects(tmp_path_factory: pytest.TempPathFactory) -> S3Objects:
+    """The module's server (``s3``) holds the data sets of every layout."""
+    folder = tmp_path_factory.mktemp("s3-data")
+    objects: dict[str, Path | bytes] = {}
+    for layout in LAYOUTS:
+        objects.update(source_objects(f"layouts/{layout}", SIZES, layout, folder / layout))
+    return {BUCKET: objects}
 
 
 @pytest.fixture
@@ -109,24 +119,24 @@ def _no_faults_left(request: pytest.FixtureRequest) -> Iterator[None]:
         server.faults(clear=True)
 
 
-def write_files(folder: Path, sizes: tuple[int, ...], layout: str) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    paths, start = [], 0
-    for i, n in enumerate(sizes):
-        paths.append(_write_h5(folder / f"part{i}.h5", start, n, layout=layout))
-        start += n
-    return paths
+def source_objects(
+    prefix: str, sizes: tuple[int, ...], layout: str, folder: Path
+) -> dict[str, Path | bytes]:
+    """``part{i}.h5`` (written into ``folder``) and a list file ``train.txt`` naming them, as
+    objects under ``prefix``."""
+    _, paths = write_source(folder, sizes, layout=layout)
+    objects: dict[str, Path | bytes] = {f"{prefix}/{p.name}": p for p in paths}
+    objects[f"{prefix}/train.txt"] = "\n".join(p.name for p in paths).encode() + b"\n"
+    return objects
 
 
 def upload(
     server: S3Server, prefix: str, sizes: tuple[int, ...], layout: str, folder: Path
 ) -> list[str]:
     """Upload ``part{i}.h5`` and a list file ``train.txt`` under ``prefix``; the files' URLs."""
-    paths = write_files(folder, sizes, layout)
-    objects: dict[str, Path | bytes] = {f"{prefix}/{p.name}": p for p in paths}
-    objects[f"{prefix}/train.txt"] = "\n".join(p.name for p in paths).encode() + b"\n"
+    objects = source_objects(prefix, sizes, layout, folder)
     server.upload(BUCKET, objects)
-    return [f"s3://{BUCKET}/{prefix}/{p.name}" for p in paths]
+    return [f"s3://{BUCKET}/{key}" for key in objects if key.endswith(".h5")]
 
 
 def fresh(server: S3Server, tmp_path: Path, layout: str = "contiguous") -> list[str]:
@@ -240,7 +250,7 @@ def test_sync_facade(s3: S3Server) -> None:
 
 
 async def test_local_files_and_file_urls_mix_with_remote_ones(s3: S3Server, tmp_path: Path) -> None:
-    local = write_files(tmp_path, SIZES, "gzip")
+    _, local = write_source(tmp_path, SIZES, layout="gzip")
     urls = [
         str(local[0]),
         f"s3://{BUCKET}/layouts/contiguous/part1.h5",
@@ -292,7 +302,7 @@ def test_join_url() -> None:
 def test_memory_list_file(tmp_path: Path) -> None:
     fs = fsspec.filesystem("memory")
     fs.pipe("/lists/sub/train.txt", b"# a list\n\na.h5\n../b.h5\ns3://other/c.h5\n")
-    fs.pipe("/lists/sub/one", _write_h5(tmp_path / "x.h5", 0, 5).read_bytes())
+    fs.pipe("/lists/sub/one", write_h5(tmp_path / "x.h5", 0, 5).read_bytes())
     assert resolve_source("memory://lists/sub/train.txt") == [
         "memory://lists/sub/a.h5",
         "memory://lists/b.h5",
@@ -318,7 +328,7 @@ async def test_object_changed_mid_epoch_is_a_read_error(
         if fault == "deleted":
             s3.delete(BUCKET, key_of(victim))
         else:
-            other = _write_h5(tmp_path / "other.h5", 5000, 400, layout=layout)
+            other = write_h5(tmp_path / "other.h5", 5000, 400, layout=layout)
             s3.upload(BUCKET, {key_of(victim): other})
 
     before = await asnapshot()
@@ -562,7 +572,7 @@ def test_secrets_are_scrubbed() -> None:
 async def test_default_blocks_of_a_remote_object_are_a_whole_request(tmp_path: Path) -> None:
     """Each block is at least a request: 8 MiB of samples, not the 1 MiB floor of local files
     (with a chunk that still holds 16 of them)."""
-    path = _write_h5(tmp_path / "blocks.h5", 0, 50)
+    path = write_h5(tmp_path / "blocks.h5", 0, 50)
     fsspec.filesystem("memory").pipe("/blocks/blocks.h5", path.read_bytes())
     with h5py.File(path) as f:
         row = sum(f[top].dtype.itemsize * int(np.prod(f[top].shape[1:])) for top in f)
@@ -577,7 +587,7 @@ async def test_default_blocks_of_a_remote_object_are_a_whole_request(tmp_path: P
 
 async def test_external_link_in_a_remote_file_is_refused(tmp_path: Path) -> None:
     """The link's target exists locally, by that very name: HDF5 must not read it."""
-    target = _write_h5(tmp_path / "target.h5", 0, 50)
+    target = write_h5(tmp_path / "target.h5", 0, 50)
     linked = tmp_path / "linked.h5"
     with h5py.File(linked, "w") as f:
         f["data"] = h5py.ExternalLink(str(target), "/data")
@@ -598,7 +608,7 @@ async def test_external_storage_and_virtual_datasets_in_a_remote_file_are_refuse
     with h5py.File(ext, "w") as f:
         f.create_dataset("data", shape=(50, 2), dtype=np.float32, external=[(str(raw), 0, 400)])
         f.create_dataset("label", data=rows(0, 50)["label"])
-    src = _write_h5(tmp_path / "src.h5", 0, 50)
+    src = write_h5(tmp_path / "src.h5", 0, 50)
     vds = tmp_path / "vds.h5"
     with h5py.File(vds, "w") as f:
         layout = h5py.VirtualLayout(shape=(50, 2), dtype=np.float32)
@@ -645,7 +655,7 @@ async def test_remote_cache_never_serves_a_changed_object(s3: S3Server, tmp_path
     )
     async with AsyncHDF5DataLayer(urls, **kw) as layer:
         check_epoch(await one_epoch(layer), sum(BIG), 40, 0)
-    other = _write_h5(tmp_path / "other.h5", 800, 400, layout="gzip")
+    other = write_h5(tmp_path / "other.h5", 800, 400, layout="gzip")
     with h5py.File(other, "a") as f:  # the same rows, other data
         f["data"][...] = -f["data"][...]
     s3.upload(BUCKET, {key_of(urls[2]): other})
@@ -685,7 +695,7 @@ def memory_source(
 ) -> list[str]:
     fs = fsspec.filesystem("memory")
     urls = []
-    for p in write_files(tmp_path / name, sizes, layout):
+    for p in write_source(tmp_path / name, sizes, layout=layout)[1]:
         fs.pipe(f"/{name}/{p.name}", p.read_bytes())
         urls.append(f"memory://{name}/{p.name}")
     return urls
@@ -706,7 +716,7 @@ async def test_memory_object_changed_mid_epoch(tmp_path: Path, fault: str) -> No
     name = f"m{next(_counter)}"
     urls = memory_source(tmp_path, name, "gzip")
     fs = fsspec.filesystem("memory")
-    other = _write_h5(tmp_path / "other.h5", 5000, 400, layout="gzip").read_bytes()
+    other = write_h5(tmp_path / "other.h5", 5000, 400, layout="gzip").read_bytes()
 
     def act(i: int) -> None:
         if i == 1:

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -27,10 +26,11 @@ from asynchdf5._sources._remote._obstore import (
     obstore_settings,
     translate,
 )
+from benchmarks.s3_server import KEY_ID, SECRET, S3Server
 
-from ._files import SIZES, check_epoch, check_message, write_h5
+from ._files import SIZES, check_epoch, check_message, write_source
 from ._leaks import aassert_released, asnapshot
-from ._s3 import KEY_ID, SECRET, S3Server
+from .conftest import S3Objects
 
 pytest.importorskip("obstore")
 pytestmark = pytest.mark.anyio
@@ -41,16 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    folder = tmp_path_factory.mktemp("s3-clients")
-    with S3Server(log=folder / "server.log") as server:
-        objects: dict[str, Path | bytes] = {}
-        start = 0
-        for i, n in enumerate(SIZES):
-            objects[f"part{i}.h5"] = write_h5(folder / f"part{i}.h5", start, n)
-            start += n
-        server.upload(BUCKET, objects)
-        yield server
+def s3_objects(tmp_path_factory: pytest.TempPathFactory) -> S3Objects:
+    """The module's server (``s3``) holds ``part{i}.h5``."""
+    _, paths = write_source(tmp_path_factory.mktemp("s3-clients"))
+    return {BUCKET: {p.name: p for p in paths}}
 
 
 def urls() -> list[str]:

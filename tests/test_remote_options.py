@@ -18,9 +18,10 @@ import anyio
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, Batch
+from benchmarks.s3_server import S3Server
 
-from ._files import SIZES, check_epoch, write_h5
-from ._s3 import S3Server
+from ._files import SIZES, check_epoch, write_source
+from .conftest import S3Objects
 
 pytestmark = pytest.mark.anyio
 
@@ -31,23 +32,17 @@ REFUSED = "http://127.0.0.1:9"  # the discard port: nothing listens, connections
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """A server of its own (its authentication is switched on), with ``data/part{i}.h5``, one
-    more copy of the last part under ``other/``, and ``lists/train.txt`` naming them (relative
+def s3_objects(tmp_path_factory: pytest.TempPathFactory) -> S3Objects:
+    """The module's server (``s3``, its authentication switched on) holds ``data/part{i}.h5``,
+    the last part under ``other/`` instead, and ``lists/train.txt`` naming them (relative
     entries, and one URL)."""
-    folder = tmp_path_factory.mktemp("s3-options")
-    with S3Server(log=folder / "server.log") as server:
-        objects: dict[str, Path | bytes] = {}
-        start = 0
-        for i, n in enumerate(SIZES):
-            objects[f"data/part{i}.h5"] = write_h5(folder / f"part{i}.h5", start, n)
-            start += n
-        objects["other/last.h5"] = objects.pop(f"data/part{len(SIZES) - 1}.h5")
-        lines = [f"../data/part{i}.h5" for i in range(len(SIZES) - 1)]
-        lines.append(f"s3://{BUCKET}/other/last.h5")
-        objects["lists/train.txt"] = ("\n".join(lines) + "\n").encode()
-        server.upload(BUCKET, objects)
-        yield server
+    _, paths = write_source(tmp_path_factory.mktemp("s3-options"))
+    objects: dict[str, Path | bytes] = {f"data/{p.name}": p for p in paths}
+    objects["other/last.h5"] = objects.pop(f"data/part{len(SIZES) - 1}.h5")
+    lines = [f"../data/part{i}.h5" for i in range(len(SIZES) - 1)]
+    lines.append(f"s3://{BUCKET}/other/last.h5")
+    objects["lists/train.txt"] = ("\n".join(lines) + "\n").encode()
+    return {BUCKET: objects}
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,7 @@ import asynchdf5.torch._epoch
 from asynchdf5 import ConfigurationError, StateError
 from asynchdf5.torch import HDF5IterableDataset, MemoryIterableDataset
 
-from . import _fake_cupy
-from ._fake_cupy import FakeCupy, FakeDevice, FakeMemory, FakePinnedMemory
+from ._fake_cupy import FakeCupy
 from ._files import rows, write_source
 from ._leaks import assert_released, snapshot
 
@@ -620,17 +619,6 @@ def test_indices_must_not_shadow_a_top() -> None:
 
 
 # --- device batches ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
-    """The stand-in for CuPy of ``_fake_cupy`` as ``cupy``, its counters at zero."""
-    fake = FakeCupy()
-    monkeypatch.setattr(_fake_cupy, "FAKE", fake)
-    monkeypatch.setitem(sys.modules, "cupy", fake.module())
-    FakeMemory.created = FakePinnedMemory.created = FakeDevice.synchronized = 0
-    yield fake
-    FakeMemory.capacity = None
 
 
 def test_device_batches_go_through_dlpack(fake_cupy: FakeCupy) -> None:

@@ -1,5 +1,6 @@
 """A real S3 API for the remote-source tests and benchmarks: moto's server in a subprocess of its
-own, behind a small WSGI middleware that injects faults.
+own, behind a small WSGI middleware that injects faults. It lives with the benchmarks, which
+never import the tests; the tests import it from here.
 
 Why a subprocess: the server's threads and sockets stay out of the test process, whose leak check
 counts threads and file descriptors after every test; and killing it is a real server crash.
@@ -278,7 +279,13 @@ class S3Server:
         """Start the server (on ``port``, by default the one it had, else a free one), with
         ``faults`` (as for :meth:`faults`) in place from its first request."""
         port = self.port if port is None else port
-        args = [sys.executable, "-m", "tests._s3", str(port), json.dumps(dict(faults or {}))]
+        args = [
+            sys.executable,
+            "-m",
+            "benchmarks.s3_server",
+            str(port),
+            json.dumps(dict(faults or {})),
+        ]
         if self.fast_ranges:
             args.append("--fast-ranges")
         root = Path(__file__).resolve().parent.parent
