@@ -46,8 +46,12 @@ Backend = Literal["asyncio", "trio"]
 
 
 def portal_threads() -> list[threading.Thread]:
-    """The sync facade's event loop threads (anyio names them ``<backend>-portal-<id>``)."""
-    return [t for t in threading.enumerate() if "-portal-" in t.name]
+    """The sync facade's event loop threads (``asynchdf5-<backend>-bridge``)."""
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith("asynchdf5-") and t.name.endswith("-bridge")
+    ]
 
 
 # --------------------------------------------------------------------------------------------
