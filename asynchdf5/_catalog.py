@@ -36,6 +36,9 @@ __all__ = [
     "Segment",
     "TopInfo",
     "build_catalog",
+    "check_top",
+    "physical",
+    "refuse_external_links",
 ]
 
 #: How many of a file's datasets a "top is missing" message lists.
@@ -156,7 +159,7 @@ def _missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
     )
 
 
-def _check_top(name: str, h5: h5py.File, top: str) -> h5py.Dataset:
+def check_top(name: str, h5: h5py.File, top: str) -> h5py.Dataset:
     try:
         obj = h5.get(top)
     except (KeyError, OSError) as exc:  # a dangling soft or external link
@@ -194,7 +197,7 @@ def _check_top(name: str, h5: h5py.File, top: str) -> h5py.Dataset:
     return obj
 
 
-def _refuse_external_links(name: str, h5: h5py.File, top: str) -> None:
+def refuse_external_links(name: str, h5: h5py.File, top: str) -> None:
     """In a file that is not local, a top reached through an external link is refused before
     HDF5 follows the link: it would look the target up on the local file system (and h5py's
     file-object driver would read the remote file again in its place). The path is walked link
@@ -206,7 +209,7 @@ def _refuse_external_links(name: str, h5: h5py.File, top: str) -> None:
         try:
             link = h5.get(where, getlink=True)
         except (KeyError, OSError, TypeError):
-            return  # not there (or not a group on the way): _check_top says so
+            return  # not there (or not a group on the way): check_top says so
         if isinstance(link, h5py.ExternalLink):
             raise SourceError(
                 f"{name}: top {top!r} goes through the external link {where!r} to "
@@ -229,7 +232,7 @@ def _refuse_external_links(name: str, h5: h5py.File, top: str) -> None:
 # --- the catalog -------------------------------------------------------------------------------
 
 
-def _physical(source: Source, file: StoredFile, dset: h5py.Dataset) -> tuple[StoredFile, Any]:
+def physical(source: Source, file: StoredFile, dset: h5py.Dataset) -> tuple[StoredFile, Any]:
     """The file that holds ``dset`` and the dataset opened there: the target of an external
     link is another file, whose own bytes the reader must read."""
     if dset.file.id == file.h5py_file().id:
@@ -289,8 +292,8 @@ def _describe_file(
     layouts: dict[str, Layout] = {}
     for name in tops:
         if not file.local:
-            _refuse_external_links(file.name, h5, name)
-        dset = _check_top(file.name, h5, name)
+            refuse_external_links(file.name, h5, name)
+        dset = check_top(file.name, h5, name)
         native = dset.dtype.newbyteorder("=")
         shape = tuple(int(s) for s in dset.shape[1:])
         spec = specs.get(name)
@@ -304,7 +307,7 @@ def _describe_file(
                 f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
             )
         rows[name] = int(dset.shape[0])
-        holder, dset = _physical(source, file, dset)
+        holder, dset = physical(source, file, dset)
         with holder.pinned():  # an external link's target: not closed while described
             layout = layouts[name] = describe(source, holder, dset, name)
         touched[id(holder)] = holder

@@ -21,7 +21,7 @@ from ._cache import CacheBudgetWarning, CachePlan, Slot, allocate_slots, size_ca
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
-from ._layer import _Layer
+from ._layer import LayerBase
 from ._machine import memory_bytes
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
@@ -57,7 +57,7 @@ def _stored_rows(catalog: Catalog) -> int:
     )
 
 
-class AsyncHDF5DataLayer(_Layer):
+class AsyncHDF5DataLayer(LayerBase):
     """Shuffled minibatches from HDF5 files, for ``async for`` in a training coroutine.
 
     A background pipeline reads large chunks of the source into a host cache, cuts them into

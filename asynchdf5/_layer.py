@@ -45,7 +45,7 @@ else:  # pragma: no cover
 _log = logging.getLogger("asynchdf5")
 
 
-class _Layer(SyncInterface):
+class LayerBase(SyncInterface):
     """What every layer shares: configuration, lifecycle, iterators, stats."""
 
     def __init__(self, config: LayerConfig) -> None:

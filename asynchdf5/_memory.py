@@ -13,7 +13,7 @@ from ._cache import Slot
 from ._catalog import TopInfo
 from ._config import LayerConfig
 from ._errors import ConfigurationError, SchemaError
-from ._layer import _Layer
+from ._layer import LayerBase
 from ._properties import document
 from ._read import MemoryReader, Reader
 from ._shape import DataShape
@@ -22,7 +22,7 @@ from .transforms import Transformer
 __all__ = ["MemoryDataLayer"]
 
 
-class MemoryDataLayer(_Layer):
+class MemoryDataLayer(LayerBase):
     """The same interface and semantics as :class:`AsyncHDF5DataLayer`, over arrays in memory.
 
     Works with ``async with`` / ``async for`` and with ``with`` / ``for``. The whole data set

@@ -341,12 +341,12 @@ def test_kept_tensors_are_never_overwritten(kind: str, source: Path, workers: in
 
 def test_conversion_copies_only_what_torch_cannot_share() -> None:
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
-    t = asynchdf5.torch._epoch._tensor(a)
+    t = asynchdf5.torch._epoch.as_tensor(a)
     assert t.data_ptr() == a.ctypes.data
     readonly = a.copy()
     readonly.flags.writeable = False
     for odd in (readonly, a[::-1], np.broadcast_to(a[0], (3, 4))):
-        t = asynchdf5.torch._epoch._tensor(odd)  # no warning, no error: a copy
+        t = asynchdf5.torch._epoch.as_tensor(odd)  # no warning, no error: a copy
         assert torch.equal(t, torch.from_numpy(np.array(odd)))
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import DataLayerError
-from .._catalog import _check_top, _physical, _refuse_external_links, build_catalog
+from .._catalog import build_catalog, check_top, physical, refuse_external_links
 from .._codecs import FILTER_NAMES
 from .._config import DEFAULT_TOPS
 from .._layout import describe
@@ -162,9 +162,9 @@ def _top(source: Source, file: Any, name: str) -> TopReport:
     """One top of one open file (raises the layer's SourceError / SchemaError)."""
     h5 = file.h5py_file()
     if not file.local:
-        _refuse_external_links(file.name, h5, name)
-    dset = _check_top(file.name, h5, name)
-    holder, dset = _physical(source, file, dset)
+        refuse_external_links(file.name, h5, name)
+    dset = check_top(file.name, h5, name)
+    holder, dset = physical(source, file, dset)
     with holder.pinned():  # an external link's target: not closed while described
         return _describe_top(source, holder, file, dset, name)
 

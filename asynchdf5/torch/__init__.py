@@ -76,15 +76,15 @@ except ImportError as exc:  # tested with torch hidden from the import system
 
 from .._cache import default_cache_bytes
 from .._hdf5 import HDF5DataLayer
-from .._layer import _Layer
+from .._layer import LayerBase
 from .._memory import MemoryDataLayer
 from .._sources import SourceLike
-from ._dataset import _LayerDataset
+from ._dataset import LayerDataset
 
 __all__ = ["HDF5IterableDataset", "MemoryIterableDataset"]
 
 
-class HDF5IterableDataset(_LayerDataset):
+class HDF5IterableDataset(LayerDataset):
     """Batches from HDF5 files as dicts of ``torch.Tensor``, for PyTorch's ``DataLoader``.
 
     A ``torch.utils.data.IterableDataset`` over :class:`~asynchdf5.HDF5DataLayer`: use it as
@@ -159,7 +159,7 @@ class HDF5IterableDataset(_LayerDataset):
         assert isinstance(self._layer, HDF5DataLayer)
         self._source = list(self._layer.paths)  # resolved: the same files in any process
 
-    def _new_layer(self, **properties: Any) -> _Layer:
+    def _new_layer(self, **properties: Any) -> LayerBase:
         return HDF5DataLayer(self._source, **properties)
 
     def _worker_properties(self, properties: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -172,7 +172,7 @@ class HDF5IterableDataset(_LayerDataset):
         return {**super()._worker_properties(properties, workers), "cache_bytes": max(1, share)}
 
 
-class MemoryIterableDataset(_LayerDataset):
+class MemoryIterableDataset(LayerDataset):
     """Batches from arrays in memory as dicts of ``torch.Tensor``, for PyTorch's ``DataLoader``.
 
     The same interface and semantics as :class:`HDF5IterableDataset`, over
@@ -221,5 +221,5 @@ class MemoryIterableDataset(_LayerDataset):
         self._data = data
         super().__init__(properties, indices=indices, num_workers=num_workers)
 
-    def _new_layer(self, **properties: Any) -> _Layer:
+    def _new_layer(self, **properties: Any) -> LayerBase:
         return MemoryDataLayer(self._data, **properties)

@@ -19,8 +19,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .._batch import Batch
 from .._errors import ConfigurationError, StateError
-from .._layer import _Layer
-from ._epoch import INDICES, Tensors, _Epoch, _tensor
+from .._layer import LayerBase
+from ._epoch import INDICES, Epoch, Tensors, as_tensor
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -57,13 +57,13 @@ class _Board:
         self.values = state["tensor"].numpy()
 
 
-def _close_layer(layer: _Layer, pid: int) -> None:
+def _close_layer(layer: LayerBase, pid: int) -> None:
     """Close ``layer`` if this process opened it (a forked copy is never touched)."""
     if os.getpid() == pid:
         layer.close()
 
 
-class _LayerDataset(IterableDataset[Tensors]):
+class LayerDataset(IterableDataset[Tensors]):
     """What both datasets share; subclasses say how to make their layer."""
 
     def __init__(
@@ -109,15 +109,15 @@ class _LayerDataset(IterableDataset[Tensors]):
         # (epoch, batches of it before the loaded state): len() counts them, as
         # StatefulDataLoader counts them among the batches of the epoch.
         self._resumed: tuple[int, int] | None = None
-        self._layer: _Layer | None = None
+        self._layer: LayerBase | None = None
         self._pid: int | None = None
         self._opened = False
-        self._live: weakref.ReferenceType[_Epoch] | None = None
+        self._live: weakref.ReferenceType[Epoch] | None = None
         self._adopt(layer)
 
     # --- what subclasses provide --------------------------------------------------------------
 
-    def _new_layer(self, **properties: Any) -> _Layer:
+    def _new_layer(self, **properties: Any) -> LayerBase:
         raise NotImplementedError
 
     def _worker_properties(self, properties: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -141,7 +141,7 @@ class _LayerDataset(IterableDataset[Tensors]):
                 "processes (and the layer has its own threads; see the docs)"
             )
 
-    def _worker_layer(self, worker: Any) -> _Layer:
+    def _worker_layer(self, worker: Any) -> LayerBase:
         """A DataLoader worker's layer: this rank's, serving the worker's contiguous run of
         every epoch's batches, with its share of the cache budget."""
         k, declared = worker.num_workers, self.num_workers
@@ -165,7 +165,7 @@ class _LayerDataset(IterableDataset[Tensors]):
         values[1] = max(int(values[1]), k)
         return layer
 
-    def _adopt(self, layer: _Layer) -> None:
+    def _adopt(self, layer: LayerBase) -> None:
         """``layer`` is this process's layer from now on."""
         pid = os.getpid()
         self._layer, self._pid, self._opened, self._live = layer, pid, False, None
@@ -174,7 +174,7 @@ class _LayerDataset(IterableDataset[Tensors]):
             # A worker process waits for its threads when it ends: close the layer first.
             multiprocessing.util.Finalize(self, _close_layer, args=(layer, pid), exitpriority=0)
 
-    def _this_layer(self) -> _Layer:
+    def _this_layer(self) -> LayerBase:
         """This process's layer (made on first use in a process this dataset was copied to)."""
         layer = self._layer
         if layer is not None and self._pid == os.getpid():
@@ -195,7 +195,7 @@ class _LayerDataset(IterableDataset[Tensors]):
         self._adopt(layer)
         return layer
 
-    def _abandon(self, keep: _Epoch | None = None) -> None:
+    def _abandon(self, keep: Epoch | None = None) -> None:
         """End the epoch a previous iteration left suspended in this process."""
         live = self._live() if self._live is not None else None
         self._live = None
@@ -211,9 +211,9 @@ class _LayerDataset(IterableDataset[Tensors]):
                 "this dataset's epochs are served by DataLoader workers (num_workers > 0): "
                 "iterate it through a DataLoader"
             )
-        return _Epoch(self)
+        return Epoch(self)
 
-    def _begin(self, epoch: _Epoch) -> Iterator[Batch]:
+    def _begin(self, epoch: Epoch) -> Iterator[Batch]:
         layer = self._this_layer()
         self._abandon(keep=epoch)
         values = self._board.values
@@ -246,7 +246,7 @@ class _LayerDataset(IterableDataset[Tensors]):
             self._mark(self._layer.epoch)
 
     def _tensors(self, batch: Batch) -> Tensors:
-        out = {name: _tensor(array) for name, array in batch.items()}
+        out = {name: as_tensor(array) for name, array in batch.items()}
         if self.indices:
             out[INDICES] = torch.from_numpy(batch.indices)
         return out

@@ -12,7 +12,7 @@ from torch.utils.dlpack import from_dlpack
 from .._batch import Batch
 
 if TYPE_CHECKING:
-    from ._dataset import _LayerDataset
+    from ._dataset import LayerDataset
 
 #: The key of the global indices in a batch, with ``indices=True``.
 INDICES = "indices"
@@ -20,7 +20,7 @@ INDICES = "indices"
 Tensors = dict[str, torch.Tensor]
 
 
-def _tensor(array: Any) -> torch.Tensor:
+def as_tensor(array: Any) -> torch.Tensor:
     """``array`` as a tensor over the same memory (a copy only where torch cannot share it)."""
     if type(array).__module__.startswith("cupy"):  # a device batch: DLPack, stream-ordered
         return from_dlpack(array)
@@ -30,20 +30,20 @@ def _tensor(array: Any) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-class _Epoch(Iterator[Tensors]):
+class Epoch(Iterator[Tensors]):
     """One epoch of a dataset, in the process that iterates it.
 
     Deliberately without ``state_dict``: torchdata's StatefulDataLoader then saves the dataset's
     state, which says where the layer's consumer is at the moment it is asked.
     """
 
-    def __init__(self, dataset: _LayerDataset) -> None:
+    def __init__(self, dataset: LayerDataset) -> None:
         self._dataset = dataset
         self._batches: Iterator[Batch] | None = None
         self._started = False
         self._done = False
 
-    def __iter__(self) -> _Epoch:
+    def __iter__(self) -> Epoch:
         return self
 
     def __next__(self) -> Tensors:
