@@ -56,17 +56,25 @@ async def _epoch(layer: AsyncHDF5DataLayer, most_fds: list[int]) -> list[Batch]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_NOFILE and /proc")
-def test_thousands_of_files_under_a_low_descriptor_limit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("streaming", [False, True], ids=["cached", "streaming"])
+def test_thousands_of_files_under_a_low_descriptor_limit(tmp_path: Path, streaming: bool) -> None:
     """3,000 files, ``ulimit -n 256``: two shuffled epochs, each exactly once (in a child that
-    lowers its own limit)."""
+    lowers its own limit). Streaming (data larger than memory, every range read direct), each
+    open file holds a third descriptor."""
     lst = write_many(tmp_path, 3000, 3)
     code = textwrap.dedent(
         f"""
         import resource
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
         import anyio
+        import asynchdf5._hdf5
+        import asynchdf5._sources._local
         from asynchdf5 import AsyncHDF5DataLayer
         from tests._files import check_epoch
+
+        if {streaming!r}:
+            asynchdf5._hdf5.memory_bytes = lambda: 1
+            asynchdf5._sources._local.DIRECT_MIN = 0
 
         async def main():
             with anyio.fail_after(60):

@@ -32,23 +32,24 @@ from ._direct import open_direct
 
 __all__ = ["MAX_OPEN_FILES", "Fingerprint", "LocalFile", "OpenFiles", "open_limit"]
 
-#: The most files a source keeps open at once (a quarter of ``ulimit -n`` when that is lower).
+#: The most files a source keeps open at once (a fifth of ``ulimit -n`` when that is lower).
 MAX_OPEN_FILES = 128
 
 _FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
 def open_limit() -> int:
-    """How many files a source keeps open: :data:`MAX_OPEN_FILES`, or a quarter of this
-    process's descriptor limit when that is lower (each file may hold two descriptors, and the
-    rest of the process needs its own), and at least 2."""
+    """How many files a source keeps open: :data:`MAX_OPEN_FILES`, or a fifth of this
+    process's descriptor limit when that is lower (each file may hold three descriptors: ours,
+    h5py's, and an ``O_DIRECT`` one for data larger than memory; the rest of the process needs
+    its own), and at least 2."""
     try:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     except (OSError, ValueError):  # pragma: no cover - no such limit here
         return MAX_OPEN_FILES
     if soft == resource.RLIM_INFINITY:
         return MAX_OPEN_FILES
-    return max(2, min(MAX_OPEN_FILES, soft // 4))
+    return max(2, min(MAX_OPEN_FILES, soft // 5))
 
 
 class Fingerprint(NamedTuple):
