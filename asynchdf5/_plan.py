@@ -228,11 +228,11 @@ def plan_epoch(
     first pieces would hold a block or two: every epoch's first batches would come from a few
     places, which class-sorted data shows as batches of one class).
 
-    ``chunk_lanes`` (shuffled only): the rank's share is cut into that many lanes, equal
-    stretches of its walk, and each chunk takes the same share of every lane, so that a chunk
-    draws from at least that many places of the data set however few blocks it holds (a cache
-    shrunk to a small memory budget, blocks kept large for the disk). Chunks then hold at most
-    ``chunk_size`` rows each (their lanes' shares are rounded); 1 is the plain cut.
+    ``chunk_lanes`` (shuffled only): the rank's share is dealt row by row to that many lanes,
+    each a stretch of its walk, and each chunk takes ``chunk_size`` rows from every lane in turn
+    (:class:`~._walk.Lanes`), so that a chunk draws from at least that many places of the data
+    set however few blocks it holds (a cache shrunk to a small memory budget, blocks kept large
+    for the disk); 1 is the plain cut.
     """
     tail: tuple[int, ...]
     if stream:
@@ -270,18 +270,20 @@ def plan_epoch(
         return tuple(out)
 
     chunks: list[ChunkPlan] = []
-    for k in order:
+
+    def add(got: tuple[tuple[int, int], ...]) -> None:
         i = len(chunks)
-        chunk_seed = seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
-        if i == 0 and first_rows is not None:
+        chunks.append(
+            ChunkPlan(epoch, i, got, seed_tuple(seed, epoch, rank, 2, i) if shuffle else None)
+        )
+
+    for k in order:
+        if not chunks and first_rows is not None:
             first = stretches(k)
             rows = sum(b - a for a, b in first)
             if rows > 2 * first_rows:  # the first chunk, read as a ramp of growing pieces
                 for part in ramp(0, rows, first_rows, ramp_lanes if shuffle else 1):
-                    i = len(chunks)
-                    chunk_seed = seed_tuple(seed, epoch, rank, 2, i) if shuffle else None
-                    chunks.append(ChunkPlan(epoch, i, ranges(within(first, part)), chunk_seed))
+                    add(ranges(within(first, part)))
                 continue
-        got = laned.ranges(k) if laned is not None else ranges(stretches(k))
-        chunks.append(ChunkPlan(epoch, i, got, chunk_seed))
+        add(laned.ranges(k) if laned is not None else ranges(stretches(k)))
     return EpochPlan(epoch, size, tuple(chunks), batch_size, full, tail)

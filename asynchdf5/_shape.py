@@ -101,6 +101,19 @@ def ramp_lanes(first: int, row_bytes: int, stored_rows: int = 0, request_bytes: 
     return max(1, min(RAMP_LANES, first // lane))
 
 
+def lane_part_rows(row_bytes: int, stored_rows: int = 0, request_bytes: int = 0) -> int:
+    """The fewest rows of a chunk's lane part (:func:`chunk_lanes`): ``MIN_LANE_BYTES``,
+    ``STORED_CHUNKS_PER_BLOCK`` stored chunks decoded whole (as blocks span) and a remote
+    request."""
+    row_bytes = max(1, row_bytes)
+    return max(
+        1,
+        MIN_LANE_BYTES // row_bytes,
+        STORED_CHUNKS_PER_BLOCK * stored_rows,
+        -(-request_bytes // row_bytes),
+    )
+
+
 def chunk_lanes(
     chunk_rows: int,
     block_rows: int | None,
@@ -112,9 +125,7 @@ def chunk_lanes(
     ``BLOCKS_PER_CHUNK`` blocks (``MIN_BLOCKS_PER_CHUNK`` of compressed or remote data), else up
     to ``BLOCKS_PER_CHUNK``, so that a chunk still draws from enough
     places of the data set for its batches to mix when the cache had to shrink (a small memory
-    budget) or the rows are narrow. Each lane's part of a chunk stays at least
-    ``MIN_LANE_BYTES``, ``STORED_CHUNKS_PER_BLOCK`` stored chunks decoded whole (as blocks do)
-    and a remote request.
+    budget) or the rows are narrow. Each lane's part of a chunk keeps :func:`lane_part_rows`.
 
     Unlike the blocks, the lanes may depend on the cache (``chunk_rows``): they cut this rank's
     share into chunks, and never change which samples a rank serves.
@@ -124,13 +135,7 @@ def chunk_lanes(
     want = MIN_BLOCKS_PER_CHUNK if stored_rows or request_bytes else BLOCKS_PER_CHUNK
     if block_rows is None or chunk_rows // block_rows >= want:
         return 1
-    row_bytes = max(1, row_bytes)
-    part = max(
-        1,
-        MIN_LANE_BYTES // row_bytes,
-        STORED_CHUNKS_PER_BLOCK * stored_rows,
-        -(-request_bytes // row_bytes),
-    )
+    part = lane_part_rows(row_bytes, stored_rows, request_bytes)
     return max(1, min(BLOCKS_PER_CHUNK, chunk_rows // part))
 
 
@@ -151,14 +156,7 @@ def mixing_warning(
     places = lanes + chunk_rows // block_rows
     if places >= MIN_PLACES:
         return None
-    row_bytes = max(1, row_bytes)
-    part = max(
-        1,
-        MIN_LANE_BYTES // row_bytes,
-        STORED_CHUNKS_PER_BLOCK * stored_rows,
-        -(-request_bytes // row_bytes),
-    )
-    need = 2 * MIN_PLACES * part * row_bytes
+    need = 2 * MIN_PLACES * lane_part_rows(row_bytes, stored_rows, request_bytes) * row_bytes
     return (
         f"chunks of {chunk_rows} samples draw from {places} places of the data set, fewer than "
         f"the {MIN_PLACES} that mix class-sorted data to 0.95 of a full permutation: give the "

@@ -43,7 +43,7 @@ import numpy as np
 from asynchdf5._config import BLOCK_BYTES
 from asynchdf5._sources._local import PIECE_BYTES
 from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
-from benchmarks.page_cache import resident_fraction
+from benchmarks.page_cache import evict, resident_fraction
 from benchmarks.shuffle_quality import IMAGE_ROW_BYTES, header, utc_now
 
 MB = 1e6
@@ -51,19 +51,6 @@ MB = 1e6
 READ_THREADS = 2
 #: The fraction of the sequential rate a block must keep to be a candidate default.
 TARGET = 0.9
-
-# --- the page cache ----------------------------------------------------------------------------
-
-
-def evict(path: str | Path) -> None:
-    """Drop the file's clean pages from the page cache (flushing dirty ones first)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
 
 # --- reads as the layer issues them ------------------------------------------------------------
 

@@ -220,16 +220,27 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: Streaming | None =
                 except ReadError as exc:
                     raise ReadError(f"{r.about}: {exc}") from exc
                 files[id(f)] = f
-        # The ranges read around the page cache: with O_DIRECT, or with advice.
+        # The ranges read around the page cache: scattered ones with O_DIRECT where the file
+        # takes it, the others with advice (in order, the kernel reads ahead by itself: WILLNEED
+        # on long ranges made it slower).
         around = {id(r) for r in batch if streaming and r.size >= DIRECT_MIN}
-        scattered = streaming == "scattered"
-        # In order, the kernel reads ahead by itself (WILLNEED on long ranges made it slower).
-        _advise([r for r in batch if id(r) in around and scattered and not _direct(r)], WILLNEED)
+        direct = {
+            id(r) for r in batch if id(r) in around and streaming == "scattered" and _direct(r)
+        }
+        _advise(
+            [
+                r
+                for r in batch
+                if id(r) in around and id(r) not in direct and streaming == "scattered"
+            ],
+            WILLNEED,
+        )
         for r in batch:
             f = r.file
             assert isinstance(f, LocalFile)
             if r.into is not None:
-                if not (id(r) in around and scattered and _direct(r) and _read_direct(f, r)):
+                if not (id(r) in direct and _read_direct(f, r)):
+                    direct.discard(id(r))  # refused: read through the page cache
                     _preadv(f, r)
                 if r.then is not None:
                     r.then(r.into)
@@ -237,7 +248,7 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: Streaming | None =
                 assert r.then is not None
                 raw = _pread(f, r)
                 pending.append((r, work.submit(r.then, raw)))
-            if id(r) in around and not (scattered and _direct(r)):
+            if id(r) in around and id(r) not in direct:
                 _advise((r,), DONTNEED)
     except BaseException as exc:
         error = exc
