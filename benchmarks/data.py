@@ -27,7 +27,9 @@ import h5py
 import numpy as np
 import numpy.typing as npt
 
-from benchmarks.config import DatasetSpec
+from benchmarks.config import DEFAULT_DATA_DIR, DatasetSpec
+
+__all__ = ["DEFAULT_DATA_DIR", "DatasetFiles", "DatasetSpec", "ensure"]
 
 PARAMS_ATTR = "asynchdf5_bench"
 TOPS = ("data", "label")
