@@ -65,17 +65,19 @@ class Recorder:
         self.notes: list[str] = []
 
     def figure(self, name: str, value: float | None, unit: str) -> None:
-        """Record ``value`` (in ``unit``) as ``name``; a missing, non-finite or non-positive value
-        becomes a note instead, so every recorded figure is a finite positive number."""
-        if value is None or not math.isfinite(value) or value <= 0:
+        """Record ``value`` (in ``unit``) as ``name``; ``None`` (not measured) is left out, and a
+        non-finite or non-positive value becomes a note, so every figure is finite and positive."""
+        if value is None:
+            return
+        if not math.isfinite(value) or value <= 0:
             self.notes.append(f"{name}: no figure ({value!r} {unit})")
             return
         self.figures.append({"name": name, "value": float(value), "unit": unit})
 
     def ratio(self, name: str, num: float | None, den: float | None) -> None:
-        """Record ``num / den`` as a ratio (a note when either is missing)."""
-        ok = num is not None and den is not None and den > 0
-        self.figure(name, num / den if ok else None, "ratio")  # type: ignore[operator]
+        """Record ``num / den`` as a ratio (left out when either was not measured)."""
+        if num is not None and den is not None:
+            self.figure(name, num / den if den > 0 else math.nan, "ratio")
 
     def param(self, **params: Any) -> None:
         """Record the sizes and settings of the run (JSON-able values)."""
