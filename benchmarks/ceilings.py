@@ -246,7 +246,7 @@ def ceiling(rec: Recorder, cfg: Sizes, files: DatasetFiles) -> None:
     copy_runs: list[LayerRun] = []
     errors: list[str] = []
     kwargs = image_layer_kwargs(files, cfg)
-    copy1, copy2 = _copy_rate(1), _copy_rate(2)
+    copy1, copy2 = _copy_rate(1, cfg.copy_bytes), _copy_rate(2, cfg.copy_bytes)
     with ThreadPoolExecutor(2, thread_name_prefix="ceiling") as pool:
         for _ in range(cfg.rounds):
             with sync_deadline(cfg.deadline_s):
@@ -332,8 +332,8 @@ def ceiling(rec: Recorder, cfg: Sizes, files: DatasetFiles) -> None:
         rec.ratio(f"{label_}, later epochs ÷ 2-thread chunk loop", later, rl2)
         if runs[-1].stats is not None:
             rec.note(f"{label_}: {runs[-1].note()}")
-    rec.figure("memory copy (np.copyto, 512 MiB), 1 thread", copy1 / 1e9, "GB/s")
-    rec.figure("memory copy (np.copyto, 512 MiB), 2 threads", copy2 / 1e9, "GB/s")
+    rec.figure("memory copy (np.copyto), 1 thread", copy1 / 1e9, "GB/s")
+    rec.figure("memory copy (np.copyto), 2 threads", copy2 / 1e9, "GB/s")
     for e in errors:
         rec.note(e)
 

@@ -70,6 +70,8 @@ class Sizes:
         settings measured, and those measured beside one busy process per core.
     first_chunks, first_repeats
         ``first-batch``: chunk sizes for the first-batch latency, and openings per chunk size.
+    copy_bytes
+        ``ceilings``: bytes of the memory-copy rate's buffers.
     deadline_s
         Limit of one measurement (an opening and its epochs).
     """
@@ -94,6 +96,7 @@ class Sizes:
     busy_nice: tuple[str, ...] = ("0", "3", "10")
     first_chunks: tuple[int, ...] = (2**14, 2**17, 2**20)
     first_repeats: int = 3
+    copy_bytes: int = 512 * 2**20
     deadline_s: float = 120.0
     seed: int = 0
     data_dir: Path = DEFAULT_DATA_DIR
@@ -118,6 +121,7 @@ QUICK: dict[str, Any] = {
     "busy_nice": ("0",),
     "first_chunks": (2**11, 2**13),
     "first_repeats": 1,
+    "copy_bytes": 16 * 2**20,
     "deadline_s": 30.0,
 }
 

@@ -384,10 +384,10 @@ def measure(
 
     for client in ("aiobotocore", "obstore"):
         log(f"parallel download, {client}")
-        limit, limit_cpu = download_limit(server, key, size, client=client)
+        limit, limit_cpu = download_limit(server, key, size, runs=args.repeats + 1, client=client)
         row(
             f"parallel download ({client}): {PART >> 20} MiB ranged GETs, {IN_FLIGHT} in flight "
-            "(best of 3)",
+            f"(best of {args.repeats + 1})",
             limit,
             cpu=limit_cpu,
         )
@@ -397,18 +397,19 @@ def measure(
     for client in ("obstore", "s3fs"):
         log(f"asynchdf5 remote, {client}")
         runs = [
-            asynchdf5_epochs([url], cpu=cpu, client=client, storage_options=opts) for _ in range(2)
+            asynchdf5_epochs([url], cpu=cpu, client=client, storage_options=opts)
+            for _ in range(args.repeats)
         ]
         e1 = min(runs, key=lambda r: r[0][0])
         e2 = min(runs, key=lambda r: r[0][1])
         row(
-            f"asynchdf5 remote ({client}), epoch 1 from construction (best of 2)",
+            f"asynchdf5 remote ({client}), epoch 1 from construction (best of {args.repeats})",
             e1[0][0],
             first_batch=e1[1],
             cpu=e1[2]["cpu"][0],
         )
         row(
-            f"asynchdf5 remote ({client}), epoch 2 (best of 2)",
+            f"asynchdf5 remote ({client}), epoch 2 (best of {args.repeats})",
             e2[0][1],
             extra=e2[2],
             cpu=e2[2]["cpu"][1],
@@ -486,6 +487,7 @@ def bench(rec: Recorder) -> None:
         latency=0.02,
         busy_ms=0.0 if quick else 1.0,
         budget=1.0 if quick else 20.0,
+        repeats=1 if quick else 2,
         data_dir=rec.data_dir,
     )
     sets = ["contiguous"] if quick else ["contiguous", "gzip"]

@@ -450,7 +450,7 @@ def bench(rec: Any) -> None:
     with tempfile.TemporaryDirectory(prefix="step-cost-") as tmp:
         out = Path(tmp) / "step_cost.json"
         argv = ["--data-dir", str(rec.data_dir), "--output", str(out)]
-        argv += ["--quick", "--steps", "20", "--timeout", "60"] if rec.quick else []
+        argv += ["--quick", "--steps", "10", "--timeout", "60"] if rec.quick else []
         with contextlib.redirect_stdout(sys.stderr):
             main(argv)
         result = json.loads(out.read_text())

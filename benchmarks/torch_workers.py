@@ -2,7 +2,7 @@
 a CPU-heavy Python transformer (a per-sample augmentation that holds the GIL)
 (``python -m benchmarks run torch-workers``).
 
-Writes (once) N images (20,000; ``--quick``: 2,048) of 3x64x64 uint8 with an ``int64`` label into
+Writes (once) N images (20,000; ``--quick``: 1,024) of 3x64x64 uint8 with an ``int64`` label into
 the data folder, reads them once to warm the page cache, then times whole epochs of
 ``batch_size=256, shuffle=True`` through ``DataLoader(ds, batch_size=None, num_workers=k)`` after
 one untimed epoch, and records the median of the repeats. Also times what each batch costs to
@@ -88,7 +88,7 @@ def crossing(row_bytes: int) -> float:
 def bench(rec: Recorder) -> None:
     """Median samples/s of the timed epochs at 0 and 2 workers, with and without the Python
     augmentation, and the cost of one batch's ``share_memory_()``."""
-    n, repeats = (2048, 1) if rec.quick else (20_000, 3)
+    n, repeats = (1024, 1) if rec.quick else (20_000, 3)
     path = images(rec.data_dir / f"torch-workers-{n}", n)
     with open(path, "rb") as f:  # warm
         while f.read(2**24):
