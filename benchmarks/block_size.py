@@ -42,6 +42,7 @@ import numpy as np
 
 from asynchdf5._config import BLOCK_BYTES
 from asynchdf5._sources._local import PIECE_BYTES
+from benchmarks import data
 from benchmarks.config import IMAGE_SHAPE, DatasetSpec
 from benchmarks.page_cache import evict, resident_fraction
 from benchmarks.report import Recorder
@@ -151,26 +152,6 @@ def pass_ranges(
 # --- the read measurement ----------------------------------------------------------------------
 
 
-def generate(path: Path, size: int, seed: int = 0) -> float:
-    """Write ``size`` random bytes to ``path`` (synced); returns the seconds it took."""
-    t0 = time.perf_counter()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    rng = np.random.default_rng(seed)
-    piece = 64 * 2**20
-    with open(tmp, "wb") as f:
-        left = size
-        while left > 0:
-            n = min(piece, left)
-            words = rng.integers(0, 2**63, size=-(-n // 8), dtype=np.uint64)
-            f.write(memoryview(words.view(np.uint8))[:n])
-            left -= n
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(path)
-    return time.perf_counter() - t0
-
-
 @dataclass(frozen=True)
 class EvictionCheck:
     resident_before: float | None
@@ -233,7 +214,7 @@ def measure_reads(rec: Recorder, args: argparse.Namespace) -> None:
     if path.exists() and path.stat().st_size == size:
         notes.append(f"file: {path}, {size / 2**30:g} GiB of random bytes (reused)")
     else:
-        secs = generate(path, size)
+        secs = data.random_bytes(path, size)
         notes.append(
             f"file: {path}, {size / 2**30:g} GiB of random bytes (written in {secs:.0f} s)"
         )
@@ -379,7 +360,6 @@ def measure_layer(rec: Recorder, args: argparse.Namespace) -> None:
 
     from asynchdf5 import AsyncHDF5DataLayer
     from asynchdf5._cache import N_SLOTS
-    from benchmarks import data
 
     spec = DatasetSpec(
         name="contiguous",

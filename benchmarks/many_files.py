@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import h5py
 import numpy as np
 
 from asynchdf5 import AsyncHDF5DataLayer
+from benchmarks import data
 from benchmarks.report import Recorder
 
 #: Samples per file, and the shape of one sample's ``data`` (float32) beside an int64 label.
@@ -43,32 +43,6 @@ ROWS_PER_FILE = 50
 SAMPLE_SHAPE = (32,)
 BATCH_SIZE = 256
 EPOCHS = 2
-
-
-def _rows(start: int, n: int) -> dict[str, np.ndarray]:
-    idx = np.arange(start, start + n, dtype=np.int64)
-    data = (idx[:, None] + np.arange(SAMPLE_SHAPE[0])).astype(np.float32)
-    return {"data": data, "label": idx}
-
-
-def _write(path: Path, start: int, n: int) -> None:
-    with h5py.File(path, "w") as f:
-        for name, arr in _rows(start, n).items():
-            f.create_dataset(name, data=arr)
-
-
-def write_sources(folder: Path, files: int) -> tuple[Path, Path]:
-    """``files`` shard files and a list naming them; one file with the same samples."""
-    names = []
-    for i in range(files):
-        name = f"shard-{i:06d}.h5"
-        _write(folder / name, i * ROWS_PER_FILE, ROWS_PER_FILE)
-        names.append(name)
-    lst = folder / "train.txt"
-    lst.write_text("\n".join(names) + "\n")
-    one = folder / "one.h5"
-    _write(one, 0, files * ROWS_PER_FILE)
-    return lst, one
 
 
 def _fds() -> int:
@@ -118,7 +92,7 @@ def run(files: int, data_dir: str | None, nofile: int) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="asynchdf5-many-files-", dir=data_dir))
     try:
         t0 = time.perf_counter()
-        lst, one = write_sources(folder, files)
+        lst, one = data.shard_files(folder, files, ROWS_PER_FILE, SAMPLE_SHAPE)
         written_s = time.perf_counter() - t0
         n = files * ROWS_PER_FILE
         results = {}

@@ -38,16 +38,13 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 
-from benchmarks import cgroups
-from benchmarks.config import IMAGE_SHAPE
+from benchmarks import cgroups, data
 from benchmarks.page_cache import evict, resident_fraction
 from benchmarks.report import Recorder, utc_now
 
 SAMPLE_BYTES = 3 * 32 * 32 + 8
 PIECE_BYTES = 8 * 2**20
-PARAMS_ATTR = "asynchdf5_ooc_bench"
 #: name: (child kind, job parameters)
 READERS: dict[str, tuple[str, dict[str, Any]]] = {
     "sequential": ("sequential", {}),
@@ -60,45 +57,6 @@ READERS: dict[str, tuple[str, dict[str, Any]]] = {
 #: child of the layer with default properties is killed for memory under 64 MiB.
 QUICK = {"samples": 20_000, "limit_mib": 128, "bound_s": 1.0}
 FULL = {"samples": 1_000_000, "limit_mib": 512, "bound_s": 30.0}
-
-
-# --- the data file -----------------------------------------------------------------------------
-
-
-def data_path(data_dir: Path, n: int) -> Path:
-    return data_dir / f"ooc-class-sorted-{n}.h5"
-
-
-def ensure_file(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bool]:
-    """The class-sorted image file of ``n`` samples, written unless a complete one exists;
-    returns (path, reused). Image bytes are random (no reader here decodes or compresses)."""
-    path = data_path(data_dir, n)
-    params = json.dumps({"samples": n, "seed": seed, "version": 1})
-    try:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get(PARAMS_ATTR) == params:
-                return path, True
-    except OSError:
-        pass
-    data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".h5.tmp")
-    rng = np.random.default_rng(seed)
-    step = 16384
-    with h5py.File(tmp, "w") as f:
-        data = f.create_dataset("data", (n, *IMAGE_SHAPE), "uint8")  # contiguous
-        label = f.create_dataset("label", (n,), "int64")
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            data[a:b] = rng.integers(0, 256, (b - a, *IMAGE_SHAPE), dtype=np.uint8)
-            label[a:b] = np.arange(a, b, dtype=np.int64) * 10 // n
-        f.attrs[PARAMS_ATTR] = params
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be evicted
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return path, False
 
 
 def offsets(path: Path) -> tuple[int, int]:
@@ -207,7 +165,7 @@ def _one_line(r: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     n = args.samples
-    path, reused = ensure_file(Path(args.data_dir), n)
+    path, reused = data.class_sorted_images(Path(args.data_dir), n)
     size = path.stat().st_size
     names = list(READERS) if not args.only else args.only
     load0 = os.getloadavg()

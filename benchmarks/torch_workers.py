@@ -16,12 +16,12 @@ import statistics
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from asynchdf5.torch import HDF5IterableDataset
+from benchmarks import data
 from benchmarks.report import Recorder
 
 BATCH = 256
@@ -36,23 +36,6 @@ def augment(x: np.ndarray) -> np.ndarray:
         noisy = s.astype(np.int16) + rng.integers(-8, 9, s.shape, dtype=np.int16)
         out[i] = np.clip(noisy, 0, 255)
     return out
-
-
-def images(folder: Path, n: int) -> Path:
-    path = folder / "images.h5"
-    if path.exists():
-        with h5py.File(path, "r") as f:
-            if f["data"].shape[0] == n:
-                return path
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    with h5py.File(path, "w") as f:
-        d = f.create_dataset("data", (n, 3, 64, 64), np.uint8)
-        for a in range(0, n, 10_000):
-            b = min(n, a + 10_000)
-            d[a:b] = rng.integers(0, 256, (b - a, 3, 64, 64), dtype=np.uint8)
-        f.create_dataset("label", data=np.arange(n, dtype=np.int64) % 1000)
-    return path
 
 
 def rate(path: Path, workers: int, heavy: bool, repeats: int) -> float:
@@ -89,7 +72,7 @@ def bench(rec: Recorder) -> None:
     """Median samples/s of the timed epochs at 0 and 2 workers, with and without the Python
     augmentation, and the cost of one batch's ``share_memory_()``."""
     n, repeats = (1024, 1) if rec.quick else (20_000, 3)
-    path = images(rec.data_dir / f"torch-workers-{n}", n)
+    path = data.large_images(rec.data_dir / f"torch-workers-{n}", n)
     with open(path, "rb") as f:  # warm
         while f.read(2**24):
             pass
