@@ -21,6 +21,7 @@ import numpy as np
 
 from benchmarks import sources
 from benchmarks.data import DatasetFiles
+from benchmarks.hand_loops import chunk_loop2_epochs, chunk_loop_epochs
 from benchmarks.layer_runs import (
     BACKENDS,
     Array,
@@ -29,8 +30,6 @@ from benchmarks.layer_runs import (
     LayerRun,
     Sizes,
     async_epochs,
-    chunk_loop2_epochs,
-    chunk_loop_epochs,
     image_layer_kwargs,
     image_set,
     layer_runs,

@@ -375,7 +375,7 @@ def random_bytes(path: Path, size: int, seed: int = 0) -> float:
         while left > 0:
             n = min(piece, left)
             words = rng.integers(0, 2**63, size=-(-n // 8), dtype=np.uint64)
-            f.write(memoryview(words.view(np.uint8))[:n])
+            f.write(words.view(np.uint8).data[:n])
             left -= n
         f.flush()
         os.fsync(f.fileno())

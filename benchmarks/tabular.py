@@ -14,10 +14,10 @@ from typing import Any
 import asynchdf5
 from benchmarks import sources
 from benchmarks.data import DatasetFiles
+from benchmarks.hand_loops import chunk_loop_epochs
 from benchmarks.layer_runs import (
     LayerRun,
     Sizes,
-    chunk_loop_epochs,
     layer_runs,
     median,
     rate,

@@ -50,6 +50,9 @@ def test_quick_result_is_well_formed(quick_run: tuple[Path, str], name: str) -> 
         assert name in MAY_SKIP, doc["skipped"]
         return
     assert doc["figures"], doc["notes"]
+    # A measurement that fails inside a benchmark is a note (the others still run): none may.
+    failures = [n for n in doc["notes"] if "Error" in n or "failed" in n.lower()]
+    assert not failures, failures
     for f in doc["figures"]:
         assert set(f) == {"name", "value", "unit"}, f
         assert isinstance(f["value"], float) and math.isfinite(f["value"]) and f["value"] > 0, f
