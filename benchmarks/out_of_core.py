@@ -55,7 +55,7 @@ READERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 #: --quick: a toy file that is smaller than the limit (the run proves the code, not the rate): a
 #: child of the layer with default properties is killed for memory under 64 MiB.
-QUICK = {"samples": 20_000, "limit_mib": 128, "bound_s": 1.0}
+QUICK = {"samples": 20_000, "limit_mib": 128, "bound_s": 0.5}
 FULL = {"samples": 1_000_000, "limit_mib": 512, "bound_s": 30.0}
 
 

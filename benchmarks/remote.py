@@ -28,7 +28,7 @@ For each data set (the suite's image set, contiguous; and its gzip set), stored 
   does, written with ``pwrite``), then the same layer over the local file, to the end of its
   first epoch; its second epoch is shown as the pipeline's own pace on this machine.
 
-``--quick``: the contiguous set at 8,192 samples, no busy consumer, 1 s budgets.
+``--quick``: the contiguous set at 8,192 samples, no busy consumer, 0.3 s budgets.
 """
 
 from __future__ import annotations
@@ -486,7 +486,7 @@ def bench(rec: Recorder) -> None:
         samples=8192 if quick else 200_000,
         latency=0.02,
         busy_ms=0.0 if quick else 1.0,
-        budget=1.0 if quick else 20.0,
+        budget=0.3 if quick else 20.0,
         repeats=1 if quick else 2,
         data_dir=rec.data_dir,
     )
