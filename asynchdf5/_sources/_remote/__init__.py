@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from ._cache import DiskCache
 from ._files import RemoteFile
-from ._source import RemoteSource, file_url_path, read_source_url
+from ._source import RemoteSource, read_source_url
 from ._transfer import TRANSFER, Transfer
 
 __all__ = [
@@ -49,6 +49,5 @@ __all__ = [
     "RemoteFile",
     "RemoteSource",
     "Transfer",
-    "file_url_path",
     "read_source_url",
 ]

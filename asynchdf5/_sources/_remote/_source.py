@@ -7,15 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..._errors import SourceError
-from .._base import StoredFile
-from .._entries import HDF5_SIGNATURE, is_url
+from .._base import HDF5_SIGNATURE, StoredFile, file_url_path, is_url
 from .._local import LocalFile, LocalSource
 from . import _transfer
 from ._cache import DiskCache
@@ -26,18 +24,6 @@ from ._files import RemoteFile
 from ._loop import LoopThread
 from ._stores import Store, make_store
 from ._transfer import Transfer
-
-
-def file_url_path(url: str) -> str | None:
-    """The local path of a ``file://`` URL (None for other URLs)."""
-    if not url.lower().startswith("file://"):
-        return None
-    from urllib.parse import unquote, urlsplit
-
-    parts = urlsplit(url)
-    if parts.netloc not in ("", "localhost"):
-        return None  # a file on another host: leave it to fsspec
-    return os.path.normpath(unquote(parts.path))
 
 
 class RemoteSource(Fetcher):
@@ -85,6 +71,10 @@ class RemoteSource(Fetcher):
         self.retries = 0
         self.cache_hits = 0
         self.cache_misses = 0
+
+    @property
+    def piece_bytes(self) -> int:
+        return self._local.piece_bytes  # local files among the entries are read by it
 
     # --- lifecycle --------------------------------------------------------------------------
 
