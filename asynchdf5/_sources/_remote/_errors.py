@@ -1,5 +1,5 @@
-"""What stores answer, sorted into what asynchdf5 does about it; and secrets kept out of
-messages."""
+"""What stores answer, sorted into what asynchdf5 does about it (:func:`classify`), the errors
+that name the object (:func:`read_error`), and secrets kept out of messages (:class:`Secrets`)."""
 
 from __future__ import annotations
 
@@ -150,6 +150,29 @@ def classify(exc: BaseException) -> str:
     ):
         return "transient"  # a socket error (an aiohttp ClientOSError is one too)
     return "other"
+
+
+def read_error(
+    name: str, about: str, exc: BaseException, attempts: int, scrub: Secrets
+) -> ReadError:
+    """The :class:`~asynchdf5.ReadError` for a request about ``about`` of the object ``name``
+    that failed with ``exc`` (after ``attempts`` tries, if transient): the object changed, was
+    deleted, or could not be read. Its cause is kept unless printing it would show a secret."""
+    what = classify(exc)
+    if what == "changed":
+        detail = f" ({exc})" if isinstance(exc, Changed) else ""
+        msg = f"{name}: {about}: the object was changed after the source was opened{detail}"
+    elif what == "missing":
+        msg = f"{name}: {about}: the object was deleted after the source was opened"
+    elif what == "transient":
+        msg = f"{name}: {about}: read failed after {attempts} attempts: {describe(exc)}"
+    else:
+        msg = f"{name}: {about}: read failed: {describe(exc)}"
+    err = ReadError(scrub(msg))
+    if not scrub.leaks(exc):
+        err.__cause__ = exc
+    err.__suppress_context__ = True
+    return err
 
 
 class Changed(Exception):
