@@ -1,5 +1,6 @@
 """What stores answer, sorted into what asynchdf5 does about it (:func:`classify`), the errors
-that name the object (:func:`read_error`), and secrets kept out of messages (:class:`Secrets`)."""
+that name the object (:func:`read_error`, :func:`check_length`, :func:`decode_error`), and
+secrets kept out of messages (:class:`Secrets`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..._errors import ReadError
+from ..._errors import DataLayerError, ReadError
 
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
@@ -172,6 +173,25 @@ def read_error(
     if not scrub.leaks(exc):
         err.__cause__ = exc
     err.__suppress_context__ = True
+    return err
+
+
+def check_length(name: str, about: str, start: int, stop: int, n: int) -> None:
+    """Raise a :class:`~asynchdf5.ReadError` if ``n`` bytes came for ``start:stop``."""
+    if n != stop - start:
+        raise ReadError(
+            f"{name}: {about}: {stop - start} bytes at offset {start} are cut short "
+            f"({n} came; the object is shorter than when the source was opened)"
+        )
+
+
+def decode_error(exc: BaseException, name: str, about: str) -> BaseException:
+    """What to raise for ``exc`` from a codec thread: our errors as they are, others as a
+    :class:`~asynchdf5.ReadError` naming the object and what was read."""
+    if isinstance(exc, DataLayerError) or not isinstance(exc, Exception):
+        return exc
+    err = ReadError(f"{name}: {about}: read failed: {describe(exc)}")
+    err.__cause__ = exc
     return err
 
 

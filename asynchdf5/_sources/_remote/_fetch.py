@@ -20,10 +20,10 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..._errors import DataLayerError, ReadError, SourceError
+from ..._errors import ReadError, SourceError
 from ..._stats import ReadStats
 from .._base import ByteRange
-from ._errors import ObjectChanged, Secrets, classify, describe, read_error
+from ._errors import ObjectChanged, Secrets, check_length, classify, decode_error, read_error
 from ._files import RemoteFile
 from ._transfer import Buffers, LoopThread, Transfer, gather_all, settle
 
@@ -192,7 +192,7 @@ class Fetcher:
             except Exception as exc:
                 raise self._failed(file, about, exc) from None
         self.bytes_fetched += len(data)
-        _check_length(file, about, start, stop, len(data))
+        check_length(file.name, about, start, stop, len(data))
         return data
 
     async def _stream(self, u: Unit, into: memoryview | None, stats: ReadStats) -> None:
@@ -220,7 +220,7 @@ class Fetcher:
             except Exception as exc:
                 raise self._failed(file, u.about, exc) from None
         self.bytes_fetched += n
-        _check_length(file, u.about, u.start, u.stop, n)
+        check_length(file.name, u.about, u.start, u.stop, n)
 
     def read(self, file: RemoteFile, start: int, stop: int) -> bytes:
         """Bytes ``start:stop`` of ``file`` (blocking: h5py's reads, from a worker thread)."""
@@ -374,7 +374,7 @@ class Fetcher:
                 for f in mine:
                     exc = f.exception()
                     if exc is not None:
-                        raise _decode_error(exc, u)
+                        raise decode_error(exc, u.file.name, u.about)
         finally:
             await self._buffers.release(buf)
 
@@ -382,14 +382,6 @@ class Fetcher:
 def _remote(r: ByteRange) -> RemoteFile:
     assert isinstance(r.file, RemoteFile)
     return r.file
-
-
-def _check_length(file: RemoteFile, about: str, start: int, stop: int, n: int) -> None:
-    if n != stop - start:
-        raise ReadError(
-            f"{file.name}: {about}: {stop - start} bytes at offset {start} are cut short "
-            f"({n} came; the object is shorter than when the source was opened)"
-        )
 
 
 def _deliver(u: Unit, view: memoryview, work: Executor) -> list[Future[None]]:
@@ -402,11 +394,3 @@ def _deliver(u: Unit, view: memoryview, work: Executor) -> list[Future[None]]:
         if whole is not None and r.then is not None:
             out.append(work.submit(r.then, whole))
     return out
-
-
-def _decode_error(exc: BaseException, u: Unit) -> BaseException:
-    if isinstance(exc, DataLayerError) or not isinstance(exc, Exception):
-        return exc
-    err = ReadError(f"{u.file.name}: {u.about}: read failed: {describe(exc)}")
-    err.__cause__ = exc
-    return err
