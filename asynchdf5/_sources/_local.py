@@ -26,9 +26,8 @@ import anyio.to_thread
 from .._errors import DataLayerError, ReadError, SourceError
 from .._priority import background
 from .._stats import ReadStats
-from ._base import ByteRange, StoredFile, Streaming
+from ._base import HDF5_SIGNATURE, ByteRange, StoredFile, Streaming
 from ._direct import DIRECT_BYTES, DIRECT_MIN, DONTNEED, WILLNEED, advise, read_direct
-from ._entries import HDF5_SIGNATURE
 from ._handles import Fingerprint, LocalFile, OpenFiles
 
 __all__ = ["PIECE_BYTES", "Fingerprint", "LocalFile", "LocalSource"]
@@ -43,6 +42,9 @@ FILES_PER_PIECE = 16
 class LocalSource:
     """The files of a source on local (or network-mounted) file systems, at most
     ``max_open`` of them open at once (default: :func:`._handles.open_limit`)."""
+
+    #: See :attr:`Source.piece_bytes <._base.Source.piece_bytes>`.
+    piece_bytes = PIECE_BYTES
 
     def __init__(self, max_open: int | None = None) -> None:
         self._files: dict[str, LocalFile] = {}
