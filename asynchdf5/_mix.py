@@ -1,0 +1,343 @@
+"""Mixing streams: the plan of an epoch over several named streams. Pure: no I/O.
+
+A stream is a contiguous range of global rows (its files, in the one catalog of every stream)
+that gives ``count`` samples per epoch. They come from its own endless walk: pass ``j`` is the
+block-mixed walk of its rows (:class:`~._walk.Walk`) drawn from the stream's seed and ``j``, and
+epoch ``e`` takes positions ``e * count`` to ``(e + 1) * count`` of the passes laid end to end.
+So a stream below its size walks through one pass over several epochs (every sample before any
+repeats), one above it repeats whole passes and then part of one, and one at its size serves
+pass ``e`` in epoch ``e``: exactly once.
+
+The epoch is ``T`` positions (the counts' sum), cut into ranks' shares and batches by the rules
+of one source (:func:`~._plan.batch_layout`: equal batch counts on every rank). Each batch (a
+*window*) gets a count of every stream (:func:`allocate`), the same on every rank: under
+``"stratified"`` the stream's share of it (``B * count / T``) rounded down or up, such that the
+counts over the epoch are exact; under ``"random"`` the counts of a random arrangement of the
+epoch's samples. Within a window, each stream's rows are spread evenly among the others'.
+
+Each chunk of a rank's share reads, for every stream, the stretch of its walk that the chunk's
+windows take (so every chunk reads from every stream: none waits for another's reads), its
+blocks read whole, and serves each stream's rows in a random order within the chunk and within
+each pass (a pass ends before the next begins).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.random  # numpy imports it lazily: not on the event loop at the first plan
+
+from ._plan import ChunkPlan, EpochPlan, batch_layout, check_split, shard_share
+from ._walk import Walk, append_range, ramp, seed_tuple
+
+__all__ = ["BATCH_MODES", "StreamRows", "allocate", "plan_mixed", "windows"]
+
+#: The ways a batch is made of the streams (the ``batch_mode`` property).
+BATCH_MODES = ("stratified", "random")
+
+#: Mixed into every seed drawn here, so that the streams' draws differ from the plain plan's.
+_SALT = 33
+
+
+@dataclass(frozen=True)
+class StreamRows:
+    """One stream as the planner sees it: its rows ``start:start + size`` of the catalog, and
+    the samples it gives per epoch."""
+
+    name: str
+    start: int
+    size: int
+    count: int
+
+
+def stream_seed(seed: int, stream: int) -> int:
+    """The seed of a stream's walks: its own, so that two streams of the same size differ."""
+    state = np.random.SeedSequence((seed, _SALT, stream)).generate_state(1, np.uint64)
+    return int(state[0] >> np.uint64(1))
+
+
+def windows(
+    total: int, batch_size: int, world_size: int, drop_last: bool, stream: bool
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Every batch of every rank of an epoch of ``total`` samples, in rank order, as lengths
+    (and, with ``drop_last``, the leftover as a last window of no rank); and the index of each
+    rank's first window, then the end of the last rank's."""
+    parts: list[np.ndarray] = []
+    firsts = [0]
+    for rank in range(world_size):
+        if stream:
+            _, size = shard_share(total, batch_size, rank, world_size)
+            full, rest = divmod(size, batch_size)
+            tail: tuple[int, ...] = (rest,) if rest else ()
+        else:
+            full, tail = batch_layout(total, batch_size, rank, world_size, drop_last)
+        parts.append(np.full(full, batch_size, np.int64))
+        parts.append(np.array(tail, np.int64))
+        firsts.append(firsts[-1] + full + len(tail))
+    lens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    left = total - int(lens.sum())
+    if left:
+        lens = np.append(lens, left)
+    return lens, tuple(firsts)
+
+
+def allocate(
+    counts: np.ndarray, lens: np.ndarray, batch_size: int, mode: str, rng: np.random.Generator
+) -> np.ndarray:
+    """Each window's count of every stream (windows x streams): row ``i`` sums to ``lens[i]``,
+    column ``s`` to ``counts[s]``.
+
+    ``"stratified"``: a window of ``batch_size`` rows holds ``floor(batch_size * count / T)``
+    or one more of every stream, the windows holding one more drawn from ``rng``; the few
+    other windows (the last of a rank, the leftover) are apportioned in turn, each in
+    proportion to what is left. ``"random"``: the counts of a random arrangement of all the
+    epoch's samples (hypergeometric splits, halving the windows).
+    """
+    if mode == "random":
+        return _random(counts, lens, rng)
+    total = int(counts.sum())
+    k = len(counts)
+    out = np.zeros((len(lens), k), np.int64)
+    full = np.flatnonzero(lens == batch_size)
+    odd = np.flatnonzero(lens != batch_size)
+    m = len(full)
+    floor = batch_size * counts // total
+    extra = batch_size - int(floor.sum())  # streams with one more, in every full window
+    # The windows with one more of stream s: m * frac(batch_size * count / T) of them, rounded
+    # by largest remainder (so they sum to m * extra); each at most m, and the odd windows are
+    # left at least 0 of every stream (ceil(x) < x + 1).
+    num = m * (batch_size * counts - floor * total)
+    more = num // total
+    short = m * extra - int(more.sum())
+    if short:
+        more[np.argsort(-(num % total), kind="stable")[:short]] += 1
+    out[full] = floor
+    if extra and m:
+        # Strided: window j takes the picks j, j + m, ...: each stream's run of at most m picks
+        # gives a window one at most. The windows are then spread by a permutation.
+        picks = np.repeat(np.arange(k), more)
+        spread = rng.permutation(m)
+        np.add.at(out, (full[spread[np.arange(m * extra) % m]], picks), 1)
+    out[odd] = _in_turn(counts - m * floor - more, lens[odd])
+    return out
+
+
+def _in_turn(totals: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """``totals`` apportioned to windows of ``lens`` rows, one after the other, each in
+    proportion to what is left (largest remainder): exact, and never below 0."""
+    out = np.zeros((len(lens), len(totals)), np.int64)
+    rest = totals.astype(np.int64).copy()
+    left = int(rest.sum())
+    for i, length in enumerate(lens.tolist()):
+        num = rest * length
+        share = num // left
+        short = length - int(share.sum())
+        if short:
+            share[np.argsort(-(num % left), kind="stable")[:short]] += 1
+        out[i] = share
+        rest -= share
+        left -= length
+    return out
+
+
+def _random(counts: np.ndarray, lens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    k = len(counts)
+    ends = np.concatenate(([0], np.cumsum(lens)))
+    out = np.zeros((len(lens), k), np.int64)
+    lo, hi = np.array([0]), np.array([len(lens)])
+    have = counts[None, :].astype(np.int64)
+    while len(lo):
+        leaf = hi - lo == 1
+        out[lo[leaf]] = have[leaf]
+        lo, hi, have = lo[~leaf], hi[~leaf], have[~leaf]
+        mid = (lo + hi) // 2
+        need = ends[mid] - ends[lo]
+        rest = ends[hi] - ends[lo]
+        left = np.zeros_like(have)
+        for s in range(k):  # the left half's count of each stream, drawn without replacement
+            good = have[:, s]
+            got = rng.hypergeometric(good, rest - good, need)
+            left[:, s] = got
+            rest = rest - good
+            need = need - got
+        lo, hi = np.concatenate((lo, mid)), np.concatenate((mid, hi))
+        have = np.concatenate((left, have - left))
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch(
+    counts: tuple[int, ...],
+    batch_size: int,
+    world_size: int,
+    drop_last: bool,
+    stream: bool,
+    mode: str,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+) -> tuple[np.ndarray, tuple[int, ...], np.ndarray]:
+    """Windows, ranks' first windows and counts of an epoch (cached: every rank of an elastic
+    resume's old run plans the same epoch)."""
+    lens, firsts = windows(sum(counts), batch_size, world_size, drop_last, stream)
+    # Unshuffled, the stratified windows' extra rows are spread the same way every epoch.
+    rng = np.random.default_rng(seed_tuple(seed if shuffle else 0, epoch if shuffle else 0, _SALT))
+    table = allocate(np.array(counts, np.int64), lens, batch_size, mode, rng)
+    return lens, firsts, table
+
+
+def window_labels(table: np.ndarray, bounds: np.ndarray, a: int, b: int) -> np.ndarray:
+    """The stream of each position ``a:b`` of a share whose windows have ``table`` counts and
+    start at ``bounds``: within a window, stream ``s``'s ``i``-th row sits at ``(i + 1/2) /
+    count``, so each stream is spread evenly over the window."""
+    wa = int(np.searchsorted(bounds, a, side="right")) - 1
+    wb = int(np.searchsorted(bounds, b, side="left"))
+    part = table[wa:wb]
+    k = table.shape[1]
+    flat = part.ravel()
+    stream = np.repeat(np.tile(np.arange(k), len(part)), flat)
+    window = np.repeat(np.repeat(np.arange(len(part)), k), flat)
+    firsts = np.repeat(np.cumsum(flat) - flat, flat)
+    i = np.arange(len(stream)) - firsts
+    key = (2 * i + 1) / (2 * np.repeat(flat, flat))
+    labels = stream[np.lexsort((stream, key, window))]
+    base = int(bounds[wa])
+    return labels[a - base : b - base]
+
+
+@dataclass(frozen=True, eq=False)
+class _Order:
+    """A mixed chunk's serving order (:attr:`~._plan.ChunkPlan.arrange`): its positions
+    ``a:b`` of the share take each stream's rows, which lie in the slot one stream after the
+    other, in a random order within each pass (``seed``; ``None``: in walk order)."""
+
+    table: np.ndarray
+    bounds: np.ndarray
+    a: int
+    b: int
+    first: tuple[int, ...]  # each stream's first position of its passes in the chunk
+    last: tuple[int, ...]
+    sizes: tuple[int, ...]  # each stream's rows (its passes' length)
+    seed: tuple[int, ...] | None
+
+    def __call__(self) -> np.ndarray:
+        labels = window_labels(self.table, self.bounds, self.a, self.b)
+        order = np.empty(self.b - self.a, np.int64)
+        rng = None if self.seed is None else np.random.default_rng(self.seed)
+        offset = 0
+        for s, (x, y, size) in enumerate(zip(self.first, self.last, self.sizes, strict=True)):
+            n = y - x
+            if n == 0:
+                continue
+            perm = np.arange(offset, offset + n, dtype=np.int64)
+            if rng is not None:
+                cuts = range(-(-x // size) * size - x, n, size)  # where a pass ends
+                for lo, hi in itertools.pairwise((0, *cuts, n)):
+                    rng.shuffle(perm[lo:hi])
+            order[labels == s] = perm
+            offset += n
+        return order
+
+
+def _cut(size: int, chunk_size: int, first_rows: int | None) -> list[int]:
+    """The chunk bounds of a share of ``size`` positions: the first chunk ramped up from
+    ``first_rows`` (as :func:`~._plan.plan_epoch` does), then chunks of ``chunk_size``."""
+    if size == 0:
+        return [0]
+    first = min(chunk_size, size)
+    cuts = [0]
+    if first_rows is not None and first > 2 * first_rows:
+        cuts += [piece[-1][1] for piece in ramp(0, first, first_rows, 1)]
+    else:
+        cuts.append(first)
+    cuts += list(range(first + chunk_size, size, chunk_size))
+    if cuts[-1] != size:
+        cuts.append(size)
+    return cuts
+
+
+def plan_mixed(
+    streams: Sequence[StreamRows],
+    *,
+    epoch: int,
+    batch_size: int,
+    chunk_size: int,
+    shuffle: bool,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    drop_last: bool = False,
+    first_rows: int | None = None,
+    stream: bool = False,
+    block_size: int | None = None,
+    mode: str = "stratified",
+) -> EpochPlan:
+    """Plan epoch ``epoch`` of rank ``rank`` over ``streams`` (see the module's docstring).
+    Pure and deterministic; the same arguments as :func:`~._plan.plan_epoch`."""
+    counts = tuple(s.count for s in streams)
+    total = sum(counts)
+    if not stream or total < world_size:
+        check_split(total, batch_size, world_size, drop_last and not stream)
+    lens, firsts, table = _epoch(
+        counts, batch_size, world_size, drop_last, stream, mode, shuffle, seed, epoch
+    )
+    w0, w1 = firsts[rank], firsts[rank + 1]
+    mine = table[w0:w1]
+    bounds = np.concatenate(([0], np.cumsum(lens[w0:w1])))
+    size = int(bounds[-1])
+    done = np.cumsum(mine, axis=0) - mine  # each stream's rows before each window
+    # Each stream's first position of its passes in this share.
+    base = np.array(counts, np.int64) * epoch + table[:w0].sum(axis=0)
+
+    def at(p: int) -> np.ndarray:
+        """Each stream's rows among the share's first ``p`` positions."""
+        if p >= size:
+            return np.asarray(mine.sum(axis=0))
+        w = int(np.searchsorted(bounds, p, side="right")) - 1
+        head = window_labels(mine, bounds, int(bounds[w]), p)
+        return np.asarray(done[w] + np.bincount(head, minlength=len(streams)))
+
+    walks: dict[tuple[int, int], Walk] = {}
+    seeds = [stream_seed(seed, s) for s in range(len(streams))]
+
+    def ranges(s: int, x: int, y: int, out: list[tuple[int, int]]) -> None:
+        n, start = streams[s].size, streams[s].start
+        while x < y:
+            j = x // n
+            walk = walks.get((s, j))
+            if walk is None:
+                walk = walks[(s, j)] = Walk(n, j, seeds[s], shuffle, block_size)
+            lo, hi = x - j * n, min(y - j * n, n)
+            for g0, g1 in walk.ranges(lo, hi):
+                append_range(out, g0 + start, g1 + start)
+            x += hi - lo
+
+    cuts = _cut(size, chunk_size, first_rows)
+    marks = [base + at(p) for p in cuts]
+    sizes = tuple(s.size for s in streams)
+    chunks: list[ChunkPlan] = []
+    for i, (a, b) in enumerate(itertools.pairwise(cuts)):
+        first, last = marks[i], marks[i + 1]
+        got: list[tuple[int, int]] = []
+        for s in range(len(streams)):
+            ranges(s, int(first[s]), int(last[s]), got)
+        order = _Order(
+            mine,
+            bounds,
+            a,
+            b,
+            tuple(first.tolist()),
+            tuple(last.tolist()),
+            sizes,
+            seed_tuple(seed, epoch, rank, _SALT, i) if shuffle else None,
+        )
+        chunks.append(ChunkPlan(epoch, i, tuple(got), None, arrange=order))
+    if stream:
+        full, tail = size // batch_size, ()
+    else:
+        full, tail = batch_layout(total, batch_size, rank, world_size, drop_last)
+    return EpochPlan(epoch, size, tuple(chunks), batch_size, full, tail)
