@@ -336,8 +336,9 @@ def plan_mixed(
             seed_tuple(seed, epoch, rank, _SALT, i) if shuffle else None,
         )
         chunks.append(ChunkPlan(epoch, i, tuple(got), None, arrange=order))
+    tail: tuple[int, ...] = ()
     if stream:
-        full, tail = size // batch_size, ()
+        full = size // batch_size
     else:
         full, tail = batch_layout(total, batch_size, rank, world_size, drop_last)
     return EpochPlan(epoch, size, tuple(chunks), batch_size, full, tail)
