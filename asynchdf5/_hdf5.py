@@ -148,6 +148,18 @@ class AsyncHDF5DataLayer(LayerBase):
         them); ``()`` for a source that is not a mapping of streams."""
         return tuple(s.name for s in self._streams)
 
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`LayerBase.state_dict`; with several streams, also ``"streams"``: where each
+        stream's walk stood when the state's epoch began (``{"pass": j, "offset": k}``: its
+        ``k``-th sample of pass ``j``). Informational: it follows from the epoch and the
+        streams' samples per epoch, which the fingerprint holds and a resume checks."""
+        state = super().state_dict()
+        shape = self._shape
+        if shape is not None and shape.streams:
+            at = {s.name: divmod(state["epoch"] * s.count, s.size) for s in shape.streams}
+            state["streams"] = {k: {"pass": j, "offset": o} for k, (j, o) in at.items()}
+        return state
+
     def _catalog(self, files: Source) -> tuple[Catalog, tuple[StreamRows, ...]]:
         """The catalog of every file (blocking); with several streams, each stream's checked
         on its own, then against the others (:func:`~._streams.combine`)."""

@@ -101,12 +101,14 @@ class HDF5IterableDataset(LayerDataset):
 
     Parameters
     ----------
-    source : str, path or sequence of them
+    source : str, path, sequence of them, or a mapping of streams
         The HDF5 files: a source list file, one HDF5 file, or a sequence of paths or URLs
-        (see :class:`~asynchdf5.HDF5DataLayer`). Relative paths are resolved now.
+        (see :class:`~asynchdf5.HDF5DataLayer`), or several named streams mixed (a mapping
+        of names to :class:`~asynchdf5.Stream` or to sources). Relative paths are resolved now.
     indices : bool
         Add the global indices of the batch's samples as an ``int64`` tensor under
-        ``"indices"`` (on the host, also for device batches).
+        ``"indices"`` (on the host, also for device batches); with several streams, each
+        row's stream too, under ``"streams"`` (unless a top has that name).
     num_workers : int, optional
         Deprecated, and no longer needed: the DataLoader's ``num_workers`` is learned in its
         workers. When given, it must equal the DataLoader's.
