@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import numpy as np
@@ -186,11 +186,10 @@ def test_resume_is_exact_on_the_same_and_on_another_world_size(tmp_path: Path) -
         with run(source, rank, 2, 1, **kw) as layer:
             whole.append([b.indices for b in layer])
         with run(source, rank, 2, 1, **kw) as layer:
-            it = iter(layer)
-            for _ in range(5):
-                next(it)
-            states.append(layer.state_dict())
-            it.close()
+            for k, _ in enumerate(layer):
+                if k == 4:
+                    states.append(layer.state_dict())
+                    break
     assert len(whole[0]) == len(whole[1])
     assert states[0]["streams"] == {"a": {"pass": 0, "offset": 95}, "b": {"pass": 2, "offset": 15}}
     # The same world size: the rest of each rank's epoch, batch for batch.
@@ -227,7 +226,8 @@ def test_a_state_from_other_streams_is_refused(tmp_path: Path) -> None:
 async def test_a_tiny_stream_beside_a_huge_one_does_not_hang(tmp_path: Path) -> None:
     files = write_streams(tmp_path, ((4000, 3000),))
     tiny = [write_h5(tmp_path / "tiny.h5", 7000, 1)]
-    for mode in ("stratified", "random"):
+    modes: tuple[Literal["stratified", "random"], ...] = ("stratified", "random")
+    for mode in modes:
         layer = AsyncHDF5DataLayer(
             {"huge": files[0], "tiny": Stream(tiny, weight=0.05)},
             batch_size=64,
@@ -235,7 +235,7 @@ async def test_a_tiny_stream_beside_a_huge_one_does_not_hang(tmp_path: Path) -> 
             seed=0,
             chunk_size=256,
             cache_bytes=4 * 256 * 16,
-            batch_mode=mode,  # type: ignore[arg-type]
+            batch_mode=mode,
         )
         (batches,) = await epochs(layer, 1)
         idx = np.concatenate([b.indices for b in batches])
