@@ -200,9 +200,9 @@ async def check_case(case: Case) -> None:
             assert np.all(got <= counts)
         else:
             np.testing.assert_array_equal(got, counts)
-            for s in np.flatnonzero(counts == sizes):  # natural share: exactly once
-                seen = np.sort(idx[streams == s])
-                np.testing.assert_array_equal(seen, np.arange(edges[s], edges[s + 1]))
+            for k in np.flatnonzero(counts == sizes).tolist():  # natural share: exactly once
+                seen = np.sort(idx[streams == k])
+                np.testing.assert_array_equal(seen, np.arange(edges[k], edges[k + 1]))
         both.append(idx)
     if not case.drop_last:
         idx = np.concatenate(both)
