@@ -148,6 +148,14 @@ class AsyncHDF5DataLayer(LayerBase):
         them); ``()`` for a source that is not a mapping of streams."""
         return tuple(s.name for s in self._streams)
 
+    @property
+    def streams(self) -> dict[str, Stream]:
+        """The streams by name, their sources resolved (the same layer in another process is
+        ``HDF5DataLayer(layer.streams, ...)``); ``{}`` for a source that is not a mapping."""
+        return {
+            s.name: Stream(list(s.entries), weight=s.weight, choose=s.choose) for s in self._streams
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """:meth:`LayerBase.state_dict`; with several streams, also ``"streams"``: where each
         stream's walk stood when the state's epoch began (``{"pass": j, "offset": k}``: its

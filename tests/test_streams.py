@@ -260,3 +260,38 @@ def test_the_planner_keeps_each_rank_s_windows_and_chunks_consistent() -> None:
         idx = np.concatenate(served)
         assert len(idx) == 121
         assert (idx < 100).sum() == 60
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_over_streams_resumes_mid_epoch(tmp_path: Path, workers: int) -> None:
+    """The torch adapter with two streams: rows say their stream, ``len()`` counts the mixed
+    epoch, and a state taken after batch 3 continues with batch 4 (DataLoader workers too)."""
+    pytest.importorskip("torch")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from asynchdf5.torch import HDF5IterableDataset
+
+    files = write_streams(tmp_path, ((120,), (30,)))
+    source = {"a": Stream(files[0], weight=0.5), "b": Stream(files[1], weight=0.5)}
+
+    def loader() -> StatefulDataLoader:
+        ds = HDF5IterableDataset(source, batch_size=10, shuffle=True, seed=2, indices=True)
+        return StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+    whole = [{k: v.numpy() for k, v in b.items()} for b in loader()]
+    assert len(whole) == len(loader()) == 15
+    for b in whole:
+        np.testing.assert_array_equal(b["streams"], (b["indices"] >= 120).astype(np.int64))
+        np.testing.assert_array_equal(np.bincount(b["streams"], minlength=2), [5, 5])
+    first = loader()
+    for i, _ in enumerate(first):
+        if i == 3:
+            state = first.state_dict()
+            break
+    del first
+    again = loader()
+    again.load_state_dict(state)
+    rest = [b["indices"].numpy() for b in again]
+    assert len(rest) == len(whole) - 4
+    for x, y in zip(rest, whole[4:], strict=True):
+        np.testing.assert_array_equal(x, y["indices"])

@@ -159,7 +159,8 @@ class HDF5IterableDataset(LayerDataset):
         self._source: Any = source
         super().__init__(properties, indices=indices, num_workers=num_workers)
         assert isinstance(self._layer, HDF5DataLayer)
-        self._source = list(self._layer.paths)  # resolved: the same files in any process
+        # Resolved: the same files (and streams) in any process.
+        self._source = self._layer.streams or list(self._layer.paths)
 
     def _new_layer(self, **properties: Any) -> LayerBase:
         return HDF5DataLayer(self._source, **properties)
