@@ -79,6 +79,7 @@ from .._hdf5 import HDF5DataLayer
 from .._layer import LayerBase
 from .._memory import MemoryDataLayer
 from .._sources import SourceLike
+from .._streams import Stream
 from ._dataset import LayerDataset
 
 __all__ = ["HDF5IterableDataset", "MemoryIterableDataset"]
@@ -150,7 +151,7 @@ class HDF5IterableDataset(LayerDataset):
 
     def __init__(
         self,
-        source: SourceLike,
+        source: SourceLike | Mapping[str, Stream | SourceLike],
         *,
         indices: bool = False,
         num_workers: int | None = None,
