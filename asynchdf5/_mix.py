@@ -193,20 +193,34 @@ def _epoch(
 def window_labels(table: np.ndarray, bounds: np.ndarray, a: int, b: int) -> np.ndarray:
     """The stream of each position ``a:b`` of a share whose windows have ``table`` counts and
     start at ``bounds``: within a window, stream ``s``'s ``i``-th row sits at ``(i + 1/2) /
-    count``, so each stream is spread evenly over the window."""
+    count`` of it (ties: the lower stream first), so each stream is spread evenly over the
+    window. A window's arrangement depends on its counts alone: each distinct row of counts is
+    arranged once, and the windows gather theirs (stratified windows share a few)."""
     wa = int(np.searchsorted(bounds, a, side="right")) - 1
     wb = int(np.searchsorted(bounds, b, side="left"))
     part = table[wa:wb]
-    k = table.shape[1]
-    flat = part.ravel()
-    stream = np.repeat(np.tile(np.arange(k), len(part)), flat)
-    window = np.repeat(np.repeat(np.arange(len(part)), k), flat)
-    firsts = np.repeat(np.cumsum(flat) - flat, flat)
-    i = np.arange(len(stream)) - firsts
-    key = (2 * i + 1) / (2 * np.repeat(flat, flat))
-    labels = stream[np.lexsort((stream, key, window))]
+    kinds, which = np.unique(part, axis=0, return_inverse=True)
+    arranged, firsts = _arrange(kinds)
+    lens = part.sum(axis=1)
+    starts = np.cumsum(lens) - lens
+    at = np.repeat(firsts[which.reshape(-1)] - starts, lens) + np.arange(int(lens.sum()))
+    labels = arranged[at]
     base = int(bounds[wa])
     return labels[a - base : b - base]
+
+
+def _arrange(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of counts arranged (see :func:`window_labels`), concatenated, and where each
+    starts. Exact: the positions are compared as integers ``(2 i + 1) * 2**31 // (2 count)``,
+    which are the same whichever rows are arranged together."""
+    n, k = kinds.shape
+    flat = kinds.ravel()
+    stream = np.repeat(np.tile(np.arange(k), n), flat)
+    row = np.repeat(np.repeat(np.arange(n, dtype=np.int64), k), flat)
+    i = np.arange(len(stream), dtype=np.int64) - np.repeat(np.cumsum(flat) - flat, flat)
+    key = (2 * i + 1) * 2**31 // (2 * np.repeat(flat, flat)) + (row << 32)
+    lens = kinds.sum(axis=1)
+    return stream[np.argsort(key, kind="stable")], np.cumsum(lens) - lens
 
 
 @dataclass(frozen=True, eq=False)
