@@ -20,7 +20,7 @@ import numpy as np
 from ._delivery import parse_device
 from ._distributed import broadcast_seed, detect, torch_distributed
 from ._errors import ConfigurationError
-from ._mix import BATCH_MODES
+from ._shares import BATCH_MODES
 from .transforms import Transformer
 
 __all__ = ["DEFAULT_TOPS", "LayerConfig"]
@@ -225,7 +225,7 @@ class LayerConfig:
     rank_source: str = "explicit"
     #: The seed property was given (not drawn): a state to resume must have the same one.
     seed_given: bool = True
-    #: How a batch is made of several streams (``"stratified"`` or ``"random"``; see ``_mix``).
+    #: How a batch is made of several streams (see :mod:`._shares`).
     batch_mode: str = "stratified"
 
     @classmethod

@@ -101,7 +101,7 @@ class AsyncHDF5DataLayer(LayerBase):
         remote_cache_bytes: int | None = None,
         block_size: int | None = None,
         mmap: bool | Literal["auto"] = "auto",
-        batch_mode: Literal["stratified", "random"] = "stratified",
+        batch_mode: Literal["stratified", "random", "per_stream"] = "stratified",
     ) -> None:
         config = LayerConfig.parse(
             batch_size=batch_size,

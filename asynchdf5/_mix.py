@@ -8,12 +8,10 @@ So a stream below its size walks through one pass over several epochs (every sam
 repeats), one above it repeats whole passes and then part of one, and one at its size serves
 pass ``e`` in epoch ``e``: exactly once.
 
-The epoch is ``T`` positions (the counts' sum), cut into ranks' shares and batches by the rules
-of one source (:func:`~._plan.batch_layout`: equal batch counts on every rank). Each batch (a
-*window*) gets a count of every stream (:func:`allocate`), the same on every rank: under
-``"stratified"`` the stream's share of it (``B * count / T``) rounded down or up, such that the
-counts over the epoch are exact; under ``"random"`` the counts of a random arrangement of the
-epoch's samples. Within a window, each stream's rows are spread evenly among the others'.
+The epoch is ``T`` positions (the counts' sum), cut into ranks' shares and batches
+(*windows*), each window with a count of every stream, the same on every rank
+(:func:`~._shares.epoch_table`: stratified, random or per stream). Within a window, each
+stream's rows are spread evenly among the others'.
 
 Each chunk of a rank's share reads, for every stream, the stretch of its walk that the chunk's
 windows take (so every chunk reads from every stream: none waits for another's reads), its
@@ -23,7 +21,6 @@ each pass (a pass ends before the next begins).
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,16 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.random  # numpy imports it lazily: not on the event loop at the first plan
 
-from ._plan import ChunkPlan, EpochPlan, batch_layout, check_split, shard_share
+from ._plan import ChunkPlan, EpochPlan, check_split
+from ._shares import SALT, epoch_table
 from ._walk import Walk, append_range, ramp, seed_tuple
 
-__all__ = ["BATCH_MODES", "StreamRows", "allocate", "plan_mixed", "windows"]
-
-#: The ways a batch is made of the streams (the ``batch_mode`` property).
-BATCH_MODES = ("stratified", "random")
-
-#: Mixed into every seed drawn here, so that the streams' draws differ from the plain plan's.
-_SALT = 33
+__all__ = ["StreamRows", "plan_mixed", "stream_seed", "window_labels"]
 
 
 @dataclass(frozen=True)
@@ -56,138 +48,8 @@ class StreamRows:
 
 def stream_seed(seed: int, stream: int) -> int:
     """The seed of a stream's walks: its own, so that two streams of the same size differ."""
-    state = np.random.SeedSequence((seed, _SALT, stream)).generate_state(1, np.uint64)
+    state = np.random.SeedSequence((seed, SALT, stream)).generate_state(1, np.uint64)
     return int(state[0] >> np.uint64(1))
-
-
-def windows(
-    total: int, batch_size: int, world_size: int, drop_last: bool, stream: bool
-) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Every batch of every rank of an epoch of ``total`` samples, in rank order, as lengths
-    (and, with ``drop_last``, the leftover as a last window of no rank); and the index of each
-    rank's first window, then the end of the last rank's."""
-    parts: list[np.ndarray] = []
-    firsts = [0]
-    for rank in range(world_size):
-        if stream:
-            _, size = shard_share(total, batch_size, rank, world_size)
-            full, rest = divmod(size, batch_size)
-            tail: tuple[int, ...] = (rest,) if rest else ()
-        else:
-            full, tail = batch_layout(total, batch_size, rank, world_size, drop_last)
-        parts.append(np.full(full, batch_size, np.int64))
-        parts.append(np.array(tail, np.int64))
-        firsts.append(firsts[-1] + full + len(tail))
-    lens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    left = total - int(lens.sum())
-    if left:
-        lens = np.append(lens, left)
-    return lens, tuple(firsts)
-
-
-def allocate(
-    counts: np.ndarray, lens: np.ndarray, batch_size: int, mode: str, rng: np.random.Generator
-) -> np.ndarray:
-    """Each window's count of every stream (windows x streams): row ``i`` sums to ``lens[i]``,
-    column ``s`` to ``counts[s]``.
-
-    ``"stratified"``: a window of ``batch_size`` rows holds ``floor(batch_size * count / T)``
-    or one more of every stream, the windows holding one more drawn from ``rng``; the few
-    other windows (the last of a rank, the leftover) are apportioned in turn, each in
-    proportion to what is left. ``"random"``: the counts of a random arrangement of all the
-    epoch's samples (hypergeometric splits, halving the windows).
-    """
-    if mode == "random":
-        return _random(counts, lens, rng)
-    total = int(counts.sum())
-    k = len(counts)
-    out = np.zeros((len(lens), k), np.int64)
-    full = np.flatnonzero(lens == batch_size)
-    odd = np.flatnonzero(lens != batch_size)
-    m = len(full)
-    floor = batch_size * counts // total
-    extra = batch_size - int(floor.sum())  # streams with one more, in every full window
-    # The windows with one more of stream s: m * frac(batch_size * count / T) of them, rounded
-    # by largest remainder (so they sum to m * extra); each at most m, and the odd windows are
-    # left at least 0 of every stream (ceil(x) < x + 1).
-    num = m * (batch_size * counts - floor * total)
-    more = num // total
-    short = m * extra - int(more.sum())
-    if short:
-        more[np.argsort(-(num % total), kind="stable")[:short]] += 1
-    out[full] = floor
-    if extra and m:
-        # Strided: window j takes the picks j, j + m, ...: each stream's run of at most m picks
-        # gives a window one at most. The windows are then spread by a permutation.
-        picks = np.repeat(np.arange(k), more)
-        spread = rng.permutation(m)
-        np.add.at(out, (full[spread[np.arange(m * extra) % m]], picks), 1)
-    out[odd] = _in_turn(counts - m * floor - more, lens[odd])
-    return out
-
-
-def _in_turn(totals: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """``totals`` apportioned to windows of ``lens`` rows, one after the other, each in
-    proportion to what is left (largest remainder): exact, and never below 0."""
-    out = np.zeros((len(lens), len(totals)), np.int64)
-    rest = totals.astype(np.int64).copy()
-    left = int(rest.sum())
-    for i, length in enumerate(lens.tolist()):
-        num = rest * length
-        share = num // left
-        short = length - int(share.sum())
-        if short:
-            share[np.argsort(-(num % left), kind="stable")[:short]] += 1
-        out[i] = share
-        rest -= share
-        left -= length
-    return out
-
-
-def _random(counts: np.ndarray, lens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    k = len(counts)
-    ends = np.concatenate(([0], np.cumsum(lens)))
-    out = np.zeros((len(lens), k), np.int64)
-    lo, hi = np.array([0]), np.array([len(lens)])
-    have = counts[None, :].astype(np.int64)
-    while len(lo):
-        leaf = hi - lo == 1
-        out[lo[leaf]] = have[leaf]
-        lo, hi, have = lo[~leaf], hi[~leaf], have[~leaf]
-        mid = (lo + hi) // 2
-        need = ends[mid] - ends[lo]
-        rest = ends[hi] - ends[lo]
-        left = np.zeros_like(have)
-        for s in range(k):  # the left half's count of each stream, drawn without replacement
-            good = have[:, s]
-            got = rng.hypergeometric(good, rest - good, need)
-            left[:, s] = got
-            rest = rest - good
-            need = need - got
-        lo, hi = np.concatenate((lo, mid)), np.concatenate((mid, hi))
-        have = np.concatenate((left, have - left))
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _epoch(
-    counts: tuple[int, ...],
-    batch_size: int,
-    world_size: int,
-    drop_last: bool,
-    stream: bool,
-    mode: str,
-    shuffle: bool,
-    seed: int,
-    epoch: int,
-) -> tuple[np.ndarray, tuple[int, ...], np.ndarray]:
-    """Windows, ranks' first windows and counts of an epoch (cached: every rank of an elastic
-    resume's old run plans the same epoch)."""
-    lens, firsts = windows(sum(counts), batch_size, world_size, drop_last, stream)
-    # Unshuffled, the stratified windows' extra rows are spread the same way every epoch.
-    rng = np.random.default_rng(seed_tuple(seed if shuffle else 0, epoch if shuffle else 0, _SALT))
-    table = allocate(np.array(counts, np.int64), lens, batch_size, mode, rng)
-    return lens, firsts, table
 
 
 def window_labels(table: np.ndarray, bounds: np.ndarray, a: int, b: int) -> np.ndarray:
@@ -294,10 +156,11 @@ def plan_mixed(
     Pure and deterministic; the same arguments as :func:`~._plan.plan_epoch`."""
     counts = tuple(s.count for s in streams)
     total = sum(counts)
-    if not stream or total < world_size:
+    if mode != "per_stream" and (not stream or total < world_size):
         check_split(total, batch_size, world_size, drop_last and not stream)
-    lens, firsts, table = _epoch(
-        counts, batch_size, world_size, drop_last, stream, mode, shuffle, seed, epoch
+    names = tuple(s.name for s in streams)
+    lens, firsts, table = epoch_table(
+        counts, names, batch_size, world_size, drop_last, stream, mode, shuffle, seed, epoch
     )
     w0, w1 = firsts[rank], firsts[rank + 1]
     mine = table[w0:w1]
@@ -347,12 +210,14 @@ def plan_mixed(
             tuple(first.tolist()),
             tuple(last.tolist()),
             sizes,
-            seed_tuple(seed, epoch, rank, _SALT, i) if shuffle else None,
+            seed_tuple(seed, epoch, rank, SALT, i) if shuffle else None,
         )
         chunks.append(ChunkPlan(epoch, i, tuple(got), None, arrange=order))
-    tail: tuple[int, ...] = ()
+    # The rank's batches: its full windows, then the shorter ones (the way both tables end).
+    sizes_ = lens[w0:w1]
+    short = np.flatnonzero(sizes_ != batch_size)
+    full = int(short[0]) if len(short) else len(sizes_)
+    tail = tuple(sizes_[full:].tolist())
     if stream:
-        full = size // batch_size
-    else:
-        full, tail = batch_layout(total, batch_size, rank, world_size, drop_last)
+        full, tail = size // batch_size, ()
     return EpochPlan(epoch, size, tuple(chunks), batch_size, full, tail)

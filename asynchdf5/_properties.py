@@ -207,8 +207,9 @@ PROPERTIES: tuple[Property, ...] = (
         '`"stratified"`',
         'With several streams: how a batch is made of them. `"stratified"`: every batch '
         "holds each stream's share, rounded down or up so that each stream's count over the "
-        'epoch is exact. `"random"`: the shares hold over the epoch, batches vary. Unused '
-        "with one source. See [mixing](mixing.md).",
+        'epoch is exact. `"random"`: the shares hold over the epoch, batches vary. '
+        '`"per_stream"`: every batch from one stream (each stream\'s samples cut into batches '
+        "as one source's are). Unused with one source. See [mixing](mixing.md).",
         "hdf5",
     ),
     Property(

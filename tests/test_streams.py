@@ -170,6 +170,35 @@ def test_bad_streams_are_configuration_errors(make: Any, words: str, tmp_path: P
         AsyncHDF5DataLayer({"a": f}, batch_size=4, batch_mode="per_batch")  # type: ignore[arg-type]
 
 
+def test_per_stream_batches_come_from_one_stream_on_every_rank(tmp_path: Path) -> None:
+    files = write_streams(tmp_path, ((100,), (37,)))
+    source = {"a": Stream(files[0], weight=0.5), "b": Stream(files[1], weight=0.5)}
+    kw: dict[str, Any] = {"batch_size": 8, "shuffle": True, "seed": 4, "chunk_size": 24}
+    ranks = []
+    for rank in range(2):
+        with run(source, rank, 2, 0, batch_mode="per_stream", **kw) as layer:
+            ranks.append([(b.indices, b.streams) for b in layer])
+    # 69 and 68 samples: per rank, 4 full batches and a short one of each stream, ...
+    assert len(ranks[0]) == len(ranks[1]) == 10
+    every = [x for r in ranks for x in r]
+    for _, streams in every:
+        assert len(set(streams.tolist())) == 1
+    idx = np.concatenate([i for i, _ in every])
+    np.testing.assert_array_equal(np.bincount((idx >= 100).astype(np.int64)), [69, 68])
+    # ... and a resumed rank continues batch for batch.
+    with run(source, 1, 2, 0, batch_mode="per_stream", **kw) as layer:
+        for k, _ in enumerate(layer):
+            if k == 2:
+                state = layer.state_dict()
+                break
+    layer = HDF5DataLayer(source, rank=1, world_size=2, batch_mode="per_stream", **kw)
+    layer.load_state_dict(state)
+    with layer:
+        rest = [b.indices for b in layer]
+    for x, (y, _) in zip(rest, ranks[1][3:], strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 def run(source: Any, rank: int, world: int, epoch: int, **kw: Any) -> HDF5DataLayer:
     layer = HDF5DataLayer(source, rank=rank, world_size=world, **kw)
     layer.set_epoch(epoch)
@@ -226,7 +255,11 @@ def test_a_state_from_other_streams_is_refused(tmp_path: Path) -> None:
 async def test_a_tiny_stream_beside_a_huge_one_does_not_hang(tmp_path: Path) -> None:
     files = write_streams(tmp_path, ((4000, 3000),))
     tiny = [write_h5(tmp_path / "tiny.h5", 7000, 1)]
-    modes: tuple[Literal["stratified", "random"], ...] = ("stratified", "random")
+    modes: tuple[Literal["stratified", "random", "per_stream"], ...] = (
+        "stratified",
+        "random",
+        "per_stream",
+    )
     for mode in modes:
         layer = AsyncHDF5DataLayer(
             {"huge": files[0], "tiny": Stream(tiny, weight=0.05)},

@@ -11,7 +11,8 @@ deadline (a stage waiting on itself fails here instead of freezing the run). Che
   source's is and no stream gives more than its count);
 * over the two epochs, each stream's samples appear ``floor(2 * count / size)`` times or once
   more (its walk: every sample before any repeats), and once per epoch at its natural share;
-* ``"stratified"``: every full batch holds each stream's share rounded down or up.
+* ``"stratified"``: every full batch holds each stream's share rounded down or up;
+  ``"per_stream"``: every batch holds one stream.
 
 The normal run draws a few dozen examples; ``nox -s stress`` more
 (``ASYNCHDF5_STRESS_EXAMPLES``).
@@ -93,7 +94,7 @@ def cases(draw: st.DrawFn) -> Case:
     return Case(
         sizes=sizes,
         shares=shares,
-        mode=draw(st.sampled_from(["stratified", "random"])),
+        mode=draw(st.sampled_from(["stratified", "random", "per_stream"])),
         chunked=draw(st.booleans()),
         batch_size=batch_size,
         chunk_size=chunk_size,
@@ -109,14 +110,20 @@ def cases(draw: st.DrawFn) -> Case:
 def refused(case: Case) -> bool:
     """Configurations refused at construction or open (their tests are elsewhere)."""
     try:
-        n = sum(case.counts())
+        counts = case.counts()
     except Exception:
         return True
     w, b = case.world_size, case.batch_size
-    q, r = divmod(n, w * b)
-    if n < w or (case.drop_last and q == 0):
-        return True
-    return not case.drop_last and 0 < r < w and (q == 0 or b == 1)
+
+    def bad(n: int) -> bool:
+        q, r = divmod(n, w * b)
+        if n < w or (case.drop_last and q == 0):
+            return True
+        return not case.drop_last and 0 < r < w and (q == 0 or b == 1)
+
+    if case.mode == "per_stream":  # each stream is cut into batches as one source is
+        return any(bad(n) for n in counts if n)
+    return bad(sum(counts))
 
 
 def write(folder: Path, case: Case) -> list[list[Path]]:
@@ -189,13 +196,17 @@ async def check_case(case: Case) -> None:
         for bt in batches:
             np.testing.assert_array_equal(bt["label"], bt.indices)
             np.testing.assert_array_equal(bt["data"][:, 0], bt.indices * 10)
+            if case.mode == "per_stream":
+                assert bt.streams is not None and len(set(bt.streams.tolist())) == 1
             if case.mode == "stratified" and bt.size == b:
                 assert bt.streams is not None
                 got = np.bincount(bt.streams, minlength=len(counts))
                 share = b * counts / total
                 assert np.all((np.floor(share) <= got) & (got <= np.ceil(share))), (got, share)
         got = np.bincount(streams, minlength=len(counts))
-        if case.drop_last:
+        if case.drop_last and case.mode == "per_stream":
+            np.testing.assert_array_equal(got, (counts // (w * b)) * w * b)
+        elif case.drop_last:
             assert len(idx) == (total // (w * b)) * w * b
             assert np.all(got <= counts)
         else:
