@@ -182,7 +182,7 @@ def test_per_stream_batches_come_from_one_stream_on_every_rank(tmp_path: Path) -
     assert len(ranks[0]) == len(ranks[1]) == 10
     every = [x for r in ranks for x in r]
     for _, streams in every:
-        assert len(set(streams.tolist())) == 1
+        assert streams is not None and len(set(streams.tolist())) == 1
     idx = np.concatenate([i for i, _ in every])
     np.testing.assert_array_equal(np.bincount((idx >= 100).astype(np.int64)), [69, 68])
     # ... and a resumed rank continues batch for batch.
