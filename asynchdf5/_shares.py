@@ -153,10 +153,9 @@ def per_stream(
     full batches``, or in a random order with ``rng``), its shorter ones last; then, with
     ``drop_last``, each stream's leftover as a window of no rank. Windows, ranks' first
     windows, and counts (one stream per window)."""
-    who: list[int] = []
-    lens: list[int] = []
+    who: list[np.ndarray] = []
+    lens: list[np.ndarray] = []
     firsts = [0]
-    used = [0] * len(counts)
     for rank in range(world_size):
         full: list[np.ndarray] = []
         tails: list[tuple[int, int]] = []
@@ -182,22 +181,16 @@ def per_stream(
             j = np.arange(len(ids)) - np.repeat(np.cumsum(per) - per, per)
             key = (2 * j + 1) * 2**31 // (2 * per[ids])
             ids = ids[np.argsort(key, kind="stable")]
-        for s in ids.tolist():
-            who.append(s)
-            lens.append(batch_size)
-            used[s] += batch_size
-        for s, n in tails:
-            who.append(s)
-            lens.append(n)
-            used[s] += n
-        firsts.append(len(who))
-    for s, c in enumerate(counts):
-        if c > used[s]:  # drop_last: the stream's leftover
-            who.append(s)
-            lens.append(c - used[s])
-    table = np.zeros((len(who), len(counts)), np.int64)
-    table[np.arange(len(who)), who] = lens
-    return np.array(lens, np.int64), tuple(firsts), table
+        who += [ids, np.array([s for s, _ in tails], np.int64)]
+        lens += [np.full(len(ids), batch_size, np.int64), np.array([n for _, n in tails], np.int64)]
+        firsts.append(firsts[-1] + len(ids) + len(tails))
+    ids, sizes = np.concatenate(who), np.concatenate(lens)
+    left = np.array(counts, np.int64) - np.bincount(ids, sizes, len(counts)).astype(np.int64)
+    extra = np.flatnonzero(left > 0)  # drop_last: each stream's leftover, of no rank
+    ids, sizes = np.concatenate((ids, extra)), np.concatenate((sizes, left[extra]))
+    table = np.zeros((len(ids), len(counts)), np.int64)
+    table[np.arange(len(ids)), ids] = sizes
+    return sizes, tuple(firsts), table
 
 
 @functools.lru_cache(maxsize=4)
