@@ -102,7 +102,7 @@ class HDF5IterableDataset(LayerDataset):
 
     Parameters
     ----------
-    source : str, path, sequence of them, or a mapping of streams
+    source : str, path, sequence of them, or dict
         The HDF5 files: a source list file, one HDF5 file, or a sequence of paths or URLs
         (see :class:`~asynchdf5.HDF5DataLayer`), or several named streams mixed (a mapping
         of names to :class:`~asynchdf5.Stream` or to sources). Relative paths are resolved now.
