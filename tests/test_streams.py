@@ -150,6 +150,41 @@ async def test_streams_that_disagree_on_a_top_are_a_schema_error(tmp_path: Path)
     check_message(info.value, "'web'", "'books'", "'data'", "(2,)", "(3,)")
 
 
+@pytest.mark.anyio
+async def test_a_stream_missing_a_top_is_named(tmp_path: Path) -> None:
+    a = [write_h5(tmp_path / "a.h5", 0, 10)]
+    b = [write_h5(tmp_path / "b.h5", 10, 10, label=None)]  # no "label"
+    layer = AsyncHDF5DataLayer({"web": a, "books": b}, batch_size=4)
+    with anyio.fail_after(DEADLINE), pytest.raises(SchemaError) as info:
+        async with layer:
+            pass
+    check_message(info.value, "stream 'books'", "'label'", "b.h5")
+
+
+@pytest.mark.anyio
+async def test_stream_iteration_over_streams_gives_full_mixed_batches(tmp_path: Path) -> None:
+    """``layer.stream()`` (Mocha-style, across epochs): full batches, each row's stream, and
+    each stream's walk goes on across the epochs it spans."""
+    files = write_streams(tmp_path, ((50,), (13,)))
+    source = {"a": Stream(files[0], choose=30), "b": Stream(files[1], choose=20)}
+    layer = AsyncHDF5DataLayer(source, batch_size=10, shuffle=True, seed=7, chunk_size=20)
+    got = []
+    with anyio.fail_after(DEADLINE):
+        async with layer:
+            async for batch in layer.stream():
+                check_batch(batch, 10)
+                assert batch.streams is not None
+                np.testing.assert_array_equal(batch.streams, batch.indices >= 50)
+                got.append(batch.indices)
+                if len(got) == 20:  # four epochs of 50
+                    break
+    idx = np.concatenate(got)
+    np.testing.assert_array_equal(np.bincount((idx >= 50).astype(np.int64)), [120, 80])
+    a = idx[idx < 50]
+    for k in range(2):  # "a": 120 of its 50 over the four epochs, every sample before a repeat
+        check_exactly_once([a[50 * k : 50 * (k + 1)]], 50)
+
+
 BAD = [
     (lambda f: {"a": Stream(f, weight=-1)}, "weight must be a number >= 0"),
     (lambda f: {"a": Stream(f, weight=float("nan"))}, "weight must be a number >= 0"),
