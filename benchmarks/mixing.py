@@ -19,7 +19,8 @@ in the process's CPU time per sample (steadier than wall time on a shared machin
 default properties (``mmap="auto"``: a local file is mapped) and with ``mmap=False`` (copied
 through the cache). The data come from the page cache (warm): what is measured is the
 pipeline's own cost of mixing (planning, more and smaller ranges per chunk, the serving order).
-Results as JSON on stdout (and in ``--out``).
+Results as JSON on stdout (and in ``--out``); :func:`bench` is the entry of the benchmark
+suite's registry (``bench(rec)``), recording the same figures.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import h5py
@@ -109,6 +110,42 @@ async def measure(paths: list[Path], mmap: bool | str, repeats: int) -> dict[str
     }
 
 
+def run(samples: int, repeats: int, where: Path | None) -> list[dict[str, Any]]:
+    """Write the data under ``where`` (a temporary folder, removed after), and measure."""
+    folder = Path(tempfile.mkdtemp(prefix="asynchdf5-mixing-", dir=where))
+    try:
+        paths = write(folder, samples)
+        return [anyio.run(measure, paths, m, repeats) for m in ("auto", False)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class Recorder(Protocol):
+    """What :func:`bench` needs of the benchmark suite's recorder (``benchmarks.report``)."""
+
+    quick: bool
+    data_dir: Path
+
+    def figure(self, name: str, value: float | None, unit: str) -> None: ...
+    def ratio(self, name: str, num: float | None, den: float | None) -> None: ...
+    def param(self, **params: Any) -> None: ...
+
+
+def bench(rec: Recorder) -> None:
+    """The suite's entry (``python -m benchmarks run mixing``): the same measurement, its
+    figures recorded as rates and as ratios to one source (wall time and CPU time)."""
+    samples, repeats = (20_000, 2) if rec.quick else (200_000, 5)
+    rec.param(samples=samples, repeats=repeats, batch_size=BATCH, shares=list(SHARES))
+    for result in run(samples, repeats, rec.data_dir):
+        mode = "mapped" if result["mmap"] == "auto" else "copied"
+        med, us = result["median_samples_per_s"], result["median_cpu_us_per_sample"]
+        for name in ("one", "streams", "weighted"):
+            rec.figure(f"{name}, {mode}", med[name], "samples/s")
+        for name in ("streams", "weighted"):
+            rec.ratio(f"{name} ÷ one, {mode}, samples/s", med[name], med["one"])
+            rec.ratio(f"{name} ÷ one, {mode}, CPU time per sample", us[name], us["one"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small set, two rounds")
@@ -118,30 +155,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     samples, repeats = (20_000, 2) if args.quick else (args.samples, args.repeats)
-    folder = Path(tempfile.mkdtemp(prefix="asynchdf5-mixing-", dir=args.dir))
-    try:
-        paths = write(folder, samples)
-        runs = [anyio.run(measure, paths, m, repeats) for m in ("auto", False)]
-        results: dict[str, Any] = {
-            "benchmark": "mixing",
-            "samples": samples,
-            "row_bytes": 3 * 32 * 32 + 8,
-            "batch_size": BATCH,
-            "cpus": os.cpu_count(),
-            "runs": runs,
-        }
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    runs = run(samples, repeats, args.dir)
+    results: dict[str, Any] = {
+        "benchmark": "mixing",
+        "samples": samples,
+        "row_bytes": 3 * 32 * 32 + 8,
+        "batch_size": BATCH,
+        "cpus": os.cpu_count(),
+        "runs": runs,
+    }
     text = json.dumps(results, indent=2)
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
-    for run in runs:
-        med = run["median_samples_per_s"]
-        costs = ", ".join(f"{k} {v:+.1%}" for k, v in run["cost"].items())
-        cpus = ", ".join(f"{k} {v:+.1%}" for k, v in run["cpu_cost"].items())
+    for result in runs:
+        med = result["median_samples_per_s"]
+        costs = ", ".join(f"{k} {v:+.1%}" for k, v in result["cost"].items())
+        cpus = ", ".join(f"{k} {v:+.1%}" for k, v in result["cpu_cost"].items())
         line = (
-            f"mmap={run['mmap']!r}: one {med['one']:,.0f} samples/s; cost in wall time: "
+            f"mmap={result['mmap']!r}: one {med['one']:,.0f} samples/s; cost in wall time: "
             f"{costs}; in CPU time: {cpus}"
         )
         print(line, file=sys.stderr)
