@@ -211,8 +211,7 @@ class AsyncHDF5DataLayer(LayerBase):
                 if c.block_size is None and not streams
                 else 1
             )
-            if streams:  # the mixed planner reads each stream's blocks in one lane
-                lanes = 1
+
             why = mixing_warning(cache.chunk_rows, block, laned, row_bytes, stored, request)
             if why is not None and cache.shrunk:  # the budget's doing, not the properties'
                 warnings.warn(why, CacheBudgetWarning, stacklevel=2)

@@ -175,6 +175,7 @@ class LayerBase(SyncInterface):
                     stream=stream,
                     block_size=shape.block_rows,
                     mode=c.batch_mode,
+                    ramp_lanes=shape.ramp_lanes,
                 )
                 return whole if part is None else split_plan(whole, *part)
             whole = plan_epoch(

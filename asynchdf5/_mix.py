@@ -119,21 +119,38 @@ class _Order:
         return order
 
 
-def _cut(size: int, chunk_size: int, first_rows: int | None) -> list[int]:
+def _dealt(
+    x: int, n: int, lanes: int, a: int, b: int, walk: Walk, start: int, out: list[tuple[int, int]]
+) -> None:
+    """The global ranges of the rows dealt ``a:b`` of walk positions ``x:x + n`` dealt to
+    ``lanes`` lanes row by row (position ``p`` to lane ``p % lanes``, each lane a stretch of the
+    walk, as :class:`~._walk.Lanes` deals them): exactly ``b - a`` rows, from every lane."""
+    for lane in range(lanes):
+        first = lane * (n // lanes) + min(lane, n % lanes)  # lane l's first position
+        lo = max(0, -(-(a - lane) // lanes))
+        hi = max(0, -(-(b - lane) // lanes))
+        for g0, g1 in walk.ranges(x + first + lo, x + first + hi):
+            append_range(out, g0 + start, g1 + start)
+
+
+def _cut(size: int, chunk_size: int, first_rows: int | None) -> tuple[list[int], int]:
     """The chunk bounds of a share of ``size`` positions: the first chunk ramped up from
-    ``first_rows`` (as :func:`~._plan.plan_epoch` does), then chunks of ``chunk_size``."""
+    ``first_rows`` (as :func:`~._plan.plan_epoch` does), then chunks of ``chunk_size``; and
+    the pieces of the ramp (0: not ramped)."""
     if size == 0:
-        return [0]
+        return [0], 0
     first = min(chunk_size, size)
     cuts = [0]
+    pieces = 0
     if first_rows is not None and first > 2 * first_rows:
         cuts += [piece[-1][1] for piece in ramp(0, first, first_rows, 1)]
+        pieces = len(cuts) - 1
     else:
         cuts.append(first)
     cuts += list(range(first + chunk_size, size, chunk_size))
     if cuts[-1] != size:
         cuts.append(size)
-    return cuts
+    return cuts, pieces
 
 
 def plan_mixed(
@@ -151,9 +168,15 @@ def plan_mixed(
     stream: bool = False,
     block_size: int | None = None,
     mode: str = "stratified",
+    ramp_lanes: int = 1,
 ) -> EpochPlan:
     """Plan epoch ``epoch`` of rank ``rank`` over ``streams`` (see the module's docstring).
-    Pure and deterministic; the same arguments as :func:`~._plan.plan_epoch`."""
+    Pure and deterministic; the same arguments as :func:`~._plan.plan_epoch`.
+
+    ``ramp_lanes`` (shuffled only): each stream's part of the first chunk is dealt row by row
+    to that many lanes, and each piece of the ramp takes its rows of the stream from every
+    lane, so that the first batches draw from as many places of every stream (where that part
+    lies within one pass of the stream: a pass ends before the next begins)."""
     counts = tuple(s.count for s in streams)
     total = sum(counts)
     if mode != "per_stream" and (not stream or total < world_size):
@@ -181,19 +204,23 @@ def plan_mixed(
     walks: dict[tuple[int, int], Walk] = {}
     seeds = [stream_seed(seed, s) for s in range(len(streams))]
 
+    def walk_of(s: int, j: int) -> Walk:
+        walk = walks.get((s, j))
+        if walk is None:
+            walk = walks[(s, j)] = Walk(streams[s].size, j, seeds[s], shuffle, block_size)
+        return walk
+
     def ranges(s: int, x: int, y: int, out: list[tuple[int, int]]) -> None:
+        """Stream ``s``'s positions ``x:y`` (of its passes) as global ranges, into ``out``."""
         n, start = streams[s].size, streams[s].start
         while x < y:
             j = x // n
-            walk = walks.get((s, j))
-            if walk is None:
-                walk = walks[(s, j)] = Walk(n, j, seeds[s], shuffle, block_size)
             lo, hi = x - j * n, min(y - j * n, n)
-            for g0, g1 in walk.ranges(lo, hi):
+            for g0, g1 in walk_of(s, j).ranges(lo, hi):
                 append_range(out, g0 + start, g1 + start)
             x += hi - lo
 
-    cuts = _cut(size, chunk_size, first_rows)
+    cuts, pieces = _cut(size, chunk_size, first_rows)
     marks = [base + at(p) for p in cuts]
     sizes = tuple(s.size for s in streams)
     chunks: list[ChunkPlan] = []
@@ -201,7 +228,15 @@ def plan_mixed(
         first, last = marks[i], marks[i + 1]
         got: list[tuple[int, int]] = []
         for s in range(len(streams)):
-            ranges(s, int(first[s]), int(last[s]), got)
+            x, n = int(marks[0][s]), int(marks[pieces][s] - marks[0][s]) if pieces else 0
+            lanes = min(ramp_lanes, n) if shuffle and i < pieces else 1
+            j = x // sizes[s]
+            if lanes > 1 and j == (x + n - 1) // sizes[s]:  # within one pass
+                dealt = (int(first[s]) - x, int(last[s]) - x)
+                walk = walk_of(s, j)
+                _dealt(x - j * sizes[s], n, lanes, *dealt, walk, streams[s].start, got)
+            else:
+                ranges(s, int(first[s]), int(last[s]), got)
         order = _Order(
             mine,
             bounds,

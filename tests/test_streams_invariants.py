@@ -1,9 +1,10 @@
 """The whole pipeline with several streams, over configurations hypothesis draws (issue 33).
 
 Streams of real HDF5 files (contiguous or chunked), their shares drawn (natural, ``weight=``,
-``choose=``), with batch modes, batch and chunk sizes, cache budgets, blocks, shuffle, seeds,
-``drop_last`` and world sizes drawn too; every example runs two epochs on every rank under a
-deadline (a stage waiting on itself fails here instead of freezing the run). Checked:
+``choose=``), with batch modes, batch and chunk sizes, cache budgets, blocks, first-read ramps
+and their lanes, shuffle, seeds, ``drop_last`` and world sizes drawn too; every example runs
+two epochs on every rank under a deadline (a stage waiting on itself fails here instead of
+freezing the run). Checked:
 
 * every rank yields the same number of batches, every row aligned (``label == index``), and
   ``batch.streams`` says each row's stream;
@@ -37,7 +38,7 @@ from hypothesis import strategies as st
 from asynchdf5 import AsyncHDF5DataLayer, CacheBudgetWarning, Stream
 from asynchdf5._streams import StreamSpec, stream_counts
 
-from ._files import ROW_BYTES
+from ._files import ROW_BYTES, ramp
 
 pytestmark = pytest.mark.anyio
 
@@ -59,6 +60,7 @@ class Case:
     world_size: int
     cache_rows: int | None
     block_size: int | None
+    ramp_rows: int | None = None  # rows of the first ramp step (None: the default ramp)
 
     def counts(self) -> tuple[int, ...]:
         specs = [
@@ -104,6 +106,7 @@ def cases(draw: st.DrawFn) -> Case:
         world_size=draw(st.integers(1, 3)),
         cache_rows=draw(st.one_of(st.none(), st.integers(batch_size, chunk_size + 9))),
         block_size=draw(st.one_of(st.none(), st.integers(1, 2 * chunk_size))),
+        ramp_rows=draw(st.one_of(st.none(), st.integers(1, 3 * batch_size))),
     )
 
 
@@ -174,7 +177,8 @@ async def check_case(case: Case) -> None:
     sizes = np.array([sum(f) for f in case.sizes])
     edges = np.concatenate(([0], np.cumsum(sizes)))
     total, b, w = int(counts.sum()), case.batch_size, case.world_size
-    with tempfile.TemporaryDirectory() as tmp:
+    lane_rows = 1 + case.seed % 5  # 1 to 5 rows: one lane to 32
+    with tempfile.TemporaryDirectory() as tmp, ramp(case.ramp_rows, lane_rows):
         files = write(Path(tmp), case)
         ranks = []
         for rank in range(w):
