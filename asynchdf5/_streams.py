@@ -132,16 +132,15 @@ def stream_counts(specs: Sequence[StreamSpec], sizes: Sequence[int]) -> tuple[in
     ``choose`` nor ``weight``; and the weighted streams share their sizes' sum in proportion to
     their weights (largest remainder, so that the sum is exact: a weight of ``size / total``
     gives exactly ``size``)."""
-    counts = [s.choose if s.choose is not None else n for s, n in zip(specs, sizes, strict=True)]
+    counts = [
+        s.choose if s.choose is not None else 0 if s.weight is not None else n
+        for s, n in zip(specs, sizes, strict=True)
+    ]
     weighted = [i for i, s in enumerate(specs) if s.weight is not None]
     pool = sum(sizes[i] for i in weighted)
     weights = [specs[i].weight or 0.0 for i in weighted]
     total = math.fsum(weights)
-    if weighted and total == 0:
-        raise ConfigurationError(
-            "the weighted streams' weights are all 0: give one a weight above 0, or drop them"
-        )
-    if weighted:
+    if weighted and total > 0:  # (weights all 0: those streams give nothing)
         quotas = [pool * w / total for w in weights]
         got = [math.floor(q) for q in quotas]
         order = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - got[i]), i))

@@ -278,6 +278,14 @@ def test_resume_is_exact_on_the_same_and_on_another_world_size(tmp_path: Path) -
     np.testing.assert_array_equal(np.sort(got), np.sort(due))
 
 
+def test_a_stream_of_weight_0_gives_nothing(tmp_path: Path) -> None:
+    files = write_streams(tmp_path, ((30,), (20,)))
+    source = {"a": Stream(files[0]), "b": Stream(files[1], weight=0)}
+    with HDF5DataLayer(source, batch_size=7, shuffle=True, seed=1) as layer:
+        check_exactly_once([b.indices for b in layer], 30)
+        assert layer.stats.stream_samples == {"a": 30}
+
+
 def test_a_state_from_other_streams_is_refused(tmp_path: Path) -> None:
     files = write_streams(tmp_path, ((50,), (20,)))
     one = HDF5DataLayer({"a": files[0], "b": files[1]}, batch_size=5, seed=1)
