@@ -208,7 +208,7 @@ class AsyncHDF5DataLayer(LayerBase):
             # Lanes with the default blocks only: a block_size given is the order asked for.
             laned = (
                 chunk_lanes(cache.chunk_rows, block, row_bytes, stored, request)
-                if c.block_size is None and not streams
+                if c.block_size is None
                 else 1
             )
 

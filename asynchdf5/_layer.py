@@ -160,7 +160,7 @@ class LayerBase(SyncInterface):
         part = self._part if not stream else None
 
         def fresh(rank: int, world_size: int, stream: bool = stream) -> EpochPlan:
-            if shape.streams:  # several streams mixed: their own planner (no lanes)
+            if shape.streams:  # several streams mixed: their own planner
                 whole = plan_mixed(
                     shape.streams,
                     epoch=epoch,
@@ -176,6 +176,7 @@ class LayerBase(SyncInterface):
                     block_size=shape.block_rows,
                     mode=c.batch_mode,
                     ramp_lanes=shape.ramp_lanes,
+                    chunk_lanes=shape.chunk_lanes,
                 )
                 return whole if part is None else split_plan(whole, *part)
             whole = plan_epoch(

@@ -21,6 +21,7 @@ each pass (a pass ends before the next begins).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ import numpy.random  # numpy imports it lazily: not on the event loop at the fir
 
 from ._plan import ChunkPlan, EpochPlan, check_split
 from ._shares import SALT, epoch_table
-from ._walk import Walk, append_range, ramp, seed_tuple
+from ._walk import Walk, append_range, ramp, seed_tuple, within
 
 __all__ = ["StreamRows", "plan_mixed", "stream_seed", "window_labels"]
 
@@ -119,18 +120,23 @@ class _Order:
         return order
 
 
-def _dealt(
-    x: int, n: int, lanes: int, a: int, b: int, walk: Walk, start: int, out: list[tuple[int, int]]
-) -> None:
-    """The global ranges of the rows dealt ``a:b`` of walk positions ``x:x + n`` dealt to
-    ``lanes`` lanes row by row (position ``p`` to lane ``p % lanes``, each lane a stretch of the
-    walk, as :class:`~._walk.Lanes` deals them): exactly ``b - a`` rows, from every lane."""
+def _take(stretches: list[tuple[int, int]], a: int, b: int, lanes: int) -> list[tuple[int, int]]:
+    """The rows dealt ``a:b`` of the concatenation of ``stretches`` dealt to ``lanes`` lanes
+    row by row (the ``m``-th row dealt to lane ``m % lanes``, each lane an equal stretch of the
+    concatenation, as :class:`~._walk.Lanes` deals them), as stretches: exactly ``b - a`` rows,
+    taken from every lane."""
+    n = sum(y - x for x, y in stretches)
+    lanes = max(1, min(lanes, n))
+    if lanes == 1:
+        return within(stretches, [(a, b)])
+    parts = []
     for lane in range(lanes):
-        first = lane * (n // lanes) + min(lane, n % lanes)  # lane l's first position
+        first = lane * (n // lanes) + min(lane, n % lanes)  # lane l's first row
         lo = max(0, -(-(a - lane) // lanes))
         hi = max(0, -(-(b - lane) // lanes))
-        for g0, g1 in walk.ranges(x + first + lo, x + first + hi):
-            append_range(out, g0 + start, g1 + start)
+        if lo < hi:
+            parts.append((first + lo, first + hi))
+    return within(stretches, parts)
 
 
 def _cut(size: int, chunk_size: int, first_rows: int | None) -> tuple[list[int], int]:
@@ -169,14 +175,18 @@ def plan_mixed(
     block_size: int | None = None,
     mode: str = "stratified",
     ramp_lanes: int = 1,
+    chunk_lanes: int = 1,
 ) -> EpochPlan:
     """Plan epoch ``epoch`` of rank ``rank`` over ``streams`` (see the module's docstring).
     Pure and deterministic; the same arguments as :func:`~._plan.plan_epoch`.
 
-    ``ramp_lanes`` (shuffled only): each stream's part of the first chunk is dealt row by row
-    to that many lanes, and each piece of the ramp takes its rows of the stream from every
-    lane, so that the first batches draw from as many places of every stream (where that part
-    lies within one pass of the stream: a pass ends before the next begins)."""
+    ``chunk_lanes`` (shuffled only): each stream's rows of the share are dealt row by row to
+    its share of that many lanes (within each pass), and each chunk takes its rows of the
+    stream from every lane, as :func:`~._plan.plan_epoch` does for one source.
+    ``ramp_lanes`` (shuffled only): each stream's part of the first chunk is dealt so again,
+    and each piece of the ramp takes its rows of the stream from every lane, so that the first
+    batches draw from as many places of every stream (where that part lies within one pass of
+    the stream: a pass ends before the next begins)."""
     counts = tuple(s.count for s in streams)
     total = sum(counts)
     if mode != "per_stream" and (not stream or total < world_size):
@@ -220,6 +230,33 @@ def plan_mixed(
                 append_range(out, g0 + start, g1 + start)
             x += hi - lo
 
+    # Each stream's rows of this share, cut where its passes end: (first row dealt, first
+    # position, rows). Within each, its rows are dealt to lanes (shuffled: its share of
+    # `chunk_lanes`, so that a lane's part of a chunk is as long as one source's), and each
+    # chunk takes its rows of the stream from every lane: a pass ends before the next begins.
+    lanes = [-(-chunk_lanes * c // total) if shuffle else 1 for c in counts]
+    spans: list[list[tuple[int, int, int]]] = []
+    for s, (x, rows) in enumerate(zip(base.tolist(), mine.sum(axis=0).tolist(), strict=True)):
+        n, p, here = streams[s].size, x, []
+        while p < x + rows:
+            q = min(x + rows, (p // n + 1) * n)
+            here.append((p - x, p, q - p))
+            p = q
+        spans.append(here)
+    heads = [[u for u, _, _ in here] for here in spans]
+
+    def part(s: int, d0: int, d1: int, lanes: int) -> list[tuple[int, int]]:
+        """Stream ``s``'s rows dealt ``d0:d1`` of this share, as stretches of its passes."""
+        out: list[tuple[int, int]] = []
+        k = max(0, bisect.bisect_right(heads[s], d0) - 1)
+        for u, x, n in spans[s][k:]:
+            if u >= d1:
+                break
+            a, b = max(d0, u) - u, min(d1, u + n) - u
+            if a < b:
+                out += _take([(x, x + n)], a, b, lanes)
+        return out
+
     cuts, pieces = _cut(size, chunk_size, first_rows)
     marks = [base + at(p) for p in cuts]
     sizes = tuple(s.size for s in streams)
@@ -228,15 +265,15 @@ def plan_mixed(
         first, last = marks[i], marks[i + 1]
         got: list[tuple[int, int]] = []
         for s in range(len(streams)):
-            x, n = int(marks[0][s]), int(marks[pieces][s] - marks[0][s]) if pieces else 0
-            lanes = min(ramp_lanes, n) if shuffle and i < pieces else 1
-            j = x // sizes[s]
-            if lanes > 1 and j == (x + n - 1) // sizes[s]:  # within one pass
-                dealt = (int(first[s]) - x, int(last[s]) - x)
-                walk = walk_of(s, j)
-                _dealt(x - j * sizes[s], n, lanes, *dealt, walk, streams[s].start, got)
+            d0, d1 = int(first[s] - base[s]), int(last[s] - base[s])
+            head = int(marks[pieces][s] - base[s]) if pieces else 0  # the first chunk's rows
+            if i < pieces and ramp_lanes > 1 and len(part(s, 0, head, 1)) <= 1:
+                # A piece of the ramp, within one pass: from ramp_lanes places of the chunk.
+                parts = _take(part(s, 0, head, lanes[s]), d0, d1, ramp_lanes)
             else:
-                ranges(s, int(first[s]), int(last[s]), got)
+                parts = part(s, d0, d1, lanes[s])
+            for x, y in parts:
+                ranges(s, x, y, got)
         order = _Order(
             mine,
             bounds,
