@@ -31,7 +31,7 @@ import numpy.random  # numpy imports it lazily: not on the event loop at the fir
 
 from ._plan import ChunkPlan, EpochPlan, check_split
 from ._shares import SALT, epoch_table
-from ._walk import Walk, append_range, ramp, seed_tuple, within
+from ._walk import Walk, append_range, global_ranges, ramp, seed_tuple, within
 
 __all__ = ["StreamRows", "plan_mixed", "stream_seed", "window_labels"]
 
@@ -62,7 +62,10 @@ def window_labels(table: np.ndarray, bounds: np.ndarray, a: int, b: int) -> np.n
     wa = int(np.searchsorted(bounds, a, side="right")) - 1
     wb = int(np.searchsorted(bounds, b, side="left"))
     part = table[wa:wb]
-    kinds, which = np.unique(part, axis=0, return_inverse=True)
+    if len(part) == 1:  # one window (a chunk's bound): no kinds to find
+        kinds, which = part, np.zeros(1, np.int64)
+    else:
+        kinds, which = np.unique(part, axis=0, return_inverse=True)
     arranged, firsts = _arrange(kinds)
     lens = part.sum(axis=1)
     starts = np.cumsum(lens) - lens
@@ -137,6 +140,26 @@ def _take(stretches: list[tuple[int, int]], a: int, b: int, lanes: int) -> list[
         if lo < hi:
             parts.append((first + lo, first + hi))
     return within(stretches, parts)
+
+
+def _laned(
+    walk: Walk, offset: int, n: int, lanes: int, a: np.ndarray, b: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_take` of the walk positions ``offset:offset + n`` for every chunk at once: the
+    rows dealt ``a[i]:b[i]`` of chunk ``i``, as global ranges (of the walk's ring), chunk by
+    chunk, each chunk's in lane order: ``(starts, stops, chunks)``. Vectorised, as
+    :class:`~._walk.Lanes` is: a small cache makes thousands of chunks of many lanes."""
+    lanes = max(1, min(lanes, n))
+    lane = np.arange(lanes, dtype=np.int64)
+    lens = (n - lane + lanes - 1) // lanes
+    first = np.cumsum(lens) - lens
+    x = first + np.clip((a[:, None] - lane + lanes - 1) // lanes, 0, lens)
+    y = first + np.clip((b[:, None] - lane + lanes - 1) // lanes, 0, lens)
+    keep = x < y
+    if not keep.any():
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    chunk = np.broadcast_to(np.arange(len(a))[:, None], x.shape)[keep]
+    return global_ranges(walk, x[keep] + offset, y[keep] + offset, chunk)
 
 
 def _cut(size: int, chunk_size: int, first_rows: int | None) -> tuple[list[int], int]:
@@ -259,7 +282,23 @@ def plan_mixed(
 
     cuts, pieces = _cut(size, chunk_size, first_rows)
     marks = [base + at(p) for p in cuts]
+    dealt = np.array(marks, np.int64) - base  # each cut's rows dealt of every stream
     sizes = tuple(s.size for s in streams)
+    # The chunks' ranges of each stream, all chunks at once (pieces of a ramp taken from
+    # ramp_lanes places of the first chunk: below).
+    laned: list[list[list[tuple[int, int]]]] = [[[] for _ in cuts] for _ in streams]
+    for s, stream_spans in enumerate(spans):
+        for u, x, n in stream_spans:
+            lo = np.clip(dealt[:-1, s] - u, 0, n)
+            hi = np.clip(dealt[1:, s] - u, 0, n)
+            j = x // sizes[s]
+            g0, g1, c = _laned(walk_of(s, j), x - j * sizes[s], n, lanes[s], lo, hi)
+            g0 += streams[s].start
+            g1 += streams[s].start
+            ends = np.searchsorted(c, np.arange(len(cuts)))
+            for k, (e0, e1) in enumerate(itertools.pairwise(ends.tolist())):
+                if e0 < e1:
+                    laned[s][k] += zip(g0[e0:e1].tolist(), g1[e0:e1].tolist(), strict=True)
     chunks: list[ChunkPlan] = []
     for i, (a, b) in enumerate(itertools.pairwise(cuts)):
         first, last = marks[i], marks[i + 1]
@@ -269,11 +308,11 @@ def plan_mixed(
             head = int(marks[pieces][s] - base[s]) if pieces else 0  # the first chunk's rows
             if i < pieces and ramp_lanes > 1 and len(part(s, 0, head, 1)) <= 1:
                 # A piece of the ramp, within one pass: from ramp_lanes places of the chunk.
-                parts = _take(part(s, 0, head, lanes[s]), d0, d1, ramp_lanes)
-            else:
-                parts = part(s, d0, d1, lanes[s])
-            for x, y in parts:
-                ranges(s, x, y, got)
+                for x, y in _take(part(s, 0, head, lanes[s]), d0, d1, ramp_lanes):
+                    ranges(s, x, y, got)
+            elif laned[s][i]:
+                append_range(got, *laned[s][i][0])  # joins its neighbour
+                got += laned[s][i][1:]
         order = _Order(
             mine,
             bounds,
