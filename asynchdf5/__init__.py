@@ -23,6 +23,7 @@ from ._hdf5 import AsyncHDF5DataLayer, HDF5DataLayer
 from ._iterator import EpochIterator
 from ._memory import MemoryDataLayer
 from ._stats import LayerStats
+from ._streams import Stream
 
 __all__ = [
     "AsyncHDF5DataLayer",
@@ -39,6 +40,7 @@ __all__ = [
     "SchemaError",
     "SourceError",
     "StateError",
+    "Stream",
     "TransformError",
     "transforms",
 ]

@@ -42,14 +42,18 @@ class Batch(Mapping[str, Any]):
     epoch : int
         The epoch the batch belongs to (for :meth:`AsyncHDF5DataLayer.stream`, the epoch it
         started in).
+    streams : numpy.ndarray or None
+        With several streams (``source={name: Stream(...)}``): the stream each row came from,
+        as an index into the layer's ``stream_names``, in row order; ``None`` without.
     """
 
-    __slots__ = ("_data", "epoch", "indices")
+    __slots__ = ("_data", "epoch", "indices", "streams")
 
     def __init__(self, data: dict[str, Any], indices: np.ndarray, epoch: int) -> None:
         self._data = data
         self.indices = indices
         self.epoch = epoch
+        self.streams: np.ndarray | None = None
 
     def __getitem__(self, key: str) -> Any:
         return self._data[key]

@@ -20,6 +20,7 @@ import numpy as np
 from ._delivery import parse_device
 from ._distributed import broadcast_seed, detect, torch_distributed
 from ._errors import ConfigurationError
+from ._shares import BATCH_MODES
 from .transforms import Transformer
 
 __all__ = ["DEFAULT_TOPS", "LayerConfig"]
@@ -168,6 +169,14 @@ def _folder(name: str, value: object) -> str | None:
     return os.path.abspath(os.path.expanduser(os.fspath(value)))
 
 
+def _batch_mode(value: object) -> str:
+    if value not in BATCH_MODES:
+        raise ConfigurationError(
+            f"batch_mode must be one of {', '.join(map(repr, BATCH_MODES))}, not {value!r}"
+        )
+    return str(value)
+
+
 def _backend(value: object) -> Backend:
     if value not in ("asyncio", "trio"):
         raise ConfigurationError(f'backend must be "asyncio" or "trio", not {value!r}')
@@ -216,6 +225,8 @@ class LayerConfig:
     rank_source: str = "explicit"
     #: The seed property was given (not drawn): a state to resume must have the same one.
     seed_given: bool = True
+    #: How a batch is made of several streams (see :mod:`._shares`).
+    batch_mode: str = "stratified"
 
     @classmethod
     def parse(
@@ -240,6 +251,7 @@ class LayerConfig:
         remote_cache_bytes: object = None,
         block_size: object = None,
         mmap: object = "auto",
+        batch_mode: object = "stratified",
     ) -> LayerConfig:
         """Check every property; raise :class:`ConfigurationError` naming the first bad one."""
         batch = _int("batch_size", batch_size, minimum=1)
@@ -298,4 +310,5 @@ class LayerConfig:
             mmap=_mmap(mmap),
             rank_source=source,
             seed_given=given,
+            batch_mode=_batch_mode(batch_mode),
         )

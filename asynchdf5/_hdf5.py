@@ -21,12 +21,15 @@ from ._cache import CacheBudgetWarning, CachePlan, Slot, allocate_slots, size_ca
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
+from ._errors import DataLayerError
 from ._layer import LayerBase
 from ._machine import memory_bytes
+from ._mix import StreamRows
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
 from ._shape import DataShape, chunk_lanes, default_block_rows, first_read, mixing_warning
 from ._sources import Source, SourceLike, SourceOptions, Streaming
+from ._streams import Stream, StreamSpec, combine, parse_streams
 from .transforms import Transformer
 
 if sys.version_info >= (3, 11):
@@ -77,7 +80,7 @@ class AsyncHDF5DataLayer(LayerBase):
 
     def __init__(
         self,
-        source: SourceLike,
+        source: SourceLike | Mapping[str, Stream | SourceLike],
         *,
         batch_size: int,
         tops: Sequence[str] = DEFAULT_TOPS,
@@ -98,6 +101,7 @@ class AsyncHDF5DataLayer(LayerBase):
         remote_cache_bytes: int | None = None,
         block_size: int | None = None,
         mmap: bool | Literal["auto"] = "auto",
+        batch_mode: Literal["stratified", "random", "per_stream"] = "stratified",
     ) -> None:
         config = LayerConfig.parse(
             batch_size=batch_size,
@@ -119,20 +123,71 @@ class AsyncHDF5DataLayer(LayerBase):
             remote_cache_bytes=remote_cache_bytes,
             block_size=block_size,
             mmap=mmap,
+            batch_mode=batch_mode,
         )
         # Every remote read (a list file given as a URL, now; the files, at open) goes through
         # this one object, with the layer's options.
         self._reach = SourceOptions(
             config.storage_options, config.remote_cache, config.remote_cache_bytes
         )
-        #: The files (absolute paths, or URLs), resolved at construction.
-        self.paths = self._reach.resolve(source)
+        #: Several streams (``source`` a mapping): each one's files, resolved; () for one.
+        self._streams: tuple[StreamSpec, ...] = ()
+        if isinstance(source, Mapping):
+            self._streams = parse_streams(source, self._reach.resolve)
+            paths = [e for s in self._streams for e in s.entries]
+        else:
+            paths = self._reach.resolve(source)
+        #: The files (absolute paths, or URLs), resolved at construction: with several
+        #: streams, every stream's, stream after stream.
+        self.paths = paths
         super().__init__(config)
+
+    @property
+    def stream_names(self) -> tuple[str, ...]:
+        """The names of the streams, in the order of ``source`` (``batch.streams`` indexes
+        them); ``()`` for a source that is not a mapping of streams."""
+        return tuple(s.name for s in self._streams)
+
+    @property
+    def streams(self) -> dict[str, Stream]:
+        """The streams by name, their sources resolved (the same layer in another process is
+        ``HDF5DataLayer(layer.streams, ...)``); ``{}`` for a source that is not a mapping."""
+        return {
+            s.name: Stream(list(s.entries), weight=s.weight, choose=s.choose) for s in self._streams
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`LayerBase.state_dict`; with several streams, also ``"streams"``: where each
+        stream's walk stood when the state's epoch began (``{"pass": j, "offset": k}``: its
+        ``k``-th sample of pass ``j``). Informational: it follows from the epoch and the
+        streams' samples per epoch, which the fingerprint holds and a resume checks."""
+        state = super().state_dict()
+        shape = self._shape
+        if shape is not None and shape.streams:
+            at = {s.name: divmod(state["epoch"] * s.count, s.size) for s in shape.streams}
+            state["streams"] = {k: {"pass": j, "offset": o} for k, (j, o) in at.items()}
+        return state
+
+    def _catalog(self, files: Source) -> tuple[Catalog, tuple[StreamRows, ...]]:
+        """The catalog of every file (blocking); with several streams, each stream's checked
+        on its own, then against the others (:func:`~._streams.combine`)."""
+        tops = self.config.tops
+        if not self._streams:
+            return build_catalog(files, self.paths, tops), ()
+        catalogs = []
+        for spec in self._streams:
+            try:
+                catalogs.append(build_catalog(files, spec.entries, tops))
+            except DataLayerError as exc:
+                if exc.args and isinstance(exc.args[0], str):
+                    exc.args = (f"stream {spec.name!r}: {exc.args[0]}", *exc.args[1:])
+                raise
+        return combine(self._streams, catalogs)
 
     def _source(self) -> Source:
         return self._reach.open(self.paths)
 
-    def _shape_of(self, catalog: Catalog) -> DataShape:
+    def _shape_of(self, catalog: Catalog, streams: tuple[StreamRows, ...] = ()) -> DataShape:
         """The data's shape, and how it is cached: as a loaded state says, else as the
         properties and the budget give."""
         c = self.config
@@ -156,6 +211,7 @@ class AsyncHDF5DataLayer(LayerBase):
                 if c.block_size is None
                 else 1
             )
+
             why = mixing_warning(cache.chunk_rows, block, laned, row_bytes, stored, request)
             if why is not None and cache.shrunk:  # the budget's doing, not the properties'
                 warnings.warn(why, CacheBudgetWarning, stacklevel=2)
@@ -170,6 +226,7 @@ class AsyncHDF5DataLayer(LayerBase):
             resident=cache.resident,
             ramp_lanes=lanes,
             chunk_lanes=laned,
+            streams=streams,
         )
 
     def _size_cache(self, catalog: Catalog, rows: int | None) -> CachePlan:
@@ -191,7 +248,7 @@ class AsyncHDF5DataLayer(LayerBase):
         def look() -> None:
             files = self._source()
             try:
-                out.append(self._shape_of(build_catalog(files, self.paths, self.config.tops)))
+                out.append(self._shape_of(*self._catalog(files)))
             except BaseException as exc:
                 out.append(exc)
             finally:
@@ -209,10 +266,8 @@ class AsyncHDF5DataLayer(LayerBase):
         files = self._source()
         chosen: Choice | None = None  # holds the file's lease until the mapped reader takes it
         try:
-            catalog = await anyio.to_thread.run_sync(
-                build_catalog, files, self.paths, self.config.tops
-            )
-            shape = self._shape_of(catalog)
+            catalog, streams = await anyio.to_thread.run_sync(self._catalog, files)
+            shape = self._shape_of(catalog, streams)
             slots: list[Slot] | None = None
             # Data larger than the memory the process may use is read from the disk every
             # epoch: it is copied (mmap="auto"), and the reader streams it around the page

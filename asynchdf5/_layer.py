@@ -27,6 +27,7 @@ from ._config import LayerConfig
 from ._delivery import make_delivery
 from ._errors import ConfigurationError, StateError
 from ._iterator import EpochIterator
+from ._mix import plan_mixed
 from ._plan import EpochPlan, check_split, plan_epoch
 from ._priority import nice_steps
 from ._read import Reader
@@ -35,6 +36,7 @@ from ._resume import Resume, epoch_plan, parse_state, save_state
 from ._session import Session
 from ._shape import DataShape
 from ._stats import LayerStats, Stats
+from ._streams import StreamLabels
 from ._sync import SyncInterface
 
 if sys.version_info >= (3, 11):
@@ -158,6 +160,25 @@ class LayerBase(SyncInterface):
         part = self._part if not stream else None
 
         def fresh(rank: int, world_size: int, stream: bool = stream) -> EpochPlan:
+            if shape.streams:  # several streams mixed: their own planner
+                whole = plan_mixed(
+                    shape.streams,
+                    epoch=epoch,
+                    batch_size=c.batch_size,
+                    chunk_size=shape.chunk_rows,
+                    shuffle=c.shuffle,
+                    seed=c.seed,
+                    rank=rank,
+                    world_size=world_size,
+                    drop_last=c.drop_last,
+                    first_rows=shape.first_rows,
+                    stream=stream,
+                    block_size=shape.block_rows,
+                    mode=c.batch_mode,
+                    ramp_lanes=shape.ramp_lanes,
+                    chunk_lanes=shape.chunk_lanes,
+                )
+                return whole if part is None else split_plan(whole, *part)
             whole = plan_epoch(
                 shape.n_samples,
                 epoch=epoch,
@@ -330,7 +351,7 @@ class LayerBase(SyncInterface):
                 self._delivery.check(reader.tops)
                 # The same answer on every rank: decided from the configuration and the catalog.
                 c = self.config
-                check_split(reader.n_samples, c.batch_size, c.world_size, c.drop_last)
+                check_split(shape.epoch_samples, c.batch_size, c.world_size, c.drop_last)
                 task_group = anyio.create_task_group()
                 await task_group.__aenter__()
             except BaseException:
@@ -355,6 +376,7 @@ class LayerBase(SyncInterface):
             task_group=task_group,
             opened_at=opened_at,
             sync=sync,
+            label=StreamLabels(shape.streams, self._stats.consumer) if shape.streams else None,
         )
         self._state = "open"
         self._session.start_run("epoch")  # the first epoch's first chunk is read now

@@ -37,7 +37,7 @@ with another world size had not yet yielded over this run's ranks.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +66,9 @@ class ChunkPlan:
     ranges: tuple[tuple[int, int], ...]  # global [start, stop) ranges, concatenated in the slot
     seed: tuple[int, ...] | None  # None: served in slot order
     serve: tuple[int, int] | None = None  # serve only order[a:b]
+    #: The whole serving order, when it is not one permutation of the rows drawn from
+    #: ``seed`` (a chunk of several streams, see :mod:`._mix`): slot positions, deterministic.
+    arrange: Callable[[], np.ndarray] | None = None
 
     @functools.cached_property
     def rows(self) -> int:
@@ -82,6 +85,9 @@ class ChunkPlan:
 
     def order(self) -> np.ndarray | None:
         """Slot positions in the order they are served (``None``: all of them, in slot order)."""
+        if self.arrange is not None:
+            whole = self.arrange()
+            return whole if self.serve is None else whole[self.serve[0] : self.serve[1]]
         if self.seed is None:
             return None if self.serve is None else np.arange(*self.serve, dtype=np.int64)
         # The same permutation as ``Generator.permutation(rows)``, but shuffling an arange in

@@ -41,7 +41,10 @@ PROPERTIES: tuple[Property, ...] = (
         "The HDF5 files: the path of a *source list* file (one HDF5 path per line; blank lines and "
         "lines starting with `#` are ignored; relative paths are relative to the list file's "
         "folder), the path of one HDF5 file, or a sequence of HDF5 paths. Relative paths are "
-        "resolved when the layer is constructed. See [source](semantics.md#the-source).",
+        "resolved when the layer is constructed. See [source](semantics.md#the-source). Or "
+        "several named *streams* mixed: a mapping of names to "
+        "{class}`~asynchdf5.Stream` (`Stream(source, weight=...)` or `choose=` samples per "
+        "epoch) or to plain sources (equal weights). See [mixing](mixing.md).",
         "hdf5",
     ),
     Property(
@@ -197,6 +200,16 @@ PROPERTIES: tuple[Property, ...] = (
         "for the gathers in flight, then the run ends with a {class}`~asynchdf5.ReadError`. "
         "What no check can exclude ends the process with `SIGBUS` instead: see "
         "[choosing](choosing.md#mmap-one-copy-less).",
+        "hdf5",
+    ),
+    Property(
+        "batch_mode",
+        '`"stratified"`',
+        'With several streams: how a batch is made of them. `"stratified"`: every batch '
+        "holds each stream's share, rounded down or up so that each stream's count over the "
+        'epoch is exact. `"random"`: the shares hold over the epoch, batches vary. '
+        '`"per_stream"`: every batch from one stream (each stream\'s samples cut into batches '
+        "as one source's are). Unused with one source. See [mixing](mixing.md).",
         "hdf5",
     ),
     Property(

@@ -46,6 +46,8 @@ _WHAT = {
     "first_rows": "the rows of the first read of an epoch",
     "ramp_lanes": "the places each piece of the first read is taken from",
     "chunk_lanes": "the places each chunk is taken from",
+    "streams": "the streams (names, rows, samples per epoch)",
+    "batch_mode": "batch_mode",
 }
 
 

@@ -52,6 +52,7 @@ class Session:
         task_group: TaskGroup,
         opened_at: float,
         sync: bool,
+        label: Callable[[Batch], None] | None = None,
     ) -> None:
         self.reader = reader
         self.slots = slots
@@ -66,6 +67,8 @@ class Session:
         self.opened_at = opened_at
         #: Opened with ``with``: iterated through the sync bridge only.
         self.sync = sync
+        #: Called on every batch handed over (several streams: it says each row's stream).
+        self.label = label
         self.closed = False
         self.run: Run | None = None
         #: A failed run, stopping: its threads may still read into the cache slots, so the
@@ -145,6 +148,8 @@ class Session:
             consumer.first_batch_seconds = time.perf_counter() - self.opened_at
         consumer.batches += 1
         consumer.samples += len(batch.indices)
+        if self.label is not None:
+            self.label(batch)
         self._touched = batch.epoch
         if self.run is not None:
             self.run.head_epoch = None

@@ -17,6 +17,7 @@ from ._config import (
     STORED_CHUNKS_PER_BLOCK,
     LayerConfig,
 )
+from ._mix import StreamRows
 
 __all__ = [
     "RAMP_BYTES",
@@ -48,10 +49,25 @@ class DataShape:
     resident: bool
     ramp_lanes: int = 1  # places each piece of the first read's ramp is taken from
     chunk_lanes: int = 1  # places each chunk is taken from, besides its blocks
+    #: Several streams mixed (:mod:`._mix`): each one's rows and samples per epoch; () for one.
+    streams: tuple[StreamRows, ...] = ()
+
+    @property
+    def epoch_samples(self) -> int:
+        """Samples of an epoch over every rank (before ``drop_last``): the streams' counts."""
+        return sum(s.count for s in self.streams) if self.streams else self.n_samples
 
     def fingerprint(self, config: LayerConfig) -> dict[str, Any]:
         """What a saved state must agree with (see :mod:`._resume`)."""
-        return {
+        mixed = (
+            {
+                "streams": [[s.name, s.size, s.count] for s in self.streams],
+                "batch_mode": config.batch_mode,
+            }
+            if self.streams
+            else {}
+        )
+        return mixed | {
             "n_samples": self.n_samples,
             "files": [[name, rows] for name, rows in self.files],
             "tops": [[name, dtype, list(shape)] for name, dtype, shape in self.tops],

@@ -128,6 +128,7 @@ class ConsumerStats:
     batches: int = 0
     samples: int = 0
     first_batch_seconds: float | None = None
+    stream_samples: dict[str, int] = field(default_factory=dict)  # per stream, when mixed
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,8 @@ class LayerStats:
     read_notes: dict[str, str] = field(default_factory=dict)
     #: ``"read"``, ``"gather"`` and ``"consumer"``: where each stage's time went.
     stages: dict[str, StageStats] = field(default_factory=dict)
+    #: With several streams: the samples handed over from each, by name (empty without).
+    stream_samples: dict[str, int] = field(default_factory=dict)
 
     def bottleneck(self) -> str:
         """In words, which stage holds the others up (from :attr:`stages`).
@@ -233,6 +236,7 @@ class Stats:
             read_retries=self.read.retries,
             read_paths=dict(read_paths),
             read_notes=dict(read_notes),
+            stream_samples=dict(self.consumer.stream_samples),
             stages={
                 "read": _stage(self.read.stage),
                 "gather": _stage(self.gather.stage),

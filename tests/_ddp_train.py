@@ -15,6 +15,8 @@ of epoch ``E``, behind a barrier (so all have written their last checkpoint), li
 dies between checkpoints. ``--resume DIR``: rank ``r`` of the new run loads
 ``DIR/state-rank{r % n}.json`` (``n`` the number of saved states; any rank's state is good for
 an elastic resume, since all were saved at the same batch count).
+
+``--stream NAME=LIST:WEIGHT`` (repeated): mix these streams instead of ``--source`` (issue 33).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from asynchdf5 import Stream
 from asynchdf5.torch import HDF5IterableDataset
 
 
@@ -42,7 +45,8 @@ def write_json(path: Path, value: Any) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--source", required=True)
+    p.add_argument("--source", default=None)
+    p.add_argument("--stream", action="append", default=[], help="NAME=LIST:WEIGHT")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--epochs", type=int, required=True, help="train until this epoch")
     p.add_argument("--batch-size", type=int, default=32)
@@ -58,8 +62,15 @@ def main() -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     # rank and world_size: detected from the process group; seed=None: rank 0's, broadcast.
+    source: Any = args.source
+    if args.stream:
+        source = {}
+        for spec in args.stream:
+            name, rest = spec.split("=", 1)
+            path, weight = rest.rsplit(":", 1)
+            source[name] = Stream(path, weight=float(weight))
     ds = HDF5IterableDataset(
-        args.source, batch_size=args.batch_size, shuffle=True, seed=args.seed, indices=True
+        source, batch_size=args.batch_size, shuffle=True, seed=args.seed, indices=True
     )
     assert (ds.rank, ds.world_size) == (rank, world)
     done = 0  # batches of the current epoch before this run (a resumed one)
@@ -78,6 +89,7 @@ def main() -> None:
         seen: list[list[int]] = []
         for batch in loader:
             x, y, idx = batch["data"], batch["label"], batch["indices"]
+            assert ("streams" in batch) == bool(args.stream)
             # Alignment: row i of a file holds label i and data [10 i, 10 i + 1].
             assert torch.equal(y, idx)
             assert torch.equal(x[:, 0], (idx * 10).float()) and torch.equal(x[:, 1], x[:, 0] + 1)

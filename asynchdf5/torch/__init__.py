@@ -79,6 +79,7 @@ from .._hdf5 import HDF5DataLayer
 from .._layer import LayerBase
 from .._memory import MemoryDataLayer
 from .._sources import SourceLike
+from .._streams import Stream
 from ._dataset import LayerDataset
 
 __all__ = ["HDF5IterableDataset", "MemoryIterableDataset"]
@@ -101,12 +102,14 @@ class HDF5IterableDataset(LayerDataset):
 
     Parameters
     ----------
-    source : str, path or sequence of them
+    source : str, path, sequence of them, or dict
         The HDF5 files: a source list file, one HDF5 file, or a sequence of paths or URLs
-        (see :class:`~asynchdf5.HDF5DataLayer`). Relative paths are resolved now.
+        (see :class:`~asynchdf5.HDF5DataLayer`), or several named streams mixed (a mapping
+        of names to :class:`~asynchdf5.Stream` or to sources). Relative paths are resolved now.
     indices : bool
         Add the global indices of the batch's samples as an ``int64`` tensor under
-        ``"indices"`` (on the host, also for device batches).
+        ``"indices"`` (on the host, also for device batches); with several streams, each
+        row's stream too, under ``"streams"`` (unless a top has that name).
     num_workers : int, optional
         Deprecated, and no longer needed: the DataLoader's ``num_workers`` is learned in its
         workers. When given, it must equal the DataLoader's.
@@ -148,7 +151,7 @@ class HDF5IterableDataset(LayerDataset):
 
     def __init__(
         self,
-        source: SourceLike,
+        source: SourceLike | Mapping[str, Stream | SourceLike],
         *,
         indices: bool = False,
         num_workers: int | None = None,
@@ -157,7 +160,8 @@ class HDF5IterableDataset(LayerDataset):
         self._source: Any = source
         super().__init__(properties, indices=indices, num_workers=num_workers)
         assert isinstance(self._layer, HDF5DataLayer)
-        self._source = list(self._layer.paths)  # resolved: the same files in any process
+        # Resolved: the same files (and streams) in any process.
+        self._source = self._layer.streams or list(self._layer.paths)
 
     def _new_layer(self, **properties: Any) -> LayerBase:
         return HDF5DataLayer(self._source, **properties)

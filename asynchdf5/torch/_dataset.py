@@ -20,7 +20,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._batch import Batch
 from .._errors import ConfigurationError, StateError
 from .._layer import LayerBase
-from ._epoch import INDICES, Epoch, Tensors, as_tensor
+from ._epoch import INDICES, STREAMS, Epoch, Tensors, as_tensor
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -249,6 +249,8 @@ class LayerDataset(IterableDataset[Tensors]):
         out = {name: as_tensor(array) for name, array in batch.items()}
         if self.indices:
             out[INDICES] = torch.from_numpy(batch.indices)
+            if batch.streams is not None and STREAMS not in out:
+                out[STREAMS] = torch.from_numpy(batch.streams)
         return out
 
     def __len__(self) -> int:

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 #: The key of the global indices in a batch, with ``indices=True``.
 INDICES = "indices"
+#: ... and with several streams, the stream of each row (an index into ``stream_names``).
+STREAMS = "streams"
 
 Tensors = dict[str, torch.Tensor]
 

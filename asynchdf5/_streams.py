@@ -1,0 +1,205 @@
+"""Streams: several named sources mixed in one layer.
+
+``source={"web": Stream("web.txt", weight=0.7), "books": Stream("books.txt", weight=0.3)}``:
+each stream is a source as ``source=`` takes one (a list file, an HDF5 file, a sequence of
+paths, URLs), with its share of every epoch. Here: the public :class:`Stream`, the checks made
+when a layer is constructed (:func:`parse_streams`), the samples each stream gives per epoch
+(:func:`stream_counts`), the one catalog of every stream's files (:func:`combine`) and the
+labels of a batch's rows (:class:`StreamLabels`). The plan is :mod:`._mix`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._batch import Batch
+from ._catalog import Catalog
+from ._errors import ConfigurationError, DataLayerError, SchemaError
+from ._mix import StreamRows
+from ._sources import SourceLike
+from ._stats import ConsumerStats
+
+__all__ = ["Stream", "StreamLabels", "StreamSpec", "combine", "parse_streams", "stream_counts"]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One named source among several mixed in a layer (``source={name: Stream(...)}``).
+
+    Parameters
+    ----------
+    source
+        What ``source=`` takes: a source list file, an HDF5 file, or a sequence of paths or
+        URLs (read with the layer's ``storage_options``).
+    weight
+        The stream's share of the samples per epoch, relative to the other weighted streams:
+        together they give as many samples per epoch as they hold, split in proportion to
+        their weights. A stream's share below its size is *downsampled* (it walks through its
+        own permutation over several epochs), above it *upsampled* (it repeats whole
+        permutations, then part of one).
+    choose
+        Instead of ``weight``: exactly this many samples per epoch.
+
+    With neither, the stream gives its natural share: each of its samples once per epoch.
+
+    Examples
+    --------
+    >>> from asynchdf5 import Stream
+    >>> Stream(["a.h5", "b.h5"], weight=0.25)
+    Stream(source=['a.h5', 'b.h5'], weight=0.25, choose=None)
+    """
+
+    source: SourceLike
+    weight: float | None = None
+    choose: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight is not None and self.choose is not None:
+            raise ConfigurationError(
+                f"a stream takes weight= or choose=, not both (weight={self.weight!r}, "
+                f"choose={self.choose!r})"
+            )
+        w = self.weight
+        if w is not None and (
+            isinstance(w, (bool, np.bool_))
+            or not isinstance(w, (int, float, np.integer, np.floating))
+            or not math.isfinite(float(w))
+            or w < 0
+        ):
+            raise ConfigurationError(f"a stream's weight must be a number >= 0, not {w!r}")
+        c = self.choose
+        if c is not None and (
+            isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) or c < 0
+        ):
+            raise ConfigurationError(f"a stream's choose must be an int >= 0, not {c!r}")
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """A stream as a layer holds it once constructed: its entries resolved."""
+
+    name: str
+    entries: tuple[str, ...]
+    weight: float | None
+    choose: int | None
+
+
+def parse_streams(
+    source: Mapping[Any, Any], resolve: Callable[[SourceLike], list[str]]
+) -> tuple[StreamSpec, ...]:
+    """Check a mapping of streams and resolve each one's source (``resolve``: the layer's).
+
+    A value that is not a :class:`Stream` is a source given weight 1 (a plain mapping of
+    names to sources mixes them with equal weights). :class:`ConfigurationError` when there is
+    no stream, a name is not a non-empty ``str``, or the streams give no sample per epoch.
+    """
+    if not source:
+        raise ConfigurationError("source is an empty mapping: name at least one stream")
+    out = []
+    for name, value in source.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"a stream's name must be a non-empty str, not {name!r}")
+        stream = value if isinstance(value, Stream) else Stream(value, weight=1.0)
+        try:
+            entries = resolve(stream.source)
+        except DataLayerError as exc:
+            _prefix(exc, name)
+            raise
+        w = None if stream.weight is None else float(stream.weight)
+        c = None if stream.choose is None else int(stream.choose)
+        out.append(StreamSpec(name, tuple(entries), w, c))
+    if all(s.weight == 0 or s.choose == 0 for s in out):
+        raise ConfigurationError(
+            "every stream's weight (or choose) is 0: the streams give no sample per epoch"
+        )
+    return tuple(out)
+
+
+def _prefix(exc: BaseException, name: str) -> None:
+    if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("stream "):
+        exc.args = (f"stream {name!r}: {exc.args[0]}", *exc.args[1:])
+
+
+def stream_counts(specs: Sequence[StreamSpec], sizes: Sequence[int]) -> tuple[int, ...]:
+    """The samples each stream gives per epoch: ``choose``; its size when it has neither
+    ``choose`` nor ``weight``; and the weighted streams share their sizes' sum in proportion to
+    their weights (largest remainder, so that the sum is exact: a weight of ``size / total``
+    gives exactly ``size``)."""
+    counts = [
+        s.choose if s.choose is not None else 0 if s.weight is not None else n
+        for s, n in zip(specs, sizes, strict=True)
+    ]
+    weighted = [i for i, s in enumerate(specs) if s.weight is not None]
+    pool = sum(sizes[i] for i in weighted)
+    weights = [specs[i].weight or 0.0 for i in weighted]
+    total = math.fsum(weights)
+    if weighted and total > 0:  # (weights all 0: those streams give nothing)
+        quotas = [pool * w / total for w in weights]
+        got = [math.floor(q) for q in quotas]
+        order = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - got[i]), i))
+        for i in order[: pool - sum(got)]:
+            got[i] += 1
+        for i, n in zip(weighted, got, strict=True):
+            counts[i] = n
+    if sum(counts) == 0:
+        raise ConfigurationError("the streams give no sample per epoch (every share is 0)")
+    return tuple(counts)
+
+
+def combine(
+    specs: Sequence[StreamSpec], catalogs: Sequence[Catalog]
+) -> tuple[Catalog, tuple[StreamRows, ...]]:
+    """One catalog of every stream's files, stream after stream, and the rows of each.
+
+    :class:`SchemaError` naming both streams and the top when two streams' tops differ in
+    sample shape or dtype (every batch holds rows of every stream).
+    """
+    first, base = specs[0], catalogs[0]
+    for spec, cat in zip(specs[1:], catalogs[1:], strict=True):
+        for name, top in base.tops.items():
+            other = cat.tops[name]
+            if (other.dtype, other.sample_shape) != (top.dtype, top.sample_shape):
+                raise SchemaError(
+                    f"streams {first.name!r} and {spec.name!r} disagree on top {name!r}: "
+                    f"{first.name!r} has samples of shape {top.sample_shape} and dtype "
+                    f"{top.dtype} ({os.path.basename(base.files[0].name)}), {spec.name!r} of "
+                    f"shape {other.sample_shape} and dtype {other.dtype} "
+                    f"({os.path.basename(cat.files[0].name)}); mixed streams must agree on "
+                    "every top"
+                )
+    files = []
+    rows = []
+    start = 0
+    for spec, cat in zip(specs, catalogs, strict=True):
+        files += [dataclasses.replace(f, start=f.start + start) for f in cat.files]
+        rows.append((spec.name, start, cat.n_samples))
+        start += cat.n_samples
+    counts = stream_counts(specs, [n for _, _, n in rows])
+    streams = tuple(StreamRows(name, a, n, c) for (name, a, n), c in zip(rows, counts, strict=True))
+    return Catalog(files, dict(base.tops)), streams
+
+
+class StreamLabels:
+    """Says which stream each row of a batch came from (``batch.streams``: indices into the
+    layer's ``stream_names``), and counts the samples handed over per stream."""
+
+    def __init__(self, streams: Sequence[StreamRows], stats: ConsumerStats) -> None:
+        self.names = tuple(s.name for s in streams)
+        self.starts = np.array([s.start for s in streams[1:]], np.int64)
+        self.stats = stats
+
+    def __call__(self, batch: Batch) -> None:
+        labels = np.searchsorted(self.starts, batch.indices, side="right")
+        batch.streams = labels
+        counts = self.stats.stream_samples
+        for s, n in enumerate(np.bincount(labels, minlength=len(self.names)).tolist()):
+            if n:
+                name = self.names[s]
+                counts[name] = counts.get(name, 0) + n
