@@ -112,6 +112,8 @@ async def measure(paths: list[Path], mmap: bool | str, repeats: int) -> dict[str
 
 def run(samples: int, repeats: int, where: Path | None) -> list[dict[str, Any]]:
     """Write the data under ``where`` (a temporary folder, removed after), and measure."""
+    if where is not None:
+        where.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="asynchdf5-mixing-", dir=where))
     try:
         paths = write(folder, samples)

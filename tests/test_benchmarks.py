@@ -18,7 +18,7 @@ from benchmarks.report import KEYS, markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Benchmarks that may skip here, with their reason recorded: no CUDA GPU; not merged yet.
-MAY_SKIP = {"gpu", "mixing"}
+MAY_SKIP = {"gpu"}
 
 
 @pytest.fixture(scope="module")
