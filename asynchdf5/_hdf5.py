@@ -23,9 +23,10 @@ from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import LayerBase
 from ._machine import memory_bytes
+from ._planner import order_of
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
-from ._shape import DataShape, chunk_lanes, default_block_rows, first_read, mixing_warning
+from ._shape import DataShape
 from ._sources import Source, SourceLike, SourceOptions, Streaming
 from .transforms import Transformer
 
@@ -135,30 +136,31 @@ class AsyncHDF5DataLayer(LayerBase):
     def _shape_of(self, catalog: Catalog) -> DataShape:
         """The data's shape, and how it is cached: as a loaded state says, else as the
         properties and the budget give."""
-        c = self.config
         n, row_bytes = catalog.n_samples, catalog.row_bytes
-        forced = self._shape if self._resume is not None else None
+        planner = self._planner
+        forced = planner.shape if planner.resume is not None else None
         cache = self._size_cache(catalog, forced.chunk_rows if forced is not None else None)
         if forced is not None:
             block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
             laned = forced.chunk_lanes
         else:
-            stored, request = _stored_rows(catalog), _request_bytes(catalog)
-            block = (
-                (c.block_size or default_block_rows(row_bytes, c.chunk_size, stored, request))
-                if c.shuffle
-                else None
+            order = order_of(
+                self.config,
+                row_bytes,
+                cache.chunk_rows,
+                _stored_rows(catalog),
+                _request_bytes(catalog),
             )
-            first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored, request)
-            # Lanes with the default blocks only: a block_size given is the order asked for.
-            laned = (
-                chunk_lanes(cache.chunk_rows, block, row_bytes, stored, request)
-                if c.block_size is None
-                else 1
+            block, first, lanes, laned = (
+                order.block_rows,
+                order.first_rows,
+                order.ramp_lanes,
+                order.chunk_lanes,
             )
-            why = mixing_warning(cache.chunk_rows, block, laned, row_bytes, stored, request)
-            if why is not None and cache.shrunk:  # the budget's doing, not the properties'
-                warnings.warn(why, CacheBudgetWarning, stacklevel=2)
+            if (
+                order.warning is not None and cache.shrunk
+            ):  # the budget's doing, not the properties'
+                warnings.warn(order.warning, CacheBudgetWarning, stacklevel=2)
         return DataShape(
             n_samples=n,
             row_bytes=row_bytes,
@@ -229,7 +231,8 @@ class AsyncHDF5DataLayer(LayerBase):
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
-                rows = self._cache_rows(shape)  # an elastically resumed epoch's may be larger
+                # An elastically resumed epoch's chunks may be larger.
+                rows = self._planner.cache_rows(shape, self._consumer.epoch)
                 if rows > shape.chunk_rows:
                     self._size_cache(catalog, rows)  # the budget must hold them
                 slots = allocate_slots(catalog.tops, rows)

@@ -68,15 +68,17 @@ class MemoryDataLayer(LayerBase):
         super().__init__(dataclasses.replace(config, chunk_size=max(n, config.batch_size)))
         self._arrays = {k: arrays[k] for k in config.tops}
         self._specs = {k: TopInfo(k, a.dtype, tuple(a.shape[1:])) for k, a in self._arrays.items()}
-        self._shape = DataShape(
-            n_samples=n,
-            row_bytes=sum(t.row_bytes for t in self._specs.values()),
-            files=(("<memory>", n),),
-            tops=tuple((t.name, t.dtype.str, t.sample_shape) for t in self._specs.values()),
-            chunk_rows=self.config.chunk_size,
-            block_rows=None,  # one chunk, in place: blocks would change nothing
-            first_rows=None,  # nothing to read: no ramp
-            resident=True,
+        self._planner.looked(
+            DataShape(
+                n_samples=n,
+                row_bytes=sum(t.row_bytes for t in self._specs.values()),
+                files=(("<memory>", n),),
+                tops=tuple((t.name, t.dtype.str, t.sample_shape) for t in self._specs.values()),
+                chunk_rows=self.config.chunk_size,
+                block_rows=None,  # one chunk, in place: blocks would change nothing
+                first_rows=None,  # nothing to read: no ramp
+                resident=True,
+            )
         )
 
     def _look(self) -> DataShape:

@@ -43,7 +43,7 @@ from ._cache import Slot
 from ._delivery import Delivery, line_offset
 from ._gathering import Entry, EpochEnd, Failure, Gatherers, GroupItem, Item
 from ._gathering import leaf as _leaf
-from ._loading import ChunkItem, ChunkLoader
+from ._loading import ChunkItem, ChunkLoader, Plans
 from ._plan import EpochPlan
 from ._read import Reader
 from ._stats import Stats
@@ -89,7 +89,7 @@ class Run:
         self,
         reader: Reader,
         slots: list[Slot] | None,
-        plan: Callable[[int], EpochPlan],
+        plans: Plans,
         *,
         mode: Mode,
         start_epoch: int,
@@ -100,7 +100,9 @@ class Run:
         gather_threads: int = 2,
     ) -> None:
         self.slots = slots
-        self._loader = ChunkLoader(reader, slots, plan, start_epoch, stats.read)
+        self._loader = ChunkLoader(
+            reader, slots, plans, start_epoch, stats.read, stream=mode == "stream"
+        )
         self.mode: Mode = mode
         self.batch_size = batch_size
         self.delivery = delivery
@@ -130,10 +132,6 @@ class Run:
         }
         delivery.start(reader.tops, batch_size * self.group, room + 2, offsets)
         self._out = self._gatherers.out
-        #: The consumer's side of the current group: items taken, not yet served.
-        self.ready: collections.deque[Item] = collections.deque()
-        #: Epoch at the head of the queue when the consumer stands at an epoch boundary, else None.
-        self.head_epoch: int | None = start_epoch
         self.scope = anyio.CancelScope()
         self.done = anyio.Event()
         self._row_specs = {t.name: (t.sample_shape, t.dtype) for t in reader.tops.values()}
@@ -229,7 +227,6 @@ class Run:
     def shut(self) -> None:
         """The consumer is gone: drop what is queued for it (event-loop thread)."""
         self._out.close()
-        self.ready.clear()
 
     # --- the stages -----------------------------------------------------------------------------
 

@@ -359,18 +359,18 @@ async def test_a_failed_run_is_over_before_the_next_one_starts(
 ) -> None:
     """The run an error ended may still have threads reading into the cache slots: the next
     iteration's run starts only once it is done (it would read into the same slots)."""
-    from asynchdf5._session import Session
+    from asynchdf5._consumer import Consumer
 
     runs: list[Any] = []
     seen: list[list[bool]] = []
-    start_run = Session.start_run
+    start_run = Consumer.start_run
 
-    def recording(self: Session, mode: Any) -> Any:
+    def recording(self: Consumer, mode: Any) -> Any:
         seen.append([r.done.is_set() for r in runs])
         runs.append(start_run(self, mode))
         return runs[-1]
 
-    monkeypatch.setattr(Session, "start_run", recording)
+    monkeypatch.setattr(Consumer, "start_run", recording)
     calls = itertools.count()
 
     def flaky(x: np.ndarray) -> np.ndarray:
@@ -429,7 +429,7 @@ async def test_the_cache_is_given_back_in_a_worker_thread_on_close(
     async with AsyncHDF5DataLayer(
         source, batch_size=10, chunk_size=chunk_size, shuffle=True, mmap=False
     ) as layer:
-        session = layer._session
+        session = layer._consumer
         assert session is not None
         if chunk_size == 40:
             assert session.slots

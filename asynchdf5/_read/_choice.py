@@ -31,8 +31,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .._machine import memory_bytes
 from .._catalog import Catalog
+from .._machine import memory_bytes
 from .._sources._local import LocalFile
 from ._lease import Lease
 from ._maps import supported
