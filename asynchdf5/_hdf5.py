@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -56,6 +57,12 @@ def _stored_rows(catalog: Catalog) -> int:
         ),
         default=0,
     )
+
+
+def _close_source(files: Source, pid: int) -> None:
+    """Close ``files`` if this process opened them (a forked copy is never touched)."""
+    if os.getpid() == pid:
+        files.close()
 
 
 class AsyncHDF5DataLayer(LayerBase):
@@ -128,6 +135,11 @@ class AsyncHDF5DataLayer(LayerBase):
         )
         #: The files (absolute paths, or URLs), resolved at construction.
         self.paths = self._reach.resolve(source)
+        # The source and catalog that len() (or n_samples, state_dict ...) built before an
+        # opening, for that opening; the finalizer closes them if none comes.
+        self._looked: (
+            tuple[Source, Catalog, weakref.finalize[[Source, int], AsyncHDF5DataLayer]] | None
+        ) = None
         super().__init__(config)
 
     def _source(self) -> Source:
@@ -187,17 +199,19 @@ class AsyncHDF5DataLayer(LayerBase):
         )
 
     def _look(self) -> DataShape:
-        # A worker thread: h5py is never called on an event loop's thread, even from here.
-        out: list[DataShape | BaseException] = []
+        """The data's shape, from a catalog built in a worker thread (h5py is never called on
+        an event loop's thread, even from here). The catalog and its open source are kept for
+        the next opening, which then does not build them again (a process that never opens
+        the layer closes them when the layer is collected)."""
+        out: list[tuple[Source, Catalog] | BaseException] = []
 
         def look() -> None:
             files = self._source()
             try:
-                out.append(self._shape_of(build_catalog(files, self.paths, self.config.tops)))
+                out.append((files, build_catalog(files, self.paths, self.config.tops)))
             except BaseException as exc:
-                out.append(exc)
-            finally:
                 files.close()
+                out.append(exc)
 
         thread = threading.Thread(target=look, name="asynchdf5-metadata")
         thread.start()
@@ -205,15 +219,38 @@ class AsyncHDF5DataLayer(LayerBase):
         (result,) = out
         if isinstance(result, BaseException):
             raise result
-        return result
+        files, catalog = result
+        try:
+            shape = self._shape_of(catalog)
+        except BaseException:
+            files.close()
+            raise
+        if self._looked is not None:  # looked at again (the shape was dropped): the latest
+            self._looked[2]()
+        self._looked = (files, catalog, weakref.finalize(self, _close_source, files, os.getpid()))
+        return shape
 
-    async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
+    async def _catalog(self) -> tuple[Source, Catalog]:
+        """The source and its catalog: the ones :meth:`_look` kept, else built now."""
+        looked, self._looked = self._looked, None
+        if looked is not None:
+            looked[2].detach()
+            return looked[0], looked[1]
         files = self._source()
-        chosen: Choice | None = None  # holds the file's lease until the mapped reader takes it
         try:
             catalog = await anyio.to_thread.run_sync(
                 build_catalog, files, self.paths, self.config.tops
             )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(files.close)
+            raise
+        return files, catalog
+
+    async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
+        files, catalog = await self._catalog()
+        chosen: Choice | None = None  # holds the file's lease until the mapped reader takes it
+        try:
             shape = self._shape_of(catalog)
             slots: list[Slot] | None = None
             # Data larger than the memory the process may use is read from the disk every

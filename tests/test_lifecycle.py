@@ -456,3 +456,64 @@ async def test_closing_a_memory_layer_leaves_the_callers_mapped_arrays_alone() -
             got = np.sort(np.concatenate([b["data"] async for b in layer]))
     assert np.array_equal(got, np.arange(N))
     assert np.array_equal(data, np.arange(N))
+
+
+async def test_len_before_opening_builds_the_catalog_once(
+    source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``len()`` before ``async with`` (as a DataLoader does) looks at the files; the opening
+    then takes that catalog instead of opening and describing every file again."""
+    import asynchdf5._hdf5
+
+    built: list[int] = []
+    real = asynchdf5._hdf5.build_catalog
+
+    def counting(*args: Any) -> Any:
+        built.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(asynchdf5._hdf5, "build_catalog", counting)
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    assert len(layer) == N // 10
+    with anyio.fail_after(20):
+        async with layer:
+            check_epoch([b async for b in layer], N, 10, 0)
+        assert len(built) == 1
+        async with layer:  # a later opening builds its own (the first one's files are closed)
+            check_epoch([b async for b in layer], N, 10, 1)
+    assert len(built) == 2
+
+
+def test_a_catalog_looked_at_and_never_opened_is_closed_with_its_layer(source: Path) -> None:
+    """The files the catalog holds open for the next opening are closed when the layer is
+    collected, if it never opens (the leak check after the test sees no descriptor left)."""
+    import gc
+
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    assert layer.n_samples == N
+    del layer
+    gc.collect()
+
+
+async def test_the_pipeline_plans_its_epochs_off_the_event_loop(
+    source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A laned plan of a large data set takes up to about a second: the pipeline plans each
+    epoch in a worker thread, never on the event loop's thread."""
+    import asynchdf5._planner
+
+    threads: list[int] = []
+    real = asynchdf5._planner.plan_epoch
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(asynchdf5._planner, "plan_epoch", recording)
+    with anyio.fail_after(20):
+        async with AsyncHDF5DataLayer(source, batch_size=10, shuffle=True, seed=1) as layer:
+            for epoch in range(3):
+                check_epoch([b async for b in layer], N, 10, epoch)
+            async for _ in layer.stream():
+                break
+    assert threads and threading.get_ident() not in threads

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import asynchdf5._read._mapped
 import asynchdf5._planner
+import asynchdf5._read._mapped
 from asynchdf5 import (
     AsyncHDF5DataLayer,
     Batch,
