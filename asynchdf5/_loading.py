@@ -27,10 +27,11 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ._batch import LoadedChunk, check_rows
 from ._cache import Slot
+from ._gather import check_rows
 from ._plan import ChunkPlan, EpochPlan
 from ._read import Reader
+from ._specs import LoadedChunk
 from ._stats import ReadStats, StageClock
 
 __all__ = ["ChunkItem", "ChunkLoader"]

@@ -38,14 +38,15 @@ import anyio.to_thread
 import numpy as np
 from anyio.abc import ObjectReceiveStream
 
-from ._batch import BatchSpec, GroupSpec, carry
 from ._cache import Slot
+from ._carry import carry
 from ._delivery import Delivery, line_offset
 from ._gathering import Entry, EpochEnd, Failure, Gatherers, GroupItem, Item
 from ._gathering import leaf as _leaf
 from ._loading import ChunkItem, ChunkLoader, Plans
 from ._plan import EpochPlan
 from ._read import Reader
+from ._specs import BatchSpec, GroupSpec
 from ._stats import Stats
 
 if sys.version_info < (3, 11):  # pragma: no cover

@@ -33,9 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from .._batch import Batch, GroupSpec, gather_rows
+from .._batch import Batch
 from .._catalog import TopInfo
 from .._errors import ConfigurationError, DeviceError, SchemaError
+from .._gather import gather_rows
+from .._specs import GroupSpec
 from .._stats import GatherStats
 from .._transform import apply_transformers
 from ..transforms import Transformer
