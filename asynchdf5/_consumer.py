@@ -24,18 +24,19 @@ from __future__ import annotations
 import collections
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
 import anyio
 import anyio.lowlevel
-from anyio.abc import TaskGroup
 
 from ._batch import Batch
-from ._cache import Slot, free_slots
+from ._cache import Slot
 from ._delivery import Delivery
 from ._errors import StateError
+from ._opened import Bridge, Opened
+from ._pace import PAUSE_EVERY_S, Pace
 from ._pipeline import EpochEnd, Failure, Item, Mode, Run
 from ._planner import Planner
 from ._read import Reader
@@ -44,25 +45,10 @@ from ._stats import Stats
 if TYPE_CHECKING:
     from ._iterator import EpochIterator
 
-__all__ = ["PAUSE_EVERY_S", "Consumer", "Position"]
+__all__ = ["Consumer", "Position"]
 
 #: ``(mode, epoch, batches, samples)``: see :meth:`Consumer.position`.
 Position = tuple[Mode, int, int, int]
-
-#: The longest a consumer that takes ready batches back to back (and never awaits in its own
-#: step) keeps the event loop from other tasks: then taking a batch lets them run (those whose
-#: timers came due meanwhile too), and honours cancellation. The two loop round trips cost
-#: about 1 % of this.
-PAUSE_EVERY_S = 0.001
-#: The timer the consumer waits for when it lets the loop run (see ``_receive``): past at once.
-PAUSE_TIMER_S = 1e-6
-
-
-def _clock_runs(loop_elapsed: float, real_elapsed: float) -> bool:
-    """Whether the event loop's clock moved about as real time did (0.5x to 2x): a virtual
-    clock that stands still or only jumps (trio's ``MockClock``, as test suites use) would
-    never fire the pause's timer, and the consumer would wait for it forever."""
-    return 0.5 * real_elapsed <= loop_elapsed <= 2 * real_elapsed
 
 
 class Consumer:
@@ -87,15 +73,8 @@ class Consumer:
         self.epoch = 0
         #: Openings so far: an iterator serves the opening it started in only.
         self.openings = 0
-        # What an open layer has.
-        self.reader: Reader | None = None
-        self.slots: list[Slot] | None = None
-        self._task_group: TaskGroup | None = None
-        self._opener: int | None = None  # the task that opened the layer
-        self._opened_at = 0.0
-        #: Opened with ``with``: iterated through the sync bridge only.
-        self.sync = False
-        self._bridge: Callable[[EpochIterator], Iterator[Batch]] | None = None
+        #: What the open layer has (None: not open).
+        self.opened: Opened | None = None
         self.run: Run | None = None
         #: A failed run, stopping: its threads may still read into the cache slots, so the
         #: next run starts only once it is done.
@@ -115,8 +94,7 @@ class Consumer:
         self._boundary: int | None = None
         #: When the consumer last got a batch (its step time runs from there to its next ask).
         self.last_handed: float | None = None
-        self._paused = time.perf_counter()  # when the consumer last let the event loop run
-        self._paused_loop: float | None = None  # the event loop's clock then (None: unknown)
+        self._pace = Pace()  # when the consumer last let the event loop run
 
     # --- opening and closing ------------------------------------------------------------------
 
@@ -136,16 +114,12 @@ class Consumer:
         slots: list[Slot] | None,
         *,
         sync: bool,
-        bridge: Callable[[EpochIterator], Iterator[Batch]] | None,
+        bridge: Bridge | None,
         opened_at: float,
     ) -> None:
         """The layer is open with ``reader`` and ``slots``: the first epoch's run starts (its
         first chunk is read now). ``bridge``: how a ``for`` loop iterates (sync only)."""
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        self.reader, self.slots, self._task_group = reader, slots, task_group
-        self._opener = anyio.get_current_task().id
-        self._opened_at, self.sync, self._bridge = opened_at, sync, bridge
+        self.opened = await Opened.enter(reader, slots, sync=sync, bridge=bridge, at=opened_at)
         self.openings += 1
         self.state = "open"
         self.start_run("epoch")
@@ -159,52 +133,33 @@ class Consumer:
         """Stop the run and release everything (in the task that opened the layer); what the
         task group's exit returns. A consumer still iterating has left its epoch early: that
         epoch is over."""
-        if self.state != "open":
+        opened = self.opened
+        if self.state != "open" or opened is None:
             return None
-        if anyio.get_current_task().id != self._opener:
-            raise StateError("close the layer in the task that opened it")
-        task_group = self._task_group
-        assert task_group is not None
+        opened.check_closer()
         self.state = "closing"
         try:
             if self.run is not None:
                 self.run.scope.cancel()
-            if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()):
-                return await task_group.__aexit__(exc_type, exc, tb)
-            # Any other exception leaving the body is the caller's own: handed to the task
-            # group, it would come out wrapped in an ExceptionGroup. The group only has to wait
-            # for the cancelled run; returning None re-raises the exception unchanged.
-            await task_group.__aexit__(None, None, None)
-            return None
+            return await opened.exit(exc_type, exc, tb)
         finally:
             try:
-                await self._release()
+                self._drop_run()
+                self._settle()
+                await opened.release(self.delivery)
             finally:
+                self.opened = None
                 self.state = "closed"
-
-    async def _release(self) -> None:
-        """Release the reader's files and threads, the delivery and the cache (the run ended)."""
-        self._drop_run()
-        self._settle()
-        reader, self.reader, self._task_group, self._bridge = self.reader, None, None, None
-        try:
-            if reader is not None:
-                await reader.aclose()
-        finally:
-            self.delivery.close()
-            slots, self.slots = self.slots, None
-            if slots:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(free_slots, slots)
 
     # --- the run ------------------------------------------------------------------------------
 
     def start_run(self, mode: Mode) -> Run:
         """Start the run serving ``mode`` from the next epoch, in the layer's task group."""
-        assert self.reader is not None and self._task_group is not None
+        opened = self.opened
+        assert opened is not None
         run = Run(
-            self.reader,
-            self.slots,
+            opened.reader,
+            opened.slots,
             self.planner,
             mode=mode,
             start_epoch=self.epoch,
@@ -216,7 +171,7 @@ class Consumer:
         self.run = run
         self.ready.clear()
         self._boundary = self.epoch
-        self._task_group.start_soon(run.main)
+        opened.task_group.start_soon(run.main)
         return run
 
     def _drop_run(self) -> None:
@@ -235,23 +190,23 @@ class Consumer:
 
     def iterate_sync(self, it: EpochIterator) -> Iterator[Batch]:
         """``it`` in a ``for`` loop, through the sync bridge (the layer opened with ``with``)."""
-        self._check_open()
-        if not self.sync or self._bridge is None:
+        opened = self._check_open()
+        if opened.bridge is None:
             raise StateError(
                 "the layer was opened with `async with`: iterate it with `async for`, not `for`"
             )
-        return self._bridge(it)
+        return opened.bridge(it)
 
-    def _check_open(self) -> None:
-        if self.state != "open":
+    def _check_open(self) -> Opened:
+        if self.state != "open" or self.opened is None:
             raise StateError(
                 "the layer is not open: iterate inside `async with layer:` (or `with layer:`)"
             )
+        return self.opened
 
     async def _begin(self, it: EpochIterator) -> None:
         """``it`` becomes the consumer: the run serving its mode from the next epoch."""
-        self._check_open()
-        if self.sync and not it.bridged:
+        if self._check_open().sync and not it.bridged:
             raise StateError(
                 "the layer was opened with `with`: iterate it with `for`, not `async for`"
             )
@@ -274,7 +229,7 @@ class Consumer:
                 await self._ending.done.wait()
                 self._ending = None
             self.start_run(it.mode)
-        self._mark_paused()  # the loop ran meanwhile; and the pause needs its clock's reading
+        self._pace.mark()  # the loop ran meanwhile; and the pause needs its clock's reading
 
     def _settle(self) -> None:
         """The previous consumer left early: the epoch it was in is over."""
@@ -295,7 +250,7 @@ class Consumer:
         ready = self.ready
         if ready and it.opening == self.openings and not it.done:
             item = ready[0]
-            if type(item) is Batch and time.perf_counter() - self._paused < PAUSE_EVERY_S:
+            if type(item) is Batch and time.perf_counter() - self._pace.paused < PAUSE_EVERY_S:
                 ready.popleft()
                 return self._accept(it, item)
         return None
@@ -328,20 +283,7 @@ class Consumer:
     async def _receive(self, run: Run) -> Item:
         """The next item: from the group taken last, else the next group (waiting for it)."""
         ready = self.ready
-        now = time.perf_counter()
-        if now - self._paused >= PAUSE_EVERY_S:
-            # A consumer whose step never awaits would otherwise keep the event loop from
-            # other tasks for a whole group of batches: let them run (and honour cancellation).
-            # Tasks whose timers came due during the step are not ready yet: on asyncio a timer
-            # completes a future, which then queues its task, behind us. Waiting for a timer of
-            # our own lets every timer due before it fire first, and the checkpoint after it
-            # lets the tasks they woke run (on trio, whatever order a batch of tasks runs in).
-            # Only where the loop's clock runs: no timer comes due on one that stands still.
-            then = self._paused_loop
-            if then is not None and _clock_runs(anyio.current_time() - then, now - self._paused):
-                await anyio.sleep(PAUSE_TIMER_S)
-            await anyio.lowlevel.checkpoint()
-            self._mark_paused()
+        await self._pace.pause(time.perf_counter())
         if ready:
             return ready.popleft()
         try:
@@ -354,7 +296,7 @@ class Consumer:
                 try:
                     group = await run.take()
                 finally:
-                    t1 = self._mark_paused()
+                    t1 = self._pace.mark()
                     self.stats.consumer.wait_seconds += t1 - t0
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             raise StateError(
@@ -362,12 +304,6 @@ class Consumer:
             ) from None
         ready.extend(group)
         return ready.popleft()
-
-    def _mark_paused(self) -> float:
-        """The event loop has just run other tasks: note when, on both clocks."""
-        self._paused_loop = anyio.current_time()
-        self._paused = now = time.perf_counter()
-        return now
 
     async def next_batches(self, it: EpochIterator, limit: int) -> list[Batch]:
         """The next batch for ``it`` and up to ``limit - 1`` more that are ready now; ``[]`` at
@@ -405,7 +341,8 @@ class Consumer:
             self._yielded(it, batch)
         consumer = self.stats.consumer
         if consumer.first_batch_seconds is None:
-            consumer.first_batch_seconds = time.perf_counter() - self._opened_at
+            assert self.opened is not None
+            consumer.first_batch_seconds = time.perf_counter() - self.opened.at
         consumer.batches += 1
         consumer.samples += len(batch.indices)
         self._touched = batch.epoch

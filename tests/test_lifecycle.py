@@ -429,15 +429,15 @@ async def test_the_cache_is_given_back_in_a_worker_thread_on_close(
     async with AsyncHDF5DataLayer(
         source, batch_size=10, chunk_size=chunk_size, shuffle=True, mmap=False
     ) as layer:
-        session = layer._consumer
-        assert session is not None
+        opened = layer._consumer.opened
+        assert opened is not None
         if chunk_size == 40:
-            assert session.slots
-            held = [a for s in session.slots for a in s.arrays.values()]
+            assert opened.slots
+            held = [a for s in opened.slots for a in s.arrays.values()]
         else:
-            assert not session.slots and session.reader.own_arrays
-            held = list(session.reader.own_arrays.values())
-        del session
+            assert not opened.slots and opened.reader.own_arrays
+            held = list(opened.reader.own_arrays.values())
+        del opened
         with anyio.fail_after(10):
             check_epoch([b async for b in layer], N, 10, 0)
         assert all(_pages_in_memory(a) for a in held)  # the epoch filled them
