@@ -34,8 +34,9 @@ from asynchdf5 import (
     SchemaError,
     TransformError,
 )
-from asynchdf5._delivery._cuda import CudaDelivery, parse_device
+from asynchdf5._delivery._cuda import CudaDelivery
 from asynchdf5._delivery._cuda_memory import STAGING_DEPTH, DeviceMemory, Staging
+from asynchdf5._delivery._device import parse_device
 
 from ._fake_cupy import (
     FakeArray,
