@@ -2,8 +2,10 @@
 
 One :class:`Run` serves epochs from ``start_epoch`` on, in one *mode*: ``"epoch"`` (per-epoch
 batch cuts, an :class:`EpochEnd` marker after each epoch) or ``"stream"`` (full batches that wrap
-across epochs). A run lives in the layer's task group; the layer replaces it when the consumer
-leaves an epoch early or switches mode, and cancels it when the layer closes.
+across epochs), its plans asked of the layer's planner (:class:`~._loading.Plans`). A run lives in
+the layer's task group; the consumer (:mod:`._consumer`) starts it, replaces it when the consumer
+leaves an epoch early or switches mode, and cancels it when the layer closes; the consumer's side
+of the queue is :meth:`Run.take` and :meth:`Run.take_nowait`.
 
 Data moves one way::
 
