@@ -2,8 +2,8 @@
 that a layer hands out (:class:`LayerStats`).
 
 One owner (a layer's :class:`Stats`), one writer per part: the reader writes :class:`ReadStats`,
-the gathering stage :class:`GatherStats`, the consumer (:mod:`._consumer`) :class:`ConsumerStats`. A snapshot
-copies them into a frozen :class:`LayerStats`.
+the gathering stage :class:`GatherStats`, the consumer (:mod:`._consumer`)
+:class:`ConsumerStats`. A snapshot copies them into a frozen :class:`LayerStats`.
 """
 
 from __future__ import annotations
