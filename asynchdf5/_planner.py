@@ -16,6 +16,7 @@ lanes (:func:`first_read`), and the lanes of every chunk (:func:`chunk_lanes`).
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, replace
 from typing import Any
@@ -312,7 +313,7 @@ class Planner:
             kept = self._plans.get((epoch, stream))
         if kept is not None:
             return kept
-        return await anyio.to_thread.run_sync(lambda: self.plan(epoch, stream=stream))
+        return await anyio.to_thread.run_sync(functools.partial(self.plan, epoch, stream=stream))
 
     def _make(self, epoch: int, stream: bool) -> EpochPlan:
         c = self.config

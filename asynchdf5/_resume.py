@@ -47,6 +47,9 @@ __all__ = [
     "save_state",
 ]
 
+# --- what a state holds -----------------------------------------------------------------------
+
+
 FORMAT = "asynchdf5.state/1"
 
 #: What a state's fingerprint holds, and what each entry means in an error message.
@@ -186,6 +189,9 @@ class Resume:
             )
 
 
+# --- saving -----------------------------------------------------------------------------------
+
+
 def save_state(
     resume: Resume | None,
     position: tuple[str, int, int, int],
@@ -235,69 +241,7 @@ def save_state(
     return out
 
 
-@dataclass(frozen=True)
-class Loaded:
-    """A state loaded into a layer (:func:`load_state`)."""
-
-    resume: Resume
-    shape: DataShape  # every epoch's, from now on
-    resumed: DataShape | None  # the resumed epoch's, where it differs (an elastic resume)
-
-
-def load_state(
-    state: object,
-    *,
-    shape: DataShape,
-    config: LayerConfig,
-    part: tuple[int, int] | None,
-    open_rows: int | None,
-) -> Loaded:
-    """``state`` checked against a layer whose data has ``shape``, with ``config``, serving
-    ``part``; ``open_rows``: the rows its cache slots hold when it is open (None: closed).
-
-    A state from other files or other properties is a :class:`ConfigurationError` that says
-    what differs; so is one whose chunks do not fit the open layer's cache (load it before
-    opening, and the cache is sized for them).
-    """
-    r = parse_state(state)
-    r.check_resumes(
-        fingerprint(shape, config),
-        seed=config.seed if config.seed_given else None,
-        world_size=config.world_size,
-        part=part,
-    )
-    saved_rows = r.fingerprint["chunk_rows"]
-    if open_rows is not None and saved_rows > open_rows:
-        raise ConfigurationError(
-            f"the saved run cached chunks of {saved_rows} rows, this open layer's cache "
-            f"holds {open_rows}: load the state before opening it"
-        )
-    every, resumed = r.shapes(shape, config.world_size)
-    return Loaded(r, every, resumed)
-
-
-def batches_before(state: Mapping[str, Any]) -> int:
-    """The batches of the resumed epoch yielded before ``state`` was saved, over every step of
-    its chain (what ``StatefulDataLoader`` counts among the epoch's batches); 0 for a stream."""
-    if state["mode"] != "epoch":
-        return 0
-    return sum(int(batches) for _, batches in state["chain"])
-
-
-def _part_words(part: tuple[int, int] | None) -> str:
-    return "its rank's whole epochs" if part is None else f"part {part[0]} of {part[1]} of them"
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _int(state: Mapping[str, Any], key: str, minimum: int = 0) -> int:
-    value = state.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigurationError(f"the state's {key!r} must be an int >= {minimum}, not {value!r}")
-    return value
+# --- loading ----------------------------------------------------------------------------------
 
 
 def parse_state(state: object) -> Resume:
@@ -359,6 +303,58 @@ def parse_state(state: object) -> Resume:
     )
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """A state loaded into a layer (:func:`load_state`)."""
+
+    resume: Resume
+    shape: DataShape  # every epoch's, from now on
+    resumed: DataShape | None  # the resumed epoch's, where it differs (an elastic resume)
+
+
+def load_state(
+    state: object,
+    *,
+    shape: DataShape,
+    config: LayerConfig,
+    part: tuple[int, int] | None,
+    open_rows: int | None,
+) -> Loaded:
+    """``state`` checked against a layer whose data has ``shape``, with ``config``, serving
+    ``part``; ``open_rows``: the rows its cache slots hold when it is open (None: closed).
+
+    A state from other files or other properties is a :class:`ConfigurationError` that says
+    what differs; so is one whose chunks do not fit the open layer's cache (load it before
+    opening, and the cache is sized for them).
+    """
+    r = parse_state(state)
+    r.check_resumes(
+        fingerprint(shape, config),
+        seed=config.seed if config.seed_given else None,
+        world_size=config.world_size,
+        part=part,
+    )
+    saved_rows = r.fingerprint["chunk_rows"]
+    if open_rows is not None and saved_rows > open_rows:
+        raise ConfigurationError(
+            f"the saved run cached chunks of {saved_rows} rows, this open layer's cache "
+            f"holds {open_rows}: load the state before opening it"
+        )
+    every, resumed = r.shapes(shape, config.world_size)
+    return Loaded(r, every, resumed)
+
+
+def batches_before(state: Mapping[str, Any]) -> int:
+    """The batches of the resumed epoch yielded before ``state`` was saved, over every step of
+    its chain (what ``StatefulDataLoader`` counts among the epoch's batches); 0 for a stream."""
+    if state["mode"] != "epoch":
+        return 0
+    return sum(int(batches) for _, batches in state["chain"])
+
+
+# --- planning the resumed epoch ---------------------------------------------------------------
+
+
 def epoch_plan(
     chain: Sequence[tuple[int, int]],
     plan: Callable[[int, int], EpochPlan],
@@ -395,3 +391,22 @@ def resumed_plan(
     less the samples yielded: :func:`~._replan.skip_samples`); ``plan(rank, world_size)`` gives
     the epoch's plans from the start."""
     return epoch_plan(resume.chain, plan, rank=rank, world_size=world_size, drop_last=drop_last)
+
+
+# --- words in messages ------------------------------------------------------------------------
+
+
+def _part_words(part: tuple[int, int] | None) -> str:
+    return "its rank's whole epochs" if part is None else f"part {part[0]} of {part[1]} of them"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _int(state: Mapping[str, Any], key: str, minimum: int = 0) -> int:
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"the state's {key!r} must be an int >= {minimum}, not {value!r}")
+    return value
