@@ -156,22 +156,12 @@ class AsyncHDF5DataLayer(LayerBase):
             block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
             laned = forced.chunk_lanes
         else:
-            order = order_of(
-                self.config,
-                row_bytes,
-                cache.chunk_rows,
-                _stored_rows(catalog),
-                _request_bytes(catalog),
-            )
-            block, first, lanes, laned = (
-                order.block_rows,
-                order.first_rows,
-                order.ramp_lanes,
-                order.chunk_lanes,
-            )
-            if (
-                order.warning is not None and cache.shrunk
-            ):  # the budget's doing, not the properties'
+            stored, request = _stored_rows(catalog), _request_bytes(catalog)
+            order = order_of(self.config, row_bytes, cache.chunk_rows, stored, request)
+            block, first = order.block_rows, order.first_rows
+            lanes, laned = order.ramp_lanes, order.chunk_lanes
+            # Warned of when the budget shrank the cache, not when the properties asked for it.
+            if order.warning is not None and cache.shrunk:
                 warnings.warn(order.warning, CacheBudgetWarning, stacklevel=2)
         return DataShape(
             n_samples=n,
