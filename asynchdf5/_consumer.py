@@ -66,6 +66,7 @@ class Consumer:
         self.planner = planner
         self.delivery = delivery
         self.stats = stats
+        self._counts = stats.consumer  # the consumer's stats: written here only
         self.batch_size = batch_size
         self.prefetch = prefetch
         self.state: Literal["closed", "opening", "open", "closing"] = "closed"
@@ -246,7 +247,7 @@ class Consumer:
         last = self.last_handed
         if last is not None:
             self.last_handed = None
-            self.stats.consumer.step_seconds += time.perf_counter() - last
+            self._counts.step_seconds += time.perf_counter() - last
         ready = self.ready
         if ready and it.opening == self.openings and not it.done:
             item = ready[0]
@@ -297,7 +298,7 @@ class Consumer:
                     group = await run.take()
                 finally:
                     t1 = self._pace.mark()
-                    self.stats.consumer.wait_seconds += t1 - t0
+                    self._counts.wait_seconds += t1 - t0
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             raise StateError(
                 "this iterator's layer was closed while it waited for a batch"
@@ -332,22 +333,27 @@ class Consumer:
     def _accept(self, it: EpochIterator, batch: Batch) -> Batch:
         """``batch`` is handed to ``it`` (bridged: to the bridge, which hands it over in the
         ``for`` loop's thread with :meth:`deliver`)."""
-        if not it.bridged:
+        rows = len(batch.indices)
+        bridged = it.bridged
+        if not bridged:
             try:
                 self.delivery.hand_off(batch)
             except BaseException:
                 self.fail(it)
                 raise
-            self._yielded(it, batch)
-        consumer = self.stats.consumer
-        if consumer.first_batch_seconds is None:
+            if it.mode == "epoch" and batch.epoch != self._start:  # as _yielded, inline
+                self._start, self._batches, self._samples = batch.epoch, 0, 0
+            self._batches += 1
+            self._samples += rows
+        counts = self._counts
+        if counts.first_batch_seconds is None:
             assert self.opened is not None
-            consumer.first_batch_seconds = time.perf_counter() - self.opened.at
-        consumer.batches += 1
-        consumer.samples += len(batch.indices)
+            counts.first_batch_seconds = time.perf_counter() - self.opened.at
+        counts.batches += 1
+        counts.samples += rows
         self._touched = batch.epoch
         self._boundary = None
-        if not it.bridged:
+        if not bridged:
             self.last_handed = time.perf_counter()
         return batch
 
@@ -360,7 +366,7 @@ class Consumer:
 
     def stepped(self, seconds: float) -> None:
         """The sync bridge's ``for`` loop spent ``seconds`` on a batch before asking again."""
-        self.stats.consumer.step_seconds += seconds
+        self._counts.step_seconds += seconds
 
     def _yielded(self, it: EpochIterator, batch: Batch) -> None:
         """``batch`` reached the consumer (in the consumer's thread)."""
