@@ -283,8 +283,10 @@ class Consumer:
 
     async def _receive(self, run: Run) -> Item:
         """The next item: from the group taken last, else the next group (waiting for it)."""
-        ready = self.ready
-        await self._pace.pause(time.perf_counter())
+        ready, pace = self.ready, self._pace
+        now = time.perf_counter()
+        if now - pace.paused >= PAUSE_EVERY_S:  # checked here: no coroutine made otherwise
+            await pace.pause(now)
         if ready:
             return ready.popleft()
         try:
