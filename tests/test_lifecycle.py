@@ -464,9 +464,9 @@ async def test_len_before_opening_builds_the_catalog_once(
     """``len()`` before ``async with`` (as a DataLoader does) looks at the files; the opening
     then takes that catalog instead of opening and describing every file again."""
     import asynchdf5._hdf5
+    from asynchdf5._catalog import build_catalog as real
 
     built: list[int] = []
-    real = asynchdf5._hdf5.build_catalog
 
     def counting(*args: Any) -> Any:
         built.append(1)
@@ -501,9 +501,9 @@ async def test_the_pipeline_plans_its_epochs_off_the_event_loop(
     """A laned plan of a large data set takes up to about a second: the pipeline plans each
     epoch in a worker thread, never on the event loop's thread."""
     import asynchdf5._planner
+    from asynchdf5._plan import plan_epoch as real
 
     threads: list[int] = []
-    real = asynchdf5._planner.plan_epoch
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         threads.append(threading.get_ident())
