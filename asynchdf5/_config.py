@@ -49,7 +49,7 @@ MIN_BLOCKS_PER_CHUNK = 16
 #: entropy, with 32 0.94 (docs/shuffle.md) ...
 RAMP_LANES = 32
 #: ... each lane's part of the first piece at least this big (a read each; and at least a
-#: stored chunk decoded whole, or a remote request: see ``_shape.ramp_lanes``).
+#: stored chunk decoded whole, or a remote request: see ``_planner.ramp_lanes``).
 MIN_LANE_BYTES = 256 * 2**10
 #: A chunk drawing from fewer places of the data set than this (its blocks and lanes) mixes
 #: class-sorted data below 0.95 of a full permutation's batch label entropy

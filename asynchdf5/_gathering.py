@@ -28,12 +28,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ._batch import Batch, GroupSpec, verify
+from ._batch import Batch
 from ._delivery import Delivery
 from ._errors import DataLayerError
 from ._handoff import Handoff
 from ._priority import background
+from ._specs import GroupSpec
 from ._stats import GatherStats, StageClock
+from ._verify import verify
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]

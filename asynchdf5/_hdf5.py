@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -25,9 +26,10 @@ from ._errors import DataLayerError
 from ._layer import LayerBase
 from ._machine import memory_bytes
 from ._mix import StreamRows
+from ._planner import order_of
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
-from ._shape import DataShape, chunk_lanes, default_block_rows, first_read, mixing_warning
+from ._shape import DataShape
 from ._sources import Source, SourceLike, SourceOptions, Streaming
 from ._streams import Stream, StreamSpec, combine, parse_streams
 from .transforms import Transformer
@@ -40,6 +42,9 @@ else:  # pragma: no cover
 __all__ = ["AsyncHDF5DataLayer", "HDF5DataLayer"]
 
 _log = logging.getLogger("asynchdf5")
+
+#: A source's catalog, and with several streams each one's rows (() for one).
+Looked = tuple[Catalog, tuple[StreamRows, ...]]
 
 
 def _request_bytes(catalog: Catalog) -> int:
@@ -58,6 +63,12 @@ def _stored_rows(catalog: Catalog) -> int:
         ),
         default=0,
     )
+
+
+def _close_source(files: Source, pid: int) -> None:
+    """Close ``files`` if this process opened them (a forked copy is never touched)."""
+    if os.getpid() == pid:
+        files.close()
 
 
 class AsyncHDF5DataLayer(LayerBase):
@@ -140,6 +151,11 @@ class AsyncHDF5DataLayer(LayerBase):
         #: The files (absolute paths, or URLs), resolved at construction: with several
         #: streams, every stream's, stream after stream.
         self.paths = paths
+        # The source and catalog that len() (or n_samples, state_dict ...) built before an
+        # opening, for that opening; the finalizer closes them if none comes.
+        self._looked: (
+            tuple[Source, Looked, weakref.finalize[[Source, int], AsyncHDF5DataLayer]] | None
+        ) = None
         super().__init__(config)
 
     @property
@@ -168,7 +184,7 @@ class AsyncHDF5DataLayer(LayerBase):
             state["streams"] = {k: {"pass": j, "offset": o} for k, (j, o) in at.items()}
         return state
 
-    def _catalog(self, files: Source) -> tuple[Catalog, tuple[StreamRows, ...]]:
+    def _build_catalog(self, files: Source) -> Looked:
         """The catalog of every file (blocking); with several streams, each stream's checked
         on its own, then against the others (:func:`~._streams.combine`)."""
         tops = self.config.tops
@@ -190,31 +206,21 @@ class AsyncHDF5DataLayer(LayerBase):
     def _shape_of(self, catalog: Catalog, streams: tuple[StreamRows, ...] = ()) -> DataShape:
         """The data's shape, and how it is cached: as a loaded state says, else as the
         properties and the budget give."""
-        c = self.config
         n, row_bytes = catalog.n_samples, catalog.row_bytes
-        forced = self._shape if self._resume is not None else None
+        planner = self._planner
+        forced = planner.shape if planner.resume is not None else None
         cache = self._size_cache(catalog, forced.chunk_rows if forced is not None else None)
         if forced is not None:
             block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
             laned = forced.chunk_lanes
         else:
             stored, request = _stored_rows(catalog), _request_bytes(catalog)
-            block = (
-                (c.block_size or default_block_rows(row_bytes, c.chunk_size, stored, request))
-                if c.shuffle
-                else None
-            )
-            first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored, request)
-            # Lanes with the default blocks only: a block_size given is the order asked for.
-            laned = (
-                chunk_lanes(cache.chunk_rows, block, row_bytes, stored, request)
-                if c.block_size is None
-                else 1
-            )
-
-            why = mixing_warning(cache.chunk_rows, block, laned, row_bytes, stored, request)
-            if why is not None and cache.shrunk:  # the budget's doing, not the properties'
-                warnings.warn(why, CacheBudgetWarning, stacklevel=2)
+            order = order_of(self.config, row_bytes, cache.chunk_rows, stored, request)
+            block, first = order.block_rows, order.first_rows
+            lanes, laned = order.ramp_lanes, order.chunk_lanes
+            # Warned of when the budget shrank the cache, not when the properties asked for it.
+            if order.warning is not None and cache.shrunk:
+                warnings.warn(order.warning, CacheBudgetWarning, stacklevel=2)
         return DataShape(
             n_samples=n,
             row_bytes=row_bytes,
@@ -242,17 +248,19 @@ class AsyncHDF5DataLayer(LayerBase):
         )
 
     def _look(self) -> DataShape:
-        # A worker thread: h5py is never called on an event loop's thread, even from here.
-        out: list[DataShape | BaseException] = []
+        """The data's shape, from a catalog built in a worker thread (h5py is never called on
+        an event loop's thread, even from here). The catalog and its open source are kept for
+        the next opening, which then does not build them again (a process that never opens
+        the layer closes them when the layer is collected)."""
+        out: list[tuple[Source, Looked] | BaseException] = []
 
         def look() -> None:
             files = self._source()
             try:
-                out.append(self._shape_of(*self._catalog(files)))
+                out.append((files, self._build_catalog(files)))
             except BaseException as exc:
-                out.append(exc)
-            finally:
                 files.close()
+                out.append(exc)
 
         thread = threading.Thread(target=look, name="asynchdf5-metadata")
         thread.start()
@@ -260,13 +268,36 @@ class AsyncHDF5DataLayer(LayerBase):
         (result,) = out
         if isinstance(result, BaseException):
             raise result
-        return result
+        files, found = result
+        try:
+            shape = self._shape_of(*found)
+        except BaseException:
+            files.close()
+            raise
+        if self._looked is not None:  # looked at again (the shape was dropped): the latest
+            self._looked[2]()
+        self._looked = (files, found, weakref.finalize(self, _close_source, files, os.getpid()))
+        return shape
+
+    async def _catalog(self) -> tuple[Source, Looked]:
+        """The source and its catalog: the ones :meth:`_look` kept, else built now."""
+        looked, self._looked = self._looked, None
+        if looked is not None:
+            looked[2].detach()
+            return looked[0], looked[1]
+        files = self._source()
+        try:
+            found = await anyio.to_thread.run_sync(self._build_catalog, files)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(files.close)
+            raise
+        return files, found
 
     async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
-        files = self._source()
+        files, (catalog, streams) = await self._catalog()
         chosen: Choice | None = None  # holds the file's lease until the mapped reader takes it
         try:
-            catalog, streams = await anyio.to_thread.run_sync(self._catalog, files)
             shape = self._shape_of(catalog, streams)
             slots: list[Slot] | None = None
             # Data larger than the memory the process may use is read from the disk every
@@ -284,7 +315,8 @@ class AsyncHDF5DataLayer(LayerBase):
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
-                rows = self._cache_rows(shape)  # an elastically resumed epoch's may be larger
+                # An elastically resumed epoch's chunks may be larger.
+                rows = self._planner.cache_rows(shape, self._consumer.epoch)
                 if rows > shape.chunk_rows:
                     self._size_cache(catalog, rows)  # the budget must hold them
                 slots = allocate_slots(catalog.tops, rows)

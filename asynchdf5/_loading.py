@@ -19,8 +19,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.to_thread
@@ -28,10 +27,11 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ._batch import LoadedChunk, check_rows
 from ._cache import Slot
+from ._gather import check_rows
 from ._plan import ChunkPlan, EpochPlan
 from ._read import Reader
+from ._specs import LoadedChunk
 from ._stats import ReadStats, StageClock
 
 __all__ = ["ChunkItem", "ChunkLoader"]
@@ -43,6 +43,14 @@ _log = logging.getLogger("asynchdf5")
 ChunkItem = tuple[EpochPlan, LoadedChunk] | EpochPlan | Exception
 
 
+class Plans(Protocol):
+    """Where the loader's plans come from (the layer's :class:`~._planner.Planner`)."""
+
+    async def plan_soon(self, epoch: int, *, stream: bool = False) -> EpochPlan:
+        """The plan of ``epoch`` (made off the event loop)."""
+        ...
+
+
 class ChunkLoader:
     """Reads the chunks of every epoch from ``start_epoch`` on into ``slots`` (``None``: the
     reader serves rows in place, one chunk at a time), for :meth:`run`."""
@@ -51,13 +59,16 @@ class ChunkLoader:
         self,
         reader: Reader,
         slots: list[Slot] | None,
-        plan: Callable[[int], EpochPlan],
+        plans: Plans,
         start_epoch: int,
         stats: ReadStats,
+        *,
+        stream: bool = False,
     ) -> None:
         self.reader = reader
         self.slots = slots
-        self.plan = plan
+        self.plans = plans
+        self.stream = stream
         self.start_epoch = start_epoch
         self.stats = stats
         #: Chunks served in place that the pipeline has not given back yet (see
@@ -125,7 +136,7 @@ class ChunkLoader:
         shared: _Shared | None = None
         try:
             while True:
-                plan = self.plan(epoch)
+                plan = await self.plans.plan_soon(epoch, stream=self.stream)
                 if not plan.chunks:  # nothing to read: the batcher ends the epoch
                     load = _Load()
                     load.item = plan

@@ -1,5 +1,7 @@
 """The in-memory layer: :class:`MemoryDataLayer`, arrays served in place (Mocha's
-MemoryDataLayer; also the test double for everything above the reader)."""
+MemoryDataLayer; also the test double for everything above the reader), through its own
+:class:`MemoryReader` (nothing is read: the whole data set is one chunk, its rows at their
+global indices)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,41 @@ from ._catalog import TopInfo
 from ._config import LayerConfig
 from ._errors import ConfigurationError, SchemaError
 from ._layer import LayerBase
+from ._plan import ChunkPlan
 from ._properties import document
-from ._read import MemoryReader, Reader
+from ._read import Reader
 from ._shape import DataShape
+from ._stats import ReadStats
 from .transforms import Transformer
 
-__all__ = ["MemoryDataLayer"]
+__all__ = ["MemoryDataLayer", "MemoryReader"]
+
+
+class MemoryReader:
+    """Arrays in memory (``MemoryDataLayer``): rows are served in place, nothing is read."""
+
+    in_place = True
+    read_paths: Mapping[str, str] = {}
+    read_notes: Mapping[str, str] = {}
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], tops: Mapping[str, TopInfo]) -> None:
+        self.own_arrays = arrays
+        self.tops = tops
+        self.n_samples = len(next(iter(arrays.values())))
+
+    async def read(
+        self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
+    ) -> tuple[Mapping[str, np.ndarray], bool]:
+        return self.own_arrays, True
+
+    def release(self, chunk: ChunkPlan) -> None:
+        pass
+
+    verify = None
+    guard = None
+
+    async def aclose(self) -> None:
+        pass
 
 
 class MemoryDataLayer(LayerBase):
@@ -68,15 +99,17 @@ class MemoryDataLayer(LayerBase):
         super().__init__(dataclasses.replace(config, chunk_size=max(n, config.batch_size)))
         self._arrays = {k: arrays[k] for k in config.tops}
         self._specs = {k: TopInfo(k, a.dtype, tuple(a.shape[1:])) for k, a in self._arrays.items()}
-        self._shape = DataShape(
-            n_samples=n,
-            row_bytes=sum(t.row_bytes for t in self._specs.values()),
-            files=(("<memory>", n),),
-            tops=tuple((t.name, t.dtype.str, t.sample_shape) for t in self._specs.values()),
-            chunk_rows=self.config.chunk_size,
-            block_rows=None,  # one chunk, in place: blocks would change nothing
-            first_rows=None,  # nothing to read: no ramp
-            resident=True,
+        self._planner.looked(
+            DataShape(
+                n_samples=n,
+                row_bytes=sum(t.row_bytes for t in self._specs.values()),
+                files=(("<memory>", n),),
+                tops=tuple((t.name, t.dtype.str, t.sample_shape) for t in self._specs.values()),
+                chunk_rows=self.config.chunk_size,
+                block_rows=None,  # one chunk, in place: blocks would change nothing
+                first_rows=None,  # nothing to read: no ramp
+                resident=True,
+            )
         )
 
     def _look(self) -> DataShape:

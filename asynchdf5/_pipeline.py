@@ -2,8 +2,10 @@
 
 One :class:`Run` serves epochs from ``start_epoch`` on, in one *mode*: ``"epoch"`` (per-epoch
 batch cuts, an :class:`EpochEnd` marker after each epoch) or ``"stream"`` (full batches that wrap
-across epochs). A run lives in the layer's task group; the layer replaces it when the consumer
-leaves an epoch early or switches mode, and cancels it when the layer closes.
+across epochs), its plans asked of the layer's planner (:class:`~._loading.Plans`). A run lives in
+the layer's task group; the consumer (:mod:`._consumer`) starts it, replaces it when the consumer
+leaves an epoch early or switches mode, and cancels it when the layer closes; the consumer's side
+of the queue is :meth:`Run.take` and :meth:`Run.take_nowait`.
 
 Data moves one way::
 
@@ -38,14 +40,15 @@ import anyio.to_thread
 import numpy as np
 from anyio.abc import ObjectReceiveStream
 
-from ._batch import BatchSpec, GroupSpec, carry
 from ._cache import Slot
+from ._carry import carry
 from ._delivery import Delivery, line_offset
 from ._gathering import Entry, EpochEnd, Failure, Gatherers, GroupItem, Item
 from ._gathering import leaf as _leaf
-from ._loading import ChunkItem, ChunkLoader
+from ._loading import ChunkItem, ChunkLoader, Plans
 from ._plan import EpochPlan
 from ._read import Reader
+from ._specs import BatchSpec, GroupSpec
 from ._stats import Stats
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -89,7 +92,7 @@ class Run:
         self,
         reader: Reader,
         slots: list[Slot] | None,
-        plan: Callable[[int], EpochPlan],
+        plans: Plans,
         *,
         mode: Mode,
         start_epoch: int,
@@ -100,7 +103,9 @@ class Run:
         gather_threads: int = 2,
     ) -> None:
         self.slots = slots
-        self._loader = ChunkLoader(reader, slots, plan, start_epoch, stats.read)
+        self._loader = ChunkLoader(
+            reader, slots, plans, start_epoch, stats.read, stream=mode == "stream"
+        )
         self.mode: Mode = mode
         self.batch_size = batch_size
         self.delivery = delivery
@@ -130,10 +135,6 @@ class Run:
         }
         delivery.start(reader.tops, batch_size * self.group, room + 2, offsets)
         self._out = self._gatherers.out
-        #: The consumer's side of the current group: items taken, not yet served.
-        self.ready: collections.deque[Item] = collections.deque()
-        #: Epoch at the head of the queue when the consumer stands at an epoch boundary, else None.
-        self.head_epoch: int | None = start_epoch
         self.scope = anyio.CancelScope()
         self.done = anyio.Event()
         self._row_specs = {t.name: (t.sample_shape, t.dtype) for t in reader.tops.values()}
@@ -229,7 +230,6 @@ class Run:
     def shut(self) -> None:
         """The consumer is gone: drop what is queued for it (event-loop thread)."""
         self._out.close()
-        self.ready.clear()
 
     # --- the stages -----------------------------------------------------------------------------
 

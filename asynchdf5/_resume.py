@@ -1,5 +1,11 @@
 """Resume: where a consumer is, as a small state of plain values, and the plans that continue it.
 
+Read top to bottom: what a state holds (:data:`FORMAT`, :func:`fingerprint`), saving one
+(:func:`save_state`, from the consumer's position, :meth:`~._consumer.Consumer.position`),
+loading one (:func:`parse_state`, :meth:`Resume.check_resumes`, :func:`load_state`: the layer's
+``load_state_dict``), and planning the epoch it resumes (:func:`resumed_plan`, over the pure
+re-planning of :mod:`._replan`). The layer's :class:`~._planner.Planner` holds the loaded state.
+
 Because the planner is pure, a position is a handful of integers (the epoch, the batches yielded
 in it) plus what is needed to check that the files and properties are the same. Loading a state
 makes the next batch exactly the one that would have come next: same indices, same bytes.
@@ -22,12 +28,27 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ._config import LayerConfig
 from ._errors import ConfigurationError, StateError
 from ._plan import EpochPlan
 from ._replan import elastic_plan, resume_plan
 from ._shape import DataShape
 
-__all__ = ["FORMAT", "Resume", "epoch_plan", "parse_state", "save_state"]
+__all__ = [
+    "FORMAT",
+    "Loaded",
+    "Resume",
+    "batches_before",
+    "epoch_plan",
+    "fingerprint",
+    "load_state",
+    "parse_state",
+    "resumed_plan",
+    "save_state",
+]
+
+# --- what a state holds -----------------------------------------------------------------------
+
 
 FORMAT = "asynchdf5.state/1"
 
@@ -49,6 +70,35 @@ _WHAT = {
     "streams": "the streams (names, rows, samples per epoch)",
     "batch_mode": "batch_mode",
 }
+
+
+def fingerprint(shape: DataShape, config: LayerConfig) -> dict[str, Any]:
+    """What a saved state must agree with: the data and the properties that fix the order
+    (compared when loading), and the effective sizes (adopted when loading: see
+    :meth:`Resume.shapes`)."""
+    mixed = (
+        {
+            "streams": [[s.name, s.size, s.count] for s in shape.streams],
+            "batch_mode": config.batch_mode,
+        }
+        if shape.streams
+        else {}
+    )
+    return mixed | {
+        "n_samples": shape.n_samples,
+        "files": [[name, rows] for name, rows in shape.files],
+        "tops": [[name, dtype, list(sample)] for name, dtype, sample in shape.tops],
+        "batch_size": config.batch_size,
+        "shuffle": config.shuffle,
+        "drop_last": config.drop_last,
+        "chunk_size": config.chunk_size,
+        "block_size": config.block_size,
+        "chunk_rows": shape.chunk_rows,
+        "block_rows": shape.block_rows,
+        "first_rows": shape.first_rows,
+        "ramp_lanes": shape.ramp_lanes,
+        "chunk_lanes": shape.chunk_lanes,
+    }
 
 
 @dataclass(frozen=True)
@@ -149,6 +199,9 @@ class Resume:
             )
 
 
+# --- saving -----------------------------------------------------------------------------------
+
+
 def save_state(
     resume: Resume | None,
     position: tuple[str, int, int, int],
@@ -198,20 +251,7 @@ def save_state(
     return out
 
 
-def _part_words(part: tuple[int, int] | None) -> str:
-    return "its rank's whole epochs" if part is None else f"part {part[0]} of {part[1]} of them"
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _int(state: Mapping[str, Any], key: str, minimum: int = 0) -> int:
-    value = state.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigurationError(f"the state's {key!r} must be an int >= {minimum}, not {value!r}")
-    return value
+# --- loading ----------------------------------------------------------------------------------
 
 
 def parse_state(state: object) -> Resume:
@@ -273,6 +313,58 @@ def parse_state(state: object) -> Resume:
     )
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """A state loaded into a layer (:func:`load_state`)."""
+
+    resume: Resume
+    shape: DataShape  # every epoch's, from now on
+    resumed: DataShape | None  # the resumed epoch's, where it differs (an elastic resume)
+
+
+def load_state(
+    state: object,
+    *,
+    shape: DataShape,
+    config: LayerConfig,
+    part: tuple[int, int] | None,
+    open_rows: int | None,
+) -> Loaded:
+    """``state`` checked against a layer whose data has ``shape``, with ``config``, serving
+    ``part``; ``open_rows``: the rows its cache slots hold when it is open (None: closed).
+
+    A state from other files or other properties is a :class:`ConfigurationError` that says
+    what differs; so is one whose chunks do not fit the open layer's cache (load it before
+    opening, and the cache is sized for them).
+    """
+    r = parse_state(state)
+    r.check_resumes(
+        fingerprint(shape, config),
+        seed=config.seed if config.seed_given else None,
+        world_size=config.world_size,
+        part=part,
+    )
+    saved_rows = r.fingerprint["chunk_rows"]
+    if open_rows is not None and saved_rows > open_rows:
+        raise ConfigurationError(
+            f"the saved run cached chunks of {saved_rows} rows, this open layer's cache "
+            f"holds {open_rows}: load the state before opening it"
+        )
+    every, resumed = r.shapes(shape, config.world_size)
+    return Loaded(r, every, resumed)
+
+
+def batches_before(state: Mapping[str, Any]) -> int:
+    """The batches of the resumed epoch yielded before ``state`` was saved, over every step of
+    its chain (what ``StatefulDataLoader`` counts among the epoch's batches); 0 for a stream."""
+    if state["mode"] != "epoch":
+        return 0
+    return sum(int(batches) for _, batches in state["chain"])
+
+
+# --- planning the resumed epoch ---------------------------------------------------------------
+
+
 def epoch_plan(
     chain: Sequence[tuple[int, int]],
     plan: Callable[[int, int], EpochPlan],
@@ -295,3 +387,36 @@ def epoch_plan(
     if world_size == last_world:
         return resume_plan(plans[rank], batches)
     return elastic_plan(plans, batches, rank=rank, world_size=world_size, drop_last=drop_last)
+
+
+def resumed_plan(
+    resume: Resume,
+    plan: Callable[[int, int], EpochPlan],
+    *,
+    rank: int,
+    world_size: int,
+    drop_last: bool,
+) -> EpochPlan:
+    """The plan of the epoch ``resume`` resumes, in epoch mode (a stream's is the fresh plan
+    less the samples yielded: :func:`~._replan.skip_samples`); ``plan(rank, world_size)`` gives
+    the epoch's plans from the start."""
+    return epoch_plan(resume.chain, plan, rank=rank, world_size=world_size, drop_last=drop_last)
+
+
+# --- words in messages ------------------------------------------------------------------------
+
+
+def _part_words(part: tuple[int, int] | None) -> str:
+    return "its rank's whole epochs" if part is None else f"part {part[0]} of {part[1]} of them"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _int(state: Mapping[str, Any], key: str, minimum: int = 0) -> int:
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigurationError(f"the state's {key!r} must be an int >= {minimum}, not {value!r}")
+    return value

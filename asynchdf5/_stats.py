@@ -2,8 +2,8 @@
 that a layer hands out (:class:`LayerStats`).
 
 One owner (a layer's :class:`Stats`), one writer per part: the reader writes :class:`ReadStats`,
-the gathering stage :class:`GatherStats`, the epoch iterator :class:`ConsumerStats`. A snapshot
-copies them into a frozen :class:`LayerStats`.
+the gathering stage :class:`GatherStats`, the consumer (:mod:`._consumer`)
+:class:`ConsumerStats`. A snapshot copies them into a frozen :class:`LayerStats`.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class GatherStats:
 
 @dataclass
 class ConsumerStats:
-    """Written by the epoch iterator, as batches are handed over."""
+    """Written by the consumer (:class:`~._consumer.Consumer`) only, as batches are handed over."""
 
     wait_seconds: float = 0.0
     step_seconds: float = 0.0  # between handing a batch over and being asked for the next

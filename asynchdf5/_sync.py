@@ -95,6 +95,8 @@ class SyncInterface:
             bridge.stop(cancel=not closed)
 
     def _iterate_sync(self, it: EpochIterator) -> Iterator[Batch]:
+        """``it`` in a ``for`` loop: the bridge the layer gives its consumer when opened with
+        ``with``."""
         portal = self._portal
         if portal is None:
             raise StateError("the layer is not open: iterate inside `with layer:`")
@@ -175,31 +177,24 @@ def interrupts_held() -> Iterator[None]:
 
 
 def _bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:
-    delivery = portal.call(_delivery_of, it)
+    consumer = it.consumer
     try:
         while True:
-            batches = portal.call(it.next_batches, BRIDGE_BATCHES)
+            batches = portal.call(consumer.next_batches, it, BRIDGE_BATCHES)
             if not batches:
                 return
             batches.reverse()
             while batches:  # popped: a batch the loop is done with is not held here
                 batch = batches.pop()
                 try:
-                    delivery.hand_off(batch)
+                    consumer.deliver(it, batch)  # counts for state_dict() once the loop has it
                 except BaseException:
-                    portal.call(it.fail)
+                    portal.call(consumer.fail, it)
                     raise
-                it.yielded(batch)  # counts for state_dict() once the loop has it
                 t0 = time.perf_counter()
                 yield batch
-                it.stepped(time.perf_counter() - t0)
+                consumer.stepped(time.perf_counter() - t0)
     finally:
         if not it.done:  # left early (break) or failed in the loop's body
             with contextlib.suppress(Exception):  # the bridge may be gone already
                 portal.call(it.aclose)
-
-
-async def _delivery_of(it: EpochIterator) -> Any:
-    """The delivery of ``it``'s session (which ``it`` binds to, on the loop's thread)."""
-    session = it._owner._session_for(it)
-    return session.delivery

@@ -34,8 +34,9 @@ from asynchdf5 import (
     SchemaError,
     TransformError,
 )
-from asynchdf5._delivery._cuda import CudaDelivery, parse_device
+from asynchdf5._delivery._cuda import CudaDelivery
 from asynchdf5._delivery._cuda_memory import STAGING_DEPTH, DeviceMemory, Staging
+from asynchdf5._delivery._device import parse_device
 
 from ._fake_cupy import (
     FakeArray,
@@ -221,7 +222,7 @@ async def test_fake_reuse_buffers_bounds_memory_of_held_batches(fake_cupy: FakeC
     peaks = {}
     for reuse in (False, True):
         layer = MemoryDataLayer(MANY, batch_size=8, prefetch=2, device="cuda")
-        layer._delivery = CudaDelivery("cuda", [], 8, 2, reuse_buffers=reuse)
+        layer._consumer.delivery = CudaDelivery("cuda", [], 8, 2, reuse_buffers=reuse)
         await run_epochs(layer, epochs=1)  # holds every batch
         peaks[reuse] = stage_of(layer).memory_stats.device_bytes_peak
     assert peaks[False] >= 4003 // 8 * BLOCKS  # safe by default: nothing held is reused
@@ -273,7 +274,7 @@ async def test_fake_transformer_error_is_wrapped(fake_cupy: FakeCupy) -> None:
         raise ZeroDivisionError("bad batch")
 
     layer = MemoryDataLayer({"data": IMAGES}, batch_size=8, transformers=[("data", boom)])
-    layer._delivery = CudaDelivery("cuda", layer.config.transformers, 8, 8)
+    layer._consumer.delivery = CudaDelivery("cuda", layer.config.transformers, 8, 8)
     async with layer:
         with pytest.raises(TransformError, match="ZeroDivisionError: bad batch"):
             async for _ in layer:
@@ -311,7 +312,7 @@ def test_fake_sync_facade_hands_batches_off_in_the_loops_thread(
     src, _ = write_source(tmp_path, [700], shape=IMAGE)
     n = 700
     layer = HDF5DataLayer(src, batch_size=8, device="cuda")
-    layer._delivery = CudaDelivery("cuda", [], 8, 8, reuse_buffers=reuse)
+    layer._consumer.delivery = CudaDelivery("cuda", [], 8, 8, reuse_buffers=reuse)
     training = FakeStream(non_blocking=True, name="training", busy=True)  # never catches up
     seen = []
     with layer, training:
@@ -517,7 +518,7 @@ async def test_fake_hand_off_failure_ends_the_epoch(fake_cupy: FakeCupy) -> None
                     got.append(batch)
             assert len(got) == 4 and layer.stats.batches == 4  # the failed one never counted
             assert (
-                layer._session is not None and layer._session.run is None
+                layer._consumer is not None and layer._consumer.run is None
             )  # the pipeline was stopped, as after any failure
             (epoch,) = [[b async for b in layer]]  # the next loop: the next epoch, whole
     assert {b.epoch for b in epoch} == {1}
@@ -534,7 +535,7 @@ def test_fake_sync_hand_off_failure_ends_the_epoch(fake_cupy: FakeCupy, tmp_path
             for batch in layer:
                 got.append(batch)
         assert (
-            len(got) == 19 and layer._session is not None and layer._session.run is None
+            len(got) == 19 and layer._consumer is not None and layer._consumer.run is None
         )  # stopped
         epoch = list(layer)
     assert {b.epoch for b in epoch} == {1}
@@ -600,7 +601,7 @@ async def test_fake_stream_mode_on_the_device(fake_cupy: FakeCupy, reuse: bool) 
     layer = MemoryDataLayer(
         {"data": IMAGES, "label": LABELS}, batch_size=16, shuffle=True, seed=2, device="cuda"
     )
-    layer._delivery = CudaDelivery("cuda", [], 16, 8, reuse_buffers=reuse)
+    layer._consumer.delivery = CudaDelivery("cuda", [], 16, 8, reuse_buffers=reuse)
     seen = []
     async with layer:
         async for batch in layer.stream():

@@ -14,9 +14,10 @@ import anyio
 import numpy as np
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer, Batch, _batch
-from asynchdf5._batch import LoadedChunk, check_rows, gather_rows
+from asynchdf5 import AsyncHDF5DataLayer, Batch, _gather
+from asynchdf5._gather import check_rows, gather_rows
 from asynchdf5._plan import ChunkPlan
+from asynchdf5._specs import LoadedChunk
 
 from ._files import check_batch, write_source
 
@@ -62,7 +63,7 @@ def test_check_rows_names_the_top_a_row_is_outside_of() -> None:
 
 def test_a_checked_chunk_is_not_checked_again_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(_batch, "check_rows", lambda rows, arrays: calls.append(len(rows)))
+    monkeypatch.setattr(_gather, "check_rows", lambda rows, arrays: calls.append(len(rows)))
     out = {"data": np.empty((10, 2), np.int64), "label": np.empty(10, np.int64)}
     chunk = _chunk(np.random.default_rng(1).permutation(50))
     gather_rows([(chunk, 0, 10)], out, np.empty(10, np.int64))

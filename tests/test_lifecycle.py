@@ -359,18 +359,18 @@ async def test_a_failed_run_is_over_before_the_next_one_starts(
 ) -> None:
     """The run an error ended may still have threads reading into the cache slots: the next
     iteration's run starts only once it is done (it would read into the same slots)."""
-    from asynchdf5._session import Session
+    from asynchdf5._consumer import Consumer
 
     runs: list[Any] = []
     seen: list[list[bool]] = []
-    start_run = Session.start_run
+    start_run = Consumer.start_run
 
-    def recording(self: Session, mode: Any) -> Any:
+    def recording(self: Consumer, mode: Any) -> Any:
         seen.append([r.done.is_set() for r in runs])
         runs.append(start_run(self, mode))
         return runs[-1]
 
-    monkeypatch.setattr(Session, "start_run", recording)
+    monkeypatch.setattr(Consumer, "start_run", recording)
     calls = itertools.count()
 
     def flaky(x: np.ndarray) -> np.ndarray:
@@ -429,15 +429,15 @@ async def test_the_cache_is_given_back_in_a_worker_thread_on_close(
     async with AsyncHDF5DataLayer(
         source, batch_size=10, chunk_size=chunk_size, shuffle=True, mmap=False
     ) as layer:
-        session = layer._session
-        assert session is not None
+        opened = layer._consumer.opened
+        assert opened is not None
         if chunk_size == 40:
-            assert session.slots
-            held = [a for s in session.slots for a in s.arrays.values()]
+            assert opened.slots
+            held = [a for s in opened.slots for a in s.arrays.values()]
         else:
-            assert not session.slots and session.reader.own_arrays
-            held = list(session.reader.own_arrays.values())
-        del session
+            assert not opened.slots and opened.reader.own_arrays
+            held = list(opened.reader.own_arrays.values())
+        del opened
         with anyio.fail_after(10):
             check_epoch([b async for b in layer], N, 10, 0)
         assert all(_pages_in_memory(a) for a in held)  # the epoch filled them
@@ -456,3 +456,64 @@ async def test_closing_a_memory_layer_leaves_the_callers_mapped_arrays_alone() -
             got = np.sort(np.concatenate([b["data"] async for b in layer]))
     assert np.array_equal(got, np.arange(N))
     assert np.array_equal(data, np.arange(N))
+
+
+async def test_len_before_opening_builds_the_catalog_once(
+    source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``len()`` before ``async with`` (as a DataLoader does) looks at the files; the opening
+    then takes that catalog instead of opening and describing every file again."""
+    import asynchdf5._hdf5
+    from asynchdf5._catalog import build_catalog as real
+
+    built: list[int] = []
+
+    def counting(*args: Any) -> Any:
+        built.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(asynchdf5._hdf5, "build_catalog", counting)
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    assert len(layer) == N // 10
+    with anyio.fail_after(20):
+        async with layer:
+            check_epoch([b async for b in layer], N, 10, 0)
+        assert len(built) == 1
+        async with layer:  # a later opening builds its own (the first one's files are closed)
+            check_epoch([b async for b in layer], N, 10, 1)
+    assert len(built) == 2
+
+
+def test_a_catalog_looked_at_and_never_opened_is_closed_with_its_layer(source: Path) -> None:
+    """The files the catalog holds open for the next opening are closed when the layer is
+    collected, if it never opens (the leak check after the test sees no descriptor left)."""
+    import gc
+
+    layer = AsyncHDF5DataLayer(source, batch_size=10)
+    assert layer.n_samples == N
+    del layer
+    gc.collect()
+
+
+async def test_the_pipeline_plans_its_epochs_off_the_event_loop(
+    source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A laned plan of a large data set takes up to about a second: the pipeline plans each
+    epoch in a worker thread, never on the event loop's thread."""
+    import asynchdf5._planner
+    from asynchdf5._plan import plan_epoch as real
+
+    threads: list[int] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(asynchdf5._planner, "plan_epoch", recording)
+    with anyio.fail_after(20):
+        async with AsyncHDF5DataLayer(source, batch_size=10, shuffle=True, seed=1) as layer:
+            for epoch in range(3):
+                check_epoch([b async for b in layer], N, 10, epoch)
+            async for _ in layer.stream():
+                break
+    assert threads and threading.get_ident() not in threads

@@ -21,7 +21,7 @@ import pytest
 from asynchdf5 import AsyncHDF5DataLayer, CacheBudgetWarning
 from asynchdf5._cache import size_cache
 from asynchdf5._plan import plan_epoch
-from asynchdf5._shape import chunk_lanes, default_block_rows, first_read
+from asynchdf5._planner import chunk_lanes, default_block_rows, first_read
 
 CLASSES = 10
 BATCH = 256

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 
-from . import _bench, _demo, _inspect, _pack
+from . import _bench, _demo, _inspect, _pack_args
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _inspect.add_parser(commands)
-    _pack.add_parser(commands)
+    _pack_args.add_parser(commands)
     _bench.add_parser(commands)
     _demo.add_parser(commands)
     return parser

@@ -12,11 +12,13 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Protocol
 
-from .._batch import Batch, GroupSpec
+from .._batch import Batch
 from .._catalog import TopInfo
+from .._specs import GroupSpec
 from .._stats import GatherStats
 from ..transforms import Transformer
-from ._cuda import INSTALL_HINT, CudaDelivery, DeviceMemoryStats, parse_device
+from ._cuda import CudaDelivery, DeviceMemoryStats
+from ._device import INSTALL_HINT, parse_device
 from ._host import BatchBuffers, HostDelivery, line_offset
 
 __all__ = [

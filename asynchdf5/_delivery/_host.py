@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from .._batch import Batch, GroupSpec, gather_rows, merge_pieces, split_pieces
+from .._batch import Batch
 from .._catalog import TopInfo
+from .._gather import gather_rows
+from .._specs import GroupSpec, merge_pieces, split_pieces
 from .._stats import GatherStats
 from .._transform import apply_transformers
 from ..transforms import Transformer

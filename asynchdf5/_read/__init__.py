@@ -4,6 +4,6 @@ and the choice between them (:mod:`._choice`)."""
 
 from ._choice import Choice, choose, probe
 from ._mapped import MappedReader
-from ._reader import HDF5Reader, MemoryReader, Reader
+from ._reader import HDF5Reader, Reader
 
-__all__ = ["Choice", "HDF5Reader", "MappedReader", "MemoryReader", "Reader", "choose", "probe"]
+__all__ = ["Choice", "HDF5Reader", "MappedReader", "Reader", "choose", "probe"]

@@ -31,8 +31,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .. import _machine
 from .._catalog import Catalog
+from .._machine import memory_bytes
 from .._sources._local import LocalFile
 from ._lease import Lease
 from ._maps import supported
@@ -229,7 +229,7 @@ def _choose(
         # the copying reader's streaming reads (direct, read ahead) beat faults on mapped pages.
         size = catalog.n_samples * catalog.row_bytes
         if memory is None:
-            memory = _machine.memory_bytes()
+            memory = memory_bytes()
         if 0 < memory < size:
             return Choice(
                 False,

@@ -38,7 +38,7 @@ from .._stats import ReadStats
 from ._spans import merged, uncovered
 from ._steps import Decode, H5pyRead, byte_view, direct_ranges, swapper
 
-__all__ = ["HDF5Reader", "MemoryReader", "Reader"]
+__all__ = ["HDF5Reader", "Reader"]
 
 
 class Reader(Protocol):
@@ -309,30 +309,3 @@ class HDF5Reader:
         """:meth:`close` in a worker thread (h5py handles are closed too), shielded."""
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self.close)
-
-
-class MemoryReader:
-    """Arrays in memory (``MemoryDataLayer``): rows are served in place, nothing is read."""
-
-    in_place = True
-    read_paths: Mapping[str, str] = {}
-    read_notes: Mapping[str, str] = {}
-
-    def __init__(self, arrays: Mapping[str, np.ndarray], tops: Mapping[str, TopInfo]) -> None:
-        self.own_arrays = arrays
-        self.tops = tops
-        self.n_samples = len(next(iter(arrays.values())))
-
-    async def read(
-        self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
-    ) -> tuple[Mapping[str, np.ndarray], bool]:
-        return self.own_arrays, True
-
-    def release(self, chunk: ChunkPlan) -> None:
-        pass
-
-    verify = None
-    guard = None
-
-    async def aclose(self) -> None:
-        pass

@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._batch import Batch
 from .._errors import ConfigurationError, StateError
 from .._layer import LayerBase
+from .._resume import batches_before
 from ._epoch import INDICES, STREAMS, Epoch, Tensors, as_tensor
 
 if sys.version_info >= (3, 11):
@@ -328,8 +329,7 @@ class LayerDataset(IterableDataset[Tensors]):
             layer.close()
         layer.load_state_dict(state)
         self._seed = layer.config.seed  # seed=None takes the saved seed
-        done = state["chain"] if state["mode"] == "epoch" else []
-        self._resumed = (layer.epoch, sum(int(batches) for _, batches in done))
+        self._resumed = (layer.epoch, batches_before(state))
         # Workers started later (the next epoch's) go on after this epoch, or, when nothing is
         # left of it (a state saved at its end), after it already: StatefulDataLoader then
         # starts them at once, while these may still be finding the epoch empty.

@@ -1,0 +1,446 @@
+"""Where the consumer is (:class:`Consumer`): the one owner of a layer's consumer-side state.
+
+The consumer is the code that iterates a layer. Its state is one small state machine, changed
+only here:
+
+- the layer is ``closed``, ``opening``, ``open`` or ``closing``; open, it has a reader, cache
+  slots and a background :class:`~._pipeline.Run` in its task group;
+- ``epoch``, the epochs finished, and the live iterator (at most one) with the epoch it is in;
+- the position: the batches and samples of that epoch handed over (what ``state_dict()``
+  saves), and the consumer's stats (:class:`~._stats.ConsumerStats`), both written here only.
+
+Iterators (:class:`~._iterator.EpochIterator`) are views: each holds its mode and whether it is
+done, and asks the consumer for every batch; the sync bridge (:mod:`._sync`) uses the same public
+methods from the ``for`` loop's thread. Plans come from the layer's one
+:class:`~._planner.Planner`.
+
+One consumer at a time: a second *live* iterator (neither finished, failed, closed, nor dropped:
+an ``async for`` left with ``break`` drops its iterator at once) is a
+:class:`~asynchdf5.StateError`, never a silently truncated epoch.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Literal
+
+import anyio
+import anyio.lowlevel
+
+from ._batch import Batch
+from ._cache import Slot
+from ._delivery import Delivery
+from ._errors import StateError
+from ._opened import Bridge, Opened
+from ._pace import PAUSE_EVERY_S, Pace
+from ._pipeline import EpochEnd, Failure, Item, Mode, Run
+from ._planner import Planner
+from ._read import Reader
+from ._stats import Stats
+
+if TYPE_CHECKING:
+    from ._iterator import EpochIterator
+
+__all__ = ["Consumer", "Position"]
+
+#: ``(mode, epoch, batches, samples)``: see :meth:`Consumer.position`.
+Position = tuple[Mode, int, int, int]
+
+
+class Consumer:
+    """Where a layer's consumer is, from construction on, across openings (see the module)."""
+
+    def __init__(
+        self,
+        *,
+        planner: Planner,
+        delivery: Delivery,
+        stats: Stats,
+        batch_size: int,
+        prefetch: int,
+    ) -> None:
+        self.planner = planner
+        self.delivery = delivery
+        self.stats = stats
+        self._counts = stats.consumer  # the consumer's stats: written here only
+        #: Called on every batch handed over (several streams: it says each row's stream and
+        #: counts them); set by the layer at open.
+        self.label: Callable[[Batch], None] | None = None
+        self.batch_size = batch_size
+        self.prefetch = prefetch
+        self.state: Literal["closed", "opening", "open", "closing"] = "closed"
+        #: Epochs finished (an epoch left early counts once the next iteration starts).
+        self.epoch = 0
+        #: Openings so far: an iterator serves the opening it started in only.
+        self.openings = 0
+        #: What the open layer has (None: not open).
+        self.opened: Opened | None = None
+        self.run: Run | None = None
+        #: A failed run, stopping: its threads may still read into the cache slots, so the
+        #: next run starts only once it is done.
+        self._ending: Run | None = None
+        # The live iterator, and where it is: batches yielded to it (not prefetched), in its
+        # epoch; for a stream, the samples yielded since it began at epoch `_start`.
+        self._live: weakref.ReferenceType[EpochIterator] | None = None
+        self._touched: int | None = None  # latest epoch the consumer got a batch of
+        self._mode: Mode = "epoch"
+        self._start = 0
+        self._batches = 0
+        self._samples = 0
+        #: The items of the group taken last, not yet served.
+        self.ready: collections.deque[Item] = collections.deque()
+        # The epoch at the head of the run's queue while the consumer stands at an epoch
+        # boundary (else None): the next iteration may go on with that run.
+        self._boundary: int | None = None
+        #: When the consumer last got a batch (its step time runs from there to its next ask).
+        self.last_handed: float | None = None
+        self._pace = Pace()  # when the consumer last let the event loop run
+
+    # --- opening and closing ------------------------------------------------------------------
+
+    def opening(self) -> None:
+        """The layer starts opening (:class:`StateError` unless it is closed)."""
+        if self.state != "closed":
+            raise StateError(f"the layer is already {self.state}: open it once at a time")
+        self.state = "opening"  # before any await: a second opener sees it at once
+
+    def not_opened(self) -> None:
+        """Opening failed: the layer is closed."""
+        self.state = "closed"
+
+    async def open(
+        self,
+        reader: Reader,
+        slots: list[Slot] | None,
+        *,
+        sync: bool,
+        bridge: Bridge | None,
+        opened_at: float,
+    ) -> None:
+        """The layer is open with ``reader`` and ``slots``: the first epoch's run starts (its
+        first chunk is read now). ``bridge``: how a ``for`` loop iterates (sync only)."""
+        self.opened = await Opened.enter(reader, slots, sync=sync, bridge=bridge, at=opened_at)
+        self.openings += 1
+        self.state = "open"
+        self.start_run("epoch")
+
+    async def close(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        """Stop the run and release everything (in the task that opened the layer); what the
+        task group's exit returns. A consumer still iterating has left its epoch early: that
+        epoch is over."""
+        opened = self.opened
+        if self.state != "open" or opened is None:
+            return None
+        opened.check_closer()
+        self.state = "closing"
+        try:
+            if self.run is not None:
+                self.run.scope.cancel()
+            return await opened.exit(exc_type, exc, tb)
+        finally:
+            try:
+                self._drop_run()
+                self._settle()
+                await opened.release(self.delivery)
+            finally:
+                self.opened = None
+                self.state = "closed"
+
+    # --- the run ------------------------------------------------------------------------------
+
+    def start_run(self, mode: Mode) -> Run:
+        """Start the run serving ``mode`` from the next epoch, in the layer's task group."""
+        opened = self.opened
+        assert opened is not None
+        run = Run(
+            opened.reader,
+            opened.slots,
+            self.planner,
+            mode=mode,
+            start_epoch=self.epoch,
+            batch_size=self.batch_size,
+            delivery=self.delivery,
+            prefetch=self.prefetch,
+            stats=self.stats,
+        )
+        self.run = run
+        self.ready.clear()
+        self._boundary = self.epoch
+        opened.task_group.start_soon(run.main)
+        return run
+
+    def _drop_run(self) -> None:
+        """The consumer is done with the run: drop what is queued for it."""
+        if self.run is not None:
+            self.run.shut()
+        self.run = None
+        self.ready.clear()
+
+    # --- iterators ----------------------------------------------------------------------------
+
+    def live(self) -> EpochIterator | None:
+        """The live iterator, if any."""
+        it = self._live() if self._live is not None else None
+        return None if it is None or it.done else it
+
+    def iterate_sync(self, it: EpochIterator) -> Iterator[Batch]:
+        """``it`` in a ``for`` loop, through the sync bridge (the layer opened with ``with``)."""
+        opened = self._check_open()
+        if opened.bridge is None:
+            raise StateError(
+                "the layer was opened with `async with`: iterate it with `async for`, not `for`"
+            )
+        return opened.bridge(it)
+
+    def _check_open(self) -> Opened:
+        if self.state != "open" or self.opened is None:
+            raise StateError(
+                "the layer is not open: iterate inside `async with layer:` (or `with layer:`)"
+            )
+        return self.opened
+
+    async def _begin(self, it: EpochIterator) -> None:
+        """``it`` becomes the consumer: the run serving its mode from the next epoch."""
+        if self._check_open().sync and not it.bridged:
+            raise StateError(
+                "the layer was opened with `with`: iterate it with `for`, not `async for`"
+            )
+        it.opening = self.openings
+        live = self.live()
+        if live is not None and live is not it:
+            raise StateError(
+                f"another iterator of this layer is still open ({live!r}): a layer serves one "
+                "consumer at a time. Finish that iteration, or close it (`await it.aclose()`, "
+                "`it.close()` in sync code), before starting another"
+            )
+        self._settle()
+        self._live = weakref.ref(it)
+        self._mode, self._start, self._batches, self._samples = it.mode, self.epoch, 0, 0
+        run = self.run
+        if run is None or run.mode != it.mode or self._boundary != self.epoch:
+            if run is not None:
+                await run.stop()
+            if self._ending is not None:
+                await self._ending.done.wait()
+                self._ending = None
+            self.start_run(it.mode)
+        self._pace.mark()  # the loop ran meanwhile; and the pause needs its clock's reading
+
+    def _settle(self) -> None:
+        """The previous consumer left early: the epoch it was in is over."""
+        if self._touched is not None:
+            self.epoch = max(self.epoch, self._touched + 1)
+        self._touched = None
+        self._live = None
+
+    def next_ready(self, it: EpochIterator) -> Batch | None:
+        """A batch of the group taken last, handed to ``it`` without a trip through the event
+        loop; None when none is ready, or when ``it`` has not let the loop run for
+        :data:`PAUSE_EVERY_S` (then :meth:`next` does, and checks for cancellation). Counts the
+        consumer's step: from the last batch handed over to this ask."""
+        last = self.last_handed
+        if last is not None:
+            self.last_handed = None
+            self._counts.step_seconds += time.perf_counter() - last
+        ready = self.ready
+        if ready and it.opening == self.openings and not it.done:
+            item = ready[0]
+            if type(item) is Batch and time.perf_counter() - self._pace.paused < PAUSE_EVERY_S:
+                ready.popleft()
+                return self._accept(it, item)
+        return None
+
+    async def next(self, it: EpochIterator) -> Batch:
+        """The next batch for ``it`` (waiting for it); ``StopAsyncIteration`` at the end of an
+        epoch; the pipeline's error when it failed."""
+        if it.opening is None:
+            await self._begin(it)
+        elif it.opening != self.openings or self.state != "open":
+            raise StateError(
+                "this iterator's layer was closed: open the layer again and start a new iteration"
+            )
+        run = self.run
+        assert run is not None
+        while True:
+            item = await self._receive(run)
+            if isinstance(item, Batch):
+                return self._accept(it, item)
+            if isinstance(item, EpochEnd):
+                self._epoch_ended(it, item.epoch)
+                if it.mode == "epoch":
+                    it.done = True
+                    raise StopAsyncIteration
+                continue
+            assert isinstance(item, Failure)
+            self.fail(it)
+            raise item.error
+
+    async def _receive(self, run: Run) -> Item:
+        """The next item: from the group taken last, else the next group (waiting for it)."""
+        ready, pace = self.ready, self._pace
+        now = time.perf_counter()
+        if now - pace.paused >= PAUSE_EVERY_S:  # checked here: no coroutine made otherwise
+            await pace.pause(now)
+        if ready:
+            return ready.popleft()
+        try:
+            # Cancellation is honoured here, once per group, at the cost of no loop round trip.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            try:
+                group = run.take_nowait()
+            except anyio.WouldBlock:
+                t0 = time.perf_counter()
+                try:
+                    group = await run.take()
+                finally:
+                    t1 = self._pace.mark()
+                    self._counts.wait_seconds += t1 - t0
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise StateError(
+                "this iterator's layer was closed while it waited for a batch"
+            ) from None
+        ready.extend(group)
+        return ready.popleft()
+
+    async def next_batches(self, it: EpochIterator, limit: int) -> list[Batch]:
+        """The next batch for ``it`` and up to ``limit - 1`` more that are ready now; ``[]`` at
+        the end. For the sync bridge: one trip across its thread bridge per group of ready
+        batches, never more than are already gathered (an epoch is never collected)."""
+        try:
+            out = [await it.__anext__()]
+        except StopAsyncIteration:
+            return []
+        run, ready = self.run, self.ready
+        while len(out) < limit and not it.done and run is not None and self.run is run:
+            if not ready:
+                try:
+                    ready.extend(run.take_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+            item = ready[0]
+            if not isinstance(item, Batch):
+                break  # an epoch end or a failure: the next call handles it
+            ready.popleft()
+            out.append(self._accept(it, item))
+        return out
+
+    # --- batches handed over: the position and the consumer's stats ---------------------------
+
+    def _accept(self, it: EpochIterator, batch: Batch) -> Batch:
+        """``batch`` is handed to ``it`` (bridged: to the bridge, which hands it over in the
+        ``for`` loop's thread with :meth:`deliver`)."""
+        rows = len(batch.indices)
+        bridged = it.bridged
+        if not bridged:
+            try:
+                self.delivery.hand_off(batch)
+            except BaseException:
+                self.fail(it)
+                raise
+            if it.mode == "epoch" and batch.epoch != self._start:  # as _yielded, inline
+                self._start, self._batches, self._samples = batch.epoch, 0, 0
+            self._batches += 1
+            self._samples += rows
+        counts = self._counts
+        if counts.first_batch_seconds is None:
+            assert self.opened is not None
+            counts.first_batch_seconds = time.perf_counter() - self.opened.at
+        counts.batches += 1
+        counts.samples += rows
+        if self.label is not None:
+            self.label(batch)
+        self._touched = batch.epoch
+        self._boundary = None
+        if not bridged:
+            self.last_handed = time.perf_counter()
+        return batch
+
+    def deliver(self, it: EpochIterator, batch: Batch) -> None:
+        """The sync bridge hands ``batch`` to its ``for`` loop (in that loop's thread): it is
+        made ready there (a device's: on the current CUDA stream), and counts for
+        ``state_dict()`` from now on."""
+        self.delivery.hand_off(batch)
+        self._yielded(it, batch)
+
+    def stepped(self, seconds: float) -> None:
+        """The sync bridge's ``for`` loop spent ``seconds`` on a batch before asking again."""
+        self._counts.step_seconds += seconds
+
+    def _yielded(self, it: EpochIterator, batch: Batch) -> None:
+        """``batch`` reached the consumer (in the consumer's thread)."""
+        if it.mode == "epoch" and batch.epoch != self._start:
+            self._start, self._batches, self._samples = batch.epoch, 0, 0
+        self._batches += 1
+        self._samples += len(batch.indices)
+
+    def _epoch_ended(self, it: EpochIterator, epoch: int) -> None:
+        """Every batch of ``epoch`` has been handed over."""
+        self.epoch = epoch + 1
+        self._touched = None
+        self._boundary = epoch + 1
+        if it.mode == "epoch":
+            self._start, self._batches, self._samples = epoch + 1, 0, 0
+            self._live = None
+
+    def fail(self, it: EpochIterator) -> None:
+        """The pipeline failed, or a batch could not be handed over: ``it``'s iteration ends,
+        the epoch is over, the run is stopped, and the next iteration starts the next epoch
+        whole."""
+        it.done = True
+        if it.opening != self.openings or self.live() not in (it, None):
+            return
+        if self._touched is not None:
+            self.epoch = max(self.epoch, self._touched + 1)
+        elif it.mode == "epoch":
+            self.epoch += 1
+        self._touched = None
+        self._live = None
+        if self.run is not None:
+            self.run.scope.cancel()  # a no-op when the run itself failed: it is over
+            self._ending = self.run
+        self._drop_run()
+
+    def leave(self, it: EpochIterator) -> None:
+        """``it`` is closed (or cancelled) before its end: the epoch it was in counts as
+        finished once the next iteration starts, as for an iterator dropped by ``break``."""
+        if not it.done:
+            it.done = True
+            if self._live is not None and self._live() is it:
+                self._live = None
+
+    # --- where the consumer is ----------------------------------------------------------------
+
+    def position(self) -> Position:
+        """``(mode, epoch, batches, samples)``: where the consumer is. An epoch: its batches and
+        samples yielded so far; a stream: the samples of ``epoch`` yielded (batches 0). With no
+        live consumer: the next epoch, from its start."""
+        if self.live() is None:
+            touched = self._touched
+            epoch = self.epoch if touched is None else max(self.epoch, touched + 1)
+            return "epoch", epoch, 0, 0
+        if self._mode == "epoch":
+            return "epoch", self._start, self._batches, self._samples
+        plan = self.planner.plan
+        first = plan(self._start, stream=True).n_samples  # left of the stream's first epoch
+        if self._samples < first:
+            return "stream", self._start, 0, self._samples
+        share = plan(self._start + 1, stream=True).n_samples
+        rest = self._samples - first
+        return "stream", self._start + 1 + rest // share, 0, rest % share
+
+    def restart_at(self, epoch: int) -> None:
+        """Serve ``epoch`` next, from a fresh plan (``set_epoch``, or a state loaded; the layer
+        allows it only while no iterator is live)."""
+        self.epoch = epoch
+        self._touched = None
+        self._start, self._batches, self._samples = epoch, 0, 0
+        self._boundary = None  # the next iteration replaces the run

@@ -1,0 +1,80 @@
+"""The gather kernel: a batch's rows copied from cache slots, in-memory arrays, a mapped file or
+a carry into the arrays the delivery hands over (:func:`gather_rows`), with their global indices.
+
+One ``np.take(..., mode="clip", out=...)`` per top and piece, straight into the destination: the
+bounds that ``clip`` would hide are checked once per chunk when it is loaded
+(:func:`check_rows`), not per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ._errors import ReadError
+from ._specs import Carry, Piece
+from ._verify import rows_words
+
+__all__ = ["check_rows", "gather_rows"]
+
+
+def gather_rows(
+    pieces: Sequence[Piece], out: dict[str, np.ndarray], indices: np.ndarray, at: int = 0
+) -> None:
+    """Copy the rows of ``pieces`` into ``out`` and their global indices into ``indices``,
+    from row ``at`` on."""
+    for chunk, a, b in pieces:
+        n = b - a
+        idx = indices[at : at + n]
+        rows: np.ndarray | slice
+        if isinstance(chunk, Carry):  # rows and indices in serving order
+            idx[:] = chunk.indices[a:b]
+            for name, dest in out.items():
+                dest[at : at + n] = chunk.arrays[name][a:b]
+            at += n
+            continue
+        idx[:] = chunk.indices[a:b]
+        if chunk.rows_are_global:
+            rows = idx
+        else:
+            rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
+        if not isinstance(rows, slice) and n and not chunk.checked:
+            # The take below writes straight into ``dest`` (mode="clip"), so the bounds are
+            # checked instead: once per chunk when it was loaded, else here.
+            check_rows(rows, chunk.arrays)
+        guard = chunk.guard
+        for name, dest in out.items():
+            if guard is None:
+                _take(chunk.arrays[name], rows, dest[at : at + n])
+            else:  # each top's copy on its own: the guard's check right before it
+                try:
+                    guard.__enter__()
+                except ReadError as exc:  # named as the copying reader names a read's rows
+                    raise ReadError(f"top {name!r}, {rows_words(idx)}: {exc}") from exc
+                try:
+                    _take(chunk.arrays[name], rows, dest[at : at + n])
+                finally:
+                    guard.__exit__(None, None, None)
+        at += n
+
+
+def _take(source: np.ndarray, rows: np.ndarray | slice, dest: np.ndarray) -> None:
+    """Copy ``rows`` of ``source`` into ``dest``."""
+    if isinstance(rows, slice):
+        dest[...] = source[rows]
+    else:
+        # mode="clip" writes straight into ``dest``; numpy's default ("raise") gathers into
+        # a temporary first and copies it over (measured: 1.4-2x slower for image batches).
+        np.take(source, rows, axis=0, out=dest, mode="clip")
+
+
+def check_rows(rows: np.ndarray, arrays: Mapping[str, np.ndarray]) -> None:
+    """:class:`IndexError` unless every one of ``rows`` is a row of every array: ``np.take``
+    with ``mode="clip"`` (which gathers straight into a batch) would silently clip the others.
+    Two passes over ``rows``: the loader runs it once per chunk, so that the gather need not."""
+    if len(rows):
+        lo, hi = int(rows.min()), int(rows.max())
+        for name, a in arrays.items():
+            if lo < 0 or hi >= len(a):
+                raise IndexError(f"rows {lo}..{hi} of {len(a)} (top {name!r})")
