@@ -123,15 +123,21 @@ def check_passes(seq: np.ndarray, size: int) -> None:
             check_exactly_once([part], size)
 
 
+#: The first chunk ramped from lanes, and every chunk dealt from lanes (a small cache).
+LANES = {"first_rows": 3, "ramp_lanes": 4, "chunk_lanes": 8}
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("mode", ["stratified", "random", "per_stream"])
+@pytest.mark.parametrize("lanes", [False, True])
 def test_a_downsampled_stream_sees_every_sample_before_a_repeat_across_epochs(
-    world: int, mode: str
+    world: int, mode: str, lanes: bool
 ) -> None:
     """1,000 samples choosing 300 an epoch over 7 epochs: the first 1,000 drawn are a
     permutation, then the next 1,000 (on every rank, in rank order)."""
     streams = rows((1000, 64), (300, 64))
-    seq = walk(streams, 0, 7, world, mode=mode, batch_size=16, chunk_size=64, block_size=8)
+    kw: dict[str, object] = {"mode": mode, "batch_size": 16, "chunk_size": 64, "block_size": 8}
+    seq = walk(streams, 0, 7, world, **kw, **(LANES if lanes else {}))
     assert len(seq) == 2100
     check_passes(seq, 1000)
     # Each epoch continues where the last one stopped: pass 1 is a new permutation.
@@ -139,9 +145,12 @@ def test_a_downsampled_stream_sees_every_sample_before_a_repeat_across_epochs(
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_an_upsampled_stream_repeats_whole_permutations_then_a_part(world: int) -> None:
+@pytest.mark.parametrize("lanes", [False, True])
+def test_an_upsampled_stream_repeats_whole_permutations_then_a_part(
+    world: int, lanes: bool
+) -> None:
     streams = rows((7, 100), (50, 100))  # 7 samples, 50 a epoch: 7 whole passes and 1 row
-    seq = walk(streams, 0, 3, world, batch_size=10, chunk_size=30)
+    seq = walk(streams, 0, 3, world, batch_size=10, chunk_size=30, **(LANES if lanes else {}))
     assert len(seq) == 150
     check_passes(seq, 7)
 

@@ -45,7 +45,7 @@ def run_epochs(layer: HDF5DataLayer, n: int) -> list[list[np.ndarray]]:
 def test_an_exact_resume_mid_epoch_continues_a_downsampled_walk(
     tmp_path: Path, world: int, mode: str
 ) -> None:
-    """"big" (200 samples) gives 60 an epoch: five epochs walk it once and a half. A state taken
+    """ "big" (200 samples) gives 60 an epoch: five epochs walk it once and a half. A state taken
     mid-epoch 2 on every rank resumes batch for batch, and epochs 3 and 4 after it are those
     of the uninterrupted run: the walk's first 200 draws are a permutation."""
     files = write_streams(tmp_path, ((200,), (24,)))
@@ -74,9 +74,7 @@ def test_an_exact_resume_mid_epoch_continues_a_downsampled_walk(
             for x, y in zip(got_epoch, want_epoch, strict=True):
                 np.testing.assert_array_equal(x, y)
     # The walk of "big", epoch after epoch, rank after rank: 300 draws, the first 200 distinct.
-    big = np.concatenate(
-        [b[b < 200] for e in range(5) for r in range(world) for b in whole[r][e]]
-    )
+    big = np.concatenate([b[b < 200] for e in range(5) for r in range(world) for b in whole[r][e]])
     assert len(big) == 300
     np.testing.assert_array_equal(np.sort(big[:200]), np.arange(200))
     assert len(np.unique(big[200:])) == 100
