@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import numpy as np
@@ -150,7 +150,7 @@ def test_len_is_the_batches_yielded_on_every_rank(
 @pytest.mark.parametrize("mode", ["stratified", "random", "per_stream"])
 @pytest.mark.parametrize("drop_last", [False, True])
 async def test_a_10_row_stream_beside_100k_rows_under_a_small_cache(
-    tmp_path: Path, mode: str, drop_last: bool
+    tmp_path: Path, mode: Literal["stratified", "random", "per_stream"], drop_last: bool
 ) -> None:
     """One file of 10 rows upsampled beside 100,000 rows downsampled, a cache of a few hundred
     rows: every epoch ends under its deadline, with each stream's count."""
