@@ -208,3 +208,16 @@ def test_drop_last_batches_are_full_and_equal_on_every_rank(mode: str, world: in
     assert np.all(got <= [60, 61, 30])
     if mode != "per_stream":
         assert len(every) == (151 // (8 * world)) * 8 * world
+
+
+@pytest.mark.parametrize("mode", ["stratified", "random", "per_stream"])
+def test_drop_last_skips_a_downsampled_streams_leftover_but_never_repeats_early(
+    mode: str,
+) -> None:
+    """docs/mixing.md, Limits: with ``drop_last`` the walk still advances by the whole count,
+    so the leftover's samples are skipped in that pass; what is served within a pass is still
+    distinct."""
+    streams = rows((1000, 64), (300, 64))  # 364 an epoch, batches of 16: 12 left out
+    seq = walk(streams, 0, 3, 1, mode=mode, batch_size=16, drop_last=True)
+    assert len(seq) < 900
+    assert len(np.unique(seq)) == len(seq)

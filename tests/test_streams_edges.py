@@ -182,3 +182,41 @@ async def test_a_10_row_stream_beside_100k_rows_under_a_small_cache(
                     assert (got >= 100_000).sum() == 500
                     assert (got < 100_000).sum() == 3000
                     assert len(np.unique(got[got < 100_000])) == 3000
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(0)  # the deadline below
+@pytest.mark.parametrize("mode", ["stratified", "random", "per_stream"])
+async def test_stream_iteration_over_streams_resumes_exactly(
+    tmp_path: Path, mode: Literal["stratified", "random", "per_stream"]
+) -> None:
+    """``layer.stream()`` with streams: a state taken after batch 9 (in the second epoch: 47
+    samples an epoch, batches of 10 straddle them) continues with batch 10, and on."""
+    files = write_streams(tmp_path, ((50,), (13,)))
+    source = {"a": Stream(files[0], choose=30), "b": Stream(files[1], choose=17)}
+
+    def make() -> AsyncHDF5DataLayer:
+        return AsyncHDF5DataLayer(
+            source, batch_size=10, shuffle=True, seed=7, chunk_size=20, batch_mode=mode
+        )
+
+    async def take(layer: AsyncHDF5DataLayer, n: int, at: int | None = None) -> Any:
+        got, state = [], None
+        async with layer:
+            async for b in layer.stream():
+                check_batch(b, 10)
+                got.append(b.indices.copy())
+                if len(got) == at:
+                    state = layer.state_dict()
+                if len(got) == n:
+                    break
+        return got, state
+
+    with anyio.fail_after(DEADLINE):
+        whole, _ = await take(make(), 20)
+        _, state = await take(make(), 10, at=10)
+        again = make()
+        again.load_state_dict(state)
+        rest, _ = await take(again, 10)
+    for x, y in zip(rest, whole[10:], strict=True):
+        np.testing.assert_array_equal(x, y)
