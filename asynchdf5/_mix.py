@@ -288,7 +288,18 @@ def plan_mixed(
     # ramp_lanes places of the first chunk: below).
     laned: list[list[list[tuple[int, int]]]] = [[[] for _ in cuts] for _ in streams]
     for s, stream_spans in enumerate(spans):
-        for u, x, n in stream_spans:
+        # A stretch that one chunk takes whole (most passes of a small upsampled stream) is
+        # its walk's ranges in order, whatever the lanes: no per-chunk work for it.
+        us = np.array([u for u, _, _ in stream_spans], np.int64)
+        ns = np.array([n for _, _, n in stream_spans], np.int64)
+        ks = np.searchsorted(dealt[:, s], us, side="right") - 1
+        alone = (ks < len(cuts) - 1) & (us + ns <= dealt[np.minimum(ks + 1, len(cuts) - 1), s])
+        for (u, x, n), k, whole in zip(stream_spans, ks.tolist(), alone.tolist(), strict=True):
+            if whole:
+                j = x // sizes[s]
+                g = walk_of(s, j).ranges(x - j * sizes[s], x - j * sizes[s] + n)
+                laned[s][k] += [(a + streams[s].start, b + streams[s].start) for a, b in g]
+                continue
             lo = np.clip(dealt[:-1, s] - u, 0, n)
             hi = np.clip(dealt[1:, s] - u, 0, n)
             j = x // sizes[s]

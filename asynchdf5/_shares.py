@@ -211,9 +211,11 @@ def epoch_table(
     epoch. Unshuffled, the windows are arranged the same way every epoch."""
     rng = np.random.default_rng(seed_tuple(seed if shuffle else 0, epoch if shuffle else 0, SALT))
     if mode == "per_stream":
-        return per_stream(
+        lens, firsts, table = per_stream(
             counts, names, batch_size, world_size, drop_last, stream, rng if shuffle else None
         )
-    lens, firsts = windows(sum(counts), batch_size, world_size, drop_last, stream)
-    table = allocate(np.array(counts, np.int64), lens, batch_size, mode, rng)
+    else:
+        lens, firsts = windows(sum(counts), batch_size, world_size, drop_last, stream)
+        table = allocate(np.array(counts, np.int64), lens, batch_size, mode, rng)
+    lens.flags.writeable = table.flags.writeable = False  # cached: shared by every caller
     return lens, firsts, table

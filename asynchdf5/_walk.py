@@ -38,8 +38,10 @@ class Walk:
             lengths = np.full(nblocks, block, np.int64)
             lengths[-1] = n - block * (nblocks - 1)
             starts = (offset + np.arange(nblocks, dtype=np.int64) * block) % n
-            perm = np.random.default_rng(seed_tuple(seed, epoch, 0)).permutation(nblocks)
-            self.starts, self.lengths = starts[perm], lengths[perm]
+            if nblocks > 1:  # (one block: nothing to permute, and no generator to seed)
+                perm = np.random.default_rng(seed_tuple(seed, epoch, 0)).permutation(nblocks)
+                starts, lengths = starts[perm], lengths[perm]
+            self.starts, self.lengths = starts, lengths
         self.firsts = np.cumsum(self.lengths) - self.lengths  # walk position of each block
 
     def ranges(self, a: int, b: int) -> tuple[tuple[int, int], ...]:
