@@ -23,6 +23,7 @@ from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import LayerBase
 from ._machine import memory_bytes
+from ._process import ProcessReader, check_picklable, payload
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
 from ._shape import DataShape, chunk_lanes, default_block_rows, first_read, mixing_warning
@@ -98,6 +99,7 @@ class AsyncHDF5DataLayer(LayerBase):
         remote_cache_bytes: int | None = None,
         block_size: int | None = None,
         mmap: bool | Literal["auto"] = "auto",
+        process: bool = False,
     ) -> None:
         config = LayerConfig.parse(
             batch_size=batch_size,
@@ -119,6 +121,7 @@ class AsyncHDF5DataLayer(LayerBase):
             remote_cache_bytes=remote_cache_bytes,
             block_size=block_size,
             mmap=mmap,
+            process=process,
         )
         # Every remote read (a list file given as a URL, now; the files, at open) goes through
         # this one object, with the layer's options.
@@ -127,6 +130,8 @@ class AsyncHDF5DataLayer(LayerBase):
         )
         #: The files (absolute paths, or URLs), resolved at construction.
         self.paths = self._reach.resolve(source)
+        if config.process:
+            check_picklable(config, self.paths)  # before any batch, naming what cannot go
         super().__init__(config)
 
     def _source(self) -> Source:
@@ -205,7 +210,9 @@ class AsyncHDF5DataLayer(LayerBase):
             raise result
         return result
 
-    async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
+    async def _open_reader(self) -> tuple[Reader | ProcessReader, list[Slot] | None, DataShape]:
+        if self.config.process:
+            return await self._open_helper()
         files = self._source()
         chosen: Choice | None = None  # holds the file's lease until the mapped reader takes it
         try:
@@ -289,6 +296,15 @@ class AsyncHDF5DataLayer(LayerBase):
                     reader.read_notes.get(top, "see read_notes"),
                 )
         return reader, slots, shape
+
+
+    async def _open_helper(self) -> tuple[ProcessReader, None, DataShape]:
+        """``process=True``: start the helper process, which opens the layer there (a state
+        loaded before opening goes with it, so that its cache is sized for that state)."""
+        state = self.state_dict() if self._resume is not None else None
+        blob = payload(self.paths, self.config, self._part, state)
+        reader, shape = await ProcessReader.start(blob, self.state_dict, self._stats)
+        return reader, None, shape
 
 
 class HDF5DataLayer(AsyncHDF5DataLayer):

@@ -26,6 +26,7 @@ from ._delivery import Delivery
 from ._errors import StateError
 from ._pipeline import Mode, Run
 from ._plan import EpochPlan
+from ._process import ProcessReader
 from ._read import Reader
 from ._stats import Stats
 
@@ -41,7 +42,7 @@ class Session:
     def __init__(
         self,
         *,
-        reader: Reader,
+        reader: Reader | ProcessReader,
         slots: list[Slot] | None,
         delivery: Delivery,
         stats: Stats,
@@ -85,6 +86,12 @@ class Session:
     # --- the run ------------------------------------------------------------------------------
 
     def start_run(self, mode: Mode) -> Run:
+        run: Run
+        if isinstance(self.reader, ProcessReader):  # process=True: the helper runs the pipeline
+            run = self.reader.new_run(mode, self.epoch)
+            self.run = run
+            self.task_group.start_soon(run.main)
+            return run
         run = Run(
             self.reader,
             self.slots,

@@ -1,0 +1,321 @@
+"""The layer's side of ``process=True``: the helper process, and the runs it serves.
+
+:class:`ProcessReader` stands where the reader stands in a layer that runs its pipeline itself:
+the session opens it, asks it for runs (:meth:`ProcessReader.new_run`) and closes it. A
+:class:`RemoteRun` has the consumer's side of a :class:`~asynchdf5._pipeline.Run`, so the epoch
+iterator, the session and the sync bridge work unchanged: every position, epoch count and saved
+state is the layer's own, counted from the batches handed over here.
+
+Starting a run tells the helper where to start: the layer's :meth:`state_dict` at that moment
+(the next batch the consumer must get, and the mode). The helper loads it into its own layer and
+iterates from there; batches of a run replaced since are dropped on arrival (their slots go back
+at once), so only the current run's batches are handed over.
+
+Slots: a batch handed over is a set of views of one slot, which goes back to the helper once
+nothing refers to them any more (as host batch buffers are reused, see
+:class:`~asynchdf5._delivery.BatchBuffers`). The consumer may keep batches: when it holds all
+but one slot, the next batch is copied out of its slot, so the helper always has one to fill.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from .._batch import Batch
+from .._errors import ReadError
+from .._gathering import EpochEnd, Failure, Item
+from .._pipeline import Mode, Run
+from .._stats import Stats
+from ._errors import rebuild
+from ._wire import Segment, recv, refcounts_are_reliable, send, socket_pair
+
+if TYPE_CHECKING:
+    from .._catalog import TopInfo
+
+__all__ = ["RING_SLOTS", "ProcessReader", "RemoteRun"]
+
+_log = logging.getLogger("asynchdf5")
+
+#: Slots in the ring: the batch the consumer holds, the one handed over next, and two for the
+#: helper to fill meanwhile (the helper's own pipeline gathers ``prefetch`` batches ahead).
+RING_SLOTS = 4
+#: How long closing waits for the helper to exit before it is killed.
+EXIT_WAIT_S = 10.0
+
+
+class ProcessReader:
+    """The helper process of a layer opened with ``process=True`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        sock: socket.socket,
+        state: Callable[[], dict[str, Any]],
+        stats: Stats,
+    ) -> None:
+        self._proc = proc
+        self._sock = sock
+        self._state = state
+        self._stats = stats
+        self._segments: list[Segment | None] = [None] * RING_SLOTS
+        self._out: set[int] = set()  # slots the helper filled and has not got back
+        self._token = 0  # the current run's
+        self._reuse = refcounts_are_reliable()
+        self._closed = False
+        self.tops: Mapping[str, TopInfo] = {}
+        self.n_samples = 0
+        self.read_paths: Mapping[str, str] = {}
+        self.read_notes: Mapping[str, str] = {}
+
+    @classmethod
+    async def start(
+        cls, payload: bytes, state: Callable[[], dict[str, Any]], stats: Stats
+    ) -> tuple[ProcessReader, Any]:
+        """Start the helper with ``payload`` (see :func:`~._errors.payload`), wait until its
+        layer is open; the reader, and the shape of the data the helper found."""
+        ours, theirs = socket_pair()
+        try:
+            proc = await anyio.to_thread.run_sync(_spawn, theirs, payload)
+        finally:
+            theirs.close()
+        reader = cls(proc, ours, state, stats)
+        try:
+            message = await reader._next()
+            if message[0] == "failed":
+                raise rebuild(message[1])
+            _, shape, reader.read_paths, reader.read_notes = message
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await reader.aclose()
+            raise
+        reader.n_samples = shape.n_samples
+        return reader, shape
+
+    async def _next(self) -> tuple[Any, ...]:
+        """The next message, waiting for it (not a batch: only while starting)."""
+        while True:
+            try:
+                message, fd = recv(self._sock, block=False)
+            except BlockingIOError:
+                await _wait_readable(self._sock)
+                continue
+            if fd is not None:
+                os.close(fd)
+            if message is None:
+                raise self._gone()
+            return message
+
+    def _gone(self) -> ReadError:
+        code = self._proc.poll()
+        how = "is gone" if code is None else f"exited with status {code}"
+        return ReadError(f"the layer's helper process (pid {self._proc.pid}) {how}")
+
+    # --- runs -----------------------------------------------------------------------------------
+
+    def new_run(self, mode: Mode, start_epoch: int) -> RemoteRun:
+        """A run from where the layer's consumer is now, in ``mode``."""
+        self._token += 1
+        send(self._sock, ("start", self._token, mode, self._state()))
+        return RemoteRun(self, mode, start_epoch, self._token)
+
+    def take_nowait(self, token: int) -> list[Item]:
+        """The next item of run ``token``; :class:`anyio.WouldBlock` if none is there yet."""
+        self._give_back()
+        while True:
+            try:
+                message, fd = recv(self._sock, block=False)
+            except BlockingIOError:
+                raise anyio.WouldBlock from None
+            if message is None:
+                return [Failure(self._gone())]
+            kind = message[0]
+            if kind == "batch":
+                batch = self._batch(message, fd, token)
+                if batch is not None:
+                    return [batch]
+            elif kind == "stats":
+                self._take_stats(message[1])
+            elif message[1] != token:
+                continue  # a replaced run's end or failure
+            elif kind == "end":
+                return [EpochEnd(message[2])]
+            else:
+                return [Failure(rebuild(message[2]))]
+
+    def _batch(self, message: tuple[Any, ...], fd: int | None, token: int) -> Batch | None:
+        _, run, slot, epoch, layout, size = message
+        if fd is not None:
+            try:
+                self._segments[slot] = Segment(fd, size)
+            finally:
+                os.close(fd)
+        segment = self._segments[slot]
+        assert segment is not None
+        self._out.add(slot)
+        if run != token:
+            self._free(slot)
+            return None
+        data, indices = segment.views(layout)
+        held = sum(1 for s in self._out if s != slot)
+        if not self._reuse or held >= RING_SLOTS - 1:
+            # The consumer keeps every other slot: copy, so that the helper has one to fill.
+            data = {k: np.array(v) for k, v in data.items()}
+            indices = indices.copy()
+            self._free(slot)
+        return Batch(data, indices, epoch)
+
+    def _give_back(self) -> None:
+        """Give the helper back each slot no batch refers to any more."""
+        for slot in list(self._out):
+            segment = self._segments[slot]
+            # The list's reference and getrefcount's argument: nobody else's.
+            if segment is not None and sys.getrefcount(segment.owner) <= 2:
+                self._free(slot)
+
+    def _free(self, slot: int) -> None:
+        self._out.discard(slot)
+        with contextlib.suppress(OSError):  # the helper is gone: the next receive says so
+            send(self._sock, ("free", slot))
+
+    def _take_stats(self, stats: dict[str, Any]) -> None:
+        read, gather = self._stats.read, self._stats.gather
+        read.seconds, read.bytes = stats["read_seconds"], stats["bytes_read"]
+        read.chunks, read.retries = stats["chunks_read"], stats["read_retries"]
+        gather.gather_seconds = stats["gather_seconds"]
+        gather.transform_seconds = stats["transform_seconds"]
+        for times, key in ((read.stage, "read"), (gather.stage, "gather")):
+            busy, starved, blocked = stats["stages"][key]
+            times.busy, times.starved, times.blocked = busy, starved, blocked
+
+    async def take(self, token: int) -> list[Item]:
+        """:meth:`take_nowait`, waiting for the helper (on the socket: no polling)."""
+        while True:
+            try:
+                return self.take_nowait(token)
+            except anyio.WouldBlock:
+                await _wait_readable(self._sock)
+
+    # --- closing --------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Stop the helper and wait for it to exit (killed if it does not, in time)."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(OSError):
+                send(self._sock, ("close",))
+            await anyio.to_thread.run_sync(_reap, self._proc)
+            self._sock.close()
+            self._segments = [None] * RING_SLOTS  # batches still held keep their own mapping
+
+
+class RemoteRun(Run):
+    """The consumer's side of a run served by the helper process (see the module docstring):
+    what :class:`~asynchdf5._pipeline.Run` offers the iterator and the session, nothing else."""
+
+    def __init__(  # no super().__init__: nothing of the pipeline runs here
+        self, reader: ProcessReader, mode: Mode, start_epoch: int, token: int
+    ) -> None:
+        self._reader = reader
+        self._token = token
+        self.mode = mode
+        self.ready: collections.deque[Item] = collections.deque()
+        self.head_epoch = start_epoch
+        self.scope = anyio.CancelScope()
+        self.done = anyio.Event()
+        self._shut = False
+
+    async def main(self) -> None:
+        """Live until cancelled (the helper does the work)."""
+        try:
+            with self.scope:
+                await anyio.sleep_forever()
+        finally:
+            self.done.set()
+
+    def take_nowait(self) -> list[Item]:
+        if self._shut:
+            raise anyio.ClosedResourceError
+        return self._reader.take_nowait(self._token)
+
+    async def take(self) -> list[Item]:
+        if self._shut:
+            raise anyio.ClosedResourceError
+        return await self._reader.take(self._token)
+
+    def shut(self) -> None:
+        self._shut = True
+        self.ready.clear()
+
+
+def _spawn(sock: socket.socket, payload: bytes) -> subprocess.Popen[bytes]:
+    """Start ``python -m asynchdf5._serve FD`` (a fresh interpreter: fork and exec at once, as
+    the ``spawn`` start method does, never a fork of this process and its threads) and write
+    ``payload`` to its standard input."""
+    fd = sock.fileno()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asynchdf5._serve", str(fd)],
+        stdin=subprocess.PIPE,
+        pass_fds=(fd,),
+        env=_child_env(),
+    )
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(payload)
+        proc.stdin.close()
+    except BaseException:
+        _reap(proc, 0)
+        raise
+    return proc
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment, with this package importable from where it was imported."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _reap(proc: subprocess.Popen[bytes], wait: float = EXIT_WAIT_S) -> None:
+    """Wait for ``proc`` to exit; kill it after ``wait`` seconds."""
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        _log.warning("asynchdf5: the helper process %d did not exit: killed", proc.pid)
+        proc.kill()
+        proc.wait()
+
+
+async def _wait_readable(sock: socket.socket) -> None:
+    await anyio.wait_readable(sock)
+
+
+def stats_of(stats: Any) -> dict[str, Any]:
+    """What the helper sends of its layer's :class:`~asynchdf5.LayerStats`."""
+    return {
+        "read_seconds": stats.read_seconds,
+        "bytes_read": stats.bytes_read,
+        "chunks_read": stats.chunks_read,
+        "read_retries": stats.read_retries,
+        "gather_seconds": stats.gather_seconds,
+        "transform_seconds": stats.transform_seconds,
+        "stages": {
+            k: (s.busy_seconds, s.starved_seconds, s.blocked_seconds)
+            for k, s in stats.stages.items()
+        },
+    }
+

@@ -1,0 +1,147 @@
+"""What crosses between a layer and its helper process: control messages and batch slots.
+
+Control is a ``SOCK_SEQPACKET`` Unix socket pair: each message is one small pickled tuple (a
+few hundred bytes: never batch data), so message boundaries are the kernel's. Batch data goes
+through *slots*: anonymous shared memory (``memfd_create`` on Linux; elsewhere a file created
+and unlinked at once), created by the helper, mapped by both sides, and passed to the layer as
+a file descriptor with the message that first uses it. Nothing has a name in ``/dev/shm``, so a
+process that is killed leaves nothing behind: the memory goes when the last mapping does.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ALIGN",
+    "MAX_MESSAGE",
+    "Layout",
+    "Segment",
+    "recv",
+    "send",
+    "socket_pair",
+    "write_batch",
+]
+
+#: Each array of a slot starts on a cache line.
+ALIGN = 64
+#: The largest control message (a saved state can hold an elastic resume's chain).
+MAX_MESSAGE = 1 << 20
+#: Where each top's array and the indices lie in a slot: ``((top, offset, dtype, shape), ...)``
+#: and the indices' offset; the rows are the first dimension of every shape.
+Layout = tuple[tuple[tuple[str, int, str, tuple[int, ...]], ...], int]
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected message sockets (not inherited by other programs)."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def send(sock: socket.socket, message: tuple[Any, ...], fd: int | None = None) -> None:
+    """Send ``message`` (with ``fd``, if given: the receiver gets its own copy)."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if fd is None:
+        sock.sendall(data)
+    else:
+        socket.send_fds(sock, [data], [fd])
+
+
+def recv(sock: socket.socket, *, block: bool) -> tuple[tuple[Any, ...] | None, int | None]:
+    """The next message and the descriptor sent with it; ``(None, None)`` once the other side is
+    gone. Not blocking: :class:`BlockingIOError` when nothing is there."""
+    flags = 0 if block else socket.MSG_DONTWAIT
+    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1, flags)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, None
+    message: tuple[Any, ...] = pickle.loads(data)
+    return message, fds[0] if fds else None
+
+
+def _anonymous(size: int) -> int:
+    """A descriptor of ``size`` bytes of shared memory that has no name."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("asynchdf5-batch", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - not Linux
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="asynchdf5-batch-", dir=folder)
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Segment:
+    """One slot's shared memory, mapped; ``owner`` is the byte array every view comes from."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.size = size
+        self._map = mmap.mmap(fd, size)
+        self.owner: np.ndarray = np.frombuffer(self._map, np.uint8)
+
+    @classmethod
+    def create(cls, size: int) -> tuple[Segment, int]:
+        """A new segment of at least ``size`` bytes, and its descriptor (to send, then close)."""
+        size = max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        fd = _anonymous(size)
+        try:
+            return cls(fd, size), fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def views(self, layout: Layout) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The arrays of a batch written with ``layout`` (views of :attr:`owner`)."""
+        tops, at = layout
+        out = {}
+        rows = 0
+        for name, offset, dtype, shape in tops:
+            dt = np.dtype(dtype)
+            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            out[name] = self.owner[offset : offset + n].view(dt).reshape(shape)
+            rows = shape[0]
+        indices = self.owner[at : at + 8 * rows].view(np.int64)
+        return out, indices
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def needed(data: Mapping[str, np.ndarray], rows: int) -> int:
+    """The bytes a slot needs for a batch of these arrays."""
+    return sum(_up(a.nbytes) for a in data.values()) + 8 * rows
+
+
+def write_batch(
+    segment: Segment, data: Mapping[str, np.ndarray], indices: np.ndarray
+) -> Layout:
+    """Copy a batch into ``segment`` (which must hold :func:`needed` bytes); its layout."""
+    tops = []
+    at = 0
+    for name, a in data.items():
+        view = segment.owner[at : at + a.nbytes].view(a.dtype).reshape(a.shape)
+        np.copyto(view, a, casting="no")
+        tops.append((name, at, a.dtype.str, tuple(a.shape)))
+        at += _up(a.nbytes)
+    segment.owner[at : at + indices.nbytes].view(np.int64)[:] = indices
+    return tuple(tops), at
+
+
+def refcounts_are_reliable() -> bool:
+    """Whether a reference count says that nobody else holds an array (a GIL build)."""
+    gil = getattr(sys, "_is_gil_enabled", None)
+    return gil is None or bool(gil())
