@@ -127,7 +127,9 @@ class ProcessReader:
     def new_run(self, mode: Mode, start_epoch: int) -> RemoteRun:
         """A run from where the layer's consumer is now, in ``mode``."""
         self._token += 1
-        send(self._sock, ("start", self._token, mode, self._state()))
+        state = self._state()
+        with contextlib.suppress(OSError):  # the helper is gone: the run's first take says so
+            send(self._sock, ("start", self._token, mode, state))
         return RemoteRun(self, mode, start_epoch, self._token)
 
     def take_nowait(self, token: int) -> list[Item]:

@@ -10,12 +10,14 @@ process that is killed leaves nothing behind: the memory goes when the last mapp
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import pickle
 import socket
 import sys
 import tempfile
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,7 +61,10 @@ def recv(sock: socket.socket, *, block: bool) -> tuple[tuple[Any, ...] | None, i
     """The next message and the descriptor sent with it; ``(None, None)`` once the other side is
     gone. Not blocking: :class:`BlockingIOError` when nothing is there."""
     flags = 0 if block else socket.MSG_DONTWAIT
-    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1, flags)
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1, flags)
+    except ConnectionResetError:  # it died with messages of ours unread
+        return None, None
     if not data:
         for fd in fds:
             os.close(fd)
@@ -84,13 +89,40 @@ def _anonymous(size: int) -> int:
     return fd
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, size: int) -> np.ndarray:
+    """``size`` bytes of ``fd`` mapped shared, as a byte array; unmapped when the last array
+    that views it goes. Unlike :class:`mmap.mmap`, the mapping keeps no descriptor open: a
+    batch the consumer keeps holds memory, never a file descriptor."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes of shared memory: {os.strerror(err)}")
+    buf = (ctypes.c_uint8 * size).from_address(addr)
+    weakref.finalize(buf, _libc.munmap, addr, size)
+    return np.frombuffer(buf, np.uint8)
+
+
 class Segment:
-    """One slot's shared memory, mapped; ``owner`` is the byte array every view comes from."""
+    """One slot's shared memory, mapped; ``owner`` is the byte array every view comes from (the
+    descriptor can be closed once this is made)."""
 
     def __init__(self, fd: int, size: int) -> None:
         self.size = size
-        self._map = mmap.mmap(fd, size)
-        self.owner: np.ndarray = np.frombuffer(self._map, np.uint8)
+        self.owner: np.ndarray = _map(fd, size)
 
     @classmethod
     def create(cls, size: int) -> tuple[Segment, int]:
