@@ -23,7 +23,7 @@ from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
 from ._layer import LayerBase
 from ._machine import memory_bytes
-from ._process import ProcessReader, check_picklable, payload
+from ._process import ProcessReader, check_picklable, payload, ring_slots
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
 from ._shape import DataShape, chunk_lanes, default_block_rows, first_read, mixing_warning
@@ -303,7 +303,8 @@ class AsyncHDF5DataLayer(LayerBase):
         loaded before opening goes with it, so that its cache is sized for that state)."""
         state = self.state_dict() if self._resume is not None else None
         blob = payload(self.paths, self.config, self._part, state)
-        reader, shape = await ProcessReader.start(blob, self.state_dict, self._stats)
+        slots = ring_slots(self.config.prefetch)
+        reader, shape = await ProcessReader.start(blob, self.state_dict, self._stats, slots)
         return reader, None, shape
 
 

@@ -31,10 +31,10 @@ from ._batch import Batch
 from ._errors import TransformError
 from ._hdf5 import AsyncHDF5DataLayer
 from ._process import (
-    RING_SLOTS,
     Segment,
     error_blob,
     needed,
+    ring_slots,
     stats_of,
     write_batch,
 )
@@ -54,8 +54,9 @@ class Helper:
     def __init__(self, sock: socket.socket, layer: AsyncHDF5DataLayer) -> None:
         self.sock = sock
         self.layer = layer
-        self.segments: list[Segment | None] = [None] * RING_SLOTS
-        self.free = collections.deque(range(RING_SLOTS))
+        slots = ring_slots(layer.config.prefetch)
+        self.segments: list[Segment | None] = [None] * slots
+        self.free = collections.deque(range(slots))
         self.freed = anyio.Event()
         self.producer: anyio.CancelScope | None = None
         self.produced = anyio.Event()

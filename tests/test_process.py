@@ -23,6 +23,8 @@ from asynchdf5 import (
     HDF5DataLayer,
     ReadError,
     TransformError,
+)
+from asynchdf5 import (
     transforms as T,
 )
 
@@ -171,7 +173,7 @@ async def test_errors_come_back_with_their_type(source: Path, tmp_path: Path) ->
                     assert "helper process" in "".join(info.value.__notes__)
                 assert layer.epoch == epoch + 1
     missing = AsyncHDF5DataLayer([str(tmp_path / "nope.h5")], batch_size=4, process=True)
-    with pytest.raises(type(_in_process_error(missing.paths)), match="nope.h5"):
+    with pytest.raises(type(_in_process_error(missing.paths)), match=r"nope\.h5"):
         async with missing:
             pass
     _no_helper_left()
@@ -249,7 +251,7 @@ def test_the_helper_exits_when_the_layer_process_is_killed(source: Path, tmp_pat
         assert len(helpers) == 1
         proc.send_signal(signal.SIGKILL)
         proc.wait(DEADLINE)
-        gone, alive = psutil.wait_procs(helpers, timeout=DEADLINE)
+        _, alive = psutil.wait_procs(helpers, timeout=DEADLINE)
         assert not alive
     finally:
         if proc.poll() is None:
@@ -268,3 +270,35 @@ def test_a_helper_that_dies_is_a_read_error(source: Path) -> None:
             for _ in layer:
                 time.sleep(0.01)
     _no_helper_left()
+
+
+def _all_helpers() -> set[int]:
+    """Every helper process on the machine (a killed layer's is no child of ours any more)."""
+    out = set()
+    for p in psutil.process_iter(["cmdline"]):
+        if "asynchdf5._serve" in (p.info["cmdline"] or []):
+            out.add(p.pid)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_double_ctrl_c_exits_and_the_helper_goes_too(source: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    env = os.environ | {"PYTHONPATH": str(root)}
+    before = _all_helpers()
+    for backend in ("asyncio", "trio"):
+        args = [source, backend, 4, 0, "process"]
+        out = subprocess.run(
+            [sys.executable, str(root / "tests" / "_double_sigint.py"), *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=100,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.split() == ["ok"] * 4, out.stdout
+    deadline = time.monotonic() + 10
+    while _all_helpers() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _all_helpers() - before

@@ -9,11 +9,10 @@ that the consumer reads in place (:mod:`._wire`).
 from __future__ import annotations
 
 from ._errors import check_picklable, error_blob, payload, rebuild
-from ._parent import RING_SLOTS, ProcessReader, RemoteRun, stats_of
-from ._wire import Segment, needed, recv, send, write_batch
+from ._parent import ProcessReader, RemoteRun, stats_of
+from ._wire import Segment, needed, recv, ring_slots, send, write_batch
 
 __all__ = [
-    "RING_SLOTS",
     "ProcessReader",
     "RemoteRun",
     "Segment",
@@ -23,6 +22,7 @@ __all__ = [
     "payload",
     "rebuild",
     "recv",
+    "ring_slots",
     "send",
     "stats_of",
     "write_batch",

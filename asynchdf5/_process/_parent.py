@@ -44,13 +44,10 @@ from ._wire import Segment, recv, refcounts_are_reliable, send, socket_pair
 if TYPE_CHECKING:
     from .._catalog import TopInfo
 
-__all__ = ["RING_SLOTS", "ProcessReader", "RemoteRun"]
+__all__ = ["ProcessReader", "RemoteRun", "stats_of"]
 
 _log = logging.getLogger("asynchdf5")
 
-#: Slots in the ring: the batch the consumer holds, the one handed over next, and two for the
-#: helper to fill meanwhile (the helper's own pipeline gathers ``prefetch`` batches ahead).
-RING_SLOTS = 4
 #: How long closing waits for the helper to exit before it is killed.
 EXIT_WAIT_S = 10.0
 
@@ -64,12 +61,14 @@ class ProcessReader:
         sock: socket.socket,
         state: Callable[[], dict[str, Any]],
         stats: Stats,
+        slots: int,
     ) -> None:
         self._proc = proc
         self._sock = sock
         self._state = state
         self._stats = stats
-        self._segments: list[Segment | None] = [None] * RING_SLOTS
+        self._slots = slots
+        self._segments: list[Segment | None] = [None] * slots
         self._out: set[int] = set()  # slots the helper filled and has not got back
         self._token = 0  # the current run's
         self._reuse = refcounts_are_reliable()
@@ -81,7 +80,7 @@ class ProcessReader:
 
     @classmethod
     async def start(
-        cls, payload: bytes, state: Callable[[], dict[str, Any]], stats: Stats
+        cls, payload: bytes, state: Callable[[], dict[str, Any]], stats: Stats, slots: int
     ) -> tuple[ProcessReader, Any]:
         """Start the helper with ``payload`` (see :func:`~._errors.payload`), wait until its
         layer is open; the reader, and the shape of the data the helper found."""
@@ -90,7 +89,7 @@ class ProcessReader:
             proc = await anyio.to_thread.run_sync(_spawn, theirs, payload)
         finally:
             theirs.close()
-        reader = cls(proc, ours, state, stats)
+        reader = cls(proc, ours, state, stats, slots)
         try:
             message = await reader._next()
             if message[0] == "failed":
@@ -171,7 +170,7 @@ class ProcessReader:
             return None
         data, indices = segment.views(layout)
         held = sum(1 for s in self._out if s != slot)
-        if not self._reuse or held >= RING_SLOTS - 1:
+        if not self._reuse or held >= self._slots - 1:
             # The consumer keeps every other slot: copy, so that the helper has one to fill.
             data = {k: np.array(v) for k, v in data.items()}
             indices = indices.copy()
@@ -221,7 +220,7 @@ class ProcessReader:
                 send(self._sock, ("close",))
             await anyio.to_thread.run_sync(_reap, self._proc)
             self._sock.close()
-            self._segments = [None] * RING_SLOTS  # batches still held keep their own mapping
+            self._segments = [None] * self._slots  # batches still held keep their own mapping
 
 
 class RemoteRun(Run):
@@ -320,4 +319,3 @@ def stats_of(stats: Any) -> dict[str, Any]:
             for k, s in stats.stages.items()
         },
     }
-

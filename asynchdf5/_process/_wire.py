@@ -28,7 +28,10 @@ __all__ = [
     "MAX_MESSAGE",
     "Layout",
     "Segment",
+    "needed",
     "recv",
+    "refcounts_are_reliable",
+    "ring_slots",
     "send",
     "socket_pair",
     "write_batch",
@@ -41,6 +44,12 @@ MAX_MESSAGE = 1 << 20
 #: Where each top's array and the indices lie in a slot: ``((top, offset, dtype, shape), ...)``
 #: and the indices' offset; the rows are the first dimension of every shape.
 Layout = tuple[tuple[tuple[str, int, str, tuple[int, ...]], ...], int]
+
+
+def ring_slots(prefetch: int) -> int:
+    """Slots in the ring of a layer with ``prefetch``: the batch the consumer holds, the one
+    it asks for meanwhile, and room for the helper to fill ahead (at least two, at most 16)."""
+    return max(4, min(16, prefetch))
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:
@@ -113,7 +122,8 @@ def _map(fd: int, size: int) -> np.ndarray:
         raise OSError(err, f"mmap of {size} bytes of shared memory: {os.strerror(err)}")
     buf = (ctypes.c_uint8 * size).from_address(addr)
     weakref.finalize(buf, _libc.munmap, addr, size)
-    return np.frombuffer(buf, np.uint8)
+    out: np.ndarray = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+    return out
 
 
 class Segment:
@@ -158,9 +168,7 @@ def needed(data: Mapping[str, np.ndarray], rows: int) -> int:
     return sum(_up(a.nbytes) for a in data.values()) + 8 * rows
 
 
-def write_batch(
-    segment: Segment, data: Mapping[str, np.ndarray], indices: np.ndarray
-) -> Layout:
+def write_batch(segment: Segment, data: Mapping[str, np.ndarray], indices: np.ndarray) -> Layout:
     """Copy a batch into ``segment`` (which must hold :func:`needed` bytes); its layout."""
     tops = []
     at = 0
