@@ -31,6 +31,7 @@ from ._batch import Batch
 from ._errors import TransformError
 from ._hdf5 import AsyncHDF5DataLayer
 from ._process import (
+    MAX_MESSAGE,
     Segment,
     error_blob,
     needed,
@@ -62,6 +63,7 @@ class Helper:
         self.produced = anyio.Event()
         self.produced.set()
         self.stats_at = 0.0
+        self.buf = bytearray(MAX_MESSAGE)
 
     async def send(self, message: tuple[Any, ...], fd: int | None = None) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -80,7 +82,7 @@ class Helper:
             tg.start_soon(_watch_parent, tg.cancel_scope)
             while True:
                 try:
-                    message, fd = _recv(self.sock, block=False)
+                    message, fd = _recv(self.sock, self.buf, block=False)
                 except BlockingIOError:
                     await anyio.wait_readable(self.sock)
                     continue

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from ._errors import check_picklable, error_blob, payload, rebuild
 from ._parent import ProcessReader, RemoteRun, stats_of
-from ._wire import Segment, needed, recv, ring_slots, send, write_batch
+from ._wire import MAX_MESSAGE, Segment, needed, recv, ring_slots, send, write_batch
 
 __all__ = [
+    "MAX_MESSAGE",
     "ProcessReader",
     "RemoteRun",
     "Segment",

@@ -39,7 +39,7 @@ from .._gathering import EpochEnd, Failure, Item
 from .._pipeline import Mode, Run
 from .._stats import Stats
 from ._errors import rebuild
-from ._wire import Segment, recv, refcounts_are_reliable, send, socket_pair
+from ._wire import MAX_MESSAGE, Segment, recv, refcounts_are_reliable, send, socket_pair
 
 if TYPE_CHECKING:
     from .._catalog import TopInfo
@@ -71,8 +71,11 @@ class ProcessReader:
         self._segments: list[Segment | None] = [None] * slots
         self._out: set[int] = set()  # slots the helper filled and has not got back
         self._token = 0  # the current run's
+        #: A batch received and not handed over yet: its slot would be the consumer's last.
+        self._pending: tuple[Any, ...] | None = None
         self._reuse = refcounts_are_reliable()
         self._closed = False
+        self._buf = bytearray(MAX_MESSAGE)
         self.tops: Mapping[str, TopInfo] = {}
         self.n_samples = 0
         self.read_paths: Mapping[str, str] = {}
@@ -106,7 +109,7 @@ class ProcessReader:
         """The next message, waiting for it (not a batch: only while starting)."""
         while True:
             try:
-                message, fd = recv(self._sock, block=False)
+                message, fd = recv(self._sock, self._buf, block=False)
             except BlockingIOError:
                 await _wait_readable(self._sock)
                 continue
@@ -132,20 +135,35 @@ class ProcessReader:
         return RemoteRun(self, mode, start_epoch, self._token)
 
     def take_nowait(self, token: int) -> list[Item]:
-        """The next item of run ``token``; :class:`anyio.WouldBlock` if none is there yet."""
+        """The next item of run ``token``; :class:`anyio.WouldBlock` if none is there yet, or
+        if the next batch could only be handed over as a copy (the consumer holds every other
+        slot: see :meth:`take`)."""
         self._give_back()
         while True:
+            if self._pending is not None:
+                batch = self._batch(self._pending, token, copy=False)
+                if batch is None:
+                    raise anyio.WouldBlock
+                return [batch]
             try:
-                message, fd = recv(self._sock, block=False)
+                message, fd = recv(self._sock, self._buf, block=False)
             except BlockingIOError:
                 raise anyio.WouldBlock from None
             if message is None:
                 return [Failure(self._gone())]
             kind = message[0]
             if kind == "batch":
-                batch = self._batch(message, fd, token)
-                if batch is not None:
-                    return [batch]
+                _, run, slot, _, _, size = message
+                if fd is not None:
+                    try:
+                        self._segments[slot] = Segment(fd, size)
+                    finally:
+                        os.close(fd)
+                self._out.add(slot)
+                if run != token:
+                    self._free(slot)  # a replaced run's
+                else:
+                    self._pending = message
             elif kind == "stats":
                 self._take_stats(message[1])
             elif message[1] != token:
@@ -155,22 +173,24 @@ class ProcessReader:
             else:
                 return [Failure(rebuild(message[2]))]
 
-    def _batch(self, message: tuple[Any, ...], fd: int | None, token: int) -> Batch | None:
-        _, run, slot, epoch, layout, size = message
-        if fd is not None:
-            try:
-                self._segments[slot] = Segment(fd, size)
-            finally:
-                os.close(fd)
-        segment = self._segments[slot]
-        assert segment is not None
-        self._out.add(slot)
-        if run != token:
+    def _batch(self, message: tuple[Any, ...], token: int, *, copy: bool) -> Batch | None:
+        """The pending batch ``message``: views of its slot, or (``copy``) a copy, its slot
+        given back at once; None (still pending) when only a copy would do and ``copy`` is
+        False."""
+        _, run, slot, epoch, layout, _ = message
+        if run != token:  # the run was replaced while its batch waited
+            self._pending = None
             self._free(slot)
             return None
-        data, indices = segment.views(layout)
+        segment = self._segments[slot]
+        assert segment is not None
         held = sum(1 for s in self._out if s != slot)
-        if not self._reuse or held >= self._slots - 1:
+        copy = copy or not self._reuse
+        if not copy and held >= self._slots - 1:
+            return None
+        self._pending = None
+        data, indices = segment.views(layout)
+        if copy:
             # The consumer keeps every other slot: copy, so that the helper has one to fill.
             data = {k: np.array(v) for k, v in data.items()}
             indices = indices.copy()
@@ -201,11 +221,18 @@ class ProcessReader:
             times.busy, times.starved, times.blocked = busy, starved, blocked
 
     async def take(self, token: int) -> list[Item]:
-        """:meth:`take_nowait`, waiting for the helper (on the socket: no polling)."""
+        """:meth:`take_nowait`, waiting for the helper (on the socket: no polling). A batch
+        that only a copy can hand over (the consumer keeps every other slot) is copied now:
+        the consumer has nothing else to take, and the helper needs that slot."""
         while True:
             try:
                 return self.take_nowait(token)
             except anyio.WouldBlock:
+                if self._pending is not None:
+                    batch = self._batch(self._pending, token, copy=True)
+                    if batch is not None:
+                        return [batch]
+                    continue
                 await _wait_readable(self._sock)
 
     # --- closing --------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ process that is killed leaves nothing behind: the memory goes when the last mapp
 
 from __future__ import annotations
 
+import array
 import ctypes
 import mmap
 import os
@@ -41,6 +42,7 @@ __all__ = [
 ALIGN = 64
 #: The largest control message (a saved state can hold an elastic resume's chain).
 MAX_MESSAGE = 1 << 20
+_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
 #: Where each top's array and the indices lie in a slot: ``((top, offset, dtype, shape), ...)``
 #: and the indices' offset; the rows are the first dimension of every shape.
 Layout = tuple[tuple[tuple[str, int, str, tuple[int, ...]], ...], int]
@@ -66,19 +68,30 @@ def send(sock: socket.socket, message: tuple[Any, ...], fd: int | None = None) -
         socket.send_fds(sock, [data], [fd])
 
 
-def recv(sock: socket.socket, *, block: bool) -> tuple[tuple[Any, ...] | None, int | None]:
-    """The next message and the descriptor sent with it; ``(None, None)`` once the other side is
-    gone. Not blocking: :class:`BlockingIOError` when nothing is there."""
+def recv(
+    sock: socket.socket, buf: bytearray, *, block: bool
+) -> tuple[tuple[Any, ...] | None, int | None]:
+    """The next message (read into ``buf``, of :data:`MAX_MESSAGE` bytes, the receiver's own:
+    no allocation per message) and the descriptor sent with it; ``(None, None)`` once the other
+    side is gone. Not blocking: :class:`BlockingIOError` when nothing is there."""
     flags = 0 if block else socket.MSG_DONTWAIT
     try:
-        data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1, flags)
+        n, ancdata, msg_flags, _ = sock.recvmsg_into([buf], _FD_SPACE, flags)
     except ConnectionResetError:  # it died with messages of ours unread
         return None, None
-    if not data:
+    fds = [
+        fd
+        for level, kind, data in ancdata
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+        for fd in array.array("i", data[: len(data) - len(data) % 4])
+    ]
+    if not n:
         for fd in fds:
             os.close(fd)
         return None, None
-    message: tuple[Any, ...] = pickle.loads(data)
+    if msg_flags & socket.MSG_TRUNC:  # pragma: no cover - MAX_MESSAGE bounds every message
+        raise RuntimeError(f"a control message over {len(buf)} bytes")
+    message: tuple[Any, ...] = pickle.loads(memoryview(buf)[:n])
     return message, fds[0] if fds else None
 
 
