@@ -199,7 +199,10 @@ class ProcessReader:
 
     def _give_back(self) -> None:
         """Give the helper back each slot no batch refers to any more."""
+        pending = self._pending[2] if self._pending is not None else None
         for slot in list(self._out):
+            if slot == pending:
+                continue  # no views yet: its batch is still to be handed over
             segment = self._segments[slot]
             # The list's reference and getrefcount's argument: nobody else's.
             if segment is not None and sys.getrefcount(segment.owner) <= 2:
