@@ -30,7 +30,8 @@ def test_quick_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     result = json.loads(out.read_text())
-    loaders = ["free", "layer", "async", "torch", "dataloader", "shm", "process", "torch_process"]
+    loaders = ["free", "layer", "async", "torch", "dataloader", "shm", "process", "async_process",
+               "torch_process"]  # fmt: skip
     assert [r["loader"] for r in result["runs"]] == loaders
     for run in result["runs"]:
         assert "error" not in run, run
