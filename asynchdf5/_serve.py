@@ -92,7 +92,7 @@ class Helper:
                     tg.cancel_scope.cancel()
                     return
                 if message[0] == "free":
-                    self.free.append(message[1])
+                    self.free.extend(message[1])
                     self.freed.set()
                 elif message[0] == "start":
                     await self.stop()

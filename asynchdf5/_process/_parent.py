@@ -48,6 +48,8 @@ __all__ = ["ProcessReader", "RemoteRun", "stats_of"]
 
 _log = logging.getLogger("asynchdf5")
 
+#: Slots given back in one message (fewer wake-ups of the helper).
+FREE_TOGETHER = 2
 #: How long closing waits for the helper to exit before it is killed.
 EXIT_WAIT_S = 10.0
 
@@ -73,6 +75,7 @@ class ProcessReader:
         self._token = 0  # the current run's
         #: A batch received and not handed over yet: its slot would be the consumer's last.
         self._pending: tuple[Any, ...] | None = None
+        self._freed: list[int] = []  # slots given back, not yet told
         self._reuse = refcounts_are_reliable()
         self._closed = False
         self._buf = bytearray(MAX_MESSAGE)
@@ -143,11 +146,13 @@ class ProcessReader:
             if self._pending is not None:
                 batch = self._batch(self._pending, token, copy=False)
                 if batch is None:
+                    self._flush()
                     raise anyio.WouldBlock
                 return [batch]
             try:
                 message, fd = recv(self._sock, self._buf, block=False)
             except BlockingIOError:
+                self._flush()  # nothing ready: the helper gets every slot there is
                 raise anyio.WouldBlock from None
             if message is None:
                 return [Failure(self._gone())]
@@ -194,7 +199,7 @@ class ProcessReader:
             # The consumer keeps every other slot: copy, so that the helper has one to fill.
             data = {k: np.array(v) for k, v in data.items()}
             indices = indices.copy()
-            self._free(slot)
+            self._free(slot, now=True)
         return Batch(data, indices, epoch)
 
     def _give_back(self) -> None:
@@ -208,10 +213,19 @@ class ProcessReader:
             if segment is not None and sys.getrefcount(segment.owner) <= 2:
                 self._free(slot)
 
-    def _free(self, slot: int) -> None:
+    def _free(self, slot: int, *, now: bool = False) -> None:
+        """Give ``slot`` back: with the next ones, unless ``now`` (each message wakes the
+        helper; it is told at the latest when the consumer finds no batch ready)."""
         self._out.discard(slot)
-        with contextlib.suppress(OSError):  # the helper is gone: the next receive says so
-            send(self._sock, ("free", slot))
+        self._freed.append(slot)
+        if now or len(self._freed) >= FREE_TOGETHER:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._freed:
+            with contextlib.suppress(OSError):  # the helper is gone: the next receive says so
+                send(self._sock, ("free", tuple(self._freed)))
+            self._freed.clear()
 
     def _take_stats(self, stats: dict[str, Any]) -> None:
         read, gather = self._stats.read, self._stats.gather
