@@ -302,3 +302,15 @@ def test_double_ctrl_c_exits_and_the_helper_goes_too(source: Path) -> None:
     while _all_helpers() - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _all_helpers() - before
+
+
+def test_torch_adapter_with_num_workers_0(source: Path) -> None:
+    torch_data = pytest.importorskip("torch.utils.data")
+    from asynchdf5.torch import HDF5IterableDataset
+
+    with HDF5IterableDataset(source, batch_size=8, shuffle=True, seed=1, process=True) as ds:
+        loader = torch_data.DataLoader(ds, batch_size=None, num_workers=0)
+        for _ in range(2):
+            labels = [b["label"].numpy().copy() for b in loader]
+            check_exactly_once(labels, N)
+    _no_helper_left()
