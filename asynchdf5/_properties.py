@@ -214,8 +214,11 @@ PROPERTIES: tuple[Property, ...] = (
         "`spawn` does, so guard a script with `if __name__ == \"__main__\":`. Epochs, "
         "`stream()`, `state_dict()`, errors (the same type and message) and `stats` are as "
         "without it; a batch stays valid as long as you hold it. Host batches only (no "
-        "`device`); on POSIX systems. Off by default: see "
-        "[choosing](choosing.md#a-helper-process-for-a-step-that-holds-the-gil).",
+        "`device`); on POSIX systems. Off by default, as measured: it takes the loader off the "
+        "step's GIL, but its start-up, the extra copy and the hand-over of each batch cost "
+        "more than the GIL waits it removes unless the step holds the GIL and a core is free "
+        "for the helper (see "
+        "[choosing](choosing.md#a-helper-process-for-a-step-that-holds-the-gil)).",
         "hdf5",
     ),
     Property(
