@@ -6,6 +6,7 @@ and hands the pipeline an :class:`~._read.HDF5Reader` over the files' source.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -297,14 +298,18 @@ class AsyncHDF5DataLayer(LayerBase):
                 )
         return reader, slots, shape
 
-
     async def _open_helper(self) -> tuple[ProcessReader, None, DataShape]:
         """``process=True``: start the helper process, which opens the layer there (a state
         loaded before opening goes with it, so that its cache is sized for that state)."""
         state = self.state_dict() if self._resume is not None else None
-        blob = payload(self.paths, self.config, self._part, state)
-        slots = ring_slots(self.config.prefetch)
-        reader, shape = await ProcessReader.start(blob, self.state_dict, self._stats, slots)
+        c = self.config
+        device = None
+        if c.device is not None:  # the helper gathers host batches; this process uploads them
+            c = dataclasses.replace(c, device=None, transformers=(), reuse_buffers=False)
+            device = (self._delivery, c.batch_size)
+        blob = payload(self.paths, c, self._part, state)
+        slots = ring_slots(c.prefetch)
+        reader, shape = await ProcessReader.start(blob, self.state_dict, self._stats, slots, device)
         return reader, None, shape
 
 

@@ -28,7 +28,9 @@ from asynchdf5 import (
     transforms as T,
 )
 
+from ._fake_cupy import FakeArray, FakeCupy
 from ._files import N, check_epoch, check_exactly_once, write_source
+from ._gpu_data import host_copy
 from ._leaks import aassert_released, asnapshot
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -313,4 +315,32 @@ def test_torch_adapter_with_num_workers_0(source: Path) -> None:
         for _ in range(2):
             labels = [b["label"].numpy().copy() for b in loader]
             check_exactly_once(labels, N)
+    _no_helper_left()
+
+
+async def test_device_batches_are_uploaded_in_the_layers_process(
+    source: Path, fake_cupy: FakeCupy
+) -> None:
+    # A transformer that could not be pickled is fine here: with a device it runs in this
+    # process, on the device, after the upload.
+    kw: dict[str, Any] = {
+        "batch_size": 7,
+        "shuffle": True,
+        "seed": 4,
+        "chunk_size": 32,
+        "transformers": [("data", lambda x: x * 2)],
+        "device": "cuda",
+    }
+    with anyio.fail_after(DEADLINE):
+        async with AsyncHDF5DataLayer(source, process=True, **kw) as layer:
+            async with AsyncHDF5DataLayer(source, **kw) as ref:
+                for epoch in range(2):
+                    got = [b async for b in layer]
+                    want = [b async for b in ref]
+                    for b, w in zip(got, want, strict=True):
+                        assert isinstance(b["data"], FakeArray)
+                        np.testing.assert_array_equal(b.indices, w.indices)
+                        np.testing.assert_array_equal(host_copy(b["data"]), host_copy(w["data"]))
+                        np.testing.assert_array_equal(host_copy(b["label"]), b.indices)
+                    assert layer.epoch == epoch + 1
     _no_helper_left()

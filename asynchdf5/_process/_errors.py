@@ -22,13 +22,11 @@ __all__ = ["check_picklable", "error_blob", "payload", "rebuild"]
 
 def check_picklable(config: LayerConfig, paths: Sequence[str]) -> None:
     """Raise :class:`ConfigurationError` naming what of the layer's properties cannot be sent
-    to its helper process (``process=True``): a transformer, the source or an option."""
-    if config.device is not None:
-        raise ConfigurationError(
-            "process=True delivers host batches only for now: leave device=None (or "
-            "process=False to upload on a device)"
-        )
-    for i, (top, fn) in enumerate(config.transformers):
+    to its helper process (``process=True``): a transformer (host batches only: with a device
+    they run in this process), the source or an option."""
+    # With a device the transformers run there, in this process: they never travel.
+    transformers = config.transformers if config.device is None else ()
+    for i, (top, fn) in enumerate(transformers):
         try:
             pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:

@@ -33,18 +33,19 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from .._batch import Batch
+from .._batch import Batch, Carry, GroupSpec
+from .._catalog import TopInfo
 from .._errors import ReadError
 from .._gathering import EpochEnd, Failure, Item
 from .._pipeline import Mode, Run
-from .._stats import Stats
+from .._stats import GatherStats, Stats
 from ._errors import rebuild
 from ._wire import MAX_MESSAGE, Segment, recv, refcounts_are_reliable, send, socket_pair
 
 if TYPE_CHECKING:
-    from .._catalog import TopInfo
+    from .._delivery import Delivery
 
-__all__ = ["ProcessReader", "RemoteRun", "stats_of"]
+__all__ = ["ProcessReader", "RemoteRun", "Uploader", "stats_of"]
 
 _log = logging.getLogger("asynchdf5")
 
@@ -64,7 +65,9 @@ class ProcessReader:
         state: Callable[[], dict[str, Any]],
         stats: Stats,
         slots: int,
+        uploader: Uploader | None = None,
     ) -> None:
+        self._uploader = uploader
         self._proc = proc
         self._sock = sock
         self._state = state
@@ -86,10 +89,16 @@ class ProcessReader:
 
     @classmethod
     async def start(
-        cls, payload: bytes, state: Callable[[], dict[str, Any]], stats: Stats, slots: int
+        cls,
+        payload: bytes,
+        state: Callable[[], dict[str, Any]],
+        stats: Stats,
+        slots: int,
+        device: tuple[Delivery, int] | None = None,
     ) -> tuple[ProcessReader, Any]:
         """Start the helper with ``payload`` (see :func:`~._errors.payload`), wait until its
-        layer is open; the reader, and the shape of the data the helper found."""
+        layer is open; the reader, and the shape of the data the helper found. ``device``: the
+        layer's delivery and batch size, to upload the helper's host batches with."""
         ours, theirs = socket_pair()
         try:
             proc = await anyio.to_thread.run_sync(_spawn, theirs, payload)
@@ -106,6 +115,13 @@ class ProcessReader:
                 await reader.aclose()
             raise
         reader.n_samples = shape.n_samples
+        reader.tops = {
+            name: TopInfo(name, np.dtype(dtype), tuple(sample))
+            for name, dtype, sample in shape.tops
+        }
+        if device is not None:
+            delivery, rows = device
+            reader._uploader = Uploader(delivery, reader.tops, rows, slots + 2)
         return reader, shape
 
     async def _next(self) -> tuple[Any, ...]:
@@ -135,7 +151,7 @@ class ProcessReader:
         state = self._state()
         with contextlib.suppress(OSError):  # the helper is gone: the run's first take says so
             send(self._sock, ("start", self._token, mode, state))
-        return RemoteRun(self, mode, start_epoch, self._token)
+        return RemoteRun(self, mode, start_epoch, self._token, self._uploader)
 
     def take_nowait(self, token: int) -> list[Item]:
         """The next item of run ``token``; :class:`anyio.WouldBlock` if none is there yet, or
@@ -231,8 +247,9 @@ class ProcessReader:
         read, gather = self._stats.read, self._stats.gather
         read.seconds, read.bytes = stats["read_seconds"], stats["bytes_read"]
         read.chunks, read.retries = stats["chunks_read"], stats["read_retries"]
-        gather.gather_seconds = stats["gather_seconds"]
-        gather.transform_seconds = stats["transform_seconds"]
+        own = self._uploader.stats if self._uploader is not None else GatherStats()
+        gather.gather_seconds = stats["gather_seconds"] + own.gather_seconds
+        gather.transform_seconds = stats["transform_seconds"] + own.transform_seconds
         for times, key in ((read.stage, "read"), (gather.stage, "gather")):
             busy, starved, blocked = stats["stages"][key]
             times.busy, times.starved, times.blocked = busy, starved, blocked
@@ -267,14 +284,47 @@ class ProcessReader:
             self._segments = [None] * self._slots  # batches still held keep their own mapping
 
 
+class Uploader:
+    """``device=...`` with ``process=True``: the helper gathers host batches (without the
+    transformers), and the layer's own delivery uploads each one from its slot, and runs the
+    transformers on the device, in a worker thread of the layer's process."""
+
+    def __init__(self, delivery: Delivery, tops: Mapping[str, TopInfo], rows: int, depth: int):
+        self.delivery = delivery
+        self.stats = GatherStats()  # the layer's process's own part, added to the helper's
+        delivery.start(tops, rows, depth)
+
+    def upload(self, items: list[Item]) -> list[Item]:
+        """``items`` with each host batch replaced by the delivery's (blocking)."""
+        out: list[Item] = []
+        for item in items:
+            if not isinstance(item, Batch):
+                out.append(item)
+                continue
+            carried = Carry(dict(item), item.indices)
+            group = GroupSpec([(carried, 0, item.size)], [item.size], [item.epoch])
+            made, error = self.delivery.make(group, self.stats, None)
+            out += made
+            if error is not None:
+                out.append(Failure(error))
+                break
+        return out
+
+
 class RemoteRun(Run):
     """The consumer's side of a run served by the helper process (see the module docstring):
     what :class:`~asynchdf5._pipeline.Run` offers the iterator and the session, nothing else."""
 
     def __init__(  # no super().__init__: nothing of the pipeline runs here
-        self, reader: ProcessReader, mode: Mode, start_epoch: int, token: int
+        self,
+        reader: ProcessReader,
+        mode: Mode,
+        start_epoch: int,
+        token: int,
+        uploader: Uploader | None = None,
     ) -> None:
         self._reader = reader
+        self._uploader = uploader
         self._token = token
         self.mode = mode
         self.ready: collections.deque[Item] = collections.deque()
@@ -294,12 +344,17 @@ class RemoteRun(Run):
     def take_nowait(self) -> list[Item]:
         if self._shut:
             raise anyio.ClosedResourceError
+        if self._uploader is not None:
+            raise anyio.WouldBlock  # an upload runs in a worker thread: take() does it
         return self._reader.take_nowait(self._token)
 
     async def take(self) -> list[Item]:
         if self._shut:
             raise anyio.ClosedResourceError
-        return await self._reader.take(self._token)
+        items = await self._reader.take(self._token)
+        if self._uploader is not None:
+            items = await anyio.to_thread.run_sync(self._uploader.upload, items)
+        return items
 
     def shut(self) -> None:
         self._shut = True
