@@ -217,8 +217,8 @@ PROPERTIES: tuple[Property, ...] = (
         "gathers host batches and this process uploads them and runs the transformers on the "
         "device (they need not be picklable then). POSIX systems only. Off by default, as "
         "measured: it takes the loader off the step's GIL, but its start-up, the extra copy "
-        "and the hand-over of each batch cost more than the GIL waits it removes unless the step holds the GIL and a core is free "
-        "for the helper (see "
+        "and the hand-over of each batch cost more than the GIL waits it removes unless the "
+        "step holds the GIL and a core is free for the helper (see "
         "[choosing](choosing.md#a-helper-process-for-a-step-that-holds-the-gil)).",
         "hdf5",
     ),
