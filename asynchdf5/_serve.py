@@ -31,6 +31,7 @@ from ._batch import Batch
 from ._errors import TransformError
 from ._hdf5 import AsyncHDF5DataLayer
 from ._process import (
+    IMPORTING_MAIN,
     MAX_MESSAGE,
     Segment,
     error_blob,
@@ -247,7 +248,11 @@ def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     try:
         prep, blob = pickle.loads(sys.stdin.buffer.read())
-        multiprocessing.spawn.prepare(prep)  # the main module, as spawn imports it
+        IMPORTING_MAIN.append(True)
+        try:
+            multiprocessing.spawn.prepare(prep)  # the main module, as spawn imports it
+        finally:
+            IMPORTING_MAIN.clear()
         paths, config, part, state = pickle.loads(blob)
     except Exception as exc:  # e.g. a transformer's class that the main module no longer has
         sock.send(pickle.dumps(("failed", error_blob(exc))))

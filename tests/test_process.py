@@ -344,3 +344,25 @@ async def test_device_batches_are_uploaded_in_the_layers_process(
                         np.testing.assert_array_equal(host_copy(b["label"]), b.indices)
                     assert layer.epoch == epoch + 1
     _no_helper_left()
+
+
+def test_a_script_without_a_main_guard_is_refused_not_repeated(
+    source: Path, tmp_path: Path
+) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from asynchdf5 import HDF5DataLayer
+            with HDF5DataLayer({str(source)!r}, batch_size=4, process=True) as layer:
+                print(sum(b.size for b in layer))
+            """
+        )
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = os.environ | {"PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=DEADLINE
+    )
+    assert out.returncode == 1
+    assert "ConfigurationError" in out.stderr and "__main__" in out.stderr

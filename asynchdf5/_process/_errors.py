@@ -17,13 +17,24 @@ from .._errors import ConfigurationError, DataLayerError
 if TYPE_CHECKING:
     from .._config import LayerConfig
 
-__all__ = ["check_picklable", "error_blob", "payload", "rebuild"]
+__all__ = ["IMPORTING_MAIN", "check_picklable", "error_blob", "payload", "rebuild"]
+
+#: Set in a helper process while it imports the layer's main module (as ``spawn`` does): a
+#: layer made with ``process=True`` meanwhile is a script without a ``__main__`` guard, which
+#: would start helpers without end.
+IMPORTING_MAIN: list[bool] = []
 
 
 def check_picklable(config: LayerConfig, paths: Sequence[str]) -> None:
     """Raise :class:`ConfigurationError` naming what of the layer's properties cannot be sent
     to its helper process (``process=True``): a transformer (host batches only: with a device
     they run in this process), the source or an option."""
+    if IMPORTING_MAIN:
+        raise ConfigurationError(
+            "a layer with process=True was made while its helper process imported your main "
+            "module: put the code that makes and iterates layers under `if __name__ == "
+            '"__main__":` (the helper imports the main module, as multiprocessing\'s spawn does)'
+        )
     # With a device the transformers run there, in this process: they never travel.
     transformers = config.transformers if config.device is None else ()
     for i, (top, fn) in enumerate(transformers):
