@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 import os
 import socket
 import subprocess
@@ -40,6 +39,7 @@ from .._gathering import EpochEnd, Failure, Item
 from .._pipeline import Mode, Run
 from .._stats import GatherStats, Stats
 from ._errors import rebuild
+from ._spawn import reap, spawn
 from ._wire import MAX_MESSAGE, Segment, recv, refcounts_are_reliable, send, socket_pair
 
 if TYPE_CHECKING:
@@ -47,12 +47,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ProcessReader", "RemoteRun", "Uploader", "stats_of"]
 
-_log = logging.getLogger("asynchdf5")
 
 #: Slots given back in one message (fewer wake-ups of the helper).
 FREE_TOGETHER = 2
-#: How long closing waits for the helper to exit before it is killed.
-EXIT_WAIT_S = 10.0
 
 
 class ProcessReader:
@@ -101,7 +98,7 @@ class ProcessReader:
         layer's delivery and batch size, to upload the helper's host batches with."""
         ours, theirs = socket_pair()
         try:
-            proc = await anyio.to_thread.run_sync(_spawn, theirs, payload)
+            proc = await anyio.to_thread.run_sync(spawn, theirs, payload)
         finally:
             theirs.close()
         reader = cls(proc, ours, state, stats, slots)
@@ -279,7 +276,7 @@ class ProcessReader:
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(OSError):
                 send(self._sock, ("close",))
-            await anyio.to_thread.run_sync(_reap, self._proc)
+            await anyio.to_thread.run_sync(reap, self._proc)
             self._sock.close()
             self._segments = [None] * self._slots  # batches still held keep their own mapping
 
@@ -359,45 +356,6 @@ class RemoteRun(Run):
     def shut(self) -> None:
         self._shut = True
         self.ready.clear()
-
-
-def _spawn(sock: socket.socket, payload: bytes) -> subprocess.Popen[bytes]:
-    """Start ``python -m asynchdf5._serve FD`` (a fresh interpreter: fork and exec at once, as
-    the ``spawn`` start method does, never a fork of this process and its threads) and write
-    ``payload`` to its standard input."""
-    fd = sock.fileno()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "asynchdf5._serve", str(fd)],
-        stdin=subprocess.PIPE,
-        pass_fds=(fd,),
-        env=_child_env(),
-    )
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(payload)
-        proc.stdin.close()
-    except BaseException:
-        _reap(proc, 0)
-        raise
-    return proc
-
-
-def _child_env() -> dict[str, str]:
-    """This process's environment, with this package importable from where it was imported."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def _reap(proc: subprocess.Popen[bytes], wait: float = EXIT_WAIT_S) -> None:
-    """Wait for ``proc`` to exit; kill it after ``wait`` seconds."""
-    try:
-        proc.wait(wait)
-    except subprocess.TimeoutExpired:
-        _log.warning("asynchdf5: the helper process %d did not exit: killed", proc.pid)
-        proc.kill()
-        proc.wait()
 
 
 async def _wait_readable(sock: socket.socket) -> None:
