@@ -123,10 +123,12 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(venv_backend="virtualenv")
 def bench(session: nox.Session) -> None:
-    """Run the benchmarks against the raw-read limit and the usual loaders (PyTorch, h5py)."""
-    install(session, "bench", "codecs")
+    """Run every benchmark (``python -m benchmarks run all``), one JSON file each under
+    ``bench-results/``, and print their markdown; ``nox -s bench -- --quick`` runs toy sizes,
+    other arguments go to ``run`` too (``nox -s bench -- --out DIR``)."""
+    install(session, "bench", "codecs", "remote")
     session.install(TORCH)
-    session.run("python", "-m", "benchmarks", *session.posargs)
+    session.run("python", "-m", "benchmarks", "run", "all", *session.posargs)
 
 
 @nox.session

@@ -1,8 +1,8 @@
 """asynchdf5 benchmarks: throughput against the raw-read limit and the loaders people use instead.
 
-Run ``python -m benchmarks --help``. Data sets are generated on the fly into ``--data-dir`` (default
-``/tmp/asynchdf5-bench``) and reused while their parameters stay the same; every loader is measured
-in its own subprocess so that peak memory is per loader. Out of core (data several times the
-memory a reader may use, each reader in a memory cgroup, from a cold page cache):
-``python -m benchmarks.out_of_core --help``.
+``python -m benchmarks list`` names them; ``python -m benchmarks run NAME... [--quick]`` runs them,
+each in a fresh interpreter, and writes one JSON file per benchmark (:mod:`benchmarks.report`);
+``python -m benchmarks report DIR`` prints those as markdown. Data sets are generated on the fly
+(:mod:`benchmarks.data`) into ``--data-dir`` (default ``/tmp/asynchdf5-bench``) and reused while
+their parameters stay the same. The registry (:mod:`benchmarks.registry`) says where each lives.
 """

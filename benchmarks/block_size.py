@@ -1,13 +1,13 @@
-"""What a block costs in read rate (``python -m benchmarks.block_size``).
+"""What a block costs in read rate (``python -m benchmarks run block-size``).
 
 Two measurements, both timing-sensitive (run them on a quiet machine):
 
-``read`` (the default): block-wise random reads against a sequential read of the same file, for
+``read``: block-wise random reads against a sequential read of the same file, for
 blocks of 64 KiB to 64 MiB, the way the layer's reader issues them: each block one range (cut
 at the reader's ``PIECE_BYTES``), ranges grouped into calls of about ``PIECE_BYTES``, two threads
 (``read_threads``), ``os.preadv`` into preallocated buffers, the blocks in a random permutation.
-A plain file of random bytes larger than a few GiB is generated (and deleted afterwards unless
-``--keep``). COLD passes evict the file from the page cache first with
+A plain file of random bytes larger than a few GiB is generated (and deleted
+afterwards). COLD passes evict the file from the page cache first with
 ``posix_fadvise(POSIX_FADV_DONTNEED)``; whether that works here is checked first (the share of
 the file's pages resident, from ``mincore``, and the rate of a re-read). WARM passes read their
 ranges once, untimed, then time them. Each configuration is repeated (3 times by default, in a
@@ -42,9 +42,11 @@ import numpy as np
 
 from asynchdf5._config import BLOCK_BYTES
 from asynchdf5._sources._local import PIECE_BYTES
-from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
+from benchmarks import data
+from benchmarks.config import IMAGE_SHAPE, DatasetSpec
 from benchmarks.page_cache import evict, resident_fraction
-from benchmarks.shuffle_quality import IMAGE_ROW_BYTES, header, utc_now
+from benchmarks.report import Recorder
+from benchmarks.shuffle_quality import IMAGE_ROW_BYTES
 
 MB = 1e6
 #: The layer's reader threads (``read_threads`` of :class:`asynchdf5._read.HDF5Reader`).
@@ -150,26 +152,6 @@ def pass_ranges(
 # --- the read measurement ----------------------------------------------------------------------
 
 
-def generate(path: Path, size: int, seed: int = 0) -> float:
-    """Write ``size`` random bytes to ``path`` (synced); returns the seconds it took."""
-    t0 = time.perf_counter()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    rng = np.random.default_rng(seed)
-    piece = 64 * 2**20
-    with open(tmp, "wb") as f:
-        left = size
-        while left > 0:
-            n = min(piece, left)
-            words = rng.integers(0, 2**63, size=-(-n // 8), dtype=np.uint64)
-            f.write(memoryview(words.view(np.uint8))[:n])
-            left -= n
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(path)
-    return time.perf_counter() - t0
-
-
 @dataclass(frozen=True)
 class EvictionCheck:
     resident_before: float | None
@@ -224,15 +206,15 @@ def _med(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def measure_reads(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """The read measurement; returns (notes, markdown table lines)."""
+def measure_reads(rec: Recorder, args: argparse.Namespace) -> None:
+    """The read measurement."""
     path = Path(args.file)
     size = int(args.size_gib * 2**30)
     notes = []
     if path.exists() and path.stat().st_size == size:
         notes.append(f"file: {path}, {size / 2**30:g} GiB of random bytes (reused)")
     else:
-        secs = generate(path, size)
+        secs = data.random_bytes(path, size)
         notes.append(
             f"file: {path}, {size / 2**30:g} GiB of random bytes (written in {secs:.0f} s)"
         )
@@ -276,27 +258,28 @@ def measure_reads(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         os.close(fd)
         if not args.keep:
             path.unlink(missing_ok=True)
-            notes.append("the file was deleted afterwards (--keep keeps it)")
-    return notes, read_table(rows, args.row_bytes)
+            notes.append("the file was deleted afterwards")
+    for note in notes:
+        rec.note(note)
+    record_reads(rec, rows, args.row_bytes)
 
 
-def read_table(rows: Sequence[ReadRow], row_bytes: int) -> list[str]:
+def record_reads(rec: Recorder, rows: Sequence[ReadRow], row_bytes: int) -> None:
+    """Each block's cold (and warm) read rate and its ratio to the sequential read's; the
+    smallest block from which every larger block keeps :data:`TARGET` of it, cold."""
     seq = rows[0]
     seq_cold, seq_warm = _med(seq.cold), _med(seq.warm)
-    lines = [
-        f"| block | samples of a {row_bytes}-byte row | cold MB/s, median (min-max) "
-        "| ÷ sequential, cold | MiB read per cold pass | warm MB/s, median | ÷ sequential, warm |",
-        "|---|---|---|---|---|---|---|",
-    ]
     for r in rows:
-        samples = "—" if r.block is None else f"{r.block / row_bytes:,.1f}"
-        cold = f"{_med(r.cold):,.0f} ({min(r.cold):,.0f}-{max(r.cold):,.0f})" if r.cold else "—"
-        warm = f"{_med(r.warm):,.0f}" if r.warm else "—"
-        lines.append(
-            f"| {r.name} | {samples} | {cold} | {_med(r.cold) / seq_cold:.2f} "
-            f"| {_med([float(b) for b in r.cold_bytes]) / 2**20:,.0f} | {warm} "
-            f"| {f'{_med(r.warm) / seq_warm:.2f}' if r.warm else '—'} |"
+        what = (
+            r.name if r.block is None else f"blocks of {r.name} ({r.block / row_bytes:,.1f} rows)"
         )
+        rec.figure(f"{what}: cold read", _med(r.cold), "MB/s")
+        if r.block is not None:
+            rec.ratio(f"{what}: cold ÷ sequential", _med(r.cold), seq_cold)
+        if r.warm:
+            rec.figure(f"{what}: warm read", _med(r.warm), "MB/s")
+            if r.block is not None:
+                rec.ratio(f"{what}: warm ÷ sequential", _med(r.warm), seq_warm)
     # The smallest block from which on every larger block keeps the target too: one noisy pass
     # of a small block that happens to pass does not make it the answer.
     blocks = sorted((r for r in rows if r.block is not None), key=lambda r: r.block or 0)
@@ -305,28 +288,13 @@ def read_table(rows: Sequence[ReadRow], row_bytes: int) -> list[str]:
         if _med(r.cold) < TARGET * seq_cold:
             break
         steady = r
-    first = next((r for r in blocks if _med(r.cold) >= TARGET * seq_cold), None)
-    lines.append("")
     if steady is not None and steady.block is not None:
-        lines.append(
-            f"Smallest block from which every larger block keeps a cold read rate >= {TARGET:.0%} "
-            f"of the sequential read: **{_size(steady.block)}** ({steady.block // row_bytes:,} "
-            f"samples of {row_bytes} bytes; {_med(steady.cold) / seq_cold:.2f} of sequential)."
+        rec.figure(
+            f"smallest block keeping {TARGET:.0%} of sequential, cold", steady.block / 2**20, "MiB"
         )
-        if first is not steady and first is not None and first.block is not None:
-            lines.append(
-                f"(A smaller one, {_size(first.block)}, also reached it, but some larger blocks "
-                "did not: noise, or a real dip; look at the passes.)"
-            )
     else:
-        lines.append(
-            f"The largest block measured does not reach {TARGET:.0%} of the sequential rate."
-        )
-    lines.append(
-        f"The current default, BLOCK_BYTES = {_size(BLOCK_BYTES)}, reads at "
-        f"{_default_ratio(rows, seq_cold)} of sequential (cold)."
-    )
-    return lines
+        rec.note(f"no block measured reaches {TARGET:.0%} of the sequential rate, cold")
+    rec.note(f"the default BLOCK_BYTES is {_size(BLOCK_BYTES)}")
 
 
 def _default_ratio(rows: Sequence[ReadRow], seq_cold: float) -> str:
@@ -386,13 +354,12 @@ async def _epoch(layer: Any) -> tuple[float, int, float]:
     return secs, s1.bytes_read - s0.bytes_read, s1.read_seconds - s0.read_seconds
 
 
-def measure_layer(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """The layer measurement; returns (notes, markdown table lines)."""
+def measure_layer(rec: Recorder, args: argparse.Namespace) -> None:
+    """The layer measurement: each mode's cold and warm epochs, and the reader's rate."""
     import anyio
 
     from asynchdf5 import AsyncHDF5DataLayer
     from asynchdf5._cache import N_SLOTS
-    from benchmarks import data
 
     spec = DatasetSpec(
         name="contiguous",
@@ -451,96 +418,35 @@ def measure_layer(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         if not args.keep and not existed:
             for path in files.paths:
                 path.unlink(missing_ok=True)
-            notes.append("the generated data set was deleted afterwards (--keep keeps it)")
+            notes.append("the generated data set was deleted afterwards")
     base = rows[0]
-    lines = [
-        "| mode | cold samples/s, median | ÷ shuffle=False | reader MB/s, cold "
-        "| warm samples/s, median | ÷ shuffle=False | reader MB/s, warm | first epoch s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    for note in notes:
+        rec.note(note)
     for r in rows:
-        lines.append(
-            f"| {r.name} | {_med(r.cold):,.0f} | {_med(r.cold) / _med(base.cold):.2f} "
-            f"| {_med(r.cold_read):,.0f} | {_med(r.warm):,.0f} "
-            f"| {_med(r.warm) / _med(base.warm):.2f} | {_med(r.warm_read):,.0f} "
-            f"| {r.first_epoch_s:.1f} |"
-        )
-    return notes, lines
+        rec.figure(f"layer, {r.name}: cold epoch", _med(r.cold), "samples/s")
+        rec.ratio(f"layer, {r.name}: cold ÷ shuffle=False", _med(r.cold), _med(base.cold))
+        rec.figure(f"layer, {r.name}: reader while cold", _med(r.cold_read), "MB/s")
+        rec.figure(f"layer, {r.name}: warm epoch", _med(r.warm), "samples/s")
+        rec.ratio(f"layer, {r.name}: warm ÷ shuffle=False", _med(r.warm), _med(base.warm))
 
 
-# --- command line ------------------------------------------------------------------------------
+# --- the benchmark ---------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.block_size",
-        description="Read rate of block-wise random reads against a sequential read (read), and "
-        "the layer's epoch rate per shuffle mode (layer). Prints markdown. Timing-sensitive: run "
-        "on a quiet machine.",
-    )
-    p.add_argument("what", nargs="?", choices=("read", "layer"), default="read")
-    p.add_argument("--repeats", type=int, default=3, help="passes per configuration (default 3)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep", action="store_true", help="keep the generated file(s)")
-    p.add_argument("--row-bytes", type=int, default=IMAGE_ROW_BYTES, help="to express blocks")
-    p.add_argument("--output", help="also write the markdown to this file")
-    g = p.add_argument_group("read")
-    g.add_argument(
-        "--file",
-        default=str(DEFAULT_DATA_DIR / "block-size-read.bin"),
-        help="the file read (generated unless it exists with --size-gib)",
-    )
-    g.add_argument("--size-gib", type=float, default=8.0, help="file size (default 8 GiB)")
-    g.add_argument(
-        "--pass-gib", type=float, default=1.0, help="bytes read per pass (default 1 GiB)"
-    )
-    g.add_argument(
-        "--pass-seconds",
-        type=float,
-        default=20.0,
-        help="a pass stops starting reads after this long (default 20 s)",
-    )
-    g.add_argument("--threads", type=int, default=READ_THREADS, help="reader threads (2)")
-    g.add_argument("--min-log2", type=int, default=16, help="smallest block, 2**k bytes (64 KiB)")
-    g.add_argument("--max-log2", type=int, default=26, help="largest block, 2**k bytes (64 MiB)")
-    g.add_argument("--no-warm", action="store_true", help="skip the warm-cache passes")
-    g = p.add_argument_group("layer")
-    g.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
-    g.add_argument(
-        "--samples", type=int, default=2_000_000, help="image samples (default 2,000,000: 6.2 GB)"
-    )
-    g.add_argument("--chunk-size", type=int, default=2**18, help="default 2**18")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    started, t0 = utc_now(), time.perf_counter()
-    load0 = os.getloadavg()
-    if args.what == "read":
-        notes, table = measure_reads(args)
-    else:
-        notes, table = measure_layer(args)
-    load1 = os.getloadavg()
-    notes.append(
-        f"load average (1/5/15 min) at start {' / '.join(f'{x:.2f}' for x in load0)}, at end "
-        f"{' / '.join(f'{x:.2f}' for x in load1)}"
-    )
-    lines = [
-        *header(argv, "benchmarks.block_size", started, time.perf_counter() - t0),
-        "",
-        *(f"- {note}" for note in notes),
-        "",
-        *table,
-    ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def bench(rec: Recorder) -> None:
+    """Both measurements. Full: an 8 GiB file of random bytes, 1 GiB per pass, blocks of 64 KiB
+    to 64 MiB, 3 repeats; the layer on 2,000,000 images (6.2 GB) with chunks of 2**18.
+    ``--quick``: a 64 MiB file, blocks of 1 to 4 MiB, and 8,192 images."""
+    quick = rec.quick
+    args = argparse.Namespace(
+        repeats=1 if quick else 3, seed=0, keep=False, row_bytes=IMAGE_ROW_BYTES,
+        file=str(rec.data_dir / "block-size-read.bin"), size_gib=1 / 16 if quick else 8.0,
+        pass_gib=1 / 64 if quick else 1.0, pass_seconds=20.0, threads=READ_THREADS,
+        min_log2=20 if quick else 16, max_log2=22 if quick else 26, no_warm=quick,
+        data_dir=str(rec.data_dir), samples=8192 if quick else 2_000_000,
+        chunk_size=2**11 if quick else 2**18,
+    )  # fmt: skip
+    rec.param(**{k: v for k, v in vars(args).items() if k not in ("keep", "file", "data_dir")})
+    rec.data_dir.mkdir(parents=True, exist_ok=True)
+    measure_reads(rec, args)
+    measure_layer(rec, args)

@@ -1,4 +1,4 @@
-"""GPU delivery benchmark: ``python -m benchmarks.gpu [--quick] [--json FILE]``.
+"""GPU delivery benchmark: ``python -m benchmarks run gpu [--quick]``.
 
 Measures, on in-memory synthetic images (uint8) and labels, so the disk plays no part:
 
@@ -24,10 +24,7 @@ than 5 % of steps. Without CuPy or a GPU the script says so and exits 0.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -38,6 +35,7 @@ import numpy as np
 
 from asynchdf5 import MemoryDataLayer
 from asynchdf5 import transforms as T
+from benchmarks.report import Recorder, Skipped
 
 #: A step "waited" when the GPU sat idle before it for longer than this (or 1 % of the step).
 WAIT_THRESHOLD_S = 50e-6
@@ -381,120 +379,37 @@ def stall_rows(cfg: Config, arrays: dict[str, np.ndarray], cp: Any, load_s: floa
     return rows
 
 
-# -- report -----------------------------------------------------------------------------------
-
-
-def _fmt(x: float, spec: str) -> str:
-    return "–" if math.isnan(x) else format(x, spec)
-
-
-def report(cfg: Config, device_name: str, rows: list[Row], stalls: list[Row]) -> str:
-    host, dev = rows[0], rows[1]
-    ratio = dev.samples_per_s / host.samples_per_s
-    waited = stalls[0].waited_fraction
-    lines = [
-        f"# GPU delivery on {device_name}",
-        "",
-        f"{cfg.samples} samples of uint8 {cfg.shape} + int64 label ({cfg.sample_bytes} B), "
-        f"batch {cfg.batch_size}, shuffle={cfg.shuffle}, prefetch {cfg.prefetch}, "
-        f"Scale on device={cfg.scale}.",
-        "",
-        "| throughput | samples/s | GB/s H2D | note |",
-        "| --- | ---: | ---: | --- |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.name} | {_fmt(r.samples_per_s, ',.0f')} | {_fmt(r.gb_per_s, '.2f')} | {r.note} |"
-        )
-    lines += [
-        "",
-        f"Simulated step: {stalls[0].extra.get('target_step_ms', math.nan):.2f} ms of matmuls "
-        f"({cfg.step_factor} x the time to load a batch), {cfg.steps} steps.",
-        "",
-        "| training-loop stall | steps | waited for data | mean GPU idle before a step (ms) "
-        "| step (ms) | note |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for r in stalls:
-        lines.append(
-            f"| {r.name} | {r.steps} | {_fmt(100 * r.waited_fraction, '.1f')} % | "
-            f"{_fmt(r.mean_idle_ms, '.3f')} | {_fmt(r.step_ms, '.2f')} | {r.note} |"
-        )
-    ok_rate = "PASS" if ratio >= 0.9 else "FAIL"
-    ok_stall = "PASS" if waited < 0.05 else "FAIL"
-    lines += [
-        "",
-        f"- device/host throughput: {ratio:.2f} (target >= 0.90): {ok_rate}",
-        f"- steps where the GPU waited for data: {100 * waited:.1f} % (target < 5 %): {ok_stall}",
-    ]
-    return "\n".join(lines)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small data, short runs (a smoke test)")
-    p.add_argument("--samples", type=int, help="samples in memory (default 32768; --quick 4096)")
-    p.add_argument("--shape", default="3,128,128", help="sample shape of the uint8 images")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--no-shuffle", action="store_true")
-    p.add_argument("--prefetch", type=int, default=8)
-    p.add_argument(
-        "--seconds", type=float, help="per throughput measurement (default 5; --quick 1)"
-    )
-    p.add_argument(
-        "--steps", type=int, help="steps per stall measurement (default 300; --quick 60)"
-    )
-    p.add_argument("--step-factor", type=float, default=1.5, help="step time / batch load time")
-    p.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
-    p.add_argument("--scale", action="store_true", help="add Scale(1/255): a cast on the device")
-    p.add_argument("--json", help="also write the rows as JSON to this file")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def bench(rec: Recorder) -> None:
+    """Throughput of each delivery and the training-loop stall; skipped, with the reason, where
+    CuPy or a CUDA GPU is missing. Targets: device ÷ host throughput ≥ 0.9, the GPU waiting for
+    data before < 5 % of steps."""
     try:
         import cupy as cp
 
         count = cp.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no CuPy, no driver, no GPU
-        print(f"benchmarks.gpu: skipped, needs CuPy and a CUDA GPU ({type(exc).__name__}: {exc})")
-        return 0
+        raise Skipped(f"needs CuPy and a CUDA GPU ({type(exc).__name__}: {exc})") from exc
     if count == 0:
-        print("benchmarks.gpu: skipped, no CUDA GPU")
-        return 0
+        raise Skipped("no CUDA GPU")
+    quick = rec.quick
     cfg = Config(
-        samples=args.samples or (4096 if args.quick else 32768),
-        shape=tuple(int(d) for d in args.shape.split(",")),
-        batch_size=args.batch_size,
-        shuffle=not args.no_shuffle,
-        prefetch=args.prefetch,
-        seconds=args.seconds or (1.0 if args.quick else 5.0),
-        steps=args.steps or (60 if args.quick else 300),
-        step_factor=args.step_factor,
-        workers=args.workers,
-        scale=args.scale,
-    )
+        samples=4096 if quick else 32768, shape=(3, 128, 128), batch_size=256, shuffle=True,
+        prefetch=8, seconds=1.0 if quick else 5.0, steps=60 if quick else 300, step_factor=1.5,
+        workers=4, scale=False,
+    )  # fmt: skip
     name = cp.cuda.runtime.getDeviceProperties(0)["name"]
-    device_name = name.decode() if isinstance(name, bytes) else str(name)
+    rec.param(device=name.decode() if isinstance(name, bytes) else str(name), **asdict(cfg))
     arrays = _data(cfg)
     rows = throughput_rows(cfg, arrays, cp)
+    for r in rows:
+        rec.figure(f"{r.name}: throughput", r.samples_per_s, "samples/s")
+        rec.figure(f"{r.name}: host to device", r.gb_per_s, "GB/s")
+        if r.note:
+            rec.note(f"{r.name}: {r.note}")
+    rec.ratio("device ÷ host throughput", rows[1].samples_per_s, rows[0].samples_per_s)
     load_s = cfg.batch_size / max(rows[0].samples_per_s, rows[1].samples_per_s)
-    stalls = stall_rows(cfg, arrays, cp, load_s)
-    print(report(cfg, device_name, rows, stalls))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "config": asdict(cfg),
-                    "throughput": [asdict(r) for r in rows],
-                    "stall": [asdict(r) for r in stalls],
-                },
-                f,
-                indent=2,
-            )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    for r in stall_rows(cfg, arrays, cp, load_s):
+        rec.figure(f"{r.name}: step", r.step_ms, "ms")
+        rec.figure(f"{r.name}: mean GPU idle before a step", r.mean_idle_ms, "ms")
+        rec.note(f"{r.name}: the GPU waited for data before {100 * r.waited_fraction:.1f} % of "
+                 f"{r.steps} steps {r.note}")  # fmt: skip

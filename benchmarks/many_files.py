@@ -1,7 +1,7 @@
 """Thousands of small shard files against the same samples in one file
-(``python -m benchmarks.many_files [--quick] [--files N] [--output F.json]``).
+(``python -m benchmarks run many-files``).
 
-Writes ``--files`` small HDF5 files (20,000; ``--quick``: 500) and one file holding the same
+Writes 20,000 small HDF5 files (``--quick``: 200) and one file holding the same
 samples, then, for each source in turn, measures what a user waits for:
 
 * **open**: ``async with`` on the layer, which builds the catalog (every file's metadata, read
@@ -16,64 +16,33 @@ are read in the first epoch and served from memory after it), and *streaming*, w
 ``chunk_size`` of a sixteenth of the samples, so that every epoch reads every file again, through
 the bounded set of open files.
 
-The run's soft descriptor limit is lowered to ``--nofile`` (1024, a common default) first, so the
-many-files source is also a check that it opens and reads within it. Results are printed as a
-table and written as JSON with ``--output``. Data goes to a temporary folder under
-``--data-dir`` (default: the system's), removed afterwards.
+The run's soft descriptor limit is lowered to 1024 (a common default) first, so the many-files
+source is also a check that it opens and reads within it. Data goes to a temporary folder under
+the data folder, removed afterwards.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import resource
 import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
-import h5py
 import numpy as np
 
 from asynchdf5 import AsyncHDF5DataLayer
+from benchmarks import data
+from benchmarks.report import Recorder
 
 #: Samples per file, and the shape of one sample's ``data`` (float32) beside an int64 label.
 ROWS_PER_FILE = 50
 SAMPLE_SHAPE = (32,)
 BATCH_SIZE = 256
 EPOCHS = 2
-
-
-def _rows(start: int, n: int) -> dict[str, np.ndarray]:
-    idx = np.arange(start, start + n, dtype=np.int64)
-    data = (idx[:, None] + np.arange(SAMPLE_SHAPE[0])).astype(np.float32)
-    return {"data": data, "label": idx}
-
-
-def _write(path: Path, start: int, n: int) -> None:
-    with h5py.File(path, "w") as f:
-        for name, arr in _rows(start, n).items():
-            f.create_dataset(name, data=arr)
-
-
-def write_sources(folder: Path, files: int) -> tuple[Path, Path]:
-    """``files`` shard files and a list naming them; one file with the same samples."""
-    names = []
-    for i in range(files):
-        name = f"shard-{i:06d}.h5"
-        _write(folder / name, i * ROWS_PER_FILE, ROWS_PER_FILE)
-        names.append(name)
-    lst = folder / "train.txt"
-    lst.write_text("\n".join(names) + "\n")
-    one = folder / "one.h5"
-    _write(one, 0, files * ROWS_PER_FILE)
-    return lst, one
 
 
 def _fds() -> int:
@@ -120,11 +89,10 @@ def run(files: int, data_dir: str | None, nofile: int) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if nofile and (soft == resource.RLIM_INFINITY or soft > nofile):
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
-    load_start = list(os.getloadavg())
     folder = Path(tempfile.mkdtemp(prefix="asynchdf5-many-files-", dir=data_dir))
     try:
         t0 = time.perf_counter()
-        lst, one = write_sources(folder, files)
+        lst, one = data.shard_files(folder, files, ROWS_PER_FILE, SAMPLE_SHAPE)
         written_s = time.perf_counter() - t0
         n = files * ROWS_PER_FILE
         results = {}
@@ -140,56 +108,21 @@ def run(files: int, data_dir: str | None, nofile: int) -> dict[str, Any]:
         "batch_size": BATCH_SIZE,
         "write_s": written_s,
         "nofile_soft_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "h5py / HDF5": f"{h5py.version.version} / {h5py.version.hdf5_version}",
-            "load_average_start": load_start,
-            "load_average_end": list(os.getloadavg()),
-        },
         "results": results,
     }
 
 
-def render(result: dict[str, Any]) -> str:
-    rows = []
+def bench(rec: Recorder) -> None:
+    """Per source (one file, many files) and cache (default, streaming): open, first batch and
+    each epoch's rate, and the most descriptors held; ``ulimit -n`` lowered to 1024 first."""
+    rec.data_dir.mkdir(parents=True, exist_ok=True)
+    result = run(200 if rec.quick else 20_000, str(rec.data_dir), 1024)
+    rec.param(**{k: result[k] for k in ("files", "samples", "sample_bytes", "batch_size")})
+    rec.param(nofile_soft_limit=result["nofile_soft_limit"])
+    rec.figure("writing the files", result["write_s"], "s")
     for label, r in result["results"].items():
-        rates = " / ".join(f"{x:,.0f}" for x in r["samples_per_s"])
-        rows.append(
-            f"| {label} | {r['open_s']:.2f} | {r['first_batch_s']:.3f} | {rates} | "
-            f"{r['descriptors_held_most']} |"
-        )
-    return "\n".join(
-        [
-            f"{result['samples']:,} samples of {result['sample_bytes']} bytes, shuffled, batch "
-            f"{result['batch_size']}; ulimit -n {result['nofile_soft_limit']}; files written "
-            f"in {result['write_s']:.1f} s",
-            "",
-            "| source | open (catalog) s | first batch s | samples/s per epoch | "
-            "descriptors held (most) |",
-            "| --- | --- | --- | --- | --- |",
-            *rows,
-        ]
-    )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.many_files", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="500 files: a smoke test")
-    p.add_argument("--files", type=int, help="how many shard files (default 20,000)")
-    p.add_argument("--output", type=Path, help="write the results as JSON here")
-    p.add_argument("--data-dir", help="where to write the files (a temporary folder in it)")
-    p.add_argument(
-        "--nofile", type=int, default=1024, help="lower ulimit -n to this first (0: leave it)"
-    )
-    args = p.parse_args(argv)
-    files = args.files or (500 if args.quick else 20_000)
-    result = run(files, args.data_dir, args.nofile)
-    print(render(result))
-    if args.output:
-        args.output.write_text(json.dumps(result, indent=1) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        rec.figure(f"{label}: open (catalog)", r["open_s"], "s")
+        rec.figure(f"{label}: first batch", r["first_batch_s"], "s")
+        for i, x in enumerate(r["samples_per_s"], start=1):
+            rec.figure(f"{label}: epoch {i}", x, "samples/s")
+        rec.figure(f"{label}: descriptors held (most)", r["descriptors_held_most"], "descriptors")

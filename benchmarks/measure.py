@@ -243,7 +243,7 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: KiB or bytes
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     """``Type: message (file:line)`` of the innermost cause, unwrapping exception groups."""
     while getattr(exc, "exceptions", None):  # an exception group (anyio task groups raise them)
         exc = exc.exceptions[0]  # type: ignore[attr-defined]
@@ -282,7 +282,7 @@ def run_in_process(job: Job) -> Result:
     except Skip as exc:
         error = f"skipped: {exc}"
     except Exception as exc:  # a failed measurement is a row of the report, not a crash
-        error = _describe(exc)
+        error = describe(exc)
         traceback.print_exc()
     wall = time.perf_counter() - t0
     sampler.stop()

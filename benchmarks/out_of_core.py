@@ -38,17 +38,13 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import numpy as np
 
-from benchmarks import cgroups
-from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE
-from benchmarks.ooc_report import markdown
+from benchmarks import cgroups, data
 from benchmarks.page_cache import evict, resident_fraction
-from benchmarks.shuffle_quality import header, utc_now
+from benchmarks.report import Recorder, utc_now
 
 SAMPLE_BYTES = 3 * 32 * 32 + 8
 PIECE_BYTES = 8 * 2**20
-PARAMS_ATTR = "asynchdf5_ooc_bench"
 #: name: (child kind, job parameters)
 READERS: dict[str, tuple[str, dict[str, Any]]] = {
     "sequential": ("sequential", {}),
@@ -57,49 +53,10 @@ READERS: dict[str, tuple[str, dict[str, Any]]] = {
     "torch_h5py": ("torch_h5py", {"workers": 2}),
     "memmap": ("memmap", {}),
 }
-#: --quick: 64 MiB would be 2.9x smaller than the file, but a child of the layer with default
-#: properties is killed for memory under it; 128 MiB keeps the smoke test running.
-QUICK = {"samples": 60_000, "limit_mib": 128, "bound_s": 3.0}
+#: --quick: a toy file that is smaller than the limit (the run proves the code, not the rate): a
+#: child of the layer with default properties is killed for memory under 64 MiB.
+QUICK = {"samples": 20_000, "limit_mib": 128, "bound_s": 0.5}
 FULL = {"samples": 1_000_000, "limit_mib": 512, "bound_s": 30.0}
-
-
-# --- the data file -----------------------------------------------------------------------------
-
-
-def data_path(data_dir: Path, n: int) -> Path:
-    return data_dir / f"ooc-class-sorted-{n}.h5"
-
-
-def ensure_file(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bool]:
-    """The class-sorted image file of ``n`` samples, written unless a complete one exists;
-    returns (path, reused). Image bytes are random (no reader here decodes or compresses)."""
-    path = data_path(data_dir, n)
-    params = json.dumps({"samples": n, "seed": seed, "version": 1})
-    try:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get(PARAMS_ATTR) == params:
-                return path, True
-    except OSError:
-        pass
-    data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".h5.tmp")
-    rng = np.random.default_rng(seed)
-    step = 16384
-    with h5py.File(tmp, "w") as f:
-        data = f.create_dataset("data", (n, *IMAGE_SHAPE), "uint8")  # contiguous
-        label = f.create_dataset("label", (n,), "int64")
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            data[a:b] = rng.integers(0, 256, (b - a, *IMAGE_SHAPE), dtype=np.uint8)
-            label[a:b] = np.arange(a, b, dtype=np.int64) * 10 // n
-        f.attrs[PARAMS_ATTR] = params
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be evicted
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return path, False
 
 
 def offsets(path: Path) -> tuple[int, int]:
@@ -208,7 +165,7 @@ def _one_line(r: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     n = args.samples
-    path, reused = ensure_file(Path(args.data_dir), n)
+    path, reused = data.class_sorted_images(Path(args.data_dir), n)
     size = path.stat().st_size
     names = list(READERS) if not args.only else args.only
     load0 = os.getloadavg()
@@ -226,7 +183,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     load1 = os.getloadavg()
     return {
-        "machine": header(args.argv, "benchmarks.out_of_core", started, wall),
         "started_utc": started,
         "command": ["python", "-m", "benchmarks.out_of_core", *args.argv],
         "wall_s": wall,
@@ -246,53 +202,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.out_of_core",
-        description="Each reader in a memory-capped child process, the file evicted first: "
-        "sequential preadv, the layer unshuffled and shuffled, DataLoader + h5py, np.memmap. "
-        "Prints a markdown table; --output writes JSON.",
-    )
-    p.add_argument("--quick", action="store_true", help="60k samples, 128 MiB: a smoke test")
-    p.add_argument("--samples", type=int, help="images in the file (default 1,000,000: 3.1 GB)")
-    p.add_argument("--limit-mib", type=int, help="the child's memory limit (default 512)")
-    p.add_argument("--no-cgroup", action="store_true", help="run the children without a cgroup")
-    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="where the file is kept")
-    p.add_argument("--output", help="write the figures as JSON to this file")
-    p.add_argument("--only", help=f"comma-separated readers: {', '.join(READERS)}")
-    p.add_argument("--epochs", type=int, default=2, help="layer epochs per open (default 2)")
-    p.add_argument("--bound-s", type=float, help="seconds per bounded reader (default 30)")
-    p.add_argument(
-        "--layer-props",
-        type=json.loads,
-        default={},
-        help="JSON of extra layer properties for both layer readers, e.g. '{\"block_size\": 8192}' "
-        "(default: none, the default properties)",
-    )
-    p.add_argument("--child-timeout", type=float, default=1200.0, help="seconds per child")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    args.argv = argv
-    sizes = QUICK if args.quick else FULL
-    args.samples = args.samples or sizes["samples"]
-    args.limit_mib = args.limit_mib or sizes["limit_mib"]
-    args.bound_s = args.bound_s or sizes["bound_s"]
-    if args.only:
-        args.only = [s.strip() for s in args.only.split(",") if s.strip()]
-        unknown = set(args.only) - set(READERS)
-        if unknown:
-            raise SystemExit(f"unknown readers {sorted(unknown)}; known: {', '.join(READERS)}")
+def bench(rec: Recorder) -> None:
+    """Every reader, in one run on the same file under the same limit: samples/s per pass, the
+    ratio to the limit (the better of the sequential read and the unshuffled layer), CPU-s per
+    GB, the first batch and the label entropy ÷ a permutation's. Where no memory cgroup can be
+    made (no root, no delegated hierarchy) the children run without one, and a note says why."""
+    size = QUICK if rec.quick else FULL
+    args = argparse.Namespace(
+        argv=["--quick"] if rec.quick else [], samples=size["samples"],
+        limit_mib=size["limit_mib"], bound_s=size["bound_s"], no_cgroup=False,
+        data_dir=str(rec.data_dir), only=None, epochs=2, layer_props={}, child_timeout=1200.0,
+    )  # fmt: skip
     out = run(args)
-    print(markdown(out))
-    if args.output:
-        Path(args.output).write_text(json.dumps(out, indent=1, default=str))
-    failed = [k for k, r in out["readers"].items() if r.get("error")]
-    return 1 if failed else 0
+    rec.param(
+        samples=out["samples"],
+        file_gb=round(out["file_bytes"] / 1e9, 3),
+        limit_mib=args.limit_mib,
+        file_over_limit=round(out["file_over_limit"], 2),
+    )
+    rec.figure(
+        "limit (sequential read or unshuffled layer)", out["limit_samples_per_s"], "samples/s"
+    )
+    for name, r in out["readers"].items():
+        rec.note(f"{name}: {r['cgroup']}")
+        if r.get("error"):
+            rec.note(f"{name} failed: {r['error'].strip()[-400:]}")
+            continue
+        for i, p in enumerate(r["passes"]):
+            what = f"{name}, {'epoch ' + str(i + 1) if name.startswith('layer') else 'pass'}"
+            rec.figure(f"{what}", p["rate"], "samples/s")
+            rec.figure(f"{what} ÷ limit", p.get("ratio_to_limit"), "ratio")
+            if p.get("mixing"):
+                rec.figure(f"{what}: label entropy ÷ permutation's", p["mixing"]["ratio"], "ratio")
+            first = p.get("first_batch_s", r.get("first_batch_s"))
+            if first is not None:
+                rec.figure(f"{what}: first batch", first, "s")
+        rec.figure(f"{name}: CPU per GB delivered", r.get("cpu_s_per_gb"), "CPU-s/GB")
+        rec.figure(f"{name}: peak RSS", r.get("maxrss_mib"), "MiB")
+        if "stats" in r:
+            rec.note(f"{name}: read_paths {r['stats']['read_paths']}; "
+                     f"bottleneck: {r['stats']['bottleneck']}")  # fmt: skip
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # what the docs named before ``python -m benchmarks run out-of-core``
+    from benchmarks.__main__ import main
+
+    sys.exit(main(["run", "out-of-core", *sys.argv[1:]]))

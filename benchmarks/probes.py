@@ -58,7 +58,7 @@ async def _naive_batches(job: Job) -> AsyncGenerator[int, None]:
                 yield len(idx)
 
 
-def _gap_stats(gaps: list[float]) -> dict[str, float]:
+def gap_stats(gaps: list[float]) -> dict[str, float]:
     if not gaps:
         return {}
     ms = np.asarray(gaps) * 1e3
@@ -117,6 +117,6 @@ def stall_probe(job: Job) -> Outcome:
                 return gaps, idle
 
             gaps, idle = anyio.run(run, backend=job.params.get("backend", "asyncio"))
-    extra: dict[str, Any] = {"idle": _gap_stats(gaps[:idle]), "busy": _gap_stats(gaps[idle:])}
+    extra: dict[str, Any] = {"idle": gap_stats(gaps[:idle]), "busy": gap_stats(gaps[idle:])}
     extra |= {"loader": loader, "tick": job.params["tick"]}
     return clock.outcome(**extra)

@@ -1,7 +1,7 @@
-"""Remote sources against an S3 API on localhost: ``python -m benchmarks.remote``.
+"""Remote sources against an S3 API on localhost: ``python -m benchmarks run remote``.
 
 The server is moto's, in a subprocess (``benchmarks/s3_server.py``), with a latency injected into
-every request: its WSGI middleware sleeps ``--latency`` seconds (default 20 ms, a realistic object
+every request: its WSGI middleware sleeps 20 ms ( a realistic object
 store round trip) in the request's own server thread before handling it, so concurrent requests
 wait concurrently, as on a real link. moto reads a whole object for every ranged GET; the server
 runs with ``--fast-ranges``, which serves ranged GETs of stored objects in O(range) straight from
@@ -18,34 +18,31 @@ For each data set (the suite's image set, contiguous; and its gzip set), stored 
   ``chunk_size`` 2^16 (streamed through the cache, as a set larger than memory must be): epoch 1
   from the layer's construction (the open included), then epoch 2, best of two layers; and with
   a ``remote_cache``, whose epoch 2 reads local disk;
-* **a busy consumer**: the same, epoch 2, with ``--busy-ms`` (1) ms of pure Python per batch in
+* **a busy consumer**: the same, epoch 2, with 1 ms of pure Python per batch in
   the consumer, holding the GIL as a Python-heavy training step does;
 * **h5py over an fsspec file object** (the usual user path): ``h5py.File(fs.open(url))`` with
   s3fs, a sorted fancy-index read per shuffled batch; with s3fs's default file cache (readahead,
   50 MiB blocks) and with small blocks (``block_size=256 KiB``, ``cache_type="blockcache"``),
-  each time-bounded (``--budget``) and extrapolated to an epoch;
+  each time-bounded (20 s) and extrapolated to an epoch;
 * **download first, then train locally**: the object downloaded to a local file (as the limit
   does, written with ``pwrite``), then the same layer over the local file, to the end of its
   first epoch; its second epoch is shown as the pipeline's own pace on this machine.
 
-Prints Markdown; ``--json PATH`` also writes the figures. ``--quick``: a smoke test.
+``--quick``: the contiguous set at 8,192 samples, no busy consumer, 0.3 s budgets.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import gc
-import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +53,8 @@ import numpy as np
 from asynchdf5 import AsyncHDF5DataLayer
 from asynchdf5._sources._remote._obstore import CLIENT_VARIABLE
 from benchmarks import data
-from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
+from benchmarks.config import IMAGE_SHAPE, DatasetSpec
+from benchmarks.report import Recorder
 from benchmarks.s3_server import KEY_ID, REGION, SECRET, S3Server
 
 BUCKET = "bench"
@@ -386,10 +384,10 @@ def measure(
 
     for client in ("aiobotocore", "obstore"):
         log(f"parallel download, {client}")
-        limit, limit_cpu = download_limit(server, key, size, client=client)
+        limit, limit_cpu = download_limit(server, key, size, runs=args.repeats + 1, client=client)
         row(
             f"parallel download ({client}): {PART >> 20} MiB ranged GETs, {IN_FLIGHT} in flight "
-            "(best of 3)",
+            f"(best of {args.repeats + 1})",
             limit,
             cpu=limit_cpu,
         )
@@ -399,18 +397,19 @@ def measure(
     for client in ("obstore", "s3fs"):
         log(f"asynchdf5 remote, {client}")
         runs = [
-            asynchdf5_epochs([url], cpu=cpu, client=client, storage_options=opts) for _ in range(2)
+            asynchdf5_epochs([url], cpu=cpu, client=client, storage_options=opts)
+            for _ in range(args.repeats)
         ]
         e1 = min(runs, key=lambda r: r[0][0])
         e2 = min(runs, key=lambda r: r[0][1])
         row(
-            f"asynchdf5 remote ({client}), epoch 1 from construction (best of 2)",
+            f"asynchdf5 remote ({client}), epoch 1 from construction (best of {args.repeats})",
             e1[0][0],
             first_batch=e1[1],
             cpu=e1[2]["cpu"][0],
         )
         row(
-            f"asynchdf5 remote ({client}), epoch 2 (best of 2)",
+            f"asynchdf5 remote ({client}), epoch 2 (best of {args.repeats})",
             e2[0][1],
             extra=e2[2],
             cpu=e2[2]["cpu"][1],
@@ -478,109 +477,47 @@ def measure(
     return rows
 
 
-def report(rows: list[Row], args: argparse.Namespace, wall: float) -> str:
-    """The Markdown section for RESULTS.md."""
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    versions = (
-        f"{platform.python_version()} / {h5py.__version__} / {_version('s3fs')} / "
-        f"{_version('obstore')}"
+def bench(rec: Recorder) -> None:
+    """Every loader on the contiguous and gzip image sets (``--quick``: the contiguous one,
+    small): epoch time, samples/s, first batch, the ratio to the faster parallel download and
+    the client's and server's CPU seconds."""
+    quick = rec.quick
+    args = argparse.Namespace(
+        samples=8192 if quick else 200_000,
+        latency=0.02,
+        busy_ms=0.0 if quick else 1.0,
+        budget=0.3 if quick else 20.0,
+        repeats=1 if quick else 2,
+        data_dir=rec.data_dir,
     )
-    out = [
-        "## Remote sources (issue 14): S3 on localhost with injected latency",
-        "",
-        "|  |  |",
-        "|---|---|",
-        f"| date (UTC) | {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} |",
-        f"| command | `python -m benchmarks.remote {' '.join(sys.argv[1:])}`".rstrip() + " |",
-        f"| injected latency | {args.latency * 1000:.0f} ms per request: the server sleeps that "
-        "long before handling each request, in the request's own thread |",
-        f"| server | moto {_version('moto')} in a subprocess, `--fast-ranges` (module docstring) |",
-        f"| CPU | {os.cpu_count()} logical cores, shared by the server and the client |",
-        f"| Python / h5py / s3fs / obstore | {versions} |",
-        f"| wall time | {wall / 60:.1f} min |",
-        f"| load average (1/5/15 min) at the end | {load} |",
-        "",
-    ]
-    for name in dict.fromkeys(r.set for r in rows):
-        mine = [r for r in rows if r.set == name]
-        limit = min(
-            (r for r in mine if r.loader.startswith("parallel download")), key=lambda r: r.seconds
-        )
-        remote = next(r for r in mine if r.loader.startswith("asynchdf5 remote (obstore), epoch 1"))
-        stored = mine[0].stored_bytes / 1e6
-        out += [
-            f"### `{name}`: {mine[0].samples:,} samples, {stored:,.0f} MB stored",
-            "",
-            "| loader | epoch s | samples/s | stored MB/s | first batch | ÷ limit "
-            "| time ÷ asynchdf5 remote epoch 1 | CPU s: client + server (cores busy) | notes |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in mine:
-            star = "*" if r.extrapolated else ""
-            first = f"{r.first_batch:.2f} s" if r.first_batch is not None else "—"
-            cpu = "—"
-            if r.cpu is not None:
-                client, server = r.cpu
-                cpu = f"{client:.2f} + {server:.2f} ({(client + server) / r.seconds:.2f})"
-            out.append(
-                f"| {r.loader} | {r.seconds:,.2f}{star} | {r.samples_per_s:,.0f}{star} "
-                f"| {r.mb_per_s:,.1f} | {first} | {limit.seconds / r.seconds:.2f} "
-                f"| {r.seconds / remote.seconds:.2f} | {cpu} | {r.note} |"
-            )
-        out.append("")
-    out.append(
-        "`÷ limit`: the faster parallel download's time over this loader's (1: as fast as a "
-        "plain download of the same bytes). `time ÷ asynchdf5 remote epoch 1`: this loader's "
-        "time over asynchdf5's first remote epoch with obstore (above 1: asynchdf5 is faster). "
-        "`CPU s`: CPU seconds (user + system, all threads) of the client process and of the "
-        "server process in that epoch (or download); `cores busy`: their sum over the epoch's "
-        f"time, of the {os.cpu_count()} cores. `*`: extrapolated from a time-bounded run."
-    )
-    return "\n".join(out) + "\n"
-
-
-def _version(module: str) -> str:
-    try:
-        return str(__import__(module).__version__)
-    except Exception:
-        return "?"
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.remote", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--samples", type=int, default=200_000, help="samples per data set")
-    p.add_argument("--quick", action="store_true", help="20,000 samples, short budgets")
-    p.add_argument("--latency", type=float, default=0.02, help="seconds added to each request")
-    p.add_argument(
-        "--busy-ms",
-        type=float,
-        default=1.0,
-        help="ms of Python per batch in the busy consumer's runs (0: none)",
-    )
-    p.add_argument("--budget", type=float, default=20.0, help="seconds per h5py-over-fsspec run")
-    p.add_argument("--sets", default="contiguous,gzip", help="comma-separated: contiguous, gzip")
-    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
-    p.add_argument("--json", type=Path, help="also write the figures here")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.samples, args.budget = 20_000, 3.0
+    sets = ["contiguous"] if quick else ["contiguous", "gzip"]
+    rec.param(samples=args.samples, latency_s=args.latency, busy_ms=args.busy_ms, sets=sets)
     args.data_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    specs = [_spec(name, args.samples) for name in args.sets.split(",")]
+    specs = [_spec(name, args.samples) for name in sets]
     located = data.ensure(specs, args.data_dir)
     rows: list[Row] = []
     with S3Server(fast_ranges=True) as server:
         server.upload(BUCKET, {})
         for spec, files in zip(specs, located, strict=True):
             rows += measure(server, spec, files, args)
-    text = report(rows, args, time.perf_counter() - t0)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1, default=str))
-    return 0
+    for name in dict.fromkeys(r.set for r in rows):
+        mine = [r for r in rows if r.set == name]
+        limit = min(
+            (r.seconds for r in mine if r.loader.startswith("parallel download")), default=None
+        )
+        for r in mine:
+            star = ", extrapolated" if r.extrapolated else ""
+            rec.figure(f"{name}: {r.loader}{star}", r.samples_per_s, "samples/s")
+            rec.figure(f"{name}: {r.loader}, first batch", r.first_batch, "s")
+            rec.ratio(f"{name}: {r.loader}: limit's time ÷ this time", limit, r.seconds)
+            if r.cpu is not None and r.cpu[1] > 0:  # the server ran in this measurement
+                rec.figure(f"{name}: {r.loader}: client CPU", r.cpu[0], "CPU-s")
+                rec.figure(f"{name}: {r.loader}: server CPU", r.cpu[1], "CPU-s")
+            if r.note:
+                rec.note(f"{name}: {r.loader}: {r.note}")
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # what the docs named before ``python -m benchmarks run remote``
+    from benchmarks.__main__ import main
+
+    sys.exit(main(["run", "remote", *sys.argv[1:]]))

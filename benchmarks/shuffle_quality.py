@@ -28,11 +28,7 @@ the layer's batcher cuts them across chunk boundaries.
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import math
-import shlex
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -46,6 +42,7 @@ from asynchdf5 import CacheBudgetWarning
 from asynchdf5._cache import size_cache
 from asynchdf5._plan import plan_epoch
 from asynchdf5._shape import chunk_lanes, default_block_rows, first_read
+from benchmarks.report import Recorder
 
 __all__ = [
     "BATCH_SIZE",
@@ -277,91 +274,16 @@ def pairs_of(seeds: int, epochs: int) -> list[tuple[int, int]]:
     return [(s, e) for s in range(seeds) for e in range(epochs)]
 
 
-def quality_table(results: Sequence[Quality], chunk_size: int) -> list[str]:
-    """Markdown rows: the figures, and their ratio to the full permutation's."""
-    full = next(r for r in results if r.mode.kind == "permutation")
-    lines = [
-        "| mode | blocks per chunk | batch label entropy / log 10 | ÷ full permutation "
-        f"| 5th pct batch | first {FIRST_BATCHES} batches | Mosaic entropy (bits) "
-        "| ÷ full permutation |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        per_chunk = "—"
-        if r.mode.kind == "planner":
-            per_chunk = (
-                "1" if r.mode.block_size is None else f"{chunk_size / r.mode.block_size:,.0f}"
-            )
-        lines.append(
-            f"| {r.mode.name} | {per_chunk} | {r.entropy:.3f} ± {r.entropy_sd:.3f} "
-            f"| {r.entropy / full.entropy:.3f} | {r.entropy_p5:.3f} | {r.entropy_first:.3f} "
-            f"| {r.mosaic_bits:.2f} "
-            f"| {r.mosaic_bits / full.mosaic_bits:.3f} |"
-        )
-    return lines
-
-
-def header(argv: Sequence[str], module: str, started: str, wall_s: float) -> list[str]:
-    """The machine and command, in RESULTS.md's style (no first-touch probe: not timed here)."""
-    from benchmarks.report import collect_facts
-
-    facts = collect_facts()
-    keep = ("CPU", "RAM", "OS", "Python", "numpy / h5py / HDF5", "torch", "asynchdf5")
-    rows = [
-        ("date (UTC)", started),
-        ("command", f"`{shlex.join(['python', '-m', module, *argv])}`"),
-        *((k, facts[k]) for k in keep if k in facts),
-        ("wall time", f"{wall_s:.0f} s"),
-    ]
-    return ["|  |  |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
-
-
-def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.shuffle_quality",
-        description="Per-batch label entropy and Mosaic's index-difference entropy of the "
-        "planner's epoch orders on class-sorted data (no files needed). Prints markdown.",
-    )
-    p.add_argument("--samples", type=int, default=2_000_000, help="N (default 2,000,000)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1 (default 3)")
-    p.add_argument("--epochs", type=int, default=2, help="epochs 0..E-1 of each seed (default 2)")
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    p.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
-    p.add_argument(
-        "--row-bytes",
-        type=int,
-        default=IMAGE_ROW_BYTES,
-        help=f"bytes per sample, for the default block and first_rows (default {IMAGE_ROW_BYTES})",
-    )
-    p.add_argument(
-        "--widths",
-        action="store_true",
-        help="instead: the default shuffle at row widths of 9 bytes to 150 KB, with the cache "
-        "of a 24 GiB machine and of a 512 MiB process (the sizes the layer computes)",
-    )
-    p.add_argument("--output", help="also write the markdown to this file")
-    return p
-
-
 #: Row widths of ``--widths`` (bytes of a sample, label included), and memory budgets.
 WIDTHS = (9, 64, IMAGE_ROW_BYTES, 150 * 2**10 + 8)
 BUDGETS = {"24 GiB machine": 24 * 2**30 // 3, "512 MiB process": 512 * 2**20 // 3}
 
 
-def widths_table(n: int, seeds: int, epochs: int) -> list[str]:
+def widths(rec: Recorder, n: int, seeds: int, epochs: int) -> None:
     """The default shuffle's quality at each row width and budget: the cache's chunk rows,
     the default blocks, the chunks' lanes (as :class:`~asynchdf5.AsyncHDF5DataLayer` computes
     them for a local contiguous file), the batch label entropy against a full permutation's,
     and the median read (a range of a chunk)."""
-    lines = [
-        "| row bytes | budget | chunk rows | block rows | lanes | batch label entropy "
-        "÷ permutation | first 100 batches | median read |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
     perm_mode = Mode("permutation", "permutation")
     for row_bytes in WIDTHS:
         for name, budget in BUDGETS.items():
@@ -389,70 +311,26 @@ def widths_table(n: int, seeds: int, epochs: int) -> list[str]:
                 ent.append(h.mean() / p.mean())
                 first.append(h[:FIRST_BATCHES].mean() / p[:FIRST_BATCHES].mean())
                 reads += [b - a for c in plan.chunks for a, b in c.ranges]
-            lines.append(
-                f"| {row_bytes:,} | {name} | {cache.chunk_rows:,} | {block:,} | {lanes} | "
-                f"{np.mean(ent):.3f} | {np.mean(first):.3f} | "
-                f"{_mib(np.median(reads) * row_bytes)} |"
-            )
-    return lines
+            what = f"default shuffle, {row_bytes:,}-byte rows, {name}"
+            rec.figure(f"{what}: batch label entropy ÷ permutation's", np.mean(ent), "ratio")
+            rec.figure(f"{what}: first {FIRST_BATCHES} batches, the same", np.mean(first), "ratio")
+            rec.figure(f"{what}: median read", np.median(reads) * row_bytes / 2**20, "MiB")
+            rec.note(f"{what}: chunk rows {cache.chunk_rows:,}, block rows {block:,}, {lanes=}")
 
 
-def run(args: argparse.Namespace) -> tuple[OrderSpec, list[Quality]]:
-    """Measure every mode with the sizes the arguments give."""
-    spec = OrderSpec(args.samples, args.batch_size, args.chunk_size, args.row_bytes)
-    pairs = pairs_of(args.seeds, args.epochs)
-    results = []
-    for mode in modes(spec):
-        q = measure(mode, spec, pairs)
-        print(f"# {mode.name}: {q.entropy:.3f}, {q.mosaic_bits:.2f} bits", file=sys.stderr)
-        results.append(q)
-    return spec, results
-
-
-def describe(spec: OrderSpec, results: Sequence[Quality]) -> str:
-    """The sizes behind the table, in a sentence."""
-    plan_s = np.mean([r.seconds for r in results if r.mode.kind == "planner"])
-    return (
-        f"N = {spec.n:,} class-sorted samples (label = i * 10 // N), batch {spec.batch_size}, "
-        f"chunk_size {spec.chunk_size:,}, first_rows {spec.first_rows:,} in {spec.ramp_lanes} "
-        f"lanes, row {spec.row_bytes} "
-        f"bytes (default block {spec.default_block:,} samples); mean ± sd over "
-        f"{results[0].orders} (seed, epoch) pairs. One epoch's order took {plan_s:.2f} s to "
-        "compute on average (plan, chunk permutations, global indices)."
-    )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    started, t0 = utc_now(), time.perf_counter()
-    if args.widths:
-        table = widths_table(args.samples, args.seeds, args.epochs)
-        lines = [
-            *header(argv, "benchmarks.shuffle_quality", started, time.perf_counter() - t0),
-            "",
-            f"N = {args.samples:,} class-sorted samples, batch {BATCH_SIZE}, default "
-            f"chunk_size {CHUNK_SIZE:,}; the cache is a third of the memory (two slots). "
-            f"Mean over {args.seeds * args.epochs} (seed, epoch) pairs.",
-            "",
-            *table,
-        ]
-    else:
-        spec, results = run(args)
-        lines = [
-            *header(argv, "benchmarks.shuffle_quality", started, time.perf_counter() - t0),
-            "",
-            describe(spec, results),
-            "",
-            *quality_table(results, spec.chunk_size),
-        ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def bench(rec: Recorder) -> None:
+    """Every mode's label entropy and Mosaic entropy against a full permutation's, then the
+    default shuffle at several row widths and memory budgets."""
+    n, seeds, epochs = (200_000, 1, 1) if rec.quick else (2_000_000, 3, 2)
+    spec = OrderSpec(n, chunk_size=2**15 if rec.quick else CHUNK_SIZE)
+    rec.param(samples=n, seeds=seeds, epochs=epochs, batch_size=spec.batch_size,
+              chunk_size=spec.chunk_size, row_bytes=spec.row_bytes, classes=CLASSES)  # fmt: skip
+    pairs = pairs_of(seeds, epochs)
+    results = [measure(mode, spec, pairs) for mode in modes(spec)]
+    full = next(r for r in results if r.mode.kind == "permutation")
+    for r in results:
+        rec.figure(f"{r.mode.name}: batch label entropy / log 10", r.entropy, "ratio")
+        rec.ratio(f"{r.mode.name}: batch label entropy ÷ permutation's", r.entropy, full.entropy)
+        rec.figure(f"{r.mode.name}: Mosaic entropy", r.mosaic_bits, "bits")
+        rec.figure(f"{r.mode.name}: one epoch's order computed in", r.seconds, "s")
+    widths(rec, n, seeds, epochs)

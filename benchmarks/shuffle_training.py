@@ -24,17 +24,15 @@ import os
 # alone. Set before NumPy is first imported (as when run with ``python -m``); otherwise no effect.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import argparse
 import itertools
-import sys
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from asynchdf5._config import BLOCK_BYTES
+from benchmarks.report import Recorder
 from benchmarks.shuffle_quality import (
     BATCH_SIZE,
     CHUNK_SIZE,
@@ -43,9 +41,7 @@ from benchmarks.shuffle_quality import (
     Mode,
     OrderSpec,
     epoch_order,
-    header,
     modes,
-    utc_now,
 )
 
 __all__ = ["MLP", "Data", "TrainResult", "make_data", "train"]
@@ -175,139 +171,28 @@ def training_modes(spec: OrderSpec) -> list[Mode]:
     return modes(spec, [BLOCK_BYTES, 4 * BLOCK_BYTES, 16 * BLOCK_BYTES], extra=False)
 
 
-def _pm(values: Sequence[float]) -> str:
-    a = 100 * np.asarray(values)
-    return f"{a.mean():.2f} ± {a.std():.2f}"
-
-
-def results_table(results: Sequence[TrainResult], epochs: int) -> list[str]:
-    """Markdown rows: test accuracy (%) after each epoch, mean ± sd over the seeds."""
-    by_mode: dict[str, list[TrainResult]] = {}
-    for r in results:
-        by_mode.setdefault(r.mode.name, []).append(r)
-    full = next(rs for rs in by_mode.values() if rs[0].mode.kind == "permutation")
-    full_final = {r.seed: r.accuracy[-1] for r in full}
-    cols = [f"epoch {e + 1}" for e in range(epochs)]
-    lines = [
-        f"| mode | {' | '.join(cols)} | final − full permutation (points) | s per run |",
-        "|---|" + "---|" * (epochs + 2),
-    ]
-    for name, rs in by_mode.items():
-        per_epoch = [_pm([r.accuracy[e] for r in rs]) for e in range(epochs)]
-        diff = [100 * (r.accuracy[-1] - full_final[r.seed]) for r in rs]
-        lines.append(
-            f"| {name} | {' | '.join(per_epoch)} | {np.mean(diff):+.2f} "
-            f"(seeds: {', '.join(f'{d:+.2f}' for d in diff)}) "
-            f"| {np.mean([r.seconds for r in rs]):.0f} |"
-        )
-    return lines
-
-
-def verdict(results: Sequence[TrainResult]) -> str:
-    """The issue's claim, checked on the final accuracies (mean over the seeds)."""
-
-    def final(pred: Callable[[Mode], bool]) -> float:
-        return float(np.mean([r.accuracy[-1] for r in results if pred(r.mode)]))
-
-    full = final(lambda m: m.kind == "permutation")
-    default = final(lambda m: m.default)
-    gap = 100 * (full - default)
-    met = "met" if gap <= 1.0 else "NOT met"
-    return (
-        f"Target (default blocks within 1 point of the full permutation's final accuracy): "
-        f"{met}: {100 * default:.2f} % against {100 * full:.2f} % ({-gap:+.2f} points)."
-    )
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.shuffle_training",
-        description="Train a small model on class-sorted data with each shuffle mode's epoch "
-        "order (from the planner) and report held-out accuracy. Prints markdown.",
-    )
-    p.add_argument("--samples", type=int, default=2_000_000, help="training samples N")
-    p.add_argument("--test", type=int, default=50_000, help="i.i.d. test samples")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument(
-        "--separation",
-        type=float,
-        default=2.5,
-        help="scale of the class means (smaller: more overlap; default 2.5)",
-    )
-    p.add_argument("--hidden", type=int, default=64, help="hidden units (0: logistic regression)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
-    p.add_argument("--row-bytes", type=int, default=IMAGE_ROW_BYTES)
-    p.add_argument(
-        "--only",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="train only the modes whose name contains TEXT (repeatable)",
-    )
-    p.add_argument("--output", help="also write the markdown to this file")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    started, t0 = utc_now(), time.perf_counter()
-    spec = OrderSpec(args.samples, BATCH_SIZE, args.chunk_size, args.row_bytes)
-    data = make_data(args.samples, args.test, args.dim, args.separation)
-    print(f"# data ready, Bayes accuracy {data.bayes_accuracy:.4f}", file=sys.stderr, flush=True)
-    selected = [
-        m for m in training_modes(spec) if not args.only or any(t in m.name for t in args.only)
-    ]
-    results = []
-    for seed in range(args.seeds):
-        for mode in selected:
-            r = train(
-                mode,
-                spec,
-                data,
-                seed=seed,
-                epochs=args.epochs,
-                hidden=args.hidden,
-                lr=args.lr,
-                momentum=args.momentum,
-            )
-            accs = ", ".join(f"{a:.4f}" for a in r.accuracy)
-            print(
-                f"# seed {seed} {mode.name}: {accs} ({r.seconds:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-            results.append(r)
-    model = "logistic regression" if args.hidden <= 0 else f"MLP {args.dim}-{args.hidden}-10 (ReLU)"
-    about = (
-        f"{model}, SGD lr {args.lr:g} momentum {args.momentum:g} (constant), batch "
-        f"{BATCH_SIZE}, {args.epochs} epochs over N = {args.samples:,} class-sorted samples "
-        f"(10 Gaussian classes in {args.dim}-d, separation {args.separation:g}); orders from the "
-        f"planner with chunk_size {spec.chunk_size:,}, first_rows {spec.first_rows:,} and the "
-        f"blocks of a {spec.row_bytes}-byte row; test accuracy (%) on {args.test:,} i.i.d. "
-        f"samples, mean ± sd over {args.seeds} seeds (seed = order seed = initial weights). "
-        f"Bayes classifier on the test set: {100 * data.bayes_accuracy:.2f} %."
-    )
-    lines = [
-        *header(argv, "benchmarks.shuffle_training", started, time.perf_counter() - t0),
-        "",
-        about,
-        "",
-        *results_table(results, args.epochs),
-        "",
-        verdict(results),
-    ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def bench(rec: Recorder) -> None:
+    """Test accuracy after the last epoch per mode and seed (MLP 64-64-10, SGD lr 0.05 momentum
+    0.9, batch 256, class-sorted Gaussian classes of separation 2.5), and each mode's final
+    accuracy minus the full permutation's, in points (mean over seeds; a note when negative)."""
+    n, test, seeds, epochs = (20_000, 2_000, 1, 1) if rec.quick else (2_000_000, 50_000, 3, 3)
+    dim, hidden, separation = 64, 64, 2.5
+    spec = OrderSpec(n, BATCH_SIZE, 2**13 if rec.quick else CHUNK_SIZE, IMAGE_ROW_BYTES)
+    data = make_data(n, test, dim, separation)
+    rec.param(samples=n, test=test, seeds=seeds, epochs=epochs, dim=dim, hidden=hidden,
+              separation=separation, chunk_size=spec.chunk_size)  # fmt: skip
+    rec.figure("Bayes classifier, test accuracy", 100 * data.bayes_accuracy, "%")
+    finals: dict[str, list[float]] = {}
+    for seed in range(seeds):
+        for mode in training_modes(spec):
+            r = train(mode, spec, data, seed=seed, epochs=epochs, hidden=hidden, lr=0.05,
+                      momentum=0.9)  # fmt: skip
+            finals.setdefault(mode.name, []).append(100 * r.accuracy[-1])
+    full = next(np.mean(v) for k, v in finals.items() if "permutation" in k)
+    for name, accs in finals.items():
+        rec.figure(f"{name}: final test accuracy", float(np.mean(accs)), "%")
+        gap = float(np.mean(accs)) - full
+        if gap < 0:
+            rec.figure(f"{name}: below the full permutation", -gap, "points")
+        else:
+            rec.note(f"{name}: {gap:+.2f} points against the full permutation")

@@ -460,6 +460,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def bench(rec: Any) -> None:
+    """``python -m benchmarks run step-cost``: :func:`main` at the run's size, every loader, its
+    JSON output recorded as figures (median and p90 step ÷ free, epoch ÷ ideal, per loader)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="step-cost-") as tmp:
+        out = Path(tmp) / "step_cost.json"
+        argv = ["--data-dir", str(rec.data_dir), "--output", str(out)]
+        argv += ["--quick", "--steps", "10", "--timeout", "60"] if rec.quick else []
+        with contextlib.redirect_stdout(sys.stderr):
+            main(argv)
+        result = json.loads(out.read_text())
+    cfg = result["config"]
+    rec.param(**{k: cfg[k] for k in ("step_ms", "steps", "samples", "chunk_size", "repeats")})
+    for r in result["runs"]:
+        if "error" in r:
+            rec.note(f"{r['loader']}: {r['error']}")
+            continue
+        rec.figure(f"{r['loader']}: median step ÷ free step", r["median_ratio"], "ratio")
+        rec.figure(f"{r['loader']}: p90 step ÷ free median", r["p90_ratio"], "ratio")
+        rec.figure(f"{r['loader']}: epoch ÷ ideal", r["epoch_ratio"], "ratio")
+        rec.figure(f"{r['loader']}: first batch", r["first_batch_s"], "s")
+
+
 if __name__ == "__main__":
     with contextlib.suppress(BrokenPipeError):
         sys.exit(main())

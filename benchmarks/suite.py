@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.config import SuiteConfig
-from benchmarks.data import DatasetFiles
-from benchmarks.measure import Job, Result, run_job
-
-GROUPS = ("raw", "decompress", "ram", "chunkloop", "h5py", "torch", "asynchdf5", "probe")
+from benchmarks.config import QUICK, SuiteConfig
+from benchmarks.data import DatasetFiles, ensure
+from benchmarks.measure import Job, Result, run_in_process, run_job
+from benchmarks.report import Recorder
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Planned:
     Attributes
     ----------
     group
-        Its group (one of :data:`GROUPS`), selectable with ``--only``.
+        Its group (raw, decompress, ram, chunkloop, h5py, torch, asynchdf5, probe).
     label
         Its row in the report.
     func
@@ -153,20 +153,11 @@ def plan(files: DatasetFiles, config: SuiteConfig) -> Iterator[Planned]:
                 )
 
 
-def selected(planned: Planned, files: DatasetFiles, only: tuple[str, ...]) -> bool:
-    """Whether ``--only`` keeps this measurement (names of data sets and groups, combined)."""
-    sets = [o for o in only if o not in GROUPS]
-    groups = [o for o in only if o in GROUPS]
-    return (not sets or files.spec.name in sets) and (not groups or planned.group in groups)
-
-
 def run(all_files: list[DatasetFiles], config: SuiteConfig, log: bool = True) -> list[Result]:
     """Run the plan of every data set, one subprocess per measurement."""
     results: list[Result] = []
     for files in all_files:
         for p in plan(files, config):
-            if not selected(p, files, config.only):
-                continue
             job = Job(
                 func=p.func,
                 label=p.label,
@@ -179,7 +170,10 @@ def run(all_files: list[DatasetFiles], config: SuiteConfig, log: bool = True) ->
                 params=p.params | {"group": p.group},
             )
             t0 = time.perf_counter()
-            result = run_job(job, config.timeout_s)
+            if config.in_process:
+                result = run_in_process(job)
+            else:
+                result = run_job(job, config.timeout_s)
             results.append(result)
             if log:
                 o = result.outcome
@@ -191,3 +185,76 @@ def run(all_files: list[DatasetFiles], config: SuiteConfig, log: bool = True) ->
                     flush=True,
                 )
     return results
+
+
+# --------------------------------------------------------------------------------------------
+# The benchmark: every measurement of the plan, as figures
+
+#: Labels of the references the ratios divide by.
+RAW_WARM = "raw preadv, 64 MiB buffer, warm"
+RAW_COLD = "raw preadv, 64 MiB buffer, cold"
+IN_RAM = "in-RAM ceiling (np.take)"
+
+
+def _rate(r: Result | None) -> float | None:
+    return r.outcome.samples_per_s if r is not None and r.outcome is not None else None
+
+
+def record(rec: Recorder, results: list[Result]) -> None:
+    """Each measurement's samples/s (and asynchdf5's first batch, later epochs and ratios to
+    the raw read of the same cache state, the in-RAM ceiling, h5py and the best DataLoader)."""
+    by_set: dict[str, dict[str, Result]] = {}
+    for r in results:
+        by_set.setdefault(r.job["files"]["spec"]["name"], {})[r.label] = r
+    ceiling = next((_rate(s.get(IN_RAM)) for s in by_set.values() if IN_RAM in s), None)
+    for name, by in by_set.items():
+        torch = [_rate(r) for r in by.values() if r.job["params"].get("group") == "torch"]
+        best_torch = max((x for x in torch if x is not None), default=None)
+        for label, r in by.items():
+            o = r.outcome
+            if o is None:
+                rec.note(f"{name}: {label}: {r.error}")
+                continue
+            star = ", extrapolated" if o.extrapolated else ""
+            rec.figure(f"{name}: {label}{star}", o.samples_per_s, "samples/s")
+            busy = o.extra.get("busy", {})
+            if "p99_ms" in busy:
+                rec.figure(f"{name}: {label}, event-loop gap p99", busy["p99_ms"], "ms")
+                rec.figure(f"{name}: {label}, event-loop gap max", busy["max_ms"], "ms")
+            if r.job["params"].get("group") != "asynchdf5":
+                continue
+            rec.figure(f"{name}: {label}, first batch", o.first_batch_s, "s")
+            rec.figure(f"{name}: {label}, peak RSS", r.peak_rss_mib, "MiB")
+            epochs = [o.samples_per_s] + [
+                float(e["samples_per_s"]) for e in o.extra.get("later_epochs", [])
+            ]
+            raw = _rate(by.get(RAW_COLD if r.cold else RAW_WARM))
+            for i, rate in enumerate(epochs, start=1):
+                if i > 1:
+                    rec.figure(f"{name}: {label}, epoch {i}", rate, "samples/s")
+                what = f"{name}: {label}, epoch {i}"
+                rec.ratio(f"{what} ÷ raw read (same cache state)", rate, raw)
+                if r.job["files"]["spec"]["kind"] == "image":
+                    rec.ratio(f"{what} ÷ in-RAM ceiling", rate, ceiling)
+                if best_torch is not None:
+                    rec.ratio(f"{what} ÷ best DataLoader", rate, best_torch)
+
+
+def bench(rec: Recorder) -> None:
+    """Shuffled epochs (batch 256) of every loader on the suite's data sets, each measurement in
+    its own subprocess (peak RSS its own), against the raw read of the same bytes, the in-RAM
+    ceiling, a hand-written chunk loop, plain h5py and PyTorch's DataLoader over h5py. The
+    slow loaders are time-bounded and extrapolated (marked)."""
+    config = SuiteConfig(data_dir=rec.data_dir)
+    if rec.quick:
+        config = dataclasses.replace(config, **QUICK)
+    sets = [s for s in config.datasets() if s.name in config.sets]
+    rec.param(
+        sets=[s.title for s in sets],
+        batch_size=config.batch_size,
+        chunk_size=config.chunk_size,
+        stream_chunk_size=config.stream_chunk_size,
+        budget_s=config.budget_s,
+        in_process=config.in_process,
+    )
+    record(rec, run(ensure(sets, config.data_dir), config))

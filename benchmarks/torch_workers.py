@@ -1,28 +1,28 @@
 """DataLoader workers with ``asynchdf5.torch``: samples/s at 0 and k workers, warm, with and without
-a CPU-heavy Python transformer (a per-sample augmentation that holds the GIL).
+a CPU-heavy Python transformer (a per-sample augmentation that holds the GIL)
+(``python -m benchmarks run torch-workers``).
 
-    python -m benchmarks.torch_workers [--dir DIR] [--images N] [--workers 0,2] [--repeats 3]
-
-Writes (once) ``N`` images of 3x64x64 uint8 with an ``int64`` label to ``DIR/images.h5``, reads
-it once to warm the page cache, then times whole epochs of ``batch_size=256, shuffle=True``
-through ``DataLoader(ds, batch_size=None, num_workers=k)`` after one untimed epoch, and prints
-the median of the repeats. Also times what each batch costs to cross into the main process:
-``share_memory_()`` of a fresh batch tensor, the copy torch makes of every batch a worker sends.
+Writes (once) N images (20,000; ``--quick``: 1,024) of 3x64x64 uint8 with an ``int64`` label into
+the data folder, reads them once to warm the page cache, then times whole epochs of
+``batch_size=256, shuffle=True`` through ``DataLoader(ds, batch_size=None, num_workers=k)`` after
+one untimed epoch, and records the median of the repeats. Also times what each batch costs to
+cross into the main process: ``share_memory_()`` of a fresh batch tensor, the copy torch makes of
+every batch a worker sends.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from asynchdf5.torch import HDF5IterableDataset
+from benchmarks import data
+from benchmarks.report import Recorder
 
 BATCH = 256
 
@@ -36,23 +36,6 @@ def augment(x: np.ndarray) -> np.ndarray:
         noisy = s.astype(np.int16) + rng.integers(-8, 9, s.shape, dtype=np.int16)
         out[i] = np.clip(noisy, 0, 255)
     return out
-
-
-def images(folder: Path, n: int) -> Path:
-    path = folder / "images.h5"
-    if path.exists():
-        with h5py.File(path, "r") as f:
-            if f["data"].shape[0] == n:
-                return path
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    with h5py.File(path, "w") as f:
-        d = f.create_dataset("data", (n, 3, 64, 64), np.uint8)
-        for a in range(0, n, 10_000):
-            b = min(n, a + 10_000)
-            d[a:b] = rng.integers(0, 256, (b - a, 3, 64, 64), dtype=np.uint8)
-        f.create_dataset("label", data=np.arange(n, dtype=np.int64) % 1000)
-    return path
 
 
 def rate(path: Path, workers: int, heavy: bool, repeats: int) -> float:
@@ -85,30 +68,18 @@ def crossing(row_bytes: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", type=Path, default=Path("bench-data"))
-    p.add_argument("--images", type=int, default=20_000)
-    p.add_argument("--workers", default="0,2")
-    p.add_argument("--repeats", type=int, default=3)
-    a = p.parse_args()
-    path = images(a.dir, a.images)
+def bench(rec: Recorder) -> None:
+    """Median samples/s of the timed epochs at 0 and 2 workers, with and without the Python
+    augmentation, and the cost of one batch's ``share_memory_()``."""
+    n, repeats = (1024, 1) if rec.quick else (20_000, 3)
+    path = data.large_images(rec.data_dir / f"torch-workers-{n}", n)
     with open(path, "rb") as f:  # warm
         while f.read(2**24):
             pass
-    row = 3 * 64 * 64
-    print(f"{a.images} images of 3x64x64 uint8, batch {BATCH}, shuffled, warm")
+    rec.param(images=n, shape="3x64x64 uint8", batch=BATCH, repeats=repeats, shuffle=True)
     for heavy in (False, True):
-        for k in (int(w) for w in a.workers.split(",")):
-            r = rate(path, k, heavy, a.repeats)
+        for k in (0, 2):
             what = "augment (Python, per sample)" if heavy else "no transformer"
-            print(f"  {what:30s} num_workers={k}: {r:10,.0f} samples/s")
-    per = crossing(row)
-    print(
-        f"  a batch crossing processes: share_memory_() of {BATCH * row / 2**20:.1f} MiB "
-        f"takes {per * 1e3:.2f} ms ({BATCH * row / per / 2**30:.2f} GiB/s)"
-    )
-
-
-if __name__ == "__main__":
-    main()
+            rec.figure(f"{what}, num_workers={k}", rate(path, k, heavy, repeats), "samples/s")
+    row = 3 * 64 * 64
+    rec.figure("a batch crossing processes: share_memory_()", crossing(row) * 1e3, "ms")

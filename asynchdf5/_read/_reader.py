@@ -9,8 +9,8 @@ bytes and checks that the files did not change:
 * ``chunks``: each stored chunk is fetched and decoded by a pool of threads (:mod:`._codecs`,
   checksums verified), outside h5py's lock; a partial last chunk stored unfiltered is copied as is.
 * ``h5py``: everything else is read with ``Dataset.read_direct``. **This holds h5py's lock** for
-  the call, so reads are cut into pieces of at most ``PIECE_BYTES``. The files it used are
-  checked afterwards, by name too for those HDF5 opens by name (external raw files, virtual
+  the call, so reads are cut into pieces of at most the source's ``piece_bytes``. The files it
+  used are checked afterwards, by name too for those HDF5 opens by name (external raw files, virtual
   sources): a source that vanished would have come out as fill values.
 """
 
@@ -34,7 +34,6 @@ from .._pages import free_arrays
 from .._plan import ChunkPlan
 from .._priority import background
 from .._sources import ByteRange, Source, Streaming
-from .._sources._local import PIECE_BYTES
 from .._stats import ReadStats
 from ._spans import merged, uncovered
 from ._steps import Decode, H5pyRead, byte_view, direct_ranges, swapper
@@ -144,6 +143,7 @@ class HDF5Reader:
         """The reads that put global rows ``start:stop`` at row ``out`` of ``arrays``, for each
         ``(start, stop, out)``: byte ranges for the source, h5py reads, and steps to run after
         the byte ranges are in (byte swaps)."""
+        piece = self.source.piece_bytes
         segments: list[Segment] = []
         for a, b, out in placed:
             segments.extend(self.catalog.segments(a, b, out))
@@ -164,13 +164,15 @@ class HDF5Reader:
                     if whole is None:
                         whole = byte_view(arrays[top])
                     view = whole[seg.out_start * rb : (seg.out_start + n) * rb]
-                    ranges += direct_ranges(layout, seg.row_start, seg.row_stop, view, rb, about)
+                    ranges += direct_ranges(
+                        layout, seg.row_start, seg.row_stop, view, rb, about, piece
+                    )
                     if layout.swap:
                         after.append(swapper(dest))
                 elif layout.path == "chunks":
                     ranges += self._chunks(layout, seg.row_start, seg.row_stop, dest, info, about)
                 else:
-                    step = max(1, PIECE_BYTES // max(1, info.row_bytes))
+                    step = max(1, piece // max(1, info.row_bytes))
                     for r in range(seg.row_start, seg.row_stop, step):
                         r1 = min(seg.row_stop, r + step)
                         part = dest[r - seg.row_start : r1 - seg.row_start]

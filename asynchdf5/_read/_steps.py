@@ -18,7 +18,6 @@ from .._codecs import ChecksumError, ChunkDecoder
 from .._errors import ReadError
 from .._layout import Layout
 from .._sources import ByteRange
-from .._sources._local import PIECE_BYTES
 
 __all__ = ["Decode", "H5pyRead", "byte_view", "direct_ranges", "swapper"]
 
@@ -104,16 +103,22 @@ class Decode:
 
 
 def direct_ranges(
-    layout: Layout, r0: int, r1: int, view: memoryview, row_bytes: int, about: str
+    layout: Layout,
+    r0: int,
+    r1: int,
+    view: memoryview,
+    row_bytes: int,
+    about: str,
+    piece_bytes: int,
 ) -> list[ByteRange]:
     """Byte ranges of rows ``r0:r1`` over the layout's extents, straight into ``view`` (the
-    bytes of their destination); none larger than ``PIECE_BYTES``."""
+    bytes of their destination); none larger than ``piece_bytes`` (the source's)."""
     lo, hi = r0 * row_bytes, r1 * row_bytes
     out = []
     for ext in layout.extents:
         a, b = max(lo, ext.start), min(hi, ext.start + ext.size)
         while a < b:
-            c = min(b, a + PIECE_BYTES)
+            c = min(b, a + piece_bytes)
             out.append(
                 ByteRange(
                     ext.file, ext.offset + a - ext.start, c - a, about, into=view[a - lo : c - lo]

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._base import ByteRange, Source, StoredFile, Streaming
-from ._entries import SourceLike, is_hdf5_file, is_url, name_entry, resolve_source
+from ._base import ByteRange, Source, StoredFile, Streaming, is_url
+from ._entries import SourceLike, is_hdf5_file, name_entry, resolve_source
 from ._local import LocalSource
 from ._remote import RemoteSource
 

@@ -9,15 +9,21 @@ remote objects with concurrent ranged requests. Nothing above this seam knows wh
 
 Integrity is the source's job too: a file that changed since it was opened (rewritten in place,
 truncated) is a :class:`~asynchdf5.ReadError` when its bytes are fetched, never wrong rows.
+
+The names a source takes (paths, URLs, ``file://`` URLs) and the signature that makes a file
+HDF5 are defined here too, once, for every source and for the resolution of the source property.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
+from urllib.parse import unquote, urlsplit
 
 import anyio
 
@@ -26,7 +32,37 @@ if TYPE_CHECKING:
 
     from .._stats import ReadStats
 
-__all__ = ["ByteRange", "Source", "StoredFile", "Streaming"]
+__all__ = [
+    "HDF5_SIGNATURE",
+    "ByteRange",
+    "Source",
+    "StoredFile",
+    "Streaming",
+    "file_url_path",
+    "is_url",
+]
+
+#: The 8-byte signature an HDF5 file starts with (at offset 0, 512, 1024, 2048, ... when a user
+#: block precedes it).
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(entry: str) -> bool:
+    """Whether ``entry`` is a URL (``s3://...``, ``https://...``), not a local path."""
+    return _URL.match(entry) is not None
+
+
+def file_url_path(url: str) -> str | None:
+    """The local path of a ``file://`` URL (None for other URLs)."""
+    if not url.lower().startswith("file://"):
+        return None
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        return None  # a file on another host: leave it to fsspec
+    return os.path.normpath(unquote(parts.path))
+
 
 #: How a fetch's ranges are read from data larger than memory (see :meth:`Source.fetch`).
 Streaming = Literal["in order", "scattered"]
@@ -103,6 +139,14 @@ class ByteRange:
 
 class Source(Protocol):
     """Where the bytes of a layer's HDF5 files come from (local files, remote objects)."""
+
+    @property
+    def piece_bytes(self) -> int:
+        """Bytes one range (or one h5py read) should move at most: the chunk reader cuts longer
+        contiguous reads into pieces of this size. It bounds how long one worker-thread call of
+        the source holds its thread, so that cancelling a read never waits for more than a
+        piece per thread."""
+        ...
 
     def open(self, name: str, *, hdf5: bool = True) -> StoredFile:
         """Open ``name`` (blocking). ``hdf5=False``: a file of raw bytes (external storage).

@@ -10,30 +10,25 @@ from __future__ import annotations
 
 import os
 import posixpath
-import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
 from .._errors import ConfigurationError, SourceError
+from ._base import HDF5_SIGNATURE, file_url_path, is_url
+from ._remote import read_source_url
 
 __all__ = [
-    "HDF5_SIGNATURE",
+    "HDF5_SUFFIXES",
     "Entry",
     "SourceLike",
     "is_hdf5_file",
-    "is_url",
+    "join_url",
     "name_entry",
     "resolve_source",
 ]
 
 SourceLike = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
-
-#: The 8-byte signature an HDF5 file starts with (at offset 0, 512, 1024, 2048, ... when a user
-#: block precedes it).
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 class Entry(str):
@@ -62,11 +57,6 @@ def name_entry(exc: BaseException, entry: str) -> None:
     suffix = f" ({where})"
     if not exc.args[0].endswith(suffix):
         exc.args = (exc.args[0] + suffix, *exc.args[1:])
-
-
-def is_url(entry: str) -> bool:
-    """Whether ``entry`` is a URL (``s3://...``, ``https://...``), not a local path."""
-    return _URL.match(entry) is not None
 
 
 def is_hdf5_file(path: Path) -> bool:
@@ -144,9 +134,6 @@ HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5", ".nc", ".nc4")
 
 def _resolve_url(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
     """A source given as one URL: an HDF5 object, or a source list file (read now)."""
-    # Imported here: the remote source needs fsspec, which is optional, and imports this module.
-    from ._remote import file_url_path, read_source_url
-
     path = file_url_path(url)
     if path is not None:  # a local file: local paths, relative to its folder
         return resolve_source(path)

@@ -26,9 +26,8 @@ import anyio.to_thread
 from .._errors import DataLayerError, ReadError, SourceError
 from .._priority import background
 from .._stats import ReadStats
-from ._base import ByteRange, StoredFile, Streaming
+from ._base import HDF5_SIGNATURE, ByteRange, StoredFile, Streaming
 from ._direct import DIRECT_BYTES, DIRECT_MIN, DONTNEED, WILLNEED, advise, read_direct
-from ._entries import HDF5_SIGNATURE
 from ._handles import Fingerprint, LocalFile, OpenFiles
 
 __all__ = ["PIECE_BYTES", "Fingerprint", "LocalFile", "LocalSource"]
@@ -37,6 +36,8 @@ __all__ = ["PIECE_BYTES", "Fingerprint", "LocalFile", "LocalSource"]
 #: run never waits for more than this per thread.
 PIECE_BYTES = 32 * 2**20
 #: Files one worker-thread call reads at most: each is pinned open until the call checks it.
+#: Fewer where the open-file limit is low: every reading thread's calls together pin at most
+#: half of the files the source may keep open (:meth:`LocalSource.fetch`).
 FILES_PER_PIECE = 16
 
 
@@ -44,11 +45,15 @@ class LocalSource:
     """The files of a source on local (or network-mounted) file systems, at most
     ``max_open`` of them open at once (default: :func:`._handles.open_limit`)."""
 
+    #: See :attr:`Source.piece_bytes <._base.Source.piece_bytes>`.
+    piece_bytes = PIECE_BYTES
+
     def __init__(self, max_open: int | None = None) -> None:
         self._files: dict[str, LocalFile] = {}
         self._open = OpenFiles(max_open)
         self._lock = threading.Lock()
         self._readers: ThreadPoolExecutor | None = None  # made at the first fetch
+        self._files_per_call = FILES_PER_PIECE
         self._closed = False
 
     def exists(self, name: str) -> bool:
@@ -112,13 +117,20 @@ class LocalSource:
                 self._readers = ThreadPoolExecutor(
                     max(1, n), "asynchdf5-read", initializer=background
                 )
+                # Each thread's call pins its files: all of them together stay within half the
+                # open-file limit, so pins never hold more descriptors than the process has.
+                self._files_per_call = max(
+                    1, min(FILES_PER_PIECE, self._open.limit // (2 * max(1, n)))
+                )
             readers = self._readers
+            per_call = self._files_per_call
         # In file order: each thread's call then reads ahead through its part of the file.
         ordered = sorted(ranges, key=lambda r: (id(r.file), r.offset))
         async with anyio.create_task_group() as tg:
             # Streaming, calls of a direct read each: more of them in flight for the disk.
             scattered = streaming == "scattered"
-            for batch in _batches(ordered, DIRECT_BYTES if scattered else PIECE_BYTES):
+            piece = DIRECT_BYTES if scattered else PIECE_BYTES
+            for batch in _batches(ordered, piece, per_call):
                 tg.start_soon(self._fetch_in_thread, batch, work, limiter, readers, streaming)
         return sum(r.size for r in ranges)
 
@@ -171,15 +183,17 @@ def is_hdf5_file_fd(fd: int) -> bool:
     return False
 
 
-def _batches(ranges: Sequence[ByteRange], piece: int) -> Iterator[list[ByteRange]]:
+def _batches(
+    ranges: Sequence[ByteRange], piece: int, most_files: int = FILES_PER_PIECE
+) -> Iterator[list[ByteRange]]:
     """Consecutive ranges, about ``piece`` bytes per batch (one worker-thread call each), of at
-    most ``FILES_PER_PIECE`` files (each pinned open for the call)."""
+    most ``most_files`` files (each pinned open for the call)."""
     batch: list[ByteRange] = []
     size = 0
     files: set[int] = set()
     for r in ranges:
         new_file = id(r.file) not in files
-        if batch and (size + r.size > piece or (new_file and len(files) >= FILES_PER_PIECE)):
+        if batch and (size + r.size > piece or (new_file and len(files) >= most_files)):
             yield batch
             batch, size, files = [], 0, set()
         batch.append(r)

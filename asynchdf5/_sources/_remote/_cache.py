@@ -9,9 +9,12 @@ import os
 import shutil
 import threading
 import uuid
+from typing import TYPE_CHECKING
 
 from ..._errors import SourceError
-from ._files import RemoteFile
+
+if TYPE_CHECKING:
+    from ._files import RemoteFile
 
 
 class DiskCache:

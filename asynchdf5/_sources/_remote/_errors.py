@@ -1,5 +1,6 @@
-"""What stores answer, sorted into what asynchdf5 does about it; and secrets kept out of
-messages."""
+"""What stores answer, sorted into what asynchdf5 does about it (:func:`classify`), the errors
+that name the object (:func:`read_error`, :func:`check_length`, :func:`decode_error`), and
+secrets kept out of messages (:class:`Secrets`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..._errors import ReadError
+from ..._errors import DataLayerError, ReadError
 
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
@@ -150,6 +151,48 @@ def classify(exc: BaseException) -> str:
     ):
         return "transient"  # a socket error (an aiohttp ClientOSError is one too)
     return "other"
+
+
+def read_error(
+    name: str, about: str, exc: BaseException, attempts: int, scrub: Secrets
+) -> ReadError:
+    """The :class:`~asynchdf5.ReadError` for a request about ``about`` of the object ``name``
+    that failed with ``exc`` (after ``attempts`` tries, if transient): the object changed, was
+    deleted, or could not be read. Its cause is kept unless printing it would show a secret."""
+    what = classify(exc)
+    if what == "changed":
+        detail = f" ({exc})" if isinstance(exc, Changed) else ""
+        msg = f"{name}: {about}: the object was changed after the source was opened{detail}"
+    elif what == "missing":
+        msg = f"{name}: {about}: the object was deleted after the source was opened"
+    elif what == "transient":
+        msg = f"{name}: {about}: read failed after {attempts} attempts: {describe(exc)}"
+    else:
+        msg = f"{name}: {about}: read failed: {describe(exc)}"
+    err = ReadError(scrub(msg))
+    if not scrub.leaks(exc):
+        err.__cause__ = exc
+    err.__suppress_context__ = True
+    return err
+
+
+def check_length(name: str, about: str, start: int, stop: int, n: int) -> None:
+    """Raise a :class:`~asynchdf5.ReadError` if ``n`` bytes came for ``start:stop``."""
+    if n != stop - start:
+        raise ReadError(
+            f"{name}: {about}: {stop - start} bytes at offset {start} are cut short "
+            f"({n} came; the object is shorter than when the source was opened)"
+        )
+
+
+def decode_error(exc: BaseException, name: str, about: str) -> BaseException:
+    """What to raise for ``exc`` from a codec thread: our errors as they are, others as a
+    :class:`~asynchdf5.ReadError` naming the object and what was read."""
+    if isinstance(exc, DataLayerError) or not isinstance(exc, Exception):
+        return exc
+    err = ReadError(f"{name}: {about}: read failed: {describe(exc)}")
+    err.__cause__ = exc
+    return err
 
 
 class Changed(Exception):

@@ -1,4 +1,5 @@
-"""Remote objects as the catalog sees them (StoredFile), and h5py's file object over one."""
+"""Remote objects as the catalog sees them (:class:`~.._base.StoredFile`), and h5py's file object
+over one; both read through the source's :class:`~._fetch.Fetcher`."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import h5py
 
 from ..._errors import DataLayerError, SourceError
 from ._errors import ReadFailed, describe
-from ._stores import Store
 
 if TYPE_CHECKING:
-    from ._source import RemoteSource
+    from ._fetch import Fetcher
+    from ._stores import Store
 
 
 class RemoteFile:
@@ -26,7 +27,7 @@ class RemoteFile:
 
     def __init__(
         self,
-        source: RemoteSource,
+        fetcher: Fetcher,
         store: Store,
         url: str,
         size: int,
@@ -34,10 +35,10 @@ class RemoteFile:
         head: bytes,
     ) -> None:
         self.url = url
-        self.name = source.scrub(url)
+        self.name = fetcher.scrub(url)
         self.version = version
         self._size = size
-        self._source = source
+        self._fetcher = fetcher
         self.store = store
         self._head = head  # the first bytes, fetched at open: h5py starts there
         self._h5: h5py.File | None = None
@@ -51,12 +52,12 @@ class RemoteFile:
     @property
     def request_bytes(self) -> int:
         """One whole request of the source (smaller blocks are a request each)."""
-        return self._source.transfer.part_bytes
+        return self._fetcher.transfer.part_bytes
 
     def h5py_file(self) -> h5py.File:
         with self._lock:
             if self._h5 is None:
-                io_ = RangeFile(self, self._source, self._head)
+                io_ = RangeFile(self, self._fetcher, self._head)
                 try:
                     self._h5 = h5py.File(io_, "r")
                 except DataLayerError:
@@ -79,14 +80,10 @@ class RemoteFile:
             io_.close()
 
     def check(self, *, by_name: bool = False) -> None:
-        self._source.check(self)
+        self._fetcher.check(self)
 
     def pinned(self) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()  # no descriptor to keep: nothing is closed between reads
-
-    def read(self, start: int, stop: int) -> bytes:
-        """Bytes ``start:stop`` (blocking; retried; a worker thread)."""
-        return self._source.read(self, start, stop)
 
 
 class RangeFile(io.RawIOBase):
@@ -95,11 +92,11 @@ class RangeFile(io.RawIOBase):
     are small and close together). A read of two blocks or more goes straight to the buffer, in
     concurrent parts."""
 
-    def __init__(self, file: RemoteFile, source: RemoteSource, head: bytes) -> None:
+    def __init__(self, file: RemoteFile, fetcher: Fetcher, head: bytes) -> None:
         super().__init__()
         self._file = file
-        self._source = source
-        t = source.transfer
+        self._fetcher = fetcher
+        t = fetcher.transfer
         self._block = t.metadata_block
         self._keep = t.metadata_blocks
         self._blocks: OrderedDict[int, bytes] = OrderedDict()
@@ -131,7 +128,7 @@ class RangeFile(io.RawIOBase):
         start, stop = self._pos, self._pos + n
         try:
             if n >= 2 * self._block:
-                self._source.read_into(self._file, start, view[:n])
+                self._fetcher.read_into(self._file, start, view[:n])
             else:
                 b = self._block
                 for k in range(start // b, (stop - 1) // b + 1):
@@ -149,7 +146,7 @@ class RangeFile(io.RawIOBase):
             self._blocks.move_to_end(k)
             return data
         b = self._block
-        data = self._file.read(k * b, min(self._file.size, (k + 1) * b))
+        data = self._fetcher.read(self._file, k * b, min(self._file.size, (k + 1) * b))
         self._blocks[k] = data
         while len(self._blocks) > self._keep:
             self._blocks.popitem(last=False)

@@ -21,12 +21,10 @@ import datetime as dt
 import os
 import re
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._errors import Changed, status_of
-from ._stores import Store
 from ._transfer import Transfer
 
 if TYPE_CHECKING:
@@ -200,17 +198,16 @@ def translate(exc: BaseException) -> BaseException:
 # --- the store --------------------------------------------------------------------------------
 
 
-class ObstoreS3(Store):
-    """S3 through obstore (one ``S3Store`` per bucket), with the same behaviour as
-    :class:`~._stores.S3Store`: every GET conditional on the ETag recorded at open, errors kept
-    with their status and S3 code, no retries of its own."""
+class ObstoreS3:
+    """S3 through obstore (one ``S3Store`` per bucket): a :class:`~._stores.Store` with the same
+    behaviour as :class:`~._stores.S3Store`: every GET conditional on the ETag recorded at open,
+    errors kept with their status and S3 code, no retries of its own."""
 
     conditional = True
 
-    def __init__(self, settings: Mapping[str, Any], pool: Executor) -> None:
+    def __init__(self, settings: Mapping[str, Any]) -> None:
         import obstore  # noqa: F401 - fails here, at the choice, not at the first request
 
-        super().__init__(None, pool)  # no fsspec filesystem: every method of it is overridden
         self._settings = dict(settings)
         self._buckets: dict[str, Any] = {}
 

@@ -1,6 +1,11 @@
-"""The remote source: its state and lifecycle, opening objects, and source list files given as
-URLs. Its requests are :class:`~._requests.Requests`, its fetches :class:`~._fetcher.Fetcher`
-(the base classes)."""
+"""The remote source: its state and lifecycle, opening objects, the store each protocol is read
+through (:func:`make_store`), and source list files given as URLs.
+
+A :class:`RemoteSource` is composed, not derived: a local source for the local paths among its
+entries, a store per protocol, one :class:`~._fetch.Fetcher` for every request (made, with its
+loop and threads, when the first remote object is opened) and, with ``remote_cache``, a
+:class:`~._cache.DiskCache` that the fetcher reads through.
+"""
 
 from __future__ import annotations
 
@@ -9,38 +14,31 @@ import contextlib
 import functools
 import os
 import threading
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Coroutine, Mapping, Sequence
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+import anyio
 
 from ..._errors import SourceError
-from .._base import StoredFile
-from .._entries import HDF5_SIGNATURE, is_url
+from ..._stats import ReadStats
+from .._base import HDF5_SIGNATURE, ByteRange, StoredFile, Streaming, file_url_path, is_url
 from .._local import LocalFile, LocalSource
-from . import _transfer
 from ._cache import DiskCache
 from ._errors import SCHEME, Secrets, classify, describe, status_of
-from ._fetch import Buffers
-from ._fetcher import Fetcher
+from ._fetch import Fetcher
 from ._files import RemoteFile
-from ._loop import LoopThread
-from ._stores import Store, make_store
-from ._transfer import Transfer
+from ._obstore import CLIENT_VARIABLE, NotTranslated, ObstoreS3, obstore_settings
+from ._stores import FsspecStore, S3Store, Store
+from ._transfer import Transfer, default_transfer
+
+T = TypeVar("T")
+
+#: A source list file larger than this is not one.
+_LIST_MAX_BYTES = 64 * 2**20
 
 
-def file_url_path(url: str) -> str | None:
-    """The local path of a ``file://`` URL (None for other URLs)."""
-    if not url.lower().startswith("file://"):
-        return None
-    from urllib.parse import unquote, urlsplit
-
-    parts = urlsplit(url)
-    if parts.netloc not in ("", "localhost"):
-        return None  # a file on another host: leave it to fsspec
-    return os.path.normpath(unquote(parts.path))
-
-
-class RemoteSource(Fetcher):
+class RemoteSource:
     """The files of a source given as fsspec URLs (local paths and ``file://`` URLs among them
     are read as local files).
 
@@ -63,7 +61,7 @@ class RemoteSource(Fetcher):
     ) -> None:
         # Cheap and non-blocking: created on the layer's event loop. Threads, filesystems and
         # the cache folder come with the first remote open, in a worker thread.
-        self.transfer = transfer or _transfer.TRANSFER
+        self.transfer = transfer or default_transfer()
         self.scrub = Secrets(storage_options)
         self._options = dict(storage_options or {})
         self._cache_folder = cache
@@ -73,33 +71,58 @@ class RemoteSource(Fetcher):
         self._files: dict[str, RemoteFile] = {}
         self._stores: dict[str, Store] = {}
         self._lock = threading.Lock()
-        self._loop: LoopThread | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._sem: asyncio.Semaphore | None = None
-        self._buffers: Buffers | None = None
+        self._fetcher: Fetcher | None = None
         self._closed = False
-        #: Counters (for tests and benchmarks): requests sent, bytes received, retries, and the
-        #: remote cache's block hits and misses.
-        self.requests = 0
-        self.bytes_fetched = 0
-        self.retries = 0
-        self.cache_hits = 0
-        self.cache_misses = 0
+
+    @property
+    def piece_bytes(self) -> int:
+        return self._local.piece_bytes  # local files among the entries are read by it
+
+    # Counters (for tests and benchmarks): requests sent, bytes received, retries, and the
+    # remote cache's block hits and misses.
+
+    @property
+    def requests(self) -> int:
+        return self._fetcher.requests if self._fetcher else 0
+
+    @property
+    def bytes_fetched(self) -> int:
+        return self._fetcher.bytes_fetched if self._fetcher else 0
+
+    @property
+    def retries(self) -> int:
+        return self._fetcher.retries if self._fetcher else 0
+
+    @property
+    def cache_hits(self) -> int:
+        return self._fetcher.cache_hits if self._fetcher else 0
+
+    @property
+    def cache_misses(self) -> int:
+        return self._fetcher.cache_misses if self._fetcher else 0
 
     # --- lifecycle --------------------------------------------------------------------------
 
-    def _start(self) -> LoopThread:
+    def _start(self) -> Fetcher:
         with self._lock:
             if self._closed:
                 raise SourceError("the source is closed")
-            if self._loop is None:
-                if self._cache_folder is not None and self.cache is None:
+            if self._fetcher is None:
+                if self._cache_folder is not None:
                     self.cache = DiskCache(
                         self._cache_folder, self._cache_bytes, self.transfer.cache_block
                     )
-                self._pool = ThreadPoolExecutor(4, "asynchdf5-remote-io")
-                self._loop = LoopThread("asynchdf5-remote")
-            return self._loop
+                self._fetcher = Fetcher(self.transfer, self.scrub, self.cache)
+            return self._fetcher
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the source's loop (started if need be) and wait (blocking)."""
+        try:
+            fetcher = self._start()
+        except BaseException:
+            coro.close()
+            raise
+        return fetcher.run(coro)
 
     def close(self) -> None:
         with self._lock:
@@ -111,26 +134,36 @@ class RemoteSource(Fetcher):
         finally:
             with self._lock:
                 self._closed = True
-                loop, self._loop = self._loop, None
-                pool, self._pool = self._pool, None
+                fetcher = self._fetcher  # kept: its counters outlive it
                 stores, self._stores = list(self._stores.values()), {}
-            if loop is not None:
-                try:
-                    loop.run(self._close_stores(stores))
-                finally:
-                    loop.stop()
-            if pool is not None:
-                pool.shutdown(wait=True)
+            if fetcher is not None:
+                fetcher.close(_close_stores(stores))
 
-    @staticmethod
-    async def _close_stores(stores: Sequence[Store]) -> None:
-        for store in stores:
-            with contextlib.suppress(Exception):  # closing what may be half open
-                await store.close()
-        # A closed transport lets go of its socket on the loop's next turns: take them before
-        # the loop stops, or the sockets would wait for the garbage collector.
-        for _ in range(3):
-            await asyncio.sleep(0)
+    # --- reading ----------------------------------------------------------------------------
+
+    async def fetch(
+        self,
+        ranges: Sequence[ByteRange],
+        work: Executor,
+        limiter: anyio.CapacityLimiter,
+        stats: ReadStats,
+        *,
+        streaming: Streaming | None = None,
+    ) -> int:
+        remote = [r for r in ranges if isinstance(r.file, RemoteFile)]
+        local = [r for r in ranges if not isinstance(r.file, RemoteFile)]
+        fetch_local = functools.partial(self._local.fetch, streaming=streaming)
+        if not remote:
+            return await fetch_local(local, work, limiter, stats)
+        fetcher = self._fetcher
+        assert fetcher is not None  # it opened the remote files
+        if local:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fetch_local, local, work, limiter, stats)
+                await fetcher.fetch(remote, work, stats)
+        else:
+            await fetcher.fetch(remote, work, stats)
+        return sum(r.size for r in ranges)
 
     # --- opening ----------------------------------------------------------------------------
 
@@ -139,7 +172,7 @@ class RemoteSource(Fetcher):
         if path is not None:
             return self._local.exists(path)
         try:
-            self._start().run(self._head(name))
+            self._run(self._head(name))
         except Exception:
             return False
         return True
@@ -165,7 +198,7 @@ class RemoteSource(Fetcher):
             found = self._files.get(name)
         if found is not None:
             return found
-        file = self._start().run(self._open(name, hdf5))
+        file = self._run(self._open(name, hdf5))
         with self._lock:
             self._files.setdefault(name, file)
             return self._files[name]
@@ -173,11 +206,11 @@ class RemoteSource(Fetcher):
     def _store(self, url: str) -> Store:
         """The store of ``url``'s protocol, created on first use (on the source's loop)."""
         match = SCHEME.match(url)
-        assert match is not None and self._pool is not None
+        assert match is not None and self._fetcher is not None
         protocol = match.group(1).lower()
         store = self._stores.get(protocol)
         if store is None:
-            store = make_store(url, self._options, self._pool, self.transfer)
+            store = make_store(url, self._options, self._fetcher.pool, self.transfer)
             self._stores[protocol] = store
         return store
 
@@ -206,27 +239,31 @@ class RemoteSource(Fetcher):
                 f"cannot open {kind} {shown!r}: {describe(exc)}", exc
             ) from None
 
-    async def _open(self, url: str, hdf5: bool) -> RemoteFile:
-        kind = "HDF5 file" if hdf5 else "file"
+    async def _first(
+        self, url: str, kind: str, hint: str = ""
+    ) -> tuple[Store, int, dict[str, str], bytes]:
+        """The store of ``url``, and the object's size, version and first block."""
+        assert self._fetcher is not None
         store = self._store_for(url, kind)
         n = self.transfer.metadata_block
         try:
-            size, version, head = await self._retry(lambda: store.first(url, n), None)
+            size, version, head = await self._fetcher.retry(lambda: store.first(url, n), None)
         except Exception as exc:
-            raise self._open_error(store, url, kind, exc) from None
+            raise self._open_error(store, url, kind, exc, hint) from None
+        return store, size, version, head
+
+    async def _open(self, url: str, hdf5: bool) -> RemoteFile:
+        assert self._fetcher is not None
+        store, size, version, head = await self._first(url, "HDF5 file" if hdf5 else "file")
         if hdf5 and not await self._is_hdf5(store, url, size, version, head):
             raise SourceError(f"{self.scrub(url)!r} (named in the source) is not an HDF5 file")
-        return RemoteFile(self, store, url, size, version, head)
+        return RemoteFile(self._fetcher, store, url, size, version, head)
 
     async def _read_list(self, url: str) -> bytes | None:
         """The bytes of a source list file at ``url``; None if it is an HDF5 file."""
-        store = self._store_for(url, "source")
-        n = self.transfer.metadata_block
+        assert self._fetcher is not None
         hint = " (it should be an HDF5 file, or a text file listing HDF5 files)"
-        try:
-            size, version, head = await self._retry(lambda: store.first(url, n), None)
-        except Exception as exc:
-            raise self._open_error(store, url, "source", exc, hint) from None
+        store, size, version, head = await self._first(url, "source", hint)
         if await self._is_hdf5(store, url, size, version, head):
             return None
         if size > _LIST_MAX_BYTES:
@@ -237,8 +274,9 @@ class RemoteSource(Fetcher):
             )
         if size <= len(head):
             return head[:size]
+        get = functools.partial(store.get, url, len(head), size, version)
         try:
-            rest = await self._retry(lambda: store.get(url, len(head), size, version), None)
+            rest = await self._fetcher.retry(get, None)
         except Exception as exc:
             raise self._open_error(store, url, "source", exc) from None
         return head + rest
@@ -268,32 +306,88 @@ class RemoteSource(Fetcher):
     async def _is_hdf5(
         self, store: Store, url: str, size: int, version: Mapping[str, str], head: bytes
     ) -> bool:
+        assert self._fetcher is not None
         offset = 0
         while offset + 8 <= size:  # at 0, or after a user block of 512, 1024, 2048, ... bytes
             if offset + 8 <= len(head):
                 sig = head[offset : offset + 8]
             else:
-                sig = await self._retry(
-                    functools.partial(store.get, url, offset, offset + 8, version), None
-                )
+                get = functools.partial(store.get, url, offset, offset + 8, version)
+                sig = await self._fetcher.retry(get, None)
             if sig == HDF5_SIGNATURE:
                 return True
             offset = 512 if offset == 0 else offset * 2
         return False
 
 
-# --- source list files given as URLs ---------------------------------------------------------
-
-#: A source list file larger than this is not one.
-_LIST_MAX_BYTES = 64 * 2**20
+async def _close_stores(stores: Sequence[Store]) -> None:
+    for store in stores:
+        with contextlib.suppress(Exception):  # closing what may be half open
+            await store.close()
+    # A closed transport lets go of its socket on the loop's next turns: take them before the
+    # loop stops, or the sockets would wait for the garbage collector.
+    for _ in range(3):
+        await asyncio.sleep(0)
 
 
 def read_source_url(url: str, storage_options: Mapping[str, Any] | None) -> bytes | None:
     """The bytes of the object at ``url`` when it is a source list file; None when it is an HDF5
     file (blocking: at construction). Raises :class:`SourceError` naming the URL."""
-    source = RemoteSource(storage_options)
+    with contextlib.closing(RemoteSource(storage_options)) as source:
+        return source._run(source._read_list(url))
+
+
+# --- the store of each protocol --------------------------------------------------------------
+
+
+def make_store(url: str, options: Mapping[str, Any], pool: Executor, transfer: Transfer) -> Store:
+    """The store for ``url``'s protocol (on the source's loop: an async filesystem is created
+    inside it). S3 goes through obstore where :mod:`._obstore` says it may, else s3fs."""
+    match = SCHEME.match(url)
+    assert match is not None
+    protocol = match.group(1).lower()
+    if protocol in ("s3", "s3a"):
+        store = _obstore_store(options, transfer)
+        if store is not None:
+            return store
+    import fsspec  # type: ignore[import-untyped]
+
+    cls = fsspec.get_filesystem_class(protocol)
+    s3 = "s3" in (cls.protocol if isinstance(cls.protocol, tuple) else (cls.protocol,))
+    kw = s3_options(options, transfer.requests) if s3 else dict(options)
+    if getattr(cls, "async_impl", False):
+        fs = cls(asynchronous=True, skip_instance_cache=True, **kw)
+        return S3Store(fs) if s3 else FsspecStore(fs, pool)
+    return FsspecStore(cls(skip_instance_cache=True, **kw), pool)
+
+
+def s3_options(options: Mapping[str, Any], requests: int) -> dict[str, Any]:
+    """``storage_options`` for s3fs, with our defaults where the user set none: no retries of
+    botocore's (ours are counted and bounded), and a connection per request in flight."""
+    out = dict(options)
+    config = dict(out.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    config.setdefault("max_pool_connections", requests)
+    out["config_kwargs"] = config
+    return out
+
+
+def _obstore_store(options: Mapping[str, Any], transfer: Transfer) -> Store | None:
+    """The obstore S3 store, or None where s3fs reads (``ASYNCHDF5_S3_CLIENT``: see
+    :mod:`._obstore`)."""
+    choice = os.environ.get(CLIENT_VARIABLE, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "obstore", "s3fs"):
+        raise ValueError(f"{CLIENT_VARIABLE}={choice!r}: expected 'auto', 'obstore' or 's3fs'")
+    if choice == "s3fs":
+        return None
     try:
-        loop = source._start()
-        return loop.run(source._read_list(url))
-    finally:
-        source.close()
+        return ObstoreS3(obstore_settings(options, transfer, strict=choice == "auto"))
+    except NotTranslated as exc:
+        if choice == "obstore":
+            raise ValueError(
+                f"{CLIENT_VARIABLE}=obstore, but obstore cannot do what s3fs would with {exc}"
+            ) from None
+    except ImportError:
+        if choice == "obstore":
+            raise
+    return None

@@ -1,16 +1,16 @@
-"""Stores: one fsspec filesystem each, used on the source's loop."""
+"""Stores: what a remote source reads objects through (:class:`Store`), and its fsspec kinds (any
+filesystem; S3 through s3fs). The obstore kind is in :mod:`._obstore`; the source picks one per
+protocol (:func:`._source.make_store`)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from ._errors import SCHEME, Changed, status_of
-from ._transfer import Transfer
+from ._errors import Changed, status_of
 
 T = TypeVar("T")
 
@@ -40,12 +40,54 @@ def version_of(info: Mapping[str, Any]) -> dict[str, str]:
     return {k: str(info[k]) for k in _VERSION_KEYS if info.get(k) not in (None, "")}
 
 
-class Store:
-    """An fsspec filesystem (one protocol, the source's ``storage_options``), used on the source's
-    loop only. This generic store reads with ``_cat_file`` (or ``cat_file`` on a thread) and has
-    each fetch checked afterwards by one metadata request per object."""
+class Store(Protocol):
+    """The objects of one protocol (``s3``, ``gs``, ``memory``, ...) with the source's
+    ``storage_options``, used on the source's loop only. Three kinds are behind it: any fsspec
+    filesystem (:class:`FsspecStore`), S3 through s3fs's client (:class:`S3Store`), and S3
+    through obstore (:class:`~._obstore.ObstoreS3`); the source picks one per protocol."""
 
-    #: Whether :meth:`get` itself refuses another version than the one opened (If-Match).
+    #: Whether :meth:`get` and :meth:`stream` themselves refuse another version than the one
+    #: opened (``If-Match``); if not, each fetch is checked afterwards by one metadata request
+    #: per object.
+    conditional: bool
+
+    async def head(self, url: str) -> tuple[int, dict[str, str]]:
+        """The object's size and version."""
+        ...
+
+    async def first(self, url: str, n: int) -> tuple[int, dict[str, str], bytes]:
+        """The object's size, version and first ``n`` bytes (fewer if it is shorter)."""
+        ...
+
+    async def get(self, url: str, start: int, stop: int, version: Mapping[str, str]) -> bytes:
+        """Bytes ``start:stop`` of the object (``version``: what it was at open)."""
+        ...
+
+    async def stream(
+        self,
+        url: str,
+        start: int,
+        stop: int,
+        version: Mapping[str, str],
+        put: Callable[[int, memoryview], None],
+    ) -> int:
+        """Bytes ``start:stop`` handed to ``put(offset, piece)`` as they arrive; returns how
+        many came."""
+        ...
+
+    def missing_what(self, url: str, exc: BaseException) -> str:
+        """What is missing, for a message (the object, or its bucket)."""
+        ...
+
+    async def close(self) -> None:
+        """Close the store's connections."""
+        ...
+
+
+class FsspecStore:
+    """Any fsspec filesystem: reads with ``_cat_file`` (or ``cat_file`` on a thread of
+    ``pool``); each fetch is checked afterwards by one metadata request per object."""
+
     conditional = False
 
     def __init__(self, fs: Any, pool: Executor) -> None:
@@ -58,12 +100,11 @@ class Store:
             self.pool, functools.partial(fn, *args, **kw)
         )
 
-    def path(self, url: str) -> str:
+    def _path(self, url: str) -> str:
         return str(self.fs._strip_protocol(url))
 
     async def head(self, url: str) -> tuple[int, dict[str, str]]:
-        """The object's size and version."""
-        path = self.path(url)
+        path = self._path(url)
         if self.is_async:
             info = await self.fs._info(path)
         else:
@@ -73,15 +114,13 @@ class Store:
         return int(info["size"]), version_of(info)
 
     async def first(self, url: str, n: int) -> tuple[int, dict[str, str], bytes]:
-        """The object's size, version and first ``n`` bytes (fewer if it is shorter)."""
         size, version = await self.head(url)
         return size, version, await self.get(url, 0, min(n, size), version)
 
     async def get(self, url: str, start: int, stop: int, version: Mapping[str, str]) -> bytes:
-        """Bytes ``start:stop`` of the object (``version``: what it was at open)."""
         if stop <= start:
             return b""
-        path = self.path(url)
+        path = self._path(url)
         if self.is_async:
             data = await self.fs._cat_file(path, start=start, end=stop)
         else:
@@ -96,18 +135,15 @@ class Store:
         version: Mapping[str, str],
         put: Callable[[int, memoryview], None],
     ) -> int:
-        """Bytes ``start:stop`` handed to ``put(offset, piece)`` as they arrive (here: in one
-        piece); returns how many came."""
-        data = await self.get(url, start, stop, version)
+        data = await self.get(url, start, stop, version)  # in one piece
         put(0, memoryview(data))
         return len(data)
 
     def missing_what(self, url: str, exc: BaseException) -> str:
-        """What is missing, for a message (the object, or its bucket)."""
         return "does not exist"
 
     async def close(self) -> None:
-        """Close the filesystem's connections (the HTTP session of an async filesystem)."""
+        # The HTTP session of an async filesystem.
         session = getattr(self.fs, "_session", None)
         if session is not None and hasattr(session, "close"):
             closed = session.close()
@@ -115,12 +151,15 @@ class Store:
                 await closed
 
 
-class S3Store(Store):
+class S3Store:
     """S3 through s3fs's aiobotocore client, called directly: every GET is conditional
     (``If-Match`` the ETag recorded at open), errors keep their S3 code, and retries are ours
     (counted), not botocore's."""
 
     conditional = True
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs  # an s3fs filesystem, asynchronous
 
     async def _client(self, bucket: str) -> Any:
         await self.fs.set_session()
@@ -221,61 +260,3 @@ class S3Store(Store):
         if creator is not None:
             self.fs._s3creator = None
             await creator.__aexit__(None, None, None)
-
-
-def s3_options(options: Mapping[str, Any], requests: int) -> dict[str, Any]:
-    """``storage_options`` for s3fs, with our defaults where the user set none: no retries of
-    botocore's (ours are counted and bounded), and a connection per request in flight."""
-    out = dict(options)
-    config = dict(out.get("config_kwargs") or {})
-    config.setdefault("retries", {"total_max_attempts": 1})
-    config.setdefault("max_pool_connections", requests)
-    out["config_kwargs"] = config
-    return out
-
-
-def make_store(url: str, options: Mapping[str, Any], pool: Executor, transfer: Transfer) -> Store:
-    """The store for ``url``'s protocol (on the source's loop: an async filesystem is created
-    inside it). S3 goes through obstore where :mod:`._obstore` says it may, else s3fs."""
-    match = SCHEME.match(url)
-    assert match is not None
-    protocol = match.group(1).lower()
-    if protocol in ("s3", "s3a"):
-        store = _obstore_store(options, pool, transfer)
-        if store is not None:
-            return store
-    import fsspec  # type: ignore[import-untyped]
-
-    cls = fsspec.get_filesystem_class(protocol)
-    s3 = "s3" in (cls.protocol if isinstance(cls.protocol, tuple) else (cls.protocol,))
-    kw = s3_options(options, transfer.requests) if s3 else dict(options)
-    if getattr(cls, "async_impl", False):
-        fs = cls(asynchronous=True, skip_instance_cache=True, **kw)
-        return S3Store(fs, pool) if s3 else Store(fs, pool)
-    return Store(cls(skip_instance_cache=True, **kw), pool)
-
-
-def _obstore_store(options: Mapping[str, Any], pool: Executor, transfer: Transfer) -> Store | None:
-    """The obstore S3 store, or None where s3fs reads (see :mod:`._obstore`)."""
-    from . import _obstore
-
-    choice = os.environ.get(_obstore.CLIENT_VARIABLE, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "obstore", "s3fs"):
-        raise ValueError(
-            f"{_obstore.CLIENT_VARIABLE}={choice!r}: expected 'auto', 'obstore' or 's3fs'"
-        )
-    if choice == "s3fs":
-        return None
-    try:
-        settings = _obstore.obstore_settings(options, transfer, strict=choice == "auto")
-        return _obstore.ObstoreS3(settings, pool)
-    except _obstore.NotTranslated as exc:
-        if choice == "obstore":
-            raise ValueError(
-                f"{_obstore.CLIENT_VARIABLE}=obstore, but obstore cannot do what s3fs would "
-                f"with {exc}"
-            ) from None
-    except ImportError:
-        if choice == "obstore":
-            raise
-    return None
