@@ -36,7 +36,6 @@ from .._batch import Batch, Carry, GroupSpec
 from .._catalog import TopInfo
 from .._errors import ReadError
 from .._gathering import EpochEnd, Failure, Item
-from .._pipeline import Mode, Run
 from .._stats import GatherStats, Stats
 from ._errors import rebuild
 from ._spawn import reap, spawn
@@ -44,6 +43,13 @@ from ._wire import MAX_MESSAGE, Segment, recv, refcounts_are_reliable, send, soc
 
 if TYPE_CHECKING:
     from .._delivery import Delivery
+    from .._pipeline import Mode
+    from .._pipeline import Run as RunBase
+else:
+    # At run time a RemoteRun is no Run: importing the pipeline here would put this package in
+    # the import cycle of the layer's modules (tests/test_imports.py). The type checker sees
+    # the interface the session and the iterator use.
+    RunBase = object
 
 __all__ = ["ProcessReader", "RemoteRun", "Uploader", "stats_of"]
 
@@ -308,7 +314,7 @@ class Uploader:
         return out
 
 
-class RemoteRun(Run):
+class RemoteRun(RunBase):
     """The consumer's side of a run served by the helper process (see the module docstring):
     what :class:`~asynchdf5._pipeline.Run` offers the iterator and the session, nothing else."""
 
