@@ -344,6 +344,12 @@ class RemoteRun(RunBase):
         finally:
             self.done.set()
 
+    async def stop(self) -> None:
+        """Cancel the run and wait until it is done."""
+        self.scope.cancel()
+        await self.done.wait()
+        self.shut()
+
     def take_nowait(self) -> list[Item]:
         if self._shut:
             raise anyio.ClosedResourceError
