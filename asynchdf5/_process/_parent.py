@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +84,8 @@ class ProcessReader:
         #: A batch received and not handed over yet: its slot would be the consumer's last.
         self._pending: tuple[Any, ...] | None = None
         self._freed: list[int] = []  # slots given back, not yet told
+        #: ``_out`` and the socket's sends are shared with the threads that drop batches.
+        self._lock = threading.Lock()
         self._reuse = refcounts_are_reliable()
         self._closed = False
         self._buf = bytearray(MAX_MESSAGE)
@@ -208,12 +212,14 @@ class ProcessReader:
             return None
         segment = self._segments[slot]
         assert segment is not None
-        held = sum(1 for s in self._out if s != slot)
+        with self._lock:
+            held = sum(1 for s in self._out if s != slot)
         copy = copy or not self._reuse
         if not copy and held >= self._slots - 1:
             return None
         self._pending = None
-        data, indices = segment.views(layout)
+        release = None if copy else functools.partial(self._released, slot)
+        data, indices = segment.views(layout, release)
         if copy:
             # The consumer keeps every other slot: copy, so that the helper has one to fill.
             data = {k: np.array(v) for k, v in data.items()}
@@ -221,10 +227,23 @@ class ProcessReader:
             self._free(slot, now=True)
         return Batch(data, indices, epoch)
 
+    def _released(self, slot: int) -> None:
+        """The last view of the batch in ``slot`` is gone (in whichever thread dropped it): the
+        helper gets the slot back now, not at the consumer's next ask, so it fills the ring
+        while the consumer works on the batches it took."""
+        with self._lock:
+            if slot in self._out and not self._closed:
+                self._out.discard(slot)
+                with contextlib.suppress(OSError):
+                    send(self._sock, ("free", (slot,)))
+
     def _give_back(self) -> None:
-        """Give the helper back each slot no batch refers to any more."""
+        """Give the helper back each slot no batch refers to any more (those whose last view
+        went without :meth:`_released`: kept for any other way a view can go)."""
         pending = self._pending[2] if self._pending is not None else None
-        for slot in list(self._out):
+        with self._lock:
+            out = list(self._out)
+        for slot in out:
             if slot == pending:
                 continue  # no views yet: its batch is still to be handed over
             segment = self._segments[slot]
@@ -235,15 +254,19 @@ class ProcessReader:
     def _free(self, slot: int, *, now: bool = False) -> None:
         """Give ``slot`` back: with the next ones, unless ``now`` (each message wakes the
         helper; it is told at the latest when the consumer finds no batch ready)."""
-        self._out.discard(slot)
-        self._freed.append(slot)
+        with self._lock:
+            if slot not in self._out:
+                return  # released meanwhile
+            self._out.discard(slot)
+            self._freed.append(slot)
         if now or len(self._freed) >= FREE_TOGETHER:
             self._flush()
 
     def _flush(self) -> None:
-        if self._freed:
-            with contextlib.suppress(OSError):  # the helper is gone: the next receive says so
-                send(self._sock, ("free", tuple(self._freed)))
+        with self._lock:
+            if self._freed and not self._closed:
+                with contextlib.suppress(OSError):  # the helper is gone: the next receive says
+                    send(self._sock, ("free", tuple(self._freed)))
             self._freed.clear()
 
     def _take_stats(self, stats: dict[str, Any]) -> None:
@@ -278,7 +301,8 @@ class ProcessReader:
         """Stop the helper and wait for it to exit (killed if it does not, in time)."""
         if self._closed:
             return
-        self._closed = True
+        with self._lock:  # a batch released in another thread sends nothing from now on
+            self._closed = True
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(OSError):
                 send(self._sock, ("close",))

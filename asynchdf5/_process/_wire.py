@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import math
 import mmap
 import os
 import pickle
@@ -19,7 +20,7 @@ import socket
 import sys
 import tempfile
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -158,17 +159,25 @@ class Segment:
             os.close(fd)
             raise
 
-    def views(self, layout: Layout) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The arrays of a batch written with ``layout`` (views of :attr:`owner`)."""
+    def views(
+        self, layout: Layout, release: Callable[[], None] | None = None
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The arrays of a batch written with ``layout``. ``release``: called once the last of
+        them (and of every view made from them) is gone; they view one array of their own,
+        which holds :attr:`owner` as long as it lives."""
         tops, at = layout
+        rows = tops[-1][3][0] if tops else 0
+        end = at + 8 * rows
+        region = self.owner
+        if release is not None:
+            region = np.frombuffer(self.owner.data[:end], np.uint8)
+            weakref.finalize(region, release).atexit = False
         out = {}
-        rows = 0
         for name, offset, dtype, shape in tops:
             dt = np.dtype(dtype)
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            out[name] = self.owner[offset : offset + n].view(dt).reshape(shape)
-            rows = shape[0]
-        indices = self.owner[at : at + 8 * rows].view(np.int64)
+            n = math.prod(shape) * dt.itemsize
+            out[name] = region[offset : offset + n].view(dt).reshape(shape)
+        indices = region[at:end].view(np.int64)
         return out, indices
 
 
