@@ -28,6 +28,7 @@ from ._iterator import EpochIterator
 from ._plan import EpochPlan, check_split
 from ._planner import Planner, check_part
 from ._priority import nice_steps
+from ._process import ProcessReader
 from ._read import Reader
 from ._shape import DataShape
 from ._stats import LayerStats, Stats
@@ -69,9 +70,10 @@ class LayerBase(SyncInterface):
 
     # --- what subclasses provide --------------------------------------------------------------
 
-    async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
-        """Open the data, size the cache; the reader, its cache slots (None: in place), and
-        what was learned of the data."""
+    async def _open_reader(self) -> tuple[Reader | ProcessReader, list[Slot] | None, DataShape]:
+        """Open the data, size the cache; the reader (or the helper process that runs the
+        pipeline, with ``process=True``), its cache slots (None: in place), and what was
+        learned of the data."""
         raise NotImplementedError
 
     def _look(self) -> DataShape:

@@ -15,9 +15,9 @@ edge wherever a module imports another module of the package. The rule:
   namespace is read) and on ``P.name`` when that is a module; ``import P.M`` depends on ``P.M``.
   Imports by a computed name (``importlib.import_module``) are not seen.
 
-The cycles are the strongly connected components of more than one module. The ones being broken
-elsewhere are listed, once, in :data:`KNOWN_CYCLES`: each may shrink or vanish, but no module may
-join one and no other cycle may appear.
+The cycles are the strongly connected components of more than one module. Any that must be lived
+with for a while is listed, once, in :data:`KNOWN_CYCLES` (none now): each may shrink or vanish,
+but no module may join one and no other cycle may appear.
 """
 
 from __future__ import annotations
@@ -28,25 +28,8 @@ from pathlib import Path
 
 import asynchdf5
 
-#: Import cycles known today and being broken in other work (issue 32, item 4). Each may shrink
-#: or vanish; none may grow. Empty this once they are gone.
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset(
-        {
-            "asynchdf5",
-            "asynchdf5._hdf5",
-            "asynchdf5._iterator",
-            "asynchdf5._layer",
-            "asynchdf5._loading",
-            "asynchdf5._memory",
-            "asynchdf5._pipeline",
-            "asynchdf5._read",
-            "asynchdf5._read._choice",
-            "asynchdf5._session",
-            "asynchdf5._sync",
-        }
-    ),
-)
+#: Import cycles tolerated: none. A cycle that must be lived with for a while is listed here, once.
+KNOWN_CYCLES: tuple[frozenset[str], ...] = ()
 
 
 def modules(root: Path) -> dict[str, Path]:
