@@ -397,7 +397,7 @@ class AsyncHDF5DataLayer(LayerBase):
             looked, self._looked = self._looked, None
             looked[2]()
         planner = self._planner
-        state = self.state_dict() if planner.resume is not None else None
+        state = self._run_state() if planner.resume is not None else None
         c = self.config
         device = None
         if c.device is not None:  # the helper gathers host batches; this process uploads them
@@ -405,7 +405,7 @@ class AsyncHDF5DataLayer(LayerBase):
             device = (self._delivery, c.batch_size)
         blob = payload(self._helper_source(), c, planner.part, state)
         slots = ring_slots(c.prefetch)
-        reader, shape = await ProcessReader.start(blob, self.state_dict, self._stats, slots, device)
+        reader, shape = await ProcessReader.start(blob, self._run_state, self._stats, slots, device)
         return reader, None, shape
 
 

@@ -366,3 +366,70 @@ def test_a_script_without_a_main_guard_is_refused_not_repeated(
     )
     assert out.returncode == 1
     assert "ConfigurationError" in out.stderr and "__main__" in out.stderr
+
+
+async def _after_load(layer: AsyncHDF5DataLayer, state: dict[str, Any], mode: str) -> list[Any]:
+    """The open ``layer`` loads ``state`` and is iterated at once in ``mode``: the indices of
+    its next batches (a stream: three epochs' worth)."""
+    layer.load_state_dict(state)
+    if mode == "epoch":
+        return [b.indices.copy() async for b in layer]
+    out: list[Any] = []
+    async for b in layer.stream():
+        out.append(b.indices.copy())
+        if sum(map(len, out)) >= 3 * N:
+            break
+    return out
+
+
+@pytest.mark.parametrize(("saved", "then"), [("epoch", "stream"), ("stream", "epoch")])
+async def test_a_state_loaded_then_another_mode_resumes_as_in_process(
+    source: Path, saved: str, then: str
+) -> None:
+    """A state loaded in one mode, then iterated in the other at once (a new run in the helper):
+    the helper starts from that state, not from the epoch's start."""
+    kw: dict[str, Any] = {"batch_size": 6, "shuffle": True, "seed": 5, "chunk_size": 32}
+    with anyio.fail_after(DEADLINE):
+        async with AsyncHDF5DataLayer(source, **kw) as ref:
+            [b async for b in ref]
+            it = ref.__aiter__() if saved == "epoch" else ref.stream()
+            for _ in range(3):
+                await it.__anext__()
+            state = ref.state_dict()
+            await it.aclose()
+        assert state["epoch"] == 1 and state["mode"] == saved
+        runs = []
+        for process in (False, True):
+            async with AsyncHDF5DataLayer(source, process=process, **kw) as layer:
+                [b async for b in layer]
+                runs.append(await _after_load(layer, state, then))
+    want, got = runs
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+async def test_streams_as_in_process(tmp_path: Path) -> None:
+    """Several named streams with process=True: the same batches, each row's stream said, and
+    the per-stream counts, as in-process; a saved state resumes in the helper."""
+    from asynchdf5 import Stream
+
+    from .test_streams import write_streams
+
+    files = write_streams(tmp_path, ((50, 30), (40,)))
+    streams = {"a": Stream(files[0], weight=0.6), "b": Stream(files[1], weight=0.4)}
+    kw: dict[str, Any] = {"batch_size": 10, "shuffle": True, "seed": 2, "chunk_size": 16}
+    runs = []
+    with anyio.fail_after(DEADLINE):
+        for process in (False, True):
+            async with AsyncHDF5DataLayer(streams, process=process, **kw) as layer:
+                assert layer.stream_names == ("a", "b")
+                got = [(b.indices.copy(), b.streams.copy()) for _ in range(2) async for b in layer]
+                state = layer.state_dict()
+                runs.append((got, dict(layer.stats.stream_samples), state["streams"]))
+    (want, want_counts, want_at), (got, counts, at) = runs
+    assert len(got) == len(want)
+    for (gi, gs), (wi, ws) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(gi, wi)
+        np.testing.assert_array_equal(gs, ws)
+    assert counts == want_counts and at == want_at

@@ -7,9 +7,10 @@ the layer's :class:`~asynchdf5._consumer.Consumer` opens it, asks it for runs
 unchanged: every position, epoch count and saved
 state is the layer's own, counted from the batches handed over here.
 
-Starting a run tells the helper where to start: the layer's :meth:`state_dict` at that moment
-(the next batch the consumer must get, and the mode). The helper loads it into its own layer and
-iterates from there; batches of a run replaced since are dropped on arrival (their slots go back
+Starting a run tells the helper where to start: the layer's state at that moment (the next
+batch the consumer must get; in the epoch of a state loaded, that state, whatever the run's
+mode), and the run's mode. The helper loads it into its own layer and iterates from there;
+batches of a run replaced since are dropped on arrival (their slots go back
 at once), so only the current run's batches are handed over.
 
 Slots: a batch handed over is a set of views of one slot, which goes back to the helper once
