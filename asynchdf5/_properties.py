@@ -225,8 +225,8 @@ PROPERTIES: tuple[Property, ...] = (
         "and options (checked at construction: a {class}`~asynchdf5.ConfigurationError` names "
         "the one that is not); the helper imports your main module as `multiprocessing`'s "
         '`spawn` does, so guard a script with `if __name__ == "__main__":`. Epochs, '
-        "`stream()`, `state_dict()`, errors (the same type and message) and `stats` are as "
-        "without it; a batch stays valid as long as you hold it. With a `device`, the helper "
+        "`stream()`, several streams, `state_dict()`, errors (the same type and message) and "
+        "`stats` are as without it; a batch stays valid as long as you hold it. With a `device`, the helper "
         "gathers host batches and this process uploads them and runs the transformers on the "
         "device (they need not be picklable then). POSIX systems only. Off by default, as "
         "measured: it takes the loader off the step's GIL, but its start-up, the extra copy "

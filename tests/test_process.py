@@ -424,7 +424,9 @@ async def test_streams_as_in_process(tmp_path: Path) -> None:
         for process in (False, True):
             async with AsyncHDF5DataLayer(streams, process=process, **kw) as layer:
                 assert layer.stream_names == ("a", "b")
-                got = [(b.indices.copy(), b.streams.copy()) for _ in range(2) async for b in layer]
+                got = [
+                    (b.indices.copy(), np.array(b.streams)) for _ in range(2) async for b in layer
+                ]
                 state = layer.state_dict()
                 runs.append((got, dict(layer.stats.stream_samples), state["streams"]))
     (want, want_counts, want_at), (got, counts, at) = runs
