@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -23,8 +24,9 @@ from typing import Any
 
 from benchmarks import data
 from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
+from benchmarks.report import Recorder
 
-__all__ = ["main"]
+__all__ = ["bench", "main", "run"]
 
 MODES = ("threads", "process")
 MARK = "PROCESS_START_RESULT "
@@ -64,6 +66,55 @@ def child(source: str, mode: str, chunk_size: int) -> dict[str, Any]:
     return out
 
 
+def run(samples: int, repeats: int, chunk_size: int, data_dir: Path) -> list[dict[str, Any]]:
+    """``repeats`` rounds of a fresh process per mode, taking turns; one result per run."""
+    spec = DatasetSpec(
+        name="contiguous",
+        title="image, uint8 3x32x32 + int64 label, contiguous, one file",
+        kind="image",
+        samples=samples,
+        shape=IMAGE_SHAPE,
+        dtype="uint8",
+    )
+    (files,) = data.ensure([spec], data_dir)
+    root = Path(__file__).resolve().parent.parent
+    runs = []
+    for repeat in range(repeats):
+        for mode in MODES:
+            cmd = [sys.executable, "-m", "benchmarks.process_start", "--child",
+                   str(files.source), mode, str(chunk_size)]  # fmt: skip
+            load = os.getloadavg()[0]
+            proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+            lines = [x for x in proc.stdout.splitlines() if x.startswith(MARK)]
+            if not lines:
+                print(proc.stderr[-2000:], file=sys.stderr)
+                continue
+            result = json.loads(lines[0][len(MARK) :]) | {"repeat": repeat, "load": load}
+            runs.append(result)
+            print(json.dumps(result), file=sys.stderr, flush=True)
+    return runs
+
+
+def bench(rec: Recorder) -> None:
+    """The suite's entry (``python -m benchmarks run process-start``): per mode, the median of
+    each run's figures."""
+    samples, repeats, chunk = (20_480, 1, 2**13) if rec.quick else (327_680, 3, 2**17)
+    rec.param(samples=samples, repeats=repeats, chunk_size=chunk, batch_size=256)
+    runs = run(samples, repeats, chunk, rec.data_dir)
+    for mode in MODES:
+        rs = [r for r in runs if r["mode"] == mode]
+        if not rs:
+            rec.note(f"{mode}: no run finished (its stderr is above)")
+            continue
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "mode"}
+        rec.figure(f"{mode}, first batch", med["first_batch_s"], "s")
+        rec.figure(f"{mode}, epoch 1", med["epoch1_samples_s"], "samples/s")
+        rec.figure(f"{mode}, epoch 2", med["epoch2_samples_s"], "samples/s")
+        rec.figure(f"{mode}, RSS of the consumer's process", med["rss_mib"], "MiB")
+        if mode == "process":
+            rec.figure("process, RSS of the helper", med["helper_rss_mib"], "MiB")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.process_start", description=__doc__)
     p.add_argument("--repeats", type=int, default=3)
@@ -77,30 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         source, mode, chunk = args.child
         print(MARK + json.dumps(child(source, mode, int(chunk))), flush=True)
         return 0
-    spec = DatasetSpec(
-        name="contiguous",
-        title="image, uint8 3x32x32 + int64 label, contiguous, one file",
-        kind="image",
-        samples=args.samples,
-        shape=IMAGE_SHAPE,
-        dtype="uint8",
-    )
-    (files,) = data.ensure([spec], args.data_dir)
-    root = Path(__file__).resolve().parent.parent
-    runs = []
-    for repeat in range(args.repeats):
-        for mode in MODES:
-            cmd = [sys.executable, "-m", "benchmarks.process_start", "--child",
-                   str(files.source), mode, str(args.chunk_size)]  # fmt: skip
-            load = os.getloadavg()[0]
-            proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
-            lines = [x for x in proc.stdout.splitlines() if x.startswith(MARK)]
-            if not lines:
-                print(proc.stderr[-2000:], file=sys.stderr)
-                continue
-            run = json.loads(lines[0][len(MARK) :]) | {"repeat": repeat, "load": load}
-            runs.append(run)
-            print(json.dumps(run), file=sys.stderr, flush=True)
+    runs = run(args.samples, args.repeats, args.chunk_size, args.data_dir)
     print("| mode | first batch (s) | epoch 1, samples/s | epoch 2, samples/s | RSS MiB "
           "(consumer + helper) | load avg |")  # fmt: skip
     print("|---|---|---|---|---|---|")
