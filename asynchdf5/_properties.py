@@ -226,12 +226,12 @@ PROPERTIES: tuple[Property, ...] = (
         "the one that is not); the helper imports your main module as `multiprocessing`'s "
         '`spawn` does, so guard a script with `if __name__ == "__main__":`. Epochs, '
         "`stream()`, several streams, `state_dict()`, errors (the same type and message) and "
-        "`stats` are as without it; a batch stays valid as long as you hold it. With a `device`, the helper "
-        "gathers host batches and this process uploads them and runs the transformers on the "
-        "device (they need not be picklable then). POSIX systems only. Off by default, as "
-        "measured: it takes the loader off the step's GIL, but its start-up, the extra copy "
-        "and the hand-over of each batch cost more than the GIL waits it removes unless the "
-        "step holds the GIL and a core is free for the helper (see "
+        "`stats` are as without it; a batch stays valid as long as you hold it. With a "
+        "`device`, the helper gathers host batches and this process uploads them and runs the "
+        "transformers on the device (they need not be picklable then). POSIX systems only. "
+        "Off by default, as measured: it takes the loader off the step's GIL, but its "
+        "start-up, the extra copy and the hand-over of each batch cost more than the GIL waits "
+        "it removes unless the step holds the GIL and a core is free for the helper (see "
         "[choosing](choosing.md#a-helper-process-for-a-step-that-holds-the-gil)).",
         "hdf5",
     ),
