@@ -221,6 +221,9 @@ class LayerConfig:
     block_size: int | None = None
     #: ``"auto"``: mapped where no documented ``SIGBUS`` case can reach (``_read._choice``).
     mmap: bool | Literal["auto"] = "auto"
+    #: Run the pipeline in one helper process; batches come through shared memory
+    #: (``_process``).
+    process: bool = False
     #: Where rank and world_size came from: "explicit", or what :func:`detect` found.
     rank_source: str = "explicit"
     #: The seed property was given (not drawn): a state to resume must have the same one.
@@ -252,6 +255,7 @@ class LayerConfig:
         block_size: object = None,
         mmap: object = "auto",
         batch_mode: object = "stratified",
+        process: object = False,
     ) -> LayerConfig:
         """Check every property; raise :class:`ConfigurationError` naming the first bad one."""
         batch = _int("batch_size", batch_size, minimum=1)
@@ -308,6 +312,7 @@ class LayerConfig:
             else _int("remote_cache_bytes", remote_cache_bytes, minimum=1),
             block_size=None if block_size is None else _int("block_size", block_size, minimum=1),
             mmap=_mmap(mmap),
+            process=_bool("process", process),
             rank_source=source,
             seed_given=given,
             batch_mode=_batch_mode(batch_mode),

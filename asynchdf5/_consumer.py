@@ -39,6 +39,7 @@ from ._opened import Bridge, Opened
 from ._pace import PAUSE_EVERY_S, Pace
 from ._pipeline import EpochEnd, Failure, Item, Mode, Run
 from ._planner import Planner
+from ._process import ProcessReader
 from ._read import Reader
 from ._stats import Stats
 
@@ -114,7 +115,7 @@ class Consumer:
 
     async def open(
         self,
-        reader: Reader,
+        reader: Reader | ProcessReader,
         slots: list[Slot] | None,
         *,
         sync: bool,
@@ -161,17 +162,22 @@ class Consumer:
         """Start the run serving ``mode`` from the next epoch, in the layer's task group."""
         opened = self.opened
         assert opened is not None
-        run = Run(
-            opened.reader,
-            opened.slots,
-            self.planner,
-            mode=mode,
-            start_epoch=self.epoch,
-            batch_size=self.batch_size,
-            delivery=self.delivery,
-            prefetch=self.prefetch,
-            stats=self.stats,
-        )
+        run: Run
+        reader = opened.reader
+        if isinstance(reader, ProcessReader):  # process=True: the helper runs the pipeline
+            run = reader.new_run(mode, self.epoch)
+        else:
+            run = Run(
+                reader,
+                opened.slots,
+                self.planner,
+                mode=mode,
+                start_epoch=self.epoch,
+                batch_size=self.batch_size,
+                delivery=self.delivery,
+                prefetch=self.prefetch,
+                stats=self.stats,
+            )
         self.run = run
         self.ready.clear()
         self._boundary = self.epoch

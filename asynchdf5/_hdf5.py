@@ -6,6 +6,7 @@ and hands the pipeline an :class:`~._read.HDF5Reader` over the files' source.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -27,6 +28,7 @@ from ._layer import LayerBase
 from ._machine import memory_bytes
 from ._mix import StreamRows
 from ._planner import order_of
+from ._process import ProcessReader, check_picklable, payload, ring_slots
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
 from ._shape import DataShape
@@ -113,6 +115,7 @@ class AsyncHDF5DataLayer(LayerBase):
         block_size: int | None = None,
         mmap: bool | Literal["auto"] = "auto",
         batch_mode: Literal["stratified", "random", "per_stream"] = "stratified",
+        process: bool = False,
     ) -> None:
         config = LayerConfig.parse(
             batch_size=batch_size,
@@ -135,6 +138,7 @@ class AsyncHDF5DataLayer(LayerBase):
             block_size=block_size,
             mmap=mmap,
             batch_mode=batch_mode,
+            process=process,
         )
         # Every remote read (a list file given as a URL, now; the files, at open) goes through
         # this one object, with the layer's options.
@@ -156,6 +160,8 @@ class AsyncHDF5DataLayer(LayerBase):
         self._looked: (
             tuple[Source, Looked, weakref.finalize[[Source, int], AsyncHDF5DataLayer]] | None
         ) = None
+        if config.process:
+            check_picklable(config, self._helper_source())  # before any batch: what cannot go
         super().__init__(config)
 
     @property
@@ -294,7 +300,9 @@ class AsyncHDF5DataLayer(LayerBase):
             raise
         return files, found
 
-    async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
+    async def _open_reader(self) -> tuple[Reader | ProcessReader, list[Slot] | None, DataShape]:
+        if self.config.process:
+            return await self._open_helper()
         files, (catalog, streams) = await self._catalog()
         chosen: Choice | None = None  # holds the file's lease until the mapped reader takes it
         try:
@@ -376,6 +384,29 @@ class AsyncHDF5DataLayer(LayerBase):
                     reader.read_notes.get(top, "see read_notes"),
                 )
         return reader, slots, shape
+
+    def _helper_source(self) -> object:
+        """What the helper process (``process=True``) is given as its ``source``: the streams
+        (each one's files resolved), or the files."""
+        return self.streams if self._streams else list(self.paths)
+
+    async def _open_helper(self) -> tuple[ProcessReader, None, DataShape]:
+        """``process=True``: start the helper process, which opens the layer there (a state
+        loaded before opening goes with it, so that its cache is sized for that state)."""
+        if self._looked is not None:  # the helper builds its own catalog: close this one's files
+            looked, self._looked = self._looked, None
+            looked[2]()
+        planner = self._planner
+        state = self._run_state() if planner.resume is not None else None
+        c = self.config
+        device = None
+        if c.device is not None:  # the helper gathers host batches; this process uploads them
+            c = dataclasses.replace(c, device=None, transformers=(), reuse_buffers=False)
+            device = (self._delivery, c.batch_size)
+        blob = payload(self._helper_source(), c, planner.part, state)
+        slots = ring_slots(c.prefetch)
+        reader, shape = await ProcessReader.start(blob, self._run_state, self._stats, slots, device)
+        return reader, None, shape
 
 
 class HDF5DataLayer(AsyncHDF5DataLayer):

@@ -28,6 +28,7 @@ from ._iterator import EpochIterator
 from ._plan import EpochPlan, check_split
 from ._planner import Planner, check_part
 from ._priority import nice_steps
+from ._process import ProcessReader
 from ._read import Reader
 from ._shape import DataShape
 from ._stats import LayerStats, Stats
@@ -69,9 +70,10 @@ class LayerBase(SyncInterface):
 
     # --- what subclasses provide --------------------------------------------------------------
 
-    async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
-        """Open the data, size the cache; the reader, its cache slots (None: in place), and
-        what was learned of the data."""
+    async def _open_reader(self) -> tuple[Reader | ProcessReader, list[Slot] | None, DataShape]:
+        """Open the data, size the cache; the reader (or the helper process that runs the
+        pipeline, with ``process=True``), its cache slots (None: in place), and what was
+        learned of the data."""
         raise NotImplementedError
 
     def _look(self) -> DataShape:
@@ -190,6 +192,19 @@ class LayerBase(SyncInterface):
         consumer count, never prefetched ones."""
         self._data_shape()
         return self._planner.state(self._consumer.position())
+
+    def _run_state(self) -> dict[str, Any]:
+        """Where a run that starts now starts, as a state (for the helper process of
+        ``process=True``, which loads it and iterates from there). A run starts with nothing
+        of its epoch handed over yet; in the epoch of a state loaded, that is the state itself,
+        whatever mode the run serves (:meth:`state_dict` would say the mode's start: the
+        position of a run in another mode than the state's does not carry the state's)."""
+        self._data_shape()
+        planner, (mode, epoch, _, _) = self._planner, self._consumer.position()
+        r = planner.resume
+        if r is not None and epoch == r.epoch:
+            return planner.state((r.mode, epoch, 0, 0))
+        return planner.state((mode, epoch, 0, 0))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`): the next batch is the one that

@@ -21,6 +21,7 @@ from ._batch import Batch
 from ._cache import Slot, free_slots
 from ._delivery import Delivery
 from ._errors import StateError
+from ._process import ProcessReader
 from ._read import Reader
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class Opened:
 
     def __init__(
         self,
-        reader: Reader,
+        reader: Reader | ProcessReader,
         slots: list[Slot] | None,
         task_group: TaskGroup,
         *,
@@ -61,7 +62,7 @@ class Opened:
     @classmethod
     async def enter(
         cls,
-        reader: Reader,
+        reader: Reader | ProcessReader,
         slots: list[Slot] | None,
         *,
         sync: bool,

@@ -213,6 +213,29 @@ PROPERTIES: tuple[Property, ...] = (
         "hdf5",
     ),
     Property(
+        "process",
+        "`False`",
+        "`True`: run the pipeline (reading, cache, shuffle, gathering and the transformers) in "
+        "one helper process, and hand each batch over through shared memory (no pickling: the "
+        "batch's arrays view a slot of it). Your training step then shares neither the GIL nor "
+        "the interpreter with the loader's threads, which is what a step that holds the GIL "
+        "(kernel launches, optimizer bookkeeping in Python) needs. It costs a fresh Python "
+        "process at `async with` (the first batch comes that much later), the memory of a "
+        "second process, a copy of each batch into shared memory, and picklable transformers "
+        "and options (checked at construction: a {class}`~asynchdf5.ConfigurationError` names "
+        "the one that is not); the helper imports your main module as `multiprocessing`'s "
+        '`spawn` does, so guard a script with `if __name__ == "__main__":`. Epochs, '
+        "`stream()`, several streams, `state_dict()`, errors (the same type and message) and "
+        "`stats` are as without it; a batch stays valid as long as you hold it. With a "
+        "`device`, the helper gathers host batches and this process uploads them and runs the "
+        "transformers on the device (they need not be picklable then). POSIX systems only. "
+        "Off by default, as measured: it takes the loader off the step's GIL, but its "
+        "start-up, the extra copy and the hand-over of each batch cost more than the GIL waits "
+        "it removes unless the step holds the GIL and a core is free for the helper (see "
+        "[choosing](choosing.md#a-helper-process-for-a-step-that-holds-the-gil)).",
+        "hdf5",
+    ),
+    Property(
         "backend",
         '`"asyncio"`',
         "The anyio backend of the event loop that runs the pipeline when the layer is used with "

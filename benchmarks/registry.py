@@ -108,6 +108,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         # Stream mixing (issue 33): benchmarks/mixing.py provides bench(rec); until it is merged
         # this entry is recorded as skipped.
         Benchmark(
+            "process-start",
+            "benchmarks.process_start:bench",
+            "threads or a helper process (process=True): first batch, throughput, RSS",
+        ),
+        Benchmark(
             "mixing",
             "benchmarks.mixing:bench",
             "several weighted streams in one layer against one stream",

@@ -22,7 +22,11 @@ Loaders (``--loaders``):
   sorted fancy-index read per top and batch (:mod:`benchmarks.torch_loaders`);
 * ``shm``: the pipeline in one helper process (the SPDL way): the process runs ``HDF5DataLayer``
   and copies each batch into a ring of shared-memory slots; the trainer reads NumPy views of a
-  slot and hands it back, with a few bytes over a pipe each way (:mod:`benchmarks.shm_ring`).
+  slot and hands it back, with a few bytes over a pipe each way (:mod:`benchmarks.shm_ring`);
+* ``process``: the library's own helper process, ``HDF5DataLayer(..., process=True)``, plain
+  ``for``;
+* ``async_process``: ``AsyncHDF5DataLayer(..., process=True)``, ``async for`` on asyncio;
+* ``torch_process``: ``asynchdf5.torch`` with ``process=True``, ``num_workers=0``.
 
 Every asynchdf5 loader uses default properties with ``shuffle=True, seed=0``, ``chunk_size``
 ``--chunk-size`` and batches of 256. ``--switch-interval`` sets ``sys.setswitchinterval`` in the
@@ -55,7 +59,17 @@ __all__ = ["LOADERS", "main"]
 
 Pair = tuple[npt.NDArray[Any], npt.NDArray[Any]]
 
-LOADERS = ("free", "layer", "async", "torch", "dataloader", "shm")
+LOADERS = (
+    "free",
+    "layer",
+    "async",
+    "torch",
+    "dataloader",
+    "shm",
+    "process",
+    "async_process",
+    "torch_process",
+)
 BATCH = 256
 FULL = {"samples": 327_680, "chunk_size": 2**17, "steps": 1000}  # 1.01 GB
 QUICK = {"samples": 6_656, "chunk_size": 2**11, "steps": 40}  # 20.5 MB
@@ -92,30 +106,30 @@ def free_batches(*_: Any) -> Iterator[Pair]:
         yield pair
 
 
-def layer_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+def layer_batches(source: str, chunk_size: int, **extra: Any) -> Iterator[Pair]:
     from asynchdf5 import HDF5DataLayer
 
-    with HDF5DataLayer(source, **_kwargs(source, chunk_size)) as layer:
+    with HDF5DataLayer(source, **_kwargs(source, chunk_size), **extra) as layer:
         while True:
             for batch in layer:
                 yield batch["data"], batch["label"]
 
 
-async def async_batches(source: str, chunk_size: int) -> AsyncIterator[Pair]:
+async def async_batches(source: str, chunk_size: int, **extra: Any) -> AsyncIterator[Pair]:
     from asynchdf5 import AsyncHDF5DataLayer
 
-    async with AsyncHDF5DataLayer(source, **_kwargs(source, chunk_size)) as layer:
+    async with AsyncHDF5DataLayer(source, **_kwargs(source, chunk_size), **extra) as layer:
         while True:
             async for batch in layer:
                 yield batch["data"], batch["label"]
 
 
-def torch_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+def torch_batches(source: str, chunk_size: int, **extra: Any) -> Iterator[Pair]:
     from torch.utils.data import DataLoader
 
     from asynchdf5.torch import HDF5IterableDataset
 
-    kwargs = _kwargs(source, chunk_size)
+    kwargs = _kwargs(source, chunk_size) | extra
     del kwargs["tops"]
     with HDF5IterableDataset(source, tops=("data", "label"), **kwargs) as ds:
         loader = DataLoader(ds, batch_size=None, num_workers=0)
@@ -155,6 +169,8 @@ SYNC: dict[str, Callable[[str, int], Iterator[Pair]]] = {
     "torch": torch_batches,
     "dataloader": dataloader_batches,
     "shm": shm_batches,
+    "process": lambda source, chunk: layer_batches(source, chunk, process=True),
+    "torch_process": lambda source, chunk: torch_batches(source, chunk, process=True),
 }
 
 
@@ -219,8 +235,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     free = drive(free_batches(), steps, iterations)
     cpu0, load0 = os.times(), os.getloadavg()
     name, source, chunk = spec["loader"], spec["source"], spec["chunk_size"]
-    if name == "async":
-        clock = asyncio.run(drive_async(async_batches(source, chunk), steps, iterations))
+    if name in ("async", "async_process"):
+        extra = {"process": True} if name == "async_process" else {}
+        batches = async_batches(source, chunk, **extra)
+        clock = asyncio.run(drive_async(batches, steps, iterations))
     else:
         clock = drive(SYNC[name](source, chunk), steps, iterations)
     cpu1 = os.times()

@@ -1,8 +1,9 @@
 """Trials of a double Ctrl-C in a sync loop, run by ``tests/test_sync.py`` as a script.
 
-``python tests/_double_sigint.py SOURCE BACKEND TRIALS SEED`` imports the package once, then
-forks one child per trial. The child opens ``HDF5DataLayer(SOURCE)`` with ``with``, says it is
-ready, and streams epochs with ``for``; it runs at module level, so an uncaught
+``python tests/_double_sigint.py SOURCE BACKEND TRIALS SEED [process]`` imports the package
+once, then forks one child per trial (``process``: its layer runs with ``process=True``). The
+child opens ``HDF5DataLayer(SOURCE)`` with ``with``, says it is ready, and streams epochs with
+``for``; it runs at module level, so an uncaught
 ``KeyboardInterrupt`` ends it as it ends any script (threads joined, then killed by SIGINT). The
 parent sends it two SIGINTs a random 0.2-8 ms apart at a random moment of the loop, waits up to
 ``DEADLINE`` seconds, and prints one line per trial: ``ok``, ``hung`` or ``status N``.
@@ -72,7 +73,10 @@ if __name__ == "__main__":
     else:
         sys.exit(0)
     # The child (the loop above was left by `break`).
-    with HDF5DataLayer(source, batch_size=10, chunk_size=40, shuffle=True, backend=backend) as L:
+    process = sys.argv[5:] == ["process"]  # the pipeline in a helper process (process=True)
+    with HDF5DataLayer(
+        source, batch_size=10, chunk_size=40, shuffle=True, backend=backend, process=process
+    ) as L:
         os.write(tell, b"r")
         os.close(tell)
         while True:

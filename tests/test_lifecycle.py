@@ -25,6 +25,7 @@ from asynchdf5 import (
     StateError,
     TransformError,
 )
+from asynchdf5._process import ProcessReader
 
 from ._files import N, check_epoch, write_source
 
@@ -435,8 +436,10 @@ async def test_the_cache_is_given_back_in_a_worker_thread_on_close(
             assert opened.slots
             held = [a for s in opened.slots for a in s.arrays.values()]
         else:
-            assert not opened.slots and opened.reader.own_arrays
-            held = list(opened.reader.own_arrays.values())
+            reader = opened.reader
+            assert not isinstance(reader, ProcessReader)  # process=False: the reader is here
+            assert not opened.slots and reader.own_arrays
+            held = list(reader.own_arrays.values())
         del opened
         with anyio.fail_after(10):
             check_epoch([b async for b in layer], N, 10, 0)

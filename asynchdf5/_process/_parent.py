@@ -1,0 +1,416 @@
+"""The layer's side of ``process=True``: the helper process, and the runs it serves.
+
+:class:`ProcessReader` stands where the reader stands in a layer that runs its pipeline itself:
+the layer's :class:`~asynchdf5._consumer.Consumer` opens it, asks it for runs
+(:meth:`ProcessReader.new_run`) and closes it. A :class:`RemoteRun` has the consumer's side of a
+:class:`~asynchdf5._pipeline.Run`, so the consumer, the epoch iterator and the sync bridge work
+unchanged: every position, epoch count and saved
+state is the layer's own, counted from the batches handed over here.
+
+Starting a run tells the helper where to start: the layer's state at that moment (the next
+batch the consumer must get; in the epoch of a state loaded, that state, whatever the run's
+mode), and the run's mode. The helper loads it into its own layer and iterates from there;
+batches of a run replaced since are dropped on arrival (their slots go back
+at once), so only the current run's batches are handed over.
+
+Slots: a batch handed over is a set of views of one slot, which goes back to the helper once
+nothing refers to them any more (as host batch buffers are reused, see
+:class:`~asynchdf5._delivery.BatchBuffers`). The consumer may keep batches: when it holds all
+but one slot, the next batch is copied out of its slot, so the helper always has one to fill.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from .._batch import Batch
+from .._catalog import TopInfo
+from .._errors import ReadError
+from .._gathering import EpochEnd, Failure, Item
+from .._specs import Carry, GroupSpec
+from .._stats import GatherStats, Stats
+from ._errors import rebuild
+from ._spawn import reap, spawn
+from ._wire import MAX_MESSAGE, Segment, recv, refcounts_are_reliable, send, socket_pair
+
+if TYPE_CHECKING:
+    from .._delivery import Delivery
+    from .._pipeline import Mode
+    from .._pipeline import Run as RunBase
+else:
+    # At run time a RemoteRun is no Run (nothing of the pipeline runs here): the type checker
+    # sees the interface the consumer uses.
+    RunBase = object
+
+__all__ = ["ProcessReader", "RemoteRun", "Uploader", "stats_of"]
+
+
+#: Slots given back in one message (fewer wake-ups of the helper).
+FREE_TOGETHER = 2
+
+
+class ProcessReader:
+    """The helper process of a layer opened with ``process=True`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        sock: socket.socket,
+        state: Callable[[], dict[str, Any]],
+        stats: Stats,
+        slots: int,
+        uploader: Uploader | None = None,
+    ) -> None:
+        self._uploader = uploader
+        self._proc = proc
+        self._sock = sock
+        self._state = state
+        self._stats = stats
+        self._slots = slots
+        self._segments: list[Segment | None] = [None] * slots
+        self._out: set[int] = set()  # slots the helper filled and has not got back
+        self._token = 0  # the current run's
+        #: A batch received and not handed over yet: its slot would be the consumer's last.
+        self._pending: tuple[Any, ...] | None = None
+        self._freed: list[int] = []  # slots given back, not yet told
+        #: ``_out`` and the socket's sends are shared with the threads that drop batches.
+        self._lock = threading.Lock()
+        self._reuse = refcounts_are_reliable()
+        self._closed = False
+        self._buf = bytearray(MAX_MESSAGE)
+        self.tops: Mapping[str, TopInfo] = {}
+        self.n_samples = 0
+        self.read_paths: Mapping[str, str] = {}
+        self.read_notes: Mapping[str, str] = {}
+
+    @classmethod
+    async def start(
+        cls,
+        payload: bytes,
+        state: Callable[[], dict[str, Any]],
+        stats: Stats,
+        slots: int,
+        device: tuple[Delivery, int] | None = None,
+    ) -> tuple[ProcessReader, Any]:
+        """Start the helper with ``payload`` (see :func:`~._errors.payload`), wait until its
+        layer is open; the reader, and the shape of the data the helper found. ``device``: the
+        layer's delivery and batch size, to upload the helper's host batches with."""
+        ours, theirs = socket_pair()
+        try:
+            proc = await anyio.to_thread.run_sync(spawn, theirs, payload)
+        finally:
+            theirs.close()
+        reader = cls(proc, ours, state, stats, slots)
+        try:
+            message = await reader._next()
+            if message[0] == "failed":
+                raise rebuild(message[1])
+            _, shape, reader.read_paths, reader.read_notes = message
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await reader.aclose()
+            raise
+        reader.n_samples = shape.n_samples
+        reader.tops = {
+            name: TopInfo(name, np.dtype(dtype), tuple(sample))
+            for name, dtype, sample in shape.tops
+        }
+        if device is not None:
+            delivery, rows = device
+            reader._uploader = Uploader(delivery, reader.tops, rows, slots + 2)
+        return reader, shape
+
+    async def _next(self) -> tuple[Any, ...]:
+        """The next message, waiting for it (not a batch: only while starting)."""
+        while True:
+            try:
+                message, fd = recv(self._sock, self._buf, block=False)
+            except BlockingIOError:
+                await _wait_readable(self._sock)
+                continue
+            if fd is not None:
+                os.close(fd)
+            if message is None:
+                raise self._gone()
+            return message
+
+    def _gone(self) -> ReadError:
+        code = self._proc.poll()
+        how = "is gone" if code is None else f"exited with status {code}"
+        return ReadError(f"the layer's helper process (pid {self._proc.pid}) {how}")
+
+    # --- runs -----------------------------------------------------------------------------------
+
+    def new_run(self, mode: Mode, start_epoch: int) -> RemoteRun:
+        """A run from where the layer's consumer is now, in ``mode``."""
+        self._token += 1
+        state = self._state()
+        with contextlib.suppress(OSError):  # the helper is gone: the run's first take says so
+            send(self._sock, ("start", self._token, mode, state))
+        return RemoteRun(self, mode, start_epoch, self._token, self._uploader)
+
+    def take_nowait(self, token: int) -> list[Item]:
+        """The next item of run ``token``; :class:`anyio.WouldBlock` if none is there yet, or
+        if the next batch could only be handed over as a copy (the consumer holds every other
+        slot: see :meth:`take`)."""
+        self._give_back()
+        while True:
+            if self._pending is not None:
+                batch = self._batch(self._pending, token, copy=False)
+                if batch is None:
+                    self._flush()
+                    raise anyio.WouldBlock
+                return [batch]
+            try:
+                message, fd = recv(self._sock, self._buf, block=False)
+            except BlockingIOError:
+                self._flush()  # nothing ready: the helper gets every slot there is
+                raise anyio.WouldBlock from None
+            if message is None:
+                return [Failure(self._gone())]
+            kind = message[0]
+            if kind == "batch":
+                _, run, slot, _, _, size = message
+                if fd is not None:
+                    try:
+                        self._segments[slot] = Segment(fd, size)
+                    finally:
+                        os.close(fd)
+                self._out.add(slot)
+                if run != token:
+                    self._free(slot)  # a replaced run's
+                else:
+                    self._pending = message
+            elif kind == "stats":
+                self._take_stats(message[1])
+            elif message[1] != token:
+                continue  # a replaced run's end or failure
+            elif kind == "end":
+                return [EpochEnd(message[2])]
+            else:
+                return [Failure(rebuild(message[2]))]
+
+    def _batch(self, message: tuple[Any, ...], token: int, *, copy: bool) -> Batch | None:
+        """The pending batch ``message``: views of its slot, or (``copy``) a copy, its slot
+        given back at once; None (still pending) when only a copy would do and ``copy`` is
+        False."""
+        _, run, slot, epoch, layout, _ = message
+        if run != token:  # the run was replaced while its batch waited
+            self._pending = None
+            self._free(slot)
+            return None
+        segment = self._segments[slot]
+        assert segment is not None
+        with self._lock:
+            held = sum(1 for s in self._out if s != slot)
+        copy = copy or not self._reuse
+        if not copy and held >= self._slots - 1:
+            return None
+        self._pending = None
+        release = None if copy else functools.partial(self._released, slot)
+        data, indices = segment.views(layout, release)
+        if copy:
+            # The consumer keeps every other slot: copy, so that the helper has one to fill.
+            data = {k: np.array(v) for k, v in data.items()}
+            indices = indices.copy()
+            self._free(slot, now=True)
+        return Batch(data, indices, epoch)
+
+    def _released(self, slot: int) -> None:
+        """The last view of the batch in ``slot`` is gone (in whichever thread dropped it): the
+        helper gets the slot back now, not at the consumer's next ask, so it fills the ring
+        while the consumer works on the batches it took."""
+        with self._lock:
+            if slot in self._out and not self._closed:
+                self._out.discard(slot)
+                with contextlib.suppress(OSError):
+                    send(self._sock, ("free", (slot,)))
+
+    def _give_back(self) -> None:
+        """Give the helper back each slot no batch refers to any more (those whose last view
+        went without :meth:`_released`: kept for any other way a view can go)."""
+        pending = self._pending[2] if self._pending is not None else None
+        with self._lock:
+            out = list(self._out)
+        for slot in out:
+            if slot == pending:
+                continue  # no views yet: its batch is still to be handed over
+            segment = self._segments[slot]
+            # The list's reference and getrefcount's argument: nobody else's.
+            if segment is not None and sys.getrefcount(segment.owner) <= 2:
+                self._free(slot)
+
+    def _free(self, slot: int, *, now: bool = False) -> None:
+        """Give ``slot`` back: with the next ones, unless ``now`` (each message wakes the
+        helper; it is told at the latest when the consumer finds no batch ready)."""
+        with self._lock:
+            if slot not in self._out:
+                return  # released meanwhile
+            self._out.discard(slot)
+            self._freed.append(slot)
+        if now or len(self._freed) >= FREE_TOGETHER:
+            self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            if self._freed and not self._closed:
+                with contextlib.suppress(OSError):  # the helper is gone: the next receive says
+                    send(self._sock, ("free", tuple(self._freed)))
+            self._freed.clear()
+
+    def _take_stats(self, stats: dict[str, Any]) -> None:
+        read, gather = self._stats.read, self._stats.gather
+        read.seconds, read.bytes = stats["read_seconds"], stats["bytes_read"]
+        read.chunks, read.retries = stats["chunks_read"], stats["read_retries"]
+        own = self._uploader.stats if self._uploader is not None else GatherStats()
+        gather.gather_seconds = stats["gather_seconds"] + own.gather_seconds
+        gather.transform_seconds = stats["transform_seconds"] + own.transform_seconds
+        for times, key in ((read.stage, "read"), (gather.stage, "gather")):
+            busy, starved, blocked = stats["stages"][key]
+            times.busy, times.starved, times.blocked = busy, starved, blocked
+
+    async def take(self, token: int) -> list[Item]:
+        """:meth:`take_nowait`, waiting for the helper (on the socket: no polling). A batch
+        that only a copy can hand over (the consumer keeps every other slot) is copied now:
+        the consumer has nothing else to take, and the helper needs that slot."""
+        while True:
+            try:
+                return self.take_nowait(token)
+            except anyio.WouldBlock:
+                if self._pending is not None:
+                    batch = self._batch(self._pending, token, copy=True)
+                    if batch is not None:
+                        return [batch]
+                    continue
+                await _wait_readable(self._sock)
+
+    # --- closing --------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Stop the helper and wait for it to exit (killed if it does not, in time)."""
+        if self._closed:
+            return
+        with self._lock:  # a batch released in another thread sends nothing from now on
+            self._closed = True
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(OSError):
+                send(self._sock, ("close",))
+            await anyio.to_thread.run_sync(reap, self._proc)
+            self._sock.close()
+            self._segments = [None] * self._slots  # batches still held keep their own mapping
+
+
+class Uploader:
+    """``device=...`` with ``process=True``: the helper gathers host batches (without the
+    transformers), and the layer's own delivery uploads each one from its slot, and runs the
+    transformers on the device, in a worker thread of the layer's process."""
+
+    def __init__(self, delivery: Delivery, tops: Mapping[str, TopInfo], rows: int, depth: int):
+        self.delivery = delivery
+        self.stats = GatherStats()  # the layer's process's own part, added to the helper's
+        delivery.start(tops, rows, depth)
+
+    def upload(self, items: list[Item]) -> list[Item]:
+        """``items`` with each host batch replaced by the delivery's (blocking)."""
+        out: list[Item] = []
+        for item in items:
+            if not isinstance(item, Batch):
+                out.append(item)
+                continue
+            carried = Carry(dict(item), item.indices)
+            group = GroupSpec([(carried, 0, item.size)], [item.size], [item.epoch])
+            made, error = self.delivery.make(group, self.stats, None)
+            out += made
+            if error is not None:
+                out.append(Failure(error))
+                break
+        return out
+
+
+class RemoteRun(RunBase):
+    """The consumer's side of a run served by the helper process (see the module docstring):
+    what :class:`~asynchdf5._pipeline.Run` offers the consumer, nothing else."""
+
+    def __init__(  # no super().__init__: nothing of the pipeline runs here
+        self,
+        reader: ProcessReader,
+        mode: Mode,
+        start_epoch: int,
+        token: int,
+        uploader: Uploader | None = None,
+    ) -> None:
+        self._reader = reader
+        self._uploader = uploader
+        self._token = token
+        self.mode = mode
+        self.ready: collections.deque[Item] = collections.deque()
+        self.head_epoch = start_epoch
+        self.scope = anyio.CancelScope()
+        self.done = anyio.Event()
+        self._shut = False
+
+    async def main(self) -> None:
+        """Live until cancelled (the helper does the work)."""
+        try:
+            with self.scope:
+                await anyio.sleep_forever()
+        finally:
+            self.done.set()
+
+    async def stop(self) -> None:
+        """Cancel the run and wait until it is done."""
+        self.scope.cancel()
+        await self.done.wait()
+        self.shut()
+
+    def take_nowait(self) -> list[Item]:
+        if self._shut:
+            raise anyio.ClosedResourceError
+        if self._uploader is not None:
+            raise anyio.WouldBlock  # an upload runs in a worker thread: take() does it
+        return self._reader.take_nowait(self._token)
+
+    async def take(self) -> list[Item]:
+        if self._shut:
+            raise anyio.ClosedResourceError
+        items = await self._reader.take(self._token)
+        if self._uploader is not None:
+            items = await anyio.to_thread.run_sync(self._uploader.upload, items)
+        return items
+
+    def shut(self) -> None:
+        self._shut = True
+        self.ready.clear()
+
+
+async def _wait_readable(sock: socket.socket) -> None:
+    await anyio.wait_readable(sock)
+
+
+def stats_of(stats: Any) -> dict[str, Any]:
+    """What the helper sends of its layer's :class:`~asynchdf5.LayerStats`."""
+    return {
+        "read_seconds": stats.read_seconds,
+        "bytes_read": stats.bytes_read,
+        "chunks_read": stats.chunks_read,
+        "read_retries": stats.read_retries,
+        "gather_seconds": stats.gather_seconds,
+        "transform_seconds": stats.transform_seconds,
+        "stages": {
+            k: (s.busy_seconds, s.starved_seconds, s.blocked_seconds)
+            for k, s in stats.stages.items()
+        },
+    }

@@ -1,0 +1,209 @@
+"""What crosses between a layer and its helper process: control messages and batch slots.
+
+Control is a ``SOCK_SEQPACKET`` Unix socket pair: each message is one small pickled tuple (a
+few hundred bytes: never batch data), so message boundaries are the kernel's. Batch data goes
+through *slots*: anonymous shared memory (``memfd_create`` on Linux; elsewhere a file created
+and unlinked at once), created by the helper, mapped by both sides, and passed to the layer as
+a file descriptor with the message that first uses it. Nothing has a name in ``/dev/shm``, so a
+process that is killed leaves nothing behind: the memory goes when the last mapping does.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import math
+import mmap
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ALIGN",
+    "MAX_MESSAGE",
+    "Layout",
+    "Segment",
+    "needed",
+    "recv",
+    "refcounts_are_reliable",
+    "ring_slots",
+    "send",
+    "socket_pair",
+    "write_batch",
+]
+
+#: Each array of a slot starts on a cache line.
+ALIGN = 64
+#: The largest control message (a saved state can hold an elastic resume's chain).
+MAX_MESSAGE = 1 << 20
+_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
+#: Where each top's array and the indices lie in a slot: ``((top, offset, dtype, shape), ...)``
+#: and the indices' offset; the rows are the first dimension of every shape.
+Layout = tuple[tuple[tuple[str, int, str, tuple[int, ...]], ...], int]
+
+
+def ring_slots(prefetch: int) -> int:
+    """Slots in the ring of a layer with ``prefetch``: the batch the consumer holds, the one
+    it asks for meanwhile, and room for the helper to fill ahead (at least two, at most 16)."""
+    return max(4, min(16, prefetch))
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    """Two connected message sockets (not inherited by other programs)."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def send(sock: socket.socket, message: tuple[Any, ...], fd: int | None = None) -> None:
+    """Send ``message`` (with ``fd``, if given: the receiver gets its own copy)."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if fd is None:
+        sock.sendall(data)
+    else:
+        socket.send_fds(sock, [data], [fd])
+
+
+def recv(
+    sock: socket.socket, buf: bytearray, *, block: bool
+) -> tuple[tuple[Any, ...] | None, int | None]:
+    """The next message (read into ``buf``, of :data:`MAX_MESSAGE` bytes, the receiver's own:
+    no allocation per message) and the descriptor sent with it; ``(None, None)`` once the other
+    side is gone. Not blocking: :class:`BlockingIOError` when nothing is there."""
+    flags = 0 if block else socket.MSG_DONTWAIT
+    try:
+        n, ancdata, msg_flags, _ = sock.recvmsg_into([buf], _FD_SPACE, flags)
+    except ConnectionResetError:  # it died with messages of ours unread
+        return None, None
+    fds = [
+        fd
+        for level, kind, data in ancdata
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+        for fd in array.array("i", data[: len(data) - len(data) % 4])
+    ]
+    if not n:
+        for fd in fds:
+            os.close(fd)
+        return None, None
+    if msg_flags & socket.MSG_TRUNC:  # pragma: no cover - MAX_MESSAGE bounds every message
+        raise RuntimeError(f"a control message over {len(buf)} bytes")
+    message: tuple[Any, ...] = pickle.loads(memoryview(buf)[:n])
+    return message, fds[0] if fds else None
+
+
+def _anonymous(size: int) -> int:
+    """A descriptor of ``size`` bytes of shared memory that has no name."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("asynchdf5-batch", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - not Linux
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="asynchdf5-batch-", dir=folder)
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, size: int) -> np.ndarray:
+    """``size`` bytes of ``fd`` mapped shared, as a byte array; unmapped when the last array
+    that views it goes. Unlike :class:`mmap.mmap`, the mapping keeps no descriptor open: a
+    batch the consumer keeps holds memory, never a file descriptor."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes of shared memory: {os.strerror(err)}")
+    buf = (ctypes.c_uint8 * size).from_address(addr)
+    weakref.finalize(buf, _libc.munmap, addr, size)
+    out: np.ndarray = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+    return out
+
+
+class Segment:
+    """One slot's shared memory, mapped; ``owner`` is the byte array every view comes from (the
+    descriptor can be closed once this is made)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.size = size
+        self.owner: np.ndarray = _map(fd, size)
+
+    @classmethod
+    def create(cls, size: int) -> tuple[Segment, int]:
+        """A new segment of at least ``size`` bytes, and its descriptor (to send, then close)."""
+        size = max(mmap.PAGESIZE, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        fd = _anonymous(size)
+        try:
+            return cls(fd, size), fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def views(
+        self, layout: Layout, release: Callable[[], None] | None = None
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The arrays of a batch written with ``layout``. ``release``: called once the last of
+        them (and of every view made from them) is gone; they view one array of their own,
+        which holds :attr:`owner` as long as it lives."""
+        tops, at = layout
+        rows = tops[-1][3][0] if tops else 0
+        end = at + 8 * rows
+        region = self.owner
+        if release is not None:
+            region = np.frombuffer(self.owner.data[:end], np.uint8)
+            weakref.finalize(region, release).atexit = False
+        out = {}
+        for name, offset, dtype, shape in tops:
+            dt = np.dtype(dtype)
+            n = math.prod(shape) * dt.itemsize
+            out[name] = region[offset : offset + n].view(dt).reshape(shape)
+        indices = region[at:end].view(np.int64)
+        return out, indices
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def needed(data: Mapping[str, np.ndarray], rows: int) -> int:
+    """The bytes a slot needs for a batch of these arrays."""
+    return sum(_up(a.nbytes) for a in data.values()) + 8 * rows
+
+
+def write_batch(segment: Segment, data: Mapping[str, np.ndarray], indices: np.ndarray) -> Layout:
+    """Copy a batch into ``segment`` (which must hold :func:`needed` bytes); its layout."""
+    tops = []
+    at = 0
+    for name, a in data.items():
+        view = segment.owner[at : at + a.nbytes].view(a.dtype).reshape(a.shape)
+        np.copyto(view, a, casting="no")
+        tops.append((name, at, a.dtype.str, tuple(a.shape)))
+        at += _up(a.nbytes)
+    segment.owner[at : at + indices.nbytes].view(np.int64)[:] = indices
+    return tuple(tops), at
+
+
+def refcounts_are_reliable() -> bool:
+    """Whether a reference count says that nobody else holds an array (a GIL build)."""
+    gil = getattr(sys, "_is_gil_enabled", None)
+    return gil is None or bool(gil())
