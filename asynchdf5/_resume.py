@@ -218,7 +218,18 @@ def save_state(
     mode, epoch, batches, samples = position
     r = resume
     chain: list[list[int]] = [[world_size, batches]]
+    if r is not None and epoch == r.epoch and r.mode != mode and not (batches or samples):
+        mode = r.mode  # nothing yielded since the state was loaded: still exactly that state
     if r is not None and epoch == r.epoch:
+        if r.mode != mode:
+            # Its position counts from the loaded state's, which the other mode's cannot say
+            # exactly (an epoch's batches are not a stream's samples): refused, never a state
+            # that would replay or skip samples.
+            raise StateError(
+                f"a state saved in {r.mode} mode was loaded and this epoch is iterated in "
+                f"{mode} mode: it cannot be saved before the epoch is over (iterate it in "
+                f"{r.mode} mode to save part-way)"
+            )
         if r.mode == "stream" or mode == "stream":
             if r.world_size != world_size:
                 raise StateError(

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -161,6 +162,41 @@ async def test_state_between_epochs_and_load_on_an_open_layer(tmp_path: Path) ->
         layer.load_state_dict(state)  # back to epoch 1, on the open layer
         again = snapshot([b async for b in layer])
     assert again == reference[1]
+
+
+async def test_a_state_of_one_mode_continued_in_the_other(tmp_path: Path) -> None:
+    """A state loaded and its epoch iterated in the other mode (an epoch state, then
+    ``stream()``; a stream state, then ``async for``): before any batch the state is still
+    exactly the one loaded; after some, saving is a StateError (the position cannot be said
+    exactly across modes), never a state that replays or skips samples."""
+    with anyio.fail_after(30):
+        first = memory_layer(batch_size=10, shuffle=True, seed=1)
+        async with first:
+            it = aiter(first)
+            for _ in range(7):
+                await anext(it)
+            by_epoch = first.state_dict()
+            await it.aclose()
+        async with memory_layer(batch_size=10, shuffle=True, seed=1) as second:
+            stream = aiter(second.stream())
+            for _ in range(5):
+                await anext(stream)
+            by_stream = second.state_dict()
+            await stream.aclose()
+        assert by_stream["mode"] == "stream"
+        for state, other in ((by_epoch, "stream"), (by_stream, "epoch")):
+            layer = memory_layer(batch_size=10, shuffle=True, seed=1)
+            async with layer:
+                layer.load_state_dict(state)
+                it = aiter(layer.stream() if other == "stream" else layer)
+                again = layer.state_dict()
+                keys = ("mode", "epoch", "batches", "chain")
+                keys += ("samples",) if state["mode"] == "stream" else ()
+                assert {k: again[k] for k in keys} == {k: state[k] for k in keys}
+                await anext(it)
+                with pytest.raises(StateError, match=f"iterated in {other} mode"):
+                    layer.state_dict()
+                await it.aclose()
 
 
 async def test_only_batches_handed_over_count(tmp_path: Path) -> None:
