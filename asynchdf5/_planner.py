@@ -322,27 +322,7 @@ class Planner:
         part = self.part if not stream else None
 
         def fresh(rank: int, world_size: int, stream: bool = stream) -> EpochPlan:
-            if shape.streams:  # several streams mixed: their own planner
-                whole = plan_mixed(
-                    shape.streams,
-                    epoch=epoch,
-                    batch_size=c.batch_size,
-                    chunk_size=shape.chunk_rows,
-                    shuffle=c.shuffle,
-                    seed=c.seed,
-                    rank=rank,
-                    world_size=world_size,
-                    drop_last=c.drop_last,
-                    first_rows=shape.first_rows,
-                    stream=stream,
-                    block_size=shape.block_rows,
-                    mode=c.batch_mode,
-                    ramp_lanes=shape.ramp_lanes,
-                    chunk_lanes=shape.chunk_lanes,
-                )
-                return whole if part is None else split_plan(whole, *part)
-            whole = plan_epoch(
-                shape.n_samples,
+            order: dict[str, Any] = dict(
                 epoch=epoch,
                 batch_size=c.batch_size,
                 chunk_size=shape.chunk_rows,
@@ -356,6 +336,11 @@ class Planner:
                 block_size=shape.block_rows,
                 ramp_lanes=shape.ramp_lanes,
                 chunk_lanes=shape.chunk_lanes,
+            )
+            whole = (  # several streams mixed: their own planner
+                plan_mixed(shape.streams, mode=c.batch_mode, **order)
+                if shape.streams
+                else plan_epoch(shape.n_samples, **order)
             )
             return whole if part is None else split_plan(whole, *part)
 
