@@ -602,6 +602,7 @@ path, how, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 mode = True if mode == "True" else mode
 writer = os.open(path, os.O_WRONLY) if how == "writer open before" else None
 if how == "not the owner":  # a user who does not own it
+    import anyio._backends._asyncio  # imported now: that user may not read the interpreter's files
     os.setgid(54321)
     os.setuid(54321)
 got, waited = [], None
