@@ -7,12 +7,12 @@ only here:
   slots and a background :class:`~._pipeline.Run` in its task group;
 - ``epoch``, the epochs finished, and the live iterator (at most one) with the epoch it is in;
 - the position: the batches and samples of that epoch handed over (what ``state_dict()``
-  saves), and the consumer's stats (:class:`~._stats.ConsumerStats`), both written here only.
+  saves; kept in its :class:`~._place.Place`), and the consumer's stats
+  (:class:`~._stats.ConsumerStats`), both written here only.
 
 Iterators (:class:`~._iterator.EpochIterator`) are views: each holds its mode and whether it is
 done, and asks the consumer for every batch; the sync bridge (:mod:`._sync`) uses the same public
-methods from the ``for`` loop's thread. Plans come from the layer's one
-:class:`~._planner.Planner`.
+methods from the ``for`` loop's thread. Plans come from the layer's :class:`~._planner.Planner`.
 
 One consumer at a time: a second *live* iterator (neither finished, failed, closed, nor dropped:
 an ``async for`` left with ``break`` drops its iterator at once) is a
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
@@ -38,6 +37,7 @@ from ._errors import StateError
 from ._opened import Bridge, Opened
 from ._pace import PAUSE_EVERY_S, Pace
 from ._pipeline import EpochEnd, Failure, Item, Mode, Run
+from ._place import Place, Position
 from ._planner import Planner
 from ._process import ProcessReader
 from ._read import Reader
@@ -47,9 +47,6 @@ if TYPE_CHECKING:
     from ._iterator import EpochIterator
 
 __all__ = ["Consumer", "Position"]
-
-#: ``(mode, epoch, batches, samples)``: see :meth:`Consumer.position`.
-Position = tuple[Mode, int, int, int]
 
 
 class Consumer:
@@ -74,8 +71,8 @@ class Consumer:
         self.batch_size = batch_size
         self.prefetch = prefetch
         self.state: Literal["closed", "opening", "open", "closing"] = "closed"
-        #: Epochs finished (an epoch left early counts once the next iteration starts).
-        self.epoch = 0
+        #: Where the consumer is: epochs finished, the live iterator, its position.
+        self.place = Place()
         #: Openings so far: an iterator serves the opening it started in only.
         self.openings = 0
         #: What the open layer has (None: not open).
@@ -84,14 +81,6 @@ class Consumer:
         #: A failed run, stopping: its threads may still read into the cache slots, so the
         #: next run starts only once it is done.
         self._ending: Run | None = None
-        # The live iterator, and where it is: batches yielded to it (not prefetched), in its
-        # epoch; for a stream, the samples yielded since it began at epoch `_start`.
-        self._live: weakref.ReferenceType[EpochIterator] | None = None
-        self._touched: int | None = None  # latest epoch the consumer got a batch of
-        self._mode: Mode = "epoch"
-        self._start = 0
-        self._batches = 0
-        self._samples = 0
         #: The items of the group taken last, not yet served.
         self.ready: collections.deque[Item] = collections.deque()
         # The epoch at the head of the run's queue while the consumer stands at an epoch
@@ -100,6 +89,11 @@ class Consumer:
         #: When the consumer last got a batch (its step time runs from there to its next ask).
         self.last_handed: float | None = None
         self._pace = Pace()  # when the consumer last let the event loop run
+
+    @property
+    def epoch(self) -> int:
+        """Epochs finished (an epoch left early counts once the next iteration starts)."""
+        return self.place.epoch
 
     # --- opening and closing ------------------------------------------------------------------
 
@@ -150,7 +144,7 @@ class Consumer:
         finally:
             try:
                 self._drop_run()
-                self._settle()
+                self.place.settle()
                 await opened.release(self.delivery)
             finally:
                 self.opened = None
@@ -160,28 +154,18 @@ class Consumer:
 
     def start_run(self, mode: Mode) -> Run:
         """Start the run serving ``mode`` from the next epoch, in the layer's task group."""
-        opened = self.opened
-        assert opened is not None
-        run: Run
-        reader = opened.reader
-        if isinstance(reader, ProcessReader):  # process=True: the helper runs the pipeline
-            run = reader.new_run(mode, self.epoch)
-        else:
-            run = Run(
-                reader,
-                opened.slots,
-                self.planner,
-                mode=mode,
-                start_epoch=self.epoch,
-                batch_size=self.batch_size,
-                delivery=self.delivery,
-                prefetch=self.prefetch,
-                stats=self.stats,
-            )
-        self.run = run
+        assert self.opened is not None
+        self.run = run = self.opened.start_run(
+            mode,
+            self.epoch,
+            self.planner,
+            batch_size=self.batch_size,
+            delivery=self.delivery,
+            prefetch=self.prefetch,
+            stats=self.stats,
+        )
         self.ready.clear()
         self._boundary = self.epoch
-        opened.task_group.start_soon(run.main)
         return run
 
     def _drop_run(self) -> None:
@@ -195,8 +179,7 @@ class Consumer:
 
     def live(self) -> EpochIterator | None:
         """The live iterator, if any."""
-        it = self._live() if self._live is not None else None
-        return None if it is None or it.done else it
+        return self.place.live()
 
     def iterate_sync(self, it: EpochIterator) -> Iterator[Batch]:
         """``it`` in a ``for`` loop, through the sync bridge (the layer opened with ``with``)."""
@@ -228,9 +211,7 @@ class Consumer:
                 "consumer at a time. Finish that iteration, or close it (`await it.aclose()`, "
                 "`it.close()` in sync code), before starting another"
             )
-        self._settle()
-        self._live = weakref.ref(it)
-        self._mode, self._start, self._batches, self._samples = it.mode, self.epoch, 0, 0
+        self.place.begin(it)
         run = self.run
         if run is None or run.mode != it.mode or self._boundary != self.epoch:
             if run is not None:
@@ -240,13 +221,6 @@ class Consumer:
                 self._ending = None
             self.start_run(it.mode)
         self._pace.mark()  # the loop ran meanwhile; and the pause needs its clock's reading
-
-    def _settle(self) -> None:
-        """The previous consumer left early: the epoch it was in is over."""
-        if self._touched is not None:
-            self.epoch = max(self.epoch, self._touched + 1)
-        self._touched = None
-        self._live = None
 
     def next_ready(self, it: EpochIterator) -> Batch | None:
         """A batch of the group taken last, handed to ``it`` without a trip through the event
@@ -346,16 +320,17 @@ class Consumer:
         ``for`` loop's thread with :meth:`deliver`)."""
         rows = len(batch.indices)
         bridged = it.bridged
+        place = self.place
         if not bridged:
             try:
                 self.delivery.hand_off(batch)
             except BaseException:
                 self.fail(it)
                 raise
-            if it.mode == "epoch" and batch.epoch != self._start:  # as _yielded, inline
-                self._start, self._batches, self._samples = batch.epoch, 0, 0
-            self._batches += 1
-            self._samples += rows
+            if it.mode == "epoch" and batch.epoch != place.start:  # as Place.count, inline
+                place.start, place.batches, place.samples = batch.epoch, 0, 0
+            place.batches += 1
+            place.samples += rows
         counts = self._counts
         if counts.first_batch_seconds is None:
             assert self.opened is not None
@@ -364,7 +339,7 @@ class Consumer:
         counts.samples += rows
         if self.label is not None:
             self.label(batch)
-        self._touched = batch.epoch
+        place.touched = batch.epoch
         self._boundary = None
         if not bridged:
             self.last_handed = time.perf_counter()
@@ -375,27 +350,16 @@ class Consumer:
         made ready there (a device's: on the current CUDA stream), and counts for
         ``state_dict()`` from now on."""
         self.delivery.hand_off(batch)
-        self._yielded(it, batch)
+        self.place.count(it.mode, batch.epoch, len(batch.indices))
 
     def stepped(self, seconds: float) -> None:
         """The sync bridge's ``for`` loop spent ``seconds`` on a batch before asking again."""
         self._counts.step_seconds += seconds
 
-    def _yielded(self, it: EpochIterator, batch: Batch) -> None:
-        """``batch`` reached the consumer (in the consumer's thread)."""
-        if it.mode == "epoch" and batch.epoch != self._start:
-            self._start, self._batches, self._samples = batch.epoch, 0, 0
-        self._batches += 1
-        self._samples += len(batch.indices)
-
     def _epoch_ended(self, it: EpochIterator, epoch: int) -> None:
         """Every batch of ``epoch`` has been handed over."""
-        self.epoch = epoch + 1
-        self._touched = None
+        self.place.ended(it.mode, epoch)
         self._boundary = epoch + 1
-        if it.mode == "epoch":
-            self._start, self._batches, self._samples = epoch + 1, 0, 0
-            self._live = None
 
     def fail(self, it: EpochIterator) -> None:
         """The pipeline failed, or a batch could not be handed over: ``it``'s iteration ends,
@@ -404,12 +368,7 @@ class Consumer:
         it.done = True
         if it.opening != self.openings or self.live() not in (it, None):
             return
-        if self._touched is not None:
-            self.epoch = max(self.epoch, self._touched + 1)
-        elif it.mode == "epoch":
-            self.epoch += 1
-        self._touched = None
-        self._live = None
+        self.place.failed(it.mode)
         if self.run is not None:
             self.run.scope.cancel()  # a no-op when the run itself failed: it is over
             self._ending = self.run
@@ -420,33 +379,16 @@ class Consumer:
         finished once the next iteration starts, as for an iterator dropped by ``break``."""
         if not it.done:
             it.done = True
-            if self._live is not None and self._live() is it:
-                self._live = None
+            self.place.drop(it)
 
     # --- where the consumer is ----------------------------------------------------------------
 
     def position(self) -> Position:
-        """``(mode, epoch, batches, samples)``: where the consumer is. An epoch: its batches and
-        samples yielded so far; a stream: the samples of ``epoch`` yielded (batches 0). With no
-        live consumer: the next epoch, from its start."""
-        if self.live() is None:
-            touched = self._touched
-            epoch = self.epoch if touched is None else max(self.epoch, touched + 1)
-            return "epoch", epoch, 0, 0
-        if self._mode == "epoch":
-            return "epoch", self._start, self._batches, self._samples
-        plan = self.planner.plan
-        first = plan(self._start, stream=True).n_samples  # left of the stream's first epoch
-        if self._samples < first:
-            return "stream", self._start, 0, self._samples
-        share = plan(self._start + 1, stream=True).n_samples
-        rest = self._samples - first
-        return "stream", self._start + 1 + rest // share, 0, rest % share
+        """Where the consumer is: :meth:`~._place.Place.position`."""
+        return self.place.position(self.planner.plan)
 
     def restart_at(self, epoch: int) -> None:
         """Serve ``epoch`` next, from a fresh plan (``set_epoch``, or a state loaded; the layer
         allows it only while no iterator is live)."""
-        self.epoch = epoch
-        self._touched = None
-        self._start, self._batches, self._samples = epoch, 0, 0
+        self.place.restart_at(epoch)
         self._boundary = None  # the next iteration replaces the run

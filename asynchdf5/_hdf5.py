@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -19,7 +18,7 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 
-from ._cache import CacheBudgetWarning, CachePlan, Slot, allocate_slots, size_cache
+from ._cache import Slot, allocate_slots
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
@@ -27,11 +26,11 @@ from ._errors import DataLayerError
 from ._layer import LayerBase
 from ._machine import memory_bytes
 from ._mix import StreamRows
-from ._planner import order_of
 from ._process import ProcessReader, check_picklable, payload, ring_slots
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
 from ._shape import DataShape
+from ._sizing import cache_plan, shape_of
 from ._sources import Source, SourceLike, SourceOptions, Streaming
 from ._streams import Stream, StreamSpec, combine, parse_streams
 from .transforms import Transformer
@@ -47,24 +46,6 @@ _log = logging.getLogger("asynchdf5")
 
 #: A source's catalog, and with several streams each one's rows (() for one).
 Looked = tuple[Catalog, tuple[StreamRows, ...]]
-
-
-def _request_bytes(catalog: Catalog) -> int:
-    """The bytes a read request of the source's files should move at least (0: any)."""
-    return max((f.file.request_bytes for f in catalog.files), default=0)
-
-
-def _stored_rows(catalog: Catalog) -> int:
-    """Rows of the largest stored chunk that the reader decodes whole (0: none)."""
-    return max(
-        (
-            layout.chunks.rows
-            for f in catalog.files
-            for layout in f.layouts.values()
-            if layout.chunks is not None
-        ),
-        default=0,
-    )
 
 
 def _close_source(files: Source, pid: int) -> None:
@@ -211,47 +192,10 @@ class AsyncHDF5DataLayer(LayerBase):
 
     def _shape_of(self, catalog: Catalog, streams: tuple[StreamRows, ...] = ()) -> DataShape:
         """The data's shape, and how it is cached: as a loaded state says, else as the
-        properties and the budget give."""
-        n, row_bytes = catalog.n_samples, catalog.row_bytes
+        properties and the budget give (:func:`~._sizing.shape_of`)."""
         planner = self._planner
         forced = planner.shape if planner.resume is not None else None
-        cache = self._size_cache(catalog, forced.chunk_rows if forced is not None else None)
-        if forced is not None:
-            block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
-            laned = forced.chunk_lanes
-        else:
-            stored, request = _stored_rows(catalog), _request_bytes(catalog)
-            order = order_of(self.config, row_bytes, cache.chunk_rows, stored, request)
-            block, first = order.block_rows, order.first_rows
-            lanes, laned = order.ramp_lanes, order.chunk_lanes
-            # Warned of when the budget shrank the cache, not when the properties asked for it.
-            if order.warning is not None and cache.shrunk:
-                warnings.warn(order.warning, CacheBudgetWarning, stacklevel=2)
-        return DataShape(
-            n_samples=n,
-            row_bytes=row_bytes,
-            files=tuple((os.path.basename(f.name), f.nrows) for f in catalog.files),
-            tops=tuple((t.name, t.dtype.str, tuple(t.sample_shape)) for t in catalog.tops.values()),
-            chunk_rows=cache.chunk_rows,
-            block_rows=block,
-            first_rows=first,
-            resident=cache.resident,
-            ramp_lanes=lanes,
-            chunk_lanes=laned,
-            streams=streams,
-        )
-
-    def _size_cache(self, catalog: Catalog, rows: int | None) -> CachePlan:
-        c = self.config
-        return size_cache(
-            catalog.n_samples,
-            catalog.row_bytes,
-            batch_size=c.batch_size,
-            world_size=c.world_size,
-            chunk_size=c.chunk_size,
-            cache_bytes=c.cache_bytes,
-            rows=rows,
-        )
+        return shape_of(catalog, streams, self.config, forced)
 
     def _look(self) -> DataShape:
         """The data's shape, from a catalog built in a worker thread (h5py is never called on
@@ -326,7 +270,7 @@ class AsyncHDF5DataLayer(LayerBase):
                 # An elastically resumed epoch's chunks may be larger.
                 rows = self._planner.cache_rows(shape, self._consumer.epoch)
                 if rows > shape.chunk_rows:
-                    self._size_cache(catalog, rows)  # the budget must hold them
+                    cache_plan(catalog, self.config, rows)  # the budget must hold them
                 slots = allocate_slots(catalog.tops, rows)
                 # Data larger than memory: read from the disk every epoch, around the page cache
                 # (Source.fetch); scattered reads wait on the disk, not the CPU: more in flight.

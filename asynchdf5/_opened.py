@@ -1,5 +1,6 @@
 """What an open layer has (:class:`Opened`): its reader, its cache slots and the task group its
-runs live in, from ``async with`` (or ``with``) to the end of the close.
+runs live in (:meth:`Opened.start_run` starts one there), from ``async with`` (or ``with``) to
+the end of the close.
 
 The layer's :class:`~._consumer.Consumer` holds one while the layer is open. Closing is done in
 the task that opened it (the task group's rule), and releases everything even when cancelled:
@@ -21,8 +22,11 @@ from ._batch import Batch
 from ._cache import Slot, free_slots
 from ._delivery import Delivery
 from ._errors import StateError
+from ._pipeline import Mode, Run
+from ._planner import Planner
 from ._process import ProcessReader
 from ._read import Reader
+from ._stats import Stats
 
 if TYPE_CHECKING:
     from ._iterator import EpochIterator
@@ -73,6 +77,38 @@ class Opened:
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         return cls(reader, slots, task_group, sync=sync, bridge=bridge, at=at)
+
+    def start_run(
+        self,
+        mode: Mode,
+        epoch: int,
+        planner: Planner,
+        *,
+        batch_size: int,
+        delivery: Delivery,
+        prefetch: int,
+        stats: Stats,
+    ) -> Run:
+        """A run serving ``mode`` from ``epoch`` over this opening's reader and slots, started
+        in its task group (``process=True``: a run the helper process serves)."""
+        run: Run
+        reader = self.reader
+        if isinstance(reader, ProcessReader):
+            run = reader.new_run(mode, epoch)
+        else:
+            run = Run(
+                reader,
+                self.slots,
+                planner,
+                mode=mode,
+                start_epoch=epoch,
+                batch_size=batch_size,
+                delivery=delivery,
+                prefetch=prefetch,
+                stats=stats,
+            )
+        self.task_group.start_soon(run.main)
+        return run
 
     def check_closer(self) -> None:
         """:class:`StateError` unless the calling task opened the layer."""

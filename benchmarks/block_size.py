@@ -5,7 +5,8 @@ Two measurements, both timing-sensitive (run them on a quiet machine):
 ``read``: block-wise random reads against a sequential read of the same file, for
 blocks of 64 KiB to 64 MiB, the way the layer's reader issues them: each block one range (cut
 at the reader's ``PIECE_BYTES``), ranges grouped into calls of about ``PIECE_BYTES``, two threads
-(``read_threads``), ``os.preadv`` into preallocated buffers, the blocks in a random permutation.
+(``read_threads``), ``os.preadv`` into preallocated buffers, the blocks in a random permutation
+(:mod:`benchmarks.block_reads`).
 A plain file of random bytes larger than a few GiB is generated (and deleted
 afterwards). COLD passes evict the file from the page cache first with
 ``posix_fadvise(POSIX_FADV_DONTNEED)``; whether that works here is checked first (the share of
@@ -30,124 +31,25 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from asynchdf5._config import BLOCK_BYTES
-from asynchdf5._sources._local import PIECE_BYTES
-from benchmarks import data
+from benchmarks import data, data_special
+from benchmarks.block_reads import READ_THREADS, Reader, pass_ranges
 from benchmarks.config import IMAGE_SHAPE, DatasetSpec
+from benchmarks.internals import BLOCK_BYTES, N_SLOTS
 from benchmarks.page_cache import evict, resident_fraction
 from benchmarks.report import Recorder
 from benchmarks.shuffle_quality import IMAGE_ROW_BYTES
 
 MB = 1e6
-#: The layer's reader threads (``read_threads`` of :class:`asynchdf5._read.HDF5Reader`).
-READ_THREADS = 2
 #: The fraction of the sequential rate a block must keep to be a candidate default.
 TARGET = 0.9
-
-# --- reads as the layer issues them ------------------------------------------------------------
-
-
-def split(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Ranges no longer than ``PIECE_BYTES`` (the reader cuts contiguous rows so)."""
-    out = []
-    for offset, length in ranges:
-        for a in range(0, length, PIECE_BYTES):
-            out.append((offset + a, min(PIECE_BYTES, length - a)))
-    return out
-
-
-def batches(ranges: Sequence[tuple[int, int]]) -> Iterator[list[tuple[int, int]]]:
-    """Consecutive ranges, about ``PIECE_BYTES`` per batch: one worker-thread call each."""
-    batch: list[tuple[int, int]] = []
-    size = 0
-    for r in ranges:
-        if batch and size + r[1] > PIECE_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append(r)
-        size += r[1]
-    if batch:
-        yield batch
-
-
-@dataclass
-class Reader:
-    """``threads`` threads, each with its own preallocated (and touched) buffer."""
-
-    fd: int
-    threads: int = READ_THREADS
-    _buffers: list[memoryview] = field(default_factory=list)
-    _local: threading.local = field(default_factory=threading.local)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    pool: ThreadPoolExecutor = field(init=False)
-
-    def __post_init__(self) -> None:
-        for _ in range(self.threads):
-            buf = np.ones(PIECE_BYTES, np.uint8)  # touched now, not during a timed pass
-            self._buffers.append(memoryview(buf))
-        self.pool = ThreadPoolExecutor(self.threads, "block-size-read")
-
-    def _buffer(self) -> memoryview:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            with self._lock:
-                buf = self._local.buf = self._buffers.pop()
-        assert isinstance(buf, memoryview)
-        return buf
-
-    def _read(self, batch: list[tuple[int, int]], deadline: float) -> int:
-        if time.perf_counter() > deadline:
-            return 0
-        buf = self._buffer()
-        done = 0
-        for offset, length in batch:
-            got = 0
-            while got < length:
-                n = os.preadv(self.fd, [buf[got:length]], offset + got)
-                if n <= 0:
-                    raise OSError(f"short read at byte {offset + got}")
-                got += n
-            done += length
-        return done
-
-    def run(self, ranges: Sequence[tuple[int, int]], max_seconds: float) -> tuple[int, float]:
-        """Read the ranges (in order, ``threads`` calls in flight); stop starting new calls after
-        ``max_seconds``. Returns (bytes read, seconds)."""
-        t0 = time.perf_counter()
-        deadline = t0 + max_seconds
-        futures = [self.pool.submit(self._read, b, deadline) for b in batches(split(ranges))]
-        total = sum(f.result() for f in futures)
-        return total, time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.pool.shutdown()
-
-
-def pass_ranges(
-    size: int, block: int | None, nbytes: int, rng: np.random.Generator
-) -> list[tuple[int, int]]:
-    """About ``nbytes`` of the file: a sequential stretch from a random offset (``block=None``)
-    or blocks of ``block`` bytes, from a random rotation, in a random permutation."""
-    nbytes = min(nbytes, size)
-    if block is None:
-        start = int(rng.integers(0, size - nbytes + 1))
-        return [(start, nbytes)]
-    shift = int(rng.integers(0, block))
-    count = (size - shift) // block
-    take = min(count, -(-nbytes // block))
-    chosen = rng.permutation(count)[:take]
-    return [(shift + int(k) * block, block) for k in chosen]
-
 
 # --- the read measurement ----------------------------------------------------------------------
 
@@ -214,7 +116,7 @@ def measure_reads(rec: Recorder, args: argparse.Namespace) -> None:
     if path.exists() and path.stat().st_size == size:
         notes.append(f"file: {path}, {size / 2**30:g} GiB of random bytes (reused)")
     else:
-        secs = data.random_bytes(path, size)
+        secs = data_special.random_bytes(path, size)
         notes.append(
             f"file: {path}, {size / 2**30:g} GiB of random bytes (written in {secs:.0f} s)"
         )
@@ -359,7 +261,6 @@ def measure_layer(rec: Recorder, args: argparse.Namespace) -> None:
     import anyio
 
     from asynchdf5 import AsyncHDF5DataLayer
-    from asynchdf5._cache import N_SLOTS
 
     spec = DatasetSpec(
         name="contiguous",

@@ -39,7 +39,7 @@ from typing import Any
 
 import h5py
 
-from benchmarks import cgroups, data
+from benchmarks import cgroups, data_special
 from benchmarks.page_cache import evict, resident_fraction
 from benchmarks.report import Recorder, utc_now
 
@@ -165,7 +165,7 @@ def _one_line(r: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     n = args.samples
-    path, reused = data.class_sorted_images(Path(args.data_dir), n)
+    path, reused = data_special.class_sorted_images(Path(args.data_dir), n)
     size = path.stat().st_size
     names = list(READERS) if not args.only else args.only
     load0 = os.getloadavg()

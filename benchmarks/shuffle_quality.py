@@ -39,9 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from asynchdf5 import CacheBudgetWarning
-from asynchdf5._cache import size_cache
-from asynchdf5._plan import plan_epoch
-from asynchdf5._planner import chunk_lanes, default_block_rows, first_read
+from benchmarks.internals import chunk_lanes, default_block_rows, first_read, plan_epoch, size_cache
 from benchmarks.report import Recorder
 
 __all__ = [

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from asynchdf5._config import BLOCK_BYTES
+from benchmarks.internals import BLOCK_BYTES
 from benchmarks.report import Recorder
 from benchmarks.shuffle_quality import (
     BATCH_SIZE,

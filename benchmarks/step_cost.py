@@ -44,134 +44,38 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from benchmarks import data
 from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
 from benchmarks.step_clock import Clock, calibrate, thread_sched, threads_snapshot
+from benchmarks.step_cost_loaders import (
+    BATCH,
+    LAYER_OPTIONS,
+    LOADERS,
+    SYNC,
+    Pair,
+    async_batches,
+    free_batches,
+)
 
 __all__ = ["LOADERS", "main"]
 
-Pair = tuple[npt.NDArray[Any], npt.NDArray[Any]]
-
-LOADERS = (
-    "free",
-    "layer",
-    "async",
-    "torch",
-    "dataloader",
-    "shm",
-    "process",
-    "async_process",
-    "torch_process",
-)
-BATCH = 256
 FULL = {"samples": 327_680, "chunk_size": 2**17, "steps": 1000}  # 1.01 GB
 QUICK = {"samples": 6_656, "chunk_size": 2**11, "steps": 40}  # 20.5 MB
 CHILD_MARK = "STEP_COST_RESULT "
 
 
 # --------------------------------------------------------------------------------------------
-# Loaders: endless iterators of (data, label) NumPy arrays, over as many epochs as asked for
+# The child: the free step, then the step fed by one loader (:mod:`benchmarks.step_cost_loaders`)
 
 
-#: Extra layer properties for this run (``--layer``), set in the child.
-LAYER_OPTIONS: dict[str, Any] = {}
 #: ``--yield-us``: the trainer sleeps this long before asking for each batch (0: not at all).
 YIELD_S = 0.0
-
-
-def _kwargs(source: str, chunk_size: int) -> dict[str, Any]:
-    return {
-        "batch_size": BATCH,
-        "tops": ("data", "label"),
-        "shuffle": True,
-        "seed": 0,
-        "chunk_size": chunk_size,
-    } | LAYER_OPTIONS
-
-
-def free_batches(*_: Any) -> Iterator[Pair]:
-    rng = np.random.default_rng(0)
-    pair = (
-        rng.integers(0, 256, (BATCH, *IMAGE_SHAPE), dtype=np.uint8),
-        rng.integers(0, 10, BATCH, dtype=np.int64),
-    )
-    while True:
-        yield pair
-
-
-def layer_batches(source: str, chunk_size: int, **extra: Any) -> Iterator[Pair]:
-    from asynchdf5 import HDF5DataLayer
-
-    with HDF5DataLayer(source, **_kwargs(source, chunk_size), **extra) as layer:
-        while True:
-            for batch in layer:
-                yield batch["data"], batch["label"]
-
-
-async def async_batches(source: str, chunk_size: int, **extra: Any) -> AsyncIterator[Pair]:
-    from asynchdf5 import AsyncHDF5DataLayer
-
-    async with AsyncHDF5DataLayer(source, **_kwargs(source, chunk_size), **extra) as layer:
-        while True:
-            async for batch in layer:
-                yield batch["data"], batch["label"]
-
-
-def torch_batches(source: str, chunk_size: int, **extra: Any) -> Iterator[Pair]:
-    from torch.utils.data import DataLoader
-
-    from asynchdf5.torch import HDF5IterableDataset
-
-    kwargs = _kwargs(source, chunk_size) | extra
-    del kwargs["tops"]
-    with HDF5IterableDataset(source, tops=("data", "label"), **kwargs) as ds:
-        loader = DataLoader(ds, batch_size=None, num_workers=0)
-        while True:
-            for batch in loader:
-                yield batch["data"].numpy(), batch["label"].numpy()
-
-
-def dataloader_batches(source: str, chunk_size: int) -> Iterator[Pair]:
-    import torch
-    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
-
-    from benchmarks.torch_loaders import BatchDataset
-
-    files = data.DatasetFiles.from_json(json.loads(os.environ["STEP_COST_FILES"]))
-    dataset: Any = BatchDataset(files)
-    generator = torch.Generator().manual_seed(0)
-    sampler = BatchSampler(RandomSampler(dataset, generator=generator), BATCH, False)
-    loader = DataLoader(
-        dataset, sampler=sampler, batch_size=None, num_workers=2, persistent_workers=True
-    )
-    while True:
-        for d, label in loader:
-            yield d.numpy(), label.numpy()
-
-
-def shm_batches(source: str, chunk_size: int) -> Iterator[Pair]:
-    from benchmarks.shm_ring import ShmRing
-
-    with ShmRing(source, _kwargs(source, chunk_size), BATCH, IMAGE_SHAPE) as ring:
-        yield from ring
-
-
-SYNC: dict[str, Callable[[str, int], Iterator[Pair]]] = {
-    "free": free_batches,
-    "layer": layer_batches,
-    "torch": torch_batches,
-    "dataloader": dataloader_batches,
-    "shm": shm_batches,
-    "process": lambda source, chunk: layer_batches(source, chunk, process=True),
-    "torch_process": lambda source, chunk: torch_batches(source, chunk, process=True),
-}
 
 
 def drive(batches: Iterator[Pair], steps: int, iterations: int) -> Clock:

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from asynchdf5.torch import HDF5IterableDataset
-from benchmarks import data
+from benchmarks import data_special
 from benchmarks.report import Recorder
 
 BATCH = 256
@@ -72,7 +72,7 @@ def bench(rec: Recorder) -> None:
     """Median samples/s of the timed epochs at 0 and 2 workers, with and without the Python
     augmentation, and the cost of one batch's ``share_memory_()``."""
     n, repeats = (1024, 1) if rec.quick else (20_000, 3)
-    path = data.large_images(rec.data_dir / f"torch-workers-{n}", n)
+    path = data_special.large_images(rec.data_dir / f"torch-workers-{n}", n)
     with open(path, "rb") as f:  # warm
         while f.read(2**24):
             pass

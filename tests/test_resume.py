@@ -190,7 +190,7 @@ async def test_a_state_of_one_mode_continued_in_the_other(tmp_path: Path) -> Non
                 layer.load_state_dict(state)
                 it = aiter(layer.stream() if other == "stream" else layer)
                 again = layer.state_dict()
-                keys = ("mode", "epoch", "batches", "chain")
+                keys: tuple[str, ...] = ("mode", "epoch", "batches", "chain")
                 keys += ("samples",) if state["mode"] == "stream" else ()
                 assert {k: again[k] for k in keys} == {k: state[k] for k in keys}
                 await anext(it)

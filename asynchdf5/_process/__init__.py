@@ -9,8 +9,18 @@ that the consumer reads in place (:mod:`._wire`).
 from __future__ import annotations
 
 from ._errors import IMPORTING_MAIN, check_picklable, error_blob, payload, rebuild
-from ._parent import ProcessReader, RemoteRun, stats_of
-from ._wire import MAX_MESSAGE, Segment, needed, recv, ring_slots, send, write_batch
+from ._parent import ProcessReader
+from ._runs import RemoteRun
+from ._wire import (
+    MAX_MESSAGE,
+    Segment,
+    needed,
+    recv,
+    ring_slots,
+    send,
+    stats_of,
+    write_batch,
+)
 
 __all__ = [
     "IMPORTING_MAIN",

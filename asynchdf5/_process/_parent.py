@@ -2,10 +2,10 @@
 
 :class:`ProcessReader` stands where the reader stands in a layer that runs its pipeline itself:
 the layer's :class:`~asynchdf5._consumer.Consumer` opens it, asks it for runs
-(:meth:`ProcessReader.new_run`) and closes it. A :class:`RemoteRun` has the consumer's side of a
-:class:`~asynchdf5._pipeline.Run`, so the consumer, the epoch iterator and the sync bridge work
-unchanged: every position, epoch count and saved
-state is the layer's own, counted from the batches handed over here.
+(:meth:`ProcessReader.new_run`) and closes it. A :class:`~._runs.RemoteRun` has the consumer's
+side of a :class:`~asynchdf5._pipeline.Run`, so the consumer, the epoch iterator and the sync
+bridge work unchanged: every position, epoch count and saved state is the layer's own, counted
+from the batches handed over here.
 
 Starting a run tells the helper where to start: the layer's state at that moment (the next
 batch the consumer must get; in the epoch of a state loaded, that state, whatever the run's
@@ -21,7 +21,6 @@ but one slot, the next batch is copied out of its slot, so the helper always has
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import os
@@ -40,22 +39,17 @@ from .._batch import Batch
 from .._catalog import TopInfo
 from .._errors import ReadError
 from .._gathering import EpochEnd, Failure, Item
-from .._specs import Carry, GroupSpec
 from .._stats import GatherStats, Stats
 from ._errors import rebuild
+from ._runs import RemoteRun, Uploader
 from ._spawn import reap, spawn
 from ._wire import MAX_MESSAGE, Segment, recv, refcounts_are_reliable, send, socket_pair
 
 if TYPE_CHECKING:
     from .._delivery import Delivery
     from .._pipeline import Mode
-    from .._pipeline import Run as RunBase
-else:
-    # At run time a RemoteRun is no Run (nothing of the pipeline runs here): the type checker
-    # sees the interface the consumer uses.
-    RunBase = object
 
-__all__ = ["ProcessReader", "RemoteRun", "Uploader", "stats_of"]
+__all__ = ["ProcessReader"]
 
 
 #: Slots given back in one message (fewer wake-ups of the helper).
@@ -313,104 +307,5 @@ class ProcessReader:
             self._segments = [None] * self._slots  # batches still held keep their own mapping
 
 
-class Uploader:
-    """``device=...`` with ``process=True``: the helper gathers host batches (without the
-    transformers), and the layer's own delivery uploads each one from its slot, and runs the
-    transformers on the device, in a worker thread of the layer's process."""
-
-    def __init__(self, delivery: Delivery, tops: Mapping[str, TopInfo], rows: int, depth: int):
-        self.delivery = delivery
-        self.stats = GatherStats()  # the layer's process's own part, added to the helper's
-        delivery.start(tops, rows, depth)
-
-    def upload(self, items: list[Item]) -> list[Item]:
-        """``items`` with each host batch replaced by the delivery's (blocking)."""
-        out: list[Item] = []
-        for item in items:
-            if not isinstance(item, Batch):
-                out.append(item)
-                continue
-            carried = Carry(dict(item), item.indices)
-            group = GroupSpec([(carried, 0, item.size)], [item.size], [item.epoch])
-            made, error = self.delivery.make(group, self.stats, None)
-            out += made
-            if error is not None:
-                out.append(Failure(error))
-                break
-        return out
-
-
-class RemoteRun(RunBase):
-    """The consumer's side of a run served by the helper process (see the module docstring):
-    what :class:`~asynchdf5._pipeline.Run` offers the consumer, nothing else."""
-
-    def __init__(  # no super().__init__: nothing of the pipeline runs here
-        self,
-        reader: ProcessReader,
-        mode: Mode,
-        start_epoch: int,
-        token: int,
-        uploader: Uploader | None = None,
-    ) -> None:
-        self._reader = reader
-        self._uploader = uploader
-        self._token = token
-        self.mode = mode
-        self.ready: collections.deque[Item] = collections.deque()
-        self.head_epoch = start_epoch
-        self.scope = anyio.CancelScope()
-        self.done = anyio.Event()
-        self._shut = False
-
-    async def main(self) -> None:
-        """Live until cancelled (the helper does the work)."""
-        try:
-            with self.scope:
-                await anyio.sleep_forever()
-        finally:
-            self.done.set()
-
-    async def stop(self) -> None:
-        """Cancel the run and wait until it is done."""
-        self.scope.cancel()
-        await self.done.wait()
-        self.shut()
-
-    def take_nowait(self) -> list[Item]:
-        if self._shut:
-            raise anyio.ClosedResourceError
-        if self._uploader is not None:
-            raise anyio.WouldBlock  # an upload runs in a worker thread: take() does it
-        return self._reader.take_nowait(self._token)
-
-    async def take(self) -> list[Item]:
-        if self._shut:
-            raise anyio.ClosedResourceError
-        items = await self._reader.take(self._token)
-        if self._uploader is not None:
-            items = await anyio.to_thread.run_sync(self._uploader.upload, items)
-        return items
-
-    def shut(self) -> None:
-        self._shut = True
-        self.ready.clear()
-
-
 async def _wait_readable(sock: socket.socket) -> None:
     await anyio.wait_readable(sock)
-
-
-def stats_of(stats: Any) -> dict[str, Any]:
-    """What the helper sends of its layer's :class:`~asynchdf5.LayerStats`."""
-    return {
-        "read_seconds": stats.read_seconds,
-        "bytes_read": stats.bytes_read,
-        "chunks_read": stats.chunks_read,
-        "read_retries": stats.read_retries,
-        "gather_seconds": stats.gather_seconds,
-        "transform_seconds": stats.transform_seconds,
-        "stages": {
-            k: (s.busy_seconds, s.starved_seconds, s.blocked_seconds)
-            for k, s in stats.stages.items()
-        },
-    }

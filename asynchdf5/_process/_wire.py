@@ -5,7 +5,8 @@ few hundred bytes: never batch data), so message boundaries are the kernel's. Ba
 through *slots*: anonymous shared memory (``memfd_create`` on Linux; elsewhere a file created
 and unlinked at once), created by the helper, mapped by both sides, and passed to the layer as
 a file descriptor with the message that first uses it. Nothing has a name in ``/dev/shm``, so a
-process that is killed leaves nothing behind: the memory goes when the last mapping does.
+process that is killed leaves nothing behind: the memory goes when the last mapping does. The
+helper's stats go as one message of plain values (:func:`stats_of`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "ring_slots",
     "send",
     "socket_pair",
+    "stats_of",
     "write_batch",
 ]
 
@@ -207,3 +209,19 @@ def refcounts_are_reliable() -> bool:
     """Whether a reference count says that nobody else holds an array (a GIL build)."""
     gil = getattr(sys, "_is_gil_enabled", None)
     return gil is None or bool(gil())
+
+
+def stats_of(stats: Any) -> dict[str, Any]:
+    """What the helper sends of its layer's :class:`~asynchdf5.LayerStats`."""
+    return {
+        "read_seconds": stats.read_seconds,
+        "bytes_read": stats.bytes_read,
+        "chunks_read": stats.chunks_read,
+        "read_retries": stats.read_retries,
+        "gather_seconds": stats.gather_seconds,
+        "transform_seconds": stats.transform_seconds,
+        "stages": {
+            k: (s.busy_seconds, s.starved_seconds, s.blocked_seconds)
+            for k, s in stats.stages.items()
+        },
+    }

@@ -1,0 +1,93 @@
+"""The sizes an HDF5 layer fixes from its catalog: the cache's chunks and the order's shape.
+
+:func:`cache_plan` fits the cache's chunks to the memory budget (:func:`~._cache.size_cache`);
+:func:`shape_of` takes the order's blocks, first read and lanes from the planner's heuristics
+(:func:`~._planner.order_of`), or from a loaded state, into the one
+:class:`~._shape.DataShape` that every plan and saved state agrees on. Pure (no I/O): kept apart
+from the layer's lifecycle so that every size an opening fixes is decided in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from ._cache import CacheBudgetWarning, CachePlan, size_cache
+from ._catalog import Catalog
+from ._config import LayerConfig
+from ._mix import StreamRows
+from ._planner import order_of
+from ._shape import DataShape
+
+__all__ = ["cache_plan", "shape_of"]
+
+
+def request_bytes(catalog: Catalog) -> int:
+    """The bytes a read request of the source's files should move at least (0: any)."""
+    return max((f.file.request_bytes for f in catalog.files), default=0)
+
+
+def stored_rows(catalog: Catalog) -> int:
+    """Rows of the largest stored chunk that the reader decodes whole (0: none)."""
+    return max(
+        (
+            layout.chunks.rows
+            for f in catalog.files
+            for layout in f.layouts.values()
+            if layout.chunks is not None
+        ),
+        default=0,
+    )
+
+
+def cache_plan(catalog: Catalog, config: LayerConfig, rows: int | None) -> CachePlan:
+    """The cache for ``catalog`` under ``config``'s budget; ``rows``: chunks of that many rows
+    (a loaded state's), else as the properties and the budget give
+    (:class:`~._errors.ConfigurationError` when the budget cannot hold them)."""
+    c = config
+    return size_cache(
+        catalog.n_samples,
+        catalog.row_bytes,
+        batch_size=c.batch_size,
+        world_size=c.world_size,
+        chunk_size=c.chunk_size,
+        cache_bytes=c.cache_bytes,
+        rows=rows,
+    )
+
+
+def shape_of(
+    catalog: Catalog,
+    streams: tuple[StreamRows, ...],
+    config: LayerConfig,
+    forced: DataShape | None,
+) -> DataShape:
+    """The data's shape, and how it is cached: as ``forced`` (a loaded state's) says, else as
+    the properties and the budget give. A cache the budget shrank warns
+    (:class:`~._cache.CacheBudgetWarning`) when the order's heuristics say what that costs."""
+    n, row_bytes = catalog.n_samples, catalog.row_bytes
+    cache = cache_plan(catalog, config, forced.chunk_rows if forced is not None else None)
+    if forced is not None:
+        block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
+        laned = forced.chunk_lanes
+    else:
+        stored, request = stored_rows(catalog), request_bytes(catalog)
+        order = order_of(config, row_bytes, cache.chunk_rows, stored, request)
+        block, first = order.block_rows, order.first_rows
+        lanes, laned = order.ramp_lanes, order.chunk_lanes
+        # Warned of when the budget shrank the cache, not when the properties asked for it.
+        if order.warning is not None and cache.shrunk:
+            warnings.warn(order.warning, CacheBudgetWarning, stacklevel=3)
+    return DataShape(
+        n_samples=n,
+        row_bytes=row_bytes,
+        files=tuple((os.path.basename(f.name), f.nrows) for f in catalog.files),
+        tops=tuple((t.name, t.dtype.str, tuple(t.sample_shape)) for t in catalog.tops.values()),
+        chunk_rows=cache.chunk_rows,
+        block_rows=block,
+        first_rows=first,
+        resident=cache.resident,
+        ramp_lanes=lanes,
+        chunk_lanes=laned,
+        streams=streams,
+    )

@@ -1,0 +1,136 @@
+"""The loaders ``step_cost`` compares: endless iterators of (data, label) NumPy arrays.
+
+Each one (:data:`SYNC`, and :func:`async_batches` for ``async for``) iterates over as many epochs
+as the step asks for, with the properties every asynchdf5 loader of the benchmark shares
+(:data:`LAYER_OPTIONS` added: ``--layer``, set in the child). Kept apart from the measurement so
+that what is compared reads in one place, beside how it is driven and reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from benchmarks import data
+from benchmarks.config import IMAGE_SHAPE
+
+__all__ = [
+    "BATCH",
+    "LAYER_OPTIONS",
+    "LOADERS",
+    "SYNC",
+    "Pair",
+    "async_batches",
+    "free_batches",
+]
+
+Pair = tuple[npt.NDArray[Any], npt.NDArray[Any]]
+
+#: The loaders, by ``--loaders`` name (``async`` and ``async_process`` drive :func:`async_batches`).
+LOADERS = (
+    "free",
+    "layer",
+    "async",
+    "torch",
+    "dataloader",
+    "shm",
+    "process",
+    "async_process",
+    "torch_process",
+)
+BATCH = 256
+#: Extra layer properties for this run (``--layer``), set in the child.
+LAYER_OPTIONS: dict[str, Any] = {}
+
+
+def _kwargs(source: str, chunk_size: int) -> dict[str, Any]:
+    return {
+        "batch_size": BATCH,
+        "tops": ("data", "label"),
+        "shuffle": True,
+        "seed": 0,
+        "chunk_size": chunk_size,
+    } | LAYER_OPTIONS
+
+
+def free_batches(*_: Any) -> Iterator[Pair]:
+    rng = np.random.default_rng(0)
+    pair = (
+        rng.integers(0, 256, (BATCH, *IMAGE_SHAPE), dtype=np.uint8),
+        rng.integers(0, 10, BATCH, dtype=np.int64),
+    )
+    while True:
+        yield pair
+
+
+def layer_batches(source: str, chunk_size: int, **extra: Any) -> Iterator[Pair]:
+    from asynchdf5 import HDF5DataLayer
+
+    with HDF5DataLayer(source, **_kwargs(source, chunk_size), **extra) as layer:
+        while True:
+            for batch in layer:
+                yield batch["data"], batch["label"]
+
+
+async def async_batches(source: str, chunk_size: int, **extra: Any) -> AsyncIterator[Pair]:
+    from asynchdf5 import AsyncHDF5DataLayer
+
+    async with AsyncHDF5DataLayer(source, **_kwargs(source, chunk_size), **extra) as layer:
+        while True:
+            async for batch in layer:
+                yield batch["data"], batch["label"]
+
+
+def torch_batches(source: str, chunk_size: int, **extra: Any) -> Iterator[Pair]:
+    from torch.utils.data import DataLoader
+
+    from asynchdf5.torch import HDF5IterableDataset
+
+    kwargs = _kwargs(source, chunk_size) | extra
+    del kwargs["tops"]
+    with HDF5IterableDataset(source, tops=("data", "label"), **kwargs) as ds:
+        loader = DataLoader(ds, batch_size=None, num_workers=0)
+        while True:
+            for batch in loader:
+                yield batch["data"].numpy(), batch["label"].numpy()
+
+
+def dataloader_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    from benchmarks.torch_loaders import BatchDataset
+
+    files = data.DatasetFiles.from_json(json.loads(os.environ["STEP_COST_FILES"]))
+    dataset: Any = BatchDataset(files)
+    generator = torch.Generator().manual_seed(0)
+    sampler = BatchSampler(RandomSampler(dataset, generator=generator), BATCH, False)
+    loader = DataLoader(
+        dataset, sampler=sampler, batch_size=None, num_workers=2, persistent_workers=True
+    )
+    while True:
+        for d, label in loader:
+            yield d.numpy(), label.numpy()
+
+
+def shm_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    from benchmarks.shm_ring import ShmRing
+
+    with ShmRing(source, _kwargs(source, chunk_size), BATCH, IMAGE_SHAPE) as ring:
+        yield from ring
+
+
+SYNC: dict[str, Callable[[str, int], Iterator[Pair]]] = {
+    "free": free_batches,
+    "layer": layer_batches,
+    "torch": torch_batches,
+    "dataloader": dataloader_batches,
+    "shm": shm_batches,
+    "process": lambda source, chunk: layer_batches(source, chunk, process=True),
+    "torch_process": lambda source, chunk: torch_batches(source, chunk, process=True),
+}
