@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -40,11 +40,22 @@ __all__ = [
     "Streaming",
     "file_url_path",
     "is_url",
+    "signature_offsets",
 ]
 
 #: The 8-byte signature an HDF5 file starts with (at offset 0, 512, 1024, 2048, ... when a user
 #: block precedes it).
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def signature_offsets(size: int) -> Iterator[int]:
+    """Where :data:`HDF5_SIGNATURE` may stand in a file of ``size`` bytes: at 0, or after a
+    user block of 512, 1024, 2048, ... bytes (each source reads them its own way)."""
+    offset = 0
+    while offset + 8 <= size:
+        yield offset
+        offset = 512 if offset == 0 else offset * 2
+
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from .._errors import ConfigurationError, SourceError
-from ._base import HDF5_SIGNATURE, file_url_path, is_url
+from ._base import HDF5_SIGNATURE, file_url_path, is_url, signature_offsets
 from ._remote import read_source_url
 
 __all__ = [
@@ -62,13 +62,10 @@ def name_entry(exc: BaseException, entry: str) -> None:
 def is_hdf5_file(path: Path) -> bool:
     """Whether ``path`` starts with the HDF5 signature (at offset 0 or a user-block offset)."""
     with open(path, "rb") as f:
-        offset = 0
-        size = os.fstat(f.fileno()).st_size
-        while offset + 8 <= size:
+        for offset in signature_offsets(os.fstat(f.fileno()).st_size):
             f.seek(offset)
             if f.read(8) == HDF5_SIGNATURE:
                 return True
-            offset = 512 if offset == 0 else offset * 2
     return False
 
 

@@ -26,7 +26,7 @@ import anyio.to_thread
 from .._errors import DataLayerError, ReadError, SourceError
 from .._priority import background
 from .._stats import ReadStats
-from ._base import HDF5_SIGNATURE, ByteRange, StoredFile, Streaming
+from ._base import HDF5_SIGNATURE, ByteRange, StoredFile, Streaming, signature_offsets
 from ._direct import DIRECT_BYTES, DIRECT_MIN, DONTNEED, WILLNEED, advise, read_direct
 from ._handles import Fingerprint, LocalFile, OpenFiles
 
@@ -174,13 +174,8 @@ def _closed_message(ranges: Sequence[ByteRange]) -> str:
 
 def is_hdf5_file_fd(fd: int) -> bool:
     """:func:`is_hdf5_file` on an open descriptor."""
-    size = os.fstat(fd).st_size
-    offset = 0
-    while offset + 8 <= size:
-        if os.pread(fd, 8, offset) == HDF5_SIGNATURE:
-            return True
-        offset = 512 if offset == 0 else offset * 2
-    return False
+    offsets = signature_offsets(os.fstat(fd).st_size)
+    return any(os.pread(fd, 8, offset) == HDF5_SIGNATURE for offset in offsets)
 
 
 def _batches(

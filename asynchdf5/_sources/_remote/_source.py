@@ -22,7 +22,15 @@ import anyio
 
 from ..._errors import SourceError
 from ..._stats import ReadStats
-from .._base import HDF5_SIGNATURE, ByteRange, StoredFile, Streaming, file_url_path, is_url
+from .._base import (
+    HDF5_SIGNATURE,
+    ByteRange,
+    StoredFile,
+    Streaming,
+    file_url_path,
+    is_url,
+    signature_offsets,
+)
 from .._local import LocalFile, LocalSource
 from ._cache import DiskCache
 from ._errors import SCHEME, Secrets, classify, describe, status_of
@@ -307,8 +315,7 @@ class RemoteSource:
         self, store: Store, url: str, size: int, version: Mapping[str, str], head: bytes
     ) -> bool:
         assert self._fetcher is not None
-        offset = 0
-        while offset + 8 <= size:  # at 0, or after a user block of 512, 1024, 2048, ... bytes
+        for offset in signature_offsets(size):
             if offset + 8 <= len(head):
                 sig = head[offset : offset + 8]
             else:
@@ -316,7 +323,6 @@ class RemoteSource:
                 sig = await self._fetcher.retry(get, None)
             if sig == HDF5_SIGNATURE:
                 return True
-            offset = 512 if offset == 0 else offset * 2
         return False
 
 
