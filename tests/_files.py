@@ -162,6 +162,17 @@ def check_exactly_once(indices: Iterable[npt.ArrayLike], n: int) -> np.ndarray:
     return seen
 
 
+def split_refused(n: int, batch_size: int, world_size: int, drop_last: bool) -> bool:
+    """Whether ``n`` samples cannot be split into batches of ``batch_size`` over ``world_size``
+    ranks (the layer refuses them at open; the bad-input tests cover those): fewer samples than
+    ranks, no full round with ``drop_last``, or a leftover smaller than ``world_size`` with no
+    full batch (or batches of one row) to split."""
+    q, r = divmod(n, world_size * batch_size)
+    if n < world_size or (drop_last and q == 0):
+        return True
+    return not drop_last and 0 < r < world_size and (q == 0 or batch_size == 1)
+
+
 def check_message(exc: BaseException, *parts: object) -> None:
     """The message names every one of ``parts`` (a path is matched by its full text)."""
     msg = str(exc)

@@ -43,7 +43,7 @@ import asynchdf5._read._mapped
 from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning, MemoryDataLayer
 from asynchdf5._plan import shard_share
 
-from ._files import ROW_BYTES, ramp
+from ._files import ROW_BYTES, ramp, split_refused
 
 pytestmark = pytest.mark.anyio
 
@@ -147,11 +147,7 @@ def write(folder: Path, case: Case) -> list[Path]:
 
 def refused(case: Case) -> bool:
     """Whether the configuration is refused at open (the bad-input tests cover those)."""
-    n, w, b = case.n, case.world_size, case.batch_size
-    q, r = divmod(n, w * b)
-    if n < w or (case.drop_last and q == 0):
-        return True
-    return not case.drop_last and 0 < r < w and (q == 0 or b == 1)
+    return split_refused(case.n, case.batch_size, case.world_size, case.drop_last)
 
 
 @contextmanager

@@ -15,6 +15,8 @@ from asynchdf5._plan import ChunkPlan, EpochPlan, plan_epoch, shard_share
 from asynchdf5._planner import RAMP_BYTES, first_read
 from asynchdf5._walk import Lanes, Walk, append_range
 
+from ._files import split_refused
+
 
 def _by_search(chunk: ChunkPlan, positions: np.ndarray) -> np.ndarray:
     """Global indices of slot ``positions``, found by a binary search over the chunk's ranges:
@@ -85,9 +87,7 @@ def test_shards_are_disjoint_cover_everything_and_have_equal_batch_counts(
         plans = [plan_epoch(n, rank=r, **kw) for r in range(world_size)]  # type: ignore[arg-type]
     except ConfigurationError as exc:
         # Only the documented impossible cases may refuse.
-        q, r = divmod(n, world_size * batch_size)
-        impossible = not drop_last and 0 < r < world_size and (q == 0 or batch_size == 1)
-        assert n < world_size or impossible or (drop_last and q == 0), exc
+        assert split_refused(n, batch_size, world_size, drop_last), exc
         return
     everything = np.sort(np.concatenate([served(p) for p in plans]))
     if drop_last:  # the leftover of fewer than world_size * batch_size samples is left out

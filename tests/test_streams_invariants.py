@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from asynchdf5 import AsyncHDF5DataLayer, CacheBudgetWarning, Stream
 from asynchdf5._streams import StreamSpec, stream_counts
 
-from ._files import ROW_BYTES, ramp
+from ._files import ROW_BYTES, ramp, split_refused
 
 pytestmark = pytest.mark.anyio
 
@@ -116,13 +116,9 @@ def refused(case: Case) -> bool:
         counts = case.counts()
     except Exception:
         return True
-    w, b = case.world_size, case.batch_size
 
     def bad(n: int) -> bool:
-        q, r = divmod(n, w * b)
-        if n < w or (case.drop_last and q == 0):
-            return True
-        return not case.drop_last and 0 < r < w and (q == 0 or b == 1)
+        return split_refused(n, case.batch_size, case.world_size, case.drop_last)
 
     if case.mode == "per_stream":  # each stream is cut into batches as one source is
         return any(bad(n) for n in counts if n)
