@@ -29,6 +29,18 @@ BATCH_MODES = ("stratified", "random", "per_stream")
 SALT = 33
 
 
+def _layout(
+    n: int, batch_size: int, rank: int, world_size: int, drop_last: bool, stream: bool
+) -> tuple[int, tuple[int, ...]]:
+    """A rank's full batches and the sizes of its batches after them, for ``n`` samples
+    (:func:`~._plan.batch_layout`); ``stream``: its whole share, whatever ``drop_last``."""
+    if not stream:
+        return batch_layout(n, batch_size, rank, world_size, drop_last)
+    _, size = shard_share(n, batch_size, rank, world_size)
+    full, rest = divmod(size, batch_size)
+    return full, ((rest,) if rest else ())
+
+
 def windows(
     total: int, batch_size: int, world_size: int, drop_last: bool, stream: bool
 ) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -38,12 +50,7 @@ def windows(
     parts: list[np.ndarray] = []
     firsts = [0]
     for rank in range(world_size):
-        if stream:
-            _, size = shard_share(total, batch_size, rank, world_size)
-            full, rest = divmod(size, batch_size)
-            tail: tuple[int, ...] = (rest,) if rest else ()
-        else:
-            full, tail = batch_layout(total, batch_size, rank, world_size, drop_last)
+        full, tail = _layout(total, batch_size, rank, world_size, drop_last, stream)
         parts.append(np.full(full, batch_size, np.int64))
         parts.append(np.array(tail, np.int64))
         firsts.append(firsts[-1] + full + len(tail))
@@ -162,15 +169,10 @@ def per_stream(
         for s, c in enumerate(counts):
             if c == 0:
                 continue
-            if stream:
-                _, size = shard_share(c, batch_size, rank, world_size)
-                f, rest = divmod(size, batch_size)
-                tail: tuple[int, ...] = (rest,) if rest else ()
-            else:
-                try:
-                    f, tail = batch_layout(c, batch_size, rank, world_size, drop_last)
-                except ConfigurationError as exc:
-                    raise ConfigurationError(f"stream {names[s]!r}: {exc}") from None
+            try:
+                f, tail = _layout(c, batch_size, rank, world_size, drop_last, stream)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"stream {names[s]!r}: {exc}") from None
             full.append(np.full(f, s, np.int64))
             tails += [(s, n) for n in tail]
         ids = np.concatenate(full)
