@@ -25,7 +25,7 @@ batches of that part: such a state resumes only a layer serving the same part of
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,6 @@ __all__ = [
     "Loaded",
     "Resume",
     "batches_before",
-    "epoch_plan",
     "fingerprint",
     "load_state",
     "parse_state",
@@ -167,17 +166,19 @@ def batches_before(state: Mapping[str, Any]) -> int:
 # --- planning the resumed epoch ---------------------------------------------------------------
 
 
-def epoch_plan(
-    chain: Sequence[tuple[int, int]],
+def resumed_plan(
+    resume: Resume,
     plan: Callable[[int, int], EpochPlan],
     *,
     rank: int,
     world_size: int,
     drop_last: bool,
 ) -> EpochPlan:
-    """The plan of this rank, ``world_size`` ranks, for an epoch whose first steps were
-    ``chain``: ``plan(rank, world_size)`` gives the epoch's plans from the start; each step
-    ``(w, k)``: ``w`` ranks yielded ``k`` batches each, then the rest was re-split."""
+    """The plan of this rank, ``world_size`` ranks, for the epoch ``resume`` resumes, in epoch
+    mode (a stream's is the fresh plan less the samples yielded: :func:`~._replan.skip_samples`);
+    ``plan(rank, world_size)`` gives the epoch's plans from the start. Each step ``(w, k)`` of
+    ``resume.chain``: ``w`` ranks yielded ``k`` batches each, then the rest was re-split."""
+    chain = resume.chain
     (first_world, _), *_ = chain
     plans = [plan(r, first_world) for r in range(first_world)]
     for (_, batches), (next_world, _) in itertools.pairwise(chain):
@@ -189,17 +190,3 @@ def epoch_plan(
     if world_size == last_world:
         return resume_plan(plans[rank], batches)
     return elastic_plan(plans, batches, rank=rank, world_size=world_size, drop_last=drop_last)
-
-
-def resumed_plan(
-    resume: Resume,
-    plan: Callable[[int, int], EpochPlan],
-    *,
-    rank: int,
-    world_size: int,
-    drop_last: bool,
-) -> EpochPlan:
-    """The plan of the epoch ``resume`` resumes, in epoch mode (a stream's is the fresh plan
-    less the samples yielded: :func:`~._replan.skip_samples`); ``plan(rank, world_size)`` gives
-    the epoch's plans from the start."""
-    return epoch_plan(resume.chain, plan, rank=rank, world_size=world_size, drop_last=drop_last)
