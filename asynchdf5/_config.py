@@ -43,7 +43,7 @@ MIN_BLOCK_BYTES = 2**20
 STORED_CHUNKS_PER_BLOCK = 4
 #: ... while a cached chunk still holds at least this many blocks.
 MIN_BLOCKS_PER_CHUNK = 16
-#: The ramp of an epoch's first read (``_shape.first_rows``) takes each piece from this many
+#: The ramp of an epoch's first read (``_planner.first_read``) takes each piece from this many
 #: places of the first chunk (lanes), so that its first batches mix: with one, the first 100
 #: batches of an epoch of class-sorted images reached 0.32 of a full permutation's batch label
 #: entropy, with 32 0.94 (docs/shuffle.md) ...
@@ -53,7 +53,7 @@ RAMP_LANES = 32
 MIN_LANE_BYTES = 256 * 2**10
 #: A chunk drawing from fewer places of the data set than this (its blocks and lanes) mixes
 #: class-sorted data below 0.95 of a full permutation's batch label entropy
-#: (``benchmarks.shuffle_quality``): the layer warns (``_shape.mixing_warning``).
+#: (``benchmarks.shuffle_quality``): the layer warns (``_planner.mixing_warning``).
 MIN_PLACES = 36
 Backend = Literal["asyncio", "trio"]
 
