@@ -1,4 +1,5 @@
-"""Memory pages: giving a closed layer's cache back to the system, and ``madvise`` through ctypes.
+"""Memory pages: giving a closed layer's cache back to the system, and ``madvise``, ``mmap`` and
+``munmap`` through ctypes.
 
 Below the cache (``_cache``) and the readers (``_read``), which both use it: the streaming slots
 are the cache's, the resident arrays (a data set read once) the reader's.
@@ -13,10 +14,13 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-__all__ = ["free_arrays", "libc_madvise"]
+__all__ = ["MAP_FAILED", "free_arrays", "libc_madvise", "libc_mmap"]
 
 #: How :func:`free_arrays` gives pages back (``None`` where the platform has no such advice).
 _DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)
+
+#: What :func:`libc_mmap`'s ``mmap`` answers when it fails (it may answer None too).
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def free_arrays(arrays: Iterable[np.ndarray]) -> None:
@@ -57,3 +61,28 @@ def libc_madvise() -> Callable[[int, int, int], int] | None:
     f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     f.restype = ctypes.c_int
     return f
+
+
+@functools.cache
+def libc_mmap() -> tuple[Callable[..., int | None], Callable[[int, int], int]]:
+    """The C library's ``mmap(address, length, prot, flags, fd, offset)`` (64-bit offsets; a
+    failure answers None or :data:`MAP_FAILED`, its error in ``ctypes.get_errno()``) and
+    ``munmap(address, length)`` through ctypes. Unlike :class:`mmap.mmap` (before Python 3.13),
+    a mapping made this way keeps no duplicate of the descriptor. Shared by the mapped reader
+    (``_read._maps``) and the helper process's batch slots (``_process._wire``); OSError or
+    AttributeError where the C library cannot be loaded or has no ``mmap``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    map_ = libc.mmap
+    map_.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int64,
+    ]
+    map_.restype = ctypes.c_void_p
+    unmap = libc.munmap
+    unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    unmap.restype = ctypes.c_int
+    return map_, unmap

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from .._pages import MAP_FAILED, libc_mmap
+
 __all__ = [
     "ALIGN",
     "MAX_MESSAGE",
@@ -114,30 +116,19 @@ def _anonymous(size: int) -> int:
     return fd
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
+_mmap, _munmap = libc_mmap()
 
 
 def _map(fd: int, size: int) -> np.ndarray:
     """``size`` bytes of ``fd`` mapped shared, as a byte array; unmapped when the last array
     that views it goes. Unlike :class:`mmap.mmap`, the mapping keeps no descriptor open: a
     batch the consumer keeps holds memory, never a file descriptor."""
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if addr is None or addr == _MAP_FAILED:
+    addr = _mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size} bytes of shared memory: {os.strerror(err)}")
     buf = (ctypes.c_uint8 * size).from_address(addr)
-    weakref.finalize(buf, _libc.munmap, addr, size)
+    weakref.finalize(buf, _munmap, addr, size)
     out: np.ndarray = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
     return out
 

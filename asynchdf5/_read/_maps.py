@@ -15,7 +15,7 @@ import numpy as np
 
 from .._catalog import TopInfo
 from .._errors import ReadError
-from .._pages import libc_madvise
+from .._pages import MAP_FAILED, libc_madvise, libc_mmap
 from .._sources._local import LocalFile
 
 __all__ = ["Libc", "MappedTop", "Spliced", "get_libc", "supported"]
@@ -32,20 +32,7 @@ class Libc:
     cycle holds no descriptor open until the garbage collector frees it."""
 
     def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self._mmap = libc.mmap
-        self._mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int64,
-        ]
-        self._mmap.restype = ctypes.c_void_p
-        self._munmap = libc.munmap
-        self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        self._munmap.restype = ctypes.c_int
+        self._mmap, self._munmap = libc_mmap()
         madvise = libc_madvise()
         if madvise is None:
             raise OSError("the C library has no madvise")
@@ -55,7 +42,7 @@ class Libc:
         """The address of ``length`` bytes of ``fd`` from ``offset`` (a page boundary), mapped
         read-only; OSError if they cannot be."""
         address = self._mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
-        if address is None or address == ctypes.c_void_p(-1).value:
+        if address is None or address == MAP_FAILED:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
         return int(address)
