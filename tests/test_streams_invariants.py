@@ -26,7 +26,6 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import anyio
 import h5py
@@ -38,7 +37,7 @@ from hypothesis import strategies as st
 from asynchdf5 import AsyncHDF5DataLayer, CacheBudgetWarning, Stream
 from asynchdf5._streams import StreamSpec, stream_counts
 
-from ._files import ROW_BYTES, ramp, split_refused
+from ._files import ROW_BYTES, ramp, rows, split_refused
 
 pytestmark = pytest.mark.anyio
 
@@ -131,14 +130,11 @@ def write(folder: Path, case: Case) -> list[list[Path]]:
     for s, files in enumerate(case.sizes):
         out.append([])
         for f, n in enumerate(files):
-            idx = np.arange(start, start + n, dtype=np.int64)
-            kw: dict[str, Any] = {"chunks": (max(1, min(n, 7)),)} if case.chunked else {}
             path = folder / f"s{s}-{f}.h5"
             with h5py.File(path, "w") as h5:
-                h5.create_dataset("label", data=idx, **kw)
-                data = np.repeat((idx * 10).astype(np.float32)[:, None], 2, axis=1)
-                chunks = {"chunks": (kw["chunks"][0], 2)} if kw else {}
-                h5.create_dataset("data", data=data, **chunks)
+                for name, arr in rows(start, n).items():
+                    chunks = (max(1, min(n, 7)), *arr.shape[1:]) if case.chunked else None
+                    h5.create_dataset(name, data=arr, chunks=chunks)
             out[-1].append(path)
             start += n
     return out
