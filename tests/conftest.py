@@ -1,12 +1,16 @@
-"""Shared fixtures: the anyio backends, the leak check, the stand-in for CuPy and the S3 server.
+"""Shared fixtures: the anyio backends, the leak check, the stand-in for CuPy, a real GPU (where
+there is one) and the S3 server.
 The data sets tests write are in ``_files``."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from benchmarks.s3_server import S3Server
@@ -35,6 +39,56 @@ def _obstore_runtime() -> None:
         await obstore.get_async(store, "x")
 
     asyncio.run(touch())
+
+
+@pytest.fixture(scope="session")
+def cupy_gpu() -> Any:
+    """CuPy, with a CUDA context on device 0 started; the test is skipped without CuPy or a GPU.
+
+    The driver opens descriptors (``/dev/nvidia*``, pipes, event fds, a shared-memory file) the
+    first time a context, a stream, an event and a page-locked copy are made, and keeps them as
+    long as the process: they are made here, before a test counts descriptors, so that the first
+    GPU test is not taken for a leak."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, driver too old, no runtime library
+        pytest.skip(f"no usable CUDA GPU: {exc}")
+    if count == 0:
+        pytest.skip("no CUDA GPU")
+    import cupyx
+
+    with cupy.cuda.Device(0):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        host = cupyx.empty_pinned((1 << 20,), np.uint8)
+        dev = cupy.empty(host.shape, np.uint8)
+        dev.data.copy_from_host_async(host.ctypes.data, host.nbytes, stream)
+        stream.record().synchronize()
+        del host, dev, stream
+    return cupy
+
+
+@pytest.fixture(scope="session")
+def torch_cuda(cupy_gpu: Any) -> Any:
+    """PyTorch with its CUDA state started (for the same reason as ``cupy_gpu``); skipped
+    without PyTorch or its CUDA."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    torch.ones(1, device="cuda").add_(1).cpu()
+    return torch
+
+
+@pytest.fixture(scope="session")
+def jax_gpu(cupy_gpu: Any) -> Any:
+    """JAX with its GPU backend started (for the same reason as ``cupy_gpu``), told not to take
+    most of the GPU's memory up front; skipped without JAX or its GPU backend."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("jax has no GPU backend")
+    jax.numpy.ones(1).block_until_ready()
+    return jax
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,6 @@ everywhere) are in ``test_delivery_cuda``.
 from __future__ import annotations
 
 import gc
-import importlib
 import inspect
 import re
 import subprocess
@@ -248,18 +247,6 @@ def test_real_cupy_arrays_hold_the_lease_of_their_block(cupy_no_gpu: Any) -> Non
 # -- on a real GPU ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def cupy_gpu() -> Any:
-    cupy = pytest.importorskip("cupy")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver, driver too old, no runtime library
-        pytest.skip(f"no usable CUDA GPU: {exc}")
-    if count == 0:
-        pytest.skip("no CUDA GPU")
-    return cupy
-
-
 @pytest.mark.gpu
 @pytest.mark.anyio
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -383,10 +370,8 @@ def test_gpu_sync_facade_on_a_busy_consumer_stream(
 
 @pytest.mark.gpu
 @pytest.mark.anyio
-async def test_gpu_torch_from_dlpack(cupy_gpu: Any) -> None:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA")
+async def test_gpu_torch_from_dlpack(cupy_gpu: Any, torch_cuda: Any) -> None:
+    torch = torch_cuda
     layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=32, device="cuda")
     async with layer:
         async for batch in layer:
@@ -397,14 +382,11 @@ async def test_gpu_torch_from_dlpack(cupy_gpu: Any) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.anyio
-async def test_gpu_jax_dlpack(cupy_gpu: Any) -> None:
-    jax = pytest.importorskip("jax")
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("jax has no GPU backend")
+async def test_gpu_jax_dlpack(cupy_gpu: Any, jax_gpu: Any) -> None:
     layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=32, device="cuda")
     async with layer:
         async for batch in layer:
-            x = importlib.import_module("jax.dlpack").from_dlpack(batch["data"])
+            x = jax_gpu.dlpack.from_dlpack(batch["data"])
             np.testing.assert_array_equal(np.asarray(x), IMAGES[batch.indices])
 
 

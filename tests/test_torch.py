@@ -650,20 +650,8 @@ def test_device_batches_need_num_workers_0(
         next(iter(worker))
 
 
-@pytest.fixture
-def cupy_gpu() -> Any:
-    cupy = pytest.importorskip("cupy")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver, driver too old, no runtime library
-        pytest.skip(f"no usable CUDA GPU: {exc}")
-    if count == 0:
-        pytest.skip("no CUDA GPU")
-    return cupy
-
-
 @pytest.mark.gpu
-def test_gpu_batches_are_cuda_tensors(cupy_gpu: Any, source: Path) -> None:
+def test_gpu_batches_are_cuda_tensors(cupy_gpu: Any, torch_cuda: Any, source: Path) -> None:
     host = make("hdf5", source, shuffle=True, seed=11)
     dev = make("hdf5", source, shuffle=True, seed=11, device="cuda")
     with host, dev:
