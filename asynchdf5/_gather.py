@@ -1,5 +1,6 @@
 """The gather kernel: a batch's rows copied from cache slots, in-memory arrays, a mapped file or
-a carry into the arrays the delivery hands over (:func:`gather_rows`), with their global indices.
+a carry into the arrays the delivery hands over (:func:`gather_rows`), with their global indices;
+large ones in two halves on two threads (:func:`gather_split`).
 
 One ``np.take(..., mode="clip", out=...)`` per top and piece, straight into the destination: the
 bounds that ``clip`` would hide are checked once per chunk when it is loaded
@@ -9,14 +10,19 @@ bounds that ``clip`` would hide are checked once per chunk when it is loaded
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, wait
 
 import numpy as np
 
 from ._errors import ReadError
-from ._specs import Carry, Piece
+from ._specs import Carry, Piece, split_pieces
 from ._verify import rows_words
 
-__all__ = ["check_rows", "gather_rows"]
+__all__ = ["PARALLEL_BYTES", "check_rows", "gather_rows", "gather_split"]
+
+#: Below this many bytes rows are gathered on one thread: handing half to another thread costs
+#: more than it saves (and the two would contend for the GIL between small copies).
+PARALLEL_BYTES = 2 * 2**20
 
 
 def gather_rows(
@@ -57,6 +63,28 @@ def gather_rows(
                 finally:
                     guard.__exit__(None, None, None)
         at += n
+
+
+def gather_split(
+    pieces: Sequence[Piece],
+    out: dict[str, np.ndarray],
+    indices: np.ndarray,
+    helper: Executor | None,
+) -> None:
+    """:func:`gather_rows`, with the first half of the rows on ``helper``'s thread when there is
+    one and ``out`` holds at least :data:`PARALLEL_BYTES` (``np.take`` releases the GIL)."""
+    total = len(indices)
+    if helper is None or sum(a.nbytes for a in out.values()) < PARALLEL_BYTES:
+        gather_rows(pieces, out, indices)
+        return
+    head, tail = split_pieces(pieces, total // 2)
+    future = helper.submit(gather_rows, head, out, indices)
+    try:
+        gather_rows(tail, out, indices, total // 2)
+    except BaseException:
+        wait([future])  # the helper writes into ``out`` too: done with it before anyone reuses it
+        raise
+    future.result()
 
 
 def _take(source: np.ndarray, rows: np.ndarray | slice, dest: np.ndarray) -> None:

@@ -33,6 +33,7 @@ from asynchdf5 import (
     MemoryDataLayer,
     SchemaError,
     TransformError,
+    _gather,
 )
 from asynchdf5._delivery._cuda import CudaDelivery
 from asynchdf5._delivery._cuda_memory import STAGING_DEPTH, DeviceMemory, Staging
@@ -158,6 +159,33 @@ async def test_fake_values_match_host_path(fake_cupy: FakeCupy, shuffle: bool) -
             assert isinstance(d["data"], FakeArray)
             np.testing.assert_array_equal(d.indices, h.indices)
             np.testing.assert_allclose(host_copy(d["data"]), h["data"], rtol=1e-6)
+
+
+@pytest.mark.anyio
+async def test_fake_large_batches_are_gathered_on_two_threads(
+    fake_cupy: FakeCupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of at least ``PARALLEL_BYTES`` is gathered into staging in two halves, one on the
+    gather helper's thread (one thread's copies are slower than the upload), every row in place."""
+    monkeypatch.setattr(_gather, "PARALLEL_BYTES", 1)  # the test's small batches count as large
+    threads: set[str] = set()
+    real = _gather.gather_rows
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        threads.add(threading.current_thread().name)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_gather, "gather_rows", spy)
+    kw: dict[str, Any] = dict(batch_size=16, shuffle=True, seed=8)
+    data = {"data": IMAGES, "label": LABELS}
+    with anyio.fail_after(30):
+        (host,) = await run_epochs(MemoryDataLayer(data, **kw))
+        threads.clear()
+        (dev,) = await run_epochs(MemoryDataLayer(data, device="cuda", **kw))
+    assert threads == {"asynchdf5-gather", "asynchdf5-gather-helper_0"}, threads
+    check_epoch(dev, len(LABELS), IMAGES)
+    for h, d in zip(host, dev, strict=True):
+        np.testing.assert_array_equal(d.indices, h.indices)
 
 
 @pytest.mark.anyio

@@ -34,7 +34,7 @@ import numpy as np
 from .._batch import Batch
 from .._catalog import TopInfo
 from .._errors import DeviceError, SchemaError
-from .._gather import gather_rows
+from .._gather import gather_split
 from .._specs import GroupSpec
 from .._stats import GatherStats
 from .._transform import apply_transformers
@@ -149,10 +149,11 @@ class CudaDelivery:
         helper: Executor | None,
         emit: Callable[[Batch], None] | None = None,
     ) -> tuple[list[Batch], Exception | None]:
-        """Each batch is gathered into its own staging buffers and its upload queued at once,
-        so copies start early; a failure (staging, upload, transformer) keeps the complete
-        batches before it, and gives the failed batch's buffers back. ``emit`` gets each batch
-        once its upload and transformers are queued."""
+        """Each batch is gathered into its own staging buffers (a large one in halves, one on
+        ``helper``'s thread: one thread's copies are slower than the upload) and its upload
+        queued at once, so copies start early; a failure (staging, upload, transformer) keeps
+        the complete batches before it, and gives the failed batch's buffers back. ``emit``
+        gets each batch once its upload and transformers are queued."""
         out: list[Batch] = []
         for pieces, size, epoch in zip(
             group.batch_pieces(), group.sizes, group.epochs, strict=True
@@ -161,7 +162,7 @@ class CudaDelivery:
             try:
                 staging = {t.name: self.alloc((size, *t.sample_shape), t.dtype) for t in self._tops}
                 indices = np.empty(size, np.int64)
-                gather_rows(pieces, staging, indices)
+                gather_split(pieces, staging, indices, helper)
                 t1 = time.perf_counter()
                 data = self.finish(dict(staging), indices, epoch)
             except Exception as exc:

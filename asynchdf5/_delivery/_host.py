@@ -13,24 +13,19 @@ import numpy as np
 
 from .._batch import Batch
 from .._catalog import TopInfo
-from .._gather import gather_rows
-from .._specs import GroupSpec, merge_pieces, split_pieces
+from .._gather import gather_split
+from .._specs import GroupSpec, merge_pieces
 from .._stats import GatherStats
 from .._transform import apply_transformers
 from ..transforms import Transformer
 
 __all__ = [
     "CACHE_LINE",
-    "PARALLEL_BYTES",
     "BatchBuffers",
     "HostDelivery",
     "aligned_empty",
     "line_offset",
 ]
-
-#: Below this many bytes a group is gathered on one thread: handing half to another thread costs
-#: more than it saves (and the two would contend for the GIL between small copies).
-PARALLEL_BYTES = 2 * 2**20
 
 
 def _refcounts_are_reliable() -> bool:
@@ -193,7 +188,7 @@ class HostDelivery:
         and the error, so that those are still delivered ahead of the error. The whole group is
         gathered into one buffer, with one ``take`` per top per run of rows (per-batch Python
         work is what limits small batches); the batches are views of it. With a ``helper`` and a
-        group of at least ``PARALLEL_BYTES``, half of the rows are gathered on the helper's
+        group of at least ``_gather.PARALLEL_BYTES``, half of the rows are gathered on the helper's
         thread (``np.take`` releases the GIL). Transformers always run here, one batch after the
         other: a transformer is never called from two threads at once; ``emit`` gets each batch
         once its transformers are done.
@@ -204,18 +199,7 @@ class HostDelivery:
         arrays = self._buffers.acquire(total)
         indices = np.empty(total, np.int64)
         pieces = merge_pieces(group.pieces)
-        nbytes = sum(a.nbytes for a in arrays.values())
-        future = None
-        at = 0
-        if helper is not None and nbytes >= PARALLEL_BYTES:
-            head, pieces = split_pieces(pieces, total // 2)
-            future = helper.submit(gather_rows, head, arrays, indices)
-            at = total // 2
-        try:
-            gather_rows(pieces, arrays, indices, at)
-        finally:
-            if future is not None:
-                future.result()
+        gather_split(pieces, arrays, indices, helper)
         out: list[Batch] = []
         error: Exception | None = None
         at = 0
