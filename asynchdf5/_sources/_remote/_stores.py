@@ -198,20 +198,28 @@ class S3Store:
         size = int(crange.rsplit("/", 1)[1]) if "/" in crange else int(resp["ContentLength"])
         return size, {"ETag": str(resp.get("ETag", ""))}, data
 
-    async def get(self, url: str, start: int, stop: int, version: Mapping[str, str]) -> bytes:
-        if stop <= start:
-            return b""
+    async def _ranged(
+        self, url: str, start: int, stop: int, version: Mapping[str, str]
+    ) -> dict[str, Any]:
+        """The response to a GET of bytes ``start:stop`` of the version seen at open; its body
+        not yet read. A store that ignores If-Match still says which version it served."""
         bucket, key, kw = self._split(url)
         etag = version.get("ETag")
         if etag:
             kw["IfMatch"] = etag
         s3 = await self._client(bucket)
-        resp = await s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", **kw)
-        data = await self._body(resp)
-        # A store that ignores If-Match still says which version it served.
+        resp: dict[str, Any] = await s3.get_object(
+            Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", **kw
+        )
         if etag and resp.get("ETag") and resp["ETag"] != etag:
+            resp["Body"].close()
             raise Changed(f"ETag {etag} -> {resp['ETag']}")
-        return data
+        return resp
+
+    async def get(self, url: str, start: int, stop: int, version: Mapping[str, str]) -> bytes:
+        if stop <= start:
+            return b""
+        return await self._body(await self._ranged(url, start, stop, version))
 
     async def stream(
         self,
@@ -225,16 +233,7 @@ class S3Store:
         # reading it whole would first join them into one more copy.
         if stop <= start:
             return 0
-        bucket, key, kw = self._split(url)
-        etag = version.get("ETag")
-        if etag:
-            kw["IfMatch"] = etag
-        s3 = await self._client(bucket)
-        resp = await s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{stop - 1}", **kw)
-        if etag and resp.get("ETag") and resp["ETag"] != etag:
-            resp["Body"].close()
-            raise Changed(f"ETag {etag} -> {resp['ETag']}")
-        body = resp["Body"]
+        body = (await self._ranged(url, start, stop, version))["Body"]
         content = getattr(getattr(body, "raw_stream", None), "content", None)
         n = 0
         try:
