@@ -77,23 +77,27 @@ class Clock:
 
 
 def sequential(job: dict[str, Any]) -> dict[str, Any]:
-    """One thread, ``os.preadv`` of the whole file in pieces of ``piece_bytes``."""
+    """One thread, ``os.preadv`` of the whole file (each of ``files``, one after the other) in
+    pieces of ``piece_bytes``."""
     buf = bytearray(int(job["piece_bytes"]))
     view = memoryview(buf)
     view[:] = b"\1" * len(buf)  # touched before the clock starts
     c0 = cpu_seconds()
     t0 = time.perf_counter()
-    fd = os.open(job["path"], os.O_RDONLY)
     nbytes, touched = 0, 0
-    try:
-        while True:
-            n = os.preadv(fd, [view], nbytes)
-            if n <= 0:
-                break
-            touched += int(buf[0])
-            nbytes += n
-    finally:
-        os.close(fd)
+    for path in job.get("files") or [job["path"]]:
+        fd = os.open(path, os.O_RDONLY)
+        at = 0
+        try:
+            while True:
+                n = os.preadv(fd, [view], at)
+                if n <= 0:
+                    break
+                touched += int(buf[0])
+                at += n
+        finally:
+            os.close(fd)
+        nbytes += at
     secs = time.perf_counter() - t0
     samples = nbytes / job["sample_bytes"]  # sample-equivalents of the bytes read
     return {
@@ -115,18 +119,21 @@ def layer(job: dict[str, Any]) -> dict[str, Any]:
 
     shuffle = bool(job["shuffle"])
     out: dict[str, Any] = {"passes": []}
+    files = job.get("files") or [job["path"]]
 
     async def run() -> None:
         t0 = time.perf_counter()
         lay = AsyncHDF5DataLayer(
-            job["path"], batch_size=job["batch_size"], shuffle=shuffle, **job["layer_props"]
+            _source(job), batch_size=job["batch_size"], shuffle=shuffle, **job["layer_props"]
         )
         async with lay:
             start = t0
             for epoch in range(job["epochs"]):
                 residency = None
                 if epoch > 0:
-                    residency = resident_fraction(job["path"])
+                    sizes = {f: os.path.getsize(f) for f in files}
+                    parts = [(resident_fraction(f) or 0.0) * b for f, b in sizes.items()]
+                    residency = sum(parts) / max(1, sum(sizes.values()))
                     start = time.perf_counter()
                 clock, labels = Clock(start), []
                 async for batch in lay:
@@ -139,7 +146,9 @@ def layer(job: dict[str, Any]) -> dict[str, Any]:
                     "rate": clock.samples / (end - start),
                     "first_batch_s": None if clock.first is None else clock.first - start,
                     "resident_before": residency,
-                    "mixing": mixing(np.concatenate(labels), job["batch_size"], job["seed"]),
+                    "mixing": mixing(np.concatenate(labels), job["batch_size"], job["seed"])
+                    if job.get("mixing", True)
+                    else None,
                 }
                 out["passes"].append(p)
                 if epoch == 0:
@@ -170,6 +179,20 @@ def layer(job: dict[str, Any]) -> dict[str, Any]:
     out["cpu_s"] = cpu_seconds() - c0
     out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     return out
+
+
+def _source(job: dict[str, Any]) -> Any:
+    """The layer's source: ``job["path"]``; or ``job["source"]``, a list of paths or
+    ``{"streams": {name: {"paths": [...], "weight": w or None}}}``."""
+    from asynchdf5 import Stream
+
+    source = job.get("source", job["path"])
+    if isinstance(source, dict):
+        return {
+            name: Stream(s["paths"], weight=s.get("weight"))
+            for name, s in source["streams"].items()
+        }
+    return source
 
 
 class H5BatchDataset:

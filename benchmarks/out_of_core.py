@@ -74,18 +74,8 @@ def offsets(path: Path) -> tuple[int, int]:
 def run_reader(
     name: str, args: argparse.Namespace, path: Path, n: int, work: Path
 ) -> dict[str, Any]:
-    """Evict, make the cgroup, run the child, collect its figures and the group's; remove it."""
+    """One of READERS on ``path`` in a capped child (:func:`run_child`), with derived figures."""
     kind, params = READERS[name]
-    evict(path)
-    resident = resident_fraction(path)
-    group: cgroups.MemoryCgroup | None = None
-    note = "no cgroup (--no-cgroup)"
-    if not args.no_cgroup:
-        made = cgroups.make(f"asynchdf5-ooc-{os.getpid()}-{name}", args.limit_mib * 2**20)
-        if isinstance(made, str):
-            note = f"no cgroup: {made}"
-        else:
-            group, note = made, f"cgroup v{made.version} {made.path}, limit {args.limit_mib} MiB"
     data_offset, label_offset = offsets(path)
     job = {
         "kind": kind,
@@ -99,13 +89,41 @@ def run_reader(
         "piece_bytes": PIECE_BYTES,
         "data_offset": data_offset,
         "label_offset": label_offset,
-        "cgroup_procs": str(group.procs) if group else None,
         "layer_props": args.layer_props,
         **params,
     }
+    result = run_child(name, job, [path], args, work)
+    _derive(result, n)
+    print(f"# {name}: {_one_line(result)}", file=sys.stderr, flush=True)
+    return result
+
+
+def run_child(
+    name: str, job: dict[str, Any], files: list[Path], args: argparse.Namespace, work: Path
+) -> dict[str, Any]:
+    """Evict ``files``, make the cgroup (``args.limit_mib``, unless ``args.no_cgroup``), run
+    ``job`` in a child (:mod:`benchmarks._ooc_child`), collect its figures and the group's; then
+    remove the group."""
+    for f in files:
+        evict(f)
+    sizes = [f.stat().st_size for f in files]
+    resident = sum((resident_fraction(f) or 0.0) * b for f, b in zip(files, sizes, strict=True))
+    group: cgroups.MemoryCgroup | None = None
+    note = "no cgroup (--no-cgroup)"
+    if not args.no_cgroup:
+        made = cgroups.make(f"asynchdf5-ooc-{os.getpid()}-{name}", args.limit_mib * 2**20)
+        if isinstance(made, str):
+            note = f"no cgroup: {made}"
+        else:
+            group, note = made, f"cgroup v{made.version} {made.path}, limit {args.limit_mib} MiB"
+    job = {**job, "cgroup_procs": str(group.procs) if group else None}
     job_file, result_file = work / f"{name}.job.json", work / f"{name}.result.json"
     job_file.write_text(json.dumps(job))
-    result: dict[str, Any] = {"reader": name, "cgroup": note, "resident_before": resident}
+    result: dict[str, Any] = {
+        "reader": name,
+        "cgroup": note,
+        "resident_before": resident / max(1, sum(sizes)),
+    }
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -133,8 +151,6 @@ def run_reader(
             result["cgroup_limit_hits"] = group.limit_hits()
             result["cgroup_oom_kills"] = group.oom_kills()
             group.remove()
-    _derive(result, n)
-    print(f"# {name}: {_one_line(result)}", file=sys.stderr, flush=True)
     return result
 
 
@@ -142,14 +158,14 @@ def _mib(nbytes: int | None) -> float | None:
     return None if nbytes is None else nbytes / 2**20
 
 
-def _derive(r: dict[str, Any], n: int) -> None:
+def _derive(r: dict[str, Any], n: int, sample_bytes: int = SAMPLE_BYTES) -> None:
     """Per pass, and overall: the rate and CPU-seconds per GB of what was delivered."""
     passes = r.get("passes") or []
     if not passes:
         r["rate"] = None
         return
     r["rate"] = max(p["rate"] for p in passes)
-    delivered_gb = sum(p["samples"] for p in passes) * SAMPLE_BYTES / 1e9
+    delivered_gb = sum(p["samples"] for p in passes) * sample_bytes / 1e9
     r["cpu_s_per_gb"] = r["cpu_s"] / delivered_gb if delivered_gb else None
 
 

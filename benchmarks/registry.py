@@ -105,8 +105,6 @@ BENCHMARKS: dict[str, Benchmark] = {
             "benchmarks.gpu:bench",
             "CuPy delivery against cupy.asarray, torch and the pinned-copy limit (CUDA only)",
         ),
-        # Stream mixing (issue 33): benchmarks/mixing.py provides bench(rec); until it is merged
-        # this entry is recorded as skipped.
         Benchmark(
             "process-start",
             "benchmarks.process_start:bench",
@@ -116,6 +114,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             "mixing",
             "benchmarks.mixing:bench",
             "several weighted streams in one layer against one stream",
+        ),
+        Benchmark(
+            "mixing-cold",
+            "benchmarks.mixing_cold:bench",
+            "three streams against one source, out of core: cold, in a memory cgroup",
         ),
     )
 }

@@ -17,7 +17,7 @@ from benchmarks.registry import BENCHMARKS
 from benchmarks.report import KEYS, markdown
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Benchmarks that may skip here, with their reason recorded: no CUDA GPU; not merged yet.
+#: Benchmarks that may skip here, with their reason recorded: no CUDA GPU.
 MAY_SKIP = {"gpu"}
 
 
