@@ -24,7 +24,7 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -99,10 +99,8 @@ class CudaDelivery:
     #: Batches are staged and uploaded one by one: a group only bounds what is in flight, and
     #: device memory (docs/gpu.md) grows with it.
     group_batches = 16
-    #: CuPy and the CUDA driver run in the gather thread (and the transformers, if any).
+    #: CuPy and the CUDA driver run in the gather threads (and the transformers, if any).
     runs_user_code = True
-    #: One thread stages and uploads every group, in order, on the layer's stream.
-    concurrent = False
 
     def __init__(
         self,
@@ -138,6 +136,14 @@ class CudaDelivery:
         self._tops = list(tops.values())
 
     @property
+    def concurrent(self) -> bool:
+        """Without transformers, groups are staged on two threads at once (the copy into
+        page-locked memory is the stage's cost; one thread's is slower than the upload) and
+        queued on the one upload stream under a lock. A transformer is never called from two
+        threads: with transformers one thread stages every group, in order."""
+        return not self.transformers
+
+    @property
     def per_batch(self) -> bool:
         """Transformed batches go to the consumer one by one, as each is queued."""
         return bool(self.transformers)
@@ -159,14 +165,16 @@ class CudaDelivery:
             group.batch_pieces(), group.sizes, group.epochs, strict=True
         ):
             t0 = time.perf_counter()
+            staging: dict[str, np.ndarray] = {}
             try:
-                staging = {t.name: self.alloc((size, *t.sample_shape), t.dtype) for t in self._tops}
+                for t in self._tops:
+                    staging[t.name] = self.alloc((size, *t.sample_shape), t.dtype)
                 indices = np.empty(size, np.int64)
                 gather_split(pieces, staging, indices, helper)
                 t1 = time.perf_counter()
                 data = self.finish(dict(staging), indices, epoch)
             except Exception as exc:
-                self.abandon()
+                self.abandon(staging.values())
                 return out, exc
             stats.gather_seconds += t1 - t0
             stats.transform_seconds += time.perf_counter() - t1
@@ -272,13 +280,14 @@ class CudaDelivery:
                 out.serial = memory.serial
         return out
 
-    def abandon(self) -> None:
-        """The batch being gathered or finished failed: its staging buffers go back (no wait)."""
+    def abandon(self, staging: Iterable[np.ndarray]) -> None:
+        """The batch being gathered or finished failed: its ``staging`` buffers go back (no
+        wait); those of a batch another thread gathers stay lent to it."""
         with self._lock:
             gpu = self._gpu
             if gpu is not None:
                 with gpu.device, contextlib.suppress(Exception):
-                    gpu.staging.reclaim(gpu.record(block=True))
+                    gpu.staging.reclaim(gpu.record(block=True), staging)
 
     @staticmethod
     def _pinned(staging: Staging, host: np.ndarray) -> np.ndarray:

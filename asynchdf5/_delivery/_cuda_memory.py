@@ -35,7 +35,7 @@ __all__ = [
     "Staging",
 ]
 
-#: Batches staged in pinned memory: one being gathered, one whose copies run.
+#: Batches staged in pinned memory per batch being gathered: that one, one whose copies run.
 STAGING_DEPTH = 2
 #: Device blocks are rounded up to this many bytes, so that batches of one shape share blocks.
 BLOCK_ALIGN = 512
@@ -105,12 +105,18 @@ class Staging:
         """Whether ``array`` is (a view at the start of) a buffer lent and not yet copied."""
         return array.ctypes.data in self._lent
 
-    def reclaim(self, event: Any) -> None:
-        """Every lent buffer goes back, reusable after ``event`` (a batch failed half-way)."""
-        for buf in self._lent.values():
+    def reclaim(self, event: Any, arrays: Iterable[Any] | None = None) -> None:
+        """The lent buffers of ``arrays`` (a batch that failed half-way; default: every lent
+        buffer) go back, reusable after ``event``. Another thread's batch keeps its own."""
+        if arrays is None:
+            bufs = list(self._lent.values())
+            self._lent.clear()
+        else:
+            found = (self._lent.pop(a.ctypes.data, None) for a in arrays)
+            bufs = [buf for buf in found if buf is not None]
+        for buf in bufs:
             buf.event = event
             self._free.setdefault(buf.array.nbytes, deque()).append(buf)
-        self._lent.clear()
 
     def copied(self, arrays: Iterable[Any], event: Any) -> None:
         """The copies reading ``arrays`` (views of lent buffers) end at ``event``."""
