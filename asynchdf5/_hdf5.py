@@ -29,6 +29,7 @@ from ._mix import StreamRows
 from ._process import ProcessReader, check_picklable, payload, ring_slots
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
+from ._schemas import check_schemas
 from ._shape import DataShape
 from ._sizing import cache_plan, shape_of
 from ._sources import Source, SourceLike, SourceOptions, Streaming
@@ -185,7 +186,11 @@ class AsyncHDF5DataLayer(LayerBase):
                 if exc.args and isinstance(exc.args[0], str):
                     exc.args = (f"stream {spec.name!r}: {exc.args[0]}", *exc.args[1:])
                 raise
-        return combine(self._streams, catalogs)
+        catalog, streams = combine(
+            self._streams, catalogs, per_stream=self.config.batch_mode == "per_stream"
+        )
+        check_schemas(streams, device=self.config.device, process=self.config.process)
+        return catalog, streams
 
     def _source(self) -> Source:
         return self._reach.open(self.paths)
@@ -350,6 +355,12 @@ class AsyncHDF5DataLayer(LayerBase):
         blob = payload(self._helper_source(), c, planner.part, state)
         slots = ring_slots(c.prefetch)
         reader, shape = await ProcessReader.start(blob, self._run_state, self._stats, slots, device)
+        try:
+            check_schemas(shape.streams, device=self.config.device, process=True)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await reader.aclose()
+            raise
         return reader, None, shape
 
 

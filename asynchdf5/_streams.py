@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +20,9 @@ import numpy as np
 
 from ._batch import Batch
 from ._catalog import Catalog
-from ._errors import ConfigurationError, DataLayerError, SchemaError
+from ._errors import ConfigurationError, DataLayerError
 from ._mix import StreamRows
+from ._schemas import mismatch, split_schemas
 from ._sources import SourceLike
 from ._stats import ConsumerStats
 
@@ -154,36 +154,37 @@ def stream_counts(specs: Sequence[StreamSpec], sizes: Sequence[int]) -> tuple[in
 
 
 def combine(
-    specs: Sequence[StreamSpec], catalogs: Sequence[Catalog]
+    specs: Sequence[StreamSpec], catalogs: Sequence[Catalog], *, per_stream: bool = False
 ) -> tuple[Catalog, tuple[StreamRows, ...]]:
     """One catalog of every stream's files, stream after stream, and the rows of each.
 
-    :class:`SchemaError` naming both streams and the top when two streams' tops differ in
-    sample shape or dtype (every batch holds rows of every stream).
+    Streams whose tops differ in sample shape or dtype: under ``per_stream`` (every batch
+    holds one stream's rows), each keeps its own (:func:`~._schemas.split_schemas`: the
+    catalog holds each variant of a top, and each file names its own); else a
+    :class:`SchemaError` naming both streams and the top (every batch holds rows of every
+    stream).
     """
-    first, base = specs[0], catalogs[0]
-    for spec, cat in zip(specs[1:], catalogs[1:], strict=True):
-        for name, top in base.tops.items():
-            other = cat.tops[name]
-            if (other.dtype, other.sample_shape) != (top.dtype, top.sample_shape):
-                raise SchemaError(
-                    f"streams {first.name!r} and {spec.name!r} disagree on top {name!r}: "
-                    f"{first.name!r} has samples of shape {top.sample_shape} and dtype "
-                    f"{top.dtype} ({os.path.basename(base.files[0].name)}), {spec.name!r} of "
-                    f"shape {other.sample_shape} and dtype {other.dtype} "
-                    f"({os.path.basename(cat.files[0].name)}); mixed streams must agree on "
-                    "every top"
-                )
+    names = [s.name for s in specs]
+    split = split_schemas(names, catalogs) if per_stream else None
+    if split is None and (error := mismatch(names, catalogs)) is not None:
+        raise error
     files = []
     rows = []
     start = 0
-    for spec, cat in zip(specs, catalogs, strict=True):
-        files += [dataclasses.replace(f, start=f.start + start) for f in cat.files]
+    for k, (spec, cat) in enumerate(zip(specs, catalogs, strict=True)):
+        own = None if split is None else split[1][k]
+        for f in cat.files:
+            layouts = f.layouts if own is None else {own[t]: v for t, v in f.layouts.items()}
+            files.append(dataclasses.replace(f, start=f.start + start, layouts=layouts))
         rows.append((spec.name, start, cat.n_samples))
         start += cat.n_samples
     counts = stream_counts(specs, [n for _, _, n in rows])
-    streams = tuple(StreamRows(name, a, n, c) for (name, a, n), c in zip(rows, counts, strict=True))
-    return Catalog(files, dict(base.tops)), streams
+    streams = tuple(
+        StreamRows(name, a, n, c, () if split is None else tuple(split[1][k].items()))
+        for k, ((name, a, n), c) in enumerate(zip(rows, counts, strict=True))
+    )
+    tops = dict(catalogs[0].tops) if split is None else split[0]
+    return Catalog(files, tops), streams
 
 
 class StreamLabels:
