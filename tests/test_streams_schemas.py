@@ -61,7 +61,7 @@ def check(batch: Batch, kinds: dict[int, tuple[tuple[int, ...], str]], edges: np
     """``batch`` is one stream's rows with that stream's arrays and the files' values; its
     stream."""
     assert batch.streams is not None
-    (s,) = set(batch.streams.tolist())
+    (s,) = {int(x) for x in batch.streams.tolist()}
     assert ((batch.indices >= edges[s]) & (batch.indices < edges[s + 1])).all()
     shape, dtype = kinds[s]
     assert sorted(batch.keys()) == ["data", "label"]
@@ -103,7 +103,7 @@ async def test_each_batch_is_one_streams_rows_with_its_schema(
         batch_mode="per_stream",
     )
     (batches,) = await epochs(layer, 1)
-    seen = {s: [] for s in kinds}
+    seen: dict[int, list[np.ndarray]] = {s: [] for s in kinds}
     for b in batches:
         seen[check(b, kinds, edges)].append(b.indices)
     for s in kinds:  # natural shares: each stream's samples exactly once
