@@ -43,17 +43,18 @@ def _variant(t: TopInfo) -> tuple[str, tuple[int, ...]]:
     return t.dtype.str, t.sample_shape
 
 
+def _schema(c: Catalog) -> list[tuple[str, tuple[str, tuple[int, ...]]]]:
+    return [(name, _variant(t)) for name, t in c.tops.items()]
+
+
 def split_schemas(
     names: Sequence[str], catalogs: Sequence[Catalog]
 ) -> tuple[dict[str, TopInfo], list[dict[str, str]]] | None:
     """The internal tops of streams ``names`` (their catalogs: ``catalogs``), and each stream's
     tops as ``{top: internal top}``; None when every stream has the same schema (the catalog's
     tops are then the first stream's, under their own names)."""
-    first = catalogs[0].tops
-    if all(
-        [_variant(t) for t in c.tops.values()] == [_variant(t) for t in first.values()]
-        for c in catalogs[1:]
-    ):
+    first = _schema(catalogs[0])
+    if all(_schema(c) == first for c in catalogs[1:]):
         return None
     tops: dict[str, TopInfo] = {}
     seen: dict[tuple[str, tuple[str, tuple[int, ...]]], str] = {}

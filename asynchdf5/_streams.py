@@ -20,13 +20,22 @@ import numpy as np
 
 from ._batch import Batch
 from ._catalog import Catalog
+from ._config import LayerConfig
 from ._errors import ConfigurationError, DataLayerError
 from ._mix import StreamRows
 from ._schemas import mismatch, split_schemas
 from ._sources import SourceLike
 from ._stats import ConsumerStats
 
-__all__ = ["Stream", "StreamLabels", "StreamSpec", "combine", "parse_streams", "stream_counts"]
+__all__ = [
+    "Stream",
+    "StreamLabels",
+    "StreamSpec",
+    "combine",
+    "parse_streams",
+    "stream_counts",
+    "stream_tops",
+]
 
 
 @dataclass(frozen=True)
@@ -46,19 +55,24 @@ class Stream:
         permutations, then part of one).
     choose
         Instead of ``weight``: exactly this many samples per epoch.
+    tops
+        The stream's own tops (only with ``batch_mode="per_stream"``, where each batch holds
+        one stream's rows); None: the layer's ``tops``.
 
-    With neither, the stream gives its natural share: each of its samples once per epoch.
+    With neither ``weight`` nor ``choose``, the stream gives its natural share: each of its
+    samples once per epoch.
 
     Examples
     --------
     >>> from asynchdf5 import Stream
     >>> Stream(["a.h5", "b.h5"], weight=0.25)
-    Stream(source=['a.h5', 'b.h5'], weight=0.25, choose=None)
+    Stream(source=['a.h5', 'b.h5'], weight=0.25, choose=None, tops=None)
     """
 
     source: SourceLike
     weight: float | None = None
     choose: int | None = None
+    tops: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         if self.weight is not None and self.choose is not None:
@@ -79,6 +93,20 @@ class Stream:
             isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) or c < 0
         ):
             raise ConfigurationError(f"a stream's choose must be an int >= 0, not {c!r}")
+        t = self.tops
+        if t is not None:
+            if (
+                isinstance(t, str)
+                or not isinstance(t, Sequence)
+                or not t
+                or not all(isinstance(x, str) for x in t)
+                or len(set(t)) != len(t)
+            ):
+                raise ConfigurationError(
+                    f"a stream's tops must be a non-empty sequence of distinct dataset names, "
+                    f"not {t!r}"
+                )
+            object.__setattr__(self, "tops", tuple(t))
 
 
 @dataclass(frozen=True)
@@ -89,16 +117,30 @@ class StreamSpec:
     entries: tuple[str, ...]
     weight: float | None
     choose: int | None
+    tops: tuple[str, ...] = ()  # the tops it reads: its own, or the layer's
+
+
+def stream_tops(source: object) -> tuple[str, ...]:
+    """The tops that the streams of ``source`` name themselves (``Stream(tops=...)``), for
+    the transformers' check: a transformer may name one."""
+    if not isinstance(source, Mapping):
+        return ()
+    named = [t for v in source.values() if isinstance(v, Stream) for t in v.tops or ()]
+    return tuple(dict.fromkeys(named))
 
 
 def parse_streams(
-    source: Mapping[Any, Any], resolve: Callable[[SourceLike], list[str]]
+    source: Mapping[Any, Any],
+    resolve: Callable[[SourceLike], list[str]],
+    config: LayerConfig,
 ) -> tuple[StreamSpec, ...]:
     """Check a mapping of streams and resolve each one's source (``resolve``: the layer's).
 
     A value that is not a :class:`Stream` is a source given weight 1 (a plain mapping of
     names to sources mixes them with equal weights). :class:`ConfigurationError` when there is
-    no stream, a name is not a non-empty ``str``, or the streams give no sample per epoch.
+    no stream, a name is not a non-empty ``str``, the streams give no sample per epoch, a
+    stream names its own tops outside ``batch_mode="per_stream"``, or a transformer is for a
+    top that no stream reads.
     """
     if not source:
         raise ConfigurationError("source is an empty mapping: name at least one stream")
@@ -114,11 +156,25 @@ def parse_streams(
             raise
         w = None if stream.weight is None else float(stream.weight)
         c = None if stream.choose is None else int(stream.choose)
-        out.append(StreamSpec(name, tuple(entries), w, c))
+        tops = config.tops if stream.tops is None else tuple(stream.tops)
+        if tops != config.tops and config.batch_mode != "per_stream":
+            raise ConfigurationError(
+                f"stream {name!r} has tops {tops!r}, not the layer's {config.tops!r}: streams "
+                f'of their own tops need batch_mode="per_stream" (not {config.batch_mode!r}), '
+                "where each batch holds one stream's rows"
+            )
+        out.append(StreamSpec(name, tuple(entries), w, c, tops))
     if all(s.weight == 0 or s.choose == 0 for s in out):
         raise ConfigurationError(
             "every stream's weight (or choose) is 0: the streams give no sample per epoch"
         )
+    read = {t for s in out for t in s.tops}
+    for i, (top, _) in enumerate(config.transformers):
+        if top not in read:
+            raise ConfigurationError(
+                f"transformers[{i}] is for top {top!r}, which no stream reads (the streams' "
+                f"tops: {sorted(read)!r})"
+            )
     return tuple(out)
 
 

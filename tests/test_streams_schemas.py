@@ -274,3 +274,78 @@ def test_the_torch_adapter_hands_over_each_streams_schema(tmp_path: Path, worker
         np.testing.assert_array_equal(b["label"].numpy(), b["indices"].numpy())
         got.append(b["indices"].numpy())
     check_exactly_once(got, int(edges[-1]))
+
+
+def write_captions(folder: Path, start: int, n: int) -> Path:
+    """A stream's file of its own tops: ``data`` and ``caption`` (int16), no ``label``."""
+    idx = rows(start, n)["label"]
+    return write_h5(folder / "captions.h5", start, n, label=None, caption=idx.astype(np.int16))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("shuffle", [True, False])
+async def test_a_stream_of_its_own_tops(tmp_path: Path, shuffle: bool) -> None:
+    files, _, edges = write_schemas(tmp_path)
+    captions = write_captions(tmp_path, int(edges[-1]), 30)
+    source = {
+        **source_of(files),
+        "captions": Stream([captions], choose=40, tops=("caption", "data")),
+    }
+    layer = AsyncHDF5DataLayer(
+        source,
+        batch_size=8,
+        shuffle=shuffle,
+        seed=3,
+        chunk_size=24,
+        batch_mode="per_stream",
+        transformers=[("caption", lambda x: x + 1000), ("label", lambda x: -x)],
+    )
+    (batches,) = await epochs(layer, 1)
+    counts = dict.fromkeys(range(4), 0)
+    for b in batches:
+        assert b.streams is not None
+        s = int(b.streams[0])
+        assert (b.streams == s).all()
+        counts[s] += b.size
+        if s == 3:  # its own tops, in its order; the label's transformer does not apply
+            assert list(b.keys()) == ["caption", "data"]
+            assert b["caption"].dtype == np.int16
+            np.testing.assert_array_equal(b["caption"], b.indices + 1000)
+            np.testing.assert_array_equal(
+                b["data"], rows(0, int(edges[-1]) + 30)["data"][b.indices]
+            )
+        else:
+            assert list(b.keys()) == ["data", "label"]
+            np.testing.assert_array_equal(b["label"], -b.indices)
+    assert counts == {0: 120, 1: 45, 2: 21, 3: 40}
+
+
+def test_a_streams_own_tops_are_checked(tmp_path: Path) -> None:
+    files, _, edges = write_schemas(tmp_path)
+    captions = write_captions(tmp_path, int(edges[-1]), 30)
+    own = Stream([captions], tops=("caption", "data"))
+    with pytest.raises(ConfigurationError) as info:  # a batch would hold both schemas
+        HDF5DataLayer({"web": files[0], "captions": own}, batch_size=8)
+    check_message(info.value, "'captions'", "per_stream", "'stratified'")
+    with pytest.raises(ConfigurationError) as info:  # no stream has the top
+        HDF5DataLayer(
+            {"web": files[0], "captions": own},
+            batch_size=8,
+            batch_mode="per_stream",
+            transformers=[("nope", lambda x: x)],
+        )
+    check_message(info.value, "transformers[0]", "'nope'", "'caption'")
+    with pytest.raises(ConfigurationError) as info:  # the layer's tops, which no stream reads
+        HDF5DataLayer(
+            {"captions": own},
+            batch_size=8,
+            batch_mode="per_stream",
+            transformers=[("label", lambda x: x)],
+        )
+    check_message(info.value, "transformers[0]", "'label'", "no stream reads")
+    with pytest.raises(ConfigurationError):
+        Stream([captions], tops=("data", "data"))
+    bad = Stream([files[0][0]], tops=("data", "caption"))  # the file has no "caption"
+    with pytest.raises(SchemaError) as schema:
+        len(HDF5DataLayer({"web": bad, "captions": own}, batch_size=8, batch_mode="per_stream"))
+    check_message(schema.value, "stream 'web'", "'caption'")
