@@ -261,8 +261,7 @@ class Run:
         async def switch(schema: int | None) -> None:
             """The group takes batches of ``schema`` next: one of another goes first."""
             nonlocal group
-            if schemas is None or schema is None:
-                return
+            assert schemas is not None and schema is not None
             if group.sizes and group.tops is not schemas.tops[schema]:
                 await self._submit(group)
                 group = GroupSpec()
@@ -303,7 +302,8 @@ class Run:
                         end, schema = run_at(runs, pos, size)
                     if cur is None and need == B and end - pos >= B:
                         # A run of whole batches: `need` is the first of them.
-                        await switch(schema)
+                        if schemas is not None:
+                            await switch(schema)
                         k = (end - pos) // B
                         room = max(1, self.group - len(group.sizes))
                         k = min(k, room, k if stream else full + 1)
@@ -328,7 +328,8 @@ class Run:
                         pos += take
                         if cur.rows < need:
                             continue
-                        await switch(cur.schema)
+                        if schemas is not None:
+                            await switch(cur.schema)
                         if cur.ends_epoch is not None:
                             group.ends[len(group.sizes)] = cur.ends_epoch
                         group.pieces += cur.pieces  # refs were taken as they were cut

@@ -241,6 +241,14 @@ async def test_what_cannot_serve_different_schemas_is_refused_by_name(tmp_path: 
     gc.collect()
 
 
+def test_a_device_cannot_take_different_schemas(tmp_path: Path, fake_cupy: Any) -> None:
+    files, _, _ = write_schemas(tmp_path)
+    layer = HDF5DataLayer(source_of(files), batch_size=8, batch_mode="per_stream", device="cuda")
+    with pytest.raises(ConfigurationError) as info:
+        len(layer)
+    check_message(info.value, "'images'", "device=")
+
+
 @pytest.mark.anyio
 async def test_mapped_files_of_different_schemas_are_copied(tmp_path: Path) -> None:
     files, kinds, edges = write_schemas(tmp_path)
