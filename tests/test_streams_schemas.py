@@ -24,6 +24,8 @@ from asynchdf5 import (
     SchemaError,
     Stream,
 )
+from asynchdf5._mix import StreamRows
+from asynchdf5._schemas import Schemas, run_at
 
 from ._files import check_exactly_once, check_message, rows, write_h5
 
@@ -357,3 +359,38 @@ def test_a_streams_own_tops_are_checked(tmp_path: Path) -> None:
     with pytest.raises(SchemaError) as schema:
         len(HDF5DataLayer({"web": bad, "captions": own}, batch_size=8, batch_mode="per_stream"))
     check_message(schema.value, "stream 'web'", "'caption'")
+
+
+def test_schemas_name_each_variant_and_find_where_a_serving_order_changes() -> None:
+    streams = [
+        StreamRows("a", 0, 10, 10, (("data", "data"), ("label", "label"))),
+        StreamRows("b", 10, 5, 5, (("data", "data@b"), ("label", "label"))),
+        StreamRows("c", 15, 5, 5, (("data", "data"), ("label", "label"))),  # a's schema
+    ]
+    schemas = Schemas.of(streams)
+    assert schemas is not None
+    assert schemas.tops == (
+        {"data": "data", "label": "label"},
+        {"data": "data@b", "label": "label"},
+    )
+    assert schemas.streams == (("a", "c"), ("b",))
+    runs = schemas.runs(np.array([0, 16, 3, 11, 12, 19, 10]))
+    assert runs == ([0, 3, 5, 6], [0, 1, 0, 1])
+    assert run_at(runs, 4, 7) == (5, 1)
+    assert run_at(runs, 6, 7) == (7, 1)
+    check_message(schemas.mixed(0, 1), "'a'", "'b'", "per_stream")
+    assert Schemas.of([StreamRows("a", 0, 10, 10), StreamRows("b", 10, 5, 5)]) is None
+
+
+@pytest.mark.anyio
+async def test_each_variant_is_read_and_reported(tmp_path: Path) -> None:
+    files, _, _ = write_schemas(tmp_path)
+    layer = AsyncHDF5DataLayer(source_of(files), batch_size=8, batch_mode="per_stream")
+    await epochs(layer, 1)
+    assert sorted(layer.stats.read_paths) == [
+        "data",
+        "data@images",
+        "data@small",
+        "label",
+        "label@small",
+    ]
