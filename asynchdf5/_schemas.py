@@ -1,5 +1,6 @@
 """Streams of different schemas under ``batch_mode="per_stream"``: each stream keeps the dtype
-and sample shape of its own tops, and every batch holds one stream's rows.
+and sample shape of its tops (and may read tops of its own, ``Stream(tops=...)``), and every
+batch holds one stream's rows.
 
 All streams' files form one catalog. A top whose dtype or sample shape differs between streams
 is held in it once per variant: the variant of the first stream that has it under the top's
