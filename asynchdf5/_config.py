@@ -98,7 +98,9 @@ def _tops(tops: object) -> tuple[str, ...]:
     return tuple(tops)
 
 
-def _transformers(value: object, tops: Sequence[str]) -> tuple[tuple[str, Transformer], ...]:
+def _transformers(
+    value: object, tops: Sequence[str], stream_tops: Sequence[str] = ()
+) -> tuple[tuple[str, Transformer], ...]:
     if not isinstance(value, Sequence) or isinstance(value, str):
         raise ConfigurationError(
             f"transformers must be a sequence of (top, callable) pairs, not {value!r}"
@@ -110,9 +112,11 @@ def _transformers(value: object, tops: Sequence[str]) -> tuple[tuple[str, Transf
                 f"transformers[{i}] must be a (top, callable) pair, not {pair!r}"
             )
         top, fn = pair
-        if top not in tops:
+        if top not in tops and top not in stream_tops:
+            also = f" nor of a stream's tops {tuple(stream_tops)!r}" if stream_tops else ""
             raise ConfigurationError(
-                f"transformers[{i}] is for top {top!r}, which is not one of tops={tuple(tops)!r}"
+                f"transformers[{i}] is for top {top!r}, which is not one of "
+                f"tops={tuple(tops)!r}{also}"
             )
         if not callable(fn):
             raise ConfigurationError(f"transformers[{i}] for top {top!r} is not callable: {fn!r}")
@@ -256,6 +260,7 @@ class LayerConfig:
         mmap: object = "auto",
         batch_mode: object = "stratified",
         process: object = False,
+        stream_tops: Sequence[str] = (),
     ) -> LayerConfig:
         """Check every property; raise :class:`ConfigurationError` naming the first bad one."""
         batch = _int("batch_size", batch_size, minimum=1)
@@ -293,7 +298,7 @@ class LayerConfig:
             tops=names,
             shuffle=mixed,
             chunk_size=chunk,
-            transformers=_transformers(transformers, names),
+            transformers=_transformers(transformers, names, stream_tops),
             seed=_int("seed", seed, minimum=0),
             drop_last=_bool("drop_last", drop_last),
             rank=this,

@@ -41,6 +41,7 @@ from ._place import Place, Position
 from ._planner import Planner
 from ._process import ProcessReader
 from ._read import Reader
+from ._schemas import check_stream
 from ._stats import Stats
 
 if TYPE_CHECKING:
@@ -203,6 +204,8 @@ class Consumer:
             raise StateError(
                 "the layer was opened with `with`: iterate it with `for`, not `async for`"
             )
+        if it.mode == "stream":
+            check_stream(self.planner.shape)
         it.opening = self.openings
         live = self.live()
         if live is not None and live is not it:

@@ -29,10 +29,11 @@ from ._mix import StreamRows
 from ._process import ProcessReader, check_picklable, payload, ring_slots
 from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
+from ._schemas import check_schemas
 from ._shape import DataShape
 from ._sizing import cache_plan, shape_of
 from ._sources import Source, SourceLike, SourceOptions, Streaming
-from ._streams import Stream, StreamSpec, combine, parse_streams
+from ._streams import Stream, StreamSpec, combine, parse_streams, stream_tops
 from .transforms import Transformer
 
 if sys.version_info >= (3, 11):
@@ -120,6 +121,7 @@ class AsyncHDF5DataLayer(LayerBase):
             mmap=mmap,
             batch_mode=batch_mode,
             process=process,
+            stream_tops=stream_tops(source),
         )
         # Every remote read (a list file given as a URL, now; the files, at open) goes through
         # this one object, with the layer's options.
@@ -129,7 +131,7 @@ class AsyncHDF5DataLayer(LayerBase):
         #: Several streams (``source`` a mapping): each one's files, resolved; () for one.
         self._streams: tuple[StreamSpec, ...] = ()
         if isinstance(source, Mapping):
-            self._streams = parse_streams(source, self._reach.resolve)
+            self._streams = parse_streams(source, self._reach.resolve, config)
             paths = [e for s in self._streams for e in s.entries]
         else:
             paths = self._reach.resolve(source)
@@ -156,7 +158,8 @@ class AsyncHDF5DataLayer(LayerBase):
         """The streams by name, their sources resolved (the same layer in another process is
         ``HDF5DataLayer(layer.streams, ...)``); ``{}`` for a source that is not a mapping."""
         return {
-            s.name: Stream(list(s.entries), weight=s.weight, choose=s.choose) for s in self._streams
+            s.name: Stream(list(s.entries), weight=s.weight, choose=s.choose, tops=s.tops)
+            for s in self._streams
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -180,12 +183,16 @@ class AsyncHDF5DataLayer(LayerBase):
         catalogs = []
         for spec in self._streams:
             try:
-                catalogs.append(build_catalog(files, spec.entries, tops))
+                catalogs.append(build_catalog(files, spec.entries, spec.tops or tops))
             except DataLayerError as exc:
                 if exc.args and isinstance(exc.args[0], str):
                     exc.args = (f"stream {spec.name!r}: {exc.args[0]}", *exc.args[1:])
                 raise
-        return combine(self._streams, catalogs)
+        catalog, streams = combine(
+            self._streams, catalogs, per_stream=self.config.batch_mode == "per_stream"
+        )
+        check_schemas(streams, device=self.config.device, process=self.config.process)
+        return catalog, streams
 
     def _source(self) -> Source:
         return self._reach.open(self.paths)
@@ -350,6 +357,12 @@ class AsyncHDF5DataLayer(LayerBase):
         blob = payload(self._helper_source(), c, planner.part, state)
         slots = ring_slots(c.prefetch)
         reader, shape = await ProcessReader.start(blob, self._run_state, self._stats, slots, device)
+        try:
+            check_schemas(shape.streams, device=self.config.device, process=True)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await reader.aclose()
+            raise
         return reader, None, shape
 
 

@@ -39,12 +39,15 @@ __all__ = ["StreamRows", "plan_mixed", "stream_seed", "window_labels"]
 @dataclass(frozen=True)
 class StreamRows:
     """One stream as the planner sees it: its rows ``start:start + size`` of the catalog, and
-    the samples it gives per epoch."""
+    the samples it gives per epoch. ``tops``: ``(top, internal top)`` pairs of a stream whose
+    tops differ from another's in dtype or shape (:mod:`._schemas`); () when the streams
+    agree."""
 
     name: str
     start: int
     size: int
     count: int
+    tops: tuple[tuple[str, str], ...] = ()
 
 
 def stream_seed(seed: int, stream: int) -> int:

@@ -26,6 +26,7 @@ from ._pipeline import Mode, Run
 from ._planner import Planner
 from ._process import ProcessReader
 from ._read import Reader
+from ._schemas import Schemas
 from ._stats import Stats
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class Opened:
         in its task group (``process=True``: a run the helper process serves)."""
         run: Run
         reader = self.reader
+        schemas = Schemas.of(planner.shape.streams) if planner.shape is not None else None
         if isinstance(reader, ProcessReader):
             run = reader.new_run(mode, epoch)
         else:
@@ -106,6 +108,7 @@ class Opened:
                 delivery=delivery,
                 prefetch=prefetch,
                 stats=stats,
+                schemas=schemas,
             )
         self.task_group.start_soon(run.main)
         return run

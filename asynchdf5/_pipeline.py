@@ -48,6 +48,7 @@ from ._gathering import leaf as _leaf
 from ._loading import ChunkItem, ChunkLoader, Plans
 from ._plan import EpochPlan
 from ._read import Reader
+from ._schemas import Schemas, run_at
 from ._specs import BatchSpec, GroupSpec
 from ._stats import Stats
 
@@ -101,8 +102,11 @@ class Run:
         prefetch: int,
         stats: Stats,
         gather_threads: int = 2,
+        schemas: Schemas | None = None,
     ) -> None:
         self.slots = slots
+        #: Streams of different schemas: no batch or group spans two (:mod:`._schemas`).
+        self.schemas = schemas
         self._loader = ChunkLoader(
             reader, slots, plans, start_epoch, stats.read, stream=mode == "stream"
         )
@@ -247,11 +251,21 @@ class Run:
         """
         B = self.batch_size
         stream = self.mode == "stream"
+        schemas = self.schemas
         group = GroupSpec()
         cur: BatchSpec | None = None
         full = 0  # whole batches left in the epoch (epoch mode)
         tail: collections.deque[int] = collections.deque()  # then these sizes
         need = 0  # the size of the batch being cut
+
+        async def switch(schema: int | None) -> None:
+            """The group takes batches of ``schema`` next: one of another goes first."""
+            nonlocal group
+            assert schemas is not None and schema is not None
+            if group.sizes and group.tops is not schemas.tops[schema]:
+                await self._submit(group)
+                group = GroupSpec()
+            group.tops = schemas.tops[schema]
 
         def next_size() -> int:
             nonlocal full
@@ -279,10 +293,18 @@ class Run:
                     need = B
                 size = chunk.size
                 pos = 0
+                runs = None
+                if schemas is not None:  # where the serving order passes to another schema
+                    runs = await anyio.to_thread.run_sync(schemas.runs, chunk.indices)
+                end, schema = size, None
                 while pos < size and need:
-                    if cur is None and need == B and size - pos >= B:
+                    if runs is not None:
+                        end, schema = run_at(runs, pos, size)
+                    if cur is None and need == B and end - pos >= B:
                         # A run of whole batches: `need` is the first of them.
-                        k = (size - pos) // B
+                        if schemas is not None:
+                            await switch(schema)
+                        k = (end - pos) // B
                         room = max(1, self.group - len(group.sizes))
                         k = min(k, room, k if stream else full + 1)
                         group.add(chunk, pos, pos + k * B)
@@ -294,14 +316,20 @@ class Run:
                         need = next_size()
                     else:
                         if cur is None:
-                            cur = BatchSpec(epoch)
-                        take = min(need - cur.rows, size - pos)
+                            cur = BatchSpec(epoch, schema=schema)
+                        elif cur.schema != schema:
+                            assert schemas is not None and cur.schema is not None
+                            assert schema is not None
+                            raise schemas.mixed(cur.schema, schema)
+                        take = min(need - cur.rows, end - pos)
                         cur.pieces.append((chunk, pos, pos + take))
                         chunk.refs += 1
                         cur.rows += take
                         pos += take
                         if cur.rows < need:
                             continue
+                        if schemas is not None:
+                            await switch(cur.schema)
                         if cur.ends_epoch is not None:
                             group.ends[len(group.sizes)] = cur.ends_epoch
                         group.pieces += cur.pieces  # refs were taken as they were cut
@@ -329,7 +357,10 @@ class Run:
         """Move the rows of the incomplete batch ``spec`` out of the chunks they are in, into a
         carry buffer of its own, and let go of those chunks."""
         held = spec.pieces
-        carried = await anyio.to_thread.run_sync(carry, spec, self._row_specs)
+        specs = self._row_specs
+        if spec.schema is not None and self.schemas is not None:
+            specs = {k: specs[k] for k in self.schemas.tops[spec.schema].values()}
+        carried = await anyio.to_thread.run_sync(carry, spec, specs)
         spec.pieces = [(carried, 0, spec.rows)]
         for chunk, _, _ in held:
             chunk.refs -= 1

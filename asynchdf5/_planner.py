@@ -39,6 +39,7 @@ from ._mix import plan_mixed
 from ._plan import EpochPlan, plan_epoch
 from ._replan import skip_samples, split_plan
 from ._resume import Loaded, Resume, fingerprint, load_state, resumed_plan, save_state
+from ._schemas import check_elastic
 from ._shape import DataShape
 
 __all__ = [
@@ -379,6 +380,9 @@ class Planner:
         loaded: Loaded = load_state(
             state, shape=self.shape, config=self.config, part=self.part, open_rows=open_rows
         )
+        r = loaded.resume
+        if r.mode == "stream" or len(r.chain) > 1 or r.world_size != self.config.world_size:
+            check_elastic(self.shape)  # the rest of its epoch is cut in order
         if not self.config.seed_given:
             self.config = replace(self.config, seed=loaded.resume.seed)
         self.shape, self._resumed, self.resume = loaded.shape, loaded.resumed, loaded.resume

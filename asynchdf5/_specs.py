@@ -90,6 +90,7 @@ class BatchSpec:
     pieces: list[Piece] = field(default_factory=list)
     rows: int = 0
     ends_epoch: int | None = None  # an epoch whose last sample is in this batch
+    schema: int | None = None  # streams of different schemas: its rows' (:mod:`._schemas`)
 
 
 @dataclass(eq=False)
@@ -103,6 +104,9 @@ class GroupSpec:
     epochs: list[int] = field(default_factory=list)
     #: Batch number -> the epoch that ends with it (a stream batch wrapping into the next).
     ends: dict[int, int] = field(default_factory=dict)
+    #: Streams of different schemas (:mod:`._schemas`): the one schema of every batch in the
+    #: group, ``{top: internal top}``: only those arrays are gathered, under the tops' names.
+    tops: Mapping[str, str] | None = None
 
     @property
     def rows(self) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +20,22 @@ import numpy as np
 
 from ._batch import Batch
 from ._catalog import Catalog
-from ._errors import ConfigurationError, DataLayerError, SchemaError
+from ._config import LayerConfig
+from ._errors import ConfigurationError, DataLayerError
 from ._mix import StreamRows
+from ._schemas import mismatch, split_schemas
 from ._sources import SourceLike
 from ._stats import ConsumerStats
 
-__all__ = ["Stream", "StreamLabels", "StreamSpec", "combine", "parse_streams", "stream_counts"]
+__all__ = [
+    "Stream",
+    "StreamLabels",
+    "StreamSpec",
+    "combine",
+    "parse_streams",
+    "stream_counts",
+    "stream_tops",
+]
 
 
 @dataclass(frozen=True)
@@ -46,19 +55,24 @@ class Stream:
         permutations, then part of one).
     choose
         Instead of ``weight``: exactly this many samples per epoch.
+    tops
+        The stream's own tops (only with ``batch_mode="per_stream"``, where each batch holds
+        one stream's rows); None: the layer's ``tops``.
 
-    With neither, the stream gives its natural share: each of its samples once per epoch.
+    With neither ``weight`` nor ``choose``, the stream gives its natural share: each of its
+    samples once per epoch.
 
     Examples
     --------
     >>> from asynchdf5 import Stream
     >>> Stream(["a.h5", "b.h5"], weight=0.25)
-    Stream(source=['a.h5', 'b.h5'], weight=0.25, choose=None)
+    Stream(source=['a.h5', 'b.h5'], weight=0.25, choose=None, tops=None)
     """
 
     source: SourceLike
     weight: float | None = None
     choose: int | None = None
+    tops: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         if self.weight is not None and self.choose is not None:
@@ -79,6 +93,20 @@ class Stream:
             isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) or c < 0
         ):
             raise ConfigurationError(f"a stream's choose must be an int >= 0, not {c!r}")
+        t = self.tops
+        if t is not None:
+            if (
+                isinstance(t, str)
+                or not isinstance(t, Sequence)
+                or not t
+                or not all(isinstance(x, str) for x in t)
+                or len(set(t)) != len(t)
+            ):
+                raise ConfigurationError(
+                    f"a stream's tops must be a non-empty sequence of distinct dataset names, "
+                    f"not {t!r}"
+                )
+            object.__setattr__(self, "tops", tuple(t))
 
 
 @dataclass(frozen=True)
@@ -89,16 +117,30 @@ class StreamSpec:
     entries: tuple[str, ...]
     weight: float | None
     choose: int | None
+    tops: tuple[str, ...] = ()  # the tops it reads: its own, or the layer's
+
+
+def stream_tops(source: object) -> tuple[str, ...]:
+    """The tops that the streams of ``source`` name themselves (``Stream(tops=...)``), for
+    the transformers' check: a transformer may name one."""
+    if not isinstance(source, Mapping):
+        return ()
+    named = [t for v in source.values() if isinstance(v, Stream) for t in v.tops or ()]
+    return tuple(dict.fromkeys(named))
 
 
 def parse_streams(
-    source: Mapping[Any, Any], resolve: Callable[[SourceLike], list[str]]
+    source: Mapping[Any, Any],
+    resolve: Callable[[SourceLike], list[str]],
+    config: LayerConfig,
 ) -> tuple[StreamSpec, ...]:
     """Check a mapping of streams and resolve each one's source (``resolve``: the layer's).
 
     A value that is not a :class:`Stream` is a source given weight 1 (a plain mapping of
     names to sources mixes them with equal weights). :class:`ConfigurationError` when there is
-    no stream, a name is not a non-empty ``str``, or the streams give no sample per epoch.
+    no stream, a name is not a non-empty ``str``, the streams give no sample per epoch, a
+    stream names its own tops outside ``batch_mode="per_stream"``, or a transformer is for a
+    top that no stream reads.
     """
     if not source:
         raise ConfigurationError("source is an empty mapping: name at least one stream")
@@ -114,11 +156,25 @@ def parse_streams(
             raise
         w = None if stream.weight is None else float(stream.weight)
         c = None if stream.choose is None else int(stream.choose)
-        out.append(StreamSpec(name, tuple(entries), w, c))
+        tops = config.tops if stream.tops is None else tuple(stream.tops)
+        if tops != config.tops and config.batch_mode != "per_stream":
+            raise ConfigurationError(
+                f"stream {name!r} has tops {tops!r}, not the layer's {config.tops!r}: streams "
+                f'of their own tops need batch_mode="per_stream" (not {config.batch_mode!r}), '
+                "where each batch holds one stream's rows"
+            )
+        out.append(StreamSpec(name, tuple(entries), w, c, tops))
     if all(s.weight == 0 or s.choose == 0 for s in out):
         raise ConfigurationError(
             "every stream's weight (or choose) is 0: the streams give no sample per epoch"
         )
+    read = {t for s in out for t in s.tops}
+    for i, (top, _) in enumerate(config.transformers):
+        if top not in read:
+            raise ConfigurationError(
+                f"transformers[{i}] is for top {top!r}, which no stream reads (the streams' "
+                f"tops: {sorted(read)!r})"
+            )
     return tuple(out)
 
 
@@ -154,36 +210,37 @@ def stream_counts(specs: Sequence[StreamSpec], sizes: Sequence[int]) -> tuple[in
 
 
 def combine(
-    specs: Sequence[StreamSpec], catalogs: Sequence[Catalog]
+    specs: Sequence[StreamSpec], catalogs: Sequence[Catalog], *, per_stream: bool = False
 ) -> tuple[Catalog, tuple[StreamRows, ...]]:
     """One catalog of every stream's files, stream after stream, and the rows of each.
 
-    :class:`SchemaError` naming both streams and the top when two streams' tops differ in
-    sample shape or dtype (every batch holds rows of every stream).
+    Streams whose tops differ in sample shape or dtype: under ``per_stream`` (every batch
+    holds one stream's rows), each keeps its own (:func:`~._schemas.split_schemas`: the
+    catalog holds each variant of a top, and each file names its own); else a
+    :class:`SchemaError` naming both streams and the top (every batch holds rows of every
+    stream).
     """
-    first, base = specs[0], catalogs[0]
-    for spec, cat in zip(specs[1:], catalogs[1:], strict=True):
-        for name, top in base.tops.items():
-            other = cat.tops[name]
-            if (other.dtype, other.sample_shape) != (top.dtype, top.sample_shape):
-                raise SchemaError(
-                    f"streams {first.name!r} and {spec.name!r} disagree on top {name!r}: "
-                    f"{first.name!r} has samples of shape {top.sample_shape} and dtype "
-                    f"{top.dtype} ({os.path.basename(base.files[0].name)}), {spec.name!r} of "
-                    f"shape {other.sample_shape} and dtype {other.dtype} "
-                    f"({os.path.basename(cat.files[0].name)}); mixed streams must agree on "
-                    "every top"
-                )
+    names = [s.name for s in specs]
+    split = split_schemas(names, catalogs) if per_stream else None
+    if split is None and (error := mismatch(names, catalogs)) is not None:
+        raise error
     files = []
     rows = []
     start = 0
-    for spec, cat in zip(specs, catalogs, strict=True):
-        files += [dataclasses.replace(f, start=f.start + start) for f in cat.files]
+    for k, (spec, cat) in enumerate(zip(specs, catalogs, strict=True)):
+        own = None if split is None else split[1][k]
+        for f in cat.files:
+            layouts = f.layouts if own is None else {own[t]: v for t, v in f.layouts.items()}
+            files.append(dataclasses.replace(f, start=f.start + start, layouts=layouts))
         rows.append((spec.name, start, cat.n_samples))
         start += cat.n_samples
     counts = stream_counts(specs, [n for _, _, n in rows])
-    streams = tuple(StreamRows(name, a, n, c) for (name, a, n), c in zip(rows, counts, strict=True))
-    return Catalog(files, dict(base.tops)), streams
+    streams = tuple(
+        StreamRows(name, a, n, c, () if split is None else tuple(split[1][k].items()))
+        for k, ((name, a, n), c) in enumerate(zip(rows, counts, strict=True))
+    )
+    tops = dict(catalogs[0].tops) if split is None else split[0]
+    return Catalog(files, tops), streams
 
 
 class StreamLabels:

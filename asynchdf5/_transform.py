@@ -33,9 +33,13 @@ def apply_transformers(
     epoch: int,
     indices: np.ndarray,
 ) -> None:
-    """Run the transformer chain in place on ``data``; wrap any failure in TransformError."""
+    """Run the transformer chain in place on ``data``; wrap any failure in TransformError.
+    A transformer of a top the batch does not have (a stream's own tops, under
+    ``batch_mode="per_stream"``) is not run on it."""
     for top, fn in transformers:
-        x = data[top]
+        x = data.get(top)
+        if x is None:
+            continue
         rows = len(indices)
         where = f"top {top!r}, transformer {describe_transformer(fn)}, epoch {epoch}"
         try:

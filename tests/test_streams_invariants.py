@@ -13,7 +13,8 @@ freezing the run). Checked:
 * over the two epochs, each stream's samples appear ``floor(2 * count / size)`` times or once
   more (its walk: every sample before any repeats), and once per epoch at its natural share;
 * ``"stratified"``: every full batch holds each stream's share rounded down or up;
-  ``"per_stream"``: every batch holds one stream.
+  ``"per_stream"``: every batch holds one stream, and with ``schemas`` drawn (streams whose
+  data differ in sample shape and labels in dtype) that stream's arrays.
 
 The normal run draws a few dozen examples; ``nox -s stress`` more
 (``ASYNCHDF5_STRESS_EXAMPLES``).
@@ -60,6 +61,23 @@ class Case:
     cache_rows: int | None
     block_size: int | None
     ramp_rows: int | None = None  # rows of the first ramp step (None: the default ramp)
+    schemas: bool = False  # per_stream: stream s's data of shape (2 + s,), odd ones' labels int32
+
+    def shape(self, s: int) -> tuple[int, ...]:
+        return (2 + s,) if self.schemas else (2,)
+
+    def label(self, s: int) -> str:
+        return "int32" if self.schemas and s % 2 else "int64"
+
+    def row_bytes(self) -> int:
+        """Bytes of a row in the cache: every variant of every top (``_schemas``)."""
+        if not self.schemas:
+            return ROW_BYTES
+        k = len(self.sizes)
+        labels = {self.label(s) for s in range(k)}
+        return sum(4 * self.shape(s)[0] for s in range(k)) + sum(
+            np.dtype(t).itemsize for t in labels
+        )
 
     def counts(self) -> tuple[int, ...]:
         specs = [
@@ -75,8 +93,9 @@ class Case:
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
-    k = draw(st.integers(1, 3))
+def cases(draw: st.DrawFn, schemas: bool = False) -> Case:
+    """A configuration; ``schemas``: always per_stream over streams of different schemas."""
+    k = draw(st.integers(2 if schemas else 1, 3))
     sizes = tuple(
         tuple(draw(st.lists(st.integers(1, 150), min_size=1, max_size=2))) for _ in range(k)
     )
@@ -92,10 +111,14 @@ def cases(draw: st.DrawFn) -> Case:
     )
     batch_size = draw(st.integers(1, 24))
     chunk_size = draw(st.integers(batch_size, 4 * batch_size + 30))
+    mode = (
+        "per_stream" if schemas else draw(st.sampled_from(["stratified", "random", "per_stream"]))
+    )
     return Case(
         sizes=sizes,
         shares=shares,
-        mode=draw(st.sampled_from(["stratified", "random", "per_stream"])),
+        mode=mode,
+        schemas=schemas or (mode == "per_stream" and k > 1 and draw(st.booleans())),
         chunked=draw(st.booleans()),
         batch_size=batch_size,
         chunk_size=chunk_size,
@@ -132,7 +155,8 @@ def write(folder: Path, case: Case) -> list[list[Path]]:
         for f, n in enumerate(files):
             path = folder / f"s{s}-{f}.h5"
             with h5py.File(path, "w") as h5:
-                for name, arr in rows(start, n).items():
+                for name, arr in rows(start, n, case.shape(s)).items():
+                    arr = arr.astype(case.label(s)) if name == "label" else arr
                     chunks = (max(1, min(n, 7)), *arr.shape[1:]) if case.chunked else None
                     h5.create_dataset(name, data=arr, chunks=chunks)
             out[-1].append(path)
@@ -158,7 +182,7 @@ def make_layer(case: Case, files: list[list[Path]], rank: int) -> AsyncHDF5DataL
         drop_last=case.drop_last,
         rank=rank,
         world_size=case.world_size,
-        cache_bytes=None if case.cache_rows is None else 2 * case.cache_rows * ROW_BYTES,
+        cache_bytes=None if case.cache_rows is None else 2 * case.cache_rows * case.row_bytes(),
         block_size=case.block_size,
         batch_mode=case.mode,  # type: ignore[arg-type]
     )
@@ -194,6 +218,9 @@ async def check_case(case: Case) -> None:
             np.testing.assert_array_equal(bt["data"][:, 0], bt.indices * 10)
             if case.mode == "per_stream":
                 assert bt.streams is not None and len(set(bt.streams.tolist())) == 1
+                s = int(bt.streams[0])
+                assert bt["data"].shape[1:] == case.shape(s)
+                assert bt["label"].dtype == np.dtype(case.label(s))
             if case.mode == "stratified" and bt.size == b:
                 assert bt.streams is not None
                 got = np.bincount(bt.streams, minlength=len(counts))
@@ -228,6 +255,21 @@ async def check_case(case: Case) -> None:
 )
 @given(case=cases())
 async def test_mixed_streams_never_hang_and_give_exact_counts(case: Case) -> None:
+    if refused(case):
+        return
+    with anyio.fail_after(DEADLINE):
+        await check_case(case)
+
+
+@pytest.mark.timeout(0)
+@settings(
+    max_examples=EXAMPLES // 2,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(case=cases(schemas=True))
+async def test_per_stream_batches_keep_each_streams_schema(case: Case) -> None:
+    """Streams of different schemas, always (the test above draws them now and then)."""
     if refused(case):
         return
     with anyio.fail_after(DEADLINE):

@@ -197,6 +197,9 @@ class HostDelivery:
         t0 = time.perf_counter()
         total = group.rows
         arrays = self._buffers.acquire(total)
+        names = group.tops
+        if names is not None:  # one schema of several (:mod:`.._schemas`): its arrays only
+            arrays = {internal: arrays[internal] for internal in names.values()}
         indices = np.empty(total, np.int64)
         pieces = merge_pieces(group.pieces)
         gather_split(pieces, arrays, indices, helper)
@@ -207,7 +210,11 @@ class HostDelivery:
         transforming = 0.0  # only the transformers' own calls: cutting batches is gathering
         for size, epoch in zip(group.sizes, group.epochs, strict=True):
             end = at + size
-            data: dict[str, Any] = {k: v[at:end] for k, v in arrays.items()}
+            data: dict[str, Any] = (
+                {k: v[at:end] for k, v in arrays.items()}
+                if names is None
+                else {top: arrays[internal][at:end] for top, internal in names.items()}
+            )
             rows = indices[at:end]
             at = end
             if transformers:

@@ -149,6 +149,8 @@ def refusal(catalog: Catalog) -> str | None:
             f"{len(files):,} files, more than the {bound} mapped at most (a read lease's "
             f"descriptor each: an eighth of RLIMIT_NOFILE, at most {MAX_FILES})"
         )
+    if any(len(info.layouts) != len(catalog.tops) for info in files):
+        return "the streams' tops differ in dtype or sample shape"  # (:mod:`.._schemas`)
     for info in files:
         for top, layout in info.layouts.items():
             where = f"{info.name}: " if len(files) > 1 else ""

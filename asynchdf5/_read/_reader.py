@@ -156,7 +156,9 @@ class HDF5Reader:
             whole: memoryview | None = None
             rb = info.row_bytes
             for seg in segments:
-                layout = seg.file.layouts[top]
+                layout = seg.file.layouts.get(top)
+                if layout is None:  # another stream's variant of the top (:mod:`.._schemas`)
+                    continue
                 n = seg.row_stop - seg.row_start
                 dest = arrays[top][seg.out_start : seg.out_start + n]
                 about = f"top {top!r}, rows {seg.row_start}:{seg.row_stop}"

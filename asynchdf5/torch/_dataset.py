@@ -79,7 +79,8 @@ class LayerDataset(IterableDataset[Tensors]):
             raise ConfigurationError(f"indices must be True or False, not {indices!r}")
         layer = self._new_layer(**properties)  # checks every property; may broadcast the seed
         c = layer.config
-        if indices and INDICES in c.tops:
+        own = {t for s in getattr(layer, "streams", {}).values() for t in s.tops or ()}
+        if indices and INDICES in {*c.tops, *own}:
             raise ConfigurationError(
                 f"indices=True adds the key {INDICES!r}, which is already a top's name"
             )
