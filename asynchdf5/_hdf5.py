@@ -191,7 +191,7 @@ class AsyncHDF5DataLayer(LayerBase):
         catalog, streams = combine(
             self._streams, catalogs, per_stream=self.config.batch_mode == "per_stream"
         )
-        check_schemas(streams, device=self.config.device, process=self.config.process)
+        check_schemas(streams, process=self.config.process)
         return catalog, streams
 
     def _source(self) -> Source:
@@ -358,7 +358,7 @@ class AsyncHDF5DataLayer(LayerBase):
         slots = ring_slots(c.prefetch)
         reader, shape = await ProcessReader.start(blob, self._run_state, self._stats, slots, device)
         try:
-            check_schemas(shape.streams, device=self.config.device, process=True)
+            check_schemas(shape.streams, process=True)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await reader.aclose()

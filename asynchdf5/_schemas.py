@@ -169,17 +169,16 @@ def run_at(runs: tuple[list[int], list[int]], pos: int, size: int) -> tuple[int,
     return end, kinds[i]
 
 
-def check_schemas(streams: Sequence[StreamRows], *, device: object, process: bool) -> None:
+def check_schemas(streams: Sequence[StreamRows], *, process: bool) -> None:
     """:class:`ConfigurationError` for streams of different schemas where their batches cannot
-    go: to a device, or through a helper process (both carry one array per top, of one dtype
+    go: through a helper process (its shared-memory slots carry one array per top, of one dtype
     and sample shape)."""
     differ = [s.name for s in streams if s.tops]
-    what = "device=" if device is not None else "process=True" if process else None
-    if differ and what is not None:
+    if differ and process:
         raise ConfigurationError(
             f"streams {', '.join(map(repr, differ))} differ in their tops' dtypes or sample "
-            f'shapes (batch_mode="per_stream"): {what} cannot carry batches of different '
-            f"schemas; give the streams one schema, or leave out {what}"
+            'shapes (batch_mode="per_stream"): process=True cannot carry batches of different '
+            "schemas; give the streams one schema, or leave out process=True"
         )
 
 

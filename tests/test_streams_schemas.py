@@ -243,12 +243,33 @@ async def test_what_cannot_serve_different_schemas_is_refused_by_name(tmp_path: 
     gc.collect()
 
 
-def test_a_device_cannot_take_different_schemas(tmp_path: Path, fake_cupy: Any) -> None:
-    files, _, _ = write_schemas(tmp_path)
-    layer = HDF5DataLayer(source_of(files), batch_size=8, batch_mode="per_stream", device="cuda")
-    with pytest.raises(ConfigurationError) as info:
-        len(layer)
-    check_message(info.value, "'images'", "device=")
+@pytest.mark.anyio
+@pytest.mark.parametrize("transformed", [False, True])
+async def test_a_device_takes_each_streams_own_arrays(
+    tmp_path: Path, fake_cupy: Any, transformed: bool
+) -> None:
+    """With ``device=`` (here the CuPy stand-in) a batch of one stream is staged and uploaded
+    with that stream's arrays only, under the tops' own names: the same batches as on the host
+    (with a transformer on the data top, on two threads or one)."""
+    files, kinds, edges = write_schemas(tmp_path)
+    kw: dict[str, Any] = dict(batch_size=8, batch_mode="per_stream", shuffle=True, seed=4)
+    if transformed:
+        kw["transformers"] = [("data", lambda x: x * 2)]
+    host = await epochs(AsyncHDF5DataLayer(source_of(files), **kw), 2)
+    dev = await epochs(AsyncHDF5DataLayer(source_of(files), device="cuda", **kw), 2)
+    for h_epoch, d_epoch in zip(host, dev, strict=True):
+        assert len(d_epoch) == len(h_epoch)
+        for h, d in zip(h_epoch, d_epoch, strict=True):
+            np.testing.assert_array_equal(d.indices, h.indices)
+            assert d.streams is not None and h.streams is not None
+            np.testing.assert_array_equal(d.streams, h.streams)
+            assert sorted(d.keys()) == sorted(h.keys())
+            for top in h:
+                got = np.asarray(d[top].get())
+                assert got.dtype == h[top].dtype and got.shape == h[top].shape
+                np.testing.assert_array_equal(got, h[top])
+            if not transformed:
+                check(h, kinds, edges)
 
 
 @pytest.mark.anyio

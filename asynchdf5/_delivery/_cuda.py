@@ -121,6 +121,7 @@ class CudaDelivery:
         self._memory: DeviceMemory | None = None  # kept after close, for the stats
         self._yielded: weakref.ReferenceType[DeviceData] | None = None
         self._tops: list[TopInfo] = []
+        self._by_name: dict[str, TopInfo] = {}
 
     # --- the Delivery protocol ----------------------------------------------------------------
 
@@ -134,6 +135,7 @@ class CudaDelivery:
         """Staging is allocated per batch, on first use (page-locked memory is reused; it is
         page-aligned, like the cache slots, so ``offsets`` are not needed)."""
         self._tops = list(tops.values())
+        self._by_name = dict(tops)
 
     @property
     def concurrent(self) -> bool:
@@ -161,18 +163,25 @@ class CudaDelivery:
         the complete batches before it, and gives the failed batch's buffers back. ``emit``
         gets each batch once its upload and transformers are queued."""
         out: list[Batch] = []
+        names = group.tops  # one schema of several (:mod:`.._schemas`): its arrays only
+        tops = self._tops if names is None else [self._by_name[i] for i in names.values()]
         for pieces, size, epoch in zip(
             group.batch_pieces(), group.sizes, group.epochs, strict=True
         ):
             t0 = time.perf_counter()
-            staging: dict[str, np.ndarray] = {}
+            staging: dict[str, np.ndarray] = {}  # by internal top
             try:
-                for t in self._tops:
+                for t in tops:
                     staging[t.name] = self.alloc((size, *t.sample_shape), t.dtype)
                 indices = np.empty(size, np.int64)
                 gather_split(pieces, staging, indices, helper)
                 t1 = time.perf_counter()
-                data = self.finish(dict(staging), indices, epoch)
+                host = (
+                    dict(staging)
+                    if names is None
+                    else {top: staging[internal] for top, internal in names.items()}
+                )
+                data = self.finish(host, indices, epoch)
             except Exception as exc:
                 self.abandon(staging.values())
                 return out, exc
