@@ -12,7 +12,8 @@ only the arrays of its stream's *schema* (the variants it reads), under the tops
 
 :func:`split_schemas` names the variants when the catalog is combined; :class:`Schemas` tells
 the batcher, chunk by chunk, where the serving order passes from one schema to another, so that
-no batch or group of batches spans two (:class:`~._pipeline.Run`).
+no batch spans two (:class:`~._pipeline.Run`); a group of batches says each one's schema
+(``GroupSpec.schemas``), so that batches of alternating streams are still gathered together.
 """
 
 from __future__ import annotations
