@@ -468,3 +468,23 @@ async def test_batches_of_different_schemas_are_gathered_in_groups(
         check(b, kinds, edges)
         got.append(b.indices)
     check_exactly_once(got, 700)
+
+
+@pytest.mark.timeout(30)
+def test_a_layers_streams_name_only_their_own_tops(tmp_path: Path) -> None:
+    """``layer.streams`` (the same streams for another layer) gives ``tops`` only to a stream
+    that named its own: the others read the tops of whichever layer they are given to."""
+    files, _, edges = write_schemas(tmp_path)
+    captions = write_captions(tmp_path, int(edges[-1]), 30)
+    source = {
+        "web": Stream(files[0], weight=0.5),
+        "captions": Stream([captions], tops=("caption",)),
+    }
+    layer = HDF5DataLayer(source, batch_size=8, batch_mode="per_stream")
+    streams = layer.streams
+    assert streams["web"] == Stream([str(p) for p in files[0]], weight=0.5)
+    assert streams["captions"].tops == ("caption",)
+    with HDF5DataLayer({"web": streams["web"]}, batch_size=8, tops=("label",)) as other:
+        got = [b for b in other]
+    assert {tuple(b.keys()) for b in got} == {("label",)}
+    check_exactly_once([b["label"] for b in got], 120)
