@@ -158,7 +158,7 @@ class AsyncHDF5DataLayer(LayerBase):
         """The streams by name, their sources resolved (the same layer in another process is
         ``HDF5DataLayer(layer.streams, ...)``); ``{}`` for a source that is not a mapping."""
         return {
-            s.name: Stream(list(s.entries), weight=s.weight, choose=s.choose, tops=s.tops)
+            s.name: Stream(list(s.entries), weight=s.weight, choose=s.choose, tops=s.tops or None)
             for s in self._streams
         }
 

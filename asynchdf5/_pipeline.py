@@ -105,7 +105,7 @@ class Run:
         schemas: Schemas | None = None,
     ) -> None:
         self.slots = slots
-        #: Streams of different schemas: no batch or group spans two (:mod:`._schemas`).
+        #: Streams of different schemas: no batch spans two (:mod:`._schemas`).
         self.schemas = schemas
         self._loader = ChunkLoader(
             reader, slots, plans, start_epoch, stats.read, stream=mode == "stream"
@@ -258,14 +258,17 @@ class Run:
         tail: collections.deque[int] = collections.deque()  # then these sizes
         need = 0  # the size of the batch being cut
 
-        async def switch(schema: int | None) -> None:
-            """The group takes batches of ``schema`` next: one of another goes first."""
-            nonlocal group
+        def mark(schema: int | None, k: int) -> None:
+            """The group's next ``k`` batches are of ``schema`` (:mod:`._schemas`)."""
             assert schemas is not None and schema is not None
-            if group.sizes and group.tops is not schemas.tops[schema]:
-                await self._submit(group)
-                group = GroupSpec()
-            group.tops = schemas.tops[schema]
+            tops = schemas.tops[schema]
+            runs = group.schemas
+            if runs is None:
+                group.schemas = [(k, tops)]
+            elif runs[-1][1] is tops:
+                runs[-1] = (runs[-1][0] + k, tops)
+            else:
+                runs.append((k, tops))
 
         def next_size() -> int:
             nonlocal full
@@ -302,11 +305,11 @@ class Run:
                         end, schema = run_at(runs, pos, size)
                     if cur is None and need == B and end - pos >= B:
                         # A run of whole batches: `need` is the first of them.
-                        if schemas is not None:
-                            await switch(schema)
                         k = (end - pos) // B
                         room = max(1, self.group - len(group.sizes))
                         k = min(k, room, k if stream else full + 1)
+                        if schemas is not None:
+                            mark(schema, k)
                         group.add(chunk, pos, pos + k * B)
                         group.sizes += [B] * k
                         group.epochs += [epoch] * k
@@ -329,7 +332,7 @@ class Run:
                         if cur.rows < need:
                             continue
                         if schemas is not None:
-                            await switch(cur.schema)
+                            mark(cur.schema, 1)
                         if cur.ends_epoch is not None:
                             group.ends[len(group.sizes)] = cur.ends_epoch
                         group.pieces += cur.pieces  # refs were taken as they were cut

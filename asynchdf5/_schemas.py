@@ -12,7 +12,8 @@ only the arrays of its stream's *schema* (the variants it reads), under the tops
 
 :func:`split_schemas` names the variants when the catalog is combined; :class:`Schemas` tells
 the batcher, chunk by chunk, where the serving order passes from one schema to another, so that
-no batch or group of batches spans two (:class:`~._pipeline.Run`).
+no batch spans two (:class:`~._pipeline.Run`); a group of batches says each one's schema
+(``GroupSpec.schemas``), so that batches of alternating streams are still gathered together.
 """
 
 from __future__ import annotations
@@ -169,14 +170,20 @@ def run_at(runs: tuple[list[int], list[int]], pos: int, size: int) -> tuple[int,
     return end, kinds[i]
 
 
+def _differing(streams: Sequence[StreamRows]) -> str:
+    """The names of ``streams`` (``"'a', 'b'"``) when they differ in schema; "" when they
+    share one."""
+    return ", ".join(repr(s.name) for s in streams if s.tops)
+
+
 def check_schemas(streams: Sequence[StreamRows], *, process: bool) -> None:
     """:class:`ConfigurationError` for streams of different schemas where their batches cannot
     go: through a helper process (its shared-memory slots carry one array per top, of one dtype
     and sample shape)."""
-    differ = [s.name for s in streams if s.tops]
-    if differ and process:
+    names = _differing(streams)
+    if names and process:
         raise ConfigurationError(
-            f"streams {', '.join(map(repr, differ))} differ in their tops' dtypes or sample "
+            f"streams {names} differ in their tops' dtypes or sample "
             'shapes (batch_mode="per_stream"): process=True cannot carry batches of different '
             "schemas; give the streams one schema, or leave out process=True"
         )
@@ -185,10 +192,10 @@ def check_schemas(streams: Sequence[StreamRows], *, process: bool) -> None:
 def check_stream(shape: DataShape | None) -> None:
     """:class:`ConfigurationError` for ``stream()`` over streams of different schemas: its
     batches straddle epochs, so one may hold rows of two streams."""
-    schemas = Schemas.of(shape.streams) if shape is not None else None
-    if schemas is not None:
+    names = _differing(shape.streams) if shape is not None else ""
+    if names:
         raise ConfigurationError(
-            f"stream() cannot serve streams {', '.join(map(repr, schemas.names))}: their "
+            f"stream() cannot serve streams {names}: their "
             "tops differ in dtype or sample shape, and a batch of stream() may straddle two "
             "streams; iterate epochs (async for / for over the layer)"
         )
@@ -198,10 +205,10 @@ def check_elastic(shape: DataShape | None) -> None:
     """:class:`ConfigurationError` for resuming streams of different schemas on another world
     size: the rest of the resumed epoch is cut into batches in order, so one may hold rows of
     two streams."""
-    schemas = Schemas.of(shape.streams) if shape is not None else None
-    if schemas is not None:
+    names = _differing(shape.streams) if shape is not None else ""
+    if names:
         raise ConfigurationError(
-            f"streams {', '.join(map(repr, schemas.names))} differ in their tops' dtypes or "
+            f"streams {names} differ in their tops' dtypes or "
             "sample shapes: a state of theirs resumes on the world size that saved it only "
             "(elsewhere the rest of its epoch is cut in order, and a batch may hold two "
             "streams); resume on that world size, or from the start of an epoch (set_epoch)"

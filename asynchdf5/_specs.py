@@ -104,9 +104,10 @@ class GroupSpec:
     epochs: list[int] = field(default_factory=list)
     #: Batch number -> the epoch that ends with it (a stream batch wrapping into the next).
     ends: dict[int, int] = field(default_factory=dict)
-    #: Streams of different schemas (:mod:`._schemas`): the one schema of every batch in the
-    #: group, ``{top: internal top}``: only those arrays are gathered, under the tops' names.
-    tops: Mapping[str, str] | None = None
+    #: Streams of different schemas (:mod:`._schemas`): the group's runs of batches of one
+    #: schema, in order, ``(batches, {top: internal top})``: each batch gathers only its
+    #: schema's arrays, handed over under the tops' names. None: every batch has every top.
+    schemas: list[tuple[int, Mapping[str, str]]] | None = None
 
     @property
     def rows(self) -> int:
@@ -117,6 +118,12 @@ class GroupSpec:
         continue it); the chunk is held until the group is gathered."""
         chunk.refs += 1
         self.pieces.append((chunk, start, stop))
+
+    def batch_tops(self) -> list[Mapping[str, str]] | None:
+        """Each batch's ``{top: internal top}`` (:attr:`schemas`); None: every top."""
+        if self.schemas is None:
+            return None
+        return [tops for n, tops in self.schemas for _ in range(n)]
 
     def batch_pieces(self) -> Iterator[list[Piece]]:
         """The pieces of each batch, in order."""

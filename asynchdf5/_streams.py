@@ -117,7 +117,7 @@ class StreamSpec:
     entries: tuple[str, ...]
     weight: float | None
     choose: int | None
-    tops: tuple[str, ...] = ()  # the tops it reads: its own, or the layer's
+    tops: tuple[str, ...] = ()  # its own tops (``Stream(tops=...)``); (): the layer's
 
 
 def stream_tops(source: object) -> tuple[str, ...]:
@@ -156,8 +156,8 @@ def parse_streams(
             raise
         w = None if stream.weight is None else float(stream.weight)
         c = None if stream.choose is None else int(stream.choose)
-        tops = config.tops if stream.tops is None else tuple(stream.tops)
-        if tops != config.tops and config.batch_mode != "per_stream":
+        tops = () if stream.tops is None else tuple(stream.tops)
+        if tops and tops != config.tops and config.batch_mode != "per_stream":
             raise ConfigurationError(
                 f"stream {name!r} has tops {tops!r}, not the layer's {config.tops!r}: streams "
                 f'of their own tops need batch_mode="per_stream" (not {config.batch_mode!r}), '
@@ -168,7 +168,7 @@ def parse_streams(
         raise ConfigurationError(
             "every stream's weight (or choose) is 0: the streams give no sample per epoch"
         )
-    read = {t for s in out for t in s.tops}
+    read = {t for s in out for t in s.tops or config.tops}
     for i, (top, _) in enumerate(config.transformers):
         if top not in read:
             raise ConfigurationError(

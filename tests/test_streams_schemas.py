@@ -9,6 +9,7 @@ checked against the files from its ``indices``: rows of every top belong to the 
 from __future__ import annotations
 
 import gc
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,11 @@ from asynchdf5 import (
     SchemaError,
     Stream,
 )
+from asynchdf5._delivery import HostDelivery
+from asynchdf5._delivery._cuda import CudaDelivery
 from asynchdf5._mix import StreamRows
 from asynchdf5._schemas import Schemas, run_at
+from asynchdf5._specs import GroupSpec
 
 from ._files import check_exactly_once, check_message, rows, write_h5
 
@@ -415,3 +419,72 @@ async def test_each_variant_is_read_and_reported(tmp_path: Path) -> None:
         "label",
         "label@small",
     ]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("device", [None, "cuda"])
+@pytest.mark.parametrize("shuffle", [False, True])
+async def test_batches_of_different_schemas_are_gathered_in_groups(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fake_cupy: Any,
+    device: str | None,
+    shuffle: bool,
+) -> None:
+    """The streams' batches interleave, so nearly every batch has another schema than the one
+    before: they are still gathered many to a group (per-group work is what limits small
+    batches), each batch with its own stream's arrays."""
+    files, kinds, edges = write_schemas(
+        tmp_path, (((400,), (2,), "int64"), ((300,), (3,), "int32"))
+    )
+    delivery = CudaDelivery if device else HostDelivery
+    groups: list[int] = []
+    make = delivery.make
+
+    def spy(self: Any, group: GroupSpec, *args: Any, **kwargs: Any) -> Any:
+        groups.append(len(group.sizes))
+        return make(self, group, *args, **kwargs)
+
+    monkeypatch.setattr(delivery, "make", spy)
+    layer = AsyncHDF5DataLayer(
+        {"a": Stream(files[0]), "b": Stream(files[1])},  # natural shares
+        batch_size=4,
+        shuffle=shuffle,
+        seed=6,
+        batch_mode="per_stream",
+        device=device,
+    )
+    (batches,) = await epochs(layer, 1)
+    assert len(batches) == 175
+    streams = [int(b.streams[0]) for b in batches]  # type: ignore[index]
+    assert sum(a != b for a, b in itertools.pairwise(streams)) > 50  # they interleave
+    epoch = list(itertools.accumulate(groups)).index(175) + 1  # (then the next one's, prefetched)
+    assert epoch <= 20, groups
+    got: list[np.ndarray] = []
+    for b in batches:
+        if device:
+            b = Batch({k: np.asarray(v.get()) for k, v in b.items()}, b.indices, b.epoch)
+            b.streams = np.full(b.size, streams[len(got)])
+        check(b, kinds, edges)
+        got.append(b.indices)
+    check_exactly_once(got, 700)
+
+
+@pytest.mark.timeout(30)
+def test_a_layers_streams_name_only_their_own_tops(tmp_path: Path) -> None:
+    """``layer.streams`` (the same streams for another layer) gives ``tops`` only to a stream
+    that named its own: the others read the tops of whichever layer they are given to."""
+    files, _, edges = write_schemas(tmp_path)
+    captions = write_captions(tmp_path, int(edges[-1]), 30)
+    source = {
+        "web": Stream(files[0], weight=0.5),
+        "captions": Stream([captions], tops=("caption",)),
+    }
+    layer = HDF5DataLayer(source, batch_size=8, batch_mode="per_stream")
+    streams = layer.streams
+    assert streams["web"] == Stream([str(p) for p in files[0]], weight=0.5)
+    assert streams["captions"].tops == ("caption",)
+    with HDF5DataLayer({"web": streams["web"]}, batch_size=8, tops=("label",)) as other:
+        got = [b for b in other]
+    assert {tuple(b.keys()) for b in got} == {("label",)}
+    check_exactly_once([b["label"] for b in got], 120)

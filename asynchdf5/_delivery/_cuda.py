@@ -163,11 +163,14 @@ class CudaDelivery:
         the complete batches before it, and gives the failed batch's buffers back. ``emit``
         gets each batch once its upload and transformers are queued."""
         out: list[Batch] = []
-        names = group.tops  # one schema of several (:mod:`.._schemas`): its arrays only
-        tops = self._tops if names is None else [self._by_name[i] for i in names.values()]
-        for pieces, size, epoch in zip(
-            group.batch_pieces(), group.sizes, group.epochs, strict=True
+        each = group.batch_tops()  # streams of different schemas (:mod:`.._schemas`)
+        tops, names = self._tops, None
+        for i, (pieces, size, epoch) in enumerate(
+            zip(group.batch_pieces(), group.sizes, group.epochs, strict=True)
         ):
+            if each is not None:  # the batch's schema: its arrays only
+                names = each[i]
+                tops = [self._by_name[internal] for internal in names.values()]
             t0 = time.perf_counter()
             staging: dict[str, np.ndarray] = {}  # by internal top
             try:

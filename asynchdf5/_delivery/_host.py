@@ -14,7 +14,7 @@ import numpy as np
 from .._batch import Batch
 from .._catalog import TopInfo
 from .._gather import gather_split
-from .._specs import GroupSpec, merge_pieces
+from .._specs import GroupSpec, merge_pieces, split_pieces
 from .._stats import GatherStats
 from .._transform import apply_transformers
 from ..transforms import Transformer
@@ -197,23 +197,30 @@ class HostDelivery:
         t0 = time.perf_counter()
         total = group.rows
         arrays = self._buffers.acquire(total)
-        names = group.tops
-        if names is not None:  # one schema of several (:mod:`.._schemas`): its arrays only
-            arrays = {internal: arrays[internal] for internal in names.values()}
         indices = np.empty(total, np.int64)
         pieces = merge_pieces(group.pieces)
-        gather_split(pieces, arrays, indices, helper)
+        if group.schemas is None:
+            gather_split(pieces, arrays, indices, helper)
+        else:  # streams of different schemas (:mod:`.._schemas`): each run its own arrays
+            at = first = 0
+            for count, names in group.schemas:
+                n = sum(group.sizes[first : first + count])
+                head, pieces = split_pieces(pieces, n)
+                dest = {i: arrays[i][at : at + n] for i in names.values()}
+                gather_split(head, dest, indices[at : at + n], helper)
+                at, first = at + n, first + count
+        each = group.batch_tops()
         out: list[Batch] = []
         error: Exception | None = None
         at = 0
         transformers = self.transformers
         transforming = 0.0  # only the transformers' own calls: cutting batches is gathering
-        for size, epoch in zip(group.sizes, group.epochs, strict=True):
+        for i, (size, epoch) in enumerate(zip(group.sizes, group.epochs, strict=True)):
             end = at + size
             data: dict[str, Any] = (
                 {k: v[at:end] for k, v in arrays.items()}
-                if names is None
-                else {top: arrays[internal][at:end] for top, internal in names.items()}
+                if each is None
+                else {top: arrays[internal][at:end] for top, internal in each[i].items()}
             )
             rows = indices[at:end]
             at = end
