@@ -151,6 +151,10 @@ class Gatherers:
             self.emitting = False
             if entry is not None:
                 clock.stop(blocked=bool(self.out))
+            # Not held here while waiting for the next item: once the consumer has the batches,
+            # theirs is the last reference, so that their buffers (host groups, device blocks)
+            # come back as each batch is dropped, not when this worker has made its next group.
+            del got, item, entry
 
     def _make(self, item: GroupItem, permit: bool, stats: GatherStats, seq: int) -> Entry:
         if not isinstance(item, GroupSpec):  # an epoch end, or the error that ended a stage
@@ -177,9 +181,8 @@ class Gatherers:
         except Exception as exc:  # that, or a bug: reported in order
             batches, error = [], exc
         group: list[Item] = []
-        for i, batch in enumerate(batches):  # fewer than item.sizes on an error
-            if i < emitted:
-                continue
+        # The batches not handed over one by one (fewer than item.sizes on an error).
+        for i, batch in enumerate(batches, start=emitted):
             group.append(batch)
             if i in item.ends:
                 group.append(EpochEnd(item.ends[i]))
@@ -199,9 +202,9 @@ class Gatherers:
                 self._next += 1
                 if done is None or self._failed:
                     continue
+                # Before the put: the consumer empties the list it takes (see Run._taken).
+                self._failed = bool(done[1]) and isinstance(done[1][-1], Failure)
                 self.out.put(done)
-                if done[1] and isinstance(done[1][-1], Failure):
-                    self._failed = True
 
 
 def leaf(exc: BaseException) -> BaseException:

@@ -216,12 +216,14 @@ class Run:
         one trip instead of one each."""
         out = self._out
         while (entry := out.peek()) is not None and entry[0] is None and not entry[2]:
-            items += out.get_nowait()[1]
+            items += self._taken(out.get_nowait())
         return items
 
     def _taken(self, entry: Entry) -> list[Item]:
         """The consumer took ``entry``: its chunks' rows are no longer needed, and its room
-        goes back to the batcher."""
+        goes back to the batcher. Its items come out of the entry's list, which is left empty:
+        a gather worker that has not yet dropped the entry then holds none of its batches, and
+        each batch's buffers (host group, device blocks) come back as soon as it is dropped."""
         group, items, permit = entry
         if group is not None:
             for chunk, _, _ in group.pieces:
@@ -229,7 +231,9 @@ class Run:
                 chunk.done_with()
         if permit:
             self._room.release()
-        return items
+        taken = items.copy()
+        items.clear()
+        return taken
 
     def shut(self) -> None:
         """The consumer is gone: drop what is queued for it (event-loop thread)."""

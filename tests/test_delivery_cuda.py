@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,36 @@ async def test_fake_batches_are_staged_on_two_threads(
             np.testing.assert_allclose(host_copy(d["data"]), h["data"], rtol=1e-6)
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("transformed", [False, True])
+async def test_fake_a_dropped_batch_is_held_by_nothing_else(
+    fake_cupy: FakeCupy, transformed: bool
+) -> None:
+    """Once the loop drops a batch, nothing of the pipeline holds it, so its device blocks come
+    back as it goes: a gather worker waiting for room (behind a slow loop) used to hold the
+    last group it made, and the consumer the list that group came in."""
+    transformers = TRANSFORMERS if transformed else []
+    layer = MemoryDataLayer(
+        {"data": IMAGES, "label": LABELS},
+        batch_size=4,
+        prefetch=2,
+        device="cuda",
+        transformers=transformers,
+    )
+    last: weakref.ReferenceType[Any] | None = None
+    seen = 0
+    with anyio.fail_after(30):
+        async with layer:
+            async for batch in layer:
+                if last is not None:
+                    assert last() is None, f"batch {seen - 1} is still held"
+                last = weakref.ref(batch._data)
+                seen += 1
+                del batch
+                await anyio.sleep(0.002)  # a slow loop: the workers wait for room
+    assert seen == -(-len(LABELS) // 4)
+
+
 def test_fake_a_failed_batch_gives_back_only_its_own_staging(fake_cupy: FakeCupy) -> None:
     """Two threads stage batches at once: one batch failing returns its buffers, never the
     other's, which that thread still fills."""
@@ -238,10 +269,9 @@ async def test_fake_device_memory_is_reused_and_bounded(fake_cupy: FakeCupy) -> 
     layer = MemoryDataLayer(MANY, batch_size=8, prefetch=2, device="cuda")
     await run_epochs(layer, epochs=3, keep=False)
     stats = stage_of(layer).memory_stats
-    # 1500 batches: blocks come back and are reused. The batches of the group the loop takes
-    # from are let go of together once it has taken the last, and their blocks wait for the
-    # next hand-off: up to a group more than are alive at once.
-    assert FakeMemory.created <= (IN_FLIGHT + 16) * 2 + 2
+    # 1500 batches: blocks come back and are reused, each as its batch is dropped (a gather
+    # worker that made a batch holds no reference to it while it makes the next group).
+    assert FakeMemory.created <= IN_FLIGHT * 2 + 2
     assert FakePinnedMemory.created <= STAGING_DEPTH * 2 * 2  # two batches a worker, two tops
     assert stats.device_bytes_peak <= IN_FLIGHT * BLOCKS
     assert stats.pinned_bytes == 0  # closed

@@ -87,8 +87,9 @@ class Delivery(Protocol):
         """Gather, transform (and upload) the batches of ``group`` (blocking: a worker thread).
         Returns the complete batches and the error that stopped it, if one did: the batches
         before an error are still delivered, and only they. ``helper``: a second thread to
-        gather on. ``emit``: called with each batch, in order, as soon as it is complete (the
-        returned list holds it too); an error it raises ends ``make`` there."""
+        gather on. ``emit``: called with each batch, in order, as soon as it is complete; the
+        returned list then leaves it out, and nothing here keeps it, so that once the consumer
+        drops it its buffers come back; an error ``emit`` raises ends ``make`` there."""
         ...
 
     def hand_off(self, batch: Batch) -> None:

@@ -161,7 +161,8 @@ class CudaDelivery:
         ``helper``'s thread: one thread's copies are slower than the upload) and its upload
         queued at once, so copies start early; a failure (staging, upload, transformer) keeps
         the complete batches before it, and gives the failed batch's buffers back. ``emit``
-        gets each batch once its upload and transformers are queued."""
+        gets each batch once its upload and transformers are queued (and the returned list
+        leaves it out)."""
         out: list[Batch] = []
         each = group.batch_tops()  # streams of different schemas (:mod:`.._schemas`)
         tops, names = self._tops, None
@@ -191,12 +192,14 @@ class CudaDelivery:
             stats.gather_seconds += t1 - t0
             stats.transform_seconds += time.perf_counter() - t1
             batch = Batch(data, indices, epoch)
-            if emit is not None:
-                try:
-                    emit(batch)
-                except Exception as exc:  # not handed over: not among those made
-                    return out, exc
-            out.append(batch)
+            if emit is None:
+                out.append(batch)
+                continue
+            try:
+                emit(batch)
+            except Exception as exc:  # not handed over: not among those made
+                return out, exc
+            del batch, data  # handed over: the consumer holds the only reference
         return out, None
 
     def hand_off(self, batch: Batch) -> None:

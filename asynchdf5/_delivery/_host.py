@@ -191,7 +191,7 @@ class HostDelivery:
         group of at least ``_gather.PARALLEL_BYTES``, half of the rows are gathered on the helper's
         thread (``np.take`` releases the GIL). Transformers always run here, one batch after the
         other: a transformer is never called from two threads at once; ``emit`` gets each batch
-        once its transformers are done.
+        once its transformers are done (and the returned list leaves it out).
         """
         assert self._buffers is not None, "start() first"
         t0 = time.perf_counter()
@@ -234,13 +234,15 @@ class HostDelivery:
                 finally:
                     transforming += time.perf_counter() - t1
             batch = Batch(data, rows, epoch)
-            if emit is not None:
-                try:
-                    emit(batch)
-                except Exception as exc:  # not handed over: not among those made
-                    error = exc
-                    break
-            out.append(batch)
+            if emit is None:
+                out.append(batch)
+                continue
+            try:
+                emit(batch)
+            except Exception as exc:  # not handed over: not among those made
+                error = exc
+                break
+            del batch, data  # handed over: the consumer holds the only reference
         stats.gather_seconds += time.perf_counter() - t0 - transforming
         stats.transform_seconds += transforming
         return out, error
