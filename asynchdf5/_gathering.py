@@ -151,10 +151,6 @@ class Gatherers:
             self.emitting = False
             if entry is not None:
                 clock.stop(blocked=bool(self.out))
-            # Not held here while waiting for the next item: once the consumer has the batches,
-            # theirs is the last reference, so that their buffers (host groups, device blocks)
-            # come back as each batch is dropped, not when this worker has made its next group.
-            del got, item, entry
 
     def _make(self, item: GroupItem, permit: bool, stats: GatherStats, seq: int) -> Entry:
         if not isinstance(item, GroupSpec):  # an epoch end, or the error that ended a stage
