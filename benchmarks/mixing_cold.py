@@ -29,10 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.mixing import SHARES, write
-from benchmarks.out_of_core import PIECE_BYTES, _derive, run_child
+from benchmarks.out_of_core import PIECE_BYTES, SAMPLE_BYTES, derive, run_child
 from benchmarks.report import Recorder
 
-SAMPLE_BYTES = 3 * 32 * 32 + 8
 #: --quick: a toy set under a small limit (proves the code, not the rate).
 QUICK = {"samples": 20_000, "limit_mib": 128, "rounds": 1}
 FULL = {"samples": 1_000_000, "limit_mib": 512, "rounds": 2}
@@ -88,7 +87,7 @@ def run(samples: int, limit_mib: int, rounds: int, data_dir: Path) -> dict[str, 
         for _ in range(rounds):
             for name in READERS:
                 r = run_child(name, job(name, paths, samples), paths, args, Path(work))
-                _derive(r, samples, SAMPLE_BYTES)
+                derive(r)
                 results[name].append(r)
     return {
         "paths": [str(p) for p in paths],

@@ -93,7 +93,7 @@ def run_reader(
         **params,
     }
     result = run_child(name, job, [path], args, work)
-    _derive(result, n)
+    derive(result)
     print(f"# {name}: {_one_line(result)}", file=sys.stderr, flush=True)
     return result
 
@@ -158,14 +158,14 @@ def _mib(nbytes: int | None) -> float | None:
     return None if nbytes is None else nbytes / 2**20
 
 
-def _derive(r: dict[str, Any], n: int, sample_bytes: int = SAMPLE_BYTES) -> None:
+def derive(r: dict[str, Any]) -> None:
     """Per pass, and overall: the rate and CPU-seconds per GB of what was delivered."""
     passes = r.get("passes") or []
     if not passes:
         r["rate"] = None
         return
     r["rate"] = max(p["rate"] for p in passes)
-    delivered_gb = sum(p["samples"] for p in passes) * sample_bytes / 1e9
+    delivered_gb = sum(p["samples"] for p in passes) * SAMPLE_BYTES / 1e9
     r["cpu_s_per_gb"] = r["cpu_s"] / delivered_gb if delivered_gb else None
 
 
