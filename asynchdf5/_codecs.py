@@ -5,16 +5,18 @@ the raw chunk bytes with ``os.pread`` and running the filter pipeline here, with
 release the GIL, lets a pool of threads decompress at once while other h5py users go on. The
 result is bit-identical to h5py's (the tests check it for every supported pipeline).
 
-Supported filters: deflate/gzip (libdeflate through ``deflate`` when installed, else ISA-L
+Supported filters: deflate/gzip (libdeflate through ``deflate``, a dependency, else ISA-L
 through ``isal``, else the standard library's ``zlib``; all release the GIL), shuffle, fletcher32
-(the checksum is verified, as HDF5 does: a mismatch is a :class:`ChecksumError`),
-LZF (through ``python-lzf`` when installed), and Blosc
-and Zstandard through ``numcodecs`` when installed. A dataset using any other filter is read by
-h5py (the layer's ``stats.read_paths`` says which path each top takes).
+(the checksum is verified, as HDF5 does: a mismatch is a :class:`ChecksumError`), LZF (h5py's
+own ``lzf_decompress``, called through ctypes, which releases the GIL; else ``python-lzf`` when
+installed), and Blosc and Zstandard through ``numcodecs`` when installed. A dataset using any other
+filter is read by h5py (the layer's ``stats.read_paths`` says which path each top takes).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,7 +48,8 @@ FILTER_NAMES = {
     ZSTD: "zstd",
 }
 
-Decode = Callable[[bytes, int], "bytes | bytearray"]
+#: A filter's decoding: (stored bytes, the chunk's size) -> the bytes before that filter.
+Decode = Callable[[Any, int], "bytes | bytearray | memoryview | np.ndarray"]
 
 
 def _inflate() -> tuple[str, Decode]:
@@ -73,13 +76,40 @@ def deflate_backend() -> str:
     return _DEFLATE_BACKEND
 
 
+@functools.cache
+def _h5py_lzf() -> Decode | None:
+    """h5py's own LZF decoder (``lzf_decompress`` of liblzf, compiled into ``h5py.h5z`` for its
+    LZF filter), through ctypes: the very code h5py decodes with, called without the GIL."""
+    try:
+        from h5py import h5z
+
+        fn = ctypes.CDLL(h5z.__file__).lzf_decompress
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
+    fn.restype = ctypes.c_uint
+
+    def decode(raw: Any, n: int) -> np.ndarray:
+        src = np.frombuffer(raw, np.uint8)
+        out = np.empty(n, np.uint8)
+        got = fn(src.ctypes.data, src.size, out.ctypes.data, n) if src.size else 0
+        if got != n:
+            raise ValueError(f"LZF data decodes to {got} bytes, expected {n}")
+        return out
+
+    return decode
+
+
 def _optional_decoder(filter_id: int) -> Decode | None:
     if filter_id == LZF:
+        found = _h5py_lzf()
+        if found is not None:
+            return found
         try:
             import lzf
         except ImportError:
             return None
-        return lambda raw, n: lzf.decompress(raw, n)
+        return lambda raw, n: lzf.decompress(bytes(raw), n)
     try:
         import numcodecs
     except ImportError:
@@ -90,7 +120,7 @@ def _optional_decoder(filter_id: int) -> Decode | None:
         codec = numcodecs.Zstd()
     else:
         return None
-    return lambda raw, n: bytes(codec.decode(raw))
+    return lambda raw, n: codec.decode(raw)
 
 
 class ChecksumError(ValueError):
@@ -134,12 +164,13 @@ def _swap16(x: int) -> int:
     return ((x & 0xFF) << 8) | (x >> 8)
 
 
-def _check_fletcher32(raw: bytes, n: int) -> bytes:
+def _check_fletcher32(raw: Any, n: int) -> memoryview:
     """``raw`` without its 4 checksum bytes, after checking them."""
+    raw = memoryview(raw).cast("B")
     if len(raw) < 4:
         raise ChecksumError(f"a fletcher32 chunk of {len(raw)} bytes has no room for a checksum")
     body = memoryview(raw)[:-4]
-    stored = int.from_bytes(raw[-4:], "little")
+    stored = int.from_bytes(raw[-4:].tobytes(), "little")
     computed = fletcher32(body)
     # HDF5 before 1.6.3 wrote the checksum with the bytes of each half swapped; HDF5 accepts both.
     legacy = (_swap16(computed >> 16) << 16) | _swap16(computed & 0xFFFF)
@@ -148,7 +179,7 @@ def _check_fletcher32(raw: bytes, n: int) -> bytes:
             f"Fletcher-32 checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): "
             "the chunk is corrupt"
         )
-    return bytes(body)
+    return body
 
 
 def _decoder(filter_id: int) -> Decode | None:
@@ -167,12 +198,23 @@ def unsupported_filters(filters: Sequence[int]) -> list[str]:
 
 
 class ChunkDecoder:
-    """Decodes the raw bytes of one chunk through a dataset's filter pipeline (in reverse)."""
+    """Decodes the raw bytes of one chunk through a dataset's filter pipeline (in reverse).
 
-    def __init__(self, filters: Sequence[int], itemsize: int, chunk_bytes: int) -> None:
+    ``shape``: the chunk's shape, for :meth:`elements` (default: ``chunk_bytes // itemsize``
+    elements in one dimension).
+    """
+
+    def __init__(
+        self,
+        filters: Sequence[int],
+        itemsize: int,
+        chunk_bytes: int,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
         self.filters = tuple(filters)
         self.itemsize = itemsize
         self.chunk_bytes = chunk_bytes
+        self.shape = shape if shape is not None else (chunk_bytes // max(1, itemsize),)
         self._steps: list[tuple[int, Decode | None]] = []
         for i in reversed(range(len(self.filters))):
             f = self.filters[i]
@@ -183,21 +225,41 @@ class ChunkDecoder:
 
     def decode(self, raw: bytes | bytearray | memoryview, filter_mask: int) -> np.ndarray:
         """The chunk's bytes, as a uint8 array of ``chunk_bytes``."""
-        data: bytes | bytearray | memoryview | np.ndarray = raw
-        for i, decode in self._steps:
-            if filter_mask & (1 << i):
-                continue  # HDF5 skipped this filter for this chunk
+        data, shuffled = self._run(raw, filter_mask)
+        if shuffled:
+            data = _unshuffle(data, self.itemsize)
+        return data
+
+    def elements(self, raw: bytes | bytearray | memoryview, filter_mask: int) -> np.ndarray:
+        """The chunk's elements as a uint8 array of shape ``(*shape, itemsize)``: a view of the
+        decoded bytes, strided where a last shuffle is left to the copy that reads it (one pass
+        over the bytes instead of two)."""
+        data, shuffled = self._run(raw, filter_mask)
+        n = self.chunk_bytes // max(1, self.itemsize)
+        if shuffled and self.itemsize > 1 and n * self.itemsize == data.size:
+            return np.moveaxis(data.reshape(self.itemsize, *self.shape), 0, -1)
+        if shuffled:
+            data = _unshuffle(data, self.itemsize)
+        return data.reshape(*self.shape, self.itemsize)
+
+    def _run(
+        self, raw: bytes | bytearray | memoryview, filter_mask: int
+    ) -> tuple[np.ndarray, bool]:
+        """The chunk's bytes after every step but a last shuffle, and whether that is left."""
+        data: Any = raw
+        steps = [(i, d) for i, d in self._steps if not filter_mask & (1 << i)]  # HDF5 skipped
+        shuffled = bool(steps) and steps[-1][1] is None
+        if shuffled:
+            steps = steps[:-1]
+        for _, decode in steps:
             if decode is None:
                 data = _unshuffle(np.frombuffer(data, np.uint8), self.itemsize)
             else:
-                data = decode(
-                    data.tobytes() if isinstance(data, np.ndarray) else bytes(data),
-                    self.chunk_bytes,
-                )
-        out = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+                data = decode(data, self.chunk_bytes)
+        out = np.frombuffer(data, np.uint8)
         if out.size != self.chunk_bytes:
             raise ValueError(f"decoded chunk has {out.size} bytes, expected {self.chunk_bytes}")
-        return out
+        return out, shuffled
 
 
 def _unshuffle(buf: np.ndarray, itemsize: int) -> np.ndarray:

@@ -6,12 +6,14 @@ path only when every byte of it is accounted for:
 * ``pread``: data stored contiguously as exactly the numpy dtype's bytes (in either byte order):
   in the file itself, in the target file of an external link, or in external raw files (each
   checked to exist and to hold the bytes: HDF5 would read zeros in place of missing ones).
-* ``chunks``: chunked along the rows only (each chunk holds whole samples), every chunk written,
-  with a filter pipeline that :mod:`._codecs` decodes (fletcher32 verified). A partial last chunk
-  stored unfiltered (``H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS``, which h5py does not expose: read
-  from the libhdf5 that h5py loaded, through ctypes) is read as stored.
-* ``h5py``: everything else (compact and virtual layouts, chunks that split samples, filters
-  without a GIL-free decoder, types stored with another precision or padding, unwritten chunks),
+* ``chunks``: chunked, every chunk written (its place taken from HDF5's own chunk index at open,
+  never computed), with no filters or a filter pipeline that :mod:`._codecs` decodes (fletcher32
+  verified). Chunks may split the samples: a *band* (every chunk of one run of rows) then holds
+  whole samples. Partial edge chunks stored unfiltered (``H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS``,
+  which h5py does not expose: read from the libhdf5 that h5py loaded, through ctypes) are read as
+  stored; unfiltered chunks must each be stored at exactly the chunk's size.
+* ``h5py``: everything else (compact and virtual layouts, filters without a GIL-free decoder,
+  types stored with another precision or padding, unwritten chunks),
   with the files that HDF5 opens by name listed so that the reader can check them after each
   read; a virtual dataset whose source is missing or short is refused
   (:class:`~asynchdf5.SourceError`): HDF5 would read fill values in its place.
@@ -52,15 +54,34 @@ class Extent:
 
 @dataclass(frozen=True, eq=False)
 class ChunkIndex:
-    """Where a dataset's chunks are stored: arrays indexed by chunk number along the rows."""
+    """Where a dataset's chunks are stored, as HDF5's chunk index says.
+
+    The arrays are indexed ``[k, j]``: ``k`` the chunk's number along the rows, ``j`` its number
+    within the band of row chunk ``k`` (the chunks covering its rows, in C order over the other
+    dimensions; a single one where chunks hold whole samples).
+    """
 
     file: StoredFile
     rows: int  # rows per chunk
-    offsets: np.ndarray  # int64 byte offsets
+    offsets: np.ndarray  # int64 byte offsets, (row chunks, band)
     sizes: np.ndarray  # int64 stored sizes
-    masks: np.ndarray  # uint32 filter masks (bit i set: filter i was skipped for that chunk)
-    #: The last chunk is partial and stored without its filters (DONT_FILTER_PARTIAL_CHUNKS).
-    raw_last: bool = False
+    #: uint32 filter masks (bit i set: filter i was skipped for that chunk, or every bit for a
+    #: partial edge chunk stored unfiltered under DONT_FILTER_PARTIAL_CHUNKS).
+    masks: np.ndarray
+    #: The chunk's shape (its first dimension is ``rows``).
+    shape: tuple[int, ...] = ()
+    #: The dataset's sample shape (the chunks of a band tile it, the edge ones cut).
+    sample_shape: tuple[int, ...] = ()
+
+    @property
+    def band(self) -> int:
+        """Chunks per run of ``rows`` rows (1: each chunk holds whole samples)."""
+        return int(self.offsets.shape[1])
+
+    @property
+    def splits_samples(self) -> bool:
+        """Whether a chunk holds only part of each of its samples."""
+        return tuple(self.shape[1:]) != tuple(self.sample_shape)
 
 
 @dataclass(frozen=True, eq=False)
@@ -329,25 +350,29 @@ def describe(source: Source, file: StoredFile, dset: h5py.Dataset, top: str) -> 
     storage = f"chunked {chunks}"
     if not exact:
         return _h5py(storage, file, dset, "stored type needs conversion", filters=filters)
-    if chunks[1:] != tuple(dset.shape[1:]):
-        return _h5py(storage, file, dset, f"chunks {chunks} split the samples", filters=filters)
     missing = unsupported_filters(filters)
     if missing:
         note = f"no GIL-free decoder for {', '.join(missing)}"
         return _h5py(storage, file, dset, note, filters=filters)
-    rows = chunks[0]
-    raw_last = False
-    if filters and nrows % rows:
+    shape = tuple(int(n) for n in dset.shape)
+    partial = any(n % c for n, c in zip(shape, chunks, strict=True))
+    raw_partial = False
+    if filters and partial:
         opts = _chunk_opts(plist)
         if opts is None:
-            note = "cannot tell whether the partial last chunk is filtered (libhdf5 not found)"
+            note = "cannot tell whether partial edge chunks are filtered (libhdf5 not found)"
             return _h5py(storage, file, dset, note, filters=filters)
-        raw_last = bool(opts & _DONT_FILTER_PARTIAL_CHUNKS)
-    index = _chunk_index(file, dset, -(-nrows // rows), rows, raw_last) if nrows else None
+        raw_partial = bool(opts & _DONT_FILTER_PARTIAL_CHUNKS)
+    index = _chunk_index(file, dset, shape, chunks, len(filters), raw_partial) if nrows else None
     if index is None:
         note = "chunks not all written (fill values)"
         return _h5py(storage, file, dset, note, filters=filters)
-    end = int((index.offsets + index.sizes).max()) if len(index.offsets) else 0
+    if not filters:
+        chunk_bytes = dset.dtype.itemsize * int(np.prod(chunks, dtype=np.int64))
+        if index.sizes.size and (index.sizes != chunk_bytes).any():
+            note = f"unfiltered chunks not stored at their size ({chunk_bytes} bytes)"
+            return _h5py(storage, file, dset, note, filters=filters)
+    end = int((index.offsets + index.sizes).max()) if index.offsets.size else 0
     if end > file.size:
         raise SourceError(
             f"{file.name}: top {top!r} has chunks stored up to byte {end}, beyond the end of the "
@@ -357,16 +382,27 @@ def describe(source: Source, file: StoredFile, dset: h5py.Dataset, top: str) -> 
 
 
 def _chunk_index(
-    file: StoredFile, dset: h5py.Dataset, nchunks: int, rows: int, raw_last: bool
+    file: StoredFile,
+    dset: h5py.Dataset,
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    nfilters: int,
+    raw_partial: bool,
 ) -> ChunkIndex | None:
-    offsets = np.full(nchunks, -1, np.int64)
-    sizes = np.zeros(nchunks, np.int64)
-    masks = np.zeros(nchunks, np.uint32)
+    """Every chunk's place, from HDF5's chunk index (``chunk_iter``); None when some chunk of the
+    extent was never written (h5py supplies the fill value there)."""
+    grid = tuple(-(-n // c) for n, c in zip(shape, chunks, strict=True))
+    band = int(np.prod(grid[1:], dtype=np.int64))
+    offsets = np.full((grid[0], band), -1, np.int64)
+    sizes = np.zeros((grid[0], band), np.int64)
+    masks = np.zeros((grid[0], band), np.uint32)
 
     def visit(info: Any) -> None:
-        k = info.chunk_offset[0] // rows
-        if k < nchunks:  # chunks beyond the extent (a dataset shrunk) are not data
-            offsets[k], sizes[k], masks[k] = info.byte_offset, info.size, info.filter_mask
+        at = tuple(int(o) // c for o, c in zip(info.chunk_offset, chunks, strict=True))
+        if all(i < g for i, g in zip(at, grid, strict=True)):  # beyond the extent: not data
+            j = int(np.ravel_multi_index(at[1:], grid[1:])) if len(at) > 1 else 0
+            offsets[at[0], j], sizes[at[0], j] = info.byte_offset, info.size
+            masks[at[0], j] = info.filter_mask
 
     dsid = dset.id
     if hasattr(dsid, "chunk_iter"):
@@ -376,4 +412,13 @@ def _chunk_index(
             visit(dsid.get_chunk_info(i))
     if (offsets < 0).any():
         return None  # some chunks were never written: h5py supplies the fill value
-    return ChunkIndex(file, rows, offsets, sizes, masks, raw_last)
+    if raw_partial:  # partial edge chunks are stored as they are: every filter skipped
+        every = np.uint32((1 << nfilters) - 1)
+        if shape[0] % chunks[0]:
+            masks[-1, :] = every
+        edges = np.zeros(grid[1:], bool)
+        for d, (n, c) in enumerate(zip(shape[1:], chunks[1:], strict=True)):
+            if n % c:
+                edges[(slice(None),) * d + (-1,)] = True
+        masks[:, edges.reshape(-1)] = every
+    return ChunkIndex(file, chunks[0], offsets, sizes, masks, chunks, shape[1:])

@@ -35,6 +35,8 @@ def stored_rows(catalog: Catalog) -> int:
             for f in catalog.files
             for layout in f.layouts.values()
             if layout.chunks is not None
+            # Unfiltered whole-sample chunks are read row by row, as contiguous data is.
+            and (layout.filters or layout.chunks.splits_samples)
         ),
         default=0,
     )

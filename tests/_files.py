@@ -25,8 +25,9 @@ LAYOUTS = {
     "chunked": "chunks",
     "gzip": "chunks",
     "fletcher32": "chunks",
-    "gzip-split": "h5py",  # chunks that split a sample: only h5py reads them
-    "fletcher32-split": "h5py",
+    "gzip-split": "chunks",  # chunks that split a sample: read in bands of chunks
+    "fletcher32-split": "chunks",
+    "scaleoffset": "h5py",  # a filter without a decoder here: only h5py reads it
 }
 
 
@@ -66,10 +67,12 @@ def write_h5(
         kwargs = {"chunks": True, "compression": "gzip"}
     elif layout.startswith("fletcher32"):
         kwargs = {"chunks": True, "fletcher32": True}
+    elif layout == "scaleoffset":  # lossless here: the values are whole numbers
+        kwargs = {"chunks": True, "scaleoffset": 0}
     with h5py.File(path, "w") as f:
         for name, arr in rows(start, n, shape).items():
             if name not in extra:
-                # "...-split": chunks that split a sample, which only h5py reads.
+                # "...-split": chunks that split a sample.
                 shape = (1,) * (arr.ndim - 1) if layout.endswith("-split") else arr.shape[1:]
                 chunks = (8, *shape) if kwargs else None
                 f.create_dataset(name, data=arr, **{**kwargs, "chunks": chunks})

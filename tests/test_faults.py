@@ -54,7 +54,7 @@ pytestmark = pytest.mark.anyio
 #: Three files of 400 rows; with batches of 10 and chunks of 20 the pipeline runs ahead of the
 #: consumer by a few dozen batches at most, so after the first batch the last file is unread.
 BIG = (400, 400, 400)
-FAST_AND_FALLBACK = ["contiguous", "gzip", "fletcher32", "gzip-split"]
+FAST_AND_FALLBACK = ["contiguous", "gzip", "fletcher32", "gzip-split", "scaleoffset"]
 
 
 def write_big(folder: Path, layout: str = "contiguous") -> tuple[Path, list[Path]]:
@@ -325,7 +325,7 @@ def write_linked(folder: Path, layout: str) -> tuple[Path, Path]:
     return link, target
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "gzip", "gzip-split"])
+@pytest.mark.parametrize("layout", ["contiguous", "gzip", "gzip-split", "scaleoffset"])
 async def test_external_link_top_is_read_from_its_target(tmp_path: Path, layout: str) -> None:
     link, _ = write_linked(tmp_path, layout)
     async with AsyncHDF5DataLayer([link], batch_size=50, shuffle=True, seed=1) as layer:

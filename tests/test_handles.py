@@ -105,7 +105,7 @@ def test_thousands_of_files_under_a_low_descriptor_limit(tmp_path: Path, streami
 @pytest.mark.anyio
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/fd")
 @pytest.mark.parametrize("streaming", [False, True], ids=["cached", "streaming"])
-@pytest.mark.parametrize("layout", ["contiguous", "gzip", "gzip-split"])
+@pytest.mark.parametrize("layout", ["contiguous", "gzip", "gzip-split", "scaleoffset"])
 async def test_files_closed_and_opened_again_read_exactly_once(
     tmp_path: Path, few_open: int, layout: str, streaming: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -131,7 +131,7 @@ async def test_files_closed_and_opened_again_read_exactly_once(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("fault", ["rewritten", "deleted"])
-@pytest.mark.parametrize("layout", ["contiguous", "gzip-split"])
+@pytest.mark.parametrize("layout", ["contiguous", "scaleoffset"])
 async def test_a_file_changed_while_closed_is_a_read_error_when_opened_again(
     tmp_path: Path, few_open: int, layout: str, fault: str
 ) -> None:

@@ -38,7 +38,21 @@ LAYOUTS: dict[str, tuple[str, Any]] = {
     "zstd": ("chunks", lambda: {"chunks": (256, 3, 4), **_plugin("Zstd")}),
     "blosc": ("chunks", lambda: {"chunks": (256, 3, 4), **_plugin("Blosc")}),
     "bzip2 (no GIL-free decoder)": ("h5py", lambda: {"chunks": (256, 3, 4), **_plugin("BZip2")}),
-    "chunks split samples": ("h5py", {"chunks": (256, 3, 2), "compression": "gzip"}),
+    "chunks split samples": ("chunks", {"chunks": (256, 3, 2), "compression": "gzip"}),
+    # Bands of chunks cut at every edge: rows (3000 % 313), and both sample axes.
+    "split, edge chunks": ("chunks", {"chunks": (313, 2, 3)}),
+    "split, edge chunks, gzip+shuffle": (
+        "chunks",
+        {"chunks": (313, 2, 3), "compression": "gzip", "shuffle": True},
+    ),
+    "split, edge chunks, lzf": ("chunks", {"chunks": (313, 1, 3), "compression": "lzf"}),
+    "split, big-endian, fletcher32": (
+        "chunks",
+        {"chunks": (100, 3, 1), "fletcher32": True, "dtype": ">f4"},
+    ),
+    "chunked, chunks written in reverse (not adjacent)": ("chunks", "reverse"),
+    "chunked, other data between chunks (not adjacent)": ("chunks", "interleaved"),
+    "split + scaleoffset (no decoder)": ("h5py", {"chunks": (256, 3, 2), "scaleoffset": 0}),
     "compact": ("h5py", "compact"),
     "unwritten chunks (fill value)": ("h5py", "sparse"),
 }
@@ -58,6 +72,16 @@ def _write(path: Path, how: Any, data: np.ndarray) -> np.ndarray:
             h5py.h5d.create(f.id, b"data", tid, space, plist).write(
                 h5py.h5s.ALL, h5py.h5s.ALL, data
             )
+        elif how in ("reverse", "interleaved"):
+            d = f.create_dataset("data", data.shape, data.dtype, chunks=(128, 3, 4))
+            other = f.create_dataset("other", (0,), np.uint8, chunks=(4096,), maxshape=(None,))
+            order = range(0, len(data), 128)
+            for r in reversed(order) if how == "reverse" else order:
+                d[r : r + 128] = data[r : r + 128]
+                if how == "interleaved":  # a chunk of another dataset after each one
+                    other.resize((other.shape[0] + 4096,))
+                    other[-4096:] = 1
+                    f.flush()  # placed now, not when the chunk cache is flushed
         elif how == "sparse":
             d = f.create_dataset("data", data.shape, data.dtype, chunks=(256, 3, 4), fillvalue=7)
             d[:1000] = data[:1000]  # later chunks are never written
@@ -109,3 +133,93 @@ async def test_chunked_files_with_different_chunking_across_files(tmp_path: Path
         got = np.concatenate([b["data"] async for b in layer])
         assert layer.stats.read_paths["data"] == "chunks+pread"
     np.testing.assert_array_equal(got, data)
+
+
+# --- the chunks path's requests, planned from the catalog --------------------------------------
+
+
+def _plan(path: Path, needs: list[tuple[int, int]]) -> tuple[list[Any], list[np.ndarray], Any]:
+    """The byte ranges the reader plans for rows ``needs`` of top "data", run by hand (pread,
+    then the decode step), with the destinations they filled."""
+    import os
+
+    from asynchdf5._catalog import build_catalog
+    from asynchdf5._codecs import ChunkDecoder
+    from asynchdf5._read._chunked import Need, chunk_reads
+    from asynchdf5._sources import LocalSource
+
+    source = LocalSource()
+    try:
+        catalog = build_catalog(source, [str(path)], ["data", "label"])
+        layout = catalog.files[0].layouts["data"]
+        assert layout.path == "chunks" and layout.chunks is not None
+        info = catalog.tops["data"]
+        shape = layout.chunks.shape
+        decoder = ChunkDecoder(
+            layout.filters, info.dtype.itemsize, info.dtype.itemsize * int(np.prod(shape)), shape
+        )
+        dests = [np.full((b - a, *info.sample_shape), -1, info.dtype) for a, b in needs]
+        plan = [Need(a, b, d) for (a, b), d in zip(needs, dests, strict=True)]
+        ranges = chunk_reads(layout, plan, decoder, "top 'data'", 2**30)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for r in ranges:
+                raw = os.pread(fd, r.size, r.offset)
+                if r.into is not None:
+                    r.into[:] = raw
+                if r.then is not None:
+                    r.then(r.into if r.into is not None else raw)
+        finally:
+            os.close(fd)
+    finally:
+        source.close()
+    return ranges, dests, layout
+
+
+def _values(n: int, sample: tuple[int, ...]) -> np.ndarray:
+    return np.arange(n * int(np.prod(sample)), dtype=np.float32).reshape(n, *sample)
+
+
+@pytest.mark.parametrize("how", ["plain", "reverse", "interleaved"])
+def test_unfiltered_chunks_adjacent_in_the_file_are_one_request(tmp_path: Path, how: str) -> None:
+    data = _values(N, (3, 4))
+    path = tmp_path / "c.h5"
+    _write(path, {"chunks": (128, 3, 4)} if how == "plain" else how, data)
+    needs = [(5, 1000), (1000, 1001), (2900, N)]  # partial chunks at both ends, the last one
+    ranges, dests, _ = _plan(path, needs)
+    assert all(r.into is not None and r.then is None for r in ranges)  # straight into the slot
+    chunks_touched = [len(range(a // 128, (b - 1) // 128 + 1)) for a, b in needs]
+    assert len(ranges) == (len(needs) if how == "plain" else sum(chunks_touched))
+    for (a, b), d in zip(needs, dests, strict=True):
+        np.testing.assert_array_equal(d, data[a:b])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"chunks": (313, 2, 3), "compression": "gzip", "shuffle": True},
+        {"chunks": (313, 1, 4), "compression": "lzf"},
+        {"chunks": (313, 2, 3)},
+        {"chunks": (100, 3, 4), "compression": "gzip", "fletcher32": True},
+    ],
+    ids=["gzip-shuffle-split", "lzf-split", "uncompressed-split", "gzip-fletcher32"],
+)
+def test_each_stored_chunk_is_read_and_decoded_once(tmp_path: Path, kw: dict[str, Any]) -> None:
+    """Needs that share stored chunks (a shuffled chunk's blocks do) decode each chunk once, and
+    a band's chunks, written one after the other, are read as one request."""
+    if kw.get("compression") == "lzf" and unsupported_filters([32000]):
+        pytest.skip("no LZF decoder outside h5py")
+    data = _values(N, (3, 4))
+    path = tmp_path / "c.h5"
+    _write(path, kw, data)
+    needs = [(0, 7), (7, 300), (650, 640 + 313), (2999, N), (1500, 1510)]
+    ranges, dests, layout = _plan(path, needs)
+    index = layout.chunks
+    assert index is not None
+    decoded = [item for r in ranges for item in r.then.items]
+    row_chunks = {k for a, b in needs for k in range(a // index.rows, (b - 1) // index.rows + 1)}
+    assert len(decoded) == len(row_chunks) * index.band  # each chunk once
+    assert len({at for r in ranges for at in [r.offset]}) == len(ranges)
+    assert len(ranges) <= len(row_chunks)  # a band (or more) per request
+    for (a, b), d in zip(needs, dests, strict=True):
+        np.testing.assert_array_equal(d, data[a:b])

@@ -170,7 +170,7 @@ async def one_epoch(layer: Any) -> list[Batch]:
 
 
 def _layouts() -> list[str]:
-    return ["contiguous", "chunked", "gzip", "gzip-split"]
+    return ["contiguous", "chunked", "gzip", "gzip-split", "scaleoffset"]
 
 
 # --- exactly once, aligned, on every read path ---------------------------------------------------
@@ -314,7 +314,7 @@ def test_memory_list_file(tmp_path: Path) -> None:
 # --- changes mid-epoch ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "gzip", "gzip-split"])
+@pytest.mark.parametrize("layout", ["contiguous", "gzip", "scaleoffset"])
 @pytest.mark.parametrize("fault", ["deleted", "overwritten"])
 async def test_object_changed_mid_epoch_is_a_read_error(
     s3: S3Server, tmp_path: Path, layout: str, fault: str
@@ -339,7 +339,7 @@ async def test_object_changed_mid_epoch_is_a_read_error(
     await aassert_released(before)
     assert isinstance(err, ReadError), err
     assert 10 <= len(check_prefix(got, 10)) <= 800
-    check_message(err, victim, "'data'" if layout != "gzip-split" else "top", "rows ")
+    check_message(err, victim, "'data'" if layout != "scaleoffset" else "top", "rows ")
     check_message(err, "deleted" if fault == "deleted" else "changed")
 
 

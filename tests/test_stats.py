@@ -99,7 +99,7 @@ def test_the_sync_interface_counts_the_for_loops_steps(tmp_path: Path) -> None:
 
 
 async def test_logging(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    lst, _ = write_source(tmp_path, (300, 300), layout="gzip-split")
+    lst, _ = write_source(tmp_path, (300, 300), layout="scaleoffset")
     with caplog.at_level(logging.DEBUG, logger="asynchdf5"):
         async with AsyncHDF5DataLayer(lst, batch_size=50, chunk_size=200) as layer:
             async for _ in layer:

@@ -31,11 +31,6 @@ _CODECS = 'pip install "asynchdf5[codecs]"'
 def _h5py_hints(t: TopReport, note: str) -> list[str]:
     """What to do about a top that only h5py can read (``note``: the layout's reason)."""
     lock = "h5py reads it holding its process-wide lock, decoding on one thread"
-    if "split the samples" in note:
-        return [
-            f"chunk shape {t.chunk_shape} splits each sample of shape {t.sample_shape}: {lock}, "
-            f"assembling every sample from pieces of chunks; {_PACK}"
-        ]
     if "no GIL-free decoder" in note:
         missing = note.split("for", 1)[-1].strip()
         if "lz4" in missing:
@@ -81,13 +76,35 @@ def explain(t: TopReport, layout: Layout) -> None:
         return
     if layout.path == "chunks":
         assert layout.chunks is not None
-        rows, size = layout.chunks.rows, t.chunk_bytes or 0
+        index = layout.chunks
+        rows, size = index.rows, t.chunk_bytes or 0
         decode = f"decoded ({', '.join(t.filters)})" if t.filters else "copied (no filters)"
-        t.reason = (
-            f"whole samples per chunk ({plural(rows, 'sample')}, {mib(size)}): raw chunks read "
-            f"and {decode} by a pool of threads, outside h5py's lock{swap}"
-        )
-        if size < SEEK_BYTES and rows < (t.rows or 0):  # one chunk for all rows: one read
+        if index.splits_samples:
+            t.reason = (
+                f"chunks of {t.chunk_shape} split each sample of shape {t.sample_shape}: read a "
+                f"band at a time ({plural(index.band, 'chunk')} of {mib(size)}, "
+                f"{plural(rows, 'sample')}), raw chunks {decode} by a pool of threads, outside "
+                f"h5py's lock{swap}"
+            )
+        elif not t.filters:
+            t.reason = (
+                f"whole samples per chunk ({plural(rows, 'sample')}, {mib(size)}): the rows read "
+                "with preadv straight into the cache, chunks adjacent in the file as one read, "
+                f"outside h5py's lock{swap}"
+            )
+        else:
+            t.reason = (
+                f"whole samples per chunk ({plural(rows, 'sample')}, {mib(size)}): raw chunks "
+                f"read and {decode} by a pool of threads, outside h5py's lock{swap}"
+            )
+        if index.splits_samples and size < SEEK_BYTES:
+            # A band is decoded chunk by chunk: small chunks cost a call (and, where a band's
+            # chunks are not one after the other in the file, a seek) per few KiB.
+            t.hints.append(
+                f"chunk shape {t.chunk_shape} splits each sample of shape {t.sample_shape} into "
+                f"{plural(index.band, 'chunk')} of {mib(size)}: a decode call per few KiB; {_PACK}"
+            )
+        elif size < SEEK_BYTES and rows < (t.rows or 0):  # one chunk for all rows: one read
             t.hints.append(
                 f"chunk shape {t.chunk_shape} is {plural(rows, 'sample')} ({mib(size)}) per "
                 f"chunk: every read is a seek; {_PACK}"

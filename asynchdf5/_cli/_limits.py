@@ -61,7 +61,8 @@ def _ranges(layout: Layout) -> list[tuple[str, int, int]]:
     if layout.path == "chunks":
         c = layout.chunks
         assert c is not None
-        return [(c.file.name, int(o), int(s)) for o, s in zip(c.offsets, c.sizes, strict=True)]
+        pairs = zip(c.offsets.ravel(), c.sizes.ravel(), strict=True)
+        return [(c.file.name, int(o), int(s)) for o, s in pairs]
     file = layout.file
     if file is None:
         return []

@@ -6,8 +6,10 @@ bytes and checks that the files did not change:
 
 * ``pread``: contiguous data is fetched straight into the slot (and byte-swapped in place when
   stored in the other byte order), outside h5py's process-wide lock.
-* ``chunks``: each stored chunk is fetched and decoded by a pool of threads (:mod:`._codecs`,
-  checksums verified), outside h5py's lock; a partial last chunk stored unfiltered is copied as is.
+* ``chunks`` (:mod:`._chunked`): unfiltered chunks of whole samples are fetched straight into the
+  slot, neighbouring chunks adjacent in the file as one request; other chunks are fetched in runs
+  of adjacent ones and decoded by a pool of threads (:mod:`.._codecs`, checksums verified), each
+  once per read, outside h5py's lock; partial edge chunks stored unfiltered are copied as is.
 * ``h5py``: everything else is read with ``Dataset.read_direct``. **This holds h5py's lock** for
   the call, so reads are cut into pieces of at most the source's ``piece_bytes``. The files it
   used are checked afterwards, by name too for those HDF5 opens by name (external raw files, virtual
@@ -35,8 +37,9 @@ from .._plan import ChunkPlan
 from .._priority import background
 from .._sources import ByteRange, Source, Streaming
 from .._stats import ReadStats
+from ._chunked import Need, chunk_reads
 from ._spans import merged, uncovered
-from ._steps import Decode, H5pyRead, byte_view, direct_ranges, swapper
+from ._steps import H5pyRead, byte_view, direct_ranges, swapper
 
 __all__ = ["HDF5Reader", "Reader"]
 
@@ -151,6 +154,9 @@ class HDF5Reader:
         h5reads: list[H5pyRead] = []
         after: list[Callable[[], None]] = []
         for top, info in self.tops.items():
+            # The rows each chunked layout must give, planned together so that a stored chunk
+            # several segments need is read and decoded once.
+            chunked: dict[int, tuple[Layout, list[Need]]] = {}
             # The bytes of the whole destination, sliced per segment (a chunk of blocks drawn
             # from all over the file has hundreds of segments: this runs on the event loop).
             whole: memoryview | None = None
@@ -172,51 +178,32 @@ class HDF5Reader:
                     if layout.swap:
                         after.append(swapper(dest))
                 elif layout.path == "chunks":
-                    ranges += self._chunks(layout, seg.row_start, seg.row_stop, dest, info, about)
+                    chunked.setdefault(id(layout), (layout, []))[1].append(
+                        Need(seg.row_start, seg.row_stop, dest)
+                    )
+                    if layout.swap:
+                        after.append(swapper(dest))
                 else:
                     step = max(1, piece // max(1, info.row_bytes))
                     for r in range(seg.row_start, seg.row_stop, step):
                         r1 = min(seg.row_stop, r + step)
                         part = dest[r - seg.row_start : r1 - seg.row_start]
                         h5reads.append(H5pyRead(layout, r, r1, part, f"top {top!r}, rows {r}:{r1}"))
+            for layout, needs in chunked.values():
+                decoder = self._decoder(layout, info)
+                ranges += chunk_reads(layout, needs, decoder, f"top {top!r}", piece)
         return ranges, h5reads, after
 
     def _decoder(self, layout: Layout, info: TopInfo) -> ChunkDecoder:
         dec = self._decoders.get(id(layout))
         if dec is None:
             assert layout.chunks is not None
-            chunk_bytes = layout.chunks.rows * info.row_bytes
+            shape = layout.chunks.shape
+            chunk_bytes = info.dtype.itemsize * int(np.prod(shape, dtype=np.int64))
             dec = self._decoders[id(layout)] = ChunkDecoder(
-                layout.filters, info.dtype.itemsize, chunk_bytes
+                layout.filters, info.dtype.itemsize, chunk_bytes, shape
             )
         return dec
-
-    def _chunks(
-        self, layout: Layout, r0: int, r1: int, dest: np.ndarray, info: TopInfo, about: str
-    ) -> list[ByteRange]:
-        """One range per stored chunk covering rows ``r0:r1``, decoded into ``dest``."""
-        index = layout.chunks
-        assert index is not None
-        rows = index.rows
-        flat = dest.reshape(len(dest), -1).view(np.uint8)
-        last = len(index.offsets) - 1
-        unfiltered = (1 << len(layout.filters)) - 1  # every filter skipped
-        out = []
-        for k in range(r0 // rows, (r1 - 1) // rows + 1):
-            offset, size = int(index.offsets[k]), int(index.sizes[k])
-            mask = unfiltered if (index.raw_last and k == last) else int(index.masks[k])
-            a, b = max(r0, k * rows), min(r1, (k + 1) * rows)
-            what = f"{about}: stored chunk {k} ({size} bytes at offset {offset})"
-            place = Decode(
-                self._decoder(layout, info),
-                mask,
-                flat[a - r0 : b - r0],
-                a - k * rows,
-                info.dtype.newbyteorder("S") if layout.swap else None,
-                f"{index.file.name}: {what}",
-            )
-            out.append(ByteRange(index.file, offset, size, what, then=place))
-        return out
 
     # --- reading ------------------------------------------------------------------------------
 

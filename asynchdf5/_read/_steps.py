@@ -1,25 +1,23 @@
 """The steps of a read plan: what moves each piece of a chunk into its cache slot.
 
 Byte ranges straight into the slot's bytes (:func:`direct_ranges`, over a :func:`byte_view`),
-raw stored chunks decoded into it on a codec thread (:class:`Decode`), pieces h5py reads
-(:class:`H5pyRead`, checking afterwards the files HDF5 opened by name), and byte swaps after the
-bytes are in (:func:`swapper`). :class:`~asynchdf5._read.HDF5Reader` plans them.
+pieces h5py reads (:class:`H5pyRead`, checking afterwards the files HDF5 opened by name), and byte
+swaps after the bytes are in (:func:`swapper`); stored chunks are :mod:`._chunked`'s.
+:class:`~asynchdf5._read.HDF5Reader` plans them.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from .._codecs import ChecksumError, ChunkDecoder
 from .._errors import ReadError
 from .._layout import Layout
 from .._sources import ByteRange
 
-__all__ = ["Decode", "H5pyRead", "byte_view", "direct_ranges", "swapper"]
+__all__ = ["H5pyRead", "byte_view", "direct_ranges", "swapper"]
 
 
 def byte_view(a: np.ndarray) -> memoryview:
@@ -65,41 +63,6 @@ class H5pyRead:
                 dep.check(by_name=True)
         except ReadError as exc:
             raise ReadError(f"{self.about}: {exc}") from exc
-
-
-class Decode:
-    """Decode one stored chunk and copy its rows ``first:first + len(part)`` into ``part``
-    (rows of a slot, as bytes), byte-swapping them to ``swap_as`` if given. Runs on a codec
-    thread."""
-
-    __slots__ = ("decoder", "first", "mask", "part", "swap_as", "what")
-
-    def __init__(
-        self,
-        decoder: ChunkDecoder,
-        mask: int,
-        part: np.ndarray,
-        first: int,
-        swap_as: np.dtype[Any] | None,
-        what: str,
-    ) -> None:
-        self.decoder, self.mask, self.part, self.first = decoder, mask, part, first
-        self.swap_as, self.what = swap_as, what
-
-    def __call__(self, raw: bytes | memoryview) -> None:
-        try:
-            data = self.decoder.decode(raw, self.mask)
-        except ChecksumError as exc:
-            raise ReadError(f"{self.what}: {exc}") from exc
-        except Exception as exc:
-            # Each codec has its own error class (deflate.DeflateError, isal's IsalError,
-            # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
-            raise ReadError(f"{self.what} does not decode: {type(exc).__name__}: {exc}") from exc
-        part = self.part
-        rows = data.reshape(-1, part.shape[1])
-        part[...] = rows[self.first : self.first + len(part)]
-        if self.swap_as is not None:
-            part.view(self.swap_as).byteswap(inplace=True)
 
 
 def direct_ranges(

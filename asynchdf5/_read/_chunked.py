@@ -1,0 +1,217 @@
+"""Stored chunks into a cache slot, outside h5py's lock: the reads of the ``chunks`` path.
+
+Where each chunk is comes from HDF5's chunk index, taken at open (:class:`~.._layout.ChunkIndex`);
+nothing here computes a chunk's place. Two kinds of reads:
+
+* **Unfiltered chunks holding whole samples** are contiguous pieces of the rows: the rows a
+  chunk read needs are fetched straight into the slot, and neighbouring chunks that are adjacent
+  in the file are one request (up to the source's ``piece_bytes``), as for contiguous data.
+* **Everything else** (filtered chunks, chunks that split the samples) is read in *runs*:
+  chunks adjacent in the file, up to :data:`RUN_BYTES` stored bytes (at least one chunk), fetched
+  as one request and decoded on the reader's pool of threads, each chunk once however many of its
+  rows the read needs, straight into the slot (a last shuffle undone by that same copy). Where
+  chunks split the samples, a *band* (every chunk of a run of rows) holds whole samples: written
+  one after the other, as h5py does, a band is one run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._codecs import ChecksumError, ChunkDecoder
+from .._errors import ReadError
+from .._layout import ChunkIndex, Layout
+from .._sources import ByteRange
+from ._steps import byte_view
+
+__all__ = ["RUN_BYTES", "ChunkRun", "Need", "chunk_reads"]
+
+#: Stored bytes fetched as one request and decoded as one task at most (unless one chunk is
+#: larger): large enough that a request and a task cost little per byte, small enough that a
+#: cache chunk's runs keep every decoding thread busy.
+RUN_BYTES = 2 * 2**20
+
+
+@dataclass(frozen=True)
+class Need:
+    """Rows ``start:stop`` of a top in one file, to land in ``dest`` (one row per row)."""
+
+    start: int
+    stop: int
+    dest: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Rows ``first:first + n`` of a decoded chunk into ``into`` (a uint8 view of the slot,
+    ``(n, *cut, itemsize)``), from the chunk's elements ``[first:first + n, :cut...]``."""
+
+    first: int
+    n: int
+    into: np.ndarray
+
+
+class ChunkRun:
+    """Decode the stored chunks of one run and copy their rows into the slot (on a codec thread).
+
+    ``items``: for each chunk, its place in the run's bytes, its filter mask, what error
+    messages call it, and where its rows go.
+    """
+
+    __slots__ = ("decoder", "items")
+
+    def __init__(
+        self,
+        decoder: ChunkDecoder,
+        items: list[tuple[int, int, int, str, list[_Place]]],
+    ) -> None:
+        self.decoder, self.items = decoder, items
+
+    def __call__(self, raw: bytes | memoryview) -> None:
+        view = memoryview(raw).cast("B") if isinstance(raw, memoryview) else memoryview(raw)
+        for at, size, mask, what, places in self.items:
+            try:
+                elements = self.decoder.elements(view[at : at + size], mask)
+            except ChecksumError as exc:
+                raise ReadError(f"{what}: {exc}") from exc
+            except Exception as exc:
+                # Each codec has its own error class (deflate.DeflateError, isal's IsalError,
+                # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
+                raise ReadError(f"{what} does not decode: {type(exc).__name__}: {exc}") from exc
+            for p in places:
+                cut = tuple(slice(0, n) for n in p.into.shape[1:-1])
+                np.copyto(p.into, elements[(slice(p.first, p.first + p.n), *cut)])
+
+
+def chunk_reads(
+    layout: Layout,
+    needs: Sequence[Need],
+    decoder: ChunkDecoder,
+    about: str,
+    piece_bytes: int,
+    run_bytes: int = RUN_BYTES,
+) -> list[ByteRange]:
+    """The byte ranges that put ``needs`` (disjoint rows of one top of one file) in their
+    destinations. Byte order is left as stored (the caller swaps afterwards)."""
+    index = layout.chunks
+    assert index is not None
+    if not layout.filters and not index.splits_samples:
+        return _direct(index, needs, decoder.itemsize, about, piece_bytes)
+    return _runs(index, needs, decoder, about, run_bytes)
+
+
+def _direct(
+    index: ChunkIndex, needs: Sequence[Need], itemsize: int, about: str, piece_bytes: int
+) -> list[ByteRange]:
+    """Unfiltered whole-sample chunks: each need's rows read in place, one request for rows of
+    neighbouring chunks adjacent in the file."""
+    rows = index.rows
+    rb = itemsize * int(np.prod(index.sample_shape, dtype=np.int64))
+    out: list[ByteRange] = []
+    for need in needs:
+        view = byte_view(need.dest)
+        what = f"{about}, rows {need.start}:{need.stop}"
+        start = end = -1  # the file bytes of the range being built ...
+        at = 0  # ... and where they land in `view`
+        for k in range(need.start // rows, (need.stop - 1) // rows + 1):
+            a, b = max(need.start, k * rows), min(need.stop, (k + 1) * rows)
+            offset = int(index.offsets[k, 0]) + (a - k * rows) * rb
+            size = (b - a) * rb
+            if offset == end and end - start + size <= piece_bytes:
+                end += size
+                continue
+            if end > start:
+                out.append(
+                    ByteRange(
+                        index.file, start, end - start, what, into=view[at : at + end - start]
+                    )
+                )
+                at += end - start
+            start, end = offset, offset + size
+        if end > start:
+            out.append(
+                ByteRange(index.file, start, end - start, what, into=view[at : at + end - start])
+            )
+    return out
+
+
+def _runs(
+    index: ChunkIndex, needs: Sequence[Need], decoder: ChunkDecoder, about: str, run_bytes: int
+) -> list[ByteRange]:
+    """Filtered or sample-splitting chunks: each needed chunk once, in runs of chunks adjacent
+    in the file."""
+    rows, itemsize = index.rows, decoder.itemsize
+    rest = index.shape[1:]
+    grid = tuple(-(-n // c) for n, c in zip(index.sample_shape, rest, strict=True))
+    # Where chunk j of a band lands in a sample: its slices, and how much of it is inside.
+    tiles: list[tuple[tuple[slice, ...], tuple[int, ...]]] = []
+    for j in range(index.band):
+        at = np.unravel_index(j, grid) if grid else ()
+        starts = [int(i) * c for i, c in zip(at, rest, strict=True)]
+        cut = tuple(min(c, n - s) for s, c, n in zip(starts, rest, index.sample_shape, strict=True))
+        tiles.append((tuple(slice(s, s + c) for s, c in zip(starts, cut, strict=True)), cut))
+    # Each row chunk, with the rows of each need it holds.
+    wanted: dict[int, list[tuple[Need, int, int]]] = {}
+    shaped = [
+        (need, need.dest.view(np.uint8).reshape(len(need.dest), *index.sample_shape, itemsize))
+        for need in needs
+    ]
+    for need, _ in shaped:
+        for k in range(need.start // rows, (need.stop - 1) // rows + 1):
+            a, b = max(need.start, k * rows), min(need.stop, (k + 1) * rows)
+            wanted.setdefault(k, []).append((need, a, b))
+    bytes_of = {id(need): u8 for need, u8 in shaped}
+    chunks: list[tuple[int, int, int, str, list[_Place]]] = []
+    for k, parts in wanted.items():
+        for j, (where, _) in enumerate(tiles):
+            places = [
+                _Place(
+                    a - k * rows,
+                    b - a,
+                    bytes_of[id(need)][(slice(a - need.start, b - need.start), *where)],
+                )
+                for need, a, b in parts
+            ]
+            offset, size = int(index.offsets[k, j]), int(index.sizes[k, j])
+            lo, hi = min(a for _, a, _ in parts), max(b for _, _, b in parts)
+            what = (
+                f"{about}, rows {lo}:{hi}: stored chunk {k}"
+                + (f", {j} of its band" if index.band > 1 else "")
+                + f" ({size} bytes at offset {offset})"
+            )
+            chunks.append((offset, size, int(index.masks[k, j]), what, places))
+    chunks.sort(key=lambda c: c[0])
+    out: list[ByteRange] = []
+    run: list[tuple[int, int, int, str, list[_Place]]] = []
+    start = end = 0
+    for c in chunks:
+        offset, size = c[0], c[1]
+        if run and (offset != end or end - start + size > run_bytes):
+            out.append(_range(index, decoder, run, start, end, about))
+            run = []
+        if not run:
+            start = end = offset
+        run.append(c)
+        end += size
+    if run:
+        out.append(_range(index, decoder, run, start, end, about))
+    return out
+
+
+def _range(
+    index: ChunkIndex,
+    decoder: ChunkDecoder,
+    run: list[tuple[int, int, int, str, list[_Place]]],
+    start: int,
+    end: int,
+    about: str,
+) -> ByteRange:
+    name = index.file.name
+    items = [
+        (at - start, size, mask, f"{name}: {what}", places) for at, size, mask, what, places in run
+    ]
+    what = run[0][3] if len(run) == 1 else f"{about}: {len(run)} stored chunks at offset {start}"
+    return ByteRange(index.file, start, end - start, what, then=ChunkRun(decoder, items))
