@@ -116,6 +116,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             "several weighted streams in one layer against one stream",
         ),
         Benchmark(
+            "layouts",
+            "benchmarks.layouts:bench",
+            "contiguous, chunked, gzip, lzf, split-sample chunks: the layer against the limits",
+        ),
+        Benchmark(
             "mixing-cold",
             "benchmarks.mixing_cold:bench",
             "three streams against one source, out of core: cold, in a memory cgroup",

@@ -1,0 +1,206 @@
+"""The readers of the ``layouts`` benchmark, in one child process per mode:
+``python -m benchmarks._layouts_child JOB.json RESULT.json``.
+
+The child imports what the readers need, joins the memory cgroup named in the job (if any), then,
+for each layout of the job, runs the readers one after the other, ``rounds`` times (so that
+reference and layer alternate): ``cold`` evicts the layout's files before each reader. Every batch
+is touched (one value of each sample summed) so that no lazy path is flattered.
+
+- ``raw``: one thread, ``os.preadv`` of the layout's stored bytes (every chunk, or the contiguous
+  extent; adjacent ranges merged) in pieces of at most 8 MiB into one buffer: the read limit of
+  the same bytes.
+- ``h5py``: what a user writes, ``dset[i:i + 256]`` of every top, in order.
+- ``decode``: (filtered layouts, warm only) the stored chunks, already in memory, decoded by
+  ``asynchdf5``'s own decoder on as many threads as there are cores: the decode limit.
+- ``layer``: a fresh :class:`asynchdf5.AsyncHDF5DataLayer` (shuffled, batch 256, default
+  properties), epochs 1 and 2, and the time from its construction to the first batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+BATCH = 256
+PIECE = 8 * 2**20
+TOPS = ("data", "label")
+
+
+def _stored(paths: list[str]) -> tuple[list[tuple[str, int, int]], Any]:
+    """The tops' stored byte ranges (merged where adjacent) and the catalog."""
+    from asynchdf5._catalog import build_catalog
+    from asynchdf5._cli._limits import stored_ranges
+    from asynchdf5._sources import LocalSource
+
+    source = LocalSource()
+    try:
+        catalog = build_catalog(source, paths, TOPS)
+        return stored_ranges(catalog), catalog
+    finally:
+        source.close()
+
+
+def raw(paths: list[str], n: int) -> dict[str, Any]:
+    ranges, _ = _stored(paths)
+    buf = bytearray(PIECE)
+    view = memoryview(buf)
+    fds = {p: os.open(p, os.O_RDONLY) for p in {r[0] for r in ranges}}
+    try:
+        t0 = time.perf_counter()
+        total = 0
+        for name, offset, size in ranges:
+            at = 0
+            while at < size:
+                got = os.preadv(fds[name], [view[: min(PIECE, size - at)]], offset + at)
+                if got <= 0:
+                    raise OSError(f"{name}: short read at {offset + at}")
+                at += got
+            total += size
+        seconds = time.perf_counter() - t0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {"rate": n / seconds, "seconds": seconds, "bytes": total}
+
+
+def h5py_in_order(paths: list[str], n: int) -> dict[str, Any]:
+    import h5py
+
+    t0 = time.perf_counter()
+    touched = 0.0
+    first = None
+    for p in paths:
+        with h5py.File(p, "r") as f:
+            d, lab = f["data"], f["label"]
+            for i in range(0, d.shape[0], BATCH):
+                x, y = d[i : i + BATCH], lab[i : i + BATCH]
+                touched += float(x[:, 0].sum()) + float(y[0])
+                if first is None:
+                    first = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    return {"rate": n / seconds, "seconds": seconds, "first_batch_s": first}
+
+
+def decode(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
+    """The decode limit: stored chunks of ``data`` (up to ``most_bytes`` of them) decoded on
+    every core, from memory; None for an unfiltered layout."""
+    from asynchdf5._codecs import ChunkDecoder
+
+    _, catalog = _stored(paths)
+    layout = catalog.files[0].layouts["data"]
+    index = layout.chunks
+    if layout.path != "chunks" or index is None or not layout.filters:
+        return None
+    info = catalog.tops["data"]
+    shape = index.shape
+    chunk_bytes = info.dtype.itemsize * int(np.prod(shape))
+    decoder = ChunkDecoder(layout.filters, info.dtype.itemsize, chunk_bytes, shape)
+    fd = os.open(index.file.name, os.O_RDONLY)
+    raws: list[tuple[bytes, int]] = []
+    held = 0
+    try:
+        stored = zip(index.offsets.ravel(), index.sizes.ravel(), index.masks.ravel(), strict=True)
+        for o, s, m in stored:
+            if held >= most_bytes:
+                break
+            raws.append((os.pread(fd, int(s), int(o)), int(m)))
+            held += int(s)
+    finally:
+        os.close(fd)
+    out = np.empty(chunk_bytes, np.uint8)
+
+    def one(item: tuple[bytes, int]) -> None:
+        decoded = decoder.elements(item[0], item[1])  # as the reader does: shuffle undone on copy
+        np.copyto(out.reshape(decoded.shape), decoded)
+
+    threads = os.cpu_count() or 1
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(one, raws))
+        seconds = time.perf_counter() - t0
+    samples = len(raws) * chunk_bytes / info.row_bytes
+    return {"rate": samples / seconds, "seconds": seconds, "threads": threads, "chunks": len(raws)}
+
+
+def layer(source: str, n: int) -> dict[str, Any]:
+    import anyio
+
+    import asynchdf5
+
+    out: dict[str, Any] = {}
+
+    async def run() -> None:
+        t0 = time.perf_counter()
+        lay = asynchdf5.AsyncHDF5DataLayer(source, batch_size=BATCH, shuffle=True, seed=0)
+        async with lay:
+            epochs = []
+            for _ in range(2):
+                t = time.perf_counter()
+                seen, touched = 0, 0.0
+                async for batch in lay:
+                    if "first_batch_s" not in out:
+                        out["first_batch_s"] = time.perf_counter() - t0
+                    touched += float(batch["data"][:, 0].sum())
+                    seen += len(batch.indices)
+                if seen != n:
+                    raise AssertionError(f"an epoch yielded {seen} samples of {n}")
+                start = t0 if not epochs else t  # epoch 1 from construction: opening included
+                epochs.append(n / (time.perf_counter() - start))
+            out["epochs"] = epochs
+            out["read_paths"] = dict(lay.stats.read_paths)
+            out["bottleneck"] = lay.stats.bottleneck()
+
+    anyio.run(run)
+    out["rate"] = out["epochs"][0]
+    return out
+
+
+def main(argv: list[str]) -> int:
+    job_path, result_path = argv
+    with open(job_path) as f:
+        job = json.load(f)
+    import anyio  # noqa: F401  # imported before joining the cgroup
+    import h5py  # noqa: F401
+
+    import asynchdf5  # noqa: F401
+    from benchmarks.page_cache import evict
+
+    if job.get("cgroup_procs"):
+        from benchmarks.cgroups import join
+
+        join(job["cgroup_procs"])
+    cold = bool(job["cold"])
+    results: dict[str, Any] = {}
+    for name, lay in job["layouts"].items():
+        paths, source, n = lay["paths"], lay["source"], lay["samples"]
+        runs: dict[str, list[dict[str, Any]]] = {"raw": [], "h5py": [], "layer": []}
+        if not cold:
+            raw(paths, n)  # warm: every stored byte in the page cache first
+            found = decode(paths, n, job["decode_bytes"])
+            if found is not None:
+                runs["decode"] = [found]
+        for _ in range(job["rounds"]):
+            for reader in ("raw", "h5py", "layer"):
+                if cold:
+                    for p in paths:
+                        evict(p)
+                if reader == "raw":
+                    runs[reader].append(raw(paths, n))
+                elif reader == "h5py":
+                    runs[reader].append(h5py_in_order(paths, n))
+                else:
+                    runs[reader].append(layer(source, n))
+        results[name] = runs
+    with open(result_path, "w") as f:
+        json.dump({"layouts": results, "load_end": os.getloadavg()}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
