@@ -85,6 +85,25 @@ def test_inspect_shows_the_layers_read_path(
         assert "OK: the layer reads data by " + LAYOUTS[layout] in text
 
 
+@pytest.mark.parametrize(("chunks", "hint"), [((313, 63), False), ((16, 8), True)])
+def test_split_sample_chunks_are_read_in_bands_and_hinted_only_when_small(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], chunks: tuple[int, int], hint: bool
+) -> None:
+    """AnnData's gzip ``X`` (chunks of 313 x 63) is read a band at a time, as fast as whole-sample
+    chunks of its rows: repacking would not pay. Chunks of a few KiB still cost a call each."""
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        f.create_dataset(
+            "data", data=np.zeros((700, 100), np.float32), chunks=chunks, compression="gzip"
+        )
+        f.create_dataset("label", data=np.arange(700))
+    status, doc = inspect_json(capsys, tmp_path / "x.h5")
+    assert status == 0
+    data = doc["files"][0]["tops"][0]
+    assert data["read_path"] == "chunks" and "band" in data["reason"]
+    assert bool(data["hints"]) is hint
+    assert not hint or "splits each sample" in data["hints"][0]
+
+
 def test_inspect_hints_for_slow_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     n = 400
     with h5py.File(tmp_path / "slow.h5", "w") as f:
