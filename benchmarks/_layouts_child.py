@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -90,7 +91,7 @@ def h5py_in_order(paths: list[str], n: int) -> dict[str, Any]:
 def decode(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
     """The decode limit: stored chunks of ``data`` (up to ``most_bytes`` of them) decoded on
     every core, from memory; None for an unfiltered layout."""
-    from asynchdf5._codecs import ChunkDecoder
+    from asynchdf5._codecs import ChunkDecoder, copy_elements
 
     _, catalog = _stored(paths)
     layout = catalog.files[0].layouts["data"]
@@ -113,11 +114,19 @@ def decode(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
             held += int(s)
     finally:
         os.close(fd)
-    out = np.empty(chunk_bytes, np.uint8)
 
     def one(item: tuple[bytes, int]) -> None:
+        out = scratch()
         decoded = decoder.elements(item[0], item[1])  # as the reader does: shuffle undone on copy
-        np.copyto(out.reshape(decoded.shape), decoded)
+        copy_elements(out.reshape(decoded.shape), decoded)
+
+    local = threading.local()
+
+    def scratch() -> np.ndarray:  # as the reader's slot: memory of this thread's, reused
+        if not hasattr(local, "out"):
+            local.out = np.empty(chunk_bytes, np.uint8)
+        out: np.ndarray = local.out
+        return out
 
     threads = os.cpu_count() or 1
     with ThreadPoolExecutor(threads) as pool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._codecs import ChecksumError, ChunkDecoder
+from .._codecs import ChecksumError, ChunkDecoder, copy_elements
 from .._errors import ReadError
 from .._layout import ChunkIndex, Layout
 from .._sources import ByteRange
@@ -83,7 +83,7 @@ class ChunkRun:
                 raise ReadError(f"{what} does not decode: {type(exc).__name__}: {exc}") from exc
             for p in places:
                 cut = tuple(slice(0, n) for n in p.into.shape[1:-1])
-                np.copyto(p.into, elements[(slice(p.first, p.first + p.n), *cut)])
+                copy_elements(p.into, elements[(slice(p.first, p.first + p.n), *cut)])
 
 
 def chunk_reads(
