@@ -510,15 +510,19 @@ def _hdf5_lib() -> Any:
     pytest.skip("the libhdf5 that h5py loaded was not found")
 
 
-async def test_partial_chunks_stored_unfiltered_are_read(tmp_path: Path) -> None:
-    """``H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS``: the last, partial gzip chunk is stored raw."""
+@pytest.mark.parametrize(("shape", "chunk"), [((2,), (100, 2)), ((5,), (100, 3))])
+async def test_partial_chunks_stored_unfiltered_are_read(
+    tmp_path: Path, shape: tuple[int, ...], chunk: tuple[int, int]
+) -> None:
+    """``H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS``: the last, partial gzip chunk is stored raw; with
+    chunks that split the samples, so is every chunk of the last band and of the last column."""
     lib = _hdf5_lib()
     lib.H5Pset_chunk_opts.argtypes = [ctypes.c_int64, ctypes.c_uint]
-    data = rows(0, 1003)
+    data = rows(0, 1003, shape)
     path = tmp_path / "partial.h5"
     with h5py.File(path, "w") as f:
         dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        dcpl.set_chunk((100, 2))
+        dcpl.set_chunk(chunk)
         dcpl.set_deflate(4)
         assert lib.H5Pset_chunk_opts(dcpl.id, 0x0002) >= 0
         space = h5py.h5s.create_simple(data["data"].shape)
@@ -526,13 +530,15 @@ async def test_partial_chunks_stored_unfiltered_are_read(tmp_path: Path) -> None
         h5py.Dataset(dsid)[...] = data["data"]
         f.create_dataset("label", data=data["label"], chunks=(100,), compression="gzip")
     with h5py.File(path) as f:  # the last chunk really is stored raw
-        last = f["data"].id.get_chunk_info(10)
-        assert last.size == 100 * 2 * 4 and last.filter_mask == 0
-    async with AsyncHDF5DataLayer([path], batch_size=64) as layer:
+        last = f["data"].id.get_chunk_info_by_coord((1000, 0))
+        assert last.size == 100 * chunk[1] * 4 and last.filter_mask == 0
+    async with AsyncHDF5DataLayer([path], batch_size=64, shuffle=True, seed=2) as layer:
         assert layer.stats.read_paths["data"] == "chunks"
         got, err = await epoch_until_error(layer)
     assert err is None
     check_epoch(got, 1003, 64, 0)
+    for b in got:  # every column, the raw edge ones included
+        np.testing.assert_array_equal(b["data"], data["data"][b.indices])
 
 
 async def test_type_stored_with_other_precision_is_converted(tmp_path: Path) -> None:

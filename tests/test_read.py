@@ -106,16 +106,19 @@ async def test_read_path_and_values_match_h5py(tmp_path: Path, name: str) -> Non
     with h5py.File(path, "r") as f:
         reference = f["data"][()]
     np.testing.assert_array_equal(reference, data)
-    layer = AsyncHDF5DataLayer(path, batch_size=128, chunk_size=700, shuffle=True, seed=4)
-    async with layer:
-        seen = np.zeros(n, bool)
-        async for batch in layer:
-            assert batch["data"].dtype == np.float32
-            np.testing.assert_array_equal(batch["data"], reference[batch.indices])
-            np.testing.assert_array_equal(batch["label"], batch.indices)
-            seen[batch.indices] = True
-        assert seen.all()
-        assert layer.stats.read_paths["data"] == path_expected
+    # Streaming (chunks of 700 samples, read into cache slots) and resident (read once).
+    for chunk_size in (700, None):
+        kw: dict[str, Any] = {} if chunk_size is None else {"chunk_size": chunk_size}
+        layer = AsyncHDF5DataLayer(path, batch_size=128, shuffle=True, seed=4, **kw)
+        async with layer:
+            seen = np.zeros(n, np.int64)
+            async for batch in layer:
+                assert batch["data"].dtype == np.float32
+                np.testing.assert_array_equal(batch["data"], reference[batch.indices])
+                np.testing.assert_array_equal(batch["label"], batch.indices)
+                np.add.at(seen, batch.indices, 1)
+            assert (seen == 1).all()  # exactly once
+            assert layer.stats.read_paths["data"] == path_expected
         if path_expected == "h5py":
             assert layer.stats.read_notes["data"]
 
