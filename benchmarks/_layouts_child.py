@@ -148,7 +148,7 @@ def layer(source: str, n: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         lay = asynchdf5.AsyncHDF5DataLayer(source, batch_size=BATCH, shuffle=True, seed=0)
         async with lay:
-            epochs = []
+            epochs: list[float] = []
             for _ in range(2):
                 t = time.perf_counter()
                 seen, touched = 0, 0.0

@@ -82,8 +82,8 @@ class ChunkRun:
                 # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
                 raise ReadError(f"{what} does not decode: {type(exc).__name__}: {exc}") from exc
             for p in places:
-                cut = tuple(slice(0, n) for n in p.into.shape[1:-1])
-                copy_elements(p.into, elements[(slice(p.first, p.first + p.n), *cut)])
+                rows = (slice(p.first, p.first + p.n), *(slice(0, n) for n in p.into.shape[1:-1]))
+                copy_elements(p.into, elements[rows])
 
 
 def chunk_reads(
@@ -167,14 +167,10 @@ def _runs(
     chunks: list[tuple[int, int, int, str, list[_Place]]] = []
     for k, parts in wanted.items():
         for j, (where, _) in enumerate(tiles):
-            places = [
-                _Place(
-                    a - k * rows,
-                    b - a,
-                    bytes_of[id(need)][(slice(a - need.start, b - need.start), *where)],
-                )
-                for need, a, b in parts
-            ]
+            places = []
+            for need, a, b in parts:
+                region = (slice(a - need.start, b - need.start), *where)
+                places.append(_Place(a - k * rows, b - a, bytes_of[id(need)][region]))
             offset, size = int(index.offsets[k, j]), int(index.sizes[k, j])
             lo, hi = min(a for _, a, _ in parts), max(b for _, _, b in parts)
             what = (
