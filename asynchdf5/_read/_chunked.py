@@ -54,6 +54,20 @@ class _Place:
     into: np.ndarray
 
 
+@dataclass(frozen=True)
+class _Stored:
+    """One stored chunk a read needs: where it is, its filter mask, what error messages call it,
+    where its rows go, and the rows of the top (``lo:hi``) it gives."""
+
+    offset: int
+    size: int
+    mask: int
+    what: str
+    places: list[_Place]
+    lo: int
+    hi: int
+
+
 class ChunkRun:
     """Decode the stored chunks of one run and copy their rows into the slot (on a codec thread).
 
@@ -164,7 +178,7 @@ def _runs(
             a, b = max(need.start, k * rows), min(need.stop, (k + 1) * rows)
             wanted.setdefault(k, []).append((need, a, b))
     bytes_of = {id(need): u8 for need, u8 in shaped}
-    chunks: list[tuple[int, int, int, str, list[_Place]]] = []
+    chunks: list[_Stored] = []
     for k, parts in wanted.items():
         for j, (where, _) in enumerate(tiles):
             places = []
@@ -178,13 +192,13 @@ def _runs(
                 + (f", {j} of its band" if index.band > 1 else "")
                 + f" ({size} bytes at offset {offset})"
             )
-            chunks.append((offset, size, int(index.masks[k, j]), what, places))
-    chunks.sort(key=lambda c: c[0])
+            chunks.append(_Stored(offset, size, int(index.masks[k, j]), what, places, lo, hi))
+    chunks.sort(key=lambda c: c.offset)
     out: list[ByteRange] = []
-    run: list[tuple[int, int, int, str, list[_Place]]] = []
+    run: list[_Stored] = []
     start = end = 0
     for c in chunks:
-        offset, size = c[0], c[1]
+        offset, size = c.offset, c.size
         if run and (offset != end or end - start + size > run_bytes):
             out.append(_range(index, decoder, run, start, end, about))
             run = []
@@ -198,16 +212,14 @@ def _runs(
 
 
 def _range(
-    index: ChunkIndex,
-    decoder: ChunkDecoder,
-    run: list[tuple[int, int, int, str, list[_Place]]],
-    start: int,
-    end: int,
-    about: str,
+    index: ChunkIndex, decoder: ChunkDecoder, run: list[_Stored], start: int, end: int, about: str
 ) -> ByteRange:
     name = index.file.name
-    items = [
-        (at - start, size, mask, f"{name}: {what}", places) for at, size, mask, what, places in run
-    ]
-    what = run[0][3] if len(run) == 1 else f"{about}: {len(run)} stored chunks at offset {start}"
+    items = [(c.offset - start, c.size, c.mask, f"{name}: {c.what}", c.places) for c in run]
+    lo, hi = min(c.lo for c in run), max(c.hi for c in run)
+    what = (
+        run[0].what
+        if len(run) == 1
+        else f"{about}, rows {lo}:{hi}: {len(run)} stored chunks at offset {start}"
+    )
     return ByteRange(index.file, start, end - start, what, then=ChunkRun(decoder, items))
