@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-__all__ = ["MAP_FAILED", "free_arrays", "libc_madvise", "libc_mmap"]
+__all__ = ["MAP_FAILED", "free_arrays", "libc_madvise", "libc_mmap", "populate"]
 
 #: How :func:`free_arrays` gives pages back (``None`` where the platform has no such advice).
 _DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)
@@ -47,6 +47,25 @@ def free_arrays(arrays: Iterable[np.ndarray]) -> None:
         m = root.base.obj if isinstance(root.base, memoryview) else None
         if isinstance(m, mmap.mmap) and not m.closed and root.nbytes:
             madvise(root.__array_interface__["data"][0], root.nbytes, _DONTNEED)
+
+
+#: ``MADV_POPULATE_WRITE`` (Linux 5.14): fault a range's pages in, writable, in one call.
+_POPULATE_WRITE = 23
+_PAGE = mmap.PAGESIZE
+
+
+def populate(buffer: memoryview) -> None:
+    """Fault in the pages of ``buffer`` (writable, never written yet) in one call, before a read
+    writes them: written one fault at a time, fresh pages cost more than the read itself on some
+    VMs (a ``preadv`` into fresh memory moved 0.4-1 GiB/s here, 2 GiB/s after this, 9 GiB/s into
+    memory already written). Only for fresh memory: on pages already there it still walks them.
+    Advice only: where the kernel or the platform has none, nothing happens."""
+    madvise = libc_madvise()
+    if madvise is None or not buffer.nbytes or buffer.readonly:
+        return
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    start = address - address % _PAGE  # the page the buffer starts in is written too
+    madvise(start, address + buffer.nbytes - start, _POPULATE_WRITE)
 
 
 @functools.cache

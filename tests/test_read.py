@@ -244,3 +244,22 @@ def test_lzf_is_decoded_by_h5pys_own_liblzf() -> None:
     np.testing.assert_array_equal(np.frombuffer(decode(raw, data.nbytes), np.int32), data)
     with pytest.raises(ValueError, match="LZF"):
         decode(raw[: len(raw) // 2], data.nbytes)
+
+
+def test_populating_fresh_memory_keeps_what_is_there() -> None:
+    """:func:`populate` (the resident reader's advice before a read into fresh pages) faults
+    pages in and changes no byte, whatever the buffer's alignment; a read-only buffer is left
+    alone."""
+    import mmap
+
+    from asynchdf5._pages import populate
+
+    m = mmap.mmap(-1, 5 * mmap.PAGESIZE)
+    a = np.frombuffer(m, np.uint8)
+    a[: mmap.PAGESIZE + 10] = 7  # a page written, and part of the next
+    view = memoryview(m)[mmap.PAGESIZE + 5 : 4 * mmap.PAGESIZE - 3]
+    populate(view)
+    assert (a[: mmap.PAGESIZE + 10] == 7).all() and (a[mmap.PAGESIZE + 10 :] == 0).all()
+    populate(memoryview(b"read-only"))
+    del view, a
+    m.close()

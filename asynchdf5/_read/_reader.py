@@ -215,6 +215,9 @@ class HDF5Reader:
     ) -> int:
         """Read global rows into ``arrays`` (see :meth:`plan_reads`); returns the bytes read."""
         ranges, h5reads, after = self.plan_reads(placed, arrays)
+        if self.resident is not None:  # rows read once, into memory never written before
+            for r in ranges:
+                r.fresh = r.into is not None
         if self._pool is None and ranges:
             self._pool = ThreadPoolExecutor(
                 self._decode_threads, "asynchdf5-decode", initializer=background

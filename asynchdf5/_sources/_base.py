@@ -146,6 +146,9 @@ class ByteRange:
     about: str
     into: memoryview | None = None
     then: Callable[[bytes | memoryview], None] | None = None
+    #: ``into`` was never written (a resident array's rows, read once): a local source faults
+    #: its pages in at once before reading (:func:`~.._pages.populate`).
+    fresh: bool = False
 
 
 class Source(Protocol):

@@ -24,6 +24,7 @@ import anyio
 import anyio.to_thread
 
 from .._errors import DataLayerError, ReadError, SourceError
+from .._pages import populate
 from .._priority import background
 from .._stats import ReadStats
 from ._base import HDF5_SIGNATURE, ByteRange, StoredFile, Streaming, signature_offsets
@@ -250,6 +251,8 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: Streaming | None =
             if r.into is not None:
                 if not (id(r) in direct and _read_direct(f, r)):
                     direct.discard(id(r))  # refused: read through the page cache
+                    if r.fresh:
+                        populate(r.into)
                     _preadv(f, r)
                 if r.then is not None:
                     r.then(r.into)
