@@ -24,6 +24,7 @@ import numpy as np
 from .._codecs import ChecksumError, ChunkDecoder, copy_elements
 from .._errors import ReadError
 from .._layout import ChunkIndex, Layout
+from .._pages import populate
 from .._sources import ByteRange
 from ._steps import byte_view
 
@@ -52,6 +53,9 @@ class _Place:
     first: int
     n: int
     into: np.ndarray
+    #: The destination's rows (all of each sample), never written before: faulted in at once
+    #: before the copy (:func:`~.._pages.populate`), for a resident data set's first read.
+    fresh: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,8 @@ class ChunkRun:
                 # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
                 raise ReadError(f"{what} does not decode: {type(exc).__name__}: {exc}") from exc
             for p in places:
+                if p.fresh is not None:
+                    populate(byte_view(p.fresh))
                 rows = (slice(p.first, p.first + p.n), *(slice(0, n) for n in p.into.shape[1:-1]))
                 copy_elements(p.into, elements[rows])
 
@@ -107,14 +113,20 @@ def chunk_reads(
     about: str,
     piece_bytes: int,
     run_bytes: int = RUN_BYTES,
+    *,
+    fresh: bool = False,
 ) -> list[ByteRange]:
     """The byte ranges that put ``needs`` (disjoint rows of one top of one file) in their
-    destinations. Byte order is left as stored (the caller swaps afterwards)."""
+    destinations. Byte order is left as stored (the caller swaps afterwards). ``fresh``: the
+    destinations were never written (a resident data set's rows, read once)."""
     index = layout.chunks
     assert index is not None
     if not layout.filters and not index.splits_samples:
-        return _direct(index, needs, decoder.itemsize, about, piece_bytes)
-    return _runs(index, needs, decoder, about, run_bytes)
+        ranges = _direct(index, needs, decoder.itemsize, about, piece_bytes)
+        for r in ranges:
+            r.fresh = fresh
+        return ranges
+    return _runs(index, needs, decoder, about, run_bytes, fresh)
 
 
 def _direct(
@@ -153,7 +165,12 @@ def _direct(
 
 
 def _runs(
-    index: ChunkIndex, needs: Sequence[Need], decoder: ChunkDecoder, about: str, run_bytes: int
+    index: ChunkIndex,
+    needs: Sequence[Need],
+    decoder: ChunkDecoder,
+    about: str,
+    run_bytes: int,
+    fresh: bool,
 ) -> list[ByteRange]:
     """Filtered or sample-splitting chunks: each needed chunk once, in runs of chunks adjacent
     in the file."""
@@ -183,8 +200,11 @@ def _runs(
         for j, (where, _) in enumerate(tiles):
             places = []
             for need, a, b in parts:
+                u8 = bytes_of[id(need)]
                 region = (slice(a - need.start, b - need.start), *where)
-                places.append(_Place(a - k * rows, b - a, bytes_of[id(need)][region]))
+                # The first chunk of a band faults the rows in for all of them.
+                new = u8[a - need.start : b - need.start] if fresh and j == 0 else None
+                places.append(_Place(a - k * rows, b - a, u8[region], new))
             offset, size = int(index.offsets[k, j]), int(index.sizes[k, j])
             lo, hi = min(a for _, a, _ in parts), max(b for _, _, b in parts)
             what = (

@@ -191,7 +191,9 @@ class HDF5Reader:
                         h5reads.append(H5pyRead(layout, r, r1, part, f"top {top!r}, rows {r}:{r1}"))
             for layout, needs in chunked.values():
                 decoder = self._decoder(layout, info)
-                ranges += chunk_reads(layout, needs, decoder, f"top {top!r}", piece)
+                ranges += chunk_reads(
+                    layout, needs, decoder, f"top {top!r}", piece, fresh=self.resident is not None
+                )
         return ranges, h5reads, after
 
     def _decoder(self, layout: Layout, info: TopInfo) -> ChunkDecoder:
