@@ -7,11 +7,12 @@ nothing here computes a chunk's place. Two kinds of reads:
   chunk read needs are fetched straight into the slot, and neighbouring chunks that are adjacent
   in the file are one request (up to the source's ``piece_bytes``), as for contiguous data.
 * **Everything else** (filtered chunks, chunks that split the samples) is read in *runs*:
-  chunks adjacent in the file, up to :data:`RUN_BYTES` stored bytes (at least one chunk), fetched
-  as one request and decoded on the reader's pool of threads, each chunk once however many of its
-  rows the read needs, straight into the slot (a last shuffle undone by that same copy). Where
-  chunks split the samples, a *band* (every chunk of a run of rows) holds whole samples: written
-  one after the other, as h5py does, a band is one run.
+  chunks adjacent in the file, up to :data:`RUN_BYTES` stored and :data:`RUN_DECODED_BYTES`
+  decoded (at least one chunk), fetched as one request and decoded on the reader's pool of
+  threads, each chunk once however many of its rows the read needs, straight into the slot (a
+  last shuffle undone by that same copy). Where chunks split the samples, a *band* (every chunk
+  of a run of rows) holds whole samples: written one after the other, as h5py does, a band is
+  one request, or a few where it is large.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from ._steps import byte_view
 
 __all__ = ["RUN_BYTES", "ChunkRun", "Need", "chunk_reads"]
 
-#: Stored bytes fetched as one request and decoded as one task at most (unless one chunk is
-#: larger): large enough that a request and a task cost little per byte, small enough that a
-#: cache chunk's runs keep every decoding thread busy.
+#: Stored bytes fetched as one request at most (unless one chunk is larger): large enough that
+#: a request costs little per byte.
 RUN_BYTES = 2 * 2**20
+#: Decoded bytes of one run at most (unless one chunk is larger): one task of the decoding
+#: threads, small enough that a chunk's runs (the first, small read's too) keep them all busy.
+RUN_DECODED_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -217,9 +220,10 @@ def _runs(
     out: list[ByteRange] = []
     run: list[_Stored] = []
     start = end = 0
+    most = max(1, RUN_DECODED_BYTES // max(1, decoder.chunk_bytes))  # chunks per run
     for c in chunks:
         offset, size = c.offset, c.size
-        if run and (offset != end or end - start + size > run_bytes):
+        if run and (offset != end or end - start + size > run_bytes or len(run) >= most):
             out.append(_range(index, decoder, run, start, end, about))
             run = []
         if not run:
