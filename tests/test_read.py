@@ -28,6 +28,7 @@ LAYOUTS: dict[str, tuple[str, Any]] = {
     "contiguous-big-endian": ("pread", {"dtype": ">f4"}),
     "gzip-big-endian": ("chunks", {"chunks": (256, 3, 4), "compression": "gzip", "dtype": ">f4"}),
     "chunked": ("chunks", {"chunks": (256, 3, 4)}),
+    "chunked-big-endian": ("chunks", {"chunks": (256, 3, 4), "dtype": ">f4"}),
     "gzip": ("chunks", {"chunks": (256, 3, 4), "compression": "gzip"}),
     "gzip-shuffle": ("chunks", {"chunks": (200, 3, 4), "compression": "gzip", "shuffle": True}),
     "gzip-shuffle-fletcher32": (
