@@ -104,6 +104,24 @@ def test_split_sample_chunks_are_read_in_bands_and_hinted_only_when_small(
     assert not hint or "splits each sample" in data["hints"][0]
 
 
+def test_small_chunks_not_adjacent_in_the_file_are_a_seek_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with h5py.File(tmp_path / "rev.h5", "w") as f:
+        d = f.create_dataset("data", (64, 8), np.float32, chunks=(4, 8))
+        other = f.create_dataset("other", (0,), np.uint8, chunks=(256,), maxshape=(None,))
+        for r in range(0, 64, 4):  # a chunk of another dataset after each one
+            d[r : r + 4] = r
+            other.resize((other.shape[0] + 256,))
+            other[-256:] = 1
+            f.flush()
+        f.create_dataset("label", data=np.arange(64))
+    status, doc = inspect_json(capsys, tmp_path / "rev.h5")
+    assert status == 0
+    data = doc["files"][0]["tops"][0]
+    assert data["read_path"] == "chunks" and "every read is a seek" in data["hints"][0]
+
+
 def test_inspect_hints_for_slow_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     n = 400
     with h5py.File(tmp_path / "slow.h5", "w") as f:
@@ -114,7 +132,8 @@ def test_inspect_hints_for_slow_layouts(tmp_path: Path, capsys: pytest.CaptureFi
     data, label = doc["files"][0]["tops"]
     assert data["read_path"] == "chunks" and data["chunk_bytes"] == 192 < SEEK_BYTES
     assert doc["hints"] == ["data: " + data["hints"][0]]
-    assert "every read is a seek" in data["hints"][0] and "(1, 3, 8, 8)" in data["hints"][0]
+    assert "(1, 3, 8, 8)" in data["hints"][0]  # written in order: adjacent, one request
+    assert "each is planned and copied" in data["hints"][0]
     assert label["read_path"] == "pread" and "swapped" in label["reason"]
     status, text, _ = run_main(["inspect", tmp_path / "slow.h5"], capsys)
     assert "hints:\n  data: chunk shape (1, 3, 8, 8) is 1 sample" in text

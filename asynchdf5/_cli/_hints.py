@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .._codecs import deflate_backend
-from .._layout import Layout
+from .._layout import ChunkIndex, Layout
 from ._util import mib, plural
 
 if TYPE_CHECKING:
@@ -64,6 +66,14 @@ def _h5py_hints(t: TopReport, note: str) -> list[str]:
     return [f"{lock}; {_PACK}"]
 
 
+def _adjacent(index: ChunkIndex) -> bool:
+    """Whether most stored chunks start where another ends (h5py writes them so in order)."""
+    offsets, sizes = index.offsets.ravel(), index.sizes.ravel()
+    order = np.argsort(offsets)
+    ends = (offsets + sizes)[order][:-1]
+    return bool(len(order) < 2 or np.mean(offsets[order][1:] == ends) >= 0.9)
+
+
 def explain(t: TopReport, layout: Layout) -> None:
     """Fill in ``t.reason`` (why this read path) and ``t.hints`` (what would make it faster)."""
     swap = "; stored in the other byte order: swapped in place after each read" * layout.swap
@@ -105,9 +115,15 @@ def explain(t: TopReport, layout: Layout) -> None:
                 f"{plural(index.band, 'chunk')} of {mib(size)}: a decode call per few KiB; {_PACK}"
             )
         elif size < SEEK_BYTES and rows < (t.rows or 0):  # one chunk for all rows: one read
+            cost = (
+                "chunks adjacent in the file are read as one request, but each is planned and "
+                "copied (or decoded) on its own"
+                if _adjacent(index)
+                else "every read is a seek"
+            )
             t.hints.append(
                 f"chunk shape {t.chunk_shape} is {plural(rows, 'sample')} ({mib(size)}) per "
-                f"chunk: every read is a seek; {_PACK}"
+                f"chunk: {cost}; {_PACK}"
             )
         elif t.filters and size > LARGE_CHUNK_BYTES:
             t.hints.append(
