@@ -191,10 +191,10 @@ def compound_field(h5: h5py.File, top: str) -> tuple[h5py.Dataset, str] | None:
 def field_dtype(name: str, dset: h5py.Dataset, top: str, field_name: str) -> np.dtype[Any]:
     """The dtype of field ``field_name`` of ``dset`` (a subarray field: its base, whose shape
     joins the sample shape), checked as a top's dtype is."""
-    dt = dset.dtype.fields[field_name][0]
-    base = dt.base if dt.subdtype is not None else dt
+    dt: np.dtype[Any] = dset.dtype.fields[field_name][0]
+    base: np.dtype[Any] = dt.base if dt.subdtype is not None else dt
     _check_dtype(name, top, base)
-    return np.dtype(base)
+    return base
 
 
 def _check_dtype(name: str, top: str, dt: np.dtype[Any]) -> None:

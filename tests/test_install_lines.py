@@ -55,9 +55,9 @@ def _problems(reqs: list[str], extras: set[str]) -> list[str]:
 
 
 def test_every_install_line_installs_from_a_checkout_with_extras_that_exist() -> None:
-    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"
-    ])
+    extras = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
     found: dict[str, list[str]] = {}
     bad: list[str] = []
     for path in _files():

@@ -238,7 +238,8 @@ def _pyarrow() -> Any:
         return importlib.import_module("pyarrow")
     except ImportError as exc:
         raise PackError(
-            'packing a CSV or Parquet table needs pyarrow: pip install ".[pack]" in the asynchdf5 checkout'
+            "packing a CSV or Parquet table needs pyarrow: "
+            'pip install ".[pack]" in the asynchdf5 checkout'
         ) from exc
 
 

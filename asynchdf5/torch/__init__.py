@@ -3,8 +3,9 @@
 :class:`HDF5IterableDataset` and :class:`MemoryIterableDataset` yield each batch as a ``dict``
 of ``torch.Tensor`` (one per top, and ``"indices"`` on request), for
 ``torch.utils.data.DataLoader(ds, batch_size=None)`` and torchdata's
-``StatefulDataLoader(ds, batch_size=None)``. Install with ``pip install ".[torch]"`` in the asynchdf5 checkout (torch and torchdata);
-``import asynchdf5`` never imports torch, this module is imported by name.
+``StatefulDataLoader(ds, batch_size=None)``. Install torch and torchdata with
+``pip install ".[torch]"`` in the asynchdf5 checkout; ``import asynchdf5`` never imports torch,
+this module is imported by name.
 
 How it works, for whoever carries it on:
 
@@ -71,7 +72,8 @@ try:  # the modules of this package import from it
     import torch  # noqa: F401
 except ImportError as exc:  # tested with torch hidden from the import system
     raise ImportError(
-        'asynchdf5.torch needs PyTorch, which is not installed: pip install ".[torch]" in the asynchdf5 checkout'
+        "asynchdf5.torch needs PyTorch, which is not installed: "
+        'pip install ".[torch]" in the asynchdf5 checkout'
     ) from exc
 
 from .._cache import default_cache_bytes
