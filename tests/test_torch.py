@@ -587,6 +587,34 @@ def test_a_worker_state_resumes_only_the_same_worker(source: Path) -> None:
         make("memory", source, shuffle=True, seed=7).load_state_dict(layer_state)
 
 
+@pytest.mark.parametrize(("saved", "loaded"), [(2, 0), (0, 2), (2, 3)])
+def test_a_loader_state_from_another_worker_count_is_refused_when_loaded(
+    source: Path, saved: int, loaded: int
+) -> None:
+    """torchdata's loader ended in its own AssertionError at the next iteration for 2 workers
+    into 0 ('_num_yielded') and 0 into 2 ('_snapshot'), before the dataset saw the state
+    (issue 39, item 4): asynchdf5.torch's StatefulDataLoader refuses it when it is loaded."""
+    from asynchdf5.torch import StatefulDataLoader as Checked
+
+    def loader(workers: int) -> Checked:
+        ds = make("memory", source, shuffle=True, seed=7)
+        return Checked(ds, batch_size=None, num_workers=workers)
+
+    first = loader(saved)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    state = first.state_dict()
+    del it, first
+    again = loader(loaded)
+    with pytest.raises(ConfigurationError, match=f"make the loader with num_workers={saved}"):
+        again.load_state_dict(state)
+    same = loader(saved)  # the fix the message names resumes: batch 4 comes next
+    same.load_state_dict(state)
+    reference = [b["indices"].tolist() for b in loader(saved)]
+    assert next(iter(same))["indices"].tolist() == reference[4]
+
+
 def test_with_workers_the_main_process_neither_iterates_nor_saves(source: Path) -> None:
     ds = make("memory", source)
     exactly_once(epoch(DataLoader(ds, batch_size=None, num_workers=2)))

@@ -60,7 +60,10 @@ How it works, for whoever carries it on:
   next epoch with fresh workers, which read the shared board: a worker that loads a state
   with nothing left of its epoch writes the epoch after it. ``len()`` of a resumed epoch
   counts the batches before the state too, as the loader counts them (it warns when it
-  yields more batches than ``len()`` said).
+  yields more batches than ``len()`` said). A loader's state resumes only a loader with the
+  same ``num_workers``; torchdata checks the state's shape only at the next ``iter(loader)``,
+  with an ``AssertionError``, before the dataset sees it, so :class:`StatefulDataLoader`
+  (torchdata's, in :mod:`._loader`) checks it in ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -84,7 +87,17 @@ from .._sources import SourceLike
 from .._streams import Stream
 from ._dataset import LayerDataset
 
-__all__ = ["HDF5IterableDataset", "MemoryIterableDataset"]
+__all__ = ["HDF5IterableDataset", "MemoryIterableDataset", "StatefulDataLoader"]
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`StatefulDataLoader` is imported when it is asked for: it needs torchdata,
+    which the datasets do not."""
+    if name == "StatefulDataLoader":
+        from ._loader import StatefulDataLoader
+
+        return StatefulDataLoader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class HDF5IterableDataset(LayerDataset):
