@@ -32,6 +32,7 @@ __all__ = [
     "ChunkIndex",
     "Extent",
     "FileInfo",
+    "FoundTop",
     "Layout",
     "ReadPath",
     "Segment",
@@ -39,7 +40,9 @@ __all__ = [
     "build_catalog",
     "check_top",
     "compound_field",
+    "describe_top",
     "field_dtype",
+    "find_top",
     "missing_top",
     "physical",
     "refuse_external_links",
@@ -221,6 +224,58 @@ def _check_dtype(name: str, top: str, dt: np.dtype[Any]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class FoundTop:
+    """A top of one file, checked: the dataset that holds it (``field``: the field of its
+    compound records that the top is, or ""), and the dtype (native) and shape of a sample."""
+
+    dset: h5py.Dataset
+    field: str
+    dtype: np.dtype[Any]
+    sample_shape: tuple[int, ...]
+
+
+def find_top(name: str, h5: h5py.File, top: str) -> FoundTop:
+    """Top ``top`` of file ``name``: a dataset (:func:`check_top`) or a field of a compound
+    one (:func:`compound_field`). Raises SchemaError or SourceError naming the file."""
+    field_of = compound_field(h5, top)
+    if field_of is None:
+        dset = check_top(name, h5, top)
+        shape = tuple(int(s) for s in dset.shape[1:])
+        return FoundTop(dset, "", np.dtype(dset.dtype.newbyteorder("=").str), shape)
+    dset, field_name = field_of
+    if dset.shape is None or len(dset.shape) == 0:
+        raise SchemaError(
+            f"{name}: top {top!r} is a field of a scalar (0-d) dataset; a top needs one row "
+            "per sample"
+        )
+    native = field_dtype(name, dset, top, field_name).newbyteorder("=")
+    sub = dset.dtype.fields[field_name][0].shape
+    shape = tuple(int(s) for s in (*dset.shape[1:], *sub))
+    return FoundTop(dset, field_name, np.dtype(native.str), shape)
+
+
+def describe_top(
+    source: Source, holder: StoredFile, dset: h5py.Dataset, top: str, field_name: str
+) -> Layout:
+    """The layout of top ``top`` stored as ``dset`` in ``holder`` (pinned; blocking). A field of
+    a compound dataset is read through h5py, which picks it out of the records it reads."""
+    layout = describe(source, holder, dset, top)
+    if not field_name:
+        return layout
+    return dataclasses.replace(
+        layout,
+        path="h5py",
+        extents=(),
+        chunks=None,
+        swap=False,
+        dataset_name=dset.name,
+        file=holder,
+        note="a field of a compound dataset",
+        field=field_name,
+    )
+
+
 def _exists(h5: h5py.File, top: str) -> bool:
     """Whether ``top`` is a link of the file (a path through a dataset is not)."""
     try:
@@ -352,21 +407,8 @@ def _describe_file(
     for name in tops:
         if not file.local:
             refuse_external_links(file.name, h5, name)
-        field_of = compound_field(h5, name)
-        if field_of is None:
-            dset = check_top(file.name, h5, name)
-            native = dset.dtype.newbyteorder("=")
-            shape = tuple(int(s) for s in dset.shape[1:])
-        else:
-            dset, field_name = field_of
-            if dset.shape is None or len(dset.shape) == 0:
-                raise SchemaError(
-                    f"{file.name}: top {name!r} is a field of a scalar (0-d) dataset; a top "
-                    "needs one row per sample"
-                )
-            native = field_dtype(file.name, dset, name, field_name).newbyteorder("=")
-            sub = dset.dtype.fields[field_name][0].shape
-            shape = tuple(int(s) for s in (*dset.shape[1:], *sub))
+        found = find_top(file.name, h5, name)
+        native, shape = found.dtype, found.sample_shape
         spec = specs.get(name)
         if spec is None:
             specs[name] = TopInfo(name, np.dtype(native.str), shape)
@@ -377,23 +419,10 @@ def _describe_file(
                 f"but {first_file[name]} has shape {spec.sample_shape} and dtype "
                 f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
             )
-        rows[name] = int(dset.shape[0])
-        holder, dset = physical(source, file, dset)
+        rows[name] = int(found.dset.shape[0])
+        holder, dset = physical(source, file, found.dset)
         with holder.pinned():  # an external link's target: not closed while described
-            layout = describe(source, holder, dset, name)
-            if field_of is not None:  # h5py picks the field out of the records it reads
-                layout = dataclasses.replace(
-                    layout,
-                    path="h5py",
-                    extents=(),
-                    chunks=None,
-                    swap=False,
-                    dataset_name=dset.name,
-                    file=holder,
-                    note="a field of a compound dataset",
-                    field=field_of[1],
-                )
-            layouts[name] = layout
+            layout = layouts[name] = describe_top(source, holder, dset, name, found.field)
         touched[id(holder)] = holder
         for dep in layout.depends:
             touched[id(dep)] = dep

@@ -4,6 +4,7 @@ and a top that is missing is answered with every dataset of the file, in groups 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import h5py
@@ -88,6 +89,10 @@ def test_a_pandas_table_is_read_and_packed(
     np.testing.assert_array_equal(got["t/table/values_block_1"][:, 0], i % 5)
     with pytest.raises(SchemaError, match="values_block_2' holds strings"):
         _open(path, tops=("t/table/values_block_2",))
+
+    status, text, err = run_main(["inspect", path, "--json", "--tops", *tops], capsys)
+    assert status == 0, err  # inspect reads the fields as the layer does
+    assert json.loads(text)["read_paths"] == dict.fromkeys(tops, "h5py")
 
     out = tmp_path / "packed"
     status, _, err = run_main(["pack", path, out, "--tops", *tops], capsys)

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import DataLayerError
-from .._catalog import check_top, compound_field, field_dtype
+from .._catalog import find_top
 from .._sources import is_hdf5_file, resolve_source
 from ._pack_write import PackError, TopSpec, temporary_prefix
 
@@ -381,13 +381,10 @@ def _hdf5_top(entry: str, f: h5py.File, top: str) -> Any:
     """Top ``top`` of ``f`` as rows, checked as the layer checks it (so a top missing lists
     every dataset of the file, in groups too, and a compound dataset's fields)."""
     try:
-        field_of = compound_field(f, top)
-        if field_of is not None:
-            field_dtype(entry, field_of[0], top, field_of[1])
-            return _Field(*field_of)
-        return check_top(entry, f, top)
+        found = find_top(entry, f, top)
     except DataLayerError as exc:
         raise PackError(f"{exc} (choose the tops with --tops)") from exc
+    return _Field(found.dset, found.field) if found.field else found.dset
 
 
 def _stage(inp: ArrayInput, scratch: Path) -> None:
