@@ -31,9 +31,11 @@ def _compound_file(path: Path, chunks: tuple[int, ...] | None = None) -> Path:
     return path
 
 
-def _epoch(source: Path, tops: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _epoch(source: Path, tops: tuple[str, ...], process: bool = False) -> dict[str, np.ndarray]:
     got: dict[str, list[np.ndarray]] = {t: [] for t in tops}
-    with HDF5DataLayer(source, tops=tops, batch_size=16, shuffle=True, seed=4) as layer:
+    with HDF5DataLayer(
+        source, tops=tops, batch_size=16, shuffle=True, seed=4, process=process
+    ) as layer:
         for batch in layer:
             for t in tops:
                 got[t].append(np.array(batch[t]))
@@ -46,12 +48,12 @@ def _open(source: Path, tops: tuple[str, ...]) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("chunks", [None, (7,)])
+@pytest.mark.parametrize(("chunks", "process"), [(None, False), ((7,), False), ((7,), True)])
 def test_the_fields_of_an_h5py_compound_dataset_are_tops(
-    tmp_path: Path, chunks: tuple[int, ...] | None
+    tmp_path: Path, chunks: tuple[int, ...] | None, process: bool
 ) -> None:
     source = _compound_file(tmp_path / "c.h5", chunks)
-    got = _epoch(source, ("g/table/index", "g/table/values", "g/table/code"))
+    got = _epoch(source, ("g/table/index", "g/table/values", "g/table/code"), process)
     idx = got["g/table/index"]
     assert sorted(idx.tolist()) == list(range(N))  # every sample once
     assert got["g/table/values"].shape == (N, 3) and got["g/table/values"].dtype == np.float64
