@@ -125,8 +125,17 @@ def same(a: list[Tensors], b: list[Tensors]) -> None:
 def test_import_without_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)  # what an absent module looks like
     monkeypatch.delitem(sys.modules, "asynchdf5.torch")
-    with pytest.raises(ImportError, match=r'pip install "asynchdf5\[torch\]"'):
+    with pytest.raises(ImportError, match=r'pip install "\.\[torch\]" in the asynchdf5 checkout'):
         importlib.import_module("asynchdf5.torch")
+
+
+def test_the_checked_loader_without_torchdata_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)
+    monkeypatch.delitem(sys.modules, "asynchdf5.torch._loader", raising=False)
+    with pytest.raises(ImportError, match=r"needs torchdata.*\.\[torch\]"):
+        asynchdf5.torch.StatefulDataLoader  # noqa: B018
 
 
 def test_importing_asynchdf5_never_imports_torch() -> None:
@@ -136,7 +145,12 @@ def test_importing_asynchdf5_never_imports_torch() -> None:
 
 
 def test_public_names() -> None:
-    assert asynchdf5.torch.__all__ == ["HDF5IterableDataset", "MemoryIterableDataset"]
+    assert asynchdf5.torch.__all__ == [
+        "HDF5IterableDataset",
+        "MemoryIterableDataset",
+        "StatefulDataLoader",
+    ]
+    assert issubclass(asynchdf5.torch.StatefulDataLoader, StatefulDataLoader)
     assert issubclass(HDF5IterableDataset, torch.utils.data.IterableDataset)
     assert issubclass(MemoryIterableDataset, torch.utils.data.IterableDataset)
 
