@@ -13,6 +13,7 @@ See :mod:`._layout` for how each top's storage is described, and which read path
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import posixpath
 from collections.abc import Sequence
@@ -31,12 +32,18 @@ __all__ = [
     "ChunkIndex",
     "Extent",
     "FileInfo",
+    "FoundTop",
     "Layout",
     "ReadPath",
     "Segment",
     "TopInfo",
     "build_catalog",
     "check_top",
+    "compound_field",
+    "describe_top",
+    "field_dtype",
+    "find_top",
+    "missing_top",
     "physical",
     "refuse_external_links",
 ]
@@ -138,17 +145,21 @@ class Catalog:
 
 
 def _datasets(h5: h5py.File) -> list[str]:
+    """Every dataset of the file, in groups too, by path; a compound dataset with its fields
+    (each a top of its own: :func:`compound_field`)."""
     found: list[str] = []
 
     def visit(name: str, obj: object) -> None:
         if isinstance(obj, h5py.Dataset):
-            found.append("/" + name)
+            names = obj.dtype.names
+            found.append("/" + name + (f" (fields {', '.join(names)})" if names else ""))
 
     h5.visititems(visit)
     return found
 
 
-def _missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
+def missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
+    """The error for a top that file ``name`` does not hold, listing the datasets it does."""
     have = _datasets(h5)
     listed = ", ".join(repr(d) for d in have[:_LIST_AT_MOST])
     if len(have) > _LIST_AT_MOST:
@@ -157,6 +168,120 @@ def _missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
         f"{name}: top {top!r} is missing (no such dataset in the file); the file has "
         + (f"the datasets {listed}" if have else "no datasets")
     )
+
+
+def compound_field(h5: h5py.File, top: str) -> tuple[h5py.Dataset, str] | None:
+    """The compound dataset and the field that ``top`` names, or None when it names none.
+
+    A field of a compound dataset is a top named by the dataset's path and the field's name:
+    ``"t/table/values_block_0"`` is the field ``values_block_0`` of the dataset ``t/table``
+    (pandas' ``to_hdf(format="table")``). A dataset or group of that path comes first.
+    """
+    parent, _, field_name = top.rstrip("/").rpartition("/")
+    if not parent or not field_name or _exists(h5, top):
+        return None
+    try:
+        obj = h5.get(parent)
+    except (KeyError, OSError, TypeError):
+        return None
+    if not isinstance(obj, h5py.Dataset) or obj.dtype.names is None:
+        return None
+    if field_name not in obj.dtype.names:
+        return None
+    return obj, field_name
+
+
+def field_dtype(name: str, dset: h5py.Dataset, top: str, field_name: str) -> np.dtype[Any]:
+    """The dtype of field ``field_name`` of ``dset`` (a subarray field: its base, whose shape
+    joins the sample shape), checked as a top's dtype is."""
+    dt: np.dtype[Any] = dset.dtype.fields[field_name][0]
+    base: np.dtype[Any] = dt.base if dt.subdtype is not None else dt
+    _check_dtype(name, top, base)
+    return base
+
+
+def _check_dtype(name: str, top: str, dt: np.dtype[Any]) -> None:
+    """Only numbers are served: the rest gets a message naming the route that works."""
+    route = (
+        "; store it as numbers (integer codes for categories: `asynchdf5 pack` of a CSV or "
+        "Parquet table turns a --label-column of strings into class codes), or leave it out "
+        "of the tops"
+    )
+    if dt.names is not None:
+        fields = ", ".join(repr(f"{top.rstrip('/')}/{f}") for f in dt.names)
+        raise SchemaError(
+            f"{name}: top {top!r} has a compound dtype {dt}; name its fields as tops: {fields}"
+        )
+    if h5py.check_vlen_dtype(dt) is not None or h5py.check_string_dtype(dt) is not None:
+        raise SchemaError(
+            f"{name}: top {top!r} holds strings or variable-length data ({dt}); not "
+            f"supported{route}"
+        )
+    if dt.kind not in "biufc" or dt.subdtype is not None:
+        raise SchemaError(
+            f"{name}: top {top!r} has dtype {dt}; only bool, integer, float and complex are "
+            f"supported{route}"
+        )
+
+
+@dataclass(frozen=True)
+class FoundTop:
+    """A top of one file, checked: the dataset that holds it (``field``: the field of its
+    compound records that the top is, or ""), and the dtype (native) and shape of a sample."""
+
+    dset: h5py.Dataset
+    field: str
+    dtype: np.dtype[Any]
+    sample_shape: tuple[int, ...]
+
+
+def find_top(name: str, h5: h5py.File, top: str) -> FoundTop:
+    """Top ``top`` of file ``name``: a dataset (:func:`check_top`) or a field of a compound
+    one (:func:`compound_field`). Raises SchemaError or SourceError naming the file."""
+    field_of = compound_field(h5, top)
+    if field_of is None:
+        dset = check_top(name, h5, top)
+        shape = tuple(int(s) for s in dset.shape[1:])
+        return FoundTop(dset, "", np.dtype(dset.dtype.newbyteorder("=").str), shape)
+    dset, field_name = field_of
+    if dset.shape is None or len(dset.shape) == 0:
+        raise SchemaError(
+            f"{name}: top {top!r} is a field of a scalar (0-d) dataset; a top needs one row "
+            "per sample"
+        )
+    native = field_dtype(name, dset, top, field_name).newbyteorder("=")
+    sub = dset.dtype.fields[field_name][0].shape
+    shape = tuple(int(s) for s in (*dset.shape[1:], *sub))
+    return FoundTop(dset, field_name, np.dtype(native.str), shape)
+
+
+def describe_top(
+    source: Source, holder: StoredFile, dset: h5py.Dataset, top: str, field_name: str
+) -> Layout:
+    """The layout of top ``top`` stored as ``dset`` in ``holder`` (pinned; blocking). A field of
+    a compound dataset is read through h5py, which picks it out of the records it reads."""
+    layout = describe(source, holder, dset, top)
+    if not field_name:
+        return layout
+    return dataclasses.replace(
+        layout,
+        path="h5py",
+        extents=(),
+        chunks=None,
+        swap=False,
+        dataset_name=dset.name,
+        file=holder,
+        note="a field of a compound dataset",
+        field=field_name,
+    )
+
+
+def _exists(h5: h5py.File, top: str) -> bool:
+    """Whether ``top`` is a link of the file (a path through a dataset is not)."""
+    try:
+        return h5.get(top, getlink=True) is not None
+    except (KeyError, OSError, TypeError, ValueError):
+        return False
 
 
 def check_top(name: str, h5: h5py.File, top: str) -> h5py.Dataset:
@@ -175,25 +300,14 @@ def check_top(name: str, h5: h5py.File, top: str) -> h5py.Dataset:
             raise SchemaError(
                 f"{name}: top {top!r} is a soft link to {link.path!r}, which does not exist"
             )
-        raise _missing_top(name, h5, top)
+        raise missing_top(name, h5, top)
     if not isinstance(obj, h5py.Dataset):
         raise SchemaError(f"{name}: top {top!r} is a {type(obj).__name__}, not a dataset")
-    dt = obj.dtype
     if obj.shape is None or len(obj.shape) == 0:
         raise SchemaError(
             f"{name}: top {top!r} is a scalar (0-d) dataset; a top needs one row per sample"
         )
-    if dt.names is not None:
-        raise SchemaError(f"{name}: top {top!r} has a compound dtype {dt}; not supported")
-    if h5py.check_vlen_dtype(dt) is not None or h5py.check_string_dtype(dt) is not None:
-        raise SchemaError(
-            f"{name}: top {top!r} holds strings or variable-length data ({dt}); not supported"
-        )
-    if dt.kind not in "biufc" or dt.subdtype is not None:
-        raise SchemaError(
-            f"{name}: top {top!r} has dtype {dt}; only bool, integer, float and complex are "
-            "supported"
-        )
+    _check_dtype(name, top, obj.dtype)
     return obj
 
 
@@ -293,9 +407,8 @@ def _describe_file(
     for name in tops:
         if not file.local:
             refuse_external_links(file.name, h5, name)
-        dset = check_top(file.name, h5, name)
-        native = dset.dtype.newbyteorder("=")
-        shape = tuple(int(s) for s in dset.shape[1:])
+        found = find_top(file.name, h5, name)
+        native, shape = found.dtype, found.sample_shape
         spec = specs.get(name)
         if spec is None:
             specs[name] = TopInfo(name, np.dtype(native.str), shape)
@@ -306,10 +419,10 @@ def _describe_file(
                 f"but {first_file[name]} has shape {spec.sample_shape} and dtype "
                 f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
             )
-        rows[name] = int(dset.shape[0])
-        holder, dset = physical(source, file, dset)
+        rows[name] = int(found.dset.shape[0])
+        holder, dset = physical(source, file, found.dset)
         with holder.pinned():  # an external link's target: not closed while described
-            layout = layouts[name] = describe(source, holder, dset, name)
+            layout = layouts[name] = describe_top(source, holder, dset, name, found.field)
         touched[id(holder)] = holder
         for dep in layout.depends:
             touched[id(dep)] = dep

@@ -105,6 +105,8 @@ class Layout:
     file: StoredFile | None = None
     depends: tuple[StoredFile, ...] = ()
     note: str = ""  # why the h5py path is taken
+    #: The field of a compound dataset this top is (the h5py path reads it out of the records).
+    field: str = ""
 
     def open_dataset(self) -> Any:
         """The h5py dataset to read (blocking; the h5py path): call it, and use what it returns,

@@ -56,7 +56,12 @@ class Pace:
         if now - self.paused < PAUSE_EVERY_S:
             return
         then = self._paused_loop
-        if then is not None and _clock_runs(anyio.current_time() - then, now - self.paused):
-            await anyio.sleep(PAUSE_TIMER_S)
+        if then is not None:
+            # Both clocks read here, side by side: the caller's ``now`` may be long past on a
+            # loaded machine (the process descheduled since), and would make the loop's clock
+            # look fast, skipping the timer that lets the due tasks run first.
+            loop_elapsed = anyio.current_time() - then
+            if _clock_runs(loop_elapsed, time.perf_counter() - self.paused):
+                await anyio.sleep(PAUSE_TIMER_S)
         await anyio.lowlevel.checkpoint()
         self.mark()

@@ -149,7 +149,7 @@ PROPERTIES: tuple[Property, ...] = (
         'Where batches are delivered. `None`: NumPy arrays in host memory. `"cuda"`, '
         '`"cuda:N"`, an `int` or a `cupy.cuda.Device`: CuPy arrays on that GPU, uploaded from '
         "pinned memory on a separate CUDA stream. Needs CuPy "
-        '(`pip install "asynchdf5[cuda12]"`). See {doc}`gpu`.',
+        '(`pip install ".[cuda12]"` in the asynchdf5 checkout). See {doc}`gpu`.',
     ),
     Property(
         "reuse_buffers",
@@ -162,7 +162,7 @@ PROPERTIES: tuple[Property, ...] = (
     Property(
         "storage_options",
         "`None`",
-        "For remote sources (fsspec URLs such as `s3://...`, extra `asynchdf5[remote]`): a dict "
+        "For remote sources (fsspec URLs such as `s3://...`, the `remote` extra): a dict "
         "of options passed to fsspec, e.g. credentials, `endpoint_url`, or `anon=True`. See "
         "[remote sources](remote.md).",
         "hdf5",

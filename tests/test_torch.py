@@ -125,8 +125,17 @@ def same(a: list[Tensors], b: list[Tensors]) -> None:
 def test_import_without_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)  # what an absent module looks like
     monkeypatch.delitem(sys.modules, "asynchdf5.torch")
-    with pytest.raises(ImportError, match=r'pip install "asynchdf5\[torch\]"'):
+    with pytest.raises(ImportError, match=r'pip install "\.\[torch\]" in the asynchdf5 checkout'):
         importlib.import_module("asynchdf5.torch")
+
+
+def test_the_checked_loader_without_torchdata_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)
+    monkeypatch.delitem(sys.modules, "asynchdf5.torch._loader", raising=False)
+    with pytest.raises(ImportError, match=r"needs torchdata.*\.\[torch\]"):
+        asynchdf5.torch.StatefulDataLoader  # noqa: B018
 
 
 def test_importing_asynchdf5_never_imports_torch() -> None:
@@ -136,7 +145,12 @@ def test_importing_asynchdf5_never_imports_torch() -> None:
 
 
 def test_public_names() -> None:
-    assert asynchdf5.torch.__all__ == ["HDF5IterableDataset", "MemoryIterableDataset"]
+    assert asynchdf5.torch.__all__ == [
+        "HDF5IterableDataset",
+        "MemoryIterableDataset",
+        "StatefulDataLoader",
+    ]
+    assert issubclass(asynchdf5.torch.StatefulDataLoader, StatefulDataLoader)
     assert issubclass(HDF5IterableDataset, torch.utils.data.IterableDataset)
     assert issubclass(MemoryIterableDataset, torch.utils.data.IterableDataset)
 
@@ -585,6 +599,34 @@ def test_a_worker_state_resumes_only_the_same_worker(source: Path) -> None:
     assert layer_state["part"] == [0, 2]
     with pytest.raises(ConfigurationError, match="part 0 of 2"):
         make("memory", source, shuffle=True, seed=7).load_state_dict(layer_state)
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(2, 0), (0, 2), (2, 3)])
+def test_a_loader_state_from_another_worker_count_is_refused_when_loaded(
+    source: Path, saved: int, loaded: int
+) -> None:
+    """torchdata's loader ended in its own AssertionError at the next iteration for 2 workers
+    into 0 ('_num_yielded') and 0 into 2 ('_snapshot'), before the dataset saw the state
+    (issue 39, item 4): asynchdf5.torch's StatefulDataLoader refuses it when it is loaded."""
+    from asynchdf5.torch import StatefulDataLoader as Checked
+
+    def loader(workers: int) -> Checked:
+        ds = make("memory", source, shuffle=True, seed=7)
+        return Checked(ds, batch_size=None, num_workers=workers)
+
+    first = loader(saved)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    state = first.state_dict()
+    del it, first
+    again = loader(loaded)
+    with pytest.raises(ConfigurationError, match=f"make the loader with num_workers={saved}"):
+        again.load_state_dict(state)
+    same = loader(saved)  # the fix the message names resumes: batch 4 comes next
+    same.load_state_dict(state)
+    reference = [b["indices"].tolist() for b in loader(saved)]
+    assert next(iter(same))["indices"].tolist() == reference[4]
 
 
 def test_with_workers_the_main_process_neither_iterates_nor_saves(source: Path) -> None:

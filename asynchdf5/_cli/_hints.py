@@ -27,7 +27,7 @@ PATH_WORDS = {
     "h5py": "h5py fallback",
 }
 _PACK = "repack with `asynchdf5 pack` (whole samples per chunk, about 1-4 MiB per chunk)"
-_CODECS = 'pip install "asynchdf5[codecs]"'
+_CODECS = 'pip install ".[codecs]" in the asynchdf5 checkout'
 
 
 def _h5py_hints(t: TopReport, note: str) -> list[str]:

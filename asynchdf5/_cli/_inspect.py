@@ -1,7 +1,7 @@
 """``asynchdf5 inspect``: what the layer will find in a source, and how it will read it.
 
 The analysis opens the files through the layer's own source seam and describes every top with
-the layer's own layout code (:func:`asynchdf5._layout.describe`, the function the catalog calls),
+the layer's own layout code (:func:`asynchdf5._catalog.describe_top`, which the catalog calls),
 so the read path shown is the one the layer takes; then it builds the catalog exactly as the
 layer does (:func:`asynchdf5._catalog.build_catalog`), so a source the layer would refuse is
 reported with the layer's own message. :mod:`._bench` reuses the analysis for its layout hints.
@@ -16,10 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import DataLayerError
-from .._catalog import build_catalog, check_top, physical, refuse_external_links
+from .._catalog import (
+    FoundTop,
+    build_catalog,
+    describe_top,
+    find_top,
+    physical,
+    refuse_external_links,
+)
 from .._codecs import FILTER_NAMES
 from .._config import DEFAULT_TOPS
-from .._layout import describe
 from .._read import probe
 from .._sources import Source, name_entry, open_source, resolve_source
 from ._hints import PATH_WORDS, explain
@@ -163,16 +169,18 @@ def _top(source: Source, file: Any, name: str) -> TopReport:
     h5 = file.h5py_file()
     if not file.local:
         refuse_external_links(file.name, h5, name)
-    dset = check_top(file.name, h5, name)
-    holder, dset = physical(source, file, dset)
+    found = find_top(file.name, h5, name)
+    holder, dset = physical(source, file, found.dset)
     with holder.pinned():  # an external link's target: not closed while described
-        return _describe_top(source, holder, file, dset, name)
+        return _describe_top(source, holder, file, dset, found, name)
 
 
-def _describe_top(source: Source, holder: Any, file: Any, dset: Any, name: str) -> TopReport:
-    layout = describe(source, holder, dset, name)
-    shape = tuple(int(s) for s in dset.shape[1:])
-    dtype = dset.dtype.newbyteorder("=")
+def _describe_top(
+    source: Source, holder: Any, file: Any, dset: Any, found: FoundTop, name: str
+) -> TopReport:
+    layout = describe_top(source, holder, dset, name, found.field)
+    shape = found.sample_shape
+    dtype = found.dtype
     row_bytes = dtype.itemsize * math.prod(shape)
     t = TopReport(
         name=name,
@@ -188,7 +196,7 @@ def _describe_top(source: Source, holder: Any, file: Any, dset: Any, name: str) 
     )
     if dset.chunks is not None:
         t.chunk_shape = tuple(int(c) for c in dset.chunks)
-        t.chunk_bytes = dtype.itemsize * math.prod(t.chunk_shape)
+        t.chunk_bytes = dset.dtype.itemsize * math.prod(t.chunk_shape)  # whole records
     explain(t, layout)
     return t
 

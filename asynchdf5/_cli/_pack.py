@@ -231,7 +231,7 @@ def pack(args: argparse.Namespace) -> int:
         for missing in compression.decoders_missing():
             print(
                 f"note: no decoder for {missing} outside h5py is installed here: the layer will "
-                'read these files through h5py (pip install "asynchdf5[codecs]")',
+                'read these files through h5py (pip install ".[codecs]" in the asynchdf5 checkout)',
                 file=sys.stderr,
             )
         done: dict[str, tuple[list[str], int]] = {}

@@ -53,7 +53,7 @@ def _pillow() -> Any:
     except ImportError as exc:
         raise PackError(
             "packing an image folder needs Pillow, which is not installed: "
-            'pip install "asynchdf5[pack]"'
+            'pip install ".[pack]" in the asynchdf5 checkout'
         ) from exc
     return Image, ImageOps
 

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import DataLayerError
+from .._catalog import find_top
 from .._sources import is_hdf5_file, resolve_source
 from ._pack_write import PackError, TopSpec, temporary_prefix
 
@@ -237,7 +238,8 @@ def _pyarrow() -> Any:
         return importlib.import_module("pyarrow")
     except ImportError as exc:
         raise PackError(
-            'packing a CSV or Parquet table needs pyarrow: pip install "asynchdf5[pack]"'
+            "packing a CSV or Parquet table needs pyarrow: "
+            'pip install ".[pack]" in the asynchdf5 checkout'
         ) from exc
 
 
@@ -342,14 +344,7 @@ def hdf5_input(source: Path | Sequence[Path], tops: Sequence[str], scratch: Path
             f = h5py.File(entry, "r")
             files.append(f)
             for t in tops:
-                d = f.get(t)
-                if not isinstance(d, h5py.Dataset):
-                    have = sorted(n for n, o in f.items() if isinstance(o, h5py.Dataset))
-                    raise PackError(
-                        f"{entry}: top {t!r} is missing; the file has the datasets {have} "
-                        "(choose them with --tops)"
-                    )
-                parts[t].append(d)
+                parts[t].append(_hdf5_top(str(entry), f, t))
         rows = {t: Rows(t, p) for t, p in parts.items()}
         classes = files[0].attrs.get("classes")
         out = ArrayInput(
@@ -366,6 +361,30 @@ def hdf5_input(source: Path | Sequence[Path], tops: Sequence[str], scratch: Path
     for f in files:
         out.on_close(f.close)
     return out
+
+
+class _Field:
+    """A field of a compound dataset (pandas' ``to_hdf(format="table")``), as rows: its
+    sub-array shape joins the sample shape."""
+
+    def __init__(self, dset: h5py.Dataset, name: str) -> None:
+        self._fields = dset.fields(name)
+        sub = dset.dtype.fields[name][0]
+        self.dtype = sub.base
+        self.shape = (*dset.shape, *sub.shape)
+
+    def __getitem__(self, sel: Any) -> np.ndarray:
+        return np.asarray(self._fields[sel])
+
+
+def _hdf5_top(entry: str, f: h5py.File, top: str) -> Any:
+    """Top ``top`` of ``f`` as rows, checked as the layer checks it (so a top missing lists
+    every dataset of the file, in groups too, and a compound dataset's fields)."""
+    try:
+        found = find_top(entry, f, top)
+    except DataLayerError as exc:
+        raise PackError(f"{exc} (choose the tops with --tops)") from exc
+    return _Field(found.dset, found.field) if found.field else found.dset
 
 
 def _stage(inp: ArrayInput, scratch: Path) -> None:

@@ -84,7 +84,7 @@ class Compression:
             except ImportError as exc:
                 raise PackError(
                     f"--compression {self.name} needs hdf5plugin, which is not installed: "
-                    'pip install "asynchdf5[codecs]"'
+                    'pip install ".[codecs]" in the asynchdf5 checkout'
                 ) from exc
 
     def applies(self, spec: TopSpec) -> bool:

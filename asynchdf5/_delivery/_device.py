@@ -15,8 +15,8 @@ from .._errors import ConfigurationError
 __all__ = ["INSTALL_HINT", "parse_device", "resolve_device"]
 
 INSTALL_HINT = (
-    'install CuPy with pip install "asynchdf5[cuda12]" (CUDA 12) or '
-    'pip install "asynchdf5[cuda13]" (CUDA 13)'
+    'install CuPy with pip install ".[cuda12]" (CUDA 12) or '
+    'pip install ".[cuda13]" (CUDA 13), in the asynchdf5 checkout'
 )
 _ACCEPTED = "None (NumPy batches), 'cuda', 'cuda:N', an int N >= 0 or a cupy.cuda.Device"
 _CUDA = re.compile(r"cuda(?::([0-9]+))?")

@@ -45,7 +45,10 @@ class H5pyRead:
             except ReadError as exc:  # it changed while it was closed
                 raise ReadError(f"{self.about}: {exc}") from exc
             try:
-                dataset.read_direct(self.dest, np.s_[self.r0 : self.r1])
+                if layout.field:  # a field of compound records: h5py picks it out
+                    self.dest[...] = dataset.fields(layout.field)[self.r0 : self.r1]
+                else:
+                    dataset.read_direct(self.dest, np.s_[self.r0 : self.r1])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 # TypeError: h5py's "Can't broadcast" when the dataset no longer has the rows.
                 self._check()  # a file that changed is the cause to report

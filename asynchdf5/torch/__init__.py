@@ -3,8 +3,9 @@
 :class:`HDF5IterableDataset` and :class:`MemoryIterableDataset` yield each batch as a ``dict``
 of ``torch.Tensor`` (one per top, and ``"indices"`` on request), for
 ``torch.utils.data.DataLoader(ds, batch_size=None)`` and torchdata's
-``StatefulDataLoader(ds, batch_size=None)``. Install with ``pip install "asynchdf5[torch]"``;
-``import asynchdf5`` never imports torch, this module is imported by name.
+``StatefulDataLoader(ds, batch_size=None)``. Install torch and torchdata with
+``pip install ".[torch]"`` in the asynchdf5 checkout; ``import asynchdf5`` never imports torch,
+this module is imported by name.
 
 How it works, for whoever carries it on:
 
@@ -59,7 +60,10 @@ How it works, for whoever carries it on:
   next epoch with fresh workers, which read the shared board: a worker that loads a state
   with nothing left of its epoch writes the epoch after it. ``len()`` of a resumed epoch
   counts the batches before the state too, as the loader counts them (it warns when it
-  yields more batches than ``len()`` said).
+  yields more batches than ``len()`` said). A loader's state resumes only a loader with the
+  same ``num_workers``; torchdata checks the state's shape only at the next ``iter(loader)``,
+  with an ``AssertionError``, before the dataset sees it, so :class:`StatefulDataLoader`
+  (torchdata's, in :mod:`._loader`) checks it in ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ try:  # the modules of this package import from it
     import torch  # noqa: F401
 except ImportError as exc:  # tested with torch hidden from the import system
     raise ImportError(
-        'asynchdf5.torch needs PyTorch, which is not installed: pip install "asynchdf5[torch]"'
+        "asynchdf5.torch needs PyTorch, which is not installed: "
+        'pip install ".[torch]" in the asynchdf5 checkout'
     ) from exc
 
 from .._cache import default_cache_bytes
@@ -82,7 +87,17 @@ from .._sources import SourceLike
 from .._streams import Stream
 from ._dataset import LayerDataset
 
-__all__ = ["HDF5IterableDataset", "MemoryIterableDataset"]
+__all__ = ["HDF5IterableDataset", "MemoryIterableDataset", "StatefulDataLoader"]
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`StatefulDataLoader` is imported when it is asked for: it needs torchdata,
+    which the datasets do not."""
+    if name == "StatefulDataLoader":
+        from ._loader import StatefulDataLoader
+
+        return StatefulDataLoader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class HDF5IterableDataset(LayerDataset):

@@ -236,7 +236,8 @@ class RemoteSource:
         try:
             return self._store(url)
         except ImportError as exc:
-            hint = ": pip install 'asynchdf5[remote]'" if "fsspec" in str(exc) else ""
+            fix = ": pip install '.[remote]' in the asynchdf5 checkout"
+            hint = fix if "fsspec" in str(exc) else ""
             raise self._source_error(
                 f"{kind} {shown!r} is a URL, and remote sources need fsspec and its "
                 f"implementation for this protocol ({exc}{hint})",

@@ -1,0 +1,119 @@
+"""Datasets in groups and compound datasets (issue 39, items 2 and 3): the fields of a compound
+dataset are tops (pandas' ``to_hdf(format="table")``, or h5py's own), ``pack`` converts them,
+and a top that is missing is answered with every dataset of the file, in groups too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from asynchdf5 import HDF5DataLayer, SchemaError
+
+from ._helpers import run_main
+
+N = 120
+RECORD = np.dtype([("index", "<i8"), ("values", "<f8", (3,)), ("code", "<i4"), ("name", "S4")])
+
+
+def _compound_file(path: Path, chunks: tuple[int, ...] | None = None) -> Path:
+    """An h5py compound dataset ``g/table`` whose fields all derive from the row number."""
+    rec = np.zeros(N, RECORD)
+    rec["index"] = np.arange(N)
+    rec["values"] = np.arange(N)[:, None] * 10 + np.arange(3)
+    rec["code"] = np.arange(N) % 7
+    rec["name"] = [b"r%d" % i for i in range(N)]
+    with h5py.File(path, "w") as f:
+        f.create_dataset("g/table", data=rec, chunks=chunks)
+    return path
+
+
+def _epoch(source: Path, tops: tuple[str, ...], process: bool = False) -> dict[str, np.ndarray]:
+    got: dict[str, list[np.ndarray]] = {t: [] for t in tops}
+    with HDF5DataLayer(
+        source, tops=tops, batch_size=16, shuffle=True, seed=4, process=process
+    ) as layer:
+        for batch in layer:
+            for t in tops:
+                got[t].append(np.array(batch[t]))
+    return {t: np.concatenate(v) for t, v in got.items()}
+
+
+def _open(source: Path, tops: tuple[str, ...]) -> None:
+    with HDF5DataLayer(source, tops=tops, batch_size=4):
+        pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("chunks", "process"), [(None, False), ((7,), False), ((7,), True)])
+def test_the_fields_of_an_h5py_compound_dataset_are_tops(
+    tmp_path: Path, chunks: tuple[int, ...] | None, process: bool
+) -> None:
+    source = _compound_file(tmp_path / "c.h5", chunks)
+    got = _epoch(source, ("g/table/index", "g/table/values", "g/table/code"), process)
+    idx = got["g/table/index"]
+    assert sorted(idx.tolist()) == list(range(N))  # every sample once
+    assert got["g/table/values"].shape == (N, 3) and got["g/table/values"].dtype == np.float64
+    np.testing.assert_array_equal(got["g/table/values"], idx[:, None] * 10 + np.arange(3))
+    np.testing.assert_array_equal(got["g/table/code"], idx % 7)  # rows of the same samples
+
+
+def test_a_compound_dataset_or_a_string_field_says_what_works(tmp_path: Path) -> None:
+    source = _compound_file(tmp_path / "c.h5")
+    with pytest.raises(SchemaError, match=r"name its fields as tops: 'g/table/index'"):
+        _open(source, tops=("g/table",))
+    with pytest.raises(SchemaError, match=r"'g/table/name' holds strings.*integer codes"):
+        _open(source, tops=("g/table/name",))
+    with pytest.raises(SchemaError, match=r"'/g/table \(fields index, values, code, name\)'"):
+        _open(source, tops=("g/table/nope",))
+
+
+@pytest.mark.timeout(60)
+def test_a_pandas_table_is_read_and_packed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("tables")
+    n = 200
+    df = pd.DataFrame(np.arange(n * 4, dtype=np.float64).reshape(n, 4), columns=list("abcd"))
+    df["label"] = np.arange(n, dtype=np.int64) % 5
+    df["note"] = [f"n{i}" for i in range(n)]
+    path = tmp_path / "frame.h5"
+    df.to_hdf(path, key="t", format="table")
+    tops = ("t/table/index", "t/table/values_block_0", "t/table/values_block_1")
+    got = _epoch(path, tops)
+    i = got["t/table/index"]
+    assert sorted(i.tolist()) == list(range(n))
+    np.testing.assert_array_equal(got["t/table/values_block_0"], df.to_numpy()[i, :4])
+    np.testing.assert_array_equal(got["t/table/values_block_1"][:, 0], i % 5)
+    with pytest.raises(SchemaError, match="values_block_2' holds strings"):
+        _open(path, tops=("t/table/values_block_2",))
+
+    status, text, err = run_main(["inspect", path, "--json", "--tops", *tops], capsys)
+    assert status == 0, err  # inspect reads the fields as the layer does
+    assert json.loads(text)["read_paths"] == dict.fromkeys(tops, "h5py")
+
+    out = tmp_path / "packed"
+    status, _, err = run_main(["pack", path, out, "--tops", *tops], capsys)
+    assert status == 0, err
+    got = _epoch(out / "train.txt", tops)
+    i = got["t/table/index"]
+    assert sorted(i.tolist()) == list(range(n))
+    np.testing.assert_array_equal(got["t/table/values_block_0"], df.to_numpy()[i, :4])
+
+
+def test_pack_names_the_datasets_that_sit_in_groups(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # AnnData and pandas keep their datasets in groups: the root alone has none.
+    path = tmp_path / "grouped.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("obsm/X_pca", data=np.zeros((10, 2)))
+        f.create_dataset("layers/counts", data=np.zeros((10, 3)))
+    status, _, err = run_main(["pack", path, tmp_path / "out", "--tops", "data"], capsys)
+    assert status == 1
+    assert "'/layers/counts'" in err and "'/obsm/X_pca'" in err, err
+    assert "--tops" in err
