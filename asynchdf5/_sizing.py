@@ -69,12 +69,13 @@ def shape_of(
     cache = cache_plan(catalog, config, forced.chunk_rows if forced is not None else None)
     if forced is not None:
         block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
-        laned = forced.chunk_lanes
+        laned, top, once = forced.chunk_lanes, forced.ramp_top_lanes, forced.ramp_once
     else:
         stored, request = stored_rows(catalog), request_bytes(catalog)
         order = order_of(config, row_bytes, cache.chunk_rows, stored, request)
         block, first = order.block_rows, order.first_rows
-        lanes, laned = order.ramp_lanes, order.chunk_lanes
+        lanes, laned, top = order.ramp_lanes, order.chunk_lanes, order.ramp_top_lanes
+        once = cache.resident
         # Warned of when the budget shrank the cache, not when the properties asked for it.
         if order.warning is not None and cache.shrunk:
             warnings.warn(order.warning, CacheBudgetWarning, stacklevel=3)
@@ -89,5 +90,7 @@ def shape_of(
         resident=cache.resident,
         ramp_lanes=lanes,
         chunk_lanes=laned,
+        ramp_top_lanes=top,
+        ramp_once=once,
         streams=streams,
     )
