@@ -216,10 +216,19 @@ def order_of(
     chunk_rows: int,
     stored_rows: int = 0,
     request_bytes: int = 0,
+    stored_shuffled: bool = False,
 ) -> Order:
     """The blocks, first read and lanes of a layer with ``config`` over rows of ``row_bytes``,
     cached in chunks of ``chunk_rows`` (``stored_rows``, ``request_bytes``: see
-    :func:`default_block_rows`). A ``block_size`` given is the order asked for: no lanes."""
+    :func:`default_block_rows`). A ``block_size`` given is the order asked for: no lanes.
+
+    ``stored_shuffled``: every file says its samples were written in a random order
+    (``pack --shuffle``): any stretch of rows is already a random draw of the data set, so
+    nothing needs reading from many places. Blocks are then ``chunk_size`` rows and nothing is
+    laned: each chunk, and each piece of the ramp, is one or two sequential reads, and its
+    samples are served in a random order, as a permutation's batches would hold them (unless a
+    ``block_size`` is given: the order asked for).
+    """
     c = config
     block = None
     if c.shuffle:
@@ -227,6 +236,9 @@ def order_of(
             row_bytes, c.chunk_size, stored_rows, request_bytes
         )
     first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored_rows, request_bytes)
+    if c.shuffle and stored_shuffled and c.block_size is None:
+        first = first_read(c.batch_size, row_bytes, False)[0]  # one stretch: no lanes to round
+        return Order(c.chunk_size, first, 1, 1, None, None)
     laned = (
         chunk_lanes(chunk_rows, block, row_bytes, stored_rows, request_bytes)
         if c.block_size is None

@@ -40,6 +40,11 @@ def stored_rows(catalog: Catalog) -> int:
     )
 
 
+def stored_shuffled(catalog: Catalog) -> bool:
+    """Whether every file with rows says its samples were written in a random order."""
+    return all(f.shuffled for f in catalog.files if f.nrows)
+
+
 def cache_plan(catalog: Catalog, config: LayerConfig, rows: int | None) -> CachePlan:
     """The cache for ``catalog`` under ``config``'s budget; ``rows``: chunks of that many rows
     (a loaded state's), else as the properties and the budget give
@@ -72,7 +77,9 @@ def shape_of(
         laned, top, once = forced.chunk_lanes, forced.ramp_top_lanes, forced.ramp_once
     else:
         stored, request = stored_rows(catalog), request_bytes(catalog)
-        order = order_of(config, row_bytes, cache.chunk_rows, stored, request)
+        order = order_of(
+            config, row_bytes, cache.chunk_rows, stored, request, stored_shuffled(catalog)
+        )
         block, first = order.block_rows, order.first_rows
         lanes, laned, top = order.ramp_lanes, order.chunk_lanes, order.ramp_top_lanes
         once = cache.resident

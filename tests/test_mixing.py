@@ -18,12 +18,15 @@ import h5py
 import numpy as np
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer, CacheBudgetWarning
+from asynchdf5 import AsyncHDF5DataLayer, CacheBudgetWarning, HDF5DataLayer
 from asynchdf5._cache import size_cache
+from asynchdf5._catalog import SHUFFLED_ATTR
 from asynchdf5._config import LayerConfig
 from asynchdf5._plan import plan_epoch
 from asynchdf5._planner import chunk_lanes, default_block_rows, first_read, order_of
 from asynchdf5._walk import growing_ramp, ramp_sizes
+
+from ._helpers import run_main
 
 CLASSES = 10
 BATCH = 256
@@ -303,3 +306,80 @@ def test_a_growing_ramp_takes_every_row_once_from_more_places_each_piece(seed: i
     places = [len(piece) for piece in pieces]
     for k in range(1, len(pieces) - 1):  # the last piece takes what is left of every lane
         assert places[k] >= min(places[k - 1], max(1, top // 2)), places
+
+
+# --- data packed shuffled -----------------------------------------------------------------------
+
+
+def pack_sorted(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> Path:
+    """60,000 class-sorted samples of ``uint8[56]`` packed by ``asynchdf5 pack`` into 4 files;
+    the data's first byte is the class."""
+    n = 60_000
+    tmp_path.mkdir(exist_ok=True)
+    labels = np.arange(n) * CLASSES // n
+    data = np.zeros((n, 56), np.uint8)
+    data[:, 0] = labels
+    np.save(tmp_path / "data.npy", data)
+    np.save(tmp_path / "labels.npy", labels)
+    out = tmp_path / "out"
+    status, _, err = run_main(
+        ["pack", tmp_path / "data.npy", out, "--labels", tmp_path / "labels.npy",
+         "--samples-per-file", 15_000, *flags],
+        capsys,
+    )  # fmt: skip
+    assert status == 0, err
+    return out / "train.txt"
+
+
+def test_pack_shuffle_says_so_in_every_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flags, said in (((), None), (("--shuffle",), True)):
+        source = pack_sorted(tmp_path / str(said), capsys, *flags)
+        for name in source.read_text().split():
+            with h5py.File(source.parent / name, "r") as f:
+                assert f.attrs.get(SHUFFLED_ATTR) == said
+
+
+def test_data_packed_shuffled_is_read_in_long_stretches_and_mixes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every file packed with ``--shuffle``: each chunk (and each piece of a ramp) is one
+    stretch of rows (two where it wraps the ring or crosses a file), and batches of the
+    class-sorted data mix as a permutation's; a file without the attribute among them brings
+    back the blocks and lanes of the default order. Every sample once, and an exact resume."""
+    source = str(pack_sorted(tmp_path, capsys, "--shuffle"))
+    props: dict[str, Any] = {"batch_size": BATCH, "shuffle": True, "seed": 5, "chunk_size": 8192}
+    with HDF5DataLayer(source, **props) as layer:
+        plan = layer._planner.plan(0)  # the order the layer serves: planned, not read
+        batches = [(np.asarray(b["label"]).copy(), np.asarray(b["data"][:, 0])) for b in layer]
+    labels = [label for label, _ in batches]
+    assert all(np.array_equal(label, first) for label, first in batches)  # rows aligned
+    files = 4
+    assert max(len(c.ranges) for c in plan.chunks) <= 2
+    assert sum(len(c.ranges) for c in plan.chunks) <= len(plan.chunks) + files
+    got = np.concatenate(labels)
+    assert np.array_equal(np.sort(got), np.arange(60_000) * CLASSES // 60_000)
+    perm = np.random.default_rng(0).permutation(60_000) * CLASSES // 60_000
+    each = batch_entropies(got) / entropy(perm)
+    assert each[: len(each) // WINDOW * WINDOW].reshape(-1, WINDOW).mean(axis=1).min() >= PROMISE
+
+    # Exact resume in the middle of an epoch: the same batches as the run that saved it.
+    with HDF5DataLayer(source, **props) as layer:
+        it = iter(layer)
+        for _ in range(50):
+            next(it)
+        state = layer.state_dict()
+        rest = [np.asarray(b.indices).copy() for b in it]
+    with HDF5DataLayer(source, **props) as layer:
+        layer.load_state_dict(state)
+        again = [np.asarray(b.indices).copy() for b in layer]
+    assert len(again) == len(rest)
+    assert all(np.array_equal(a, b) for a, b in zip(again, rest, strict=True))
+
+    # One file without the attribute: the default order's blocks and lanes.
+    first = tmp_path / "out" / Path(source).read_text().split()[0]
+    with h5py.File(first, "r+") as f:
+        del f.attrs[SHUFFLED_ATTR]
+    with HDF5DataLayer(source, **props) as layer:
+        assert max(len(c.ranges) for c in layer._planner.plan(0).chunks) > 2
