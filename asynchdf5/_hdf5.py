@@ -283,8 +283,7 @@ class AsyncHDF5DataLayer(LayerBase):
                 # (Source.fetch); scattered reads wait on the disk, not the CPU: more in flight.
                 streaming: Streaming | None = None
                 if 0 < memory < shape.n_samples * shape.row_bytes:
-                    scattered = self.config.shuffle and not shape.in_stretches
-                    streaming = "scattered" if scattered else "in order"
+                    streaming = "scattered" if self.config.shuffle else "in order"
                 reader = HDF5Reader(
                     catalog,
                     files,

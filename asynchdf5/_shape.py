@@ -41,14 +41,6 @@ class DataShape:
     streams: tuple[StreamRows, ...] = ()
 
     @property
-    def in_stretches(self) -> bool:
-        """Each chunk is read as one or two long stretches of rows (unshuffled, or blocks at
-        least a chunk long and no lanes: data packed shuffled, a large ``block_size``)."""
-        return self.block_rows is None or (
-            self.chunk_lanes == 1 and self.block_rows >= self.chunk_rows
-        )
-
-    @property
     def epoch_samples(self) -> int:
         """Samples of an epoch over every rank (before ``drop_last``): the streams' counts."""
         return sum(s.count for s in self.streams) if self.streams else self.n_samples
