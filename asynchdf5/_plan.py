@@ -220,6 +220,7 @@ def plan_epoch(
     ramp_lanes: int = 1,
     chunk_lanes: int = 1,
     ramp_top_lanes: int | None = None,
+    even_chunks: bool = False,
 ) -> EpochPlan:
     """Plan epoch ``epoch`` of rank ``rank`` over ``n`` samples. Pure and deterministic.
 
@@ -238,6 +239,11 @@ def plan_epoch(
     draws from twice the places of the piece before with parts as large
     (:func:`~._walk.growing_ramp`); ``None``: the lanes stay ``ramp_lanes`` (:func:`~._walk.ramp`,
     the order of states saved before growing lanes).
+
+    ``even_chunks`` (shuffled, without lanes, blocks shorter than a chunk): the share is cut
+    into its ``ceil(size / chunk_size)`` chunks of equal sizes (within a row), not full chunks
+    and a remainder: a remainder of a few thousand rows was one block, its batches of one class
+    on class-sorted data (False: the cut of states saved before).
 
     ``chunk_lanes`` (shuffled only): the rank's share is dealt row by row to that many lanes,
     each a stretch of its walk, and each chunk takes ``chunk_size`` rows from every lane in turn
@@ -268,9 +274,14 @@ def plan_epoch(
         perm = np.random.default_rng(seed_tuple(seed, epoch, rank, 1)).permutation(count)
         order = perm.tolist()
 
+    # (Blocks at least a chunk long: chunks are cut along them, each one stretch of a block.)
+    even = shuffle and even_chunks and laned is None and (block_size or n) < chunk_size
+
     def stretches(k: int) -> list[tuple[int, int]]:
         if laned is not None:
             return laned.stretches(k)
+        if even:
+            return [(k * size // count, (k + 1) * size // count)]
         return [(k * chunk_size, min((k + 1) * chunk_size, size))]
 
     def ranges(parts: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

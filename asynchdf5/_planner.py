@@ -369,7 +369,12 @@ class Planner:
             whole = (  # several streams mixed: their own planner
                 plan_mixed(shape.streams, mode=c.batch_mode, **order)
                 if shape.streams
-                else plan_epoch(shape.n_samples, ramp_top_lanes=shape.ramp_top_lanes, **order)
+                else plan_epoch(
+                    shape.n_samples,
+                    ramp_top_lanes=shape.ramp_top_lanes,
+                    even_chunks=shape.even_chunks,
+                    **order,
+                )
             )
             return whole if part is None else split_plan(whole, *part)
 

@@ -37,6 +37,9 @@ class DataShape:
     #: are served as one chunk, a uniform permutation from their first batch (False: states
     #: saved before, and streaming data, ramp every epoch).
     ramp_once: bool = False
+    #: A shuffled share is cut into chunks of equal sizes, not full ones and a remainder
+    #: (:func:`~._plan.plan_epoch`); False: states saved before.
+    even_chunks: bool = False
     #: Several streams mixed (:mod:`._mix`): each one's rows and samples per epoch; () for one.
     streams: tuple[StreamRows, ...] = ()
 

@@ -75,6 +75,7 @@ def shape_of(
     if forced is not None:
         block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
         laned, top, once = forced.chunk_lanes, forced.ramp_top_lanes, forced.ramp_once
+        even = forced.even_chunks
     else:
         stored, request = stored_rows(catalog), request_bytes(catalog)
         order = order_of(
@@ -82,7 +83,7 @@ def shape_of(
         )
         block, first = order.block_rows, order.first_rows
         lanes, laned, top = order.ramp_lanes, order.chunk_lanes, order.ramp_top_lanes
-        once = cache.resident
+        once, even = cache.resident, True
         # Warned of when the budget shrank the cache, not when the properties asked for it.
         if order.warning is not None and cache.shrunk:
             warnings.warn(order.warning, CacheBudgetWarning, stacklevel=3)
@@ -99,5 +100,6 @@ def shape_of(
         chunk_lanes=laned,
         ramp_top_lanes=top,
         ramp_once=once,
+        even_chunks=even,
         streams=streams,
     )

@@ -42,6 +42,7 @@ _WHAT = {
     "chunk_lanes": "the places each chunk is taken from",
     "ramp_top_lanes": "the most places a piece of the first read is taken from",
     "ramp_once": "whether only the first epoch's first read is ramped (resident data)",
+    "even_chunks": "whether a shuffled share is cut into chunks of equal sizes",
     "streams": "the streams (names, rows, samples per epoch)",
     "batch_mode": "batch_mode",
 }
@@ -56,6 +57,7 @@ _ADOPTED = (
     "chunk_lanes",
     "ramp_top_lanes",
     "ramp_once",
+    "even_chunks",
 )
 
 
@@ -87,6 +89,7 @@ def fingerprint(shape: DataShape, config: LayerConfig) -> dict[str, Any]:
         "chunk_lanes": shape.chunk_lanes,
         "ramp_top_lanes": shape.ramp_top_lanes,
         "ramp_once": shape.ramp_once,
+        "even_chunks": shape.even_chunks,
     }
 
 
@@ -121,7 +124,11 @@ class Resume:
         rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
         lanes = (saved.get("ramp_lanes", 1), saved.get("chunk_lanes", 1))
         # States saved before growing ramps and resident epochs without one lack these.
-        ramp = (saved.get("ramp_top_lanes"), bool(saved.get("ramp_once", False)))
+        ramp = (
+            saved.get("ramp_top_lanes"),
+            bool(saved.get("ramp_once", False)),
+            bool(saved.get("even_chunks", False)),
+        )
         if (*rows, *lanes, *ramp) == (
             shape.chunk_rows,
             shape.block_rows,
@@ -130,6 +137,7 @@ class Resume:
             shape.chunk_lanes,
             shape.ramp_top_lanes,
             shape.ramp_once,
+            shape.even_chunks,
         ):
             return shape, None
         resumed = replace(
@@ -141,6 +149,7 @@ class Resume:
             chunk_lanes=lanes[1],
             ramp_top_lanes=ramp[0],
             ramp_once=ramp[1],
+            even_chunks=ramp[2],
         )
         if all(w == world_size for w, _ in self.chain):
             return resumed, None
@@ -234,10 +243,11 @@ def parse_state(state: object) -> Resume:
         if may_lack and fingerprint.get(key) is None:
             continue
         _int(fingerprint, key, 1)
-    if not isinstance(fingerprint.get("ramp_once", False), bool):
-        raise ConfigurationError(
-            f"the state's 'ramp_once' must be a bool, not {fingerprint['ramp_once']!r}"
-        )
+    for key in ("ramp_once", "even_chunks"):
+        if not isinstance(fingerprint.get(key, False), bool):
+            raise ConfigurationError(
+                f"the state's {key!r} must be a bool, not {fingerprint[key]!r}"
+            )
     part_in = state.get("part")
     part: tuple[int, int] | None = None
     if part_in is not None:

@@ -293,6 +293,37 @@ def test_the_ramp_of_a_large_streaming_epoch_mixes(stored_rows: int) -> None:
         assert window_entropies(order, n).min() >= PROMISE, epoch
 
 
+@pytest.mark.parametrize("epoch", range(2))
+def test_the_last_chunk_of_a_streaming_epoch_mixes(epoch: int) -> None:
+    """2**20 + 5,000 rows of 3,080 bytes in chunks of 2**20 (192 blocks, no lanes), as the layer
+    plans them: the share is cut into two chunks of equal sizes. Cut into a full chunk and a
+    remainder, the remainder was one block: about 20 batches of one class."""
+    n, row_bytes = 2**20 + 5_000, 3080
+    config = LayerConfig.parse(batch_size=BATCH, shuffle=True, seed=1)
+    order_ = order_of(config, row_bytes, 2**20)
+    assert order_.chunk_lanes == 1
+    for even in (False, True):
+        plan = plan_epoch(
+            n,
+            epoch=epoch,
+            batch_size=BATCH,
+            chunk_size=2**20,
+            shuffle=True,
+            seed=1,
+            first_rows=order_.first_rows,
+            block_size=order_.block_rows,
+            ramp_lanes=order_.ramp_lanes,
+            chunk_lanes=order_.chunk_lanes,
+            ramp_top_lanes=order_.ramp_top_lanes,
+            even_chunks=even,
+        )
+        order = np.concatenate([c.served_indices(c.order()) for c in plan.chunks])
+        assert np.array_equal(np.sort(order), np.arange(n))
+        assert max(c.rows for c in plan.chunks) <= 2**20
+        worst = window_entropies(order, n).min()
+        assert worst >= PROMISE if even else worst < PROMISE, (even, worst)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_a_growing_ramp_takes_every_row_once_from_more_places_each_piece(seed: int) -> None:
     rng = np.random.default_rng(seed)
