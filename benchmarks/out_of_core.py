@@ -99,6 +99,7 @@ def plan_read_bytes(n: int, limit_mib: int) -> int:
         n, epoch=0, batch_size=batch, chunk_size=cache.chunk_rows, shuffle=True, seed=0,
         first_rows=first, block_size=block, ramp_lanes=lanes,
         chunk_lanes=chunk_lanes(cache.chunk_rows, block, row), ramp_top_lanes=RAMP_TOP_LANES,
+        even_chunks=True,
     )  # fmt: skip
     reads = [b - a for c in plan.chunks[1:] or plan.chunks for a, b in c.ranges]
     return int(sorted(reads)[len(reads) // 2]) * (SAMPLE_BYTES - 8)

@@ -202,6 +202,7 @@ def epoch_order(mode: Mode, spec: OrderSpec, seed: int, epoch: int) -> npt.NDArr
         ramp_lanes=spec.ramp_lanes if mode.lanes is None else mode.lanes,
         # The layer's ramp (more places each piece), but for the fixed lanes of older modes.
         ramp_top_lanes=RAMP_TOP_LANES if mode.lanes is None else None,
+        even_chunks=mode.lanes is None,
     )
     out = np.empty(sum(c.size for c in plan.chunks), np.int64)
     at = 0
@@ -309,6 +310,7 @@ def widths(rec: Recorder, n: int, seeds: int, epochs: int) -> None:
                     n, epoch=epoch, batch_size=BATCH_SIZE, chunk_size=cache.chunk_rows,
                     shuffle=True, seed=seed, first_rows=spec.first_rows, block_size=block,
                     ramp_lanes=spec.ramp_lanes, chunk_lanes=lanes, ramp_top_lanes=RAMP_TOP_LANES,
+                    even_chunks=True,
                 )  # fmt: skip
                 order = np.concatenate([c.served_indices(c.order()) for c in plan.chunks])
                 h = batch_label_entropy(labels_of(order, n), BATCH_SIZE)
