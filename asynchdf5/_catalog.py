@@ -28,6 +28,7 @@ from ._layout import ChunkIndex, Extent, Layout, ReadPath, describe
 from ._sources import Source, StoredFile, name_entry
 
 __all__ = [
+    "SHUFFLED_ATTR",
     "Catalog",
     "ChunkIndex",
     "Extent",
@@ -50,6 +51,10 @@ __all__ = [
 
 #: How many of a file's datasets a "top is missing" message lists.
 _LIST_AT_MOST = 20
+
+#: The file attribute that says its samples were written in a uniformly random order
+#: (``asynchdf5 pack --shuffle`` sets it True): any stretch of its rows is a random draw.
+SHUFFLED_ATTR = "shuffled"
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,8 @@ class FileInfo:
     nrows: int
     start: int  # global index of its row 0
     layouts: dict[str, Layout]
+    #: Its samples were written in a random order (the :data:`SHUFFLED_ATTR` attribute True).
+    shuffled: bool = False
 
     @property
     def name(self) -> str:
@@ -435,4 +442,6 @@ def _describe_file(
             f"{file.name}: the tops have different row counts ({detail}); row r of every "
             "top must be the same sample"
         )
-    return FileInfo(file, counts.pop(), start, layouts)
+    said = h5.attrs.get(SHUFFLED_ATTR)
+    shuffled = isinstance(said, (bool, np.bool_)) and bool(said)
+    return FileInfo(file, counts.pop(), start, layouts, shuffled)

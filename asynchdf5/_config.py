@@ -48,6 +48,9 @@ MIN_BLOCKS_PER_CHUNK = 16
 #: batches of an epoch of class-sorted images reached 0.32 of a full permutation's batch label
 #: entropy, with 32 0.94 (docs/shuffle.md) ...
 RAMP_LANES = 32
+#: ... and each piece after the first twice the lanes of the one before, up to this many (a
+#: piece twice as large, parts as large: ``_walk.growing_ramp``) ...
+RAMP_TOP_LANES = 192
 #: ... each lane's part of the first piece at least this big (a read each; and at least a
 #: stored chunk decoded whole, or a remote request: see ``_planner.ramp_lanes``).
 MIN_LANE_BYTES = 256 * 2**10

@@ -261,6 +261,9 @@ class Run:
         full = 0  # whole batches left in the epoch (epoch mode)
         tail: collections.deque[int] = collections.deque()  # then these sizes
         need = 0  # the size of the batch being cut
+        # The run's first group is one batch: the consumer waits for the first batch alone, not
+        # for a group of them to be gathered into fresh buffers.
+        limit = 1
 
         def mark(schema: int | None, k: int) -> None:
             """The group's next ``k`` batches are of ``schema`` (:mod:`._schemas`)."""
@@ -310,7 +313,7 @@ class Run:
                     if cur is None and need == B and end - pos >= B:
                         # A run of whole batches: `need` is the first of them.
                         k = (end - pos) // B
-                        room = max(1, self.group - len(group.sizes))
+                        room = max(1, limit - len(group.sizes))
                         k = min(k, room, k if stream else full + 1)
                         if schemas is not None:
                             mark(schema, k)
@@ -344,16 +347,16 @@ class Run:
                         group.epochs.append(cur.epoch)
                         cur = None
                         need = next_size()
-                    if len(group.sizes) >= self.group:
+                    if len(group.sizes) >= limit:
                         await self._submit(group)
-                        group = GroupSpec()
+                        group, limit = GroupSpec(), self.group
                 chunk.cut = True
                 last = chunk.plan.index == len(plan.chunks) - 1
                 if last and cur is not None:
                     cur.ends_epoch = plan.epoch  # stream mode: the batch wraps into the next epoch
                 if group.sizes:
                     await self._submit(group)
-                    group = GroupSpec()
+                    group, limit = GroupSpec(), self.group
                 if cur is not None:
                     await self._carry(cur)  # the invariant: see the class docstring
                 chunk.done_with()

@@ -44,7 +44,7 @@ import numpy as np
 import numpy.random  # numpy imports it lazily: not on the event loop at the first plan
 
 from ._errors import ConfigurationError
-from ._walk import Lanes, Walk, append_range, ramp, seed_tuple, within
+from ._walk import Lanes, Walk, append_range, growing_ramp, ramp, seed_tuple, within
 
 __all__ = [
     "ChunkPlan",
@@ -219,6 +219,8 @@ def plan_epoch(
     block_size: int | None = None,
     ramp_lanes: int = 1,
     chunk_lanes: int = 1,
+    ramp_top_lanes: int | None = None,
+    even_chunks: bool = False,
 ) -> EpochPlan:
     """Plan epoch ``epoch`` of rank ``rank`` over ``n`` samples. Pure and deterministic.
 
@@ -232,7 +234,16 @@ def plan_epoch(
     stretches of its walk, and each piece of its ramp takes the same share of every lane, so
     that even the first piece draws from that many places of the data set (in one lane, the
     first pieces would hold a block or two: every epoch's first batches would come from a few
-    places, which class-sorted data shows as batches of one class).
+    places, which class-sorted data shows as batches of one class). ``ramp_top_lanes``: each
+    piece after the first splits the lanes' rests in two, up to that many lanes, so that it
+    draws from twice the places of the piece before with parts as large
+    (:func:`~._walk.growing_ramp`); ``None``: the lanes stay ``ramp_lanes`` (:func:`~._walk.ramp`,
+    the order of states saved before growing lanes).
+
+    ``even_chunks`` (shuffled, without lanes, blocks shorter than a chunk): the share is cut
+    into its ``ceil(size / chunk_size)`` chunks of equal sizes (within a row), not full chunks
+    and a remainder: a remainder of a few thousand rows was one block, its batches of one class
+    on class-sorted data (False: the cut of states saved before).
 
     ``chunk_lanes`` (shuffled only): the rank's share is dealt row by row to that many lanes,
     each a stretch of its walk, and each chunk takes ``chunk_size`` rows from every lane in turn
@@ -263,9 +274,14 @@ def plan_epoch(
         perm = np.random.default_rng(seed_tuple(seed, epoch, rank, 1)).permutation(count)
         order = perm.tolist()
 
+    # (Blocks at least a chunk long: chunks are cut along them, each one stretch of a block.)
+    even = shuffle and even_chunks and laned is None and (block_size or n) < chunk_size
+
     def stretches(k: int) -> list[tuple[int, int]]:
         if laned is not None:
             return laned.stretches(k)
+        if even:
+            return [(k * size // count, (k + 1) * size // count)]
         return [(k * chunk_size, min((k + 1) * chunk_size, size))]
 
     def ranges(parts: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -288,8 +304,19 @@ def plan_epoch(
             first = stretches(k)
             rows = sum(b - a for a, b in first)
             if rows > 2 * first_rows:  # the first chunk, read as a ramp of growing pieces
-                for part in ramp(0, rows, first_rows, ramp_lanes if shuffle else 1):
-                    add(ranges(within(first, part)))
+                if not shuffle or ramp_top_lanes is None:
+                    for part in ramp(0, rows, first_rows, ramp_lanes if shuffle else 1):
+                        add(ranges(within(first, part)))
+                    continue
+                # The lanes cut the chunk's rows in the order they are stored, so that the
+                # pieces sample the part of the data set the chunk holds evenly (in walk
+                # order, its random blocks: a lane's share of them is a random draw).
+                stored = sorted(ranges(first))
+                for part in growing_ramp(0, rows, first_rows, ramp_lanes, ramp_top_lanes):
+                    got: list[tuple[int, int]] = []
+                    for a, b in within(stored, part):
+                        append_range(got, a, b)
+                    add(tuple(got))
                 continue
         add(laned.ranges(k) if laned is not None else ranges(stretches(k)))
     return EpochPlan(epoch, size, tuple(chunks), batch_size, full, tail)

@@ -29,6 +29,17 @@ class DataShape:
     resident: bool
     ramp_lanes: int = 1  # places each piece of the first read's ramp is taken from
     chunk_lanes: int = 1  # places each chunk is taken from, besides its blocks
+    #: The most places a piece of the ramp draws from, each piece twice the lanes of the one
+    #: before (:func:`~._walk.growing_ramp`); None: every piece ``ramp_lanes`` (states saved
+    #: before growing lanes).
+    ramp_top_lanes: int | None = None
+    #: The ramp is epoch 0's only: the data set is resident, so later epochs read nothing and
+    #: are served as one chunk, a uniform permutation from their first batch (False: states
+    #: saved before, and streaming data, ramp every epoch).
+    ramp_once: bool = False
+    #: A shuffled share is cut into chunks of equal sizes, not full ones and a remainder
+    #: (:func:`~._plan.plan_epoch`); False: states saved before.
+    even_chunks: bool = False
     #: Several streams mixed (:mod:`._mix`): each one's rows and samples per epoch; () for one.
     streams: tuple[StreamRows, ...] = ()
 

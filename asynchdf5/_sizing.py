@@ -42,6 +42,11 @@ def stored_rows(catalog: Catalog) -> int:
     )
 
 
+def stored_shuffled(catalog: Catalog) -> bool:
+    """Whether every file with rows says its samples were written in a random order."""
+    return all(f.shuffled for f in catalog.files if f.nrows)
+
+
 def cache_plan(catalog: Catalog, config: LayerConfig, rows: int | None) -> CachePlan:
     """The cache for ``catalog`` under ``config``'s budget; ``rows``: chunks of that many rows
     (a loaded state's), else as the properties and the budget give
@@ -71,12 +76,16 @@ def shape_of(
     cache = cache_plan(catalog, config, forced.chunk_rows if forced is not None else None)
     if forced is not None:
         block, first, lanes = forced.block_rows, forced.first_rows, forced.ramp_lanes
-        laned = forced.chunk_lanes
+        laned, top, once = forced.chunk_lanes, forced.ramp_top_lanes, forced.ramp_once
+        even = forced.even_chunks
     else:
         stored, request = stored_rows(catalog), request_bytes(catalog)
-        order = order_of(config, row_bytes, cache.chunk_rows, stored, request)
+        order = order_of(
+            config, row_bytes, cache.chunk_rows, stored, request, stored_shuffled(catalog)
+        )
         block, first = order.block_rows, order.first_rows
-        lanes, laned = order.ramp_lanes, order.chunk_lanes
+        lanes, laned, top = order.ramp_lanes, order.chunk_lanes, order.ramp_top_lanes
+        once, even = cache.resident, True
         # Warned of when the budget shrank the cache, not when the properties asked for it.
         if order.warning is not None and cache.shrunk:
             warnings.warn(order.warning, CacheBudgetWarning, stacklevel=3)
@@ -91,5 +100,8 @@ def shape_of(
         resident=cache.resident,
         ramp_lanes=lanes,
         chunk_lanes=laned,
+        ramp_top_lanes=top,
+        ramp_once=once,
+        even_chunks=even,
         streams=streams,
     )

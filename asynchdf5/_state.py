@@ -40,9 +40,25 @@ _WHAT = {
     "first_rows": "the rows of the first read of an epoch",
     "ramp_lanes": "the places each piece of the first read is taken from",
     "chunk_lanes": "the places each chunk is taken from",
+    "ramp_top_lanes": "the most places a piece of the first read is taken from",
+    "ramp_once": "whether only the first epoch's first read is ramped (resident data)",
+    "even_chunks": "whether a shuffled share is cut into chunks of equal sizes",
     "streams": "the streams (names, rows, samples per epoch)",
     "batch_mode": "batch_mode",
 }
+
+
+#: The effective sizes a state's fingerprint holds: adopted when loading, not compared.
+_ADOPTED = (
+    "chunk_rows",
+    "block_rows",
+    "first_rows",
+    "ramp_lanes",
+    "chunk_lanes",
+    "ramp_top_lanes",
+    "ramp_once",
+    "even_chunks",
+)
 
 
 def fingerprint(shape: DataShape, config: LayerConfig) -> dict[str, Any]:
@@ -71,6 +87,9 @@ def fingerprint(shape: DataShape, config: LayerConfig) -> dict[str, Any]:
         "first_rows": shape.first_rows,
         "ramp_lanes": shape.ramp_lanes,
         "chunk_lanes": shape.chunk_lanes,
+        "ramp_top_lanes": shape.ramp_top_lanes,
+        "ramp_once": shape.ramp_once,
+        "even_chunks": shape.even_chunks,
     }
 
 
@@ -104,12 +123,21 @@ class Resume:
         saved = self.fingerprint
         rows = (saved["chunk_rows"], saved["block_rows"], saved["first_rows"])
         lanes = (saved.get("ramp_lanes", 1), saved.get("chunk_lanes", 1))
-        if (*rows, *lanes) == (
+        # States saved before growing ramps and resident epochs without one lack these.
+        ramp = (
+            saved.get("ramp_top_lanes"),
+            bool(saved.get("ramp_once", False)),
+            bool(saved.get("even_chunks", False)),
+        )
+        if (*rows, *lanes, *ramp) == (
             shape.chunk_rows,
             shape.block_rows,
             shape.first_rows,
             shape.ramp_lanes,
             shape.chunk_lanes,
+            shape.ramp_top_lanes,
+            shape.ramp_once,
+            shape.even_chunks,
         ):
             return shape, None
         resumed = replace(
@@ -119,6 +147,9 @@ class Resume:
             first_rows=rows[2],
             ramp_lanes=lanes[0],
             chunk_lanes=lanes[1],
+            ramp_top_lanes=ramp[0],
+            ramp_once=ramp[1],
+            even_chunks=ramp[2],
         )
         if all(w == world_size for w, _ in self.chain):
             return resumed, None
@@ -128,7 +159,7 @@ class Resume:
         """What differs between the saved fingerprint and ``now``'s, in words."""
         out = []
         for key, what in _WHAT.items():
-            if key in ("chunk_rows", "block_rows", "first_rows", "ramp_lanes", "chunk_lanes"):
+            if key in _ADOPTED:
                 continue  # effective values: the state's are adopted (see the layer)
             saved, current = self.fingerprint.get(key), now.get(key)
             if saved != current:
@@ -207,10 +238,16 @@ def parse_state(state: object) -> Resume:
         ("first_rows", True),
         ("ramp_lanes", True),
         ("chunk_lanes", True),
+        ("ramp_top_lanes", True),
     ):
         if may_lack and fingerprint.get(key) is None:
             continue
         _int(fingerprint, key, 1)
+    for key in ("ramp_once", "even_chunks"):
+        if not isinstance(fingerprint.get(key, False), bool):
+            raise ConfigurationError(
+                f"the state's {key!r} must be a bool, not {fingerprint[key]!r}"
+            )
     part_in = state.get("part")
     part: tuple[int, int] | None = None
     if part_in is not None:

@@ -13,7 +13,17 @@ import itertools
 import numpy as np
 import numpy.random  # numpy imports it lazily: not on the event loop at the first plan
 
-__all__ = ["Lanes", "Walk", "append_range", "global_ranges", "ramp", "seed_tuple", "within"]
+__all__ = [
+    "Lanes",
+    "Walk",
+    "append_range",
+    "global_ranges",
+    "growing_ramp",
+    "ramp",
+    "ramp_sizes",
+    "seed_tuple",
+    "within",
+]
 
 
 def seed_tuple(seed: int, epoch: int, *more: int) -> tuple[int, ...]:
@@ -150,29 +160,45 @@ def global_ranges(
 
 def within(stretches: list[tuple[int, int]], part: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``part`` (positions within the concatenation of ``stretches``) as positions of the
-    stretches themselves."""
+    stretches themselves. Linear in both when ``part`` is sorted (a ramp's pieces are: a first
+    chunk of hundreds of lane stretches cut into a ramp took tens of ms quadratically)."""
     out: list[tuple[int, int]] = []
+    firsts = list(itertools.accumulate((b - a for a, b in stretches), initial=0))
+    i = 0
     for x, y in part:
-        first = 0
-        for a, b in stretches:
-            lo, hi = max(x, first), min(y, first + b - a)
+        if i and x < firsts[i]:  # not sorted: start over (never for a ramp's pieces)
+            i = 0
+        while i < len(stretches) and firsts[i + 1] <= x:
+            i += 1
+        j = i
+        while j < len(stretches) and firsts[j] < y:
+            a = stretches[j][0]
+            lo, hi = max(x, firsts[j]), min(y, firsts[j + 1])
             if lo < hi:
-                append_range(out, a + lo - first, a + hi - first)
-            first += b - a
+                append_range(out, a + lo - firsts[j], a + hi - firsts[j])
+            j += 1
     return out
 
 
-def ramp(a: int, b: int, first_rows: int, lanes: int) -> list[list[tuple[int, int]]]:
-    """Walk positions ``a:b`` cut into pieces of about ``first_rows``, then twice that, and so
-    on (the last takes the rest); each piece takes the same share of every one of ``lanes``
-    equal stretches of ``a:b`` (so every piece is spread over all of them)."""
+def ramp_sizes(rows: int, first_rows: int) -> list[int]:
+    """The sizes of a ramp's pieces over ``rows`` rows: ``first_rows``, twice that, and so on,
+    the last taking the rest (at least twice the piece before it)."""
     sizes = []
-    step, rest = first_rows, b - a
+    step, rest = first_rows, rows
     while rest > 2 * step:
         sizes.append(step)
         rest -= step
         step *= 2
     sizes.append(rest)
+    return sizes
+
+
+def ramp(a: int, b: int, first_rows: int, lanes: int) -> list[list[tuple[int, int]]]:
+    """Walk positions ``a:b`` cut into pieces of about ``first_rows``, then twice that, and so
+    on (the last takes the rest); each piece takes the same share of every one of ``lanes``
+    equal stretches of ``a:b`` (so every piece is spread over all of them). The ramp of states
+    saved before :func:`growing_ramp`."""
+    sizes = ramp_sizes(b - a, first_rows)
     total = b - a
     lanes = max(1, min(lanes, first_rows // 2))  # each piece: more rows than lanes
     bounds = [a + total * s // lanes for s in range(lanes + 1)]
@@ -187,5 +213,42 @@ def ramp(a: int, b: int, first_rows: int, lanes: int) -> list[list[tuple[int, in
             if x < y:
                 parts.append((x, y))
         done += size
+        out.append(parts)
+    return out
+
+
+def growing_ramp(
+    a: int, b: int, first_rows: int, lanes: int, top_lanes: int
+) -> list[list[tuple[int, int]]]:
+    """Walk positions ``a:b`` cut into the pieces of :func:`ramp_sizes`, each piece spread over
+    more places than the one before: the first takes equal shares of ``lanes`` equal stretches
+    of ``a:b``, and each next piece, twice as large, first splits every stretch's rest in two
+    (up to ``top_lanes`` stretches), so that its parts stay as large as the first piece's while
+    it draws from twice as many places. (With lanes fixed, a piece of a ramp drew from as few
+    places as the first, and the first hundred batches of every epoch mixed less than the
+    rest.) Every position is in exactly one piece: each takes the front of every stretch's
+    rest, and the last takes all that is left. Parts in each piece are in position order."""
+    sizes = ramp_sizes(b - a, first_rows)
+    lanes = max(1, min(lanes, first_rows // 2))  # each piece: more rows than lanes
+    top_lanes = max(lanes, top_lanes)
+    total = b - a
+    rest = [(a + total * s // lanes, a + total * (s + 1) // lanes) for s in range(lanes)]
+    out: list[list[tuple[int, int]]] = []
+    for k, size in enumerate(sizes):
+        if k and 2 * len(rest) <= top_lanes:
+            rest = [h for x, y in rest for h in ((x, (x + y) // 2), ((x + y) // 2, y))]
+        left = sum(y - x for x, y in rest)
+        take = min(size, left) if k < len(sizes) - 1 else left
+        parts, kept, before = [], [], 0
+        for x, y in rest:
+            # This stretch's share of the piece, in proportion to its rest (exactly `take`).
+            lo = take * before // left
+            before += y - x
+            got = take * before // left - lo
+            if got:
+                parts.append((x, x + got))
+            if x + got < y:
+                kept.append((x + got, y))
+        rest = kept
         out.append(parts)
     return out

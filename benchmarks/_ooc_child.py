@@ -10,6 +10,7 @@ reading only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -106,6 +108,53 @@ def sequential(job: dict[str, Any]) -> dict[str, Any]:
         "first_batch_s": None,
         "cpu_s": cpu_seconds() - c0,
         "touched": touched,
+    }
+
+
+def random_reads(job: dict[str, Any]) -> dict[str, Any]:
+    """The device's random-read rate at one read size: ``read_bytes`` at random offsets of the
+    ``data`` dataset (aligned to 4 KiB), ``threads`` threads each with its reads in flight one
+    at a time, read-ahead off (``POSIX_FADV_RANDOM``), until ``bound_s`` or the dataset's size
+    has been read."""
+    size = int(job["read_bytes"])
+    span = int(job["n"]) * (int(job["sample_bytes"]) - 8)  # the data top's bytes
+    starts = np.arange(0, max(1, span - size), 4096, dtype=np.int64)
+    rng = np.random.default_rng(job["seed"])
+    threads = int(job.get("threads", 8))
+    count = max(threads, span // size)
+    offsets = rng.choice(starts, size=min(count, len(starts)), replace=False)
+    offsets += int(job["data_offset"])
+    fd = os.open(job["path"], os.O_RDONLY)
+    with contextlib.suppress(OSError):  # advice only
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    bufs = [bytearray(size) for _ in range(threads)]
+    for b in bufs:
+        b[:] = b"\1" * size  # touched before the clock starts
+    bound = float(job["bound_s"])
+    c0 = cpu_seconds()
+    t0 = time.perf_counter()
+
+    def worker(k: int) -> int:
+        view, done = memoryview(bufs[k]), 0
+        for off in offsets[k::threads]:
+            if time.perf_counter() - t0 > bound:
+                break
+            done += os.preadv(fd, [view], int(off))
+        return done
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            nbytes = sum(pool.map(worker, range(threads)))
+    finally:
+        os.close(fd)
+    secs = time.perf_counter() - t0
+    samples = nbytes / job["sample_bytes"]
+    return {
+        "passes": [{"samples": samples, "seconds": secs, "rate": samples / secs}],
+        "bytes": nbytes,
+        "read_bytes": size,
+        "first_batch_s": None,
+        "cpu_s": cpu_seconds() - c0,
     }
 
 
@@ -308,6 +357,7 @@ def memmap(job: dict[str, Any]) -> dict[str, Any]:
 
 READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "sequential": sequential,
+    "random": random_reads,
     "layer": layer,
     "torch_h5py": torch_h5py,
     "memmap": memmap,

@@ -25,6 +25,7 @@ __all__ = [
     "large_images",
     "random_bytes",
     "shard_files",
+    "shuffled_images",
 ]
 
 #: Marks a complete class-sorted file of :func:`class_sorted_images` (its parameters).
@@ -59,6 +60,47 @@ def class_sorted_images(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bo
             data[a:b] = rng.integers(0, 256, (b - a, *IMAGE_SHAPE), dtype=np.uint8)
             label[a:b] = np.arange(a, b, dtype=np.int64) * 10 // n
         f.attrs[OOC_PARAMS_ATTR] = params
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be evicted
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path, False
+
+
+def shuffled_images(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bool]:
+    """The samples of :func:`class_sorted_images` in a random order, with the file attribute
+    ``shuffled`` that ``asynchdf5 pack --shuffle`` writes (docs/packing.md), written unless a
+    complete one exists; returns (path, reused)."""
+    sorted_path, _ = class_sorted_images(data_dir, n, seed)
+    path = data_dir / f"ooc-packed-shuffled-{n}.h5"
+    params = json.dumps({"samples": n, "seed": seed, "version": 1, "shuffled": True})
+    try:
+        with h5py.File(path, "r") as f:
+            if f.attrs.get(OOC_PARAMS_ATTR) == params:
+                return path, True
+    except OSError:
+        pass
+    with h5py.File(sorted_path, "r") as f:
+        offset = f["data"].id.get_offset()
+        labels = f["label"][:]
+    rows = np.memmap(sorted_path, np.uint8, "r", offset=offset, shape=(n, *IMAGE_SHAPE))
+    order = np.random.default_rng((seed, 1)).permutation(n)
+    tmp = path.with_suffix(".h5.tmp")
+    step = 16384
+    with h5py.File(tmp, "w") as f:
+        data = f.create_dataset("data", (n, *IMAGE_SHAPE), "uint8")  # contiguous
+        f.create_dataset("label", data=labels[order])
+        for a in range(0, n, step):
+            take = order[a : a + step]
+            by_offset = np.argsort(take)
+            block = np.empty((len(take), *IMAGE_SHAPE), np.uint8)
+            block[by_offset] = rows[take[by_offset]]
+            data[a : a + len(take)] = block
+        f.attrs["shuffled"] = True
+        f.attrs[OOC_PARAMS_ATTR] = params
+    del rows
     fd = os.open(tmp, os.O_RDONLY)
     try:
         os.fsync(fd)  # dirty pages cannot be evicted

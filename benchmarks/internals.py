@@ -5,8 +5,9 @@ and environment variables). A few measure something no public name gives, and im
 that a rename inside ``asynchdf5`` breaks this file, not several benchmarks:
 
 - the planner's orders and sizes (:func:`plan_epoch`, :func:`default_block_rows`,
-  :func:`first_read`, :func:`chunk_lanes`, :func:`size_cache`): shuffle quality is a property of
-  the pure plan, measured without reading any file (``shuffle_quality``, ``shuffle_training``);
+  :func:`first_read`, :func:`chunk_lanes`, :func:`size_cache`, :data:`RAMP_TOP_LANES`): shuffle
+  quality is a property of the pure plan, measured without reading any file
+  (``shuffle_quality``, ``shuffle_training``);
 - the reader's constants (:data:`BLOCK_BYTES`, the default shuffled block; :data:`PIECE_BYTES`,
   the bytes one local read call moves; :data:`N_SLOTS`, the cache's slots): ``block_size``
   replays the raw read path with them to choose the default block and check the layer's figure.
@@ -15,7 +16,7 @@ that a rename inside ``asynchdf5`` breaks this file, not several benchmarks:
 from __future__ import annotations
 
 from asynchdf5._cache import N_SLOTS, size_cache
-from asynchdf5._config import BLOCK_BYTES
+from asynchdf5._config import BLOCK_BYTES, RAMP_TOP_LANES
 from asynchdf5._plan import plan_epoch
 from asynchdf5._planner import chunk_lanes, default_block_rows, first_read
 from asynchdf5._sources._local import PIECE_BYTES
@@ -24,6 +25,7 @@ __all__ = [
     "BLOCK_BYTES",
     "N_SLOTS",
     "PIECE_BYTES",
+    "RAMP_TOP_LANES",
     "chunk_lanes",
     "default_block_rows",
     "first_read",

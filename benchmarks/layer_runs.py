@@ -92,7 +92,7 @@ class Sizes:
     probe_nice: tuple[str, ...] = ("0", "10")
     busy_nice: tuple[str, ...] = ("0", "3", "10")
     first_chunks: tuple[int, ...] = (2**14, 2**17, 2**20)
-    first_repeats: int = 3
+    first_repeats: int = 5
     copy_bytes: int = 512 * 2**20
     deadline_s: float = 120.0
     seed: int = 0

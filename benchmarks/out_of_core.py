@@ -16,7 +16,13 @@ The readers, in one run on the same file under the same limit:
   before the second epoch is reported; label mixing is measured per epoch);
 - ``torch_h5py``: a ``DataLoader`` (2 workers, each opening the file) over an h5py map-style
   dataset, random batches from a ``BatchSampler``, one sorted fancy-index read per batch;
-- ``memmap``: nanoGPT's loader, a fresh ``np.memmap`` per batch and random indices.
+- ``memmap``: nanoGPT's loader, a fresh ``np.memmap`` per batch and random indices;
+- ``random_at_plan``: the device's random-read rate at the read size the shuffled layer's plan
+  uses on this file under this limit (the median of its chunks' ranges, ``data`` bytes), 8
+  threads, read-ahead off: the limit of a shuffled epoch that must read from many places;
+- ``layer_shuffled_packed``: the shuffled layer on the same samples in a random order, with the
+  ``shuffled`` attribute ``asynchdf5 pack --shuffle`` writes: read in sequential stretches, its
+  limit is the sequential rate.
 
 The last two are time-bounded (``--bound-s`` or one epoch, whichever comes first) and their rate
 is taken from the first batch on. The limit is the larger of the sequential read and the
@@ -40,6 +46,14 @@ from typing import Any
 import h5py
 
 from benchmarks import cgroups, data_special
+from benchmarks.internals import (
+    RAMP_TOP_LANES,
+    chunk_lanes,
+    default_block_rows,
+    first_read,
+    plan_epoch,
+    size_cache,
+)
 from benchmarks.page_cache import evict, resident_fraction
 from benchmarks.report import Recorder, utc_now
 
@@ -52,6 +66,8 @@ READERS: dict[str, tuple[str, dict[str, Any]]] = {
     "layer_shuffled": ("layer", {"shuffle": True}),
     "torch_h5py": ("torch_h5py", {"workers": 2}),
     "memmap": ("memmap", {}),
+    "random_at_plan": ("random", {"threads": 8}),
+    "layer_shuffled_packed": ("layer", {"shuffle": True, "packed_shuffled": True}),
 }
 #: --quick: a toy file that is smaller than the limit (the run proves the code, not the rate): a
 #: child of the layer with default properties is killed for memory under 64 MiB.
@@ -68,6 +84,39 @@ def offsets(path: Path) -> tuple[int, int]:
     return int(d), int(lab)
 
 
+def plan_read_bytes(n: int, limit_mib: int) -> int:
+    """The median read of the shuffled layer's plan over the class-sorted file under a memory
+    limit of ``limit_mib`` (the default cache: a third of it), in bytes of ``data``: its chunks'
+    ranges after the first read, as the layer plans them with default properties."""
+    row, batch, chunk_size = SAMPLE_BYTES, 256, 2**20
+    cache = size_cache(
+        n, row, batch_size=batch, world_size=1, chunk_size=chunk_size,
+        cache_bytes=limit_mib * 2**20 // 3,
+    )  # fmt: skip
+    block = default_block_rows(row, chunk_size)
+    first, lanes = first_read(batch, row, True)
+    plan = plan_epoch(
+        n, epoch=0, batch_size=batch, chunk_size=cache.chunk_rows, shuffle=True, seed=0,
+        first_rows=first, block_size=block, ramp_lanes=lanes,
+        chunk_lanes=chunk_lanes(cache.chunk_rows, block, row), ramp_top_lanes=RAMP_TOP_LANES,
+        even_chunks=True,
+    )  # fmt: skip
+    reads = [b - a for c in plan.chunks[1:] or plan.chunks for a, b in c.ranges]
+    return int(sorted(reads)[len(reads) // 2]) * (SAMPLE_BYTES - 8)
+
+
+def shuffled_copy(data_dir: Path, n: int) -> Path:
+    """:func:`data_special.shuffled_images`, written by a child process: writing it maps the
+    class-sorted file, and a reader's child started after would inherit that peak RSS."""
+    code = "import sys; from pathlib import Path; from benchmarks import data_special as d; "
+    code += "print(d.shuffled_images(Path(sys.argv[1]), int(sys.argv[2]))[0])"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(data_dir), str(n)],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
 # --- one reader --------------------------------------------------------------------------------
 
 
@@ -76,6 +125,8 @@ def run_reader(
 ) -> dict[str, Any]:
     """One of READERS on ``path`` in a capped child (:func:`run_child`), with derived figures."""
     kind, params = READERS[name]
+    if params.get("packed_shuffled"):
+        path = shuffled_copy(Path(args.data_dir), n)
     data_offset, label_offset = offsets(path)
     job = {
         "kind": kind,
@@ -90,6 +141,7 @@ def run_reader(
         "data_offset": data_offset,
         "label_offset": label_offset,
         "layer_props": args.layer_props,
+        "read_bytes": plan_read_bytes(n, args.limit_mib) if kind == "random" else None,
         **params,
     }
     result = run_child(name, job, [path], args, work)
@@ -187,6 +239,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load0 = os.getloadavg()
     started, t0 = utc_now(), time.perf_counter()
     readers: dict[str, Any] = {}
+    if any(READERS[k][1].get("packed_shuffled") for k in names):
+        shuffled_copy(Path(args.data_dir), n)  # before any reader: its writing is not timed
     with tempfile.TemporaryDirectory(prefix="asynchdf5-ooc-") as work:
         for name in names:
             readers[name] = run_reader(name, args, path, n, Path(work))
@@ -239,6 +293,17 @@ def bench(rec: Recorder) -> None:
     rec.figure(
         "limit (sequential read or unshuffled layer)", out["limit_samples_per_s"], "samples/s"
     )
+    readers = out["readers"]
+    if readers.get("random_at_plan", {}).get("read_bytes"):
+        rec.param(plan_read_kib=readers["random_at_plan"]["read_bytes"] // 2**10)
+    packed, unshuffled = readers.get("layer_shuffled_packed"), readers.get("layer_unshuffled")
+    if packed and unshuffled and packed.get("passes") and unshuffled.get("passes"):
+        for i, (p, q) in enumerate(zip(packed["passes"], unshuffled["passes"], strict=False)):
+            rec.figure(
+                f"layer_shuffled_packed ÷ layer_unshuffled, epoch {i + 1}",
+                p["rate"] / q["rate"],
+                "ratio",
+            )
     for name, r in out["readers"].items():
         rec.note(f"{name}: {r['cgroup']}")
         if r.get("error"):

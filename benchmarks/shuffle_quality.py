@@ -39,7 +39,14 @@ import numpy as np
 import numpy.typing as npt
 
 from asynchdf5 import CacheBudgetWarning
-from benchmarks.internals import chunk_lanes, default_block_rows, first_read, plan_epoch, size_cache
+from benchmarks.internals import (
+    RAMP_TOP_LANES,
+    chunk_lanes,
+    default_block_rows,
+    first_read,
+    plan_epoch,
+    size_cache,
+)
 from benchmarks.report import Recorder
 
 __all__ = [
@@ -193,6 +200,9 @@ def epoch_order(mode: Mode, spec: OrderSpec, seed: int, epoch: int) -> npt.NDArr
         first_rows=spec.first_rows if mode.ramp else None,
         block_size=mode.block_size,
         ramp_lanes=spec.ramp_lanes if mode.lanes is None else mode.lanes,
+        # The layer's ramp (more places each piece), but for the fixed lanes of older modes.
+        ramp_top_lanes=RAMP_TOP_LANES if mode.lanes is None else None,
+        even_chunks=mode.lanes is None,
     )
     out = np.empty(sum(c.size for c in plan.chunks), np.int64)
     at = 0
@@ -299,7 +309,8 @@ def widths(rec: Recorder, n: int, seeds: int, epochs: int) -> None:
                 plan = plan_epoch(
                     n, epoch=epoch, batch_size=BATCH_SIZE, chunk_size=cache.chunk_rows,
                     shuffle=True, seed=seed, first_rows=spec.first_rows, block_size=block,
-                    ramp_lanes=spec.ramp_lanes, chunk_lanes=lanes,
+                    ramp_lanes=spec.ramp_lanes, chunk_lanes=lanes, ramp_top_lanes=RAMP_TOP_LANES,
+                    even_chunks=True,
                 )  # fmt: skip
                 order = np.concatenate([c.served_indices(c.order()) for c in plan.chunks])
                 h = batch_label_entropy(labels_of(order, n), BATCH_SIZE)

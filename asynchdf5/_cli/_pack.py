@@ -22,6 +22,7 @@ import h5py
 import numpy as np
 
 from .. import __version__
+from .._catalog import SHUFFLED_ATTR
 from .._config import DEFAULT_TOPS
 from .._sources import is_hdf5_file
 from ._pack_images import ImageInput
@@ -167,10 +168,15 @@ def _pack_split(
     on_error: str,
     bar: Bar,
     check: Callable[[], None],
+    shuffled: bool = False,
 ) -> tuple[list[str], int, list[tuple[str, str]]]:
-    """Write one split's files; their names, the samples written, what was skipped."""
+    """Write one split's files; their names, the samples written, what was skipped.
+    ``shuffled``: ``order`` is a random permutation, which each file says (its
+    ``SHUFFLED_ATTR`` attribute: the layer then reads it in long sequential stretches)."""
     cuts = [*range(per_file, len(order), per_file), len(order)]
     attrs: dict[str, Any] = {"packed_by": f"asynchdf5 {__version__} pack", **inp.attrs}
+    if shuffled:
+        attrs[SHUFFLED_ATTR] = True
     if inp.classes is not None:
         attrs["classes"] = np.array(inp.classes, dtype=h5py.string_dtype())
     names: list[str] = []
@@ -241,8 +247,9 @@ def pack(args: argparse.Namespace) -> int:
                 if len(order) == 0:
                     continue
                 files, rows, lost = _pack_split(
-                    inp, name, order, out, per_file, compression, args.on_error, bar, check
-                )
+                    inp, name, order, out, per_file, compression, args.on_error, bar, check,
+                    shuffled=args.shuffle,
+                )  # fmt: skip
                 skipped += lost
                 if rows:
                     commit_text(out / f"{name}.txt", "\n".join(files) + "\n")
