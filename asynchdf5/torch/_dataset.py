@@ -22,6 +22,7 @@ from .._errors import ConfigurationError, StateError
 from .._layer import LayerBase
 from .._resume import batches_before
 from ._epoch import INDICES, STREAMS, Epoch, Tensors, as_tensor
+from ._lightning import quiet_len_warning
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -116,6 +117,7 @@ class LayerDataset(IterableDataset[Tensors]):
         self._opened = False
         self._live: weakref.ReferenceType[Epoch] | None = None
         self._adopt(layer)
+        quiet_len_warning()  # len() is exact per rank and per worker: Lightning need not warn
 
     # --- what subclasses provide --------------------------------------------------------------
 
