@@ -52,7 +52,7 @@ def _setup(namespace: dict[str, Any]) -> None:
         no_gpu=not _gpu_usable(),
         # Pages about optional clients skip their examples where the client is not installed.
         no_lightning=not _installed("lightning", "torchdata"),
-        no_keras=not _installed("keras"),
+        no_keras=not _installed("keras", "jax"),  # the page runs Keras on JAX
         no_jax=not _installed("jax"),
     )
 
