@@ -10,6 +10,9 @@ Skipped where Lightning (or torchdata) is not installed. Rows encode their globa
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +127,31 @@ def test_trainer_resumes_mid_epoch_exactly(tmp_path: Path, workers: int, saved: 
     assert resumed.seen == reference[saved:]
     del whole, crashed, resumed, data
     gc.collect()  # the trainers, their loaders and their workers' tensors form cycles
+
+
+@pytest.mark.slow  # two Lightning processes start, on gloo
+@pytest.mark.timeout(180)
+def test_ddp_ranks_train_on_disjoint_shares_of_equal_length(tmp_path: Path) -> None:
+    """``Trainer(strategy="ddp", devices=2)`` on CPU, the DataModule of docs/lightning.md: each
+    rank's dataset takes its shard from the process group Lightning set up; the two ranks
+    trained on as many batches, on disjoint samples that together are the epoch."""
+    source, _ = write_source(tmp_path / "data", SIZES)
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "tests._lightning_ddp", str(source), str(tmp_path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    ranks = [(tmp_path / f"rank{r}.txt").read_text().split("\n")[:-1] for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == sum(SIZES) // BATCH // 2
+    shares = [{int(v) for line in lines for v in line.split()} for lines in ranks]
+    assert not shares[0] & shares[1]
+    assert sorted(shares[0] | shares[1]) == list(range(sum(SIZES)))
