@@ -8,6 +8,7 @@ where one is usable.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -28,6 +29,10 @@ def _gpu_usable() -> bool:
         return False
 
 
+def _installed(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
 def _setup(namespace: dict[str, Any]) -> None:
     from asynchdf5._cli._sample import write_dataset
 
@@ -45,6 +50,10 @@ def _setup(namespace: dict[str, Any]) -> None:
         train_step=lambda batch: step(*batch.values()),
         mean=np.full((3, 32, 32), 127.0),
         no_gpu=not _gpu_usable(),
+        # Pages about optional clients skip their examples where the client is not installed.
+        no_lightning=not _installed("lightning", "torchdata"),
+        no_keras=not _installed("keras", "jax"),  # the page runs Keras on JAX
+        no_jax=not _installed("jax"),
     )
 
 

@@ -35,8 +35,8 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented_params"
 autodoc_class_signature = "separated"
-# The PyTorch adapter is documented without installing PyTorch (several hundred MB) here.
-autodoc_mock_imports = ["torch"]
+# The PyTorch, Keras and JAX adapters are documented without installing them here.
+autodoc_mock_imports = ["torch", "keras", "jax"]
 
 html_theme = "furo"
 html_title = f"asynchdf5 {release}"

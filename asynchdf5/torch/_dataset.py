@@ -11,7 +11,7 @@ import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -22,6 +22,8 @@ from .._errors import ConfigurationError, StateError
 from .._layer import LayerBase
 from .._resume import batches_before
 from ._epoch import INDICES, STREAMS, Epoch, Tensors, as_tensor
+from ._lightning import quiet_len_warning
+from ._shared import Ring
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -115,7 +117,9 @@ class LayerDataset(IterableDataset[Tensors]):
         self._pid: int | None = None
         self._opened = False
         self._live: weakref.ReferenceType[Epoch] | None = None
+        self._ring: Ring | None = None  # a DataLoader worker's slots of shared memory
         self._adopt(layer)
+        quiet_len_warning()  # len() is exact per rank and per worker: Lightning need not warn
 
     # --- what subclasses provide --------------------------------------------------------------
 
@@ -248,6 +252,12 @@ class LayerDataset(IterableDataset[Tensors]):
             self._mark(self._layer.epoch)
 
     def _tensors(self, batch: Batch) -> Tensors:
+        if get_worker_info() is not None:  # to the main process through a slot (see _shared)
+            if self._ring is None:
+                self._ring = Ring()
+            shared = self._ring.pack(batch, INDICES if self.indices else None)
+            if shared is not None:
+                return cast(Tensors, shared)  # unpickled in the main process, it is Tensors
         out = {name: as_tensor(array) for name, array in batch.items()}
         if self.indices:
             out[INDICES] = torch.from_numpy(batch.indices)
@@ -370,5 +380,5 @@ class LayerDataset(IterableDataset[Tensors]):
         layer = self._layer
         if layer is not None and self._pid == os.getpid():
             state["_start_epoch"] = layer.epoch
-        state.update(_layer=None, _pid=None, _opened=False, _live=None)
+        state.update(_layer=None, _pid=None, _opened=False, _live=None, _ring=None)
         return state

@@ -1,0 +1,45 @@
+"""DataLoader workers hand batches to the main process through reused slots of shared memory
+(``asynchdf5.torch._shared``), not through torch's fresh shared memory per tensor: the main
+process rebuilds them from the slots, the tensors stay right while later batches reuse other
+slots, a loop that keeps more batches than there are slots gets plain tensors (nothing waits),
+and every epoch is still every sample once, aligned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from asynchdf5.torch import HDF5IterableDataset
+
+from ._files import write_source
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_workers_send_batches_through_slots(tmp_path: Path, keep: bool) -> None:
+    source, _ = write_source(tmp_path / "data", (250, 13, 337))
+    rebuilt = 0  # batches whose tensors view a slot (torch's own are "shared" storages)
+    with HDF5IterableDataset(source, batch_size=16, shuffle=True, seed=4, indices=True) as ds:
+        loader = DataLoader(ds, batch_size=None, num_workers=2)
+        for _ in range(2):
+            kept: list[dict[str, torch.Tensor]] = []
+            seen: list[int] = []
+            for batch in loader:
+                assert torch.equal(batch["label"], batch["indices"])
+                assert torch.equal(batch["data"][:, 0], batch["indices"].float() * 10)
+                seen += batch["indices"].tolist()
+                rebuilt += not batch["label"].is_shared()
+                if keep:  # more than the slots: the rest come as plain tensors
+                    kept.append(batch)
+            assert sorted(seen) == list(range(600))
+            for batch in kept:  # still the same bytes after the slots were reused
+                assert torch.equal(batch["label"], batch["indices"])
+    n = 2 * len(loader)
+    if keep:
+        assert 0 < rebuilt < n
+    else:
+        assert rebuilt == n  # every batch through a slot
