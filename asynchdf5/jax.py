@@ -5,7 +5,7 @@
 put on the devices ahead of the training step. :func:`layer` makes an
 :class:`~asynchdf5.HDF5DataLayer` whose shard is this JAX process's (``jax.process_index()`` of
 ``jax.process_count()``) and whose batches all have one shape (``drop_last=True``), so a
-``jit``-compiled step compiles once. Install with ``pip install "asynchdf5[jax]"``;
+``jit``-compiled step compiles once. Install with ``pip install ".[jax]"`` (in the asynchdf5 checkout);
 ``import asynchdf5`` never imports JAX.
 
 How it works, for whoever carries it on:
@@ -38,7 +38,8 @@ try:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 except ImportError as exc:  # pragma: no cover - tested where JAX is missing
     raise ImportError(
-        'asynchdf5.jax needs JAX, which is not installed: pip install "asynchdf5[jax]"'
+        'asynchdf5.jax needs JAX, which is not installed: pip install ".[jax]" '
+        "in the asynchdf5 checkout"
     ) from exc
 
 from ._errors import ConfigurationError, StateError

@@ -4,7 +4,7 @@
 (:class:`~asynchdf5.HDF5DataLayer` or :class:`~asynchdf5.MemoryDataLayer`): it maps each batch's
 tops to ``(x, y[, sample_weight])``, tells Keras the steps of the epoch (``num_batches``), and
 serves each Keras epoch from one epoch of the layer. :class:`Position` is the callback that makes
-its :meth:`PyDataset.state_dict` exact. Install with ``pip install "asynchdf5[keras]"`` and a
+its :meth:`PyDataset.state_dict` exact. Install with ``pip install ".[keras]"`` (in the asynchdf5 checkout) and a
 backend (JAX, PyTorch or TensorFlow); ``import asynchdf5`` never imports Keras.
 
 How it fits Keras, for whoever carries it on:
@@ -39,7 +39,8 @@ try:
     import keras
 except ImportError as exc:  # pragma: no cover - tested where Keras is missing
     raise ImportError(
-        'asynchdf5.keras needs Keras 3, which is not installed: pip install "asynchdf5[keras]"'
+        'asynchdf5.keras needs Keras 3, which is not installed: pip install ".[keras]" '
+        "in the asynchdf5 checkout"
     ) from exc
 
 from ._batch import Batch
