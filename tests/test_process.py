@@ -171,8 +171,12 @@ async def test_errors_come_back_with_their_type(source: Path, tmp_path: Path) ->
                     async for b in layer:
                         got.append(b.indices)
                 assert [len(g) for g in got] == [10, 10, 10]  # those before it, and only they
+                # The transformer's own exception is chained, as in-process (issue 39, item 12).
+                cause = info.value.__cause__
+                assert type(cause) is ValueError and str(cause) == "bad row 33"
                 if sys.version_info >= (3, 11):
                     assert "helper process" in "".join(info.value.__notes__)
+                    assert "in __call__" in "".join(cause.__notes__)  # where it was raised
                 assert layer.epoch == epoch + 1
     missing = AsyncHDF5DataLayer([str(tmp_path / "nope.h5")], batch_size=4, process=True)
     with pytest.raises(type(_in_process_error(missing.paths)), match=r"nope\.h5"):
