@@ -137,7 +137,9 @@ class Run:
         offsets = {
             k: line_offset(a) for k, a in (sources or {}).items() if isinstance(a, np.ndarray)
         }
-        delivery.start(reader.tops, batch_size * self.group, room + 2, offsets)
+        # A batch of an epoch holds at most every sample; one of the endless stream is full.
+        rows = batch_size if mode == "stream" else min(batch_size, reader.n_samples)
+        delivery.start(reader.tops, rows * self.group, room + 2, offsets)
         self._out = self._gatherers.out
         self.scope = anyio.CancelScope()
         self.done = anyio.Event()

@@ -50,8 +50,8 @@ PROPERTIES: tuple[Property, ...] = (
     Property(
         "batch_size",
         "required",
-        "Samples per batch. Every batch is full except, with `drop_last=False`, the last of an "
-        "epoch.",
+        "Samples per batch, at most 2**40. Every batch is full except, with "
+        "`drop_last=False`, the last of an epoch.",
     ),
     Property(
         "tops",
