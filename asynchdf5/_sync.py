@@ -30,6 +30,7 @@ from anyio.from_thread import BlockingPortal
 from ._batch import Batch
 from ._errors import StateError
 from ._iterator import EpochIterator
+from ._process import raise_kept_interrupt
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -182,6 +183,7 @@ def _bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:
         while True:
             batches = portal.call(consumer.next_batches, it, BRIDGE_BATCHES)
             if not batches:
+                raise_kept_interrupt()
                 return
             batches.reverse()
             while batches:  # popped: a batch the loop is done with is not held here
@@ -194,6 +196,7 @@ def _bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:
                 t0 = time.perf_counter()
                 yield batch
                 consumer.stepped(time.perf_counter() - t0)
+                raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
     finally:
         if not it.done:  # left early (break) or failed in the loop's body
             with contextlib.suppress(Exception):  # the bridge may be gone already

@@ -9,7 +9,7 @@ that the consumer reads in place (:mod:`._wire`).
 from __future__ import annotations
 
 from ._errors import IMPORTING_MAIN, check_picklable, error_blob, payload, rebuild
-from ._parent import ProcessReader
+from ._parent import ProcessReader, raise_kept_interrupt
 from ._runs import RemoteRun
 from ._wire import (
     MAX_MESSAGE,
@@ -32,6 +32,7 @@ __all__ = [
     "error_blob",
     "needed",
     "payload",
+    "raise_kept_interrupt",
     "rebuild",
     "recv",
     "ring_slots",
