@@ -77,16 +77,15 @@ if __name__ == "__main__":
     # The child (the loop above was left by `break`).
     process = sys.argv[5:6] == ["process"]  # the pipeline in a helper process (process=True)
     if sys.argv[6:] == ["slow-free"]:
-        from asynchdf5._process import _parent
-
-        send = _parent.send
+        from asynchdf5._process import _parent as helper_side
+        from asynchdf5._process import send
 
         def slow_send(sock: Any, message: tuple[Any, ...], fd: int | None = None) -> None:
             if message[0] == "free":
                 time.sleep(0.03)
             send(sock, message, fd)
 
-        _parent.send = slow_send  # type: ignore[assignment]
+        helper_side.__dict__["send"] = slow_send  # what the layer side of process=True calls
     with HDF5DataLayer(
         source, batch_size=10, chunk_size=40, shuffle=True, backend=backend, process=process
     ) as L:

@@ -89,7 +89,7 @@ def rebuild(blob: tuple[Any, ...]) -> BaseException:
     made again here (else a :class:`DataLayerError` naming it); the helper's traceback is in
     its notes, and its cause (``__cause__``: a transformer's exception under a
     :class:`~asynchdf5.TransformError`) is rebuilt the same way."""
-    *blob, where, cause = blob
+    where, cause = blob[-2], blob[-1]
     exc: BaseException | None = None
     if blob[0] == "pickled":
         try:
