@@ -57,7 +57,7 @@ def cache_plan(catalog: Catalog, config: LayerConfig, rows: int | None) -> Cache
         cache_bytes=c.cache_bytes,
         rows=rows,
     )
-    if c.cache_bytes is None:
+    if c.cache_bytes is None and c.world_size == 1:  # (ranks: see default_cache_bytes)
         check_room(plan.budget, min(c.batch_size, catalog.n_samples) * catalog.row_bytes)
     return plan
 

@@ -170,6 +170,26 @@ def test_the_default_cache_is_a_third_of_the_room_in_three_significant_bits(
     assert cache.default_cache_bytes() == 4 * 2**30
 
 
+def test_ranks_of_a_job_size_the_default_cache_alike_whatever_each_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cache's size fixes the order every rank plans: with world_size > 1 the default is a
+    third of the memory alone (what a rank holds differs from rank to rank)."""
+    import asynchdf5._cache as cache
+
+    monkeypatch.setattr(cache, "memory_bytes", lambda: 3 * 2**30)
+    for held in (0, 2**29, 2**30):
+        monkeypatch.setattr(cache, "memory_room", lambda h=held: MemoryRoom(3 * 2**30, h, "x"))
+        plans = [
+            cache.size_cache(
+                10**5, 1000, batch_size=64, world_size=w, chunk_size=2**10, cache_bytes=None
+            )
+            for w in (1, 2)
+        ]
+        assert plans[1].budget == 2**30  # the same for every rank, whatever it holds
+        assert plans[0].budget == cache.default_cache_bytes() <= (3 * 2**30 - held) // 3
+
+
 # --- in a real memory cgroup -----------------------------------------------------------------
 
 CHILD = """
