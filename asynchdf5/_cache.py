@@ -63,11 +63,9 @@ def default_cache_bytes(*, held: bool = True) -> int:
 def _default_words(budget: int) -> str:
     """Where the default budget comes from, for a message that says it is too small."""
     room = memory_room()
-    return (
-        f"cache_bytes={budget}"
-        if room is None
-        else (f"the default cache_bytes={budget} (a third of the room left under {room})")
-    )
+    if room is None:
+        return f"cache_bytes={budget}"
+    return f"the default cache_bytes={budget} (a third of the room left under {room})"
 
 
 @dataclass(eq=False)
