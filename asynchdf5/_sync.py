@@ -30,7 +30,7 @@ from anyio.from_thread import BlockingPortal
 from ._batch import Batch
 from ._errors import StateError
 from ._iterator import EpochIterator
-from ._process import raise_kept_interrupt
+from ._process import forget_kept_interrupts, raise_kept_interrupt
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -209,6 +209,7 @@ def _call_or_cancel(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *ar
 
 def _bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:
     consumer = it.consumer
+    forget_kept_interrupts()  # those of no loop: see raise_kept_interrupt
     try:
         while True:
             batches = _call_or_cancel(portal, consumer.next_batches, it, BRIDGE_BATCHES)

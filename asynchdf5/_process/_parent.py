@@ -49,12 +49,18 @@ if TYPE_CHECKING:
     from .._delivery import Delivery
     from .._pipeline import Mode
 
-__all__ = ["ProcessReader", "raise_kept_interrupt"]
+__all__ = ["ProcessReader", "forget_kept_interrupts", "raise_kept_interrupt"]
 
 #: Ctrl-Cs that came while a finalizer of ours ran (:meth:`ProcessReader._released`), where
 #: Python would print "Exception ignored" and the loop would go on. Only the main thread gets
 #: them; the loop raises them at its next batch.
 _KEPT: list[KeyboardInterrupt] = []
+
+
+def forget_kept_interrupts() -> None:
+    """Drop the Ctrl-Cs kept outside any loop (a batch let go of after its loop ended): a new
+    loop does not end for them, as Python itself would have dropped them there."""
+    _KEPT.clear()
 
 
 def raise_kept_interrupt() -> None:
