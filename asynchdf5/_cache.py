@@ -15,7 +15,7 @@ import numpy as np
 
 from ._catalog import TopInfo
 from ._errors import ConfigurationError
-from ._machine import memory_bytes
+from ._machine import memory_bytes, memory_room
 from ._pages import free_arrays
 from ._plan import shard_share
 
@@ -39,10 +39,33 @@ class CacheBudgetWarning(UserWarning):
     """``chunk_size`` samples per slot would not fit ``cache_bytes``: the chunks were shrunk."""
 
 
-def default_cache_bytes() -> int:
-    """The default budget of the host cache: a third of the memory this process may use (the
-    machine's, or its container's limit: :func:`~._machine.memory_bytes`)."""
-    return memory_bytes() // 3 or 4 * 2**30
+def default_cache_bytes(*, held: bool = True) -> int:
+    """The default budget of the host cache: a third of the room this process has when the
+    layer opens (the machine's memory, or its container's limit, less what is held under it
+    already: :func:`~._machine.memory_room`), so that a training process's own memory, and
+    as much again for what it allocates later and the page cache, stays free. Rounded down to
+    three significant bits, so that the chunks, and the order they make, stay the same from run
+    to run while what is held differs a little.
+
+    ``held=False`` (a rank of several): a third of the memory alone, whatever is held. The
+    cache's size fixes the order, which every rank must plan alike, and what each rank holds
+    differs."""
+    if not held:
+        return memory_bytes() // 3 or 4 * 2**30
+    room = memory_room()
+    if room is None:
+        return 4 * 2**30
+    third = max(1, room.free // 3)
+    step = 1 << max(0, third.bit_length() - 3)
+    return third // step * step
+
+
+def _default_words(budget: int) -> str:
+    """Where the default budget comes from, for a message that says it is too small."""
+    room = memory_room()
+    if room is None:
+        return f"cache_bytes={budget}"
+    return f"the default cache_bytes={budget} (a third of the room left under {room})"
 
 
 @dataclass(eq=False)
@@ -131,14 +154,15 @@ def size_cache(
     exactly that many rows (a resumed run's), or a :class:`ConfigurationError`.
     """
     share = shard_share(n, batch_size, 0, world_size)[1]  # rank 0's: the same on every rank
-    budget = cache_bytes if cache_bytes is not None else default_cache_bytes()
+    budget = cache_bytes if cache_bytes is not None else default_cache_bytes(held=world_size == 1)
     batch_rows = min(batch_size, max(1, share))
     need = N_SLOTS * batch_rows * row_bytes
     if need > budget:
+        what = f"cache_bytes={budget}" if cache_bytes is not None else _default_words(budget)
         raise ConfigurationError(
-            f"cache_bytes={budget} cannot hold what the pipeline needs: {N_SLOTS} cache slots of "
+            f"{what} cannot hold what the pipeline needs: {N_SLOTS} cache slots of "
             f"a batch each, {batch_rows} samples of {row_bytes} bytes per slot, {need} bytes; "
-            "raise cache_bytes or lower batch_size"
+            "raise cache_bytes (where the memory allows it) or lower batch_size"
         )
     if rows is not None:
         if N_SLOTS * rows * row_bytes > budget:

@@ -23,7 +23,7 @@ from ._errors import ConfigurationError
 from ._shares import BATCH_MODES
 from .transforms import Transformer
 
-__all__ = ["DEFAULT_TOPS", "LayerConfig"]
+__all__ = ["DEFAULT_TOPS", "MAX_EPOCH_BATCHES", "MAX_SAMPLES", "LayerConfig"]
 
 _log = logging.getLogger("asynchdf5")
 
@@ -64,11 +64,24 @@ Backend = Literal["asyncio", "trio"]
 # --- checks ------------------------------------------------------------------------------------
 
 
-def _int(name: str, value: object, *, minimum: int) -> int:
+#: The most samples a batch may hold (``batch_size``), and a stream may choose per epoch
+#: (``Stream(choose=...)``): an epoch's positions are int64 and its batches are planned in
+#: memory, so a count far beyond any data set would end in a raw NumPy error at the first plan.
+MAX_SAMPLES = 2**40
+#: The most batches a plan of an epoch of chosen streams may hold: the plan keeps a row of
+#: counts per batch (``_shares.epoch_table``), 8 bytes per stream each.
+MAX_EPOCH_BATCHES = 2**26
+
+
+def _int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ConfigurationError(f"{name} must be an int, not {type(value).__name__}: {value!r}")
     if value < minimum:
         raise ConfigurationError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigurationError(
+            f"{name} must be <= {maximum} (2**{maximum.bit_length() - 1}), got {value}"
+        )
     return int(value)
 
 
@@ -266,7 +279,7 @@ class LayerConfig:
         stream_tops: Sequence[str] = (),
     ) -> LayerConfig:
         """Check every property; raise :class:`ConfigurationError` naming the first bad one."""
-        batch = _int("batch_size", batch_size, minimum=1)
+        batch = _int("batch_size", batch_size, minimum=1, maximum=MAX_SAMPLES)
         names = _tops(tops)
         chunk = _int("chunk_size", chunk_size, minimum=1)
         if chunk < batch:

@@ -24,7 +24,7 @@ from ._codecs import deflate_backend
 from ._config import DEFAULT_TOPS, LayerConfig
 from ._errors import DataLayerError
 from ._layer import LayerBase
-from ._machine import memory_bytes
+from ._machine import memory_bytes, memory_room
 from ._mix import StreamRows
 from ._process import ProcessReader, check_picklable, payload, ring_slots
 from ._properties import document
@@ -261,8 +261,10 @@ class AsyncHDF5DataLayer(LayerBase):
             slots: list[Slot] | None = None
             # Data larger than the memory the process may use is read from the disk every
             # epoch: it is copied (mmap="auto"), and the reader streams it around the page
-            # cache. One figure for both decisions.
-            memory = memory_bytes()
+            # cache. One figure for both decisions: what is left of it beside what the process
+            # (or its cgroup) holds already, where that is less.
+            room = memory_room()
+            memory = memory_bytes() if room is None else min(memory_bytes(), room.free)
             chosen = choice = await anyio.to_thread.run_sync(
                 choose, catalog, self.config.mmap, memory
             )

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from ._batch import Batch
 from ._consumer import Consumer
 from ._pipeline import Mode
+from ._process import raise_kept_interrupt
 
 __all__ = ["EpochIterator"]
 
@@ -47,6 +48,7 @@ class EpochIterator:
         return self
 
     async def __anext__(self) -> Batch:
+        raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
         consumer = self.consumer
         batch = consumer.next_ready(self)  # a ready batch, without a trip through the loop
         if batch is not None:

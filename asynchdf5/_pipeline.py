@@ -64,6 +64,25 @@ Mode = Literal["epoch", "stream"]
 #: A group (the batches gathered in one worker-thread call, and handed to the consumer as one
 #: queue item) holds about this many bytes ...
 GROUP_BYTES = 8 * 2**20
+#: ... but a group takes at most this share of the cache's bytes (the ring holds about six
+#: groups: with a cache sized to a small memory limit, 8 MiB groups would take more than the
+#: cache) ...
+GROUP_SHARE = 16
+#: ... and at least this many bytes (per-group work stays small next to a batch's).
+MIN_GROUP_BYTES = 2**20
+#: The fewest groups of batch buffers a run holds: one ready for the consumer, one being
+#: gathered by each of two workers, one queued behind them, and two the consumer may hold.
+RING_GROUPS = 6
+
+
+def group_bytes(cached: int) -> int:
+    """The bytes of a group of batches next to a cache (or data in memory) of ``cached``
+    bytes (0: none, such as a mapped file: :data:`GROUP_BYTES`)."""
+    if cached <= 0:
+        return GROUP_BYTES
+    return min(GROUP_BYTES, max(MIN_GROUP_BYTES, cached // GROUP_SHARE))
+
+
 #: ... and at most ``Delivery.group_batches`` batches.
 
 #: With transformers, a batch handed over on its own waits at most about this long for a
@@ -115,11 +134,16 @@ class Run:
         self.delivery = delivery
         self.stats = stats
         row_bytes = sum(t.row_bytes for t in reader.tops.values())
+        sources = slots[0].arrays if slots else reader.own_arrays
         # Gather several batches per group: the batcher's and the consumer's Python work is per
         # group, not per batch, which matters at thousands of batches per second. Groups of
-        # about GROUP_BYTES.
+        # about GROUP_BYTES, or less next to a small cache (see group_bytes).
+        cached = sum(s.nbytes for s in slots or ()) or sum(
+            a.nbytes for a in (sources or {}).values() if isinstance(a, np.ndarray)
+        )
+        per_group = group_bytes(cached)
         self.group = int(
-            max(1, min(delivery.group_batches, GROUP_BYTES // max(1, row_bytes * batch_size)))
+            max(1, min(delivery.group_batches, per_group // max(1, row_bytes * batch_size)))
         )
         capacity = max(prefetch, self.group)
         groups = -(-capacity // self.group)  # gathered groups waiting for the consumer
@@ -132,12 +156,13 @@ class Run:
         self._room = anyio.Semaphore(room)
         # Batch buffers: enough for the groups in flight and the group the consumer takes
         # batches from, reused once the consumer lets go of them.
-        sources = slots[0].arrays if slots else reader.own_arrays
         # Rows of several mapped files (``_read._maps.Spliced``) start at several offsets.
         offsets = {
             k: line_offset(a) for k, a in (sources or {}).items() if isinstance(a, np.ndarray)
         }
-        delivery.start(reader.tops, batch_size * self.group, room + 2, offsets)
+        # A batch of an epoch holds at most every sample; one of the endless stream is full.
+        rows = batch_size if mode == "stream" else min(batch_size, reader.n_samples)
+        delivery.start(reader.tops, rows * self.group, room + 2, offsets)
         self._out = self._gatherers.out
         self.scope = anyio.CancelScope()
         self.done = anyio.Event()

@@ -50,8 +50,8 @@ PROPERTIES: tuple[Property, ...] = (
     Property(
         "batch_size",
         "required",
-        "Samples per batch. Every batch is full except, with `drop_last=False`, the last of an "
-        "epoch.",
+        "Samples per batch, at most 2**40. Every batch is full except, with "
+        "`drop_last=False`, the last of an epoch.",
     ),
     Property(
         "tops",
@@ -127,8 +127,14 @@ PROPERTIES: tuple[Property, ...] = (
     Property(
         "cache_bytes",
         "`None`",
-        "Memory budget of the host cache, in bytes. `None`: a third of the machine's physical "
-        "memory, or of the container's memory limit (cgroup) where that is smaller. Streaming, "
+        "Memory budget of the host cache, in bytes. `None`: a third of the room the process "
+        "has when the layer opens: the machine's physical memory, or the container's memory "
+        "limit (cgroup) where that is smaller, less what is held under it already (the "
+        "process's anonymous memory, or its cgroup's), rounded down to three significant bits; "
+        "where that third cannot hold a batch per slot and the batch buffers, opening is a "
+        "{class}`~asynchdf5.ConfigurationError` naming the limit, rather than a process the "
+        "kernel kills for memory mid-epoch. The batch buffers come on top of the cache, in "
+        "groups of batches of at most a sixteenth of its size (and 8 MiB). Streaming, "
         "the cache is two chunk slots (the one served and the one being read) of `chunk_size` "
         "samples (or of the whole shard, if smaller); when they would not fit, the "
         "chunk size shrinks to fit, with a {class}`~asynchdf5.CacheBudgetWarning`; a budget that "

@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 import warnings
 
-from ._cache import CacheBudgetWarning, CachePlan, size_cache
+from ._cache import N_SLOTS, CacheBudgetWarning, CachePlan, size_cache
 from ._catalog import Catalog
 from ._config import LayerConfig
+from ._errors import ConfigurationError
+from ._machine import memory_room
 from ._mix import StreamRows
+from ._pipeline import MIN_GROUP_BYTES, RING_GROUPS
 from ._planner import order_of
 from ._shape import DataShape
 
@@ -52,7 +55,7 @@ def cache_plan(catalog: Catalog, config: LayerConfig, rows: int | None) -> Cache
     (a loaded state's), else as the properties and the budget give
     (:class:`~._errors.ConfigurationError` when the budget cannot hold them)."""
     c = config
-    return size_cache(
+    plan = size_cache(
         catalog.n_samples,
         catalog.row_bytes,
         batch_size=c.batch_size,
@@ -60,6 +63,28 @@ def cache_plan(catalog: Catalog, config: LayerConfig, rows: int | None) -> Cache
         chunk_size=c.chunk_size,
         cache_bytes=c.cache_bytes,
         rows=rows,
+    )
+    if c.cache_bytes is None and c.world_size == 1:  # (ranks: see default_cache_bytes)
+        check_room(plan.budget, min(c.batch_size, catalog.n_samples) * catalog.row_bytes)
+    return plan
+
+
+def check_room(budget: int, batch_bytes: int) -> None:
+    """:class:`ConfigurationError` when the default cache ``budget`` (a third of the room this
+    process has: :func:`~._cache.default_cache_bytes`) cannot hold the least the pipeline needs
+    (two cache slots of a batch, and its ring of batch buffers): then the rest of the process
+    would not have room either, and the kernel would kill it for memory mid-epoch. Named at
+    open instead, with the limit and what to set."""
+    least = N_SLOTS * batch_bytes + RING_GROUPS * max(MIN_GROUP_BYTES, batch_bytes)
+    room = memory_room()
+    if budget >= least or room is None:
+        return
+    raise ConfigurationError(
+        f"{room} leaves {room.free / 2**20:.1f} MiB: too little for the layer's cache and "
+        f"batch buffers (at least {least / 2**20:.1f} MiB, and by default no more than a third "
+        "of the room, so that the rest of the process has its share): free memory before "
+        "opening the layer or raise the limit, or size the cache yourself with cache_bytes= "
+        "(lowering batch_size shrinks both)"
     )
 
 

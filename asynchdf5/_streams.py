@@ -20,7 +20,7 @@ import numpy as np
 
 from ._batch import Batch
 from ._catalog import Catalog
-from ._config import LayerConfig
+from ._config import MAX_EPOCH_BATCHES, MAX_SAMPLES, LayerConfig
 from ._errors import ConfigurationError, DataLayerError
 from ._mix import StreamRows
 from ._schemas import mismatch, split_schemas
@@ -54,7 +54,7 @@ class Stream:
         own permutation over several epochs), above it *upsampled* (it repeats whole
         permutations, then part of one).
     choose
-        Instead of ``weight``: exactly this many samples per epoch.
+        Instead of ``weight``: exactly this many samples per epoch (at most 2**40).
     tops
         The stream's own tops (only with ``batch_mode="per_stream"``, where each batch holds
         one stream's rows); None: the layer's ``tops``.
@@ -90,9 +90,14 @@ class Stream:
             raise ConfigurationError(f"a stream's weight must be a number >= 0, not {w!r}")
         c = self.choose
         if c is not None and (
-            isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) or c < 0
+            isinstance(c, (bool, np.bool_))
+            or not isinstance(c, (int, np.integer))
+            or not 0 <= c <= MAX_SAMPLES
         ):
-            raise ConfigurationError(f"a stream's choose must be an int >= 0, not {c!r}")
+            raise ConfigurationError(
+                f"a stream's choose must be an int in 0 ... {MAX_SAMPLES} (2**40 samples per "
+                f"epoch), not {c!r}"
+            )
         t = self.tops
         if t is not None:
             if (
@@ -168,6 +173,13 @@ def parse_streams(
         raise ConfigurationError(
             "every stream's weight (or choose) is 0: the streams give no sample per epoch"
         )
+    chosen = sum(s.choose or 0 for s in out)
+    if chosen // config.batch_size > MAX_EPOCH_BATCHES:
+        raise ConfigurationError(
+            f"the streams' choose (together {chosen} samples per epoch) make more than "
+            f"{MAX_EPOCH_BATCHES} (2**26) batches of batch_size={config.batch_size} per epoch, "
+            "each planned in memory: lower choose or raise batch_size"
+        )
     read = {t for s in out for t in s.tops or config.tops}
     for i, (top, _) in enumerate(config.transformers):
         if top not in read:
@@ -195,6 +207,9 @@ def stream_counts(specs: Sequence[StreamSpec], sizes: Sequence[int]) -> tuple[in
     weighted = [i for i, s in enumerate(specs) if s.weight is not None]
     pool = sum(sizes[i] for i in weighted)
     weights = [specs[i].weight or 0.0 for i in weighted]
+    # Relative to the largest: weights near the float maximum share as any others do.
+    top = max(weights, default=0.0)
+    weights = [w / top if top > 0 else 0.0 for w in weights]
     total = math.fsum(weights)
     if weighted and total > 0:  # (weights all 0: those streams give nothing)
         quotas = [pool * w / total for w in weights]

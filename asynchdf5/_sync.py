@@ -19,10 +19,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -30,6 +30,7 @@ from anyio.from_thread import BlockingPortal
 from ._batch import Batch
 from ._errors import StateError
 from ._iterator import EpochIterator
+from ._process import forget_kept_interrupts, raise_kept_interrupt
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -37,6 +38,8 @@ else:  # pragma: no cover
     from typing_extensions import Self
 
 __all__ = ["BRIDGE_BATCHES", "SyncInterface"]
+
+T = TypeVar("T")
 
 #: Batches taken per trip across the bridge, at most (only those gathered already): a trip costs
 #: about a tenth of a millisecond, so tiny batches must share it (a group's most).
@@ -176,12 +179,42 @@ def interrupts_held() -> Iterator[None]:
             signal.raise_signal(signal.SIGINT)
 
 
+#: How long an interrupted call across the bridge may take to end once cancelled (it ends at
+#: its next await; more means the loop itself is stuck, and the caller goes on without it).
+CANCEL_WAIT_S = 10.0
+
+
+def _call_or_cancel(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``portal.call(fn, *args)``; but when the wait is interrupted (Ctrl-C), the call is
+    cancelled on the loop and has ended before the interrupt goes on. Else it would go on
+    waiting there for the consumer's next group, and take it (or, taking it from the same run
+    as the next loop does, make that one fail) once the caller has moved on."""
+    done = threading.Event()
+
+    async def call() -> T:
+        try:
+            return await fn(*args)
+        finally:
+            done.set()
+
+    future = portal.start_task_soon(call)
+    try:
+        return future.result()
+    except BaseException:
+        if future.cancel():  # still running there: it ends at its next await
+            with interrupts_held():
+                done.wait(CANCEL_WAIT_S)
+        raise
+
+
 def _bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:
     consumer = it.consumer
+    forget_kept_interrupts()  # those of no loop: see raise_kept_interrupt
     try:
         while True:
-            batches = portal.call(consumer.next_batches, it, BRIDGE_BATCHES)
+            batches = _call_or_cancel(portal, consumer.next_batches, it, BRIDGE_BATCHES)
             if not batches:
+                raise_kept_interrupt()
                 return
             batches.reverse()
             while batches:  # popped: a batch the loop is done with is not held here
@@ -194,6 +227,7 @@ def _bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:
                 t0 = time.perf_counter()
                 yield batch
                 consumer.stepped(time.perf_counter() - t0)
+                raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
     finally:
         if not it.done:  # left early (break) or failed in the loop's body
             with contextlib.suppress(Exception):  # the bridge may be gone already

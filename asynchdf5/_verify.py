@@ -29,7 +29,11 @@ def verify(pieces: Sequence[Piece]) -> None:
         except ReadError as exc:  # named as the copying reader names a read's rows
             idx = [c.indices[a:b] for c, a, b in pieces if isinstance(c, LoadedChunk)]
             tops = ", ".join(map(repr, chunk.arrays))
-            raise ReadError(f"top {tops}, {rows_words(np.concatenate(idx))}: {exc}") from exc
+            # The check covers every mapped file: the one it names may hold none of the rows.
+            raise ReadError(
+                f"top {tops}, {rows_words(np.concatenate(idx))}: a mapped file changed while "
+                f"they were gathered: {exc}"
+            ) from exc
 
 
 def rows_words(indices: np.ndarray) -> str:

@@ -1,7 +1,9 @@
 """Trials of a double Ctrl-C in a sync loop, run by ``tests/test_sync.py`` as a script.
 
-``python tests/_double_sigint.py SOURCE BACKEND TRIALS SEED [process]`` imports the package
-once, then forks one child per trial (``process``: its layer runs with ``process=True``). The
+``python tests/_double_sigint.py SOURCE BACKEND TRIALS SEED [process [slow-free]]`` imports the
+package once, then forks one child per trial (``process``: its layer runs with ``process=True``;
+``slow-free``: each slot it gives back to its helper takes 30 ms more, which widens the window
+of an interrupt that lands in the finalizer giving it back). The
 child opens ``HDF5DataLayer(SOURCE)`` with ``with``, says it is ready, and streams epochs with
 ``for``; it runs at module level, so an uncaught
 ``KeyboardInterrupt`` ends it as it ends any script (threads joined, then killed by SIGINT). The
@@ -17,7 +19,7 @@ import select
 import signal
 import sys
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from asynchdf5 import HDF5DataLayer
 
@@ -73,7 +75,17 @@ if __name__ == "__main__":
     else:
         sys.exit(0)
     # The child (the loop above was left by `break`).
-    process = sys.argv[5:] == ["process"]  # the pipeline in a helper process (process=True)
+    process = sys.argv[5:6] == ["process"]  # the pipeline in a helper process (process=True)
+    if sys.argv[6:] == ["slow-free"]:
+        from asynchdf5._process import _parent as helper_side
+        from asynchdf5._process import send
+
+        def slow_send(sock: Any, message: tuple[Any, ...], fd: int | None = None) -> None:
+            if message[0] == "free":
+                time.sleep(0.03)
+            send(sock, message, fd)
+
+        helper_side.__dict__["send"] = slow_send  # what the layer side of process=True calls
     with HDF5DataLayer(
         source, batch_size=10, chunk_size=40, shuffle=True, backend=backend, process=process
     ) as L:

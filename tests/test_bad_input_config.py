@@ -61,6 +61,8 @@ CONFIG_CASES: list[tuple[dict[str, Any], list[str]]] = [
     ({"batch_size": None}, ["batch_size", "int"]),
     ({"batch_size": 10, "chunk_size": 9}, ["chunk_size=9", "batch_size=10"]),
     ({"batch_size": 10, "chunk_size": 0}, ["chunk_size", ">= 1"]),
+    # Out of range: here, not as NumPy's error at the first batch (issue 39, item 9).
+    ({"batch_size": 2**62, "chunk_size": 2**62}, ["batch_size", "<= 1099511627776", "2**40"]),
     ({"batch_size": 4, "tops": ()}, ["tops", "empty"]),
     ({"batch_size": 4, "tops": ("data", "label", "data")}, ["'data'", "twice"]),
     ({"batch_size": 4, "tops": ("data", 3)}, ["tops"]),

@@ -149,7 +149,10 @@ async def test_a_file_changed_while_closed_is_a_read_error_when_opened_again(
             with pytest.raises(ReadError) as info:
                 async for _ in layer:
                     pass
-    check_message(info.value, victim, "changed since the layer opened it", "rows 0:20")
+    # ... naming the list file's line that named it (issue 39, item 10).
+    check_message(
+        info.value, victim, "changed since the layer opened it", "rows 0:20", "train.txt, line 4"
+    )
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_NOFILE")

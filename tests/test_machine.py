@@ -4,11 +4,18 @@ read from a ``/proc`` and ``/sys`` laid out in a temporary folder as the kernel 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 
-from asynchdf5._machine import memory_bytes
+from asynchdf5._machine import MemoryRoom, memory_bytes, memory_room
+from benchmarks import cgroups
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PHYSICAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 V1_NO_LIMIT = "9223372036854771712"
@@ -104,11 +111,160 @@ def test_a_group_whose_name_holds_what_splitlines_or_strip_would_cut_is_found(
 
 
 def test_the_memory_defaults_take_their_share_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    # In a container limited to 3 GiB: a cache of 1 GiB, data sets of up to 1.5 GiB stay mapped.
+    # In a container limited to 3 GiB, nothing held: a cache of 1 GiB, data sets of up to
+    # 1.5 GiB stay mapped.
     import asynchdf5._cache as cache
     import asynchdf5._read._mapped as mapped
 
-    for module in (cache, mapped):
-        monkeypatch.setattr(module, "memory_bytes", lambda: 3 * 2**30)
+    monkeypatch.setattr(cache, "memory_room", lambda: MemoryRoom(3 * 2**30, 0, "a limit"))
+    monkeypatch.setattr(mapped, "memory_bytes", lambda: 3 * 2**30)
     assert cache.default_cache_bytes() == 2**30
     assert mapped.default_keep_bytes() == 3 * 2**29
+
+
+# --- the room left: what is held under each limit --------------------------------------------
+
+
+def test_the_room_is_the_limit_less_what_its_group_holds(tmp_path: Path) -> None:
+    # v1: the memory controller's total_rss (anonymous memory of the group and below it).
+    root = layout(
+        tmp_path,
+        "4:memory:/job\n",
+        {
+            "memory/job/memory.limit_in_bytes": str(2**30),
+            "memory/job/memory.stat": f"cache 999\nrss 1\ntotal_cache 5\ntotal_rss {2**28}",
+        },
+    )
+    room = memory_room(root)
+    assert room is not None
+    assert (room.limit, room.held, room.free) == (2**30, 2**28, 3 * 2**28)
+    assert "memory/job/memory.limit_in_bytes" in str(room) and "256 MiB of it held" in str(room)
+
+
+def test_v2_counts_the_groups_anonymous_memory(tmp_path: Path) -> None:
+    root = layout(
+        tmp_path,
+        "0::/job\n",
+        {"job/memory.max": str(2**30), "job/memory.stat": f"anon {2**29}\nfile {2**29}"},
+    )
+    room = memory_room(root)
+    assert room is not None and (room.limit, room.held) == (2**30, 2**29)
+
+
+def test_without_a_limit_the_room_is_the_machines_less_this_process(tmp_path: Path) -> None:
+    root = layout(tmp_path, "0::/job\n", {})
+    (root / "proc/self/status").write_text("Name:\tpython\nRssAnon:\t   2048 kB\n")
+    room = memory_room(root)
+    assert room is not None and (room.limit, room.held) == (PHYSICAL, 2**21)
+
+
+def test_the_default_cache_is_a_third_of_the_room_in_three_significant_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asynchdf5._cache as cache
+
+    room = MemoryRoom(3 * 2**30, 2**30, "a limit")  # 2 GiB free: a third is 682.7 MiB
+    monkeypatch.setattr(cache, "memory_room", lambda: room)
+    assert cache.default_cache_bytes() == 640 * 2**20  # 0b101 followed by zeros
+    monkeypatch.setattr(cache, "memory_room", lambda: None)
+    assert cache.default_cache_bytes() == 4 * 2**30
+
+
+def test_ranks_of_a_job_size_the_default_cache_alike_whatever_each_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cache's size fixes the order every rank plans: with world_size > 1 the default is a
+    third of the memory alone (what a rank holds differs from rank to rank)."""
+    import asynchdf5._cache as cache
+
+    monkeypatch.setattr(cache, "memory_bytes", lambda: 3 * 2**30)
+    for held in (0, 2**29, 2**30):
+        monkeypatch.setattr(cache, "memory_room", lambda h=held: MemoryRoom(3 * 2**30, h, "x"))
+        plans = [
+            cache.size_cache(
+                10**5, 1000, batch_size=64, world_size=w, chunk_size=2**10, cache_bytes=None
+            )
+            for w in (1, 2)
+        ]
+        assert plans[1].budget == 2**30  # the same for every rank, whatever it holds
+        assert plans[0].budget == cache.default_cache_bytes() <= (3 * 2**30 - held) // 3
+
+
+# --- in a real memory cgroup -----------------------------------------------------------------
+
+CHILD = """
+import os, sys
+with open(sys.argv[1], "w") as f:  # into the group first: everything after counts
+    f.write(str(os.getpid()))
+import numpy as np
+from asynchdf5 import ConfigurationError, HDF5DataLayer
+held = np.ones(int(sys.argv[3]) * 2**20, np.uint8)  # the training process's own memory
+seen = []
+try:
+    with HDF5DataLayer(sys.argv[2], batch_size=256, shuffle=True, seed=0) as layer:
+        for b in layer:  # a consumer that checks each batch as it goes
+            assert (b["data"][:, 0] == b["label"] % 251).all()
+            seen.append(b["label"].copy())
+except ConfigurationError as exc:
+    print("refused:", exc)
+    sys.exit(0)
+labels = np.sort(np.concatenate(seen))
+print("epoch:", len(labels), bool((labels == np.arange(len(labels))).all()))
+"""
+
+
+def _cgroup_source(folder: Path, mib: int) -> tuple[Path, int]:
+    """Five files of ``mib`` MiB in all, rows of 1,021 bytes, user blocks of 512 and 1,024
+    bytes, the label written first in three (issue 39, item 6); the list, and the rows."""
+    per = mib * 2**20 // 1021 // 5
+    names = []
+    for i in range(5):
+        label = np.arange(i * per, (i + 1) * per, dtype=np.int64)
+        data = np.empty((per, 1013), np.uint8)
+        data[:, 0] = label % 251
+        with h5py.File(folder / f"f{i}.h5", "w", userblock_size=(512, 1024, 0, 512, 1024)[i]) as f:
+            for name, value in (("label", label), ("data", data))[:: 1 if i < 3 else -1]:
+                f[name] = value
+        names.append(f"f{i}.h5")
+        # Cold, as a data set larger than memory is: not in the page cache.
+        fd = os.open(folder / f"f{i}.h5", os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    (folder / "train.txt").write_text("\n".join(names) + "\n")
+    return folder / "train.txt", 5 * per
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memory cgroups are Linux's")
+@pytest.mark.parametrize("held_mib", [20, 65])
+def test_in_a_96_mib_cgroup_the_defaults_finish_or_refuse_and_never_oom(
+    tmp_path: Path, held_mib: int
+) -> None:
+    """Issue 39, item 6: 100 MiB of data, read with default properties in a process limited to
+    96 MiB that holds memory of its own. Holding 20 MiB, the whole epoch comes (before: killed
+    for memory within a second, the cache and batch buffers sized from the limit alone);
+    holding 65 MiB, the layer refuses at open, naming the limit and the property to set."""
+    group = cgroups.make(f"asynchdf5-test-{os.getpid()}-{held_mib}", 96 * 2**20)
+    if isinstance(group, str):
+        pytest.skip(f"no memory cgroup can be made here: {group}")
+    try:
+        source, n = _cgroup_source(tmp_path, 100)
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, str(group.procs), str(source), str(held_mib)],
+            capture_output=True,
+            text=True,
+            timeout=100,
+            check=False,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        kills = group.oom_kills()
+    finally:
+        group.remove()
+    assert out.returncode == 0, (out.returncode, kills, out.stderr[-2000:])
+    assert not kills
+    if held_mib == 20:
+        assert out.stdout.split() == ["epoch:", str(n), "True"], out.stdout
+    else:
+        assert out.stdout.startswith("refused:"), out.stdout
+        assert "memory.limit_in_bytes" in out.stdout or "memory.max" in out.stdout
+        assert "cache_bytes=" in out.stdout and "MiB of it held already" in out.stdout

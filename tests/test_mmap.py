@@ -369,6 +369,41 @@ async def test_a_file_changed_before_a_chunk_is_served_is_a_read_error(
     assert mappings(path, collect=True) == []
 
 
+@pytest.mark.parametrize(
+    ("victim", "words"),
+    [
+        (1, ["part1.h5", "top 'data', 'label', rows 1000:1500:", "list.txt, line 2"]),
+        (2, ["part2.h5", "while reading rows 0:1500 of other files", "list.txt, line 3"]),
+    ],
+)
+async def test_with_several_mapped_files_an_error_names_the_changed_files_own_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, victim: int, words: list[str]
+) -> None:
+    """Issue 39, item 11: three mapped files of 1,000 rows, a first chunk of rows 0:1500 (part0
+    and half of part1). A file changed before that chunk is made ready is named with its own
+    rows among them (part1: 1000:1500), or, holding none of them (part2), with the rows being
+    read said to be other files': never rows 0:1500 as if they were part2's."""
+    monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    source = _files(tmp_path, [1000, 1000, 1000])
+    prepare = mapped.MappedReader._prepare
+    changed: list[bool] = []
+
+    def change_first(self: mapped.MappedReader, ranges: list[tuple[int, int]]) -> int:
+        if not changed:
+            changed.append(True)
+            truncate(tmp_path / f"part{victim}.h5")
+        return prepare(self, ranges)
+
+    monkeypatch.setattr(mapped.MappedReader, "_prepare", change_first)
+    with anyio.fail_after(30), pytest.raises(ReadError) as info:
+        async with AsyncHDF5DataLayer(source, batch_size=100, chunk_size=1500, mmap=True) as layer:
+            assert layer.stats.read_paths["data"] == "mmap"
+            async for _ in layer:
+                pass
+    check_message(info.value, "truncated", *words)
+    assert "rows 0:1500:" not in str(info.value)
+
+
 @pytest.mark.parametrize("chunk_size", [1000, 2**20])  # streaming; the whole set one chunk
 async def test_a_file_rewritten_while_served_is_a_read_error_and_no_changed_row_is_yielded(
     tmp_path: Path, chunk_size: int, no_lease: None

@@ -189,7 +189,15 @@ BAD = [
     (lambda f: {"a": Stream(f, weight=-1)}, "weight must be a number >= 0"),
     (lambda f: {"a": Stream(f, weight=float("nan"))}, "weight must be a number >= 0"),
     (lambda f: {"a": Stream(f, weight=1, choose=3)}, "not both"),
-    (lambda f: {"a": Stream(f, choose=-2)}, "choose must be an int >= 0"),
+    (lambda f: {"a": Stream(f, choose=-2)}, r"choose must be an int in 0 \.\.\. 1099511627776"),
+    # Out of range (issue 39, item 9): at construction, not as NumPy's error at the first plan.
+    (lambda f: {"a": Stream(f, choose=2**70)}, r"choose .* 0 \.\.\. 1099511627776 \(2\*\*40"),
+    (lambda f: {"a": Stream(f, choose=2**62)}, r"choose .* 0 \.\.\. 1099511627776 \(2\*\*40"),
+    (
+        lambda f: {"a": Stream(f, choose=2**40), "b": Stream(f)},
+        r"choose \(together 1099511627776 .* more than 67108864 \(2\*\*26\) batches of "
+        r"batch_size=4",
+    ),
     (lambda f: {"a": Stream(f, weight=0), "b": Stream(f, choose=0)}, "give no sample"),
     (lambda f: {}, "empty mapping"),
     (lambda f: {3: f}, "name must be a non-empty str"),
@@ -232,6 +240,16 @@ def test_per_stream_batches_come_from_one_stream_on_every_rank(tmp_path: Path) -
         rest = [b.indices for b in layer]
     for x, (y, _) in zip(rest, ranks[1][3:], strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.timeout(30)
+def test_weights_near_the_float_maximum_share_as_any_others(tmp_path: Path) -> None:
+    """Two weights of 1e308 (issue 39, item 9): relative, as 1 and 1 are; their sum overflowed."""
+    files = write_streams(tmp_path, ((30,), (20,)))
+    source = {"a": Stream(files[0], weight=1e308), "b": Stream(files[1], weight=1e308)}
+    with HDF5DataLayer(source, batch_size=10, shuffle=True, seed=1) as layer:
+        idx = np.concatenate([b.indices for b in layer])
+    np.testing.assert_array_equal(np.bincount((idx >= 30).astype(np.int64)), [25, 25])
 
 
 def run(source: Any, rank: int, world: int, epoch: int, **kw: Any) -> HDF5DataLayer:

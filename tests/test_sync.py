@@ -12,6 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,10 +24,10 @@ import numpy as np
 import pytest
 from anyio.from_thread import BlockingPortal
 
-from asynchdf5 import MemoryDataLayer
+from asynchdf5 import HDF5DataLayer, MemoryDataLayer
 from asynchdf5._sync import interrupts_held
 
-from ._files import write_source
+from ._files import N, check_epoch, write_source
 from ._leaks import assert_released, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,3 +121,51 @@ def test_a_ctrl_c_while_the_loop_starts_leaves_no_thread(
         with MemoryDataLayer({"x": np.arange(100)}, batch_size=10, backend=backend):
             pytest.fail("opened")
     assert_released(before, strict=False)
+
+
+class Slow:
+    """A transformer that takes 20 ms a batch: the ``for`` loop waits on the bridge almost all
+    the time (picklable, for ``process=True``)."""
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        time.sleep(0.02)
+        return x
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("process", [False, True], ids=["in-process", "process"])
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_loop_after_a_caught_ctrl_c_serves_whole_epochs(
+    tmp_path: Path, backend: Literal["asyncio", "trio"], process: bool
+) -> None:
+    """The notebook pattern (issue 39, item 8): Ctrl-C while the ``for`` waits for the first
+    batch of an epoch, caught, then the loop again on the open layer. The interrupted call was
+    left waiting on the loop for the run's next group, so the next loop's wait on the same run
+    raised anyio's BusyResourceError. Now it is cancelled first: the interrupted epoch is
+    abandoned as a ``break`` would, and the next ones are whole."""
+    source, _ = write_source(tmp_path)
+    with HDF5DataLayer(
+        source,
+        batch_size=10,
+        chunk_size=40,
+        transformers=[("data", Slow())],
+        backend=backend,
+        process=process,
+    ) as layer:
+        for _ in layer:  # epoch 0, whole: the run goes on into epoch 1
+            pass
+        threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            while True:  # the interrupt comes while the loop waits on the bridge
+                for _ in layer:
+                    pass
+        # Epoch 1 is served whole next where none of its batches was handed over yet (the
+        # interrupt came at its start), else abandoned: the next epochs are whole.
+        first = None
+        for _ in range(2):
+            batches = [b for b in layer]
+            epoch = batches[0].epoch
+            check_epoch(batches, N, 10, epoch)
+            assert layer.epoch == epoch + 1
+            first = epoch if first is None else first
+        assert first in (1, 2) and layer.epoch == first + 2

@@ -9,7 +9,7 @@ that the consumer reads in place (:mod:`._wire`).
 from __future__ import annotations
 
 from ._errors import IMPORTING_MAIN, check_picklable, error_blob, payload, rebuild
-from ._parent import ProcessReader
+from ._parent import ProcessReader, forget_kept_interrupts, raise_kept_interrupt
 from ._runs import RemoteRun
 from ._wire import (
     MAX_MESSAGE,
@@ -30,8 +30,10 @@ __all__ = [
     "Segment",
     "check_picklable",
     "error_blob",
+    "forget_kept_interrupts",
     "needed",
     "payload",
+    "raise_kept_interrupt",
     "rebuild",
     "recv",
     "ring_slots",

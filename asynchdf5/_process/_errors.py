@@ -73,19 +73,23 @@ def payload(
 
 def error_blob(exc: BaseException) -> tuple[Any, ...]:
     """``exc`` as the helper sends it: pickled if it can be, else its type's name and message;
-    with the helper's traceback."""
+    with the helper's traceback, then its cause's blob (``raise ... from``; None: no cause),
+    which pickling would drop."""
     where = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    cause = None if exc.__cause__ is None else error_blob(exc.__cause__)
     try:
-        return ("pickled", pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL), where)
+        return ("pickled", pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL), where, cause)
     except Exception:
         kind = type(exc)
-        return ("named", f"{kind.__module__}:{kind.__qualname__}", str(exc), where)
+        return ("named", f"{kind.__module__}:{kind.__qualname__}", str(exc), where, cause)
 
 
 def rebuild(blob: tuple[Any, ...]) -> BaseException:
     """The helper's exception, in this process: the same type and message where the type can be
     made again here (else a :class:`DataLayerError` naming it); the helper's traceback is in
-    its notes."""
+    its notes, and its cause (``__cause__``: a transformer's exception under a
+    :class:`~asynchdf5.TransformError`) is rebuilt the same way."""
+    where, cause = blob[-2], blob[-1]
     exc: BaseException | None = None
     if blob[0] == "pickled":
         try:
@@ -102,7 +106,9 @@ def rebuild(blob: tuple[Any, ...]) -> BaseException:
         except Exception:
             exc = None
     if not isinstance(exc, BaseException):
-        exc = DataLayerError(f"the layer's helper process failed: {blob[-1].strip()}")
+        exc = DataLayerError(f"the layer's helper process failed: {where.strip()}")
     if sys.version_info >= (3, 11):
-        exc.add_note("In the layer's helper process (process=True):\n" + blob[-1].rstrip())
+        exc.add_note("In the layer's helper process (process=True):\n" + where.rstrip())
+    if cause is not None:
+        exc.__cause__ = rebuild(cause)
     return exc

@@ -49,7 +49,26 @@ if TYPE_CHECKING:
     from .._delivery import Delivery
     from .._pipeline import Mode
 
-__all__ = ["ProcessReader"]
+__all__ = ["ProcessReader", "forget_kept_interrupts", "raise_kept_interrupt"]
+
+#: Ctrl-Cs that came while a finalizer of ours ran (:meth:`ProcessReader._released`), where
+#: Python would print "Exception ignored" and the loop would go on. Only the main thread gets
+#: them; the loop raises them at its next batch.
+_KEPT: list[KeyboardInterrupt] = []
+
+
+def forget_kept_interrupts() -> None:
+    """Drop the Ctrl-Cs kept outside any loop (a batch let go of after its loop ended): a new
+    loop does not end for them, as Python itself would have dropped them there."""
+    _KEPT.clear()
+
+
+def raise_kept_interrupt() -> None:
+    """Raise the Ctrl-C that a finalizer of ours kept, if one came (the iterators call it at
+    each batch and at the end of each iteration: every Ctrl-C ends the loop)."""
+    if _KEPT:
+        _KEPT.clear()
+        raise KeyboardInterrupt
 
 
 #: Slots given back in one message (fewer wake-ups of the helper).
@@ -226,12 +245,16 @@ class ProcessReader:
     def _released(self, slot: int) -> None:
         """The last view of the batch in ``slot`` is gone (in whichever thread dropped it): the
         helper gets the slot back now, not at the consumer's next ask, so it fills the ring
-        while the consumer works on the batches it took."""
-        with self._lock:
-            if slot in self._out and not self._closed:
-                self._out.discard(slot)
-                with contextlib.suppress(OSError):
-                    send(self._sock, ("free", (slot,)))
+        while the consumer works on the batches it took. A finalizer: a Ctrl-C that lands here
+        is kept for the loop (:func:`raise_kept_interrupt`), never printed and dropped."""
+        try:
+            with self._lock:
+                if slot in self._out and not self._closed:
+                    self._out.discard(slot)
+                    with contextlib.suppress(OSError):
+                        send(self._sock, ("free", (slot,)))
+        except KeyboardInterrupt:
+            _KEPT.append(KeyboardInterrupt())
 
     def _give_back(self) -> None:
         """Give the helper back each slot no batch refers to any more (those whose last view

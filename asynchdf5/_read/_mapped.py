@@ -207,13 +207,11 @@ class MappedReader:
             self._mapped = merged(self._mapped + todo)
         # Every chunk: a file changed since it was opened is an error before any of its batches.
         if ranges:
-            a, b = ranges[0]
-            for t in self._tops:
-                _check(t.file, t.name, a, b)
+            self._check_files(ranges)
             if self.guard is not None and self.guard.broken:
                 err = self.guard.error()
                 tops = ", ".join(dict.fromkeys(repr(t.name) for t in self._tops))
-                raise ReadError(f"top {tops}, rows {a}:{b}: {err}") from err
+                raise ReadError(f"top {tops}, {_rows_words(ranges)}: {err}") from err
         return sum(b - a for a, b in todo)
 
     def _populate(self, ranges: list[tuple[int, int]]) -> None:
@@ -232,11 +230,31 @@ class MappedReader:
             err = self._libc.madvise(t.address + lo, hi - lo, _POPULATE_READ)
             if err:
                 a, b = t.start + a, t.start + b  # global rows, as everywhere in messages
-                for f in self._files:  # a file that changed is the cause to report
-                    _check(f, t.name, a, b)
+                self._check_files([(a, b)])  # a file that changed is the cause to report
                 raise ReadError(
                     f"{t.file.name}: top {t.name!r}, rows {a}:{b}: read failed: {os.strerror(err)}"
                 )
+
+    def _check_files(self, ranges: list[tuple[int, int]]) -> None:
+        """ReadError if a file changed since it was opened, naming its own rows among
+        ``ranges`` (global rows being read), or, when none of them is in that file, the rows
+        being read as rows of other files: never another file's rows as if they were its."""
+        for f in self._files:
+            try:
+                f.check()
+            except ReadError as exc:
+                tops = [t for t in self._tops if t.file is f]
+                names = ", ".join(dict.fromkeys(repr(t.name) for t in tops))
+                first, own = tops[0], []  # every top of a file has the same rows
+                for a, b in ranges:
+                    rows = first.local(a, b)
+                    if rows is not None:
+                        own.append((first.start + rows[0], first.start + rows[1]))
+                if own:
+                    raise ReadError(f"top {names}, {_rows_words(own)}: {exc}") from exc
+                raise ReadError(
+                    f"top {names}, while reading {_rows_words(ranges)} of other files: {exc}"
+                ) from exc
 
     def _drop_done(self) -> None:
         """Once a chunk was given back: unmap every page but those of the live chunks.
@@ -292,8 +310,11 @@ def default_keep_bytes() -> int:
     return memory_bytes() // 2
 
 
-def _check(file: LocalFile, top: str, a: int, b: int) -> None:
-    try:
-        file.check()
-    except ReadError as exc:
-        raise ReadError(f"top {top!r}, rows {a}:{b}: {exc}") from exc
+def _rows_words(ranges: list[tuple[int, int]]) -> str:
+    """Global rows ``ranges`` in an error message: ``rows a:b`` for one range, else how many
+    and the span they lie in."""
+    if len(ranges) == 1:
+        a, b = ranges[0]
+        return f"rows {a}:{b}"
+    n = sum(b - a for a, b in ranges)
+    return f"{n} rows in {min(a for a, _ in ranges)}:{max(b for _, b in ranges)}"

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import anyio
@@ -40,12 +40,28 @@ __all__ = [
     "Streaming",
     "file_url_path",
     "is_url",
+    "name_entry",
     "signature_offsets",
 ]
+
+E = TypeVar("E", bound=BaseException)
 
 #: The 8-byte signature an HDF5 file starts with (at offset 0, 512, 1024, 2048, ... when a user
 #: block precedes it).
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def name_entry(exc: E, entry: str) -> E:
+    """Add to the message of ``exc`` (an error about ``entry``'s file) where the source named
+    the entry, as ``" (train.txt, line 3)"`` (an :class:`~._entries.Entry` knows; a plain name
+    adds nothing): the one place such messages get it. Returns ``exc``."""
+    where = getattr(entry, "where", None)
+    if not where or not exc.args or not isinstance(exc.args[0], str):
+        return exc
+    suffix = f" ({where})"
+    if not exc.args[0].endswith(suffix):
+        exc.args = (exc.args[0] + suffix, *exc.args[1:])
+    return exc
 
 
 def signature_offsets(size: int) -> Iterator[int]:

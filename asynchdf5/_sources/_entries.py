@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from .._errors import ConfigurationError, SourceError
-from ._base import HDF5_SIGNATURE, file_url_path, is_url, signature_offsets
+from ._base import HDF5_SIGNATURE, file_url_path, is_url, name_entry, signature_offsets
 from ._remote import read_source_url
 
 __all__ = [
@@ -46,17 +46,6 @@ class Entry(str):
 
     def __reduce__(self) -> tuple[type[Entry], tuple[str, str]]:
         return Entry, (str(self), self.where)
-
-
-def name_entry(exc: BaseException, entry: str) -> None:
-    """Add to the message of ``exc`` (an error about ``entry``'s file) where the source named
-    the entry, as ``" (train.txt, line 3)"``: the one place such messages get it."""
-    where = getattr(entry, "where", None)
-    if not where or not exc.args or not isinstance(exc.args[0], str):
-        return
-    suffix = f" ({where})"
-    if not exc.args[0].endswith(suffix):
-        exc.args = (exc.args[0] + suffix, *exc.args[1:])
 
 
 def is_hdf5_file(path: Path) -> bool:

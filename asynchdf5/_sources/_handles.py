@@ -28,6 +28,7 @@ from typing import NamedTuple
 import h5py
 
 from .._errors import ReadError, SourceError
+from ._base import E, name_entry
 from ._direct import open_direct
 
 __all__ = ["MAX_OPEN_FILES", "Fingerprint", "LocalFile", "OpenFiles", "open_limit"]
@@ -276,16 +277,20 @@ class LocalFile:
         try:
             fd = self._owner.os_open(self.name)
         except FileNotFoundError as exc:
-            raise ReadError(f"{gone}: deleted, or renamed away") from exc
+            raise self._named(ReadError(f"{gone}: deleted, or renamed away")) from exc
         except OSError as exc:
             hint = self._owner.limit_hint() if exc.errno in (errno.EMFILE, errno.ENFILE) else ""
-            raise ReadError(f"{self.name}: cannot open the file again: {exc}{hint}") from exc
+            raise self._named(
+                ReadError(f"{self.name}: cannot open the file again: {exc}{hint}")
+            ) from exc
         try:
             change = self.fingerprint.change(Fingerprint.of(os.fstat(fd)))
             if change is not None:
-                raise ReadError(
-                    f"{gone}: {change} (seen when it was opened again, after being closed to keep "
-                    "the files open under the limit)"
+                raise self._named(
+                    ReadError(
+                        f"{gone}: {change} (seen when it was opened again, after being closed to "
+                        "keep the files open under the limit)"
+                    )
                 )
         except BaseException:
             os.close(fd)
@@ -315,7 +320,7 @@ class LocalFile:
                 h5 = h5py.File(self.name, "r")
         except OSError as exc:
             hint = self._owner.limit_hint() if _out_of_descriptors(exc) else ""
-            raise error(f"cannot open HDF5 file {self.name!r}: {exc}{hint}") from exc
+            raise self._named(error(f"cannot open HDF5 file {self.name!r}: {exc}{hint}")) from exc
         # By path: HDF5 resolves external links and sources relative to the file's folder.
         # It must be the file our descriptor has open, not one renamed into its place.
         try:
@@ -324,7 +329,7 @@ class LocalFile:
             st = os.stat(self.name)
         if (st.st_dev, st.st_ino) != (self.fingerprint.dev, self.fingerprint.ino):
             h5.close()
-            raise error(f"{self.name}: the file was replaced while it was opened")
+            raise self._named(error(f"{self.name}: the file was replaced while it was opened"))
         return h5
 
     def close_h5py(self) -> None:
@@ -338,7 +343,7 @@ class LocalFile:
             try:
                 now = Fingerprint.of(os.fstat(self._fd))
             except OSError as exc:
-                raise ReadError(f"{self.name}: cannot check the file: {exc}") from exc
+                raise self._named(ReadError(f"{self.name}: cannot check the file: {exc}")) from exc
         change = self.fingerprint.change(now)
         if change is None and by_name:
             try:
@@ -346,11 +351,18 @@ class LocalFile:
             except FileNotFoundError:
                 change = "deleted"
             except OSError as exc:
-                raise ReadError(f"{self.name}: cannot check the file: {exc}") from exc
+                raise self._named(ReadError(f"{self.name}: cannot check the file: {exc}")) from exc
             else:
                 change = self.fingerprint.change(named)
         if change is not None:
-            raise ReadError(f"{self.name}: the file was {change} after the source was opened")
+            raise self._named(
+                ReadError(f"{self.name}: the file was {change} after the source was opened")
+            )
+
+    def _named(self, exc: E) -> E:
+        """``exc``, an error about this file, saying where the source named it (its list
+        file's line: :func:`~._base.name_entry`)."""
+        return name_entry(exc, self.name)
 
     def close(self) -> None:
         """Close the file's handles now (pinned or not: the source is closing)."""

@@ -27,7 +27,14 @@ from .._errors import DataLayerError, ReadError, SourceError
 from .._pages import populate
 from .._priority import background
 from .._stats import ReadStats
-from ._base import HDF5_SIGNATURE, ByteRange, StoredFile, Streaming, signature_offsets
+from ._base import (
+    HDF5_SIGNATURE,
+    ByteRange,
+    StoredFile,
+    Streaming,
+    name_entry,
+    signature_offsets,
+)
 from ._direct import DIRECT_BYTES, DIRECT_MIN, DONTNEED, WILLNEED, advise, read_direct
 from ._handles import Fingerprint, LocalFile, OpenFiles
 
@@ -299,8 +306,12 @@ def _read_direct(f: LocalFile, r: ByteRange) -> bool:
     fd = f.direct_fd()
     if fd is None:
         return False
-    if read_direct(fd, r.offset, r.size, r.into, f"{f.name}: {r.about}"):
-        return True
+    try:
+        if read_direct(fd, r.offset, r.size, r.into, f"{f.name}: {r.about}"):
+            return True
+    except ReadError as exc:
+        name_entry(exc, f.name)
+        raise
     f.refuse_direct()
     return False
 
@@ -316,6 +327,7 @@ def _read_error(exc: BaseException, r: ByteRange) -> BaseException:
     if isinstance(exc, DataLayerError) or not isinstance(exc, Exception):
         return exc
     err = ReadError(f"{r.file.name}: {r.about}: read failed: {type(exc).__name__}: {exc}")
+    name_entry(err, r.file.name)
     err.__cause__ = exc
     return err
 
@@ -328,11 +340,14 @@ def _preadv(f: LocalFile, r: ByteRange) -> None:
         try:
             got = os.preadv(f.fd, [view[done:]], r.offset + done)
         except OSError as exc:
-            raise ReadError(f"{f.name}: {r.about}: read failed: {exc}") from exc
+            raise name_entry(ReadError(f"{f.name}: {r.about}: read failed: {exc}"), f.name) from exc
         if got == 0:
-            raise ReadError(
-                f"{f.name}: {r.about}: unexpected end of file at byte {r.offset + done} "
-                "(the file is truncated)"
+            raise name_entry(
+                ReadError(
+                    f"{f.name}: {r.about}: unexpected end of file at byte {r.offset + done} "
+                    "(the file is truncated)"
+                ),
+                f.name,
             )
         done += got
 
@@ -341,10 +356,13 @@ def _pread(f: LocalFile, r: ByteRange) -> bytes:
     try:
         raw = os.pread(f.fd, r.size, r.offset)
     except OSError as exc:
-        raise ReadError(f"{f.name}: {r.about}: read failed: {exc}") from exc
+        raise name_entry(ReadError(f"{f.name}: {r.about}: read failed: {exc}"), f.name) from exc
     if len(raw) != r.size:
-        raise ReadError(
-            f"{f.name}: {r.about}: {r.size} bytes at offset {r.offset} are cut short "
-            "(the file is truncated)"
+        raise name_entry(
+            ReadError(
+                f"{f.name}: {r.about}: {r.size} bytes at offset {r.offset} are cut short "
+                "(the file is truncated)"
+            ),
+            f.name,
         )
     return raw

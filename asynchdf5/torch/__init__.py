@@ -187,7 +187,10 @@ class HDF5IterableDataset(LayerDataset):
         # buffers and batches in transit, which a layer in the main process shares with the
         # training loop (2 workers under a 512 MiB limit did not fit with halves of it).
         budget = properties.get("cache_bytes")
-        share = budget // workers if budget is not None else default_cache_bytes() // (workers + 1)
+        if budget is not None:
+            share = budget // workers
+        else:  # of the memory alone: each worker sizes it, and they must plan alike
+            share = default_cache_bytes(held=False) // (workers + 1)
         return {**super()._worker_properties(properties, workers), "cache_bytes": max(1, share)}
 
 
