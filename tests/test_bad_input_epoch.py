@@ -142,6 +142,7 @@ async def test_every_batch_before_a_transform_error_is_delivered(
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 @pytest.mark.parametrize("shuffle", [False, True])
 async def test_break_then_next_epoch_is_whole(
@@ -168,6 +169,7 @@ async def test_break_then_next_epoch_is_whole(
     await aassert_released(before)
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_break_in_the_last_batch_and_in_the_first(source: tuple[Path, list[Path]]) -> None:
     async with AsyncHDF5DataLayer(source[0], batch_size=100) as layer:
@@ -180,6 +182,7 @@ async def test_break_in_the_last_batch_and_in_the_first(source: tuple[Path, list
         check_epoch([b async for b in layer], N, 100, 2)
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_cancel_scope_around_the_loop(source: tuple[Path, list[Path]]) -> None:
     before = await asnapshot()
@@ -202,6 +205,7 @@ def _slow(x: np.ndarray) -> np.ndarray:
     return x
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 @pytest.mark.parametrize("deadline", [0.0, 0.005, 0.05])
 async def test_move_on_after_while_waiting_for_a_batch(
@@ -223,6 +227,7 @@ async def test_move_on_after_while_waiting_for_a_batch(
     await aassert_released(before)
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 @pytest.mark.parametrize("deadline", [0.0, 0.003, 0.03])
 async def test_move_on_after_around_async_with(
@@ -242,6 +247,7 @@ async def test_move_on_after_around_async_with(
         check_batch(b, 50)
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_error_in_the_body_closes_everything(source: tuple[Path, list[Path]]) -> None:
     before = await asnapshot()

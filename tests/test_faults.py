@@ -167,6 +167,7 @@ async def test_file_deleted_or_renamed_over_is_read_from_the_open_file(
         check_epoch(again, 1200, 10, 1)
 
 
+@pytest.mark.both_backends
 @pytest.mark.parametrize("mmap", ["auto", False])
 async def test_every_batch_before_a_read_error_is_delivered(
     tmp_path: Path, mmap: bool | str
@@ -194,6 +195,7 @@ async def test_every_batch_before_a_read_error_is_delivered(
     check_message(info.value, paths[2], "truncated")
 
 
+@pytest.mark.both_backends
 async def test_epoch_after_a_read_error_fails_again_naming_the_file(tmp_path: Path) -> None:
     lst, paths = write_big(tmp_path)
     async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:

@@ -45,7 +45,7 @@ from asynchdf5._plan import shard_share
 
 from ._files import ROW_BYTES, ramp, split_refused
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]  # the event loop matters
 
 #: Examples per backend in the normal run, and in ``nox -s stress``.
 EXAMPLES = int(os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", "100"))

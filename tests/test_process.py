@@ -33,7 +33,7 @@ from ._files import N, check_epoch, check_exactly_once, write_source
 from ._gpu_data import host_copy
 from ._leaks import aassert_released, asnapshot
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.anyio, pytest.mark.both_backends, pytest.mark.timeout(60)]
 DEADLINE = 30
 
 

@@ -397,6 +397,7 @@ async def _eventually(check: Callable[[], bool], seconds: float = 3.0) -> bool:
     return True
 
 
+@pytest.mark.both_backends
 async def test_cancelling_an_epoch_cancels_the_requests_in_flight(s3: S3Server) -> None:
     urls = [f"s3://{BUCKET}/layouts/contiguous/part{i}.h5" for i in range(len(SIZES))]
     before = await asnapshot()

@@ -294,6 +294,7 @@ def test_a_state_from_other_streams_is_refused(tmp_path: Path) -> None:
         other.load_state_dict(one.state_dict())
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_a_tiny_stream_beside_a_huge_one_does_not_hang(tmp_path: Path) -> None:
     files = write_streams(tmp_path, ((4000, 3000),))
