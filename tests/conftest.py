@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.s3_server import S3Server
+from support.s3_server import S3Server
 
 from . import _fake_cupy
 from ._fake_cupy import FakeCupy, FakeDevice, FakeMemory, FakePinnedMemory
@@ -167,7 +167,7 @@ def s3_objects() -> S3Objects:
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory, s3_objects: S3Objects) -> Iterator[S3Server]:
-    """A real S3 API (moto's server in a subprocess, see ``benchmarks/s3_server``) for each test
+    """A real S3 API (moto's server in a subprocess, see ``support/s3_server``) for each test
     module that asks for one, holding the module's ``s3_objects``."""
     folder = tmp_path_factory.mktemp("s3")
     with S3Server(log=folder / "server.log") as server:

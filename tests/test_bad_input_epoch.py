@@ -16,7 +16,6 @@ alignment checkable from the batch alone: row ``i`` has ``label == i`` and ``dat
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,6 @@ import pytest
 
 from asynchdf5 import (
     AsyncHDF5DataLayer,
-    Batch,
-    DataLayerError,
     TransformError,
 )
 
@@ -38,25 +35,12 @@ from ._files import (
     check_message,
     check_prefix,
 )
+from ._helpers import collect_until_error
 from ._leaks import aassert_released, asnapshot
 
 # --------------------------------------------------------------------------------------------
 # During an epoch: TransformError and ReadError, after only complete batches
 # --------------------------------------------------------------------------------------------
-
-
-async def collect_until_error(
-    layer: AsyncHDF5DataLayer,
-    exc_type: type[DataLayerError],
-    on_batch: Callable[[int], None] = lambda i: None,
-) -> tuple[list[Batch], Any]:
-    """Iterate one epoch of the open ``layer`` until it raises ``exc_type``."""
-    got: list[Batch] = []
-    with pytest.raises(exc_type) as info:
-        async for b in layer:
-            got.append(b)
-            on_batch(len(got))
-    return got, info.value
 
 
 @pytest.mark.anyio
