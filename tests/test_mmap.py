@@ -740,12 +740,21 @@ def test_auto_copies_a_file_this_process_does_not_own(tmp_path: Path) -> None:
         (None, "the file system could not be told (statfs)"),
     ],
 )
-async def test_auto_copies_a_file_on_a_network_fuse_or_unknown_file_system(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, magic: int | None, words: str
+def test_network_fuse_and_unknown_file_systems_are_not_local(magic: int | None, words: str) -> None:
+    """A lease there is this machine's: writes from another machine would not wait for it. The
+    reason ``mmap="auto"`` gives for copying, by the magic number statfs answers (the whole
+    pipeline with one of them: the test below)."""
+    assert choice.not_local(magic) == words
+    for local in choice.LOCAL_FILE_SYSTEMS:
+        assert choice.not_local(local) is None
+
+
+async def test_auto_copies_a_file_on_a_network_file_system(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A lease there is this machine's: writes from another machine would not wait for it. No
-    such mount here: the file system's magic number is what statfs would answer for one.
+    """No such mount here: the file system's magic number is what statfs would answer for NFS.
     ``mmap=True`` maps it all the same (as it always did)."""
+    magic, words = 0x6969, "network file system nfs"
     monkeypatch.setattr(choice, "file_system", lambda fd: magic)
     path = write_h5(tmp_path / "one.h5", 0, N)
     with anyio.fail_after(30):
