@@ -69,18 +69,21 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def stress(session: nox.Session) -> None:
-    """The whole-pipeline property tests with thousands of examples (nightly-style).
+    """The property tests with thousands of examples (nightly-style).
 
-    ``tests/test_invariants.py`` draws 100 examples per backend in ``nox -s tests``; here it
-    draws ``ASYNCHDF5_STRESS_EXAMPLES`` (default 2000) per backend, each under a deadline, so a
-    configuration that hangs fails instead of freezing. ``nox -s stress -- -x`` stops at the first.
+    In ``nox -s tests`` they draw a few dozen (``tests/_helpers.examples``); here
+    ``ASYNCHDF5_STRESS_EXAMPLES`` (default 2000): the whole-pipeline ones per backend, each
+    under a deadline, so a configuration that hangs fails instead of freezing, and the pure
+    planner's. ``nox -s stress -- -x`` stops at the first failure.
     """
     install(session, "test", "codecs")
     examples = os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", "2000")
     session.run(
         "pytest",
         "tests/test_invariants.py",
+        "tests/test_streams_invariants.py",
         "tests/test_plan.py",
+        "tests/test_replan.py",
         *session.posargs,
         env={"ASYNCHDF5_STRESS_EXAMPLES": examples, "PYTHONFAULTHANDLER": "1"},
     )

@@ -1,9 +1,10 @@
 """Helpers that tests of several modules share and that are not data: collecting an epoch (up
-to the error that ends it), the command line run in-process, and a layer that must fail to
-open."""
+to the error that ends it), the examples a property test draws, the command line run
+in-process, and a layer that must fail to open."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -19,6 +20,12 @@ from ._leaks import aassert_released, asnapshot
 DEADLINE = 30
 
 E = TypeVar("E", bound=DataLayerError)
+
+
+def examples(default: int) -> int:
+    """The examples a property test draws: ``default`` (a few dozen) in the normal run, and
+    ``ASYNCHDF5_STRESS_EXAMPLES`` where that is set (``nox -s stress``: thousands)."""
+    return int(os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", default))
 
 
 async def epoch_until_error(
