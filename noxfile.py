@@ -1,5 +1,5 @@
-"""Developer tasks: ``nox -s tests``, ``stress``, ``lint``, ``typecheck``, ``docs``, ``bench``,
-``demo``.
+"""Developer tasks: ``nox -s tests``, ``bench_check``, ``stress``, ``lint``, ``typecheck``,
+``docs``, ``bench``, ``demo``.
 
 Every session runs on the interpreter nox itself runs on (no ``python=`` pin), so the one
 command ``python3 -m pip install nox && python3 -m nox -s tests`` works on any machine that has
@@ -16,7 +16,7 @@ import nox
 import nox.command
 
 nox.needs_version = ">=2024.4.15"
-nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+nox.options.sessions = ["tests", "bench_check", "lint", "typecheck", "docs"]
 nox.options.reuse_venv = "yes"
 # uv creates environments and installs much faster where it is present; plain virtualenv
 # (which ships with nox) everywhere else, so a machine with only pip needs nothing more.
@@ -65,6 +65,23 @@ def tests(session: nox.Session) -> None:
             session.warn("CuPy could not be installed: the tests against the real CuPy skip")
             install(session, *extras)
     session.run("pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
+
+
+@nox.session(venv_backend="virtualenv")  # pip: it finds the local torch file
+def bench_check(session: nox.Session) -> None:
+    """Every benchmark at its ``--quick`` size, each checked to write a well-formed result
+    (the ``quick_benchmarks`` tests of ``tests/test_benchmarks.py``; their figures mean nothing
+    at these sizes). CI runs it after ``tests``, which leaves it out to stay short."""
+    session.install(TORCH, "torchdata")
+    install(session, "test", "bench", "codecs", "remote", "torch")
+    session.run(
+        "pytest",
+        "tests/test_benchmarks.py",
+        "-m",
+        "quick_benchmarks",
+        *session.posargs,
+        env={"PYTHONFAULTHANDLER": "1"},
+    )
 
 
 @nox.session
