@@ -90,8 +90,9 @@ def stress(session: nox.Session) -> None:
 
     In ``nox -s tests`` they draw a few dozen (``tests/_helpers.examples``); here
     ``ASYNCHDF5_STRESS_EXAMPLES`` (default 2000): the whole-pipeline ones per backend, each
-    under a deadline, so a configuration that hangs fails instead of freezing, and the pure
-    planner's. ``nox -s stress -- -x`` stops at the first failure.
+    under a deadline, so a configuration that hangs fails instead of freezing, the pure
+    planner's, and the double Ctrl-C trials of the sync facade. ``nox -s stress -- -x`` stops at
+    the first failure.
     """
     install(session, "test", "codecs")
     examples = os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", "2000")
@@ -101,6 +102,7 @@ def stress(session: nox.Session) -> None:
         "tests/test_streams_invariants.py",
         "tests/test_plan.py",
         "tests/test_replan.py",
+        "tests/test_sync.py",
         *session.posargs,
         env={"ASYNCHDF5_STRESS_EXAMPLES": examples, "PYTHONFAULTHANDLER": "1"},
     )
