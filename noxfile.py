@@ -1,5 +1,5 @@
-"""Developer tasks: ``nox -s tests``, ``stress``, ``lint``, ``typecheck``, ``docs``, ``bench``,
-``demo``.
+"""Developer tasks: ``nox -s tests``, ``bench_check``, ``stress``, ``lint``, ``typecheck``,
+``docs``, ``bench``, ``demo``.
 
 Every session runs on the interpreter nox itself runs on (no ``python=`` pin), so the one
 command ``python3 -m pip install nox && python3 -m nox -s tests`` works on any machine that has
@@ -16,7 +16,7 @@ import nox
 import nox.command
 
 nox.needs_version = ">=2024.4.15"
-nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+nox.options.sessions = ["tests", "bench_check", "lint", "typecheck", "docs"]
 nox.options.reuse_venv = "yes"
 # uv creates environments and installs much faster where it is present; plain virtualenv
 # (which ships with nox) everywhere else, so a machine with only pip needs nothing more.
@@ -69,20 +69,42 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
 
 
+@nox.session(venv_backend="virtualenv")  # pip: it finds the local torch file
+def bench_check(session: nox.Session) -> None:
+    """Every benchmark at its ``--quick`` size, each checked to write a well-formed result
+    (the ``quick_benchmarks`` tests of ``tests/test_benchmarks.py``; their figures mean nothing
+    at these sizes). CI runs it after ``tests``, which leaves it out to stay short."""
+    session.install(TORCH, "torchdata")
+    install(session, "test", "bench", "codecs", "remote", "torch")
+    session.run(
+        "pytest",
+        "tests/test_benchmarks.py",
+        "-m",
+        "quick_benchmarks",
+        *session.posargs,
+        env={"PYTHONFAULTHANDLER": "1"},
+    )
+
+
 @nox.session
 def stress(session: nox.Session) -> None:
-    """The whole-pipeline property tests with thousands of examples (nightly-style).
+    """The property tests with thousands of examples (nightly-style).
 
-    ``tests/test_invariants.py`` draws 100 examples per backend in ``nox -s tests``; here it
-    draws ``ASYNCHDF5_STRESS_EXAMPLES`` (default 2000) per backend, each under a deadline, so a
-    configuration that hangs fails instead of freezing. ``nox -s stress -- -x`` stops at the first.
+    In ``nox -s tests`` they draw a few dozen (``tests/_helpers.examples``); here
+    ``ASYNCHDF5_STRESS_EXAMPLES`` (default 2000): the whole-pipeline ones per backend, each
+    under a deadline, so a configuration that hangs fails instead of freezing, the pure
+    planner's, and the double Ctrl-C trials of the sync facade. ``nox -s stress -- -x`` stops at
+    the first failure.
     """
     install(session, "test", "codecs")
     examples = os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", "2000")
     session.run(
         "pytest",
         "tests/test_invariants.py",
+        "tests/test_streams_invariants.py",
         "tests/test_plan.py",
+        "tests/test_replan.py",
+        "tests/test_sync.py",
         *session.posargs,
         env={"ASYNCHDF5_STRESS_EXAMPLES": examples, "PYTHONFAULTHANDLER": "1"},
     )

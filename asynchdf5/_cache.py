@@ -99,8 +99,8 @@ def slot_rows(chunk_size: int, shard_samples: int, row_bytes: int, cache_bytes: 
 def _anonymous(nbytes: int) -> np.ndarray:
     """Page-aligned anonymous memory, untouched until it is first written.
 
-    No ``MADV_HUGEPAGE``: huge pages made the first fill of a slot several times slower and
-    later fills slower too, for a gather gain of a few per cent (docs/design-notes.md).
+    No ``MADV_HUGEPAGE``: huge pages make every fill of a slot slower, the first one most, for
+    a small gain in the gather (docs/design-notes.md).
     """
     if nbytes == 0:
         return np.empty(0, np.uint8)

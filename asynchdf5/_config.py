@@ -28,15 +28,13 @@ __all__ = ["DEFAULT_TOPS", "MAX_EPOCH_BATCHES", "MAX_SAMPLES", "LayerConfig"]
 _log = logging.getLogger("asynchdf5")
 
 DEFAULT_TOPS = ("data", "label")
-#: ``block_size=None``: blocks of about this many bytes of samples, the smallest block that read
-#: at >= 90 % of a sequential cold read (``benchmarks.block_size``; docs/shuffle.md) ...
+#: ``block_size=None``: blocks of about this many bytes of samples, big enough to read near a
+#: sequential cold read's rate (docs/shuffle.md) ...
 BLOCK_BYTES = 32 * 2**20
-#: ... but at least this many blocks per chunk, so that small rows still mix (docs/shuffle.md:
-#: 193 blocks of class-sorted data give 0.96 of a full permutation's batch label entropy).
+#: ... but at least this many blocks per chunk, so that small rows still mix (docs/shuffle.md).
 BLOCKS_PER_CHUNK = 192
-#: ... and never smaller than this: every block is a read request and a piece to gather, and
-#: smaller ones cost a quarter to a third of a streaming epoch, even from the page cache
-#: (rows of 264 bytes: 352 KiB blocks 3.19 M samples/s, 1 MiB 4.23 M, 4 MiB 4.42 M) ...
+#: ... and never smaller than this: every block is a read request and a piece to gather, whose
+#: cost per block slows a streaming epoch of smaller blocks, even from the page cache ...
 MIN_BLOCK_BYTES = 2**20
 #: A block decodes every stored (HDF5) chunk it touches whole: blocks of compressed data span at
 #: least this many stored chunks, so that an epoch decodes at most ~1/this more than its data ...
@@ -44,9 +42,8 @@ STORED_CHUNKS_PER_BLOCK = 4
 #: ... while a cached chunk still holds at least this many blocks.
 MIN_BLOCKS_PER_CHUNK = 16
 #: The ramp of an epoch's first read (``_planner.first_read``) takes each piece from this many
-#: places of the first chunk (lanes), so that its first batches mix: with one, the first 100
-#: batches of an epoch of class-sorted images reached 0.32 of a full permutation's batch label
-#: entropy, with 32 0.94 (docs/shuffle.md) ...
+#: places of the first chunk (lanes), so that its first batches mix as a later chunk's do
+#: (docs/shuffle.md) ...
 RAMP_LANES = 32
 #: ... and each piece after the first twice the lanes of the one before, up to this many (a
 #: piece twice as large, parts as large: ``_walk.growing_ramp``) ...
@@ -55,8 +52,8 @@ RAMP_TOP_LANES = 192
 #: stored chunk decoded whole, or a remote request: see ``_planner.ramp_lanes``).
 MIN_LANE_BYTES = 256 * 2**10
 #: A chunk drawing from fewer places of the data set than this (its blocks and lanes) mixes
-#: class-sorted data below 0.95 of a full permutation's batch label entropy
-#: (``benchmarks.shuffle_quality``): the layer warns (``_planner.mixing_warning``).
+#: class-sorted data noticeably worse than a full permutation (docs/shuffle.md): the layer warns
+#: (``_planner.mixing_warning``).
 MIN_PLACES = 36
 Backend = Literal["asyncio", "trio"]
 

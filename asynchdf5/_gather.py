@@ -93,7 +93,7 @@ def _take(source: np.ndarray, rows: np.ndarray | slice, dest: np.ndarray) -> Non
         dest[...] = source[rows]
     else:
         # mode="clip" writes straight into ``dest``; numpy's default ("raise") gathers into
-        # a temporary first and copies it over (measured: 1.4-2x slower for image batches).
+        # a temporary first and copies it over, a second copy of every row.
         np.take(source, rows, axis=0, out=dest, mode="clip")
 
 

@@ -3,7 +3,7 @@
 A consumer takes ready batches without a trip through the event loop; one whose own step never
 awaits would then keep every other task of the loop waiting for a whole epoch. So, after
 :data:`PAUSE_EVERY_S` without one, taking a batch lets the loop run (and honours cancellation),
-at the cost of two loop round trips, about 1 % of that time.
+at the cost of two loop round trips, small beside that time.
 """
 
 from __future__ import annotations

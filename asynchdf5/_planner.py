@@ -175,15 +175,14 @@ def default_block_rows(
     less than ``MIN_BLOCK_BYTES`` (so a small ``chunk_size`` does not make tiny blocks).
 
     ``stored_rows``: the rows of the largest stored chunk that is decoded whole (the raw-chunk
-    path). A block shorter than a few of them would decode each several times over (blocks
-    of 85 rows over gzip chunks of 1,024 read 13 times the data), so blocks span at least
+    path). A block shorter than a few of them would decode each several times over (every
+    block decodes the stored chunks it touches whole), so blocks span at least
     ``STORED_CHUNKS_PER_BLOCK`` of them, as long as a chunk keeps ``MIN_BLOCKS_PER_CHUNK``.
 
     ``request_bytes``: the bytes one read request of the files should move at least (remote
     objects: a whole request, see :attr:`~._sources.StoredFile.request_bytes`). Each block is at
     least one request, and small requests to an object store cost a round trip and the
-    client's work each (1 MiB blocks over S3 with 20 ms round trips streamed at 0.3 of a plain
-    download, 8 MiB blocks at 0.7), so blocks are at least this big, again as long as a chunk
+    client's work each, so blocks are at least this big, again as long as a chunk
     keeps ``MIN_BLOCKS_PER_CHUNK``.
 
     From the properties and the files' layout only, never from the data set's size, the shard

@@ -6,7 +6,6 @@ Every function here is a measurement (``f(job) -> Outcome``) run in its own subp
 
 from __future__ import annotations
 
-import os
 import time
 import zlib
 from collections.abc import Callable
@@ -16,6 +15,7 @@ import h5py
 import numpy as np
 import numpy.typing as npt
 
+from asynchdf5._cli._limits import gather_epoch, read_ranges
 from benchmarks.measure import EpochClock, Job, Outcome, Skip
 from benchmarks.sources import H5Rows, byte_ranges
 
@@ -24,34 +24,20 @@ from benchmarks.sources import H5Rows, byte_ranges
 
 
 def raw_read(job: Job) -> Outcome:
-    """Read the data set's bytes (every top, as stored) with large ``os.preadv`` calls.
+    """Read the data set's bytes (every top, as stored) with large ``os.preadv`` calls
+    (:func:`asynchdf5._cli._limits.read_ranges`, the loop ``asynchdf5 bench`` runs too).
 
     params: ``buffer_mib`` (size of the one reused buffer, hence of each call). A warm run (the
     files were read once before it) keeps the best of three passes, being a limit; a cold one
     (after ``posix_fadvise(DONTNEED)``) is one pass.
     """
     buffer = memoryview(bytearray(job.params.get("buffer_mib", 64) << 20))
-    ranges = byte_ranges(job.files)
-    total = sum(r.length for r in ranges)
-    fds = {p: os.open(p, os.O_RDONLY) for p in job.files.paths}
+    ranges = [(r.path, r.offset, r.length) for r in byte_ranges(job.files)]
     passes: list[tuple[float, float]] = []
-    try:
-        for _ in range(1 if job.cold else 3):
-            t0 = time.perf_counter()
-            first = 0.0
-            for r in ranges:
-                done = 0
-                while done < r.length:
-                    view = buffer[: min(len(buffer), r.length - done)]
-                    n = os.preadv(fds[r.path], [view], r.offset + done)
-                    if n <= 0:
-                        raise OSError(f"short read in {r.path} at {r.offset + done}")
-                    done += n
-                    first = first or time.perf_counter() - t0
-            passes.append((time.perf_counter() - t0, first))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    for _ in range(1 if job.cold else 3):
+        t0 = time.perf_counter()
+        total, first = read_ranges(ranges, buffer)
+        passes.append((time.perf_counter() - t0, first))
     elapsed, first = min(passes)
     n = job.files.spec.samples
     return Outcome(
@@ -124,7 +110,8 @@ def _batches(n: int, batch: int) -> range:
 
 
 def in_ram(job: Job) -> Outcome:
-    """The no-I/O ceiling: every top in RAM, one permutation, ``np.take`` into reused batches."""
+    """The no-I/O ceiling: every top in RAM, one permutation, ``np.take`` into reused batches
+    (:func:`asynchdf5._cli._limits.gather_epoch`, the loop ``asynchdf5 bench`` runs too)."""
     t_load = time.perf_counter()
     arrays = []
     for top in ("data", "label"):
@@ -133,16 +120,9 @@ def in_ram(job: Job) -> Outcome:
             rows.read_direct(0, len(rows), arr)
             arrays.append(arr)
     load_s = time.perf_counter() - t_load
-    n, b = job.files.spec.samples, job.batch_size
-    outs = [np.empty((b, *a.shape[1:]), a.dtype) for a in arrays]
-    clock = EpochClock(n, None)
+    clock = EpochClock(job.files.spec.samples, None)
     clock.start()
-    perm = np.random.default_rng(job.seed).permutation(n)
-    for start in _batches(n, b):
-        idx = perm[start : start + b]
-        for a, out in zip(arrays, outs, strict=True):
-            np.take(a, idx, axis=0, out=out[: len(idx)], mode="clip")
-        clock.batch(len(idx))
+    gather_epoch(arrays, job.batch_size, job.seed, clock.batch)
     return clock.outcome(load_s=load_s)
 
 

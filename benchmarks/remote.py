@@ -1,6 +1,6 @@
 """Remote sources against an S3 API on localhost: ``python -m benchmarks run remote``.
 
-The server is moto's, in a subprocess (``benchmarks/s3_server.py``), with a latency injected into
+The server is moto's, in a subprocess (``support/s3_server.py``), with a latency injected into
 every request: its WSGI middleware sleeps 20 ms ( a realistic object
 store round trip) in the request's own server thread before handling it, so concurrent requests
 wait concurrently, as on a real link. moto reads a whole object for every ranged GET; the server
@@ -53,7 +53,7 @@ from benchmarks import data
 from benchmarks.config import IMAGE_SHAPE, DatasetSpec
 from benchmarks.report import Recorder
 from benchmarks.s3_download import BUCKET, CPU, IN_FLIGHT, PART, download_limit, download_to
-from benchmarks.s3_server import S3Server
+from support.s3_server import S3Server
 
 #: The environment variable that chooses the S3 client (documented in docs/remote.md).
 CLIENT_VARIABLE = "ASYNCHDF5_S3_CLIENT"

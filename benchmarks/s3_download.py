@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.s3_server import KEY_ID, REGION, SECRET, S3Server
+from support.s3_server import KEY_ID, REGION, SECRET, S3Server
 
 __all__ = ["BUCKET", "CPU", "IN_FLIGHT", "PART", "download_limit", "download_to"]
 

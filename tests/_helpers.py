@@ -1,17 +1,81 @@
-"""Helpers that tests of several modules share and that are not data: the command line run
+"""Helpers that tests of several modules share and that are not data: collecting an epoch (up
+to the error that ends it), the examples a property test draws, the command line run
 in-process, and a layer that must fail to open."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+import anyio
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer, DataLayerError
+from asynchdf5 import AsyncHDF5DataLayer, Batch, DataLayerError
 from asynchdf5._cli import main
 
 from ._leaks import aassert_released, asnapshot
+
+#: Seconds an epoch collected here may take before the test fails instead of hanging.
+DEADLINE = 30
+
+E = TypeVar("E", bound=DataLayerError)
+
+
+def examples(default: int) -> int:
+    """The examples a property test draws: ``default`` (a few dozen) in the normal run, and
+    ``ASYNCHDF5_STRESS_EXAMPLES`` where that is set (``nox -s stress``: thousands)."""
+    return int(os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", default))
+
+
+async def epoch_until_error(
+    layer: Any, on_batch: Callable[[int], None] = lambda n: None, deadline: float = DEADLINE
+) -> tuple[list[Batch], DataLayerError | None]:
+    """One epoch of the open ``layer``, under ``deadline``: the batches, and the library error
+    that ended it (None: none). ``on_batch(n)`` runs after the ``n``-th batch."""
+    got: list[Batch] = []
+    try:
+        with anyio.fail_after(deadline):
+            async for b in layer:
+                got.append(b)
+                on_batch(len(got))
+    except DataLayerError as exc:
+        return got, exc
+    return got, None
+
+
+async def collect_until_error(
+    layer: Any, exc_type: type[E], on_batch: Callable[[int], None] = lambda n: None
+) -> tuple[list[Batch], E]:
+    """One epoch of the open ``layer``, which must end with ``exc_type``: the batches before
+    it, and the error."""
+    got, err = await epoch_until_error(layer, on_batch)
+    assert isinstance(err, exc_type), f"expected {exc_type.__name__}, got {err!r}"
+    return got, err
+
+
+async def one_epoch(layer: Any, deadline: float = DEADLINE) -> list[Batch]:
+    """One whole epoch of the open ``layer`` (an error ends the test)."""
+    got, err = await epoch_until_error(layer, deadline=deadline)
+    assert err is None, err
+    return got
+
+
+async def epochs(
+    layer: Any, n: int = 1, keep: bool = True, deadline: float = DEADLINE
+) -> list[list[Batch]]:
+    """Open ``layer`` and collect ``n`` epochs, all under ``deadline`` (``keep=False``: drop
+    each batch once taken, and return empty epochs)."""
+    out: list[list[Batch]] = []
+    with anyio.fail_after(deadline):
+        async with layer:
+            for _ in range(n):
+                batches = []
+                async for b in layer:
+                    if keep:
+                        batches.append(b)
+                out.append(batches)
+    return out
 
 
 def run_main(args: Sequence[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.s3_server import S3Server
+from support.s3_server import S3Server
 
 from . import _fake_cupy
 from ._fake_cupy import FakeCupy, FakeDevice, FakeMemory, FakePinnedMemory
@@ -107,10 +107,39 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     assert_released(before, strict=False)
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Every ``@pytest.mark.anyio`` test runs on asyncio and on trio."""
-    return str(request.param)
+#: ``ASYNCHDF5_BACKENDS=all``: every ``anyio`` test on asyncio and on trio, marked or not.
+ALL_BACKENDS = os.environ.get("ASYNCHDF5_BACKENDS", "") == "all"
+
+
+def _parametrized(metafunc: pytest.Metafunc, name: str) -> bool:
+    """Whether the test parametrizes ``name`` itself."""
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if name in names:
+            return True
+    return False
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The event loop of each ``@pytest.mark.anyio`` test: asyncio, and trio as well where the
+    event loop is what the test is about, the tests marked ``both_backends`` (hand-off, pacing,
+    lifecycle, the sync facade, cancellation, the whole-pipeline invariants). Elsewhere the
+    pipeline under test runs in its own threads and the loop only awaits it, so a second loop
+    would run the same code again. ``ASYNCHDF5_BACKENDS=all`` runs every test on both; a test
+    that parametrizes ``anyio_backend`` itself keeps its own."""
+    if "anyio_backend" not in metafunc.fixturenames or _parametrized(metafunc, "anyio_backend"):
+        return
+    both = ALL_BACKENDS or metafunc.definition.get_closest_marker("both_backends") is not None
+    metafunc.parametrize("anyio_backend", ["asyncio", "trio"] if both else ["asyncio"])
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Stands in for anyio's own fixture (parametrized over every backend installed), so that
+    ``pytest_generate_tests`` alone says which loops a test runs on."""
+    return "asyncio"
 
 
 @pytest.fixture
@@ -138,7 +167,7 @@ def s3_objects() -> S3Objects:
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory, s3_objects: S3Objects) -> Iterator[S3Server]:
-    """A real S3 API (moto's server in a subprocess, see ``benchmarks/s3_server``) for each test
+    """A real S3 API (moto's server in a subprocess, see ``support/s3_server``) for each test
     module that asks for one, holding the module's ``s3_objects``."""
     folder = tmp_path_factory.mktemp("s3")
     with S3Server(log=folder / "server.log") as server:

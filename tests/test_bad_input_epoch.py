@@ -16,7 +16,6 @@ alignment checkable from the batch alone: row ``i`` has ``label == i`` and ``dat
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,6 @@ import pytest
 
 from asynchdf5 import (
     AsyncHDF5DataLayer,
-    Batch,
-    DataLayerError,
     TransformError,
 )
 
@@ -38,25 +35,12 @@ from ._files import (
     check_message,
     check_prefix,
 )
+from ._helpers import collect_until_error
 from ._leaks import aassert_released, asnapshot
 
 # --------------------------------------------------------------------------------------------
 # During an epoch: TransformError and ReadError, after only complete batches
 # --------------------------------------------------------------------------------------------
-
-
-async def collect_until_error(
-    layer: AsyncHDF5DataLayer,
-    exc_type: type[DataLayerError],
-    on_batch: Callable[[int], None] = lambda i: None,
-) -> tuple[list[Batch], Any]:
-    """Iterate one epoch of the open ``layer`` until it raises ``exc_type``."""
-    got: list[Batch] = []
-    with pytest.raises(exc_type) as info:
-        async for b in layer:
-            got.append(b)
-            on_batch(len(got))
-    return got, info.value
 
 
 @pytest.mark.anyio
@@ -142,6 +126,7 @@ async def test_every_batch_before_a_transform_error_is_delivered(
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 @pytest.mark.parametrize("shuffle", [False, True])
 async def test_break_then_next_epoch_is_whole(
@@ -168,6 +153,7 @@ async def test_break_then_next_epoch_is_whole(
     await aassert_released(before)
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_break_in_the_last_batch_and_in_the_first(source: tuple[Path, list[Path]]) -> None:
     async with AsyncHDF5DataLayer(source[0], batch_size=100) as layer:
@@ -180,6 +166,7 @@ async def test_break_in_the_last_batch_and_in_the_first(source: tuple[Path, list
         check_epoch([b async for b in layer], N, 100, 2)
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_cancel_scope_around_the_loop(source: tuple[Path, list[Path]]) -> None:
     before = await asnapshot()
@@ -202,6 +189,7 @@ def _slow(x: np.ndarray) -> np.ndarray:
     return x
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 @pytest.mark.parametrize("deadline", [0.0, 0.005, 0.05])
 async def test_move_on_after_while_waiting_for_a_batch(
@@ -223,6 +211,7 @@ async def test_move_on_after_while_waiting_for_a_batch(
     await aassert_released(before)
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 @pytest.mark.parametrize("deadline", [0.0, 0.003, 0.03])
 async def test_move_on_after_around_async_with(
@@ -242,6 +231,7 @@ async def test_move_on_after_around_async_with(
         check_batch(b, 50)
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_error_in_the_body_closes_everything(source: tuple[Path, list[Path]]) -> None:
     before = await asnapshot()

@@ -1,6 +1,10 @@
 """Every benchmark runs at its ``--quick`` size, so that none rots: one subprocess runs them
 all (``python -m benchmarks run all --quick``) under a deadline, and each must have written a
-well-formed result file. Nothing here depends on how fast anything was."""
+well-formed result file. Nothing here depends on how fast anything was.
+
+That run takes about a minute, as long as a quarter of the rest of the suite: its tests are
+marked ``quick_benchmarks``, left out of ``nox -s tests`` and run by ``nox -s bench_check``,
+which CI runs after it (``.ci/run``). The other tests here run in both."""
 
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.quick_benchmarks
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(BENCHMARKS))
 def test_quick_result_is_well_formed(quick_run: tuple[Path, str], name: str) -> None:

@@ -23,7 +23,7 @@ from asynchdf5 import transforms as T
 
 from ._files import IMAGE, check_exactly_once, rows, split_refused, write_source
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]  # the event loop matters
 
 
 class Driver:

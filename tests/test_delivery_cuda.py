@@ -278,6 +278,7 @@ async def test_fake_device_memory_is_reused_and_bounded(fake_cupy: FakeCupy) -> 
     assert stats.device_bytes == stats.device_bytes_in_use  # closed: free blocks released
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_fake_reused_block_waits_for_the_consumer(fake_cupy: FakeCupy) -> None:
     layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=8, device="cuda")
@@ -416,6 +417,7 @@ def test_fake_sync_facade_hands_batches_off_in_the_loops_thread(
     assert {e.recorded_by for e in released} == {mine}
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_fake_blocks_freed_in_other_threads_are_ordered_in_the_consumers(
     fake_cupy: FakeCupy,
@@ -596,6 +598,7 @@ class _FailingStream(FakeStream):
         super().wait_event(event)
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 async def test_fake_hand_off_failure_ends_the_epoch(fake_cupy: FakeCupy) -> None:
     layer = MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=8, device="cuda")

@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from asynchdf5 import (
 )
 
 from ._files import LAYOUTS, check_batch, check_epoch, check_message, check_prefix, rows, write_h5
+from ._helpers import epoch_until_error
 from ._leaks import aassert_released, asnapshot
 
 pytestmark = pytest.mark.anyio
@@ -66,20 +66,6 @@ def write_big(folder: Path, layout: str = "contiguous") -> tuple[Path, list[Path
     lst = folder / "train.txt"
     lst.write_text("\n".join(p.name for p in paths) + "\n")
     return lst, paths
-
-
-async def epoch_until_error(
-    layer: Any, on_batch: Callable[[int], None] = lambda i: None
-) -> tuple[list[Batch], BaseException | None]:
-    """One epoch of the open layer; the batches, and the error that ended it (None: none)."""
-    got: list[Batch] = []
-    try:
-        async for b in layer:
-            got.append(b)
-            on_batch(len(got))
-    except DataLayerError as exc:
-        return got, exc
-    return got, None
 
 
 def truncate(path: Path) -> None:
@@ -167,6 +153,7 @@ async def test_file_deleted_or_renamed_over_is_read_from_the_open_file(
         check_epoch(again, 1200, 10, 1)
 
 
+@pytest.mark.both_backends
 @pytest.mark.parametrize("mmap", ["auto", False])
 async def test_every_batch_before_a_read_error_is_delivered(
     tmp_path: Path, mmap: bool | str
@@ -194,6 +181,7 @@ async def test_every_batch_before_a_read_error_is_delivered(
     check_message(info.value, paths[2], "truncated")
 
 
+@pytest.mark.both_backends
 async def test_epoch_after_a_read_error_fails_again_naming_the_file(tmp_path: Path) -> None:
     lst, paths = write_big(tmp_path)
     async with AsyncHDF5DataLayer(lst, batch_size=10, chunk_size=20) as layer:

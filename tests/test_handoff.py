@@ -13,7 +13,7 @@ import pytest
 
 from asynchdf5._handoff import Handoff
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]  # the event loop matters
 
 
 async def test_items_from_a_thread_arrive_in_order_and_then_the_end() -> None:

@@ -16,7 +16,7 @@ Checked for every example, on every rank:
 * ``stream()`` yields full batches only, which cover each rank's share once per epoch;
 * the same seed gives the same batches, read with ``mmap=True`` and without.
 
-The normal test run draws a few hundred examples; ``nox -s stress`` draws thousands
+The normal test run draws a few dozen examples per backend; ``nox -s stress`` draws thousands
 (``ASYNCHDF5_STRESS_EXAMPLES``).
 """
 
@@ -44,11 +44,12 @@ from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning, MemoryDataL
 from asynchdf5._plan import shard_share
 
 from ._files import ROW_BYTES, ramp, split_refused
+from ._helpers import examples
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]  # the event loop matters
 
 #: Examples per backend in the normal run, and in ``nox -s stress``.
-EXAMPLES = int(os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", "100"))
+EXAMPLES = examples(30)
 #: Seconds one example may take. Generous (a loaded CI machine), and far below "forever".
 DEADLINE = float(os.environ.get("ASYNCHDF5_EXAMPLE_DEADLINE", "30"))
 SAMPLE_SHAPE = (2,)  # with an int64 label: rows of ROW_BYTES

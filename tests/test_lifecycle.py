@@ -30,7 +30,7 @@ from asynchdf5._process import ProcessReader
 
 from ._files import N, check_epoch, write_source
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]  # the event loop matters
 
 
 @pytest.fixture

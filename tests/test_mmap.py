@@ -516,7 +516,9 @@ async def test_pages_of_chunks_done_with_are_unmapped_unless_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A data set of 256 MiB (128 MiB a top) in chunks of 4 MiB: unless kept, the mapped pages
-    stay within the chunks in flight; kept (the control), the whole file ends up mapped."""
+    stay within the chunks in flight; kept (the control), the whole file ends up mapped. One
+    epoch each: left mapped, its chunks would map the whole top by its end (the epochs after
+    it: ``test_chunks_of_epochs_left_early_are_unmapped_too``)."""
     path = _big(tmp_path / "big.h5", 2**24)
     peaks = {}
     for kept, bound in ((False, 0), (True, 2**40)):
@@ -524,12 +526,12 @@ async def test_pages_of_chunks_done_with_are_unmapped_unless_kept(
         peak = 0
         with anyio.fail_after(60):
             async with _streamed(path, batch_size=2**14) as layer:
-                for _ in range(2):
-                    async for i, b in _enumerate(layer):
-                        np.testing.assert_array_equal(b["label"], b.indices)
-                        np.testing.assert_array_equal(b["data"], b.indices * 10)
-                        if i % 8 == 0:  # reading smaps takes milliseconds
-                            peak = max(peak, max(mappings(path)))
+                async for i, b in _enumerate(layer):
+                    np.testing.assert_array_equal(b["label"], b.indices)
+                    np.testing.assert_array_equal(b["data"], b.indices * 10)
+                    if i % 8 == 0:  # reading smaps takes milliseconds
+                        peak = max(peak, max(mappings(path)))
+                peak = max(peak, max(mappings(path)))  # and at the epoch's end
         peaks[kept] = peak
     # KiB of one top. Not kept: the chunks made ready and not yet unmapped (2 MiB of a top
     # each, in one or two blocks), and what the kernel maps beside the pages asked for (up to
@@ -775,12 +777,21 @@ def test_auto_copies_a_file_this_process_does_not_own(tmp_path: Path) -> None:
         (None, "the file system could not be told (statfs)"),
     ],
 )
-async def test_auto_copies_a_file_on_a_network_fuse_or_unknown_file_system(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, magic: int | None, words: str
+def test_network_fuse_and_unknown_file_systems_are_not_local(magic: int | None, words: str) -> None:
+    """A lease there is this machine's: writes from another machine would not wait for it. The
+    reason ``mmap="auto"`` gives for copying, by the magic number statfs answers (the whole
+    pipeline with one of them: the test below)."""
+    assert choice.not_local(magic) == words
+    for local in choice.LOCAL_FILE_SYSTEMS:
+        assert choice.not_local(local) is None
+
+
+async def test_auto_copies_a_file_on_a_network_file_system(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A lease there is this machine's: writes from another machine would not wait for it. No
-    such mount here: the file system's magic number is what statfs would answer for one.
+    """No such mount here: the file system's magic number is what statfs would answer for NFS.
     ``mmap=True`` maps it all the same (as it always did)."""
+    magic, words = 0x6969, "network file system nfs"
     monkeypatch.setattr(choice, "file_system", lambda fd: magic)
     path = write_h5(tmp_path / "one.h5", 0, N)
     with anyio.fail_after(30):

@@ -16,6 +16,7 @@ from asynchdf5._planner import RAMP_BYTES, first_read
 from asynchdf5._walk import Lanes, Walk, append_range
 
 from ._files import split_refused
+from ._helpers import examples
 
 
 def _by_search(chunk: ChunkPlan, positions: np.ndarray) -> np.ndarray:
@@ -41,7 +42,7 @@ def served(plan: EpochPlan) -> np.ndarray:
     return np.concatenate(parts)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     n=st.integers(1, 3000),
     batch_size=st.integers(1, 300),
@@ -229,7 +230,7 @@ def test_impossible_split_is_a_configuration_error() -> None:
         )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @example(n=3, batch_size=1, world_size=2, drop_last=False, stream=False)  # rank 1 alone refused
 @given(
     n=st.integers(1, 200),
@@ -295,7 +296,7 @@ def test_stream_plans_ignore_drop_last(
     np.testing.assert_array_equal(everything, np.arange(n))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     n=st.integers(1, 5000),
     chunk_size=st.integers(1, 900),

@@ -83,6 +83,7 @@ class Fails:
         return x
 
 
+@pytest.mark.both_backends  # the hand-off to the consumer's loop
 async def test_same_batches_as_in_process_exactly_once_and_aligned(source: Path) -> None:
     kw: dict[str, Any] = {"batch_size": 7, "shuffle": True, "seed": 3, "chunk_size": 32}
     before = await asnapshot()
@@ -107,6 +108,7 @@ async def test_same_batches_as_in_process_exactly_once_and_aligned(source: Path)
     assert _shm() <= shm  # nothing named in /dev/shm
 
 
+@pytest.mark.both_backends  # the hand-off to the consumer's loop
 async def test_batches_kept_by_the_consumer_stay_valid(source: Path) -> None:
     async with AsyncHDF5DataLayer(source, batch_size=5, process=True) as layer:
         with anyio.fail_after(DEADLINE):
@@ -116,6 +118,7 @@ async def test_batches_kept_by_the_consumer_stay_valid(source: Path) -> None:
         np.testing.assert_array_equal(b["label"], b.indices)
 
 
+@pytest.mark.both_backends  # the hand-off to the consumer's loop
 async def test_stream_and_epoch_ends(source: Path) -> None:
     with anyio.fail_after(DEADLINE):
         async with AsyncHDF5DataLayer(source, batch_size=32, process=True) as layer:
@@ -160,6 +163,7 @@ async def test_resume_is_exact(source: Path) -> None:
             assert [list(r) for r in again] == [list(w) for w in want]
 
 
+@pytest.mark.both_backends  # the hand-off to the consumer's loop
 async def test_errors_come_back_with_their_type(source: Path, tmp_path: Path) -> None:
     layer = AsyncHDF5DataLayer(
         source, batch_size=10, transformers=[("data", Fails(33))], process=True
@@ -195,6 +199,7 @@ def _in_process_error(paths: list[str]) -> BaseException:
     raise AssertionError("no error")
 
 
+@pytest.mark.both_backends  # the hand-off to the consumer's loop
 async def test_break_cancel_and_close_leave_nothing(source: Path) -> None:
     before = await asnapshot()
     shm = _shm()

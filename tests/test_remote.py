@@ -1,5 +1,5 @@
 """Remote sources: fsspec URLs, against a real S3 API (moto's server, see
-``benchmarks/s3_server``) and fsspec's ``memory://``.
+``support/s3_server``) and fsspec's ``memory://``.
 
 The same guarantees as for local files: every epoch yields every sample exactly once, data and
 label aligned, on every read path (contiguous, chunked, gzip, and the h5py fallback over a file
@@ -36,8 +36,6 @@ import pytest
 
 from asynchdf5 import (
     AsyncHDF5DataLayer,
-    Batch,
-    DataLayerError,
     HDF5DataLayer,
     ReadError,
     SourceError,
@@ -48,7 +46,7 @@ from asynchdf5._sources._remote import RemoteSource, Transfer, _transfer
 from asynchdf5._sources._remote._errors import Secrets
 from asynchdf5._sources._remote._fetch import spans
 from asynchdf5._sources._remote._obstore import CLIENT_VARIABLE
-from benchmarks.s3_server import SECRET, S3Server
+from support.s3_server import SECRET, S3Server
 
 from ._files import (
     LAYOUTS,
@@ -61,6 +59,7 @@ from ._files import (
     write_h5,
     write_source,
 )
+from ._helpers import epoch_until_error, one_epoch
 from ._leaks import aassert_released, asnapshot
 from .conftest import S3Objects
 
@@ -147,26 +146,6 @@ def fresh(server: S3Server, tmp_path: Path, layout: str = "contiguous") -> list[
 
 def key_of(url: str) -> str:
     return url.split(f"{BUCKET}/", 1)[1]
-
-
-async def epoch_until_error(
-    layer: Any, on_batch: Callable[[int], None] = lambda i: None
-) -> tuple[list[Batch], BaseException | None]:
-    got: list[Batch] = []
-    try:
-        with anyio.fail_after(DEADLINE):
-            async for b in layer:
-                got.append(b)
-                on_batch(len(got))
-    except DataLayerError as exc:
-        return got, exc
-    return got, None
-
-
-async def one_epoch(layer: Any) -> list[Batch]:
-    got, err = await epoch_until_error(layer)
-    assert err is None, err
-    return got
 
 
 def _layouts() -> list[str]:
@@ -397,6 +376,7 @@ async def _eventually(check: Callable[[], bool], seconds: float = 3.0) -> bool:
     return True
 
 
+@pytest.mark.both_backends
 async def test_cancelling_an_epoch_cancels_the_requests_in_flight(s3: S3Server) -> None:
     urls = [f"s3://{BUCKET}/layouts/contiguous/part{i}.h5" for i in range(len(SIZES))]
     before = await asnapshot()

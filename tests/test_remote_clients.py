@@ -26,7 +26,7 @@ from asynchdf5._sources._remote._obstore import (
     obstore_settings,
     translate,
 )
-from benchmarks.s3_server import KEY_ID, SECRET, S3Server
+from support.s3_server import KEY_ID, SECRET, S3Server
 
 from ._files import SIZES, check_epoch, check_message, write_source
 from ._leaks import aassert_released, asnapshot

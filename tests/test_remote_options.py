@@ -12,22 +12,20 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import anyio
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer, Batch
-from benchmarks.s3_server import S3Server
+from asynchdf5 import AsyncHDF5DataLayer
+from support.s3_server import S3Server
 
 from ._files import SIZES, check_epoch, write_source
+from ._helpers import one_epoch
 from .conftest import S3Objects
 
 pytestmark = pytest.mark.anyio
 
 BUCKET = "options"
 N = sum(SIZES)
-DEADLINE = 30  # seconds: an epoch that hangs fails instead
 REFUSED = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused
 
 
@@ -84,11 +82,6 @@ def misleading_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     monkeypatch.setenv("AWS_SESSION_TOKEN", "wrong-token-from-the-environment")
 
 
-async def epoch(layer: Any) -> list[Batch]:
-    with anyio.fail_after(DEADLINE):
-        return [b async for b in layer]
-
-
 @pytest.mark.usefixtures("misleading_environment")
 @pytest.mark.parametrize("client", ["s3fs", "obstore", "auto"])
 async def test_a_list_file_url_and_its_objects_are_read_with_the_layers_options(
@@ -113,4 +106,4 @@ async def test_a_list_file_url_and_its_objects_are_read_with_the_layers_options(
     assert len(layer) == -(-N // 32)
     async with layer:
         for e in range(2):
-            check_epoch(await epoch(layer), N, 32, e)
+            check_epoch(await one_epoch(layer), N, 32, e)

@@ -13,6 +13,7 @@ from asynchdf5 import ConfigurationError
 from asynchdf5._plan import EpochPlan, plan_epoch
 from asynchdf5._replan import elastic_plan, resume_plan, skip_samples, split_plan
 
+from ._helpers import examples
 from .test_plan import served
 
 
@@ -35,7 +36,7 @@ def _plans(n: int, batch_size: int, world_size: int, drop_last: bool, seed: int)
     ]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     n=st.integers(1, 800),
     batch_size=st.integers(1, 50),
@@ -57,7 +58,7 @@ def test_a_resumed_plan_serves_the_rest_of_the_epoch_in_the_same_batches(
     assert [c.index for c in rest.chunks] == list(range(len(rest.chunks)))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     n=st.integers(1, 800), batch_size=st.integers(1, 50), seed=st.integers(0, 2**32), data=st.data()
 )
@@ -79,7 +80,7 @@ def test_resuming_past_the_end_is_a_configuration_error() -> None:
         skip_samples(plan, 101)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     n=st.integers(1, 1500),
     batch_size=st.integers(1, 40),
@@ -123,7 +124,7 @@ def test_an_elastic_plan_serves_every_sample_left_once_in_equal_batch_counts(
         np.testing.assert_array_equal(got, left)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     n=st.integers(1, 800),
     batch_size=st.integers(1, 50),

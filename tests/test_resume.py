@@ -199,6 +199,7 @@ async def test_a_state_of_one_mode_continued_in_the_other(tmp_path: Path) -> Non
                 await it.aclose()
 
 
+@pytest.mark.both_backends
 async def test_only_batches_handed_over_count(tmp_path: Path) -> None:
     """The pipeline runs ahead by prefetch batches; the state counts what the consumer got."""
     layer = make("hdf5", tmp_path, prefetch=16)

@@ -120,6 +120,7 @@ def test_a_url_named_like_hdf5_is_not_read_at_construction() -> None:
     assert resolve_source("gs://b/y.hdf5?generation=1") == ["gs://b/y.hdf5?generation=1"]
 
 
+@pytest.mark.both_backends
 async def test_a_cancelled_fetch_never_leaves_a_read_running(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -145,6 +145,7 @@ def test_len_is_the_batches_yielded_on_every_rank(
         assert len(set(counts)) == 1, counts
 
 
+@pytest.mark.both_backends
 @pytest.mark.anyio
 @pytest.mark.timeout(0)  # the deadline below
 @pytest.mark.parametrize("mode", ["stratified", "random", "per_stream"])

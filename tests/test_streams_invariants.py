@@ -39,10 +39,11 @@ from asynchdf5 import AsyncHDF5DataLayer, CacheBudgetWarning, Stream
 from asynchdf5._streams import StreamSpec, stream_counts
 
 from ._files import ROW_BYTES, ramp, rows, split_refused
+from ._helpers import examples
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]  # the event loop matters
 
-EXAMPLES = max(10, int(os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", "100")) // 4)
+EXAMPLES = max(10, examples(100) // 4)
 DEADLINE = float(os.environ.get("ASYNCHDF5_EXAMPLE_DEADLINE", "30"))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, Stream
-from benchmarks.s3_server import S3Server
+from support.s3_server import S3Server
 
 from ._files import check_batch, check_exactly_once, write_h5
 from .conftest import S3Objects

@@ -32,6 +32,7 @@ from asynchdf5._schemas import Schemas, run_at
 from asynchdf5._specs import GroupSpec
 
 from ._files import check_exactly_once, check_message, rows, write_h5
+from ._helpers import epochs
 
 DEADLINE = 30
 
@@ -82,15 +83,6 @@ def check(batch: Batch, kinds: dict[int, tuple[tuple[int, ...], str]], edges: np
 def source_of(files: list[list[Path]], **shares: dict[str, Any]) -> dict[str, Stream]:
     names = ("web", "images", "small")
     return {n: Stream(f, **shares.get(n, {})) for n, f in zip(names, files, strict=True)}
-
-
-async def epochs(layer: AsyncHDF5DataLayer, n: int) -> list[list[Batch]]:
-    out = []
-    with anyio.fail_after(DEADLINE):
-        async with layer:
-            for _ in range(n):
-                out.append([b async for b in layer])
-    return out
 
 
 @pytest.mark.anyio

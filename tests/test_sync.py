@@ -28,11 +28,14 @@ from asynchdf5 import HDF5DataLayer, MemoryDataLayer
 from asynchdf5._sync import interrupts_held
 
 from ._files import N, check_epoch, write_source
+from ._helpers import examples
 from ._leaks import assert_released, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
-TRIALS = 160
 RUNNERS = 4  # trial runners side by side, half on each backend: a busy machine is where it hung
+#: Trials in the normal run (a multiple of RUNNERS); ``nox -s stress`` runs ten times as many,
+#: as many as the deadlines below allow.
+TRIALS = min(examples(48), 480) // RUNNERS * RUNNERS
 
 
 @pytest.mark.timeout(180)

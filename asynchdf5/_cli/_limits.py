@@ -1,11 +1,15 @@
-"""The limits ``asynchdf5 bench`` measures the layer against: the raw read of the stored bytes
-and the in-RAM ceiling (blocking code, run outside any event loop)."""
+"""The limits a loader is measured against: the raw read of the stored bytes and the in-RAM
+ceiling (blocking code, run outside any event loop).
+
+``asynchdf5 bench`` runs them on the user's files; the benchmark suite's baselines
+(``benchmarks/baselines.py``) run the same two loops, :func:`read_ranges` and
+:func:`gather_epoch`, on its data sets: one definition of each limit."""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +19,15 @@ import numpy as np
 from .._catalog import Catalog
 from .._layout import Layout
 
-__all__ = ["READ_BYTES", "Rate", "in_ram", "raw_read", "stored_ranges"]
+__all__ = [
+    "READ_BYTES",
+    "Rate",
+    "gather_epoch",
+    "in_ram",
+    "raw_read",
+    "read_ranges",
+    "stored_ranges",
+]
 
 #: The raw read's buffer: the size of each ``preadv`` call.
 READ_BYTES = 16 * 2**20
@@ -90,36 +102,71 @@ def stored_ranges(catalog: Catalog) -> list[tuple[str, int, int]]:
     return merged
 
 
-def raw_read(ranges: Sequence[tuple[str, int, int]], samples: int) -> Rate:
-    """Read ``ranges`` with ``os.preadv`` into one reused buffer (blocking)."""
-    buffer = memoryview(bytearray(READ_BYTES))
+def read_ranges(ranges: Iterable[tuple[str, int, int]], buffer: memoryview) -> tuple[int, float]:
+    """Read every byte of ``ranges`` (file, offset, size) with ``os.preadv`` into ``buffer``,
+    reused, each call at most its size (blocking).
+
+    Returns
+    -------
+    tuple
+        The bytes read and the seconds from the call to the end of the first ``preadv``.
+    """
     fds: dict[str, int] = {}
-    total = 0
+    total, first = 0, 0.0
+    start = time.perf_counter()
     try:
-        start = time.perf_counter()
         for name, offset, size in ranges:
             fd = fds.get(name)
             if fd is None:
                 fd = fds[name] = os.open(name, os.O_RDONLY)
             done = 0
             while done < size:
-                got = os.preadv(fd, [buffer[: min(READ_BYTES, size - done)]], offset + done)
+                got = os.preadv(fd, [buffer[: min(len(buffer), size - done)]], offset + done)
                 if got <= 0:
                     raise OSError(f"{name}: short read at byte {offset + done}")
                 done += got
+                first = first or time.perf_counter() - start
             total += size
-        seconds = time.perf_counter() - start
     finally:
         for fd in fds.values():
             os.close(fd)
+    return total, first
+
+
+def raw_read(ranges: Sequence[tuple[str, int, int]], samples: int) -> Rate:
+    """Read ``ranges`` with ``os.preadv`` into one reused buffer (blocking)."""
+    buffer = memoryview(bytearray(READ_BYTES))
+    start = time.perf_counter()
+    total, _ = read_ranges(ranges, buffer)
+    seconds = time.perf_counter() - start
     return Rate(samples, total, seconds, extra={"ranges": len(ranges)})
 
 
 # --- in RAM ------------------------------------------------------------------------------------
 
 
+def gather_epoch(
+    arrays: Sequence[np.ndarray],
+    batch_size: int,
+    seed: int,
+    batch: Callable[[int], object] = lambda rows: None,
+) -> None:
+    """One shuffled epoch served from ``arrays`` in RAM: one permutation of their rows
+    (``np.random.default_rng(seed)``), then per batch one ``np.take`` of each array into a
+    reused buffer, in ``mode="clip"`` as the layer gathers (the default mode gathers into a
+    temporary and copies it over). ``batch(rows)`` is called after each batch."""
+    n = len(arrays[0])
+    outs = [np.empty((batch_size, *a.shape[1:]), a.dtype) for a in arrays]
+    perm = np.random.default_rng(seed).permutation(n)
+    for lo in range(0, n, batch_size):
+        index = perm[lo : lo + batch_size]
+        for a, out in zip(arrays, outs, strict=True):
+            np.take(a, index, axis=0, out=out[: len(index)], mode="clip")
+        batch(len(index))
+
+
 def in_ram(catalog: Catalog, batch_size: int, seed: int) -> Rate:
-    """Every top in memory, then one permutation served with ``np.take`` (blocking)."""
+    """Every top in memory, then one epoch served by :func:`gather_epoch` (blocking)."""
     n = catalog.n_samples
     start = time.perf_counter()
     arrays = {t.name: np.empty((n, *t.sample_shape), t.dtype) for t in catalog.tops.values()}
@@ -130,15 +177,14 @@ def in_ram(catalog: Catalog, batch_size: int, seed: int) -> Rate:
             for name, a in arrays.items():
                 h5[name].read_direct(a, dest_sel=np.s_[f.start : f.start + f.nrows])
     load = time.perf_counter() - start
-    outs = {k: np.empty((batch_size, *a.shape[1:]), a.dtype) for k, a in arrays.items()}
-    perm = np.random.default_rng(seed).permutation(n)
+    first: list[float] = []
+
+    def batch(rows: int) -> None:
+        if not first:
+            first.append(time.perf_counter() - start)
+
     start = time.perf_counter()
-    first: float | None = None
-    for lo in range(0, n, batch_size):
-        index = perm[lo : lo + batch_size]
-        for k, a in arrays.items():
-            np.take(a, index, axis=0, out=outs[k][: len(index)])
-        if first is None:
-            first = time.perf_counter() - start
+    gather_epoch(list(arrays.values()), batch_size, seed, batch)
     seconds = time.perf_counter() - start
-    return Rate(n, n * catalog.row_bytes, seconds, first, {"load_seconds": load})
+    first_s = first[0] if first else None
+    return Rate(n, n * catalog.row_bytes, seconds, first_s, {"load_seconds": load})

@@ -48,9 +48,7 @@ def aligned_empty(nbytes: int, offset: int) -> tuple[np.ndarray, int]:
     and the index of that start.
 
     Why: copying rows whose source and destination sit at different offsets within their cache
-    lines is up to 1.7x slower (``__memmove_avx_unaligned_erms`` on AMD EPYC: 3 KB rows from a
-    page-aligned cache slot into ``np.empty``'s 16-bytes-past-a-line memory). Cache slots are
-    page-aligned
+    lines is slower (``memmove`` takes its unaligned path). Cache slots are page-aligned
     (``mmap``); a user's arrays for ``MemoryDataLayer`` are wherever NumPy put them. So batch
     buffers follow their source instead of a fixed alignment.
     """
@@ -137,8 +135,7 @@ class HostDelivery:
     """Batches of NumPy arrays in host memory; the transformers run on them after gathering."""
 
     #: Small batches cost Python work per group, not per batch: big groups (bounded in bytes by
-    #: the pipeline's GROUP_BYTES). 256 against 64: 7-9 µs a batch against 13-15 for tiny
-    #: batches (batch 32 of 24-byte rows, consumer does nothing); 1024 gained nothing more.
+    #: the pipeline's GROUP_BYTES) make tiny batches cheaper; much bigger ones gain nothing more.
     group_batches = 256
 
     def __init__(self, transformers: Sequence[tuple[str, Transformer]]) -> None:

@@ -103,14 +103,19 @@ def file_system(fd: int) -> int | None:
     return int(buf[0]) & 0xFFFFFFFF
 
 
-def _local(file: LocalFile) -> str | None:
-    """Why ``file`` is not known to be on a local file system (None: it is)."""
-    magic = file_system(file.fd)
+def not_local(magic: int | None) -> str | None:
+    """Why a file system of ``statfs`` magic number ``magic`` is not known to be local (None:
+    it is; ``magic`` None: statfs could not tell)."""
     if magic is None:
         return "the file system could not be told (statfs)"
     if magic in LOCAL_FILE_SYSTEMS:
         return None
     return OTHER_FILE_SYSTEMS.get(magic, f"file system 0x{magic:x} is not known to be local")
+
+
+def _local(file: LocalFile) -> str | None:
+    """Why ``file`` is not known to be on a local file system (None: it is)."""
+    return not_local(file_system(file.fd))
 
 
 def _fs_name(file: LocalFile) -> str:

@@ -3,7 +3,7 @@
 Streaming from a local file, the copying reader moves every byte twice: out of the page cache
 into a cache slot (``preadv``), then out of the slot into a batch (the gather). This reader maps
 each top's stored bytes into memory instead, so the gather takes rows from the page cache
-itself: one copy a byte, as for data already in RAM (``benchmarks/speed.py``, section 2).
+itself: one copy a byte, as for data already in RAM.
 
 Each chunk is made ready before any batch is cut from it, on a thread of its own: the kernel is
 asked to read the chunk's byte ranges ahead (``POSIX_FADV_WILLNEED``), then to map every page of

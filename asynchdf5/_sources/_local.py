@@ -215,7 +215,7 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: Streaming | None =
     ``streaming`` (data larger than memory, read once an epoch; :mod:`._direct` has the
     sizes): ``"scattered"`` ranges (blocks and lanes of a shuffled epoch) bypass the page cache
     (``O_DIRECT``, through an aligned buffer of the thread's: filling the page cache only for the
-    kernel's reclaim to empty it again costs, under a memory limit, more than twice the CPU, and
+    kernel's reclaim to empty it again costs, under a memory limit, more CPU than the read, and
     in the reading thread itself); where the file system refuses that, and for raw chunks, the
     kernel is told of the batch's ranges first (``WILLNEED``: it reads them all at once, where
     one ``preadv`` at a time leaves the disk one request deep). ``"in order"`` ranges (an epoch

@@ -84,7 +84,7 @@ class Unit:
 def spans(ranges: Sequence[ByteRange], part: int, gap: int) -> list[tuple[int, int]]:
     """``ranges`` (sorted by offset) coalesced into runs where less than ``gap`` bytes apart,
     the runs cut into parts of at most ``part`` bytes, of about equal size (finer parts are no
-    faster: each request costs the client a millisecond or more of CPU)."""
+    faster: each request costs the client CPU of its own)."""
     runs: list[list[int]] = []
     for r in ranges:
         a, b = r.offset, r.offset + r.size

@@ -2,9 +2,9 @@
 
 With s3fs, every request and every piece of a body is Python on the source's loop: botocore's
 request handling, aiohttp's protocol. A consumer that keeps the GIL busy (a training step in
-Python, the pipeline's own threads) then starves the network thread, and the reads slow down by
-an order of magnitude (``benchmarks/remote.py`` measures it). obstore does the HTTP in its own
-threads; the source's loop only awaits each request and copies its body once.
+Python, the pipeline's own threads) then starves the network thread, and the reads slow down
+many times over. obstore does the HTTP in its own threads; the source's loop only awaits each
+request and copies its body once.
 
 It is used instead of s3fs only where nothing s3fs would have done is lost
 (:func:`obstore_settings`): every ``storage_options`` key is one translated here, the

@@ -1,6 +1,6 @@
 """A real S3 API for the remote-source tests and benchmarks: moto's server in a subprocess of its
-own, behind a small WSGI middleware that injects faults. It lives with the benchmarks, which
-never import the tests; the tests import it from here.
+own, behind a small WSGI middleware that injects faults. It lives in ``support/``, beside both:
+the tests do not import the benchmarks, nor the benchmarks the tests.
 
 Why a subprocess: the server's threads and sockets stay out of the test process, whose leak check
 counts threads and file descriptors after every test; and killing it is a real server crash.
@@ -282,7 +282,7 @@ class S3Server:
         args = [
             sys.executable,
             "-m",
-            "benchmarks.s3_server",
+            "support.s3_server",
             str(port),
             json.dumps(dict(faults or {})),
         ]
