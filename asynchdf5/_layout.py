@@ -139,39 +139,24 @@ def _stored_as_numpy(dset: h5py.Dataset) -> bool:
 
 @functools.cache
 def _get_chunk_opts() -> Callable[[int], int | None] | None:
-    """``H5Pget_chunk_opts`` of the libhdf5 h5py loaded, or None where it cannot be found."""
-    paths: list[str] = []
+    """``H5Pget_chunk_opts`` of the libhdf5 h5py is linked to, or None where it is not exported.
+
+    The symbol is looked up through h5py's own extension module: the dynamic linker searches
+    that module and the libraries it was linked with, so another libhdf5 in the process (PyTables
+    brings its own) is never asked about h5py's identifiers, whose numbers it may also use.
+    """
     try:
-        with open("/proc/self/maps") as maps:  # Linux: the very library h5py loaded
-            paths = sorted(
-                {
-                    line.split()[-1]
-                    for line in maps
-                    if "/libhdf5" in line and "libhdf5_hl" not in line and line.count("/")
-                }
-            )
-    except OSError:
-        pass
-    if not paths:  # wheels elsewhere keep it beside h5py
-        base = os.path.dirname(os.path.dirname(h5py.__file__))
-        for folder in ("h5py.libs", os.path.join("h5py", ".dylibs")):
-            d = os.path.join(base, folder)
-            if os.path.isdir(d):
-                paths += [os.path.join(d, n) for n in sorted(os.listdir(d)) if "hdf5_hl" not in n]
-    for path in paths:
-        try:
-            fn = ctypes.CDLL(path).H5Pget_chunk_opts
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_uint)]
-        fn.restype = ctypes.c_int
+        fn = ctypes.CDLL(h5py.defs.__file__).H5Pget_chunk_opts
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_uint)]
+    fn.restype = ctypes.c_int
 
-        def get(plist_id: int, fn: Any = fn) -> int | None:
-            opts = ctypes.c_uint(0)
-            return int(opts.value) if fn(plist_id, ctypes.byref(opts)) >= 0 else None
+    def get(plist_id: int) -> int | None:
+        opts = ctypes.c_uint(0)
+        return int(opts.value) if fn(plist_id, ctypes.byref(opts)) >= 0 else None
 
-        return get
-    return None
+    return get
 
 
 def _chunk_opts(plist: Any) -> int | None:

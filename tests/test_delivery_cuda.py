@@ -80,7 +80,7 @@ def no_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("spec", ["cuda", "cuda:1", 0])
 def test_missing_cupy_is_a_configuration_error_with_install_hint(no_cupy: None, spec: Any) -> None:
-    with pytest.raises(ConfigurationError, match=r"needs CuPy.*asynchdf5\[cuda12\].*cuda13"):
+    with pytest.raises(ConfigurationError, match=r"needs CuPy.*\.\[cuda12\].*cuda13"):
         MemoryDataLayer({"data": IMAGES, "label": LABELS}, batch_size=8, device=spec)
     with pytest.raises(ValueError):  # ConfigurationError is a ValueError too
         CudaDelivery(spec, [], 8, 8)
