@@ -343,7 +343,6 @@ def _describe_file(
     return FileInfo(file, counts.pop(), start, layouts)
 
 
-
 def _layout_of(
     source: Source,
     file: StoredFile,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import logging
@@ -323,7 +324,8 @@ class CatalogCache:
                 _prune(path.parent)
             self._dirty = False
             return
-        _log.info("catalog cache: no folder to keep it in (%s)", ", ".join(map(str, self._locations)))
+        where = ", ".join(map(str, self._locations))
+        _log.info("catalog cache: no folder to keep it in (%s)", where)
 
 
 def _prune(folder: Path) -> None:
@@ -334,7 +336,5 @@ def _prune(folder: Path) -> None:
         return
     found.sort()
     for _, p in found[: max(0, len(found) - KEEP_IN_USER_CACHE)]:
-        try:
+        with contextlib.suppress(OSError):
             p.unlink()
-        except OSError:
-            pass
