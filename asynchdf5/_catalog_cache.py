@@ -96,7 +96,9 @@ def _locations(entries: Sequence[str]) -> list[Path]:
     if list_file:
         folder, base = os.path.split(list_file)
         out.append(Path(folder) / f".{base}.asynchdf5-catalog")
-    out.append(_user_folder() / f"{name}.catalog")
+    user = _user_folder()
+    if user.is_absolute():  # else no home folder to keep it in
+        out.append(user / f"{name}.catalog")
     return out
 
 
