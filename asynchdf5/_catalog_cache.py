@@ -40,7 +40,7 @@ import re
 import tempfile
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,8 @@ _MOST = 2**62
 
 #: One top of one file: its dtype as stored, its shape, and its layout.
 Described = tuple[np.dtype[Any], tuple[int, ...], Layout]
+#: One top's record, checked: its dtype as stored, its shape, and what makes its layout in a file.
+_Template = tuple[np.dtype[Any], tuple[int, ...], Callable[[StoredFile], Layout]]
 
 
 def _user_folder() -> Path:
@@ -170,9 +172,14 @@ def _layout_record(layout: Layout) -> list[Any]:
     ]
 
 
-def _top(file: StoredFile, record: object) -> Described:
-    """One top of ``file`` from its record, every number checked against the file; ValueError
-    (or TypeError, IndexError) where anything is off."""
+def _template(text: object, size: int) -> _Template:
+    """One top from its record (a JSON text), every number checked against a file of ``size``
+    bytes: its dtype as stored, its shape, and what makes its layout in a file. ValueError (or
+    TypeError, IndexError) where anything is off. Shards written alike have the same records:
+    each is read and checked once per source (:meth:`CatalogCache.lookup`)."""
+    if not isinstance(text, str):
+        raise ValueError("not a top")
+    record = json.loads(text)
     if not isinstance(record, list) or len(record) != 3:
         raise ValueError("not a top")
     dtype_str, shape_list, layout = record
@@ -188,11 +195,10 @@ def _top(file: StoredFile, record: object) -> Described:
     if nbytes <= 0 or nbytes > _MOST:
         raise ValueError(f"{nbytes} bytes of data")
     swap = not dtype.isnative and dtype.itemsize > 1
-    size = file.size
     if not isinstance(layout, list) or not layout:
         raise ValueError("not a layout")
     if layout[0] == "pread" and len(layout) == 2 and isinstance(layout[1], list):
-        extents = []
+        spans = []
         at = 0
         for item in layout[1]:
             if not isinstance(item, list) or len(item) != 3:
@@ -200,11 +206,16 @@ def _top(file: StoredFile, record: object) -> Described:
             offset, start, n = (_int(x) for x in item)
             if start != at or n == 0 or offset + n > size:
                 raise ValueError("extents do not cover the data inside the file")
-            extents.append(Extent(file, offset, start, n))
+            spans.append((offset, start, n))
             at += n
         if at != nbytes:
             raise ValueError("extents do not cover the data")
-        return dtype, shape, Layout("pread", "contiguous", swap=swap, extents=tuple(extents))
+
+        def pread(file: StoredFile) -> Layout:
+            extents = tuple(Extent(file, o, s, n) for o, s, n in spans)
+            return Layout("pread", "contiguous", swap=swap, extents=extents)
+
+        return dtype, shape, pread
     if layout[0] == "chunks" and len(layout) == 7:
         _, rows_, filters_, raw_last, offsets_, sizes_, masks_ = layout
         rows = _int(rows_, 1)
@@ -219,9 +230,15 @@ def _top(file: StoredFile, record: object) -> Described:
         masks = _array(masks_, np.uint32, nchunks)
         if (offsets < 0).any() or (sizes < 0).any() or int((offsets + sizes).max()) > size:
             raise ValueError("chunks outside the file")
-        index = ChunkIndex(file, rows, offsets, sizes, masks, raw_last)
+        for a in (offsets, sizes, masks):
+            a.setflags(write=False)  # shared by the files whose records are the same
         storage = f"chunked {(rows, *shape[1:])}"
-        return dtype, shape, Layout("chunks", storage, filters=filters, swap=swap, chunks=index)
+
+        def chunks(file: StoredFile) -> Layout:
+            index = ChunkIndex(file, rows, offsets, sizes, masks, raw_last)
+            return Layout("chunks", storage, filters=filters, swap=swap, chunks=index)
+
+        return dtype, shape, chunks
     raise ValueError("not a layout")
 
 
@@ -235,6 +252,7 @@ class CatalogCache:
         self._entries: dict[str, list[Any]] = {}  # what is true now: written by save()
         self._dirty = False
         self._begun = time.time_ns()
+        self._templates: dict[tuple[str, int], _Template] = {}
 
     @classmethod
     def for_entries(cls, entries: Sequence[str]) -> CatalogCache | None:
@@ -247,17 +265,18 @@ class CatalogCache:
 
     @staticmethod
     def _key(file: LocalFile) -> list[Any]:
-        """The checks of an entry: inode, size, modification and change times, head digest (the
-        device is left out: a network file system's differs from one machine to the next)."""
+        """The checks of an entry (the file pinned): inode, size, modification and change times,
+        head digest (the device is left out: a network file system's differs from one machine
+        to the next)."""
         fp = file.fingerprint
-        with file.pinned():
-            head = os.pread(file.fd, min(HEAD_BYTES, fp.size), 0)
+        head = os.pread(file.fd, min(HEAD_BYTES, fp.size), 0)
         digest = hashlib.blake2b(head, digest_size=16).hexdigest()
         return [fp.ino, fp.size, fp.mtime_ns, fp.ctime_ns, digest]
 
     def lookup(self, file: StoredFile, tops: Sequence[str]) -> dict[str, Described] | None:
         """Each top of ``file`` as its entry describes it, or None: no entry for the file as it
-        is now, holding every top, that passes its checks. Blocking (one read of the file)."""
+        is now, holding every top, that passes its checks. Blocking (one read of the file,
+        which the caller has pinned)."""
         if not isinstance(file, LocalFile):
             return None
         key: list[Any] | None = None
@@ -270,7 +289,13 @@ class CatalogCache:
             if entry[:5] != key or not all(t in entry[5] for t in tops):
                 continue
             try:
-                found = {t: _top(file, entry[5][t]) for t in tops}
+                found = {}
+                for t in tops:
+                    text = entry[5][t]
+                    made = self._templates.get((text, file.size)) if type(text) is str else None
+                    if made is None:
+                        made = self._templates[text, file.size] = _template(text, file.size)
+                    found[t] = (made[0], made[1], made[2](file))
             except (ValueError, TypeError, IndexError, binascii.Error) as exc:
                 _log.info("catalog cache: the entry of %s is ignored (%s)", file.name, exc)
                 continue
@@ -279,7 +304,7 @@ class CatalogCache:
         return None
 
     def record(self, file: StoredFile, described: dict[str, Described]) -> None:
-        """Keep what h5py said of ``file`` (its tops as :func:`_top` reads them back), unless a
+        """Keep what h5py said of ``file`` (its tops as :func:`_template` reads them back), unless a
         top's layout reaches outside the file or the file changed too recently to tell a
         later change by its times."""
         if not isinstance(file, LocalFile) or file.fingerprint.ctime_ns >= self._begun - RACY_NS:
@@ -287,7 +312,7 @@ class CatalogCache:
         if not all(_self_contained(file, layout) for _, _, layout in described.values()):
             return
         tops = {
-            t: [dtype.str, list(shape), _layout_record(layout)]
+            t: json.dumps([dtype.str, list(shape), _layout_record(layout)], separators=(",", ":"))
             for t, (dtype, shape, layout) in described.items()
         }
         key = self._key(file)

@@ -268,18 +268,31 @@ def _rewrite_entries(path: Path, edit: Any) -> None:
     path.write_bytes(_MAGIC + digest + b"\n" + body)
 
 
-def _beyond_the_end(entries: dict[str, Any]) -> None:
+def _edit_data(entries: dict[str, Any], edit: Any) -> None:
+    import json
+
     for entry in entries.values():
-        layout = entry[5]["data"][2]
+        record = json.loads(entry[5]["data"])
+        edit(entry, record)
+        entry[5]["data"] = json.dumps(record)
+
+
+def _beyond_the_end(entries: dict[str, Any]) -> None:
+    def edit(entry: list[Any], record: list[Any]) -> None:
+        layout = record[2]
         if layout[0] == "pread":
             layout[1][0][0] = entry[1]  # the data's offset: the file's size
         else:
             layout[1] = 0  # chunks of 0 rows
 
+    _edit_data(entries, edit)
+
 
 def _another_dtype(entries: dict[str, Any]) -> None:
-    for entry in entries.values():
-        entry[5]["data"][0] = "|O"
+    def edit(entry: list[Any], record: list[Any]) -> None:
+        record[0] = "|O"
+
+    _edit_data(entries, edit)
 
 
 @pytest.mark.timeout(60)
