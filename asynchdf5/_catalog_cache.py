@@ -316,9 +316,11 @@ class CatalogCache:
             for t, (dtype, shape, layout) in described.items()
         }
         key = self._key(file)
-        old = self._entries.get(file.name)
-        if old is not None and old[:5] == key:
-            tops = {**old[5], **tops}
+        for old in (self._entries.get(file.name), *(d.get(file.name) for d in self._loaded)):
+            if isinstance(old, list) and len(old) == 6 and old[:5] == key:
+                if isinstance(old[5], dict):  # the other tops it holds, of other layers
+                    tops = {**old[5], **tops}
+                break
         self._entries[file.name] = [*key, tops]
         self._dirty = True
 

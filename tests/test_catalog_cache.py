@@ -444,3 +444,18 @@ def test_entries_remember_their_list_file(tmp_path: Path) -> None:
         "train.txt, line 1",
         "train.txt, line 2",
     ]
+
+
+@pytest.mark.timeout(60)
+def test_other_tops_are_added_to_the_entries(tmp_path: Path, described: Described) -> None:
+    lst = _shards(tmp_path / "d")
+    entries = resolve_source(lst)
+    for tops in (("label",), ("data",)):  # the second adds its top to the first's
+        files = LocalSource()
+        try:
+            build_catalog(files, entries, tops, keep=True)
+        finally:
+            files.close()
+    described.files.clear()
+    _, got = _catalog(lst)
+    assert described.files == [] and got == _catalog(lst, keep=False)[1]
