@@ -75,9 +75,10 @@ def is_hdf5_file(path: Path) -> bool:
 
 def _local(entry: str | os.PathLike[str], base: Path | None = None) -> str:
     """``entry`` as an absolute path (relative to ``base``, else to the working directory)."""
-    path = Path(os.fspath(entry)).expanduser()
-    if not path.is_absolute():
-        path = (base or Path.cwd()) / path
+    # os.path, not pathlib: a list of 100,000 shards is resolved at construction.
+    path = os.path.expanduser(os.fspath(entry))
+    if not os.path.isabs(path):
+        path = os.path.join(base if base is not None else os.getcwd(), path)
     return os.path.normpath(path)
 
 
