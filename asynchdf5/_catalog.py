@@ -23,9 +23,10 @@ from typing import Any
 import h5py
 import numpy as np
 
+from ._catalog_cache import CatalogCache, Described
 from ._errors import DataLayerError, SchemaError, SourceError
 from ._layout import ChunkIndex, Extent, Layout, ReadPath, describe
-from ._sources import Source, StoredFile, name_entry
+from ._sources import LocalSource, Source, StoredFile, name_entry
 
 __all__ = [
     "SHUFFLED_ATTR",
@@ -362,8 +363,13 @@ def physical(source: Source, file: StoredFile, dset: h5py.Dataset) -> tuple[Stor
     return other, other.h5py_file()[dset.name]
 
 
-def build_catalog(source: Source, entries: Sequence[str], tops: Sequence[str]) -> Catalog:
+def build_catalog(
+    source: Source, entries: Sequence[str], tops: Sequence[str], *, keep: bool = False
+) -> Catalog:
     """Open every file once, check the tops and record their layout. Blocking: run in a thread.
+
+    ``keep``: take what h5py said of a local file in an earlier run from the kept catalog, where
+    it still describes the file, and keep what it says now (:mod:`._catalog_cache`).
 
     Raises :class:`SourceError` (a file missing, unreadable, not HDF5, or data that would come
     out as fill values) or :class:`SchemaError` (tops missing or not matching across files),
@@ -375,17 +381,22 @@ def build_catalog(source: Source, entries: Sequence[str], tops: Sequence[str]) -
     first_file: dict[str, str] = {}
     touched: dict[int, StoredFile] = {}  # files whose h5py handle was opened
     needed: set[int] = set()  # ... and those the h5py read path goes on using
+    kept = CatalogCache.for_entries(entries) if keep and isinstance(source, LocalSource) else None
     start = 0
     for entry in entries:
         try:
             file = source.open(entry)
             with file.pinned():
-                info = _describe_file(source, file, tops, start, specs, first_file, touched, needed)
+                info = _describe_file(
+                    source, file, tops, start, specs, first_file, touched, needed, kept
+                )
         except DataLayerError as exc:
             name_entry(exc, entry)
             raise
         infos.append(info)
         start += info.nrows
+    if kept is not None:
+        kept.save()
     for key, stored in touched.items():  # the fast paths read through the source, not h5py
         if key not in needed:
             stored.close_h5py()
@@ -405,17 +416,30 @@ def _describe_file(
     first_file: dict[str, str],
     touched: dict[int, StoredFile],
     needed: set[int],
+    kept: CatalogCache | None = None,
 ) -> FileInfo:
-    """One file of the catalog, its rows from global index ``start`` (the file pinned)."""
-    h5 = file.h5py_file()
-    touched[id(file)] = file
+    """One file of the catalog, its rows from global index ``start`` (the file pinned): from
+    ``kept`` where it holds the file as it is, else from h5py (and then kept)."""
+    cached = kept.lookup(file, tops) if kept is not None else None
+    described: dict[str, Described] = {}
     rows: dict[str, int] = {}
     layouts: dict[str, Layout] = {}
+    h5: h5py.File | None = None
     for name in tops:
-        if not file.local:
-            refuse_external_links(file.name, h5, name)
-        found = find_top(file.name, h5, name)
-        native, shape = found.dtype, found.sample_shape
+        found: FoundTop | None = None
+        if cached is not None:
+            stored_dtype, full_shape, layout = cached.tops[name]
+            native = np.dtype(stored_dtype.newbyteorder("=").str)
+            shape = full_shape[1:]
+        else:
+            if h5 is None:
+                h5 = file.h5py_file()
+                touched[id(file)] = file
+            if not file.local:
+                refuse_external_links(file.name, h5, name)
+            found = find_top(file.name, h5, name)
+            native, shape = found.dtype, found.sample_shape
+            full_shape = tuple(int(n) for n in found.dset.shape)
         spec = specs.get(name)
         if spec is None:
             specs[name] = TopInfo(name, np.dtype(native.str), shape)
@@ -426,15 +450,11 @@ def _describe_file(
                 f"but {first_file[name]} has shape {spec.sample_shape} and dtype "
                 f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
             )
-        rows[name] = int(found.dset.shape[0])
-        holder, dset = physical(source, file, found.dset)
-        with holder.pinned():  # an external link's target: not closed while described
-            layout = layouts[name] = describe_top(source, holder, dset, name, found.field)
-        touched[id(holder)] = holder
-        for dep in layout.depends:
-            touched[id(dep)] = dep
-        if layout.path == "h5py":
-            needed.add(id(holder))
+        rows[name] = full_shape[0]
+        if found is not None:
+            layout = _layout_of(source, file, found, name, touched, needed)
+            described[name] = (found.dset.dtype, full_shape, layout)
+        layouts[name] = layout
     counts = set(rows.values())
     if len(counts) > 1:
         detail = ", ".join(f"{k!r}: {v} rows" for k, v in rows.items())
@@ -442,6 +462,32 @@ def _describe_file(
             f"{file.name}: the tops have different row counts ({detail}); row r of every "
             "top must be the same sample"
         )
-    said = h5.attrs.get(SHUFFLED_ATTR)
-    shuffled = isinstance(said, (bool, np.bool_)) and bool(said)
+    if cached is not None:
+        shuffled = cached.shuffled
+    else:
+        assert h5 is not None
+        said = h5.attrs.get(SHUFFLED_ATTR)
+        shuffled = isinstance(said, (bool, np.bool_)) and bool(said)
+        if kept is not None and described:
+            kept.record(file, described, shuffled)
     return FileInfo(file, counts.pop(), start, layouts, shuffled)
+
+
+def _layout_of(
+    source: Source,
+    file: StoredFile,
+    found: FoundTop,
+    name: str,
+    touched: dict[int, StoredFile],
+    needed: set[int],
+) -> Layout:
+    """The layout of top ``name`` of ``file``, found as ``found`` (through h5py)."""
+    holder, dset = physical(source, file, found.dset)
+    with holder.pinned():  # an external link's target: not closed while described
+        layout = describe_top(source, holder, dset, name, found.field)
+    touched[id(holder)] = holder
+    for dep in layout.depends:
+        touched[id(dep)] = dep
+    if layout.path == "h5py":
+        needed.add(id(holder))
+    return layout

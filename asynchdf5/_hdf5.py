@@ -179,11 +179,11 @@ class AsyncHDF5DataLayer(LayerBase):
         on its own, then against the others (:func:`~._streams.combine`)."""
         tops = self.config.tops
         if not self._streams:
-            return build_catalog(files, self.paths, tops), ()
+            return build_catalog(files, self.paths, tops, keep=True), ()
         catalogs = []
         for spec in self._streams:
             try:
-                catalogs.append(build_catalog(files, spec.entries, spec.tops or tops))
+                catalogs.append(build_catalog(files, spec.entries, spec.tops or tops, keep=True))
             except DataLayerError as exc:
                 if exc.args and isinstance(exc.args[0], str):
                     exc.args = (f"stream {spec.name!r}: {exc.args[0]}", *exc.args[1:])

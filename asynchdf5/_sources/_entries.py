@@ -35,17 +35,21 @@ class Entry(str):
     """A resolved entry (a path or URL, as a ``str``) that remembers where the source named it:
     ``where`` is ``"train.txt, line 3"`` for a list file's line, ``"source[2]"`` for an item of
     a sequence. It travels with the entry (copies, pickles), so that an error about the file,
-    wherever it is raised, can say which line to fix (:func:`name_entry`)."""
+    wherever it is raised, can say which line to fix (:func:`name_entry`). ``list_file``: the
+    absolute path of the local list file that named it ("" otherwise), beside which the catalog
+    of its files is kept (:mod:`asynchdf5._catalog_cache`)."""
 
     where: str
+    list_file: str
 
-    def __new__(cls, value: str, where: str) -> Entry:
+    def __new__(cls, value: str, where: str, list_file: str = "") -> Entry:
         entry = super().__new__(cls, value)
         entry.where = where
+        entry.list_file = list_file
         return entry
 
-    def __reduce__(self) -> tuple[type[Entry], tuple[str, str]]:
-        return Entry, (str(self), self.where)
+    def __reduce__(self) -> tuple[type[Entry], tuple[str, str, str]]:
+        return Entry, (str(self), self.where, self.list_file)
 
 
 def is_hdf5_file(path: Path) -> bool:
@@ -60,16 +64,19 @@ def is_hdf5_file(path: Path) -> bool:
 
 def _local(entry: str | os.PathLike[str], base: Path | None = None) -> str:
     """``entry`` as an absolute path (relative to ``base``, else to the working directory)."""
-    path = Path(os.fspath(entry)).expanduser()
-    if not path.is_absolute():
-        path = (base or Path.cwd()) / path
+    # os.path, not pathlib: a list of 100,000 shards is resolved at construction.
+    path = os.path.expanduser(os.fspath(entry))
+    if not os.path.isabs(path):
+        path = os.path.join(base if base is not None else os.getcwd(), path)
     return os.path.normpath(path)
 
 
-def _parse_list(data: bytes, shown: str, resolve: Callable[[str], str]) -> list[str]:
+def _parse_list(
+    data: bytes, shown: str, resolve: Callable[[str], str], list_file: str = ""
+) -> list[str]:
     """The entries of a source list file's ``data``, each resolved by ``resolve`` (URLs as they
     are), and remembering its line of the list (named by its file name: the entry's own path
-    says where it is)."""
+    says where it is) and, for a local list, ``list_file``."""
     try:
         # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first path.
         text = data.decode("utf-8-sig")
@@ -85,7 +92,7 @@ def _parse_list(data: bytes, shown: str, resolve: Callable[[str], str]) -> list[
         if not entry or entry.startswith("#"):
             continue
         where = f"{list_name}, line {number}"
-        entries.append(Entry(entry if is_url(entry) else resolve(entry), where))
+        entries.append(Entry(entry if is_url(entry) else resolve(entry), where, list_file))
     if not entries:
         raise SourceError(f"source list file {shown!r} names no HDF5 file")
     return entries
@@ -96,7 +103,7 @@ def _read_list_file(path: Path) -> list[str]:
         data = path.read_bytes()
     except OSError as exc:
         raise SourceError(f"cannot read source list file {str(path)!r}: {exc}") from exc
-    return _parse_list(data, str(path), lambda entry: _local(entry, path.parent))
+    return _parse_list(data, str(path), lambda entry: _local(entry, path.parent), str(path))
 
 
 def join_url(base: str, entry: str) -> str:
@@ -179,7 +186,8 @@ def resolve_source(
         # An entry resolved before (a layer's paths, handed to a DataLoader's workers) keeps
         # where its list named it.
         where = getattr(item, "where", None) or f"source[{i}]"
-        entries.append(Entry(text if is_url(text) else _local(text), where))
+        listed = getattr(item, "list_file", "")
+        entries.append(Entry(text if is_url(text) else _local(text), where, listed))
     if not entries:
         raise SourceError("source is an empty sequence: name at least one HDF5 file")
     return entries
