@@ -5,8 +5,8 @@
 put on the devices ahead of the training step. :func:`layer` makes an
 :class:`~asynchdf5.HDF5DataLayer` whose shard is this JAX process's (``jax.process_index()`` of
 ``jax.process_count()``) and whose batches all have one shape (``drop_last=True``), so a
-``jit``-compiled step compiles once. Install with ``pip install ".[jax]"`` (in the asynchdf5 checkout);
-``import asynchdf5`` never imports JAX.
+``jit``-compiled step compiles once. Install with ``pip install ".[jax]"`` (in the asynchdf5
+checkout); ``import asynchdf5`` never imports JAX.
 
 How it works, for whoever carries it on:
 

@@ -4,8 +4,9 @@
 (:class:`~asynchdf5.HDF5DataLayer` or :class:`~asynchdf5.MemoryDataLayer`): it maps each batch's
 tops to ``(x, y[, sample_weight])``, tells Keras the steps of the epoch (``num_batches``), and
 serves each Keras epoch from one epoch of the layer. :class:`Position` is the callback that makes
-its :meth:`PyDataset.state_dict` exact. Install with ``pip install ".[keras]"`` (in the asynchdf5 checkout) and a
-backend (JAX, PyTorch or TensorFlow); ``import asynchdf5`` never imports Keras.
+its :meth:`PyDataset.state_dict` exact. Install with ``pip install ".[keras]"`` (in the
+asynchdf5 checkout) and a backend (JAX, PyTorch or TensorFlow); ``import asynchdf5`` never
+imports Keras.
 
 How it fits Keras, for whoever carries it on:
 
