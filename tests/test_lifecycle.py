@@ -499,9 +499,9 @@ async def test_len_before_opening_builds_the_catalog_once(
 
     built: list[int] = []
 
-    def counting(*args: Any) -> Any:
+    def counting(*args: Any, **kwargs: Any) -> Any:
         built.append(1)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(asynchdf5._hdf5, "build_catalog", counting)
     layer = AsyncHDF5DataLayer(source, batch_size=10)

@@ -261,6 +261,25 @@ async def test_every_window_of_a_streaming_epoch_mixes(
         assert window_entropies(order, n).min() >= PROMISE, epoch
 
 
+def plan_as_the_layer(n: int, epoch: int, order_: Any, **extra: Any) -> Any:
+    """Epoch ``epoch`` of ``n`` rows in chunks of 2**20, shuffled with seed 1, in the order
+    ``order_`` (:func:`order_of`) sizes, as the layer plans it."""
+    return plan_epoch(
+        n,
+        epoch=epoch,
+        batch_size=BATCH,
+        chunk_size=2**20,
+        shuffle=True,
+        seed=1,
+        first_rows=order_.first_rows,
+        block_size=order_.block_rows,
+        ramp_lanes=order_.ramp_lanes,
+        chunk_lanes=order_.chunk_lanes,
+        ramp_top_lanes=order_.ramp_top_lanes,
+        **extra,
+    )
+
+
 @pytest.mark.parametrize("stored_rows", [0, 1024], ids=["contiguous", "gzip chunks of 1024"])
 def test_the_ramp_of_a_large_streaming_epoch_mixes(stored_rows: int) -> None:
     """2,000,000 rows of 1 KiB in chunks of 2**20, as the layer plans them: the ramp's pieces
@@ -275,19 +294,7 @@ def test_the_ramp_of_a_large_streaming_epoch_mixes(stored_rows: int) -> None:
         stored_rows,
     )
     for epoch in range(3):
-        plan = plan_epoch(
-            n,
-            epoch=epoch,
-            batch_size=BATCH,
-            chunk_size=2**20,
-            shuffle=True,
-            seed=1,
-            first_rows=order_.first_rows,
-            block_size=order_.block_rows,
-            ramp_lanes=order_.ramp_lanes,
-            chunk_lanes=order_.chunk_lanes,
-            ramp_top_lanes=order_.ramp_top_lanes,
-        )
+        plan = plan_as_the_layer(n, epoch, order_)
         order = np.concatenate([c.served_indices(c.order()) for c in plan.chunks])
         assert np.array_equal(np.sort(order), np.arange(n))
         assert window_entropies(order, n).min() >= PROMISE, epoch
@@ -303,20 +310,7 @@ def test_the_last_chunk_of_a_streaming_epoch_mixes(epoch: int) -> None:
     order_ = order_of(config, row_bytes, 2**20)
     assert order_.chunk_lanes == 1
     for even in (False, True):
-        plan = plan_epoch(
-            n,
-            epoch=epoch,
-            batch_size=BATCH,
-            chunk_size=2**20,
-            shuffle=True,
-            seed=1,
-            first_rows=order_.first_rows,
-            block_size=order_.block_rows,
-            ramp_lanes=order_.ramp_lanes,
-            chunk_lanes=order_.chunk_lanes,
-            ramp_top_lanes=order_.ramp_top_lanes,
-            even_chunks=even,
-        )
+        plan = plan_as_the_layer(n, epoch, order_, even_chunks=even)
         order = np.concatenate([c.served_indices(c.order()) for c in plan.chunks])
         assert np.array_equal(np.sort(order), np.arange(n))
         assert max(c.rows for c in plan.chunks) <= 2**20
