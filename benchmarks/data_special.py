@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from benchmarks.config import IMAGE_SHAPE
+from benchmarks.internals import SHUFFLED_ATTR
 
 __all__ = [
     "OOC_PARAMS_ATTR",
@@ -60,13 +61,18 @@ def class_sorted_images(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bo
             data[a:b] = rng.integers(0, 256, (b - a, *IMAGE_SHAPE), dtype=np.uint8)
             label[a:b] = np.arange(a, b, dtype=np.int64) * 10 // n
         f.attrs[OOC_PARAMS_ATTR] = params
+    _synced_into_place(tmp, path)
+    return path, False
+
+
+def _synced_into_place(tmp: Path, path: Path) -> None:
+    """Sync the written file ``tmp`` (dirty pages cannot be evicted) and rename it to ``path``."""
     fd = os.open(tmp, os.O_RDONLY)
     try:
-        os.fsync(fd)  # dirty pages cannot be evicted
+        os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    return path, False
 
 
 def shuffled_images(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bool]:
@@ -98,15 +104,10 @@ def shuffled_images(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bool]:
             block = np.empty((len(take), *IMAGE_SHAPE), np.uint8)
             block[by_offset] = rows[take[by_offset]]
             data[a : a + len(take)] = block
-        f.attrs["shuffled"] = True
+        f.attrs[SHUFFLED_ATTR] = True
         f.attrs[OOC_PARAMS_ATTR] = params
     del rows
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be evicted
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    _synced_into_place(tmp, path)
     return path, False
 
 

@@ -10,12 +10,15 @@ that a rename inside ``asynchdf5`` breaks this file, not several benchmarks:
   (``shuffle_quality``, ``shuffle_training``);
 - the reader's constants (:data:`BLOCK_BYTES`, the default shuffled block; :data:`PIECE_BYTES`,
   the bytes one local read call moves; :data:`N_SLOTS`, the cache's slots): ``block_size``
-  replays the raw read path with them to choose the default block and check the layer's figure.
+  replays the raw read path with them to choose the default block and check the layer's figure;
+- the file attribute ``pack --shuffle`` writes (:data:`SHUFFLED_ATTR`), which ``out_of_core``
+  sets on its shuffled copy of the data.
 """
 
 from __future__ import annotations
 
 from asynchdf5._cache import N_SLOTS, size_cache
+from asynchdf5._catalog import SHUFFLED_ATTR
 from asynchdf5._config import BLOCK_BYTES, RAMP_TOP_LANES
 from asynchdf5._plan import plan_epoch
 from asynchdf5._planner import chunk_lanes, default_block_rows, first_read
@@ -26,6 +29,7 @@ __all__ = [
     "N_SLOTS",
     "PIECE_BYTES",
     "RAMP_TOP_LANES",
+    "SHUFFLED_ATTR",
     "chunk_lanes",
     "default_block_rows",
     "first_read",
