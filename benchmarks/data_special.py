@@ -38,17 +38,22 @@ def class_sorted_path(data_dir: Path, n: int) -> Path:
     return data_dir / f"ooc-class-sorted-{n}.h5"
 
 
+def _written_with(path: Path, params: str) -> bool:
+    """Whether ``path`` is a complete file written with ``params`` (the attribute is set last)."""
+    try:
+        with h5py.File(path, "r") as f:
+            return bool(f.attrs.get(OOC_PARAMS_ATTR) == params)
+    except OSError:
+        return False
+
+
 def class_sorted_images(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bool]:
     """The class-sorted image file of ``n`` samples, written unless a complete one exists;
     returns (path, reused). Image bytes are random (no reader here decodes or compresses)."""
     path = class_sorted_path(data_dir, n)
     params = json.dumps({"samples": n, "seed": seed, "version": 1})
-    try:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get(OOC_PARAMS_ATTR) == params:
-                return path, True
-    except OSError:
-        pass
+    if _written_with(path, params):
+        return path, True
     data_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".h5.tmp")
     rng = np.random.default_rng(seed)
@@ -82,12 +87,8 @@ def shuffled_images(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bool]:
     sorted_path, _ = class_sorted_images(data_dir, n, seed)
     path = data_dir / f"ooc-packed-shuffled-{n}.h5"
     params = json.dumps({"samples": n, "seed": seed, "version": 1, "shuffled": True})
-    try:
-        with h5py.File(path, "r") as f:
-            if f.attrs.get(OOC_PARAMS_ATTR) == params:
-                return path, True
-    except OSError:
-        pass
+    if _written_with(path, params):
+        return path, True
     with h5py.File(sorted_path, "r") as f:
         offset = f["data"].id.get_offset()
         labels = f["label"][:]

@@ -5,7 +5,10 @@ in-process, and a layer that must fail to open."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -76,6 +79,26 @@ async def epochs(
                         batches.append(b)
                 out.append(batches)
     return out
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(args: Sequence[object], timeout: float, **env: str) -> str:
+    """``python ARGS`` in a process of its own, from the repository root with it on the import
+    path and ``env`` added to this environment; its stdout once it exited 0 (else the test
+    fails with its output)."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, *(str(a) for a in args)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
 
 
 def run_main(args: Sequence[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

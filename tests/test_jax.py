@@ -15,35 +15,26 @@ from pathlib import Path
 import pytest
 
 from ._files import write_source
+from ._helpers import ROOT, run_python
 
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs JAX"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
 # The labels' NarrowingWarning (int64 with x64 off) is expected there.
 RUN_TWO = [sys.executable, "-W", "ignore::UserWarning", "-m", "tests._jax_two"]
 
 
 def test_global_arrays_on_four_devices_resume_exactly(tmp_path: Path) -> None:
     source, _ = write_source(tmp_path / "data", (40, 13, 27))
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    run = subprocess.run(
-        [sys.executable, "-m", "tests._jax_run", str(source)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=110,
+    out = run_python(
+        ["-m", "tests._jax_run", source],
+        110,
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
     )
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.split()[-1:] == ["ok"]
+    assert out.split()[-1:] == ["ok"]
 
 
 def test_two_processes_read_disjoint_shares_that_cover_the_epoch(tmp_path: Path) -> None:

@@ -8,22 +8,18 @@ the batches Keras read ahead), and a crash after a checkpoint resumed to the sam
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ._files import write_source
+from ._helpers import run_python
 
 pytestmark = [
     pytest.mark.timeout(120),
     # Not imported here: Keras picks its backend once, at import (TensorFlow by default).
     pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="needs Keras 3"),
 ]
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -34,18 +30,13 @@ def test_fit_trains_epochs_and_resumes_exactly(tmp_path: Path, backend: str, sav
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"the {backend} backend is not installed")
     source, _ = write_source(tmp_path / "data", (40, 13, 27))  # 10 batches of 8 per epoch
-    env = {**os.environ, "KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-m", "tests._keras_train", str(source), str(tmp_path), str(saved)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=110,
+    out = run_python(
+        ["-m", "tests._keras_train", source, tmp_path, saved],
+        110,
+        KERAS_BACKEND=backend,
+        JAX_PLATFORMS="cpu",
     )
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.split()[-2:] == ["ok", backend]
+    assert out.split()[-2:] == ["ok", backend]
 
 
 def test_refuses_what_it_cannot_serve(tmp_path: Path) -> None:
@@ -83,9 +74,5 @@ with MemoryDataLayer(data, batch_size=8) as layer:
     assert layer.epoch == 1 and ds.state_dict()["epoch"] == 1
 print("ok")
 """
-    env = {**os.environ, "KERAS_BACKEND": "jax" if importlib.util.find_spec("jax") else "torch"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100
-    )
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    backend = "jax" if importlib.util.find_spec("jax") else "torch"
+    assert run_python(["-c", code], 100, KERAS_BACKEND=backend).strip() == "ok"

@@ -10,9 +10,6 @@ Skipped where Lightning (or torchdata) is not installed. Rows encode their globa
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from asynchdf5.torch import HDF5IterableDataset
 
 from ._files import write_source
+from ._helpers import run_python
 
 pytestmark = [pytest.mark.timeout(90)]
 
@@ -136,20 +134,7 @@ def test_ddp_ranks_train_on_disjoint_shares_of_equal_length(tmp_path: Path) -> N
     rank's dataset takes its shard from the process group Lightning set up; the two ranks
     trained on as many batches, on disjoint samples that together are the epoch."""
     source, _ = write_source(tmp_path / "data", SIZES)
-    root = Path(__file__).resolve().parent.parent
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    run = subprocess.run(
-        [sys.executable, "-m", "tests._lightning_ddp", str(source), str(tmp_path)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
+    run_python(["-m", "tests._lightning_ddp", source, tmp_path], 170)
     ranks = [(tmp_path / f"rank{r}.txt").read_text().split("\n")[:-1] for r in range(2)]
     assert len(ranks[0]) == len(ranks[1]) == sum(SIZES) // BATCH // 2
     shares = [{int(v) for line in lines for v in line.split()} for lines in ranks]
