@@ -48,13 +48,7 @@ class LayerBase(SyncInterface):
 
     def __init__(self, config: LayerConfig) -> None:
         self.config = config
-        delivery = make_delivery(
-            config.device,
-            config.transformers,
-            config.batch_size,
-            config.prefetch,
-            reuse_buffers=config.reuse_buffers,
-        )
+        delivery = make_delivery(config)
         self._stats = Stats()
         self._planner = Planner(config)
         self._consumer = Consumer(

@@ -655,6 +655,25 @@ def test_bad_properties_fail_at_construction(source: Path, kw: dict[str, Any], m
         make("hdf5", source, **kw)
 
 
+def test_the_datasets_pass_the_layers_properties_through() -> None:
+    """The adapter's keywords are the layer's, typed by the same registry (no list of its own):
+    every property reaches the layer, and a keyword that is none is refused as the layer does."""
+    import inspect
+
+    from asynchdf5._config import HDF5Properties, Properties
+
+    for cls, props in ((HDF5IterableDataset, HDF5Properties), (MemoryIterableDataset, Properties)):
+        keywords = inspect.signature(cls.__init__).parameters["properties"]
+        assert keywords.annotation == f"Unpack[{props.__name__}]", cls
+        assert vars(asynchdf5.torch)[props.__name__] is props
+    ds = MemoryIterableDataset({"x": np.arange(8)}, batch_size=2, prefetch=3, drop_last=True)
+    with ds:
+        assert ds._this_layer().config.prefetch == 3
+        assert ds._this_layer().config.drop_last
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chunk_size'"):
+        MemoryIterableDataset({"x": np.arange(8)}, batch_size=2, chunk_size=4)  # type: ignore[call-arg]
+
+
 def test_indices_must_not_shadow_a_top() -> None:
     with pytest.raises(ConfigurationError, match="already a top's name"):
         MemoryIterableDataset({"indices": np.arange(4)}, batch_size=2, indices=True)
