@@ -22,6 +22,7 @@ import secrets
 import sys
 import textwrap
 import typing
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -84,7 +85,6 @@ MIN_LANE_BYTES = 256 * 2**10
 #: class-sorted data noticeably worse than a full permutation (docs/shuffle.md): the layer warns
 #: (``_planner.mixing_warning``).
 MIN_PLACES = 36
-Backend = Literal["asyncio", "trio"]
 
 #: The most samples a batch may hold (``batch_size``), and a stream may choose per epoch
 #: (``Stream(choose=...)``): an epoch's positions are int64 and its batches are planned in
@@ -201,19 +201,6 @@ def _batch_mode(name: str, value: object) -> str:
             f"{name} must be one of {', '.join(map(repr, BATCH_MODES))}, not {value!r}"
         )
     return str(value)
-
-
-def _backend(name: str, value: object) -> Backend:
-    if value not in ("asyncio", "trio"):
-        raise ConfigurationError(f'{name} must be "asyncio" or "trio", not {value!r}')
-    if value == "trio" and "trio" not in sys.modules:
-        try:
-            import trio  # noqa: F401
-        except ImportError as exc:
-            raise ConfigurationError(
-                'backend="trio" needs trio, which is not installed (pip install trio)'
-            ) from exc
-    return "trio" if value == "trio" else "asyncio"
 
 
 # --- the properties ----------------------------------------------------------------------------
@@ -378,17 +365,6 @@ class Properties(TypedDict, total=False):
             "is asked for, even if the old batch is still held (device memory stays bounded "
             "whatever you keep; you promise to be done with each batch by then). Host batches "
             "never need it: their buffers are reused only once nothing refers to them.",
-        ),
-    ]
-    backend: Annotated[
-        Literal["asyncio", "trio"],
-        Property(
-            "asyncio",
-            _backend,
-            "The anyio backend of the event loop that runs the pipeline when the layer is used "
-            'with `with` / `for` (the sync interface): `"asyncio"` or `"trio"`. Unused with '
-            "`async with`, "
-            "which runs on the caller's event loop.",
         ),
     ]
 
@@ -604,7 +580,6 @@ class LayerConfig:
     prefetch: int
     device: object
     reuse_buffers: bool
-    backend: Backend
     chunk_size: int
     block_size: int | None
     cache_bytes: int | None
@@ -637,6 +612,15 @@ class LayerConfig:
         of them or a missing ``batch_size``. ``stream_tops``: tops that only a stream reads,
         which transformers may name too."""
         takes = HDF5_PROPERTIES if hdf5 else PROPERTIES
+        if "backend" in properties:
+            warnings.warn(
+                "backend= is deprecated and has no effect: with `with` / `for` the pipeline "
+                "runs on asyncio in a background thread, and with `async with` on the caller's "
+                "event loop (asyncio or trio); leave it out",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            properties = {k: v for k, v in properties.items() if k != "backend"}
         for name in properties:
             if name not in takes:
                 raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")

@@ -324,9 +324,9 @@ class AsyncHDF5DataLayer(LayerBase):
 class HDF5DataLayer(AsyncHDF5DataLayer):
     """Shuffled minibatches from HDF5 files, for ordinary ``with`` / ``for`` loops.
 
-    The same keyword properties as :class:`AsyncHDF5DataLayer` (``backend`` picks the event loop
-    the pipeline runs on, in a background thread). Every call crosses one bridge to that loop;
-    iterating takes the batches the pipeline has ready (up to 256) per trip.
+    The same keyword properties as :class:`AsyncHDF5DataLayer`; the pipeline runs on an asyncio
+    event loop in a background thread. Every call crosses one bridge to that loop; iterating
+    takes the batches the pipeline has ready (up to 256) per trip.
 
     Examples
     --------

@@ -250,9 +250,6 @@ class LayerBase(SyncInterface):
         else:
             await self._consumer.close(None, None, None)
 
-    def _backend(self) -> str:
-        return self.config.backend
-
     async def _open(self, *, sync: bool) -> None:
         consumer = self._consumer
         consumer.opening()

@@ -243,7 +243,7 @@ def main() -> None:
         return
     sock.setblocking(False)
     try:
-        anyio.run(_serve, sock, source, config, part, state, backend=config.backend)
+        anyio.run(_serve, sock, source, config, part, state)
     finally:
         sock.close()
 

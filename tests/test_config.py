@@ -102,7 +102,6 @@ def test_parse_gives_a_frozen_config_with_a_seed() -> None:
 
 CASES = [
     ({"batch_size": 0}, "batch_size must be >= 1"),
-    ({"batch_size": 8, "backend": "curio"}, 'backend must be "asyncio" or "trio"'),
     ({"batch_size": 8, "rank": 2, "world_size": 2}, "rank=2 is outside"),
     ({"batch_size": 8, "shuffle": True, "world_size": 2}, "needs an explicit seed"),
     ({"batch_size": 8, "reuse_buffers": True}, "set device= too"),
@@ -122,6 +121,23 @@ def test_the_same_message_from_every_layer(kw: dict[str, Any], words: str, tmp_p
         messages.append(str(info.value))
     assert words in messages[0]
     assert len(set(messages)) == 1, messages
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_backend_is_deprecated_and_ignored(backend: str, tmp_path: Path) -> None:
+    """The sync interface always runs on asyncio now; old code that names it still runs."""
+    for make in (
+        lambda: MemoryDataLayer({"x": np.arange(10)}, batch_size=2, backend=backend),
+        lambda: AsyncHDF5DataLayer([tmp_path / "a.h5"], batch_size=2, backend=backend),
+    ):
+        with pytest.warns(DeprecationWarning, match="backend= is deprecated and has no effect"):
+            layer = make()
+        assert not hasattr(layer.config, "backend")
+    with (
+        pytest.warns(DeprecationWarning),
+        MemoryDataLayer({"x": np.arange(10)}, batch_size=2, backend=backend) as layer,
+    ):
+        assert sorted(int(i) for b in layer for i in b["x"]) == list(range(10))
 
 
 def test_chunk_size_smaller_than_a_batch() -> None:

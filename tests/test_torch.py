@@ -207,13 +207,6 @@ def test_a_loader_with_more_workers_goes_on_with_the_next_epoch(source: Path) ->
     )
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_trio_backend(source: Path, workers: int) -> None:
-    ds = make("hdf5", source, shuffle=True, seed=12, backend="trio")
-    for _ in range(2):
-        exactly_once(epoch(DataLoader(ds, batch_size=None, num_workers=workers)))
-
-
 def test_unshuffled_batches_come_in_source_order(source: Path) -> None:
     with make("hdf5", source) as ds:
         got = np.concatenate([np.asarray(i) for i in indices(DataLoader(ds, batch_size=None))])
