@@ -447,7 +447,7 @@ async def test_rows_carried_into_the_next_chunk_are_checked_when_carried(
     path = write_h5(tmp_path / "one.h5", 0, 300)
     with h5py.File(path, "r") as f:
         offset, row = f["data"].id.get_offset(), f["data"].dtype.itemsize * 2
-    from asynchdf5._carry import carry as real
+    from asynchdf5._gather import carry as real
 
     carried: list[int] = []
 
