@@ -731,7 +731,7 @@ def document(
             name,
             inspect.Parameter.KEYWORD_ONLY,
             default=shown.get(name, p.default),
-            annotation=kind,
+            annotation=kind | None if shown.get(name, p.default) is None else kind,
         )
         for name, (kind, p) in takes.items()
     ]

@@ -125,17 +125,19 @@ def test_the_same_message_from_every_layer(kw: dict[str, Any], words: str, tmp_p
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_backend_is_deprecated_and_ignored(backend: str, tmp_path: Path) -> None:
-    """The sync interface always runs on asyncio now; old code that names it still runs."""
+    """The sync interface always runs on asyncio now; old code that names it still runs (the
+    types leave it out, so a type checker tells too)."""
+    old: dict[str, Any] = {"backend": backend}
     for make in (
-        lambda: MemoryDataLayer({"x": np.arange(10)}, batch_size=2, backend=backend),
-        lambda: AsyncHDF5DataLayer([tmp_path / "a.h5"], batch_size=2, backend=backend),
+        lambda: MemoryDataLayer({"x": np.arange(10)}, batch_size=2, **old),
+        lambda: AsyncHDF5DataLayer([tmp_path / "a.h5"], batch_size=2, **old),
     ):
         with pytest.warns(DeprecationWarning, match="backend= is deprecated and has no effect"):
             layer = make()
         assert not hasattr(layer.config, "backend")
     with (
         pytest.warns(DeprecationWarning),
-        MemoryDataLayer({"x": np.arange(10)}, batch_size=2, backend=backend) as layer,
+        MemoryDataLayer({"x": np.arange(10)}, batch_size=2, **old) as layer,
     ):
         assert sorted(int(i) for b in layer for i in b["x"]) == list(range(10))
 
