@@ -28,7 +28,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import asynchdf5._cache
 import asynchdf5.torch
 import asynchdf5.torch._dataset
-import asynchdf5.torch._epoch
 from asynchdf5 import ConfigurationError, StateError
 from asynchdf5.torch import HDF5IterableDataset, MemoryIterableDataset
 
@@ -348,12 +347,12 @@ def test_kept_tensors_are_never_overwritten(kind: str, source: Path, workers: in
 
 def test_conversion_copies_only_what_torch_cannot_share() -> None:
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
-    t = asynchdf5.torch._epoch.as_tensor(a)
+    t = asynchdf5.torch._dataset.as_tensor(a)
     assert t.data_ptr() == a.ctypes.data
     readonly = a.copy()
     readonly.flags.writeable = False
     for odd in (readonly, a[::-1], np.broadcast_to(a[0], (3, 4))):
-        t = asynchdf5.torch._epoch.as_tensor(odd)  # no warning, no error: a copy
+        t = asynchdf5.torch._dataset.as_tensor(odd)  # no warning, no error: a copy
         assert torch.equal(t, torch.from_numpy(np.array(odd)))
 
 
