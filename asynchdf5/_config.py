@@ -710,17 +710,17 @@ def document(
     hdf5: bool,
     first: str = "",
     defaults: Mapping[str, object] | None = None,
-    init: Callable[..., None] | None = None,
 ) -> None:
     """Derive ``cls``'s keywords from the registry: a runtime signature of its ``__init__`` (its
     own parameters, then each property as a flat keyword with its type and default, for
     ``help()``, IDEs that inspect objects, and Sphinx), and a numpydoc ``Parameters`` section
     in its docstring (before its ``Examples``). ``first`` documents the parameters before the
-    properties; ``defaults`` overrides a default as this class applies it; ``init``: the
-    ``__init__`` to sign (default: ``cls``'s own)."""
+    properties; ``defaults`` overrides a default as this class applies it. The signature goes
+    on the ``__init__`` that ``cls`` has, its own or inherited (a class that shares it with
+    another shares the signature too)."""
     takes = HDF5_PROPERTIES if hdf5 else PROPERTIES
     shown = dict(defaults or {})
-    target: Any = init or cls.__dict__["__init__"]  # a function: it may carry a signature
+    target: Any = typing.cast(Any, cls).__init__  # its own or inherited: a plain function
     own = [
         p
         for p in inspect.signature(target).parameters.values()

@@ -346,4 +346,4 @@ class HDF5DataLayer(AsyncHDF5DataLayer):
 
 _SOURCE = "source : str, path, sequence of them, or mapping of str to Stream\n    " + SOURCE_DOC
 document(AsyncHDF5DataLayer, hdf5=True, first=_SOURCE)
-document(HDF5DataLayer, hdf5=True, first=_SOURCE, init=AsyncHDF5DataLayer.__init__)
+document(HDF5DataLayer, hdf5=True, first=_SOURCE)
