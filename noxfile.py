@@ -134,11 +134,11 @@ def typecheck(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the HTML documentation; any Sphinx warning fails the build."""
     install(session, "docs")
-    # The table of keyword properties is generated from asynchdf5._properties.PROPERTIES.
+    # The table of keyword properties is generated from asynchdf5._config (HDF5_PROPERTIES).
     session.run(
         "python",
         "-c",
-        "from asynchdf5._properties import write_property_table as w; w('docs/properties.md')",
+        "from asynchdf5._config import write_property_table as w; w('docs/properties.md')",
     )
     out = os.path.join("docs", "_build", "html")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", out, *session.posargs)

@@ -1,24 +1,41 @@
-"""The gather kernel: a batch's rows copied from cache slots, in-memory arrays, a mapped file or
-a carry into the arrays the delivery hands over (:func:`gather_rows`), with their global indices;
-large ones in two halves on two threads (:func:`gather_split`).
+"""Gathering rows: a batch's rows copied from cache slots, in-memory arrays, a mapped file or
+a carry into the arrays the delivery hands over, with their global indices.
 
-One ``np.take(..., mode="clip", out=...)`` per top and piece, straight into the destination: the
-bounds that ``clip`` would hide are checked once per chunk when it is loaded
-(:func:`check_rows`), not per batch.
+- The kernel (:func:`gather_rows`): one ``np.take(..., mode="clip", out=...)`` per top and
+  piece, straight into the destination; the bounds that ``clip`` would hide are checked once
+  per chunk when it is loaded (:func:`check_rows`), not per batch. Large gathers go in two
+  halves on two threads (:func:`gather_split`).
+- The check of rows taken in place from a mapped file (:func:`verify`): after every gather
+  from one, before the rows go anywhere, the file must be unchanged. Mapped, rows are read
+  during the gather, straight from the page cache, so a file changed meanwhile would be read as
+  changed: the check turns that into a :class:`~asynchdf5.ReadError` naming the rows as the
+  copying reader names a read's (:func:`rows_words`), instead of a batch (see
+  :mod:`._read._mapped`).
+- The carry (:func:`carry`): the rows of an incomplete batch copied out of the chunks they are
+  in, so that no incomplete batch holds a cache slot across a chunk boundary (the invariant
+  that keeps the pipeline from waiting on itself: see :class:`~._pipeline.Run`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, wait
+from typing import Any
 
 import numpy as np
 
 from ._errors import ReadError
-from ._specs import Carry, Piece, split_pieces
-from ._verify import rows_words
+from ._specs import BatchSpec, Carry, LoadedChunk, Piece, split_pieces
 
-__all__ = ["PARALLEL_BYTES", "check_rows", "gather_rows", "gather_split"]
+__all__ = [
+    "PARALLEL_BYTES",
+    "carry",
+    "check_rows",
+    "gather_rows",
+    "gather_split",
+    "rows_words",
+    "verify",
+]
 
 #: Below this many bytes rows are gathered on one thread: handing half to another thread costs
 #: more than it saves (and the two would contend for the GIL between small copies).
@@ -106,3 +123,58 @@ def check_rows(rows: np.ndarray, arrays: Mapping[str, np.ndarray]) -> None:
         for name, a in arrays.items():
             if lo < 0 or hi >= len(a):
                 raise IndexError(f"rows {lo}..{hi} of {len(a)} (top {name!r})")
+
+
+# --- the check of mapped rows ------------------------------------------------------------------
+
+
+def verify(pieces: Sequence[Piece]) -> None:
+    """Run the ``verify`` of every chunk the pieces were gathered from (see
+    :attr:`LoadedChunk.verify`): after the gather, before the rows go anywhere."""
+    checks = {c.verify: c for c, _, _ in pieces if isinstance(c, LoadedChunk) and c.verify}
+    for check, chunk in checks.items():
+        try:
+            check()
+        except ReadError as exc:  # named as the copying reader names a read's rows
+            idx = [c.indices[a:b] for c, a, b in pieces if isinstance(c, LoadedChunk)]
+            tops = ", ".join(map(repr, chunk.arrays))
+            # The check covers every mapped file: the one it names may hold none of the rows.
+            raise ReadError(
+                f"top {tops}, {rows_words(np.concatenate(idx))}: a mapped file changed while "
+                f"they were gathered: {exc}"
+            ) from exc
+
+
+def rows_words(indices: np.ndarray) -> str:
+    """Global rows in an error message: ``rows a:b`` when they are that run, else how many and
+    the range they lie in."""
+    n = len(indices)
+    if n == 0:
+        return "no rows"
+    lo, hi = int(indices.min()), int(indices.max())
+    if hi - lo == n - 1 and (n == 1 or bool(np.all(np.diff(indices) == 1))):
+        return f"rows {lo}:{hi + 1}"
+    return f"{n} rows in {lo}:{hi + 1}"
+
+
+# --- the carry --------------------------------------------------------------------------------
+
+
+def carry(spec: BatchSpec, tops: Mapping[str, tuple[tuple[int, ...], np.dtype[Any]]]) -> Carry:
+    """Copy the rows cut so far into an incomplete batch out of the chunks they are in.
+
+    The batcher calls this when it has cut every row of a chunk and the batch it is building
+    still needs rows from the next one: the copy (fewer than ``batch_size`` rows) lets the
+    chunk's cache slot go back to the reader without waiting for that next chunk. Blocking:
+    run in a worker thread.
+
+    Rows of a mapped file are checked here (:func:`verify`), as after every gather, and not only
+    after the gather that completes the batch: a later check can miss a change this one sees (a
+    file rewritten in place, its modification time set back, then linked or unlinked: the two
+    moves of its change time look like one link change).
+    """
+    arrays = {name: np.empty((spec.rows, *shape), dtype) for name, (shape, dtype) in tops.items()}
+    indices = np.empty(spec.rows, np.int64)
+    gather_rows(spec.pieces, arrays, indices)
+    verify(spec.pieces)  # rows of a mapped file: unchanged when they were copied
+    return Carry(arrays, indices)

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from ._batch import Batch
 from ._delivery import Delivery
 from ._errors import DataLayerError
+from ._gather import verify
 from ._handoff import Handoff
 from ._priority import background
 from ._specs import GroupSpec
 from ._stats import GatherStats, StageClock
-from ._verify import verify
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]

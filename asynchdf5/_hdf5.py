@@ -6,14 +6,13 @@ and hands the pipeline an :class:`~._read.HDF5Reader` over the files' source.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -21,25 +20,23 @@ import anyio.to_thread
 from ._cache import Slot, allocate_slots
 from ._catalog import Catalog, build_catalog
 from ._codecs import deflate_backend
-from ._config import DEFAULT_TOPS, LayerConfig
+from ._config import SOURCE_DOC, HDF5Properties, LayerConfig, document
 from ._errors import DataLayerError
 from ._layer import LayerBase
 from ._machine import memory_bytes, memory_room
 from ._mix import StreamRows
 from ._process import ProcessReader, check_picklable, payload, ring_slots
-from ._properties import document
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
 from ._schemas import check_schemas
 from ._shape import DataShape
 from ._sizing import cache_plan, shape_of
 from ._sources import Source, SourceLike, SourceOptions, Streaming
 from ._streams import Stream, StreamSpec, combine, parse_streams, stream_tops
-from .transforms import Transformer
 
 if sys.version_info >= (3, 11):
-    from typing import Self
+    from typing import Self, Unpack
 else:  # pragma: no cover
-    from typing_extensions import Self
+    from typing_extensions import Self, Unpack
 
 __all__ = ["AsyncHDF5DataLayer", "HDF5DataLayer"]
 
@@ -76,58 +73,14 @@ class AsyncHDF5DataLayer(LayerBase):
     def __init__(
         self,
         source: SourceLike | Mapping[str, Stream | SourceLike],
-        *,
-        batch_size: int,
-        tops: Sequence[str] = DEFAULT_TOPS,
-        shuffle: bool = False,
-        chunk_size: int = 2**20,
-        transformers: Sequence[tuple[str, Transformer]] = (),
-        seed: int | None = None,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        cache_bytes: int | None = None,
-        prefetch: int = 8,
-        device: object = None,
-        reuse_buffers: bool = False,
-        backend: Literal["asyncio", "trio"] = "asyncio",
-        storage_options: Mapping[str, Any] | None = None,
-        remote_cache: str | os.PathLike[str] | None = None,
-        remote_cache_bytes: int | None = None,
-        block_size: int | None = None,
-        mmap: bool | Literal["auto"] = "auto",
-        batch_mode: Literal["stratified", "random", "per_stream"] = "stratified",
-        process: bool = False,
+        **properties: Unpack[HDF5Properties],
     ) -> None:
         config = LayerConfig.parse(
-            batch_size=batch_size,
-            tops=tops,
-            shuffle=shuffle,
-            chunk_size=chunk_size,
-            transformers=transformers,
-            seed=seed,
-            drop_last=drop_last,
-            rank=rank,
-            world_size=world_size,
-            cache_bytes=cache_bytes,
-            prefetch=prefetch,
-            device=device,
-            reuse_buffers=reuse_buffers,
-            backend=backend,
-            storage_options=storage_options,
-            remote_cache=remote_cache,
-            remote_cache_bytes=remote_cache_bytes,
-            block_size=block_size,
-            mmap=mmap,
-            batch_mode=batch_mode,
-            process=process,
-            stream_tops=stream_tops(source),
+            properties, stream_tops=stream_tops(source), caller=type(self).__name__
         )
         # Every remote read (a list file given as a URL, now; the files, at open) goes through
         # this one object, with the layer's options.
-        self._reach = SourceOptions(
-            config.storage_options, config.remote_cache, config.remote_cache_bytes
-        )
+        self._reach = SourceOptions.of(config)
         #: Several streams (``source`` a mapping): each one's files, resolved; () for one.
         self._streams: tuple[StreamSpec, ...] = ()
         if isinstance(source, Mapping):
@@ -354,7 +307,7 @@ class AsyncHDF5DataLayer(LayerBase):
         c = self.config
         device = None
         if c.device is not None:  # the helper gathers host batches; this process uploads them
-            c = dataclasses.replace(c, device=None, transformers=(), reuse_buffers=False)
+            c = c.on_host()
             device = (self._delivery, c.batch_size)
         blob = payload(self._helper_source(), c, planner.part, state)
         slots = ring_slots(c.prefetch)
@@ -371,9 +324,9 @@ class AsyncHDF5DataLayer(LayerBase):
 class HDF5DataLayer(AsyncHDF5DataLayer):
     """Shuffled minibatches from HDF5 files, for ordinary ``with`` / ``for`` loops.
 
-    The same keyword properties as :class:`AsyncHDF5DataLayer` (``backend`` picks the event loop
-    the pipeline runs on, in a background thread). Every call crosses one bridge to that loop;
-    iterating takes the batches the pipeline has ready (up to 256) per trip.
+    The same keyword properties as :class:`AsyncHDF5DataLayer`; the pipeline runs on an asyncio
+    event loop in a background thread. Every call crosses one bridge to that loop; iterating
+    takes the batches the pipeline has ready (up to 256) per trip.
 
     Examples
     --------
@@ -391,5 +344,6 @@ class HDF5DataLayer(AsyncHDF5DataLayer):
         return self
 
 
-document(AsyncHDF5DataLayer, "hdf5")
-document(HDF5DataLayer, "hdf5")
+_SOURCE = "source : str, path, sequence of them, or mapping of str to Stream\n    " + SOURCE_DOC
+document(AsyncHDF5DataLayer, hdf5=True, first=_SOURCE)
+document(HDF5DataLayer, hdf5=True, first=_SOURCE)

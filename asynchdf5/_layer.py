@@ -48,13 +48,7 @@ class LayerBase(SyncInterface):
 
     def __init__(self, config: LayerConfig) -> None:
         self.config = config
-        delivery = make_delivery(
-            config.device,
-            config.transformers,
-            config.batch_size,
-            config.prefetch,
-            reuse_buffers=config.reuse_buffers,
-        )
+        delivery = make_delivery(config)
         self._stats = Stats()
         self._planner = Planner(config)
         self._consumer = Consumer(
@@ -255,9 +249,6 @@ class LayerBase(SyncInterface):
                 raise
         else:
             await self._consumer.close(None, None, None)
-
-    def _backend(self) -> str:
-        return self.config.backend
 
     async def _open(self, *, sync: bool) -> None:
         consumer = self._consumer

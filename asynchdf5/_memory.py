@@ -6,22 +6,26 @@ global indices)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from ._cache import Slot
 from ._catalog import TopInfo
-from ._config import LayerConfig
+from ._config import LayerConfig, Properties, document
 from ._errors import ConfigurationError, SchemaError
 from ._layer import LayerBase
 from ._plan import ChunkPlan
-from ._properties import document
 from ._read import Reader
 from ._shape import DataShape
 from ._stats import ReadStats
-from .transforms import Transformer
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover
+    from typing_extensions import Unpack
 
 __all__ = ["MemoryDataLayer", "MemoryReader"]
 
@@ -60,40 +64,14 @@ class MemoryDataLayer(LayerBase):
     is one chunk, served in place; ``tops`` defaults to every key of ``data``.
     """
 
-    def __init__(
-        self,
-        data: Mapping[str, Any],
-        *,
-        batch_size: int,
-        tops: Sequence[str] | None = None,
-        shuffle: bool = False,
-        transformers: Sequence[tuple[str, Transformer]] = (),
-        seed: int | None = None,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        prefetch: int = 8,
-        device: object = None,
-        reuse_buffers: bool = False,
-        backend: Literal["asyncio", "trio"] = "asyncio",
-    ) -> None:
+    def __init__(self, data: Mapping[str, Any], **properties: Unpack[Properties]) -> None:
         if not isinstance(data, Mapping) or not data:
             raise ConfigurationError("data must be a non-empty mapping of top name to array")
         arrays = {str(k): np.asarray(v) for k, v in data.items()}
         config = LayerConfig.parse(
-            batch_size=batch_size,
-            tops=tuple(arrays) if tops is None else tops,
-            shuffle=shuffle,
-            chunk_size=batch_size,  # set below: the whole data set is one chunk
-            transformers=transformers,
-            seed=seed,
-            drop_last=drop_last,
-            rank=rank,
-            world_size=world_size,
-            prefetch=prefetch,
-            device=device,
-            reuse_buffers=reuse_buffers,
-            backend=backend,
+            {"tops": tuple(arrays), **properties} if properties.get("tops") is None else properties,
+            hdf5=False,
+            caller=type(self).__name__,
         )
         n = _check_arrays(arrays, config.tops)
         super().__init__(dataclasses.replace(config, chunk_size=max(n, config.batch_size)))
@@ -142,7 +120,8 @@ def _check_arrays(arrays: Mapping[str, np.ndarray], tops: Sequence[str]) -> int:
 
 document(
     MemoryDataLayer,
-    "all",
+    hdf5=False,
+    defaults={"tops": None},
     first="""data : mapping of str to array
     One array per top, rows = samples, all with the same number of rows.""",
 )

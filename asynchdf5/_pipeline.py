@@ -41,8 +41,8 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream
 
 from ._cache import Slot
-from ._carry import carry
 from ._delivery import Delivery, line_offset
+from ._gather import carry
 from ._gathering import Entry, EpochEnd, Failure, Gatherers, GroupItem, Item
 from ._gathering import leaf as _leaf
 from ._loading import ChunkItem, ChunkLoader, Plans

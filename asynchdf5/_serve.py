@@ -28,6 +28,7 @@ import anyio
 import numpy as np
 
 from ._batch import Batch
+from ._config import HDF5_PROPERTIES
 from ._errors import TransformError
 from ._hdf5 import AsyncHDF5DataLayer
 from ._process import (
@@ -220,27 +221,7 @@ async def _serve(
 def _rebuilt(source: Any, c: Any) -> AsyncHDF5DataLayer:
     """A layer over ``source`` (files, or streams) with exactly the configuration ``c`` (its
     drawn seed included)."""
-    out = AsyncHDF5DataLayer(
-        source,
-        batch_size=c.batch_size,
-        tops=c.tops,
-        shuffle=c.shuffle,
-        chunk_size=c.chunk_size,
-        transformers=c.transformers,
-        seed=c.seed,
-        drop_last=c.drop_last,
-        rank=c.rank,
-        world_size=c.world_size,
-        cache_bytes=c.cache_bytes,
-        prefetch=c.prefetch,
-        backend=c.backend,
-        storage_options=c.storage_options,
-        remote_cache=c.remote_cache,
-        remote_cache_bytes=c.remote_cache_bytes,
-        block_size=c.block_size,
-        mmap=c.mmap,
-        batch_mode=c.batch_mode,
-    )
+    out = AsyncHDF5DataLayer(source, **{name: getattr(c, name) for name in HDF5_PROPERTIES})
     out.config = c  # the parent's, drawn seed and all
     return out
 
@@ -262,7 +243,7 @@ def main() -> None:
         return
     sock.setblocking(False)
     try:
-        anyio.run(_serve, sock, source, config, part, state, backend=config.backend)
+        anyio.run(_serve, sock, source, config, part, state)
     finally:
         sock.close()
 

@@ -1,7 +1,7 @@
 """The sync interface of the layers: ``with`` / ``for``, through one bridge.
 
 A layer opened with ``with`` runs its async pipeline on an event loop in a background thread
-(one anyio blocking portal per opening; ``backend=`` picks asyncio or trio). Every call crosses
+(one anyio blocking portal per opening, on asyncio). Every call crosses
 that one bridge: opening and closing, and iterating, which takes at most :data:`BRIDGE_BATCHES`
 batches that are already gathered per trip (never an epoch: nothing is collected ahead of what
 the pipeline has ready). Batches are handed over (for a device: made ready on the current CUDA
@@ -56,13 +56,10 @@ class SyncInterface:
     def _opened(self, *, sync: bool) -> contextlib.AbstractAsyncContextManager[Any]:
         raise NotImplementedError
 
-    def _backend(self) -> str:
-        raise NotImplementedError
-
     def __enter__(self) -> Self:
         if self._portal is not None:
             raise StateError("the layer is already open")
-        bridge = _Bridge(self._backend())
+        bridge = _Bridge()
         try:
             opening = bridge.portal.wrap_async_context_manager(self._opened(sync=True))
             opening.__enter__()
@@ -115,7 +112,7 @@ class _Bridge:
     request is made with Ctrl-C held back, and the wait comes only after it.
     """
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self) -> None:
         started: Future[BlockingPortal] = Future()
 
         async def serve() -> None:
@@ -125,12 +122,12 @@ class _Bridge:
 
         def run() -> None:
             try:
-                anyio.run(serve, backend=backend)
+                anyio.run(serve)  # asyncio: nothing of the caller's runs on this loop
             except BaseException as exc:  # reported to __init__ if the loop never started
                 if not started.done():
                     started.set_exception(exc)
 
-        self._thread = threading.Thread(target=run, name=f"asynchdf5-{backend}-bridge", daemon=True)
+        self._thread = threading.Thread(target=run, name="asynchdf5-asyncio-bridge", daemon=True)
         portal = None
         try:
             with interrupts_held():  # the thread is started and serving, or this raises

@@ -26,6 +26,7 @@ How it works, for whoever carries it on:
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -42,10 +43,16 @@ except ImportError as exc:  # pragma: no cover - tested where JAX is missing
         "in the asynchdf5 checkout"
     ) from exc
 
+from ._config import HDF5Properties
 from ._errors import ConfigurationError, StateError
 from ._hdf5 import HDF5DataLayer
 from ._layer import LayerBase
 from ._sources import SourceLike
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover
+    from typing_extensions import Unpack
 
 __all__ = ["Loader", "NarrowingWarning", "batch_sharding", "layer"]
 
@@ -54,7 +61,7 @@ class NarrowingWarning(UserWarning):
     """A top's 64-bit dtype is narrowed to 32 bits because JAX's ``jax_enable_x64`` is off."""
 
 
-def layer(source: SourceLike, **properties: Any) -> HDF5DataLayer:
+def layer(source: SourceLike, **properties: Unpack[HDF5Properties]) -> HDF5DataLayer:
     """An :class:`~asynchdf5.HDF5DataLayer` for JAX: this process's share, fixed batch shapes.
 
     ``rank`` and ``world_size`` default to ``jax.process_index()`` and ``jax.process_count()``

@@ -15,9 +15,10 @@ import h5py
 import numpy as np
 import numpy.typing as npt
 
-from asynchdf5._cli._limits import gather_epoch, read_ranges
+from asynchdf5._cli._limits import gather_epoch, read_ranges, stored_ranges_of
+from benchmarks.data import TOPS
 from benchmarks.measure import EpochClock, Job, Outcome, Skip
-from benchmarks.sources import H5Rows, byte_ranges
+from benchmarks.sources import H5Rows
 
 # --------------------------------------------------------------------------------------------
 # Limits
@@ -32,7 +33,7 @@ def raw_read(job: Job) -> Outcome:
     (after ``posix_fadvise(DONTNEED)``) is one pass.
     """
     buffer = memoryview(bytearray(job.params.get("buffer_mib", 64) << 20))
-    ranges = [(r.path, r.offset, r.length) for r in byte_ranges(job.files)]
+    ranges = stored_ranges_of([str(p) for p in job.files.paths], TOPS)
     passes: list[tuple[float, float]] = []
     for _ in range(1 if job.cold else 3):
         t0 = time.perf_counter()

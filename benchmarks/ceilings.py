@@ -25,7 +25,6 @@ from benchmarks.hand_loops import chunk_loop2_epochs, chunk_loop_epochs
 from benchmarks.layer_runs import (
     BACKENDS,
     Array,
-    Backend,
     EpochMeter,
     LayerRun,
     Sizes,
@@ -93,9 +92,9 @@ def batch_cost(rec: Recorder, cfg: Sizes) -> None:
         }
         ref_us = {how: median(r.epoch_s) / nb * 1e6 for how, r in refs.items()}
 
-        def make(backend: Backend = "asyncio", shuffle: bool = shuffle) -> Any:
+        def make(shuffle: bool = shuffle) -> Any:
             return asynchdf5.MemoryDataLayer(
-                data=arrays, batch_size=b, shuffle=shuffle, seed=cfg.seed, backend=backend
+                data=arrays, batch_size=b, shuffle=shuffle, seed=cfg.seed
             )
 
         runs: list[tuple[str, LayerRun | str]] = []
@@ -110,17 +109,11 @@ def batch_cost(rec: Recorder, cfg: Sizes) -> None:
                 )
             except Exception as exc:
                 runs.append((label, describe(exc)))
-        for backend in BACKENDS:
-            label = f"sync `with`/`for`, backend={backend}"
-            try:
-                runs.append(
-                    (
-                        label,
-                        sync_epochs(partial(make, backend), epochs, n, cfg.deadline_s),
-                    )
-                )
-            except Exception as exc:
-                runs.append((label, describe(exc)))
+        label = "sync `with`/`for` (asyncio)"
+        try:
+            runs.append((label, sync_epochs(make, epochs, n, cfg.deadline_s)))
+        except Exception as exc:
+            runs.append((label, describe(exc)))
         runs += [(f"reference: plain loop, {how}", r) for how, r in refs.items()]
         for label, run in runs:
             what = f"{label}, {'shuffled' if shuffle else 'in order'}"

@@ -1,4 +1,5 @@
-"""Access to a data set's files for the baselines: byte ranges, page-cache control, h5py rows.
+"""Access to a data set's files for the baselines: page-cache control, h5py rows (the stored
+byte ranges are the package's: :func:`asynchdf5._cli._limits.stored_ranges`).
 
 This is benchmark plumbing, deliberately plain: the baselines are what a careful user would write
 with h5py, over the same files the library reads.
@@ -7,8 +8,6 @@ with h5py, over the same files the library reads.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 
 import h5py
@@ -16,46 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from benchmarks import page_cache
-from benchmarks.data import TOPS, DatasetFiles
-
-
-@dataclass(frozen=True)
-class ByteRange:
-    """``length`` bytes at ``offset`` of ``path``."""
-
-    path: Path
-    offset: int
-    length: int
-
-
-def byte_ranges(files: DatasetFiles, coalesce: bool = True) -> list[ByteRange]:
-    """The bytes that hold every top of every file, as h5py reports their location.
-
-    Contiguous datasets are one range each; chunked ones one range per stored chunk. With
-    ``coalesce``, ranges that touch are merged, so that a reader can issue large calls.
-    """
-    out: list[ByteRange] = []
-    for path in files.paths:
-        spans: list[tuple[int, int]] = []
-
-        def add_chunk(info: h5py.h5d.StoreInfo, spans: list[tuple[int, int]] = spans) -> None:
-            spans.append((info.byte_offset, info.size))
-
-        with h5py.File(path, "r") as f:
-            for top in TOPS:
-                dsid = f[top].id
-                if dsid.get_offset() is not None:
-                    spans.append((dsid.get_offset(), dsid.get_storage_size()))
-                else:
-                    dsid.chunk_iter(add_chunk)
-        spans.sort()
-        for offset, length in spans:
-            last = out[-1] if out else None
-            if coalesce and last and last.path == path and last.offset + last.length == offset:
-                out[-1] = ByteRange(path, last.offset, last.length + length)
-            else:
-                out.append(ByteRange(path, offset, length))
-    return out
+from benchmarks.data import DatasetFiles
 
 
 def evict(files: DatasetFiles) -> None:

@@ -1,6 +1,6 @@
 """Trials of a double Ctrl-C in a sync loop, run by ``tests/test_sync.py`` as a script.
 
-``python tests/_double_sigint.py SOURCE BACKEND TRIALS SEED [process [slow-free]]`` imports the
+``python tests/_double_sigint.py SOURCE TRIALS SEED [process [slow-free]]`` imports the
 package once, then forks one child per trial (``process``: its layer runs with ``process=True``;
 ``slow-free``: each slot it gives back to its helper takes 30 ms more, which widens the window
 of an interrupt that lands in the finalizer giving it back). The
@@ -19,7 +19,7 @@ import select
 import signal
 import sys
 import time
-from typing import Any, Literal
+from typing import Any
 
 from asynchdf5 import HDF5DataLayer
 
@@ -60,8 +60,7 @@ def _parent(pid: int, ready: int, rng: random.Random) -> str:
 
 
 if __name__ == "__main__":
-    source, trials, seed = sys.argv[1], int(sys.argv[3]), int(sys.argv[4])
-    backend: Literal["asyncio", "trio"] = "trio" if sys.argv[2] == "trio" else "asyncio"
+    source, trials, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
     for _ in range(trials):
         ready, tell = os.pipe()
@@ -75,8 +74,8 @@ if __name__ == "__main__":
     else:
         sys.exit(0)
     # The child (the loop above was left by `break`).
-    process = sys.argv[5:6] == ["process"]  # the pipeline in a helper process (process=True)
-    if sys.argv[6:] == ["slow-free"]:
+    process = sys.argv[4:5] == ["process"]  # the pipeline in a helper process (process=True)
+    if sys.argv[5:] == ["slow-free"]:
         from asynchdf5._process import _parent as helper_side
         from asynchdf5._process import send
 
@@ -86,9 +85,7 @@ if __name__ == "__main__":
             send(sock, message, fd)
 
         helper_side.__dict__["send"] = slow_send  # what the layer side of process=True calls
-    with HDF5DataLayer(
-        source, batch_size=10, chunk_size=40, shuffle=True, backend=backend, process=process
-    ) as L:
+    with HDF5DataLayer(source, batch_size=10, chunk_size=40, shuffle=True, process=process) as L:
         os.write(tell, b"r")
         os.close(tell)
         while True:

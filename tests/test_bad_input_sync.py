@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import pytest
@@ -42,11 +41,9 @@ from ._files import (
 )
 from ._leaks import Snapshot, assert_released, snapshot
 
-Backend = Literal["asyncio", "trio"]
-
 
 def portal_threads() -> list[threading.Thread]:
-    """The sync facade's event loop threads (``asynchdf5-<backend>-bridge``)."""
+    """The sync facade's event loop threads (``asynchdf5-asyncio-bridge``)."""
     return [
         t
         for t in threading.enumerate()
@@ -59,50 +56,42 @@ def portal_threads() -> list[threading.Thread]:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def facade_backend(request: pytest.FixtureRequest) -> Backend:
-    return "trio" if request.param == "trio" else "asyncio"
-
-
-def assert_facade_released(before: Snapshot, backend: str) -> None:
+def assert_facade_released(before: Snapshot) -> None:
     assert not [t for t in portal_threads() if t not in before.threads]
-    # On asyncio the facade's loop stops its worker threads when it ends; trio's thread cache is
-    # process-wide and keeps idle workers for 10 s (see ``_leaks``), so there only our code is
-    # checked.
-    assert_released(before, strict=backend == "asyncio")
+    assert_released(before)
 
 
-def test_facade_open_error(tmp_path: Path, facade_backend: Backend) -> None:
+def test_facade_open_error(tmp_path: Path) -> None:
     bad = write_bad_file(tmp_path, "text")
     before = snapshot()
-    layer = HDF5DataLayer(tmp_path / "train.txt", batch_size=10, backend=facade_backend)
+    layer = HDF5DataLayer(tmp_path / "train.txt", batch_size=10)
     with pytest.raises(SourceError) as info:
         with layer:
             pytest.fail("the layer opened")
     check_message(info.value, bad, "not an HDF5 file")
-    assert_facade_released(before, facade_backend)
+    assert_facade_released(before)
 
 
-def test_facade_schema_error(tmp_path: Path, facade_backend: Backend) -> None:
+def test_facade_schema_error(tmp_path: Path) -> None:
     a = write_h5(tmp_path / "a.h5", 0, 100)
     b = write_h5(tmp_path / "b.h5", 100, 100, label=None)
     before = snapshot()
     with pytest.raises(SchemaError) as info:
-        with HDF5DataLayer([a, b], batch_size=10, backend=facade_backend):
+        with HDF5DataLayer([a, b], batch_size=10):
             pytest.fail("the layer opened")
     check_message(info.value, b, "'label'")
-    assert_facade_released(before, facade_backend)
+    assert_facade_released(before)
 
 
-def test_facade_open_config_error(source: tuple[Path, list[Path]], facade_backend: Backend) -> None:
+def test_facade_open_config_error(source: tuple[Path, list[Path]]) -> None:
     before = snapshot()
     with pytest.raises(ConfigurationError, match="world_size"):
-        with HDF5DataLayer(source[0], batch_size=1, world_size=N + 1, backend=facade_backend):
+        with HDF5DataLayer(source[0], batch_size=1, world_size=N + 1):
             pytest.fail("the layer opened")
-    assert_facade_released(before, facade_backend)
+    assert_facade_released(before)
 
 
-def test_facade_transform_error(source: tuple[Path, list[Path]], facade_backend: Backend) -> None:
+def test_facade_transform_error(source: tuple[Path, list[Path]]) -> None:
     def explode_on_row_150(x: np.ndarray) -> np.ndarray:
         if x.max() >= 150:
             raise ArithmeticError("row 150")
@@ -115,25 +104,20 @@ def test_facade_transform_error(source: tuple[Path, list[Path]], facade_backend:
         batch_size=10,
         chunk_size=50,
         transformers=[("label", explode_on_row_150)],
-        backend=facade_backend,
     ) as layer:
         assert [t for t in portal_threads() if t not in before.threads]
         with pytest.raises(TransformError) as info:
             for b in layer:
                 got.append(b)
-    assert_facade_released(before, facade_backend)
+    assert_facade_released(before)
     assert len(check_prefix(got, 10)) == 150
     check_message(info.value, "'label'", "explode_on_row_150", "ArithmeticError")
     assert isinstance(info.value.__cause__, ArithmeticError)
 
 
-def test_facade_break_then_next_epoch_is_whole(
-    source: tuple[Path, list[Path]], facade_backend: Backend
-) -> None:
+def test_facade_break_then_next_epoch_is_whole(source: tuple[Path, list[Path]]) -> None:
     before = snapshot()
-    with HDF5DataLayer(
-        source[0], batch_size=16, chunk_size=64, shuffle=True, seed=1, backend=facade_backend
-    ) as layer:
+    with HDF5DataLayer(source[0], batch_size=16, chunk_size=64, shuffle=True, seed=1) as layer:
         for i, b in enumerate(layer):
             check_batch(b, 16)
             if i == 2:
@@ -141,13 +125,13 @@ def test_facade_break_then_next_epoch_is_whole(
         check_epoch(list(layer), N, 16, 1)
         for _ in layer:
             break
-    assert_facade_released(before, facade_backend)
+    assert_facade_released(before)
 
 
-def test_facade_error_in_the_body(source: tuple[Path, list[Path]], facade_backend: Backend) -> None:
+def test_facade_error_in_the_body(source: tuple[Path, list[Path]]) -> None:
     before = snapshot()
     with pytest.raises(RuntimeError, match="user code"):
-        with HDF5DataLayer(source[0], batch_size=10, backend=facade_backend) as layer:
+        with HDF5DataLayer(source[0], batch_size=10) as layer:
             for _ in layer:
                 raise RuntimeError("user code")
-    assert_facade_released(before, facade_backend)
+    assert_facade_released(before)

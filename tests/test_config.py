@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,13 @@ import numpy as np
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, ConfigurationError, MemoryDataLayer
-from asynchdf5._config import LayerConfig
-from asynchdf5._properties import PROPERTIES, property_table
+from asynchdf5._config import (
+    HDF5_PROPERTIES,
+    PROPERTIES,
+    REQUIRED,
+    LayerConfig,
+    property_table,
+)
 
 DOCS = Path(__file__).parent.parent / "docs" / "properties.md"
 
@@ -25,19 +31,69 @@ def test_docs_table_is_generated_from_the_config() -> None:
     )
 
 
-def test_every_keyword_of_the_layers_is_documented() -> None:
+def _keywords(cls: type) -> dict[str, object]:
+    """The keyword-only parameters of ``cls``'s signature and their defaults."""
     import inspect
 
-    documented = {p.name for p in PROPERTIES}
-    hdf5 = set(inspect.signature(AsyncHDF5DataLayer).parameters)
-    memory = set(inspect.signature(MemoryDataLayer).parameters) - {"data"}
-    assert hdf5 == documented
-    assert memory <= documented
-    assert {p.name for p in PROPERTIES if p.layers == "all"} == memory
+    return {
+        name: p.default
+        for name, p in inspect.signature(cls).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+
+
+def test_the_layers_take_the_registry_s_properties_with_its_defaults() -> None:
+    """One definition: a property added, renamed or defaulted differently in one place fails
+    here (signatures), below (LayerConfig) or above (the docs' table)."""
+    from asynchdf5 import HDF5DataLayer
+
+    hdf5 = {name: p.default for name, (_, p) in HDF5_PROPERTIES.items()}
+    assert list(PROPERTIES) == list(HDF5_PROPERTIES)[: len(PROPERTIES)]
+    assert _keywords(AsyncHDF5DataLayer) == hdf5
+    assert _keywords(HDF5DataLayer) == hdf5
+    memory = {name: hdf5[name] for name in PROPERTIES}
+    assert _keywords(MemoryDataLayer) == {**memory, "tops": None}  # every key of data
+    for cls in (AsyncHDF5DataLayer, HDF5DataLayer, MemoryDataLayer):
+        doc = cls.__doc__ or ""
+        documented = [n for n in _keywords(cls) if f"\n    {n} : " in doc]
+        assert documented == list(_keywords(cls)), cls
+
+
+def test_layer_config_holds_every_property_at_its_default() -> None:
+    import dataclasses
+
+    derived = {"rank_source", "seed_given"}
+    fields = [f.name for f in dataclasses.fields(LayerConfig)]
+    assert set(fields) - derived == set(HDF5_PROPERTIES)
+    config = LayerConfig.parse({"batch_size": 8}, stream_tops=())
+    drawn = {"seed", "rank", "world_size"}  # drawn or detected when None
+    for name, (_, p) in HDF5_PROPERTIES.items():
+        if p.default is not REQUIRED and name not in drawn:
+            assert getattr(config, name) == p.check(name, p.default), name
+
+
+def test_a_keyword_that_is_no_property_is_a_type_error(tmp_path: Path) -> None:
+    unexpected = r"{}\(\) got an unexpected keyword argument '{}'"
+    with pytest.raises(TypeError, match=unexpected.format("AsyncHDF5DataLayer", "shufle")):
+        AsyncHDF5DataLayer([tmp_path / "a.h5"], batch_size=8, shufle=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=unexpected.format("MemoryDataLayer", "chunk_size")):
+        MemoryDataLayer({"x": np.arange(10)}, batch_size=8, chunk_size=8)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'batch_size'"):
+        MemoryDataLayer({"x": np.arange(10)})  # type: ignore[call-arg]
+
+
+def test_a_property_of_one_subsystem_is_named_in_few_modules() -> None:
+    """Defined once (``_config.py``), taken by the HDF5 layer's constructor, used by its
+    subsystem: a property of one subsystem spelled in more modules is a second definition."""
+    package = Path(__file__).parent.parent / "asynchdf5"
+    for name in ("reuse_buffers", "remote_cache_bytes"):
+        word = re.compile(rf"\b{name}\b")
+        files = [p for p in package.rglob("*.py") if word.search(p.read_text(encoding="utf-8"))]
+        assert len(files) <= 3, (name, sorted(str(p.relative_to(package)) for p in files))
 
 
 def test_parse_gives_a_frozen_config_with_a_seed() -> None:
-    config = LayerConfig.parse(batch_size=8)
+    config = LayerConfig.parse({"batch_size": 8})
     assert isinstance(config.seed, int)
     assert config.tops == ("data", "label")
     with pytest.raises(AttributeError):
@@ -46,7 +102,6 @@ def test_parse_gives_a_frozen_config_with_a_seed() -> None:
 
 CASES = [
     ({"batch_size": 0}, "batch_size must be >= 1"),
-    ({"batch_size": 8, "backend": "curio"}, 'backend must be "asyncio" or "trio"'),
     ({"batch_size": 8, "rank": 2, "world_size": 2}, "rank=2 is outside"),
     ({"batch_size": 8, "shuffle": True, "world_size": 2}, "needs an explicit seed"),
     ({"batch_size": 8, "reuse_buffers": True}, "set device= too"),
@@ -57,7 +112,7 @@ CASES = [
 def test_the_same_message_from_every_layer(kw: dict[str, Any], words: str, tmp_path: Path) -> None:
     messages = []
     for make in (
-        lambda: LayerConfig.parse(**kw),
+        lambda: LayerConfig.parse(kw, caller="x"),
         lambda: MemoryDataLayer({"x": np.arange(10)}, **kw),
         lambda: AsyncHDF5DataLayer([tmp_path / "a.h5"], **kw),
     ):
@@ -68,9 +123,28 @@ def test_the_same_message_from_every_layer(kw: dict[str, Any], words: str, tmp_p
     assert len(set(messages)) == 1, messages
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_backend_is_deprecated_and_ignored(backend: str, tmp_path: Path) -> None:
+    """The sync interface always runs on asyncio now; old code that names it still runs (the
+    types leave it out, so a type checker tells too)."""
+    old: dict[str, Any] = {"backend": backend}
+    for make in (
+        lambda: MemoryDataLayer({"x": np.arange(10)}, batch_size=2, **old),
+        lambda: AsyncHDF5DataLayer([tmp_path / "a.h5"], batch_size=2, **old),
+    ):
+        with pytest.warns(DeprecationWarning, match="backend= is deprecated and has no effect"):
+            layer = make()
+        assert not hasattr(layer.config, "backend")
+    with (
+        pytest.warns(DeprecationWarning),
+        MemoryDataLayer({"x": np.arange(10)}, batch_size=2, **old) as layer,
+    ):
+        assert sorted(int(i) for b in layer for i in b["x"]) == list(range(10))
+
+
 def test_chunk_size_smaller_than_a_batch() -> None:
     with pytest.raises(ConfigurationError, match="chunk_size=4 is smaller than batch_size=8"):
-        LayerConfig.parse(batch_size=8, chunk_size=4)
+        LayerConfig.parse({"batch_size": 8, "chunk_size": 4})
 
 
 def test_default_blocks_are_large_but_at_least_192_per_chunk() -> None:

@@ -288,7 +288,7 @@ def test_the_ramp_of_a_large_streaming_epoch_mixes(stored_rows: int) -> None:
     chunks of 1,024 rows, 8 lanes, to 0.67-0.80)."""
     n, row_bytes = 2_000_000, 1024
     order_ = order_of(
-        LayerConfig.parse(batch_size=BATCH, shuffle=True, seed=1),
+        LayerConfig.parse({"batch_size": BATCH, "shuffle": True, "seed": 1}),
         row_bytes,
         2**20,
         stored_rows,
@@ -306,7 +306,7 @@ def test_the_last_chunk_of_a_streaming_epoch_mixes(epoch: int) -> None:
     plans them: the share is cut into two chunks of equal sizes. Cut into a full chunk and a
     remainder, the remainder was one block: about 20 batches of one class."""
     n, row_bytes = 2**20 + 5_000, 3080
-    config = LayerConfig.parse(batch_size=BATCH, shuffle=True, seed=1)
+    config = LayerConfig.parse({"batch_size": BATCH, "shuffle": True, "seed": 1})
     order_ = order_of(config, row_bytes, 2**20)
     assert order_.chunk_lanes == 1
     for even in (False, True):

@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import h5py
@@ -219,11 +219,10 @@ async def test_one_file_of_several_without_a_lease(tmp_path: Path, mode: bool | 
     assert str(tmp_path / "part1.h5") in note
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_sync_facade(tmp_path: Path, backend: Literal["asyncio", "trio"]) -> None:
+def test_sync_facade(tmp_path: Path) -> None:
     path = write_h5(tmp_path / "one.h5", 0, N)
     with HDF5DataLayer(
-        path, batch_size=100, shuffle=True, seed=1, chunk_size=1000, mmap=True, backend=backend
+        path, batch_size=100, shuffle=True, seed=1, chunk_size=1000, mmap=True
     ) as layer:
         for epoch in range(2):
             check_epoch(list(layer), N, 100, epoch)
@@ -448,7 +447,7 @@ async def test_rows_carried_into_the_next_chunk_are_checked_when_carried(
     path = write_h5(tmp_path / "one.h5", 0, 300)
     with h5py.File(path, "r") as f:
         offset, row = f["data"].id.get_offset(), f["data"].dtype.itemsize * 2
-    from asynchdf5._carry import carry as real
+    from asynchdf5._gather import carry as real
 
     carried: list[int] = []
 

@@ -55,7 +55,7 @@ def test_the_sync_and_async_layers_take_the_same_properties() -> None:
     sync = inspect.signature(asynchdf5.HDF5DataLayer)
     both = inspect.signature(asynchdf5.AsyncHDF5DataLayer)
     assert sync == both
-    assert "backend" in both.parameters and "batch_size" in both.parameters
+    assert "batch_size" in both.parameters and "backend" not in both.parameters  # deprecated
 
 
 def test_import_does_not_import_cupy() -> None:

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,7 +32,7 @@ from ._helpers import examples
 from ._leaks import assert_released, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNNERS = 4  # trial runners side by side, half on each backend: a busy machine is where it hung
+RUNNERS = 4  # trial runners side by side: a busy machine is where it hung
 #: Trials in the normal run (a multiple of RUNNERS); ``nox -s stress`` runs ten times as many,
 #: as many as the deadlines below allow.
 TRIALS = min(examples(48), 480) // RUNNERS * RUNNERS
@@ -45,8 +45,7 @@ def test_a_double_ctrl_c_always_exits(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def runner(i: int) -> list[str]:
-        backend = ("asyncio", "trio")[i % 2]
-        args = [source, backend, TRIALS // RUNNERS, i]
+        args = [source, TRIALS // RUNNERS, i]
         out = subprocess.run(
             [sys.executable, str(ROOT / "tests" / "_double_sigint.py"), *map(str, args)],
             capture_output=True,
@@ -56,12 +55,12 @@ def test_a_double_ctrl_c_always_exits(tmp_path: Path) -> None:
             check=False,
         )
         assert out.returncode == 0, out.stderr[-3000:]
-        return [f"{backend}: {line}" for line in out.stdout.split()]
+        return out.stdout.split()
 
     with ThreadPoolExecutor(RUNNERS) as pool:
         outcomes = Counter(o for lines in pool.map(runner, range(RUNNERS)) for o in lines)
     assert sum(outcomes.values()) == TRIALS
-    assert set(outcomes) <= {"asyncio: ok", "trio: ok"}, outcomes
+    assert set(outcomes) <= {"ok"}, outcomes
 
 
 def test_an_interrupt_held_back_comes_once_the_block_ends() -> None:
@@ -75,10 +74,9 @@ def test_an_interrupt_held_back_comes_once_the_block_ends() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("during", ["the graceful close", "the stop request"])
 def test_a_ctrl_c_at_the_worst_moment_of_the_close_still_ends_the_loop(
-    monkeypatch: pytest.MonkeyPatch, backend: Literal["asyncio", "trio"], during: str
+    monkeypatch: pytest.MonkeyPatch, during: str
 ) -> None:
     """The second Ctrl-C of the trials above, placed for sure: it arrives as the close crosses
     the bridge, before the call is queued (the first call: telling the layer to close; or the
@@ -94,7 +92,7 @@ def test_a_ctrl_c_at_the_worst_moment_of_the_close_still_ends_the_loop(
         return real(portal, func, *args)
 
     before = snapshot()
-    layer = MemoryDataLayer({"x": np.arange(1000)}, batch_size=10, backend=backend)
+    layer = MemoryDataLayer({"x": np.arange(1000)}, batch_size=10)
     with pytest.raises(KeyboardInterrupt):
         with layer:
             batches = iter(layer)
@@ -108,9 +106,8 @@ def test_a_ctrl_c_at_the_worst_moment_of_the_close_still_ends_the_loop(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_a_ctrl_c_while_the_loop_starts_leaves_no_thread(
-    monkeypatch: pytest.MonkeyPatch, backend: Literal["asyncio", "trio"]
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     real = BlockingPortal.__aenter__
 
@@ -121,7 +118,7 @@ def test_a_ctrl_c_while_the_loop_starts_leaves_no_thread(
     monkeypatch.setattr(BlockingPortal, "__aenter__", interrupted)
     before = snapshot()
     with pytest.raises(KeyboardInterrupt):
-        with MemoryDataLayer({"x": np.arange(100)}, batch_size=10, backend=backend):
+        with MemoryDataLayer({"x": np.arange(100)}, batch_size=10):
             pytest.fail("opened")
     assert_released(before, strict=False)
 
@@ -137,10 +134,7 @@ class Slow:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("process", [False, True], ids=["in-process", "process"])
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_the_loop_after_a_caught_ctrl_c_serves_whole_epochs(
-    tmp_path: Path, backend: Literal["asyncio", "trio"], process: bool
-) -> None:
+def test_the_loop_after_a_caught_ctrl_c_serves_whole_epochs(tmp_path: Path, process: bool) -> None:
     """The notebook pattern (issue 39, item 8): Ctrl-C while the ``for`` waits for the first
     batch of an epoch, caught, then the loop again on the open layer. The interrupted call was
     left waiting on the loop for the run's next group, so the next loop's wait on the same run
@@ -152,7 +146,6 @@ def test_the_loop_after_a_caught_ctrl_c_serves_whole_epochs(
         batch_size=10,
         chunk_size=40,
         transformers=[("data", Slow())],
-        backend=backend,
         process=process,
     ) as layer:
         for _ in layer:  # epoch 0, whole: the run goes on into epoch 1

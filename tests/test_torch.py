@@ -28,7 +28,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import asynchdf5._cache
 import asynchdf5.torch
 import asynchdf5.torch._dataset
-import asynchdf5.torch._epoch
 from asynchdf5 import ConfigurationError, StateError
 from asynchdf5.torch import HDF5IterableDataset, MemoryIterableDataset
 
@@ -207,13 +206,6 @@ def test_a_loader_with_more_workers_goes_on_with_the_next_epoch(source: Path) ->
     )
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_trio_backend(source: Path, workers: int) -> None:
-    ds = make("hdf5", source, shuffle=True, seed=12, backend="trio")
-    for _ in range(2):
-        exactly_once(epoch(DataLoader(ds, batch_size=None, num_workers=workers)))
-
-
 def test_unshuffled_batches_come_in_source_order(source: Path) -> None:
     with make("hdf5", source) as ds:
         got = np.concatenate([np.asarray(i) for i in indices(DataLoader(ds, batch_size=None))])
@@ -355,12 +347,12 @@ def test_kept_tensors_are_never_overwritten(kind: str, source: Path, workers: in
 
 def test_conversion_copies_only_what_torch_cannot_share() -> None:
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
-    t = asynchdf5.torch._epoch.as_tensor(a)
+    t = asynchdf5.torch._dataset.as_tensor(a)
     assert t.data_ptr() == a.ctypes.data
     readonly = a.copy()
     readonly.flags.writeable = False
     for odd in (readonly, a[::-1], np.broadcast_to(a[0], (3, 4))):
-        t = asynchdf5.torch._epoch.as_tensor(odd)  # no warning, no error: a copy
+        t = asynchdf5.torch._dataset.as_tensor(odd)  # no warning, no error: a copy
         assert torch.equal(t, torch.from_numpy(np.array(odd)))
 
 
@@ -653,6 +645,25 @@ def test_with_workers_the_main_process_neither_iterates_nor_saves(source: Path) 
 def test_bad_properties_fail_at_construction(source: Path, kw: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigurationError, match=match):
         make("hdf5", source, **kw)
+
+
+def test_the_datasets_pass_the_layers_properties_through() -> None:
+    """The adapter's keywords are the layer's, typed by the same registry (no list of its own):
+    every property reaches the layer, and a keyword that is none is refused as the layer does."""
+    import inspect
+
+    from asynchdf5._config import HDF5Properties, Properties
+
+    for cls, props in ((HDF5IterableDataset, HDF5Properties), (MemoryIterableDataset, Properties)):
+        keywords = inspect.signature(cls.__init__).parameters["properties"]
+        assert keywords.annotation == f"Unpack[{props.__name__}]", cls
+        assert vars(asynchdf5.torch)[props.__name__] is props
+    ds = MemoryIterableDataset({"x": np.arange(8)}, batch_size=2, prefetch=3, drop_last=True)
+    with ds:
+        assert ds._this_layer().config.prefetch == 3
+        assert ds._this_layer().config.drop_last
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chunk_size'"):
+        MemoryIterableDataset({"x": np.arange(8)}, batch_size=2, chunk_size=4)  # type: ignore[call-arg]
 
 
 def test_indices_must_not_shadow_a_top() -> None:

@@ -179,7 +179,7 @@ async def stream_async(settings: Settings) -> tuple[list[EpochReport], float, An
 
 def stream_sync(settings: Settings) -> tuple[list[EpochReport], float, Any]:
     """Stream the epochs with ``with`` / ``for`` through the sync facade."""
-    layer = HDF5DataLayer(backend=settings.backend, **settings.layer_kwargs())
+    layer = HDF5DataLayer(**settings.layer_kwargs())
     reports: list[EpochReport] = []
     opening = time.perf_counter()
     with layer:
@@ -303,7 +303,8 @@ def add_parser(commands: Any) -> None:
         "--backend",
         choices=("asyncio", "trio"),
         default="asyncio",
-        help="anyio backend of the event loop; trio must be installed (default: %(default)s)",
+        help="anyio backend of `async for`'s event loop (--sync runs on asyncio); trio must be "
+        "installed (default: %(default)s)",
     )
     demo.set_defaults(run=run)
 
@@ -331,7 +332,7 @@ def run_demo(args: argparse.Namespace, folder: Path) -> int:
         backend=args.backend,
     )
     api = "HDF5DataLayer, for" if args.sync else "AsyncHDF5DataLayer, async for"
-    mode = f"{api}, {args.backend} event loop"
+    mode = f"{api}, {'asyncio' if args.sync else args.backend} event loop"
     print(
         f"streaming {plural(args.epochs, 'epoch')} ({mode}): batch_size={args.batch_size}, "
         f"shuffle={args.shuffle}, chunk_size={args.chunk_size:,}, seed={args.seed}",

@@ -3,7 +3,8 @@ ceiling (blocking code, run outside any event loop).
 
 ``asynchdf5 bench`` runs them on the user's files; the benchmark suite's baselines
 (``benchmarks/baselines.py``) run the same two loops, :func:`read_ranges` and
-:func:`gather_epoch`, on its data sets: one definition of each limit."""
+:func:`gather_epoch`, on its data sets, over the same stored ranges (:func:`stored_ranges`):
+one definition of each limit."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .._catalog import Catalog
+from .._catalog import Catalog, build_catalog
 from .._layout import Layout
+from .._sources import LocalSource
 
 __all__ = [
     "READ_BYTES",
@@ -27,6 +29,7 @@ __all__ = [
     "raw_read",
     "read_ranges",
     "stored_ranges",
+    "stored_ranges_of",
 ]
 
 #: The raw read's buffer: the size of each ``preadv`` call.
@@ -100,6 +103,15 @@ def stored_ranges(catalog: Catalog) -> list[tuple[str, int, int]]:
         else:
             merged.append((name, offset, size))
     return merged
+
+
+def stored_ranges_of(paths: Sequence[str], tops: Sequence[str]) -> list[tuple[str, int, int]]:
+    """:func:`stored_ranges` of local HDF5 files (their catalog built, then closed, here)."""
+    source = LocalSource()
+    try:
+        return stored_ranges(build_catalog(source, list(paths), tuple(tops)))
+    finally:
+        source.close()
 
 
 def read_ranges(ranges: Iterable[tuple[str, int, int]], buffer: memoryview) -> tuple[int, float]:

@@ -8,18 +8,20 @@ are, and hands each batch over in the consumer's thread. Nothing above this seam
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .._batch import Batch
 from .._catalog import TopInfo
 from .._specs import GroupSpec
 from .._stats import GatherStats
-from ..transforms import Transformer
 from ._cuda import CudaDelivery, DeviceMemoryStats
 from ._device import INSTALL_HINT, parse_device
 from ._host import BatchBuffers, HostDelivery, line_offset
+
+if TYPE_CHECKING:  # a type only: the configuration imports this package (parse_device)
+    from .._config import LayerConfig
 
 __all__ = [
     "INSTALL_HINT",
@@ -105,16 +107,10 @@ class Delivery(Protocol):
         ...
 
 
-def make_delivery(
-    device: object,
-    transformers: Sequence[tuple[str, Transformer]],
-    batch_size: int,
-    prefetch: int,
-    *,
-    reuse_buffers: bool,
-) -> Delivery:
-    """The delivery for ``device`` (None: host). A device is resolved now (CuPy imported, the
-    GPU checked), so a layer fails at construction when it cannot deliver there."""
-    if device is None:
-        return HostDelivery(transformers)
-    return CudaDelivery(device, transformers, batch_size, prefetch, reuse_buffers=reuse_buffers)
+def make_delivery(config: LayerConfig) -> Delivery:
+    """The delivery for the layer's ``device`` (None: host). A device is resolved now (CuPy
+    imported, the GPU checked), so a layer fails at construction when it cannot deliver
+    there."""
+    if config.device is None:
+        return HostDelivery(config.transformers)
+    return CudaDelivery.for_layer(config)

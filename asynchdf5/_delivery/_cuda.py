@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from ._cuda_memory import (
     Staging,
 )
 from ._device import resolve_device
+
+if TYPE_CHECKING:  # a type only: the configuration imports this package (parse_device)
+    from .._config import LayerConfig
 
 __all__ = ["CudaDelivery", "DeviceMemoryStats"]
 
@@ -101,6 +104,17 @@ class CudaDelivery:
     group_batches = 16
     #: CuPy and the CUDA driver run in the gather threads (and the transformers, if any).
     runs_user_code = True
+
+    @classmethod
+    def for_layer(cls, config: LayerConfig) -> CudaDelivery:
+        """The delivery of a layer whose ``device`` is set."""
+        return cls(
+            config.device,
+            config.transformers,
+            config.batch_size,
+            config.prefetch,
+            reuse_buffers=config.reuse_buffers,
+        )
 
     def __init__(
         self,

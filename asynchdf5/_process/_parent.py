@@ -1,4 +1,5 @@
-"""The layer's side of ``process=True``: the helper process, and the runs it serves.
+"""The layer's side of ``process=True``: the helper process (started as ``spawn`` starts one,
+and reaped), and the runs it serves.
 
 :class:`ProcessReader` stands where the reader stands in a layer that runs its pipeline itself:
 the layer's :class:`~asynchdf5._consumer.Consumer` opens it, asks it for runs
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import socket
 import subprocess
@@ -42,14 +44,15 @@ from .._gathering import EpochEnd, Failure, Item
 from .._stats import GatherStats, Stats
 from ._errors import rebuild
 from ._runs import RemoteRun, Uploader
-from ._spawn import reap, spawn
 from ._wire import MAX_MESSAGE, Segment, recv, refcounts_are_reliable, send, socket_pair
 
 if TYPE_CHECKING:
     from .._delivery import Delivery
     from .._pipeline import Mode
 
-__all__ = ["ProcessReader", "forget_kept_interrupts", "raise_kept_interrupt"]
+__all__ = ["EXIT_WAIT_S", "ProcessReader", "forget_kept_interrupts", "raise_kept_interrupt"]
+
+_log = logging.getLogger("asynchdf5")
 
 #: Ctrl-Cs that came while a finalizer of ours ran (:meth:`ProcessReader._released`), where
 #: Python would print "Exception ignored" and the loop would go on. Only the main thread gets
@@ -332,3 +335,48 @@ class ProcessReader:
 
 async def _wait_readable(sock: socket.socket) -> None:
     await anyio.wait_readable(sock)
+
+
+# --- starting and reaping the helper ----------------------------------------------------------
+
+#: How long closing waits for the helper to exit before it is killed.
+EXIT_WAIT_S = 10.0
+
+
+def spawn(sock: socket.socket, payload: bytes) -> subprocess.Popen[bytes]:
+    """Start ``python -m asynchdf5._serve FD`` (a fresh interpreter: fork and exec at once, as
+    the ``spawn`` start method does, never a fork of this process and its threads) and write
+    ``payload`` to its standard input."""
+    fd = sock.fileno()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asynchdf5._serve", str(fd)],
+        stdin=subprocess.PIPE,
+        pass_fds=(fd,),
+        env=_child_env(),
+    )
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(payload)
+        proc.stdin.close()
+    except BaseException:
+        reap(proc, 0)
+        raise
+    return proc
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment, with this package importable from where it was imported."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def reap(proc: subprocess.Popen[bytes], wait: float = EXIT_WAIT_S) -> None:
+    """Wait for ``proc`` to exit; kill it after ``wait`` seconds."""
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        _log.warning("asynchdf5: the helper process %d did not exit: killed", proc.pid)
+        proc.kill()
+        proc.wait()

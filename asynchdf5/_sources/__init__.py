@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._base import ByteRange, Source, StoredFile, Streaming, is_url
 from ._entries import SourceLike, is_hdf5_file, name_entry, resolve_source
 from ._local import LocalSource
 from ._remote import RemoteSource
+
+if TYPE_CHECKING:  # a type only: the configuration sits above the sources
+    from .._config import LayerConfig
 
 __all__ = [
     "ByteRange",
@@ -63,6 +66,11 @@ class SourceOptions:
     storage_options: Mapping[str, Any] | None = None
     cache: str | None = None
     cache_bytes: int | None = None
+
+    @classmethod
+    def of(cls, config: LayerConfig) -> SourceOptions:
+        """A layer's options, from its configuration."""
+        return cls(config.storage_options, config.remote_cache, config.remote_cache_bytes)
 
     def resolve(self, source: SourceLike) -> list[str]:
         """:func:`resolve_source` with these options."""

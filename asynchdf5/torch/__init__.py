@@ -68,8 +68,14 @@ How it works, for whoever carries it on:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover
+    from typing_extensions import Unpack
 
 try:  # the modules of this package import from it
     import torch  # noqa: F401
@@ -80,6 +86,7 @@ except ImportError as exc:  # tested with torch hidden from the import system
     ) from exc
 
 from .._cache import default_cache_bytes
+from .._config import HDF5Properties, Properties
 from .._hdf5 import HDF5DataLayer
 from .._layer import LayerBase
 from .._memory import MemoryDataLayer
@@ -170,7 +177,7 @@ class HDF5IterableDataset(LayerDataset):
         *,
         indices: bool = False,
         num_workers: int | None = None,
-        **properties: Any,
+        **properties: Unpack[HDF5Properties],
     ) -> None:
         self._source: Any = source
         super().__init__(properties, indices=indices, num_workers=num_workers)
@@ -238,7 +245,7 @@ class MemoryIterableDataset(LayerDataset):
         *,
         indices: bool = False,
         num_workers: int | None = None,
-        **properties: Any,
+        **properties: Unpack[Properties],
     ) -> None:
         self._data = data
         super().__init__(properties, indices=indices, num_workers=num_workers)

@@ -1,5 +1,6 @@
 """What both datasets share: one layer per process, the shares of DataLoader workers, epochs
-and resume (see the package's docstring)."""
+(:class:`Epoch`, and its batches as tensors) and resume (see the package's docstring), and
+what Lightning is told about them (:func:`quiet_len_warning`)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,12 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.dlpack import from_dlpack
 
 from .._batch import Batch
 from .._errors import ConfigurationError, StateError
 from .._layer import LayerBase
 from .._resume import batches_before
-from ._epoch import INDICES, STREAMS, Epoch, Tensors, as_tensor
-from ._lightning import quiet_len_warning
 from ._shared import Ring
 
 if sys.version_info >= (3, 11):
@@ -30,6 +30,98 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     from typing_extensions import Self
 
+
+#: The key of the global indices in a batch, with ``indices=True``.
+INDICES = "indices"
+#: ... and with several streams, the stream of each row (an index into ``stream_names``).
+STREAMS = "streams"
+
+Tensors = dict[str, torch.Tensor]
+
+
+def as_tensor(array: Any) -> torch.Tensor:
+    """``array`` as a tensor over the same memory (a copy only where torch cannot share it)."""
+    if type(array).__module__.startswith("cupy"):  # a device batch: DLPack, stream-ordered
+        return from_dlpack(array)
+    a = np.asarray(array)
+    if not a.flags.writeable or any(s < 0 for s in a.strides):
+        a = np.array(a)  # from_numpy warns on read-only memory, refuses negative strides
+    return torch.from_numpy(a)
+
+
+class Epoch(Iterator[Tensors]):
+    """One epoch of a dataset, in the process that iterates it.
+
+    Deliberately without ``state_dict``: torchdata's StatefulDataLoader then saves the dataset's
+    state, which says where the layer's consumer is at the moment it is asked.
+    """
+
+    def __init__(self, dataset: LayerDataset) -> None:
+        self._dataset = dataset
+        self._batches: Iterator[Batch] | None = None
+        self._started = False
+        self._done = False
+
+    def __iter__(self) -> Epoch:
+        return self
+
+    def __next__(self) -> Tensors:
+        if self._done:
+            raise StopIteration
+        ds = self._dataset
+        if self._batches is None:
+            self._batches = ds._begin(self)
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            self._done, self._batches = True, None
+            ds._ended()
+            raise
+        except BaseException:
+            self._done, self._batches = True, None
+            raise
+        if not self._started:
+            self._started = True
+            ds._started(batch.epoch)
+        return ds._tensors(batch)
+
+    def close(self) -> None:
+        """Leave the epoch (what ``break`` does to a layer's ``for``)."""
+        self._done = True
+        batches, self._batches = self._batches, None
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+
+
+# --- Lightning ---------------------------------------------------------------------------------
+
+#: The start of Lightning's message (a regular expression, matched at the message's start).
+LEN_WARNING = r"Your `IterableDataset` has `__len__` defined"
+#: The modules it is raised from: the ``lightning`` package and the standalone one.
+LEN_WARNING_MODULES = r"(lightning\.pytorch|pytorch_lightning)\.utilities\.data"
+
+
+def quiet_len_warning() -> None:
+    """Ignore Lightning's warning about ``__len__`` of an ``IterableDataset``. Idempotent: the
+    filter is moved to the front, never duplicated.
+
+    Lightning warns, for every ``IterableDataset`` that has ``__len__``, that the length "could
+    be inaccurate if each worker is not configured independently" (``has_len_all_ranks`` in
+    ``lightning.pytorch.utilities.data``, on every ``fit``). For these datasets it is accurate
+    by construction: each rank's epoch has the same number of batches, and DataLoader workers
+    split that rank's batch plan among themselves, so ``len()`` is the batches the loader yields
+    whatever ``num_workers``. Lightning has no way to be told so but a warnings filter, and the
+    warning is a plain ``UserWarning``; so making a dataset installs a filter for that one
+    message, raised from that one Lightning module, and nothing else (another IterableDataset in
+    the same process loses the same warning, which says nothing about asynchdf5's).
+    """
+    warnings.filterwarnings(
+        "ignore", message=LEN_WARNING, category=UserWarning, module=LEN_WARNING_MODULES
+    )
+
+
+# --- the dataset -------------------------------------------------------------------------------
 
 #: The most DataLoader workers a dataset serves (each has an entry in the shared board).
 MAX_WORKERS = 256

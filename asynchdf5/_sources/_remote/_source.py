@@ -55,7 +55,7 @@ class RemoteSource:
     storage_options
         Options for the fsspec filesystem (credentials, ``endpoint_url``, ...).
     cache, cache_bytes
-        The layer's ``remote_cache`` folder and ``remote_cache_bytes`` bound (see
+        The layer's ``remote_cache`` folder and the most bytes it may hold (see
         :class:`DiskCache`).
     """
 
