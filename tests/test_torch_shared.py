@@ -77,3 +77,17 @@ def test_a_slot_descriptor_crosses_once_and_ended_workers_are_forgotten(
         assert mapped <= 3 * 2 * _shared.SLOTS  # not one per batch
         rings = {token for token, _ in _shared._MAPPED}
         assert len(rings) <= 2  # the last epoch's workers' only
+
+
+def test_a_deep_prefetch_still_finds_slots(tmp_path: Path) -> None:
+    """``prefetch_factor=8`` keeps eight batches of each worker in flight: every one still goes
+    through a slot (a worker falling back to torch's fresh shared memory is many times slower)."""
+    source, _ = write_source(tmp_path / "data", (250, 13, 337))
+    with HDF5IterableDataset(source, batch_size=16, shuffle=True, seed=4, indices=True) as ds:
+        loader = DataLoader(ds, batch_size=None, num_workers=2, prefetch_factor=8)
+        seen: list[int] = []
+        for batch in loader:
+            assert not batch["label"].is_shared()  # through a slot
+            assert torch.equal(batch["label"], batch["indices"])
+            seen += batch["indices"].tolist()
+        assert sorted(seen) == list(range(600))

@@ -35,9 +35,12 @@ import torch
 from .._batch import Batch
 from .._process import Segment, needed, write_batch
 
-#: Slots per worker: the DataLoader's batches in flight (``prefetch_factor``, 2 by default),
-#: the one the loop holds, one being pinned, and room.
-SLOTS = 6
+#: The most slots a worker makes: the DataLoader's batches in flight (``prefetch_factor``, 2 by
+#: default, which a worker cannot see), the one the loop holds, one being pinned, and room. A
+#: slot is made only when every one made is in use, so a loader with the default
+#: ``prefetch_factor`` makes about five; one with ``prefetch_factor`` up to about 12 still
+#: finds a slot free.
+SLOTS = 16
 
 #: A ring's name: its worker's process id, and a number of its own (process ids are reused).
 Token = tuple[int, int]
