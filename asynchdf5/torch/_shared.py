@@ -37,9 +37,8 @@ from .._process import Segment, needed, write_batch
 
 #: The most slots a worker makes: the DataLoader's batches in flight (``prefetch_factor``, 2 by
 #: default, which a worker cannot see), the one the loop holds, one being pinned, and room. A
-#: slot is made only when every one made is in use, so a loader with the default
-#: ``prefetch_factor`` makes about five; one with ``prefetch_factor`` up to about 12 still
-#: finds a slot free.
+#: slot is made only when every one made is in use, so a worker makes about
+#: ``prefetch_factor + 1``, and one with ``prefetch_factor`` up to about 12 still finds one free.
 SLOTS = 16
 
 #: A ring's name: its worker's process id, and a number of its own (process ids are reused).
