@@ -53,7 +53,7 @@ class Record(keras.callbacks.Callback):  # type: ignore[misc]
             raise Crash(f"after step {step}")
 
 
-class Seen(PyDataset):  # type: ignore[misc]
+class Seen(PyDataset):
     """The dataset, noting the labels of each batch served in a training epoch (by epoch)."""
 
     def __init__(self, layer: HDF5DataLayer) -> None:

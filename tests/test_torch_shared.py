@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from asynchdf5._process import Segment
 from asynchdf5.torch import HDF5IterableDataset, _shared
 
 from ._files import write_source
@@ -55,7 +56,7 @@ def test_a_slot_descriptor_crosses_once_and_ended_workers_are_forgotten(
     source, _ = write_source(tmp_path / "data", (250, 13, 337))
     mapped = 0  # slots mapped in this process: one per descriptor received
 
-    class Counted(_shared.Segment):
+    class Counted(Segment):
         def __init__(self, fd: int, size: int) -> None:
             nonlocal mapped
             mapped += 1  # in the workers too, on their own copy of the count
