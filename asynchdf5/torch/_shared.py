@@ -24,6 +24,7 @@ the main process's mappings hold it).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.reduction import DupFd
@@ -47,6 +48,7 @@ Token = tuple[int, int]
 #: In the main process: the slots mapped, by ring and slot number, with each slot's generation
 #: (a slot grown for a larger batch is a new segment, sent again).
 _MAPPED: dict[tuple[Token, int], tuple[int, Segment]] = {}
+_MAPPING = threading.Lock()
 
 
 class SharedBatch:
@@ -93,15 +95,17 @@ def _map(token: Token, index: int, generation: int, dup: Any, size: int) -> Segm
                 f"{token[0]} came before the slot's memory"
             )
         return kept[1]
-    if all(t != token for t, _ in _MAPPED):  # a new ring: forget the slots of ended workers
-        for gone in [k for k in _MAPPED if not _alive(k[0][0])]:
-            del _MAPPED[gone]
     fd = dup.detach()
     try:
         segment = Segment(fd, size)
     finally:
         os.close(fd)
-    _MAPPED[key] = (generation, segment)
+    with _MAPPING:  # loaders with pin_memory unpickle in threads of their own
+        keys = list(_MAPPED)
+        if all(t != token for t, _ in keys):  # a new ring: forget the slots of ended workers
+            for gone in [k for k in keys if not _alive(k[0][0])]:
+                del _MAPPED[gone]
+        _MAPPED[key] = (generation, segment)
     return segment
 
 
