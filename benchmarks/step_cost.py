@@ -26,7 +26,15 @@ Loaders (``--loaders``):
 * ``process``: the library's own helper process, ``HDF5DataLayer(..., process=True)``, plain
   ``for``;
 * ``async_process``: ``AsyncHDF5DataLayer(..., process=True)``, ``async for`` on asyncio;
-* ``torch_process``: ``asynchdf5.torch`` with ``process=True``, ``num_workers=0``.
+* ``torch_process``: ``asynchdf5.torch`` with ``process=True``, ``num_workers=0``;
+* ``lightning``: what a ``lightning.Trainer`` iterates: ``asynchdf5.torch.StatefulDataLoader``
+  over the dataset, in Lightning's ``CombinedLoader`` (the Trainer's own hooks not included);
+* ``keras``: :class:`asynchdf5.keras.PyDataset` through Keras's adapter and JAX iterator (what
+  ``model.fit`` iterates on the JAX backend, CPU), its ``Position`` callback told of each batch;
+* ``jax``: :class:`asynchdf5.jax.Loader` over :func:`asynchdf5.jax.layer`, on the CPU device.
+
+A client loader whose packages are not installed (:data:`~.step_cost_loaders.NEEDS`) is skipped,
+with a note saying what it needs.
 
 Every asynchdf5 loader uses default properties with ``shuffle=True, seed=0``, ``chunk_size``
 ``--chunk-size`` and batches of 256. ``--switch-interval`` sets ``sys.setswitchinterval`` in the
@@ -39,6 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import importlib.util
 import json
 import os
 import subprocess
@@ -55,8 +64,10 @@ from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
 from benchmarks.step_clock import Clock, calibrate, thread_sched, threads_snapshot
 from benchmarks.step_cost_loaders import (
     BATCH,
+    ENV,
     LAYER_OPTIONS,
     LOADERS,
+    NEEDS,
     SYNC,
     Pair,
     async_batches,
@@ -176,7 +187,9 @@ def _warm(paths: tuple[Path, ...]) -> None:
 
 
 def run_child(spec: dict[str, Any], files: data.DatasetFiles, timeout: float) -> dict[str, Any]:
-    env = os.environ | {"STEP_COST_FILES": json.dumps(files.to_json())}
+    env = (
+        os.environ | {"STEP_COST_FILES": json.dumps(files.to_json())} | ENV.get(spec["loader"], {})
+    )
     cmd = [sys.executable, "-m", "benchmarks.step_cost", "--child", json.dumps(spec)]
     root = Path(__file__).resolve().parent.parent
     try:
@@ -191,6 +204,11 @@ def run_child(spec: dict[str, Any], files: data.DatasetFiles, timeout: float) ->
             return result
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"loader": spec["loader"], "repeat": spec["repeat"], "error": " | ".join(tail)}
+
+
+def missing(name: str) -> list[str]:
+    """The packages loader ``name`` needs that are not installed."""
+    return [m for m in NEEDS.get(name, ()) if importlib.util.find_spec(m) is None]
 
 
 def _range(values: list[float], fmt: str = "{:.3f}") -> str:
@@ -238,10 +256,13 @@ def render(out: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in cfg["loaders"]:
-        runs = [r for r in out["runs"] if r["loader"] == name and "error" not in r]
+        runs = [r for r in out["runs"] if r["loader"] == name and "median_ratio" in r]
         errors = [r["error"] for r in out["runs"] if r["loader"] == name and "error" in r]
+        skipped = [r["skipped"] for r in out["runs"] if r["loader"] == name and "skipped" in r]
         if runs:
             lines.append(_row(name, runs, len(errors)))
+        elif skipped:
+            lines.append(f"| {name} | skipped: {skipped[0]} |" + " |" * 11)
         else:
             lines.append(f"| {name} | error: {'; '.join(errors)} |" + " |" * 11)
     lines += [
@@ -253,7 +274,7 @@ def render(out: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name in cfg["loaders"]:
-        runs = [r for r in out["runs"] if r["loader"] == name and "error" not in r]
+        runs = [r for r in out["runs"] if r["loader"] == name and "median_ratio" in r]
         names = sorted(
             {t for r in runs for t in r["threads"]}, key=lambda t: (t != "MainThread", t)
         )
@@ -338,6 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for repeat in range(args.repeats):
         for name in loaders:
+            absent = missing(name)
+            if absent:
+                runs.append(
+                    {"loader": name, "repeat": repeat, "skipped": f"needs {', '.join(absent)}"}
+                )
+                print(f"# {name} #{repeat}: skipped, needs {absent}", file=sys.stderr)
+                continue
             _warm(files.paths)
             job = {
                 "loader": name,
@@ -379,8 +407,8 @@ def bench(rec: Any) -> None:
     cfg = result["config"]
     rec.param(**{k: cfg[k] for k in ("step_ms", "steps", "samples", "chunk_size", "repeats")})
     for r in result["runs"]:
-        if "error" in r:
-            rec.note(f"{r['loader']}: {r['error']}")
+        if "error" in r or "skipped" in r:
+            rec.note(f"{r['loader']}: {r.get('error') or 'skipped, ' + r['skipped']}")
             continue
         rec.figure(f"{r['loader']}: median step ÷ free step", r["median_ratio"], "ratio")
         rec.figure(f"{r['loader']}: p90 step ÷ free median", r["p90_ratio"], "ratio")

@@ -21,8 +21,10 @@ from benchmarks.config import IMAGE_SHAPE
 
 __all__ = [
     "BATCH",
+    "ENV",
     "LAYER_OPTIONS",
     "LOADERS",
+    "NEEDS",
     "SYNC",
     "Pair",
     "async_batches",
@@ -42,7 +44,24 @@ LOADERS = (
     "process",
     "async_process",
     "torch_process",
+    "lightning",
+    "keras",
+    "jax",
 )
+#: The packages a client loader needs (it is skipped, with a note, where one is missing).
+NEEDS: dict[str, tuple[str, ...]] = {
+    "torch": ("torch",),
+    "torch_process": ("torch",),
+    "dataloader": ("torch",),
+    "lightning": ("lightning", "torchdata"),
+    "keras": ("keras", "jax"),  # Keras on its JAX backend
+    "jax": ("jax",),
+}
+#: Environment of the child that measures a loader (set before anything is imported there).
+ENV: dict[str, dict[str, str]] = {
+    "keras": {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"},
+    "jax": {"JAX_PLATFORMS": "cpu"},
+}
 BATCH = 256
 #: Extra layer properties for this run (``--layer``), set in the child.
 LAYER_OPTIONS: dict[str, Any] = {}
@@ -118,6 +137,64 @@ def dataloader_batches(source: str, chunk_size: int) -> Iterator[Pair]:
             yield d.numpy(), label.numpy()
 
 
+def lightning_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    """What a ``lightning.Trainer`` iterates (docs/lightning.md): the dataset in
+    :class:`asynchdf5.torch.StatefulDataLoader`, inside Lightning's ``CombinedLoader``."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    from asynchdf5.torch import HDF5IterableDataset, StatefulDataLoader
+
+    kwargs = _kwargs(source, chunk_size)
+    del kwargs["tops"]
+    with HDF5IterableDataset(source, tops=("data", "label"), **kwargs) as ds:
+        loader = CombinedLoader(StatefulDataLoader(ds, batch_size=None), "max_size_cycle")
+        while True:
+            for batch, _, _ in loader:
+                yield batch["data"].numpy(), batch["label"].numpy()
+
+
+def keras_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    """What ``model.fit`` iterates on Keras's JAX backend, on the CPU (docs/keras.md): the
+    :class:`asynchdf5.keras.PyDataset` through Keras's own adapter and JAX iterator, with the
+    :class:`~asynchdf5.keras.Position` callback told of each batch, as ``fit`` tells it."""
+    import numpy as np
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    from asynchdf5 import HDF5DataLayer
+    from asynchdf5.keras import PyDataset
+
+    with HDF5DataLayer(source, **_kwargs(source, chunk_size)) as layer:
+        data = PyDataset(layer, x="data", y="label")
+        adapter = PyDatasetAdapter(data)
+        position = data.position
+        position.set_params({"epochs": 1 << 30})
+        position.on_train_begin()
+        epoch = 0
+        while True:
+            adapter.on_epoch_begin()
+            position.on_epoch_begin(epoch)
+            for k, (x, y) in enumerate(adapter.get_jax_iterator()):
+                yield np.asarray(x), np.asarray(y)
+                position.on_train_batch_end(k)
+            adapter.on_epoch_end()  # Keras's epoch iterator ends, then the callbacks hear
+            position.on_epoch_end(epoch)
+            epoch += 1
+
+
+def jax_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    """:class:`asynchdf5.jax.Loader` over :func:`asynchdf5.jax.layer` (docs/jax.md): global
+    ``jax.Array``s on the CPU device, put ahead of the step; the step reads them as NumPy."""
+    import numpy as np
+
+    import asynchdf5.jax as aj
+
+    with aj.layer(source, **_kwargs(source, chunk_size)) as layer:
+        loader = aj.Loader(layer)
+        while True:
+            for batch in loader:
+                yield np.asarray(batch["data"]), np.asarray(batch["label"])
+
+
 def shm_batches(source: str, chunk_size: int) -> Iterator[Pair]:
     from benchmarks.shm_ring import ShmRing
 
@@ -133,4 +210,7 @@ SYNC: dict[str, Callable[[str, int], Iterator[Pair]]] = {
     "shm": shm_batches,
     "process": lambda source, chunk: layer_batches(source, chunk, process=True),
     "torch_process": lambda source, chunk: torch_batches(source, chunk, process=True),
+    "lightning": lightning_batches,
+    "keras": keras_batches,
+    "jax": jax_batches,
 }

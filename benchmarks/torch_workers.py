@@ -1,19 +1,22 @@
-"""DataLoader workers with ``asynchdf5.torch``: samples/s at 0 and k workers, warm, with and without
-a CPU-heavy Python transformer (a per-sample augmentation that holds the GIL)
-(``python -m benchmarks run torch-workers``).
+"""DataLoader workers with ``asynchdf5.torch``: samples/s at 0 and 2 workers, warm, with no
+transformer, with one that holds the GIL for 2 ms of CPU per batch, and with a CPU-heavy
+per-sample Python augmentation (``python -m benchmarks run torch-workers``).
 
 Writes (once) N images (20,000; ``--quick``: 1,024) of 3x64x64 uint8 with an ``int64`` label into
-the data folder, reads them once to warm the page cache, then times whole epochs of
-``batch_size=256, shuffle=True`` through ``DataLoader(ds, batch_size=None, num_workers=k)`` after
-one untimed epoch, and records the median of the repeats. Also times what each batch costs to
-cross into the main process: ``share_memory_()`` of a fresh batch tensor, the copy torch makes of
-every batch a worker sends.
+the data folder, reads them once to warm the page cache, then, per transformer, keeps one
+``DataLoader(ds, batch_size=None, num_workers=k, persistent_workers=k > 0)`` of
+``batch_size=256, shuffle=True`` for each k, runs one untimed epoch through each (starting the
+workers and the pipelines), then times whole epochs alternating between them (k = 0, 2, 0, 2,
+...), so that the ratio ``num_workers=2 ÷ num_workers=0`` (of the medians) compares epochs taken
+under the same load. Also times what a batch would cost to cross into the main process the way
+PyTorch sends tensors: ``share_memory_()`` of a fresh batch tensor.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,7 @@ from benchmarks import data_special
 from benchmarks.report import Recorder
 
 BATCH = 256
+WORKERS = (0, 2)
 
 
 def augment(x: np.ndarray) -> np.ndarray:
@@ -38,23 +42,46 @@ def augment(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def rate(path: Path, workers: int, heavy: bool, repeats: int) -> float:
-    transformers = [("data", augment)] if heavy else []
-    ds = HDF5IterableDataset(
-        path, batch_size=BATCH, shuffle=True, seed=0, transformers=transformers
-    )
-    loader = DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
-    rates = []
+def python_2ms(x: np.ndarray) -> np.ndarray:
+    """A transformer costing 2 ms of CPU per batch, all of it holding the GIL (pure Python)."""
+    end = time.thread_time() + 0.002
+    while time.thread_time() < end:
+        pass
+    return x
+
+
+TRANSFORMERS: dict[str, Callable[[np.ndarray], np.ndarray] | None] = {
+    "no transformer": None,
+    "2 ms of GIL-holding Python per batch": python_2ms,
+    "augment (Python, per sample)": augment,
+}
+
+
+def rates(
+    path: Path, transformer: Callable[[np.ndarray], np.ndarray] | None, repeats: int
+) -> dict[int, float]:
+    """Median samples/s of ``repeats`` epochs at each worker count, epochs alternating."""
+    transformers = [("data", transformer)] if transformer is not None else []
+    datasets, loaders = [], {}
+    for k in WORKERS:
+        ds = HDF5IterableDataset(
+            path, batch_size=BATCH, shuffle=True, seed=0, transformers=transformers
+        )
+        datasets.append(ds)
+        loaders[k] = DataLoader(ds, batch_size=None, num_workers=k, persistent_workers=k > 0)
+    out: dict[int, list[float]] = {k: [] for k in WORKERS}
     try:
         for e in range(repeats + 1):
-            t = time.perf_counter()
-            n = sum(len(b["label"]) for b in loader)
-            if e:  # the first epoch starts the workers and the pipeline
-                rates.append(n / (time.perf_counter() - t))
+            for k, loader in loaders.items():
+                t = time.perf_counter()
+                n = sum(len(b["label"]) for b in loader)
+                if e:  # the first epoch starts the workers and the pipeline
+                    out[k].append(n / (time.perf_counter() - t))
     finally:
-        del loader
-        ds.close()
-    return statistics.median(rates)
+        loaders.clear()
+        for ds in datasets:
+            ds.close()
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def crossing(row_bytes: int) -> float:
@@ -69,17 +96,20 @@ def crossing(row_bytes: int) -> float:
 
 
 def bench(rec: Recorder) -> None:
-    """Median samples/s of the timed epochs at 0 and 2 workers, with and without the Python
-    augmentation, and the cost of one batch's ``share_memory_()``."""
-    n, repeats = (1024, 1) if rec.quick else (20_000, 3)
+    """Per transformer, median samples/s at 0 and 2 workers and their ratio (epochs
+    alternating in one run), and the cost of one batch's ``share_memory_()``."""
+    n, repeats = (1024, 1) if rec.quick else (20_000, 5)
     path = data_special.large_images(rec.data_dir / f"torch-workers-{n}", n)
     with open(path, "rb") as f:  # warm
         while f.read(2**24):
             pass
     rec.param(images=n, shape="3x64x64 uint8", batch=BATCH, repeats=repeats, shuffle=True)
-    for heavy in (False, True):
-        for k in (0, 2):
-            what = "augment (Python, per sample)" if heavy else "no transformer"
-            rec.figure(f"{what}, num_workers={k}", rate(path, k, heavy, repeats), "samples/s")
+    for what, transformer in TRANSFORMERS.items():
+        if rec.quick and transformer is augment:
+            continue  # the slowest; the two others run the same code
+        got = rates(path, transformer, repeats)
+        for k in WORKERS:
+            rec.figure(f"{what}, num_workers={k}", got[k], "samples/s")
+        rec.ratio(f"{what}: num_workers=2 ÷ num_workers=0", got[2], got[0])
     row = 3 * 64 * 64
     rec.figure("a batch crossing processes: share_memory_()", crossing(row) * 1e3, "ms")

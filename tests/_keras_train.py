@@ -53,6 +53,20 @@ class Record(keras.callbacks.Callback):  # type: ignore[misc]
             raise Crash(f"after step {step}")
 
 
+class Seen(PyDataset):
+    """The dataset, noting the labels of each batch served in a training epoch (by epoch)."""
+
+    def __init__(self, layer: HDF5DataLayer) -> None:
+        super().__init__(layer, x="data", y="label")
+        self.seen: dict[int, list[int]] = {}
+
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        item = super().__getitem__(index)
+        if self._in_keras_epoch:
+            self.seen.setdefault(self.epoch, []).extend(int(v) for v in item[1])
+        return item
+
+
 def layer(source: str) -> HDF5DataLayer:
     return HDF5DataLayer(source, batch_size=BATCH, shuffle=True, seed=3)
 
@@ -83,11 +97,16 @@ def main(source: str, folder: Path, saved: int) -> None:
 
     whole = model()
     with layer(source) as lay:
-        data = PyDataset(lay, x="data", y="label")
+        data = Seen(lay)
         per_epoch = len(data)
         reference = Record(data, folder)
         fit(whole, data, reference, 0, EPOCHS)
+        samples = lay.n_samples
     assert len(reference.states) == EPOCHS * per_epoch
+    # Two Keras epochs trained on two epochs of data: every sample once in each.
+    assert sorted(data.seen) == list(range(EPOCHS)), data.seen.keys()
+    for labels in data.seen.values():
+        assert sorted(labels) == list(range(samples)), labels
     assert reference.states == expected, "the states are not the batches trained on"
 
     with layer(source) as lay:
