@@ -27,6 +27,7 @@ from ._catalog_cache import CatalogCache, Described
 from ._errors import DataLayerError, SchemaError, SourceError
 from ._layout import ChunkIndex, Extent, Layout, ReadPath, describe
 from ._sources import LocalSource, Source, StoredFile, name_entry
+from ._windows import Windows, count_windows
 
 __all__ = [
     "SHUFFLED_ATTR",
@@ -60,11 +61,16 @@ SHUFFLED_ATTR = "shuffled"
 
 @dataclass(frozen=True)
 class TopInfo:
-    """A top: its name, the dtype of its samples (native byte order) and their shape."""
+    """A top: its name, the dtype of its samples (native byte order) and their shape.
+
+    ``windows``: the top is cut from a 1-D dataset as :class:`~asynchdf5.Windows` ``(length,
+    stride)`` (its rows are windows; the layouts say where the dataset's elements are).
+    """
 
     name: str
     dtype: np.dtype[Any]
     sample_shape: tuple[int, ...]
+    windows: tuple[int, int] | None = None
     #: Bytes of one sample (computed once: the chunk reader asks for it per byte range).
     row_bytes: int = field(init=False, repr=False, compare=False)
 
@@ -423,9 +429,11 @@ def _describe_file(
     cached = kept.lookup(file, tops) if kept is not None else None
     described: dict[str, Described] = {}
     rows: dict[str, int] = {}
+    elements: dict[str, int] = {}  # the stream's length, for a Windows top
     layouts: dict[str, Layout] = {}
     h5: h5py.File | None = None
-    for name in tops:
+    for top in tops:
+        name = str(top)  # a plain name (a Windows top is one, saying how to cut it besides)
         found: FoundTop | None = None
         if cached is not None:
             stored_dtype, full_shape, layout = cached.tops[name]
@@ -440,9 +448,20 @@ def _describe_file(
             found = find_top(file.name, h5, name)
             native, shape = found.dtype, found.sample_shape
             full_shape = tuple(int(n) for n in found.dset.shape)
+        windows = None
+        nrows = full_shape[0]
+        if isinstance(top, Windows):
+            windows = (top.length, top.stride)
+            if len(full_shape) != 1:
+                raise SchemaError(
+                    f"{file.name}: top {top!r} cuts windows from a 1-D dataset, but {name!r} "
+                    f"has shape {full_shape}"
+                )
+            shape, nrows = (top.length,), count_windows(full_shape[0], top.length, top.stride)
+            elements[name] = full_shape[0]
         spec = specs.get(name)
         if spec is None:
-            specs[name] = TopInfo(name, np.dtype(native.str), shape)
+            specs[name] = TopInfo(name, np.dtype(native.str), shape, windows)
             first_file[name] = file.name
         elif spec.sample_shape != shape or spec.dtype != native:
             raise SchemaError(
@@ -450,7 +469,7 @@ def _describe_file(
                 f"but {first_file[name]} has shape {spec.sample_shape} and dtype "
                 f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
             )
-        rows[name] = full_shape[0]
+        rows[name] = nrows
         if found is not None:
             layout = _layout_of(source, file, found, name, touched, needed)
             described[name] = (found.dset.dtype, full_shape, layout)
@@ -458,6 +477,16 @@ def _describe_file(
     counts = set(rows.values())
     if len(counts) > 1:
         detail = ", ".join(f"{k!r}: {v} rows" for k, v in rows.items())
+        cut = [t for t in tops if isinstance(t, Windows)]
+        if cut:
+            raise SchemaError(
+                f"{file.name}: the tops have different row counts ({detail}); "
+                + ", ".join(
+                    f"{w!r} cuts {rows[str(w)]} windows from {elements[str(w)]} elements"
+                    for w in cut
+                )
+                + ": every other top needs one row per window (row r is window r's sample)"
+            )
         raise SchemaError(
             f"{file.name}: the tops have different row counts ({detail}); row r of every "
             "top must be the same sample"
