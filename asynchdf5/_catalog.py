@@ -41,6 +41,7 @@ __all__ = [
     "Segment",
     "TopInfo",
     "build_catalog",
+    "categorical",
     "check_top",
     "compound_field",
     "describe_top",
@@ -49,6 +50,7 @@ __all__ = [
     "missing_top",
     "physical",
     "refuse_external_links",
+    "same_categories",
 ]
 
 #: How many of a file's datasets a "top is missing" message lists.
@@ -88,6 +90,8 @@ class FileInfo:
     layouts: dict[str, Layout]
     #: Its samples were written in a random order (the :data:`SHUFFLED_ATTR` attribute True).
     shuffled: bool = False
+    #: The category names of its tops that are categorical groups (:func:`categorical`).
+    categories: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -110,6 +114,9 @@ class Catalog:
 
     files: list[FileInfo]
     tops: dict[str, TopInfo]
+    #: The category names of each top that is a categorical group, in code order (the same in
+    #: every file: checked when the catalog is built).
+    categories: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     n_samples: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -236,6 +243,52 @@ def _check_dtype(name: str, top: str, dt: np.dtype[Any]) -> None:
             f"{name}: top {top!r} has dtype {dt}; only bool, integer, float and complex are "
             f"supported{route}"
         )
+
+
+#: The attribute that names a group's encoding (AnnData's ``encoding-type``).
+ENCODING_ATTR = "encoding-type"
+
+
+def _text(value: object) -> object:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def categorical(name: str, h5: h5py.File, top: str) -> tuple[str, tuple[Any, ...]] | None:
+    """When ``top`` names a categorical group (AnnData's ``encoding-type="categorical"``, or a
+    group of exactly ``codes`` and ``categories`` datasets, as pandas' categoricals are written
+    by AnnData): the path of its codes (the top's rows) and its category names, in code order
+    (``str`` for strings, else numbers). None when ``top`` is not a group. Raises SchemaError
+    for a group that says it is categorical and is not."""
+    try:
+        obj = h5.get(top)
+    except (KeyError, OSError, TypeError, ValueError):
+        return None
+    if not isinstance(obj, h5py.Group):
+        return None
+    said = _text(obj.attrs.get(ENCODING_ATTR))
+    keys = set(obj.keys())
+    if said != "categorical" and not (said is None and keys == {"codes", "categories"}):
+        return None
+    codes, names = obj.get("codes"), obj.get("categories")
+    if not isinstance(codes, h5py.Dataset) or not isinstance(names, h5py.Dataset):
+        raise SchemaError(
+            f"{name}: top {top!r} is a categorical group, but does not hold the datasets "
+            f"'codes' and 'categories' (it holds {sorted(keys)})"
+        )
+    if names.ndim != 1:
+        raise SchemaError(
+            f"{name}: top {top!r}: its categories are of shape {names.shape}, not a list"
+        )
+    if h5py.check_string_dtype(names.dtype) is not None:
+        values = tuple(str(_text(v)) for v in names.asstr()[()]) if names.size else ()
+    elif names.dtype.kind in "biuf":
+        values = tuple(names[()].tolist())
+    else:
+        raise SchemaError(
+            f"{name}: top {top!r}: its categories have dtype {names.dtype}; strings or numbers "
+            "are read"
+        )
+    return f"{top.rstrip('/')}/codes", values
 
 
 @dataclass(frozen=True)
@@ -399,6 +452,7 @@ def build_catalog(
         except DataLayerError as exc:
             name_entry(exc, entry)
             raise
+        same_categories(info, infos)
         infos.append(info)
         start += info.nrows
     if kept is not None:
@@ -410,7 +464,36 @@ def build_catalog(
         raise SourceError(
             f"the source's {len(infos)} file(s) hold no samples (every top has 0 rows)"
         )
-    return Catalog(infos, specs)
+    return Catalog(infos, specs, dict(infos[0].categories) if infos else {})
+
+
+def _shown(names: tuple[Any, ...]) -> str:
+    listed = ", ".join(repr(n) for n in names[:8])
+    return f"[{listed}{', ...' if len(names) > 8 else ''}] ({len(names)})"
+
+
+def same_categories(info: FileInfo, before: Sequence[FileInfo], where: str = "") -> None:
+    """SchemaError unless file ``info`` has the categories of the files ``before`` it: a code
+    must name the same category in every file (and a top is categorical in all or none)."""
+    if not before:
+        return
+    first = before[0]
+    for top in {*info.categories, *first.categories}:
+        mine, theirs = info.categories.get(top), first.categories.get(top)
+        if mine == theirs or top not in info.layouts or top not in first.layouts:
+            continue  # (a stream's own top is not another's)
+        if mine is None or theirs is None:
+            has, lacks = (info, first) if mine is not None else (first, info)
+            raise SchemaError(
+                f"{where}{info.name}: top {top!r} is a categorical group in {has.name} and not "
+                f"in {lacks.name}; its codes would mean different things"
+            )
+        raise SchemaError(
+            f"{where}{info.name}: top {top!r} has the categories {_shown(mine)}, but "
+            f"{first.name} has {_shown(theirs)}: a code must name the same category in every "
+            "file (recode them to one list of categories, e.g. with pandas' "
+            "Categorical.set_categories, before writing)"
+        )
 
 
 def _describe_file(
@@ -430,6 +513,7 @@ def _describe_file(
     described: dict[str, Described] = {}
     rows: dict[str, int] = {}
     elements: dict[str, int] = {}  # the stream's length, for a Windows top
+    categories: dict[str, tuple[Any, ...]] = {}  # of the tops that are categorical groups
     layouts: dict[str, Layout] = {}
     h5: h5py.File | None = None
     for top in tops:
@@ -445,7 +529,12 @@ def _describe_file(
                 touched[id(file)] = file
             if not file.local:
                 refuse_external_links(file.name, h5, name)
-            found = find_top(file.name, h5, name)
+            coded = categorical(file.name, h5, name)
+            if coded is not None:  # its codes are the rows; its names go to the catalog
+                found = find_top(file.name, h5, coded[0])
+                categories[name] = coded[1]
+            else:
+                found = find_top(file.name, h5, name)
             native, shape = found.dtype, found.sample_shape
             full_shape = tuple(int(n) for n in found.dset.shape)
         windows = None
@@ -472,7 +561,8 @@ def _describe_file(
         rows[name] = nrows
         if found is not None:
             layout = _layout_of(source, file, found, name, touched, needed)
-            described[name] = (found.dset.dtype, full_shape, layout)
+            if name not in categories:  # (the kept catalog does not hold category names)
+                described[name] = (found.dset.dtype, full_shape, layout)
         layouts[name] = layout
     counts = set(rows.values())
     if len(counts) > 1:
@@ -499,7 +589,7 @@ def _describe_file(
         shuffled = isinstance(said, (bool, np.bool_)) and bool(said)
         if kept is not None and described:
             kept.record(file, described, shuffled)
-    return FileInfo(file, counts.pop(), start, layouts, shuffled)
+    return FileInfo(file, counts.pop(), start, layouts, shuffled, categories)
 
 
 def _layout_of(
