@@ -30,6 +30,7 @@ from ._sources import LocalSource, Source, StoredFile, name_entry
 from ._windows import Windows, count_windows
 
 __all__ = [
+    "ENCODING_ATTR",
     "SHUFFLED_ATTR",
     "Catalog",
     "ChunkIndex",
