@@ -339,3 +339,33 @@ def test_memory_layer_cuts_windows_too() -> None:
         _check(_epoch(layer), want)
     with pytest.raises(SchemaError, match="1-D array"):
         MemoryDataLayer({"tokens": want}, tops=(Windows("tokens", 2),), batch_size=4)
+
+
+@pytest.mark.timeout(DEADLINE * 2)
+def test_a_kept_catalog_cuts_the_same_windows(tmp_path: Path) -> None:
+    """The catalog kept beside a list file holds the dataset's shape: a second run counts the
+    same windows from it (and another Windows of the same dataset its own)."""
+    paths = _write(tmp_path)
+    listed = tmp_path / "list.txt"
+    listed.write_text("".join(f"{p.name}\n" for p in paths))
+    for length, stride in ((6, 5), (6, 5), (9, 2)):
+        want = _expected(LENGTHS, length, stride)
+        top = Windows("tokens", length, stride)
+        with HDF5DataLayer(listed, tops=(top,), batch_size=5, shuffle=True) as layer:
+            _check(_epoch(layer), want)
+    # The same dataset as plain rows: its elements, one per sample.
+    with HDF5DataLayer(listed, tops=("tokens",), batch_size=50) as layer:
+        assert layer.n_samples == sum(LENGTHS)
+
+
+def test_expand_in_place_over_many_blocks() -> None:
+    """Windows moved forwards a block at a time (more than one block here) land as cut."""
+    from asynchdf5._windows import _BLOCK_BYTES, expand_in_place
+
+    length, stride = 300, 299
+    n = 3 * _BLOCK_BYTES // (length * 4) + 7
+    stream = np.arange((n - 1) * stride + length, dtype=np.int32)
+    dest = np.zeros((n, length), np.int32)
+    dest.reshape(-1)[n * length - len(stream) :] = stream
+    expand_in_place(dest, stride)
+    np.testing.assert_array_equal(dest, window_view(stream, length, stride))
