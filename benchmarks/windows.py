@@ -45,6 +45,8 @@ import h5py
 import numpy as np
 import numpy.typing as npt
 
+from benchmarks.page_cache import evict, resident_fraction
+
 BLOCK = 1024  # nanoGPT's block_size
 BATCH = 32
 ROUND = 40  # batches per timed round (warm)
@@ -158,6 +160,15 @@ def _timed(batches: Iterator[Any], n: int) -> float:
     return n * BATCH / (time.perf_counter() - t0)
 
 
+def page_in(paths: tuple[Path, ...]) -> dict[str, float | None]:
+    """Read each file once (into the page cache); the share of its pages resident after."""
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.read(1 << 24):
+                pass
+    return {p.name: resident_fraction(p) for p in paths}
+
+
 def warm(raw: Path, h5: Path, rounds: int, torch: Any) -> dict[str, Any]:
     """Both loaders in this process, alternating rounds; medians of samples/s."""
     with windows_layer(h5, seed=0) as layer:
@@ -238,7 +249,6 @@ def child(job_file: str) -> None:
 
 def limited(raw: Path, h5: Path, seconds: float, work: Path, torch: bool) -> dict[str, Any]:
     from benchmarks import cgroups
-    from benchmarks.page_cache import evict
 
     out: dict[str, Any] = {}
     for reader in ("windows", "nanogpt"):
@@ -304,7 +314,13 @@ def bench(rec: Recorder) -> None:
         load_average=list(os.getloadavg()),
     )
     raw, h5 = write(rec.data_dir / "windows", tokens)
+    before = page_in((raw, h5))
     w = warm(raw, h5, rounds, torch)
+    after = {p.name: resident_fraction(p) for p in (raw, h5)}
+    rec.note(
+        "warm: the files read once first; pages resident before / after the rounds: "
+        + ", ".join(f"{k} {before[k] or 0:.0%} / {after[k] or 0:.0%}" for k in before)
+    )
     rec.figure("warm, Windows", w["windows"], "samples/s")
     rec.figure("warm, nanoGPT get_batch", w["nanogpt"], "samples/s")
     rec.ratio("warm, Windows ÷ nanoGPT", w["windows"], w["nanogpt"])
