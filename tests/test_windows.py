@@ -33,6 +33,7 @@ from asynchdf5 import (
 )
 from asynchdf5._windows import count_windows, window_view
 
+from ._fake_cupy import FakeArray, FakeCupy
 from ._files import check_exactly_once
 from ._helpers import DEADLINE
 
@@ -369,3 +370,22 @@ def test_expand_in_place_over_many_blocks() -> None:
     dest.reshape(-1)[n * length - len(stream) :] = stream
     expand_in_place(dest, stride)
     np.testing.assert_array_equal(dest, window_view(stream, length, stride))
+
+
+@pytest.mark.anyio
+async def test_windows_reach_a_device(tmp_path: Path, fake_cupy: FakeCupy) -> None:
+    """The device upload (CuPy's stand-in: the control flow, not CUDA): windows are rows to it."""
+    length, stride = 7, 6
+    paths = _write(tmp_path)
+    want = _expected(LENGTHS, length, stride)
+    layer = AsyncHDF5DataLayer(
+        paths, tops=(Windows("tokens", length, stride),), batch_size=8, shuffle=True,
+        device="cuda",
+    )  # fmt: skip
+    batches = []
+    with anyio.fail_after(DEADLINE):
+        async with layer:
+            async for b in layer:
+                assert isinstance(b["tokens"], FakeArray)
+                batches.append({"indices": np.array(b.indices), "tokens": b["tokens"].get()})
+    _check(batches, want)
