@@ -17,8 +17,10 @@ torch is missing).
 
 Measured:
 
-* **warm** (the files in the page cache): both in this process, in alternating rounds of
-  ``ROUND`` batches after a warm-up; the median samples/s of each, and their ratio.
+* **warm** (both files read into the page cache first): both in this process, one after the
+  other, a few rounds: nanoGPT for a number of batches, then a layer opened, a whole epoch of
+  it (its read of the stream from the page cache included) and closed, so that none of its
+  threads runs while nanoGPT is timed; the median samples/s of each, and their ratio.
 * **limited** (out of core): each loader in a child process that joins a 512 MiB memory cgroup
   after its imports (:mod:`benchmarks.cgroups`; where none can be made, the run says so and
   measures without), its file evicted from the page cache first, the stream several times the
@@ -49,7 +51,7 @@ from benchmarks.page_cache import evict, resident_fraction
 
 BLOCK = 1024  # nanoGPT's block_size
 BATCH = 32
-ROUND = 40  # batches per timed round (warm)
+ROUND = 40  # nanoGPT's warm-up batches
 LIMIT_MIB = 512
 REGIONS = 10  # the tenths of the stream a sample's window starts in (mixing)
 
@@ -140,9 +142,12 @@ def windows_layer(h5: Path, seed: int) -> Any:
     return HDF5DataLayer(h5, tops=(top,), batch_size=BATCH, shuffle=True, seed=seed)
 
 
-def windows(layer: Any, torch: Any) -> Iterator[tuple[Any, Any, npt.NDArray[np.int64]]]:
-    """The layer's batches as nanoGPT's ``(x, y)``, with the windows' start offsets."""
-    for batch in layer.stream():
+def windows(
+    layer: Any, torch: Any, endless: bool = True
+) -> Iterator[tuple[Any, Any, npt.NDArray[np.int64]]]:
+    """The layer's batches (``stream()``, or one epoch) as nanoGPT's ``(x, y)``, with the
+    windows' start offsets."""
+    for batch in layer.stream() if endless else layer:
         t = batch["tokens"].astype(np.int64)
         if torch is not None:
             t = torch.from_numpy(t)
@@ -169,16 +174,28 @@ def page_in(paths: tuple[Path, ...]) -> dict[str, float | None]:
     return {p.name: resident_fraction(p) for p in paths}
 
 
-def warm(raw: Path, h5: Path, rounds: int, torch: Any) -> dict[str, Any]:
-    """Both loaders in this process, alternating rounds; medians of samples/s."""
-    with windows_layer(h5, seed=0) as layer:
-        mine, theirs = windows(layer, torch), nanogpt(raw, 0, torch)
-        _timed(mine, ROUND), _timed(theirs, ROUND)  # warm-up: page cache, slots, imports
-        rates: dict[str, list[float]] = {"windows": [], "nanogpt": []}
-        for _ in range(rounds):
-            rates["windows"].append(_timed(mine, ROUND))
-            rates["nanogpt"].append(_timed(theirs, ROUND))
-        mine.close()  # type: ignore[attr-defined]
+def layer_epoch(h5: Path, torch: Any, seed: int) -> float:
+    """A layer opened now and one whole epoch of it, its read of the stream included (and
+    nothing of it read ahead while something else was timed): samples/s from the opening."""
+    t0 = time.perf_counter()
+    n = 0
+    with windows_layer(h5, seed) as layer:
+        for x, _, _ in windows(layer, torch, endless=False):
+            _ = x[0, 0]  # (touched)
+            n += len(x)
+    return n / (time.perf_counter() - t0)
+
+
+def warm(raw: Path, h5: Path, rounds: int, nano_batches: int, torch: Any) -> dict[str, Any]:
+    """Both loaders in this process, one after the other, ``rounds`` times: nanoGPT for
+    ``nano_batches`` batches, then a layer's whole epoch (opened and closed in the round, so
+    that no reader thread of it runs while nanoGPT is timed); medians of samples/s."""
+    theirs = nanogpt(raw, 0, torch)
+    _timed(theirs, ROUND)  # warm-up: imports, the first maps
+    rates: dict[str, list[float]] = {"windows": [], "nanogpt": []}
+    for k in range(rounds):
+        rates["nanogpt"].append(_timed(theirs, nano_batches))
+        rates["windows"].append(layer_epoch(h5, torch, seed=k))
     return {k: statistics.median(v) for k, v in rates.items()} | {"rates": rates}
 
 
@@ -298,15 +315,15 @@ def limited(raw: Path, h5: Path, seconds: float, work: Path, torch: bool) -> dic
 def bench(rec: Recorder) -> None:
     """Warm, limited and mixing figures, as ratios of the layer to nanoGPT in one run."""
     tokens = (16 << 20) // 2 if rec.quick else (2 << 30) // 2
-    rounds, seconds, mix = (2, 0.5, 50) if rec.quick else (9, 20.0, 2000)
+    rounds, nano, seconds, mix = (2, 40, 0.5, 50) if rec.quick else (3, 600, 20.0, 2000)
     torch = _torch(not rec.quick)
     rec.param(
         tokens=tokens,
         stream_mib=tokens * 2 / 2**20,
         block=BLOCK,
         batch_size=BATCH,
-        round_batches=ROUND,
         rounds=rounds,
+        nanogpt_batches_per_round=nano,
         limit_mib=LIMIT_MIB,
         limited_seconds=seconds,
         mixing_batches=mix,
@@ -315,7 +332,7 @@ def bench(rec: Recorder) -> None:
     )
     raw, h5 = write(rec.data_dir / "windows", tokens)
     before = page_in((raw, h5))
-    w = warm(raw, h5, rounds, torch)
+    w = warm(raw, h5, rounds, nano, torch)
     after = {p.name: resident_fraction(p) for p in (raw, h5)}
     rec.note(
         "warm: the files read once first; pages resident before / after the rounds: "
