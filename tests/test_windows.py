@@ -389,3 +389,28 @@ async def test_windows_reach_a_device(tmp_path: Path, fake_cupy: FakeCupy) -> No
                 assert isinstance(b["tokens"], FakeArray)
                 batches.append({"indices": np.array(b.indices), "tokens": b["tokens"].get()})
     _check(batches, want)
+
+
+@pytest.mark.timeout(DEADLINE)
+def test_transformers_see_windows(tmp_path: Path) -> None:
+    length, stride = 5, 3
+    paths = _write(tmp_path)
+    want = _expected(LENGTHS, length, stride)
+
+    def shifted(x: np.ndarray) -> np.ndarray:
+        assert x.shape[1:] == (length,)
+        steps: np.ndarray = x[:, 1:] - x[:, :-1]  # the stream's steps: ones within a window
+        return steps
+
+    with HDF5DataLayer(
+        paths,
+        tops=(Windows("tokens", length, stride),),
+        batch_size=6,
+        shuffle=True,
+        transformers=[("tokens", shifted)],
+    ) as layer:
+        rows = 0
+        for b in layer:
+            assert (np.array(b["tokens"]) == 1).all() and b["tokens"].shape[1:] == (length - 1,)
+            rows += len(b.indices)
+    assert rows == len(want)
