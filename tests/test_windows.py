@@ -414,3 +414,24 @@ def test_transformers_see_windows(tmp_path: Path) -> None:
             assert (np.array(b["tokens"]) == 1).all() and b["tokens"].shape[1:] == (length - 1,)
             rows += len(b.indices)
     assert rows == len(want)
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+async def test_windows_on_a_real_gpu(tmp_path: Path, cupy_gpu: Any) -> None:
+    """The same windows, uploaded by the real CuPy (skipped without a CUDA GPU)."""
+    length, stride = 9, 8
+    paths = _write(tmp_path)
+    want = _expected(LENGTHS, length, stride)
+    layer = AsyncHDF5DataLayer(
+        paths, tops=(Windows("tokens", length, stride),), batch_size=8, shuffle=True,
+        device="cuda",
+    )  # fmt: skip
+    batches = []
+    with anyio.fail_after(DEADLINE):
+        async with layer:
+            async for b in layer:
+                assert isinstance(b["tokens"], cupy_gpu.ndarray)
+                got = cupy_gpu.asnumpy(b["tokens"])
+                batches.append({"indices": np.array(b.indices), "tokens": got})
+    _check(batches, want)
