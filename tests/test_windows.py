@@ -435,3 +435,23 @@ async def test_windows_on_a_real_gpu(tmp_path: Path, cupy_gpu: Any) -> None:
                 got = cupy_gpu.asnumpy(b["tokens"])
                 batches.append({"indices": np.array(b.indices), "tokens": got})
     _check(batches, want)
+
+
+@pytest.mark.timeout(DEADLINE)
+def test_a_stream_of_windows_beside_a_stream_of_rows(tmp_path: Path) -> None:
+    """A stream's own tops may cut windows where another stream stores rows of that shape."""
+    (tmp_path / "a").mkdir()
+    a = _write(tmp_path / "a", (1000,))
+    rows = tmp_path / "rows.h5"
+    with h5py.File(rows, "w") as f:
+        f["tokens"] = np.arange(30 * 9, dtype=np.int32).reshape(30, 9) + 10**6
+    source = {
+        "cut": Stream(a, tops=(Windows("tokens", 9, 8),)),
+        "rows": Stream([rows], tops=("tokens",)),
+    }
+    with HDF5DataLayer(source, tops=("tokens",), batch_size=4, shuffle=True) as layer:
+        got = [np.array(b["tokens"]) for b in layer]
+    t = np.concatenate(got)
+    assert len(t) == count_windows(1000, 9, 8) + 30
+    assert (np.diff(t, axis=1) == 1).all()  # each row a run of the stream or a stored row
+    assert (t[:, 0] >= 10**6).sum() == 30
