@@ -255,15 +255,32 @@ def _text(value: object) -> object:
 
 
 def categorical(name: str, h5: h5py.File, top: str) -> tuple[str, tuple[Any, ...]] | None:
-    """When ``top`` names a categorical group (AnnData's ``encoding-type="categorical"``, or a
-    group of exactly ``codes`` and ``categories`` datasets, as pandas' categoricals are written
-    by AnnData): the path of its codes (the top's rows) and its category names, in code order
-    (``str`` for strings, else numbers). None when ``top`` is not a group. Raises SchemaError
-    for a group that says it is categorical and is not."""
+    """When ``top`` names a categorical column: the path of its codes (the top's rows) and its
+    category names, in code order (``str`` for strings, else numbers); None otherwise.
+
+    Two encodings are read: AnnData's (since 0.8), a group with ``encoding-type="categorical"``
+    (or a group of exactly the datasets ``codes`` and ``categories``), and the one AnnData
+    wrote before, an integer dataset of codes whose attribute ``categories`` is an object
+    reference to the dataset of names (``obs/__categories/cell_type``). Raises SchemaError for
+    a group that says it is categorical and is not.
+    """
     try:
         obj = h5.get(top)
     except (KeyError, OSError, TypeError, ValueError):
         return None
+    if isinstance(obj, h5py.Dataset):
+        ref = obj.attrs.get("categories") if "categories" in obj.attrs else None
+        if not isinstance(ref, h5py.Reference) or not ref:
+            return None
+        try:
+            names = h5[ref]
+        except (KeyError, OSError, TypeError, ValueError) as exc:
+            raise SchemaError(
+                f"{name}: top {top!r}: its `categories` attribute names no dataset ({exc})"
+            ) from exc
+        if not isinstance(names, h5py.Dataset):
+            raise SchemaError(f"{name}: top {top!r}: its `categories` attribute is not a dataset")
+        return top, _names(name, top, names)
     if not isinstance(obj, h5py.Group):
         return None
     said = _text(obj.attrs.get(ENCODING_ATTR))
@@ -276,20 +293,22 @@ def categorical(name: str, h5: h5py.File, top: str) -> tuple[str, tuple[Any, ...
             f"{name}: top {top!r} is a categorical group, but does not hold the datasets "
             f"'codes' and 'categories' (it holds {sorted(keys)})"
         )
+    return f"{top.rstrip('/')}/codes", _names(name, top, names)
+
+
+def _names(name: str, top: str, names: h5py.Dataset) -> tuple[Any, ...]:
+    """The category names a dataset holds (strings, or numbers)."""
     if names.ndim != 1:
         raise SchemaError(
             f"{name}: top {top!r}: its categories are of shape {names.shape}, not a list"
         )
     if h5py.check_string_dtype(names.dtype) is not None:
-        values = tuple(str(_text(v)) for v in names.asstr()[()]) if names.size else ()
-    elif names.dtype.kind in "biuf":
-        values = tuple(names[()].tolist())
-    else:
-        raise SchemaError(
-            f"{name}: top {top!r}: its categories have dtype {names.dtype}; strings or numbers "
-            "are read"
-        )
-    return f"{top.rstrip('/')}/codes", values
+        return tuple(str(_text(v)) for v in names.asstr()[()]) if names.size else ()
+    if names.dtype.kind in "biuf":
+        return tuple(names[()].tolist())
+    raise SchemaError(
+        f"{name}: top {top!r}: its categories have dtype {names.dtype}; strings or numbers are read"
+    )
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import pytest
 
 from asynchdf5 import HDF5DataLayer, MemoryDataLayer, SchemaError, Stream
 
-from ._helpers import DEADLINE
+from ._helpers import DEADLINE, run_main
 
 CATS = ("B cell", "T cell", "monocyte")
 
@@ -159,3 +159,21 @@ def test_kept_catalog_still_reads_the_names(tmp_path: Path) -> None:
         kw: dict[str, Any] = {"tops": ("obs/cell_type", "obs/row"), "batch_size": 4}
         with HDF5DataLayer(listed, **kw) as layer:
             assert layer.categories == {"obs/cell_type": CATS}
+
+
+@pytest.mark.timeout(DEADLINE)
+def test_the_encoding_anndata_wrote_before_0_8(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Codes as an integer dataset whose ``categories`` attribute references the names."""
+    p = tmp_path / "old.h5ad"
+    with h5py.File(p, "w") as f:
+        names = f.create_dataset("obs/__categories/cell_type", data=np.array([b"a", b"b"]))
+        codes = f.create_dataset("obs/cell_type", data=np.array([1, 0, 1, 1, 0], np.int8))
+        codes.attrs["categories"] = names.ref
+    with HDF5DataLayer(p, tops=("obs/cell_type",), batch_size=2) as layer:
+        assert layer.categories == {"obs/cell_type": ("a", "b")}
+        got = np.concatenate([np.array(b["obs/cell_type"]) for b in layer])
+    np.testing.assert_array_equal(got, [1, 0, 1, 1, 0])
+    status, text, _ = run_main(["inspect", p, "--tops", "obs/cell_type"], capsys)
+    assert status == 0 and "obs/cell_type: categorical: 2 categories named by" in text

@@ -255,6 +255,16 @@ def _form(file_name: str, h5: Any, name: str) -> tuple[str, str, str, int | None
                 rows,
             )
         return "group", "", name, None
+    if isinstance(obj, h5py.Dataset) and "categories" in obj.attrs:
+        coded = categorical(file_name, h5, name)
+        if coded is not None:
+            return (
+                "categorical",
+                f"{len(coded[1]):,} categories named by its `categories` reference (AnnData "
+                "before 0.8): the top is its integer codes, layer.categories[top] the names",
+                name,
+                None,
+            )
     vlen = isinstance(obj, h5py.Dataset) and h5py.check_vlen_dtype(obj.dtype) is not None
     if vlen and h5py.check_string_dtype(obj.dtype) is None:
         return (
