@@ -222,3 +222,42 @@ def test_inspect_windows_and_variable_length(
     # The catalog's verdict on windows: samples as the layer counts them.
     with HDF5DataLayer(p, tops=(Windows("tokens", 1025, 1024),), batch_size=2) as layer:
         assert layer.n_samples == 4
+
+
+@pytest.mark.timeout(60)
+def test_pack_turns_variable_length_datasets_into_ragged_groups(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = np.random.default_rng(3)
+    truth: list[np.ndarray] = []
+    paths = []
+    for k, n in enumerate((30, 0, 25)):
+        p = tmp_path / f"v{k}.h5"
+        with h5py.File(p, "w") as f:
+            d = f.create_dataset("tokens", (n,), dtype=h5py.vlen_dtype(np.int32))
+            for i in range(n):
+                row = rng.integers(0, 1000, rng.integers(0, 6)).astype(np.int32)
+                d[i] = row
+                truth.append(row)
+            f["label"] = np.arange(len(truth) - n, len(truth), dtype=np.int64)
+            f["emb"] = np.repeat(f["label"][()][:, None], 4, axis=1).astype(np.float32)
+        paths.append(p)
+    out = tmp_path / "out"
+    args = ["pack", *paths, out, "--tops", "tokens", "label", "emb", "--shuffle"]
+    status, _, err = run_main(args, capsys)
+    assert status == 0, err
+    seen = []
+    for name in (out / "train.txt").read_text().split():
+        with h5py.File(out / name) as f:
+            labels = f["label"][()]
+            np.testing.assert_array_equal(f["emb"][()], np.repeat(labels[:, None], 4, axis=1))
+            for r, row in zip(labels, _ragged_rows(f["tokens"]), strict=True):
+                np.testing.assert_array_equal(row, truth[r])
+                assert row.dtype == np.int32
+            seen += labels.tolist()
+    assert sorted(seen) == list(range(55))
+    # A file without variable-length tops still packs them as rows, as before.
+    status, _, err = run_main(["pack", paths[0], tmp_path / "rows", "--tops", "label"], capsys)
+    assert status == 0, err
+    with h5py.File(tmp_path / "rows" / "train-00000.h5") as f:
+        assert f["label"].shape == (30,)

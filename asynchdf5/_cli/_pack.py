@@ -24,10 +24,18 @@ import numpy as np
 from .. import __version__
 from .._catalog import SHUFFLED_ATTR
 from .._config import DEFAULT_TOPS
-from .._sources import is_hdf5_file
+from .._errors import DataLayerError
+from .._sources import is_hdf5_file, resolve_source
 from ._pack_images import ImageInput
 from ._pack_inputs import Index, Input, hdf5_input, npy_input, npz_input, table_input
-from ._pack_ragged import H5AD_SUFFIX, has_list_columns, pack_h5ad, pack_ragged_table
+from ._pack_ragged import (
+    H5AD_SUFFIX,
+    has_list_columns,
+    pack_h5ad,
+    pack_ragged_table,
+    pack_vlen,
+    vlen_tops,
+)
 from ._pack_write import (
     Compression,
     FileWriter,
@@ -225,6 +233,14 @@ def _not_rows(args: argparse.Namespace, out: Path) -> tuple[int, set[str]] | Non
         status = pack_h5ad(args, out)
     elif suffixes <= set(_TABLE_SUFFIXES) and has_list_columns(inputs):
         status = pack_ragged_table(args, out, split, FILE_BYTES)
+    elif args.tops and _kind(inputs) == "hdf5":
+        try:
+            entries = resolve_source(inputs[0] if len(inputs) == 1 else list(inputs))
+        except DataLayerError as exc:
+            raise PackError(str(exc)) from exc
+        if not entries or not vlen_tops([Path(entries[0])], args.tops):
+            return None
+        status = pack_vlen(args, out, split, FILE_BYTES, entries)
     else:
         return None
     lists = [out / f"{name}.txt" for name in ("train", "val") if (out / f"{name}.txt").exists()]

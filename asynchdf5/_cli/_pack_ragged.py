@@ -36,7 +36,14 @@ from ._pack_inputs import _pyarrow, _read_table
 from ._pack_write import PackError, commit_text, temporary_prefix
 from ._util import mib, plural
 
-__all__ = ["H5AD_SUFFIX", "has_list_columns", "pack_h5ad", "pack_ragged_table"]
+__all__ = [
+    "H5AD_SUFFIX",
+    "has_list_columns",
+    "pack_h5ad",
+    "pack_ragged_table",
+    "pack_vlen",
+    "vlen_tops",
+]
 
 H5AD_SUFFIX = ".h5ad"
 #: Bytes of a dataset copied at a time when an ``.h5ad`` is rewritten.
@@ -137,7 +144,10 @@ def _write_table_file(
                 raise PackError(
                     f"column {c!r} has {col.null_count} missing values; fill or drop them first"
                 )
-            if _is_list(pa, col.type):
+            if pa.types.is_fixed_size_list(col.type):  # rows of one shape
+                inner = np.asarray(col.flatten().to_numpy(zero_copy_only=False))
+                f.create_dataset(c, data=inner.reshape(len(col), col.type.list_size))
+            elif _is_list(pa, col.type):
                 data, indptr = _ragged(pa, col, c)
                 g = f.create_group(c)
                 g.create_dataset("data", data=np.ascontiguousarray(data))
@@ -178,6 +188,21 @@ def pack_ragged_table(args: argparse.Namespace, out: Path, split: Any, file_byte
         table = pa.concat_tables([t.select(columns) for t in tables])
     except (KeyError, pa.ArrowException) as exc:
         raise PackError(f"the tables do not share the columns {columns}: {exc}") from exc
+    return _pack_table(args, out, split, file_bytes, table, columns, ", ".join(map(str, inputs)))
+
+
+def _pack_table(
+    args: argparse.Namespace,
+    out: Path,
+    split: Any,
+    file_bytes: int,
+    table: Any,
+    columns: list[str],
+    described: str,
+) -> int:
+    """Split, shuffle and write ``table``'s ``columns`` into files of ragged, categorical and
+    row tops, and the source lists naming them."""
+    pa = _pyarrow()
     n = table.num_rows
     categories = _categories(pa, table, columns)
     rng = np.random.default_rng(args.seed)
@@ -195,7 +220,7 @@ def pack_ragged_table(args: argparse.Namespace, out: Path, split: Any, file_byte
             f"{c} ragged" if _is_list(pa, t) else f"{c} categorical" if c in categories else c
         )
     print(
-        f"packing {plural(n, 'sample')} ({mib(total)}) from {', '.join(map(str, inputs))} "
+        f"packing {plural(n, 'sample')} ({mib(total)}) from {described} "
         f"into {out}: {', '.join(kinds)}",
         flush=True,
     )
@@ -223,6 +248,75 @@ def pack_ragged_table(args: argparse.Namespace, out: Path, split: Any, file_byte
     print(f"wrote {'; '.join(written)}")
     print(f"next: asynchdf5 inspect {out / 'train.txt'} --tops {' '.join(columns)}")
     return 0
+
+
+# --- HDF5 files with variable-length datasets ---------------------------------------------------
+
+
+def vlen_tops(paths: Sequence[Path], tops: Sequence[str]) -> bool:
+    """Whether a top of the first file is an h5py variable-length numeric dataset."""
+    try:
+        with h5py.File(paths[0], "r") as f:
+            for t in tops:
+                d = f.get(t)
+                if isinstance(d, h5py.Dataset) and h5py.check_vlen_dtype(d.dtype) is not None:
+                    return h5py.check_string_dtype(d.dtype) is None
+    except OSError:
+        return False  # the row path says what is wrong with the file
+    return False
+
+
+def _hdf5_column(pa: Any, entry: str, f: h5py.File, top: str) -> Any:
+    d = f.get(top)
+    if not isinstance(d, h5py.Dataset):
+        raise PackError(f"{entry}: no dataset {top!r} (choose the tops with --tops)")
+    base = h5py.check_vlen_dtype(d.dtype)
+    if base is not None:
+        if h5py.check_string_dtype(d.dtype) is not None or base.kind not in "biuf":
+            raise PackError(f"{entry}: top {top!r} holds variable-length {base}, not numbers")
+        rows = d[()]
+        values = np.concatenate(rows) if len(rows) else np.empty(0, base)
+        offsets = np.zeros(len(rows) + 1, np.int32 if len(values) < 2**31 else np.int64)
+        np.cumsum([len(r) for r in rows], out=offsets[1:])
+        kind = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
+        return kind.from_arrays(pa.array(offsets), pa.array(values.astype(base)))
+    values = d[()]
+    if values.dtype.kind not in "biuf" or values.ndim > 2:
+        raise PackError(
+            f"{entry}: top {top!r} has rows of shape {values.shape[1:]} and dtype "
+            f"{values.dtype}; beside variable-length tops, numbers or vectors are packed"
+        )
+    if values.ndim == 2:
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
+    return pa.array(values)
+
+
+def pack_vlen(
+    args: argparse.Namespace, out: Path, split: Any, file_bytes: int, entries: Sequence[str]
+) -> int:
+    """Pack HDF5 files whose ``--tops`` include h5py variable-length numeric datasets: those
+    as ragged groups (``data`` + ``indptr``, read as contiguous ranges instead of one heap
+    object per row), the others as rows (read into memory)."""
+    pa = _pyarrow()
+    if args.compression != "none":
+        raise PackError(
+            "--compression does not apply to variable-length tops: ragged tops are written "
+            "contiguous (the rows of a chunk are then one read)"
+        )
+    tops: list[str] = list(args.tops)
+    tables = []
+    for entry in entries:
+        with h5py.File(entry, "r") as f:
+            cols = {t: _hdf5_column(pa, entry, f, t) for t in tops}
+        counts = {t: len(c) for t, c in cols.items()}
+        if len(set(counts.values())) > 1:
+            raise PackError(f"{entry}: the tops have different row counts ({counts})")
+        tables.append(pa.table(cols))
+    try:
+        table = pa.concat_tables(tables)
+    except pa.ArrowException as exc:
+        raise PackError(f"the files' tops differ in type: {exc}") from exc
+    return _pack_table(args, out, split, file_bytes, table, tops, f"{len(entries)} HDF5 files")
 
 
 # --- .h5ad -------------------------------------------------------------------------------------
