@@ -270,8 +270,9 @@ def _form(file_name: str, h5: Any, name: str) -> tuple[str, str, str, int | None
         return (
             "variable-length",
             "an h5py variable-length dataset: each row is an object of HDF5's heap, read "
-            "through h5py row by row (slow); rewrite it as a ragged group (data + indptr) "
-            "to read its rows as contiguous ranges",
+            "through h5py row by row (slow); `asynchdf5 pack FILE OUT_DIR --tops TOP ...` "
+            "rewrites it as a ragged group (data + indptr), whose rows are read as "
+            "contiguous ranges",
             name,
             None,
         )
