@@ -1,5 +1,5 @@
-"""``asynchdf5 pack`` for samples that are not fixed rows: Parquet tables with list columns, and
-AnnData ``.h5ad`` files.
+"""``asynchdf5 pack`` for samples that are not fixed rows: Parquet tables with list columns, HDF5
+files with h5py variable-length datasets, and AnnData ``.h5ad`` files.
 
 * A table with list columns (a document's tokens, a clip's frames, a molecule's atoms): each
   list column becomes a *ragged* top, a group of ``data`` (the rows' values concatenated; a
@@ -8,6 +8,9 @@ AnnData ``.h5ad`` files.
   dataset of rows; each string column a categorical group (``codes`` + ``categories``, as
   AnnData writes them; the categories of the whole table, so every file has the same). Rows
   are split (``--val``), shuffled (``--shuffle``) and cut into files as other inputs are.
+* HDF5 files whose ``--tops`` include an h5py variable-length numeric dataset: read into memory
+  as such a table (each variable-length top a list column, the others numbers or vectors), then
+  packed the same way.
 * An ``.h5ad`` file is rewritten object by object, as AnnData reads it back: every numeric
   dataset contiguous and unfiltered (the layer's direct-read path; a sparse ``X`` stays a CSR
   group of contiguous ``data``, ``indices``, ``indptr``, where a chunk's rows are one range of
