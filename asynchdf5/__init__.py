@@ -24,6 +24,7 @@ from ._iterator import EpochIterator
 from ._memory import MemoryDataLayer
 from ._stats import LayerStats
 from ._streams import Stream
+from ._windows import Windows
 
 __all__ = [
     "AsyncHDF5DataLayer",
@@ -42,6 +43,7 @@ __all__ = [
     "StateError",
     "Stream",
     "TransformError",
+    "Windows",
     "transforms",
 ]
 

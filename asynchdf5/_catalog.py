@@ -27,8 +27,10 @@ from ._catalog_cache import CatalogCache, Described
 from ._errors import DataLayerError, SchemaError, SourceError
 from ._layout import ChunkIndex, Extent, Layout, ReadPath, describe
 from ._sources import LocalSource, Source, StoredFile, name_entry
+from ._windows import Windows, count_windows
 
 __all__ = [
+    "ENCODING_ATTR",
     "SHUFFLED_ATTR",
     "Catalog",
     "ChunkIndex",
@@ -40,6 +42,7 @@ __all__ = [
     "Segment",
     "TopInfo",
     "build_catalog",
+    "categorical",
     "check_top",
     "compound_field",
     "describe_top",
@@ -48,6 +51,7 @@ __all__ = [
     "missing_top",
     "physical",
     "refuse_external_links",
+    "same_categories",
 ]
 
 #: How many of a file's datasets a "top is missing" message lists.
@@ -60,11 +64,16 @@ SHUFFLED_ATTR = "shuffled"
 
 @dataclass(frozen=True)
 class TopInfo:
-    """A top: its name, the dtype of its samples (native byte order) and their shape."""
+    """A top: its name, the dtype of its samples (native byte order) and their shape.
+
+    ``windows``: the top is cut from a 1-D dataset as :class:`~asynchdf5.Windows` ``(length,
+    stride)`` (its rows are windows; the layouts say where the dataset's elements are).
+    """
 
     name: str
     dtype: np.dtype[Any]
     sample_shape: tuple[int, ...]
+    windows: tuple[int, int] | None = None
     #: Bytes of one sample (computed once: the chunk reader asks for it per byte range).
     row_bytes: int = field(init=False, repr=False, compare=False)
 
@@ -82,6 +91,8 @@ class FileInfo:
     layouts: dict[str, Layout]
     #: Its samples were written in a random order (the :data:`SHUFFLED_ATTR` attribute True).
     shuffled: bool = False
+    #: The category names of its tops that are categorical groups (:func:`categorical`).
+    categories: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -104,6 +115,9 @@ class Catalog:
 
     files: list[FileInfo]
     tops: dict[str, TopInfo]
+    #: The category names of each top that is a categorical group, in code order (the same in
+    #: every file: checked when the catalog is built).
+    categories: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     n_samples: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -230,6 +244,71 @@ def _check_dtype(name: str, top: str, dt: np.dtype[Any]) -> None:
             f"{name}: top {top!r} has dtype {dt}; only bool, integer, float and complex are "
             f"supported{route}"
         )
+
+
+#: The attribute that names a group's encoding (AnnData's ``encoding-type``).
+ENCODING_ATTR = "encoding-type"
+
+
+def _text(value: object) -> object:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def categorical(name: str, h5: h5py.File, top: str) -> tuple[str, tuple[Any, ...]] | None:
+    """When ``top`` names a categorical column: the path of its codes (the top's rows) and its
+    category names, in code order (``str`` for strings, else numbers); None otherwise.
+
+    Two encodings are read: AnnData's (since 0.8), a group with ``encoding-type="categorical"``
+    (or a group of exactly the datasets ``codes`` and ``categories``), and the one AnnData
+    wrote before, an integer dataset of codes whose attribute ``categories`` is an object
+    reference to the dataset of names (``obs/__categories/cell_type``). Raises SchemaError for
+    a group that says it is categorical and is not.
+    """
+    try:
+        obj = h5.get(top)
+    except (KeyError, OSError, TypeError, ValueError):
+        return None
+    if isinstance(obj, h5py.Dataset):
+        ref = obj.attrs.get("categories") if "categories" in obj.attrs else None
+        if not isinstance(ref, h5py.Reference) or not ref:
+            return None
+        try:
+            names = h5[ref]
+        except (KeyError, OSError, TypeError, ValueError) as exc:
+            raise SchemaError(
+                f"{name}: top {top!r}: its `categories` attribute names no dataset ({exc})"
+            ) from exc
+        if not isinstance(names, h5py.Dataset):
+            raise SchemaError(f"{name}: top {top!r}: its `categories` attribute is not a dataset")
+        return top, _names(name, top, names)
+    if not isinstance(obj, h5py.Group):
+        return None
+    said = _text(obj.attrs.get(ENCODING_ATTR))
+    keys = set(obj.keys())
+    if said != "categorical" and not (said is None and keys == {"codes", "categories"}):
+        return None
+    codes, names = obj.get("codes"), obj.get("categories")
+    if not isinstance(codes, h5py.Dataset) or not isinstance(names, h5py.Dataset):
+        raise SchemaError(
+            f"{name}: top {top!r} is a categorical group, but does not hold the datasets "
+            f"'codes' and 'categories' (it holds {sorted(keys)})"
+        )
+    return f"{top.rstrip('/')}/codes", _names(name, top, names)
+
+
+def _names(name: str, top: str, names: h5py.Dataset) -> tuple[Any, ...]:
+    """The category names a dataset holds (strings, or numbers)."""
+    if names.ndim != 1:
+        raise SchemaError(
+            f"{name}: top {top!r}: its categories are of shape {names.shape}, not a list"
+        )
+    if h5py.check_string_dtype(names.dtype) is not None:
+        return tuple(str(_text(v)) for v in names.asstr()[()]) if names.size else ()
+    if names.dtype.kind in "biuf":
+        return tuple(names[()].tolist())
+    raise SchemaError(
+        f"{name}: top {top!r}: its categories have dtype {names.dtype}; strings or numbers are read"
+    )
 
 
 @dataclass(frozen=True)
@@ -393,6 +472,7 @@ def build_catalog(
         except DataLayerError as exc:
             name_entry(exc, entry)
             raise
+        same_categories(info, infos)
         infos.append(info)
         start += info.nrows
     if kept is not None:
@@ -404,7 +484,36 @@ def build_catalog(
         raise SourceError(
             f"the source's {len(infos)} file(s) hold no samples (every top has 0 rows)"
         )
-    return Catalog(infos, specs)
+    return Catalog(infos, specs, dict(infos[0].categories) if infos else {})
+
+
+def _shown(names: tuple[Any, ...]) -> str:
+    listed = ", ".join(repr(n) for n in names[:8])
+    return f"[{listed}{', ...' if len(names) > 8 else ''}] ({len(names)})"
+
+
+def same_categories(info: FileInfo, before: Sequence[FileInfo], where: str = "") -> None:
+    """SchemaError unless file ``info`` has the categories of the files ``before`` it: a code
+    must name the same category in every file (and a top is categorical in all or none)."""
+    if not before:
+        return
+    first = before[0]
+    for top in {*info.categories, *first.categories}:
+        mine, theirs = info.categories.get(top), first.categories.get(top)
+        if mine == theirs or top not in info.layouts or top not in first.layouts:
+            continue  # (a stream's own top is not another's)
+        if mine is None or theirs is None:
+            has, lacks = (info, first) if mine is not None else (first, info)
+            raise SchemaError(
+                f"{where}{info.name}: top {top!r} is a categorical group in {has.name} and not "
+                f"in {lacks.name}; its codes would mean different things"
+            )
+        raise SchemaError(
+            f"{where}{info.name}: top {top!r} has the categories {_shown(mine)}, but "
+            f"{first.name} has {_shown(theirs)}: a code must name the same category in every "
+            "file (recode them to one list of categories, e.g. with pandas' "
+            "Categorical.set_categories, before writing)"
+        )
 
 
 def _describe_file(
@@ -423,9 +532,12 @@ def _describe_file(
     cached = kept.lookup(file, tops) if kept is not None else None
     described: dict[str, Described] = {}
     rows: dict[str, int] = {}
+    elements: dict[str, int] = {}  # the stream's length, for a Windows top
+    categories: dict[str, tuple[Any, ...]] = {}  # of the tops that are categorical groups
     layouts: dict[str, Layout] = {}
     h5: h5py.File | None = None
-    for name in tops:
+    for top in tops:
+        name = str(top)  # a plain name (a Windows top is one, saying how to cut it besides)
         found: FoundTop | None = None
         if cached is not None:
             stored_dtype, full_shape, layout = cached.tops[name]
@@ -437,12 +549,28 @@ def _describe_file(
                 touched[id(file)] = file
             if not file.local:
                 refuse_external_links(file.name, h5, name)
-            found = find_top(file.name, h5, name)
+            coded = categorical(file.name, h5, name)
+            if coded is not None:  # its codes are the rows; its names go to the catalog
+                found = find_top(file.name, h5, coded[0])
+                categories[name] = coded[1]
+            else:
+                found = find_top(file.name, h5, name)
             native, shape = found.dtype, found.sample_shape
             full_shape = tuple(int(n) for n in found.dset.shape)
+        windows = None
+        nrows = full_shape[0]
+        if isinstance(top, Windows):
+            windows = (top.length, top.stride)
+            if len(full_shape) != 1:
+                raise SchemaError(
+                    f"{file.name}: top {top!r} cuts windows from a 1-D dataset, but {name!r} "
+                    f"has shape {full_shape}"
+                )
+            shape, nrows = (top.length,), count_windows(full_shape[0], top.length, top.stride)
+            elements[name] = full_shape[0]
         spec = specs.get(name)
         if spec is None:
-            specs[name] = TopInfo(name, np.dtype(native.str), shape)
+            specs[name] = TopInfo(name, np.dtype(native.str), shape, windows)
             first_file[name] = file.name
         elif spec.sample_shape != shape or spec.dtype != native:
             raise SchemaError(
@@ -450,14 +578,25 @@ def _describe_file(
                 f"but {first_file[name]} has shape {spec.sample_shape} and dtype "
                 f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
             )
-        rows[name] = full_shape[0]
+        rows[name] = nrows
         if found is not None:
             layout = _layout_of(source, file, found, name, touched, needed)
-            described[name] = (found.dset.dtype, full_shape, layout)
+            if name not in categories:  # (the kept catalog does not hold category names)
+                described[name] = (found.dset.dtype, full_shape, layout)
         layouts[name] = layout
     counts = set(rows.values())
     if len(counts) > 1:
         detail = ", ".join(f"{k!r}: {v} rows" for k, v in rows.items())
+        cut = [t for t in tops if isinstance(t, Windows)]
+        if cut:
+            raise SchemaError(
+                f"{file.name}: the tops have different row counts ({detail}); "
+                + ", ".join(
+                    f"{w!r} cuts {rows[str(w)]} windows from {elements[str(w)]} elements"
+                    for w in cut
+                )
+                + ": every other top needs one row per window (row r is window r's sample)"
+            )
         raise SchemaError(
             f"{file.name}: the tops have different row counts ({detail}); row r of every "
             "top must be the same sample"
@@ -470,7 +609,7 @@ def _describe_file(
         shuffled = isinstance(said, (bool, np.bool_)) and bool(said)
         if kept is not None and described:
             kept.record(file, described, shuffled)
-    return FileInfo(file, counts.pop(), start, layouts, shuffled)
+    return FileInfo(file, counts.pop(), start, layouts, shuffled, categories)
 
 
 def _layout_of(

@@ -132,6 +132,14 @@ class LayerBase(SyncInterface):
         the layer was never opened."""
         return self._data_shape().n_samples
 
+    @property
+    def categories(self) -> dict[str, tuple[Any, ...]]:
+        """The category names of each top that is a categorical group (AnnData's
+        ``obs/cell_type``: the top's rows are its integer codes), in code order: code ``c``
+        is ``categories[top][c]`` (AnnData writes ``-1`` for a missing value). Reads the
+        files' metadata on first use if the layer was never opened, as ``len()`` does."""
+        return dict(self._data_shape().categories)
+
     def __len__(self) -> int:
         """Batches that the next epoch yields on this rank (after ``drop_last`` and sharding,
         and what is left of it when a state was loaded). Reads the files' metadata on first use

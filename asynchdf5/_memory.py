@@ -21,6 +21,7 @@ from ._plan import ChunkPlan
 from ._read import Reader
 from ._shape import DataShape
 from ._stats import ReadStats
+from ._windows import Windows, window_view
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -73,6 +74,14 @@ class MemoryDataLayer(LayerBase):
             hdf5=False,
             caller=type(self).__name__,
         )
+        for top in config.tops:  # a view of the windows: gathered like rows, never copied
+            if isinstance(top, Windows) and top in arrays:
+                if arrays[top].ndim != 1:
+                    raise SchemaError(
+                        f"top {top!r} cuts windows from a 1-D array, but data[{str(top)!r}] "
+                        f"has shape {arrays[top].shape}"
+                    )
+                arrays[top] = window_view(arrays[top], top.length, top.stride)
         n = _check_arrays(arrays, config.tops)
         super().__init__(dataclasses.replace(config, chunk_size=max(n, config.batch_size)))
         self._arrays = {k: arrays[k] for k in config.tops}

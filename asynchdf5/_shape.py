@@ -7,7 +7,8 @@ resumed run plans exactly as the run that saved it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from ._mix import StreamRows
 
@@ -42,6 +43,9 @@ class DataShape:
     even_chunks: bool = False
     #: Several streams mixed (:mod:`._mix`): each one's rows and samples per epoch; () for one.
     streams: tuple[StreamRows, ...] = ()
+    #: The category names of the tops that are categorical groups, in code order (what the data
+    #: says, not what fixes the order: no part of a state or of a comparison).
+    categories: tuple[tuple[str, tuple[Any, ...]], ...] = field(default=(), compare=False)
 
     @property
     def epoch_samples(self) -> int:

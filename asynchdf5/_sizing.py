@@ -129,4 +129,5 @@ def shape_of(
         ramp_once=once,
         even_chunks=even,
         streams=streams,
+        categories=tuple(catalog.categories.items()),
     )

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ._batch import Batch
-from ._catalog import Catalog
+from ._catalog import Catalog, FileInfo, same_categories
 from ._config import MAX_EPOCH_BATCHES, MAX_SAMPLES, LayerConfig
 from ._errors import ConfigurationError, DataLayerError
 from ._mix import StreamRows
@@ -242,6 +242,11 @@ def combine(
     files = []
     rows = []
     start = 0
+    firsts: list[FileInfo] = []  # each stream's first file with rows: their categories agree
+    for spec, cat in zip(specs, catalogs, strict=True):
+        first = cat.files[0]
+        same_categories(first, firsts, f"stream {spec.name!r}: ")
+        firsts.append(first)
     for k, (spec, cat) in enumerate(zip(specs, catalogs, strict=True)):
         own = None if split is None else split[1][k]
         for f in cat.files:
@@ -255,7 +260,8 @@ def combine(
         for k, ((name, a, n), c) in enumerate(zip(rows, counts, strict=True))
     )
     tops = dict(catalogs[0].tops) if split is None else split[0]
-    return Catalog(files, tops), streams
+    categories = {t: c for cat in catalogs for t, c in cat.categories.items()}
+    return Catalog(files, tops, categories), streams
 
 
 class StreamLabels:

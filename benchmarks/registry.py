@@ -121,6 +121,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             "contiguous, chunked, gzip, lzf, split-sample chunks: the layer against the limits",
         ),
         Benchmark(
+            "windows",
+            "benchmarks.windows:bench",
+            "token windows (Windows) against nanoGPT's np.memmap get_batch: warm, 512 MiB, mixing",
+        ),
+        Benchmark(
             "mixing-cold",
             "benchmarks.mixing_cold:bench",
             "three streams against one source, out of core: cold, in a memory cgroup",

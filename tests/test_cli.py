@@ -46,7 +46,8 @@ def layer_error(source: Path | list[str]) -> str:
 
 TOP_KEYS = {
     "name", "rows", "sample_shape", "dtype", "bytes", "stored_bytes", "storage", "chunk_shape",
-    "chunk_bytes", "filters", "read_path", "reason", "hints", "stored_in", "error",
+    "chunk_bytes", "filters", "read_path", "reason", "hints", "stored_in", "error", "form",
+    "form_note",
 }  # fmt: skip
 DOC_KEYS = {
     "format", "source", "tops", "ok", "samples", "sample_bytes", "bytes", "read_paths", "mmap",

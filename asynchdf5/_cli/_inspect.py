@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import h5py
+
 from .. import DataLayerError
 from .._catalog import (
+    ENCODING_ATTR,
     FoundTop,
     build_catalog,
+    categorical,
     describe_top,
     find_top,
     physical,
@@ -28,6 +33,7 @@ from .._codecs import FILTER_NAMES
 from .._config import DEFAULT_TOPS
 from .._read import probe
 from .._sources import Source, name_entry, open_source, resolve_source
+from .._windows import Windows, count_windows
 from ._hints import PATH_WORDS, explain
 from ._util import mib, plural, table, write_json
 
@@ -63,6 +69,10 @@ class TopReport:
     hints: list[str] = field(default_factory=list)
     stored_in: str | None = None  # another file, when an external link leads there
     error: str | None = None
+    #: What the top is stored as (:func:`_form`): "rows", "windows", "categorical",
+    #: "ragged", "sparse csr", "variable-length"; and what that means for reading it.
+    form: str | None = None
+    form_note: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -81,6 +91,8 @@ class TopReport:
             "hints": self.hints,
             "stored_in": self.stored_in,
             "error": self.error,
+            "form": self.form,
+            "form_note": self.form_note,
         }
 
 
@@ -169,10 +181,118 @@ def _top(source: Source, file: Any, name: str) -> TopReport:
     h5 = file.h5py_file()
     if not file.local:
         refuse_external_links(file.name, h5, name)
-    found = find_top(file.name, h5, name)
+    form, note, stored, rows = _form(file.name, h5, name)
+    if form == "variable-length":  # not a top of rows h5py's layout code describes
+        dset = h5[name]
+        base = h5py.check_vlen_dtype(dset.dtype)
+        return TopReport(
+            name=name,
+            rows=int(dset.shape[0]),
+            dtype=str(base),
+            stored_bytes=int(dset.id.get_storage_size()),
+            storage="variable-length (heap)",
+            read_path="h5py",
+            reason="each row is an object of HDF5's heap: only h5py reads it, row by row",
+            form=form,
+            form_note=note,
+        )
+    found = find_top(file.name, h5, stored)
     holder, dset = physical(source, file, found.dset)
     with holder.pinned():  # an external link's target: not closed while described
-        return _describe_top(source, holder, file, dset, found, name)
+        t = _describe_top(source, holder, file, dset, found, name)
+    t.form, t.form_note = form, note
+    if rows is not None:  # a group's samples are its rows, not its stored elements
+        t.rows, t.sample_shape = rows, None  # bytes: its data's
+    if isinstance(name, Windows):
+        elements = int(dset.shape[0])
+        t.rows = count_windows(elements, name.length, name.stride)
+        t.sample_shape = (name.length,)
+        t.bytes = t.rows * name.length * found.dtype.itemsize
+    return t
+
+
+def _form(file_name: str, h5: Any, name: str) -> tuple[str, str, str, int | None]:
+    """What top ``name`` is stored as: its form, what that means for reading it, the dataset
+    whose layout says how its bytes are read, and its rows when they are not that dataset's."""
+    obj = h5.get(name)
+    if isinstance(obj, h5py.Group):
+        coded = categorical(file_name, h5, name)
+        if coded is not None:
+            names = coded[1]
+            shown = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+            return (
+                "categorical",
+                f"{len(names):,} categor{'y' if len(names) == 1 else 'ies'} ({shown}): the top "
+                "is its "
+                "integer codes, layer.categories[top] the names in code order",
+                coded[0],
+                None,
+            )
+        keys = set(obj.keys())
+        said = obj.attrs.get(ENCODING_ATTR)
+        said = said.decode() if isinstance(said, bytes) else said
+        if {"data", "indptr"} <= keys and isinstance(obj.get("indptr"), h5py.Dataset):
+            rows = max(0, int(obj["indptr"].shape[0]) - 1)
+            stored = f"{name.rstrip('/')}/data"
+            if "indices" in keys:
+                shape = obj.attrs.get("shape")
+                shown = "" if shape is None else f" of shape {tuple(int(n) for n in shape)}"
+                kind = said if isinstance(said, str) else "CSR"
+                return (
+                    "sparse csr",
+                    f"a sparse matrix{shown} ({kind}: data, indices, indptr): the rows of a "
+                    "chunk are one contiguous range of data and of indices, found from indptr; "
+                    "the read path below is data's",
+                    stored,
+                    rows,
+                )
+            return (
+                "ragged",
+                "variable-length rows (data + indptr: row r is data[indptr[r]:indptr[r+1]]): "
+                "the rows of a chunk are one contiguous range of data, found from indptr; "
+                "the read path below is data's",
+                stored,
+                rows,
+            )
+        return "group", "", name, None
+    if isinstance(obj, h5py.Dataset) and "categories" in obj.attrs:
+        coded = categorical(file_name, h5, name)
+        if coded is not None:
+            return (
+                "categorical",
+                f"{len(coded[1]):,} categories named by its `categories` reference (AnnData "
+                "before 0.8): the top is its integer codes, layer.categories[top] the names",
+                name,
+                None,
+            )
+    vlen = isinstance(obj, h5py.Dataset) and h5py.check_vlen_dtype(obj.dtype) is not None
+    if vlen and h5py.check_string_dtype(obj.dtype) is None:
+        return (
+            "variable-length",
+            "an h5py variable-length dataset: each row is an object of HDF5's heap, read "
+            "through h5py row by row (slow); `asynchdf5 pack FILE OUT_DIR --tops TOP ...` "
+            "rewrites it as a ragged group (data + indptr), whose rows are read as "
+            "contiguous ranges",
+            name,
+            None,
+        )
+    if isinstance(name, Windows):
+        return (
+            "windows",
+            f"windows of {name.length} elements every {name.stride} from a 1-D stream; a "
+            "chunk's windows are read as one contiguous range of the stream",
+            name,
+            None,
+        )
+    if isinstance(obj, h5py.Dataset) and obj.ndim == 1 and obj.dtype.kind in "iu":
+        return (
+            "rows",
+            "a 1-D stream of integers: Windows(top, length, stride) cuts fixed-length samples "
+            "from it (a language model's tokens)",
+            name,
+            None,
+        )
+    return "rows", "", name, None
 
 
 def _describe_top(
@@ -318,6 +438,16 @@ def render(report: Report) -> str:
             )
         headers = ["top", "samples", "sample shape", "dtype", "bytes", "stored", "layout"]
         out.append(table([*headers, "filters", "read path"], rows))
+    forms: dict[str, list[str]] = {}
+    for f in report.files:
+        for t in f.tops:
+            if t.error is None and t.form is not None:
+                line = t.form + (f": {t.form_note}" if t.form_note else "")
+                if line not in forms.setdefault(t.name, []):
+                    forms[t.name].append(line)
+    if forms:
+        out += ["", "forms (what each top is stored as):"]
+        out += [f"  {top}: {line}" for top, lines in forms.items() for line in lines]
     reasons: dict[str, list[str]] = {}
     for f in report.files:
         for t in f.tops:
@@ -376,14 +506,45 @@ def add_parser(commands: Any) -> None:
         metavar="TOP",
         help="the datasets to read, as the layer's `tops` (default: %(default)s)",
     )
+    p.add_argument(
+        "--windows",
+        nargs="+",
+        default=[],
+        metavar="TOP:LENGTH[:STRIDE]",
+        help="tops cut into fixed-length windows from a 1-D dataset, as the layer's "
+        "Windows(TOP, LENGTH, STRIDE) (stride: LENGTH unless given)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     p.set_defaults(run=run)
+
+
+def windows_top(text: str) -> Windows:
+    """``TOP:LENGTH[:STRIDE]`` as a :class:`~asynchdf5.Windows` top."""
+    parts = text.rsplit(":", 2)
+    try:
+        if len(parts) == 3 and parts[1].isdigit():
+            return Windows(parts[0], int(parts[1]), int(parts[2]))
+        top, length = text.rsplit(":", 1)
+        return Windows(top, int(length))
+    except (ValueError, DataLayerError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"--windows {text!r}: give TOP:LENGTH or TOP:LENGTH:STRIDE ({exc})"
+        ) from exc
 
 
 def run(args: argparse.Namespace) -> int:
     sources: list[str] = args.source
     source: str | list[str] = sources[0] if len(sources) == 1 else sources
-    report = analyze(source, args.tops)
+    try:
+        cut = [windows_top(w) for w in args.windows]
+    except argparse.ArgumentTypeError as exc:
+        print(f"asynchdf5 inspect: error: {exc}", file=sys.stderr)
+        return 2
+    named = {str(w) for w in cut}
+    tops = [*cut, *(t for t in args.tops if t not in named)]
+    if args.windows and args.tops == list(DEFAULT_TOPS):
+        tops = list(cut)  # --windows alone names the tops
+    report = analyze(source, tops)
     if args.json:
         write_json(report.to_json())
     else:

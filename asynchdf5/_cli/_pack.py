@@ -24,9 +24,18 @@ import numpy as np
 from .. import __version__
 from .._catalog import SHUFFLED_ATTR
 from .._config import DEFAULT_TOPS
-from .._sources import is_hdf5_file
+from .._errors import DataLayerError
+from .._sources import is_hdf5_file, resolve_source
 from ._pack_images import ImageInput
 from ._pack_inputs import Index, Input, hdf5_input, npy_input, npz_input, table_input
+from ._pack_ragged import (
+    H5AD_SUFFIX,
+    has_list_columns,
+    pack_h5ad,
+    pack_ragged_table,
+    pack_vlen,
+    vlen_tops,
+)
 from ._pack_write import (
     Compression,
     FileWriter,
@@ -211,6 +220,33 @@ def _pack_split(
     return names, written, skipped
 
 
+def _not_rows(args: argparse.Namespace, out: Path) -> tuple[int, set[str]] | None:
+    """Pack inputs whose samples are not fixed rows (:mod:`._pack_ragged`): ``.h5ad`` files
+    (unless ``--tops`` asks for some of their datasets as rows) and tables with list columns.
+    Returns the status and the names written; None for every other input."""
+    inputs: list[Path] = args.inputs
+    for p in inputs:
+        if not p.exists():
+            raise PackError(f"input {str(p)!r} does not exist")
+    suffixes = {p.suffix.lower() for p in inputs}
+    if suffixes == {H5AD_SUFFIX} and args.tops is None:
+        status = pack_h5ad(args, out)
+    elif suffixes <= set(_TABLE_SUFFIXES) and has_list_columns(inputs):
+        status = pack_ragged_table(args, out, split, FILE_BYTES)
+    elif args.tops and _kind(inputs) == "hdf5":
+        try:
+            entries = resolve_source(inputs[0] if len(inputs) == 1 else list(inputs))
+        except DataLayerError as exc:
+            raise PackError(str(exc)) from exc
+        if not entries or not vlen_tops([Path(entries[0])], args.tops):
+            return None
+        status = pack_vlen(args, out, split, FILE_BYTES, entries)
+    else:
+        return None
+    lists = [out / f"{name}.txt" for name in ("train", "val") if (out / f"{name}.txt").exists()]
+    return status, {p.name for p in lists} | {n for p in lists for n in p.read_text().split()}
+
+
 def pack(args: argparse.Namespace) -> int:
     out: Path = args.out_dir
     compression = Compression(args.compression, args.level)
@@ -218,6 +254,13 @@ def pack(args: argparse.Namespace) -> int:
     for p in old:  # the old lists go first: no list ever names old and new files together
         if p.suffix == ".txt":
             p.unlink()
+    special = _not_rows(args, out)
+    if special is not None:
+        status, keep = special
+        for p in old:
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+        return status
     started = time.perf_counter()
     inp = open_input(args, out)
     try:

@@ -156,6 +156,13 @@ def refusal(catalog: Catalog) -> str | None:
         )
     if any(len(info.layouts) != len(catalog.tops) for info in files):
         return "the streams' tops differ in dtype or sample shape"  # (:mod:`.._schemas`)
+    for top, spec in catalog.tops.items():
+        if spec.windows is not None and spec.windows[0] != spec.windows[1]:
+            length, stride = spec.windows
+            return (
+                f"top {top!r} is windows of {length} every {stride} elements, which are not the "
+                "rows of its dataset"
+            )
     for info in files:
         for top, layout in info.layouts.items():
             where = f"{info.name}: " if len(files) > 1 else ""

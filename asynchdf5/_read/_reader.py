@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Protocol
 
 import anyio
@@ -39,7 +40,7 @@ from .._sources import ByteRange, Source, Streaming
 from .._stats import ReadStats
 from ._chunked import Need, chunk_reads
 from ._spans import merged, uncovered
-from ._steps import H5pyRead, byte_view, direct_ranges, swapper
+from ._steps import H5pyRead, byte_view, direct_ranges, swapper, window_reads
 
 __all__ = ["HDF5Reader", "Reader"]
 
@@ -142,10 +143,12 @@ class HDF5Reader:
 
     def plan_reads(
         self, placed: Sequence[tuple[int, int, int]], arrays: Mapping[str, np.ndarray]
-    ) -> tuple[list[ByteRange], list[H5pyRead], list[Callable[[], None]]]:
+    ) -> tuple[list[ByteRange], list[H5pyRead], list[Callable[[], None]], list[Callable[[], None]]]:
         """The reads that put global rows ``start:stop`` at row ``out`` of ``arrays``, for each
-        ``(start, stop, out)``: byte ranges for the source, h5py reads, and steps to run after
-        the byte ranges are in (byte swaps)."""
+        ``(start, stop, out)``: byte ranges for the source, h5py reads, steps to run after
+        the byte ranges are in (byte swaps), and steps to run in worker threads once every read
+        is done (cutting a :class:`~asynchdf5.Windows` top's windows out of the elements read:
+        the windows of a segment are one contiguous range of the stream)."""
         piece = self.source.piece_bytes
         segments: list[Segment] = []
         for a, b, out in placed:
@@ -153,6 +156,7 @@ class HDF5Reader:
         ranges: list[ByteRange] = []
         h5reads: list[H5pyRead] = []
         after: list[Callable[[], None]] = []
+        cuts: list[Callable[[], None]] = []
         for top, info in self.tops.items():
             # The rows each chunked layout must give, planned together so that a stored chunk
             # several segments need is read and decoded once.
@@ -168,33 +172,38 @@ class HDF5Reader:
                 n = seg.row_stop - seg.row_start
                 dest = arrays[top][seg.out_start : seg.out_start + n]
                 about = f"top {top!r}, rows {seg.row_start}:{seg.row_stop}"
+                r0, r1, erb = seg.row_start, seg.row_stop, rb  # the stored rows to read
+                if info.windows is not None:  # the stream's elements under the windows
+                    r0, r1, dest, cut = window_reads(dest, r0, r1, *info.windows)
+                    about = f"top {top!r}, windows {seg.row_start}:{seg.row_stop}"
+                    erb = info.dtype.itemsize
+                    cuts.append(cut)
                 if layout.path == "pread":
-                    if whole is None:
-                        whole = byte_view(arrays[top])
-                    view = whole[seg.out_start * rb : (seg.out_start + n) * rb]
-                    ranges += direct_ranges(
-                        layout, seg.row_start, seg.row_stop, view, rb, about, piece
-                    )
+                    if info.windows is not None:
+                        view = byte_view(dest)
+                    else:
+                        if whole is None:
+                            whole = byte_view(arrays[top])
+                        view = whole[seg.out_start * rb : (seg.out_start + n) * rb]
+                    ranges += direct_ranges(layout, r0, r1, view, erb, about, piece)
                     if layout.swap:
                         after.append(swapper(dest))
                 elif layout.path == "chunks":
-                    chunked.setdefault(id(layout), (layout, []))[1].append(
-                        Need(seg.row_start, seg.row_stop, dest)
-                    )
+                    chunked.setdefault(id(layout), (layout, []))[1].append(Need(r0, r1, dest))
                     if layout.swap:
                         after.append(swapper(dest))
                 else:
-                    step = max(1, piece // max(1, info.row_bytes))
-                    for r in range(seg.row_start, seg.row_stop, step):
-                        r1 = min(seg.row_stop, r + step)
-                        part = dest[r - seg.row_start : r1 - seg.row_start]
-                        h5reads.append(H5pyRead(layout, r, r1, part, f"top {top!r}, rows {r}:{r1}"))
+                    step = max(1, piece // max(1, erb))
+                    for r in range(r0, r1, step):
+                        re = min(r1, r + step)
+                        part = dest[r - r0 : re - r0]
+                        h5reads.append(H5pyRead(layout, r, re, part, f"top {top!r}, rows {r}:{re}"))
             for layout, needs in chunked.values():
                 decoder = self._decoder(layout, info)
                 ranges += chunk_reads(
                     layout, needs, decoder, f"top {top!r}", piece, fresh=self.resident is not None
                 )
-        return ranges, h5reads, after
+        return ranges, h5reads, after, cuts
 
     def _decoder(self, layout: Layout, info: TopInfo) -> ChunkDecoder:
         dec = self._decoders.get(id(layout))
@@ -216,7 +225,7 @@ class HDF5Reader:
         stats: ReadStats,
     ) -> int:
         """Read global rows into ``arrays`` (see :meth:`plan_reads`); returns the bytes read."""
-        ranges, h5reads, after = self.plan_reads(placed, arrays)
+        ranges, h5reads, after, cuts = self.plan_reads(placed, arrays)
         if self.resident is not None:  # rows read once, into memory never written before
             for r in ranges:
                 r.fresh = r.into is not None
@@ -246,6 +255,10 @@ class HDF5Reader:
                 tg.start_soon(fetch)
             for read in h5reads:
                 tg.start_soon(h5read, read)
+        if cuts:
+            async with anyio.create_task_group() as tg:
+                for cut in cuts:
+                    tg.start_soon(partial(anyio.to_thread.run_sync, cut, limiter=self._limiter))
         return total[0]
 
     async def read(

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
 from .._errors import ReadError
 from .._layout import Layout
 from .._sources import ByteRange
+from .._windows import cut_windows, expand_in_place, token_range
 
-__all__ = ["H5pyRead", "byte_view", "direct_ranges", "swapper"]
+__all__ = ["H5pyRead", "byte_view", "direct_ranges", "swapper", "window_reads"]
 
 
 def byte_view(a: np.ndarray) -> memoryview:
@@ -99,3 +101,24 @@ def swapper(dest: np.ndarray) -> Callable[[], None]:
         dest.view(dest.dtype.newbyteorder("S")).byteswap(inplace=True)
 
     return swap
+
+
+def window_reads(
+    dest: np.ndarray, r0: int, r1: int, length: int, stride: int
+) -> tuple[int, int, np.ndarray, Callable[[], None]]:
+    """How windows ``r0:r1`` of a :class:`~asynchdf5.Windows` top get into ``dest`` (their
+    ``(n, length)`` rows): the stream's elements ``t0:t1`` to read, read into ``into`` (1-D),
+    then ``cut`` (blocking: a pass over the windows' bytes) cuts the windows out of them.
+
+    With ``stride <= length`` the elements fit in ``dest`` itself: they are read into the end of
+    its buffer and the windows are moved forwards in place. With ``stride > length`` the
+    elements between windows are read too (one contiguous read, not one per window), into a
+    buffer of their own.
+    """
+    t0, t1 = token_range(r0, r1, length, stride)
+    n = r1 - r0
+    if stride <= length:
+        into = dest.reshape(-1)[n * length - (t1 - t0) :]
+        return t0, t1, into, partial(expand_in_place, dest, stride)
+    buffer = np.empty(t1 - t0, dest.dtype)
+    return t0, t1, buffer, partial(cut_windows, dest, buffer, stride)

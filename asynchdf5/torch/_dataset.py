@@ -369,6 +369,13 @@ class LayerDataset(IterableDataset[Tensors]):
             n += resumed[1]
         return n
 
+    @property
+    def categories(self) -> dict[str, tuple[Any, ...]]:
+        """The category names of each top that is a categorical group, in code order (see
+        :attr:`asynchdf5.HDF5DataLayer.categories`). May read the files' metadata (blocking)
+        the first time."""
+        return self._this_layer().categories
+
     # --- epochs and resume --------------------------------------------------------------------
 
     @property

@@ -1,0 +1,427 @@
+"""``asynchdf5 pack`` for samples that are not fixed rows: Parquet tables with list columns, HDF5
+files with h5py variable-length datasets, and AnnData ``.h5ad`` files.
+
+* A table with list columns (a document's tokens, a clip's frames, a molecule's atoms): each
+  list column becomes a *ragged* top, a group of ``data`` (the rows' values concatenated; a
+  column of fixed-size lists gives ``data`` a trailing shape) and ``indptr`` (int64, ``n + 1``
+  offsets from 0: row ``r`` is ``data[indptr[r]:indptr[r + 1]]``); each numeric column a
+  dataset of rows; each string column a categorical group (``codes`` + ``categories``, as
+  AnnData writes them; the categories of the whole table, so every file has the same). Rows
+  are split (``--val``), shuffled (``--shuffle``) and cut into files as other inputs are.
+* HDF5 files whose ``--tops`` include an h5py variable-length numeric dataset: read into memory
+  as such a table (each variable-length top a list column, the others numbers or vectors), then
+  packed the same way.
+* An ``.h5ad`` file is rewritten object by object, as AnnData reads it back: every numeric
+  dataset contiguous and unfiltered (the layer's direct-read path; a sparse ``X`` stays a CSR
+  group of contiguous ``data``, ``indices``, ``indptr``, where a chunk's rows are one range of
+  each), a CSC matrix turned into CSR (its rows are the samples), the rest (strings,
+  categoricals' names, attributes) copied as it is. One output file per input file.
+
+Every file is written under a temporary name and renamed when complete; ``train.txt`` (and
+``val.txt``) name them, as for other inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from .. import __version__
+from .._catalog import ENCODING_ATTR, SHUFFLED_ATTR
+from ._pack_inputs import _pyarrow, _read_table
+from ._pack_write import PackError, commit_text, temporary_prefix
+from ._util import mib, plural
+
+__all__ = [
+    "H5AD_SUFFIX",
+    "has_list_columns",
+    "pack_h5ad",
+    "pack_ragged_table",
+    "pack_vlen",
+    "vlen_tops",
+]
+
+H5AD_SUFFIX = ".h5ad"
+#: Bytes of a dataset copied at a time when an ``.h5ad`` is rewritten.
+_COPY_BYTES = 64 * 2**20
+#: The attributes AnnData gives a categorical group (what :func:`~.._catalog.categorical` reads).
+_CATEGORICAL_ATTRS = {ENCODING_ATTR: "categorical", "encoding-version": "0.2.0", "ordered": False}
+
+
+# --- tables with list columns ------------------------------------------------------------------
+
+
+def has_list_columns(paths: Sequence[Path]) -> bool:
+    """Whether the first table (Parquet: its schema only) has a list column."""
+    first = paths[0]
+    if first.suffix.lower() == ".csv":
+        return False  # CSV has no lists
+    pa = _pyarrow()
+    try:
+        schema = importlib.import_module("pyarrow.parquet").read_schema(first)
+    except (OSError, pa.ArrowException) as exc:
+        raise PackError(f"{first}: cannot read the table: {exc}") from exc
+    return any(_is_list(pa, f.type) for f in schema)
+
+
+def _is_list(pa: Any, t: Any) -> bool:
+    return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
+
+
+def _columns(pa: Any, table: Any, path: Path, args: argparse.Namespace) -> list[str]:
+    """The columns to pack: those named (``--columns``, ``--label-column``), else every list
+    and numeric column."""
+    named = list(args.columns or [])
+    if args.label_column and args.label_column not in named:
+        named.append(args.label_column)
+    if named:
+        for c in named:
+            if c not in table.column_names:
+                raise PackError(f"{path}: no column {c!r}; the table has {table.column_names}")
+        return named
+    numeric = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
+    return [
+        f.name
+        for f in table.schema
+        if _is_list(pa, f.type) or any(test(f.type) for test in numeric)
+    ]
+
+
+def _ragged(pa: Any, col: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``data`` and ``indptr`` of a list column (one chunk)."""
+    offsets = np.asarray(col.offsets, dtype=np.int64)
+    values = col.flatten()  # the rows' values, the slice's own
+    indptr = offsets - offsets[0]
+    if pa.types.is_fixed_size_list(values.type):  # rows of fixed-size records: a trailing shape
+        size = values.type.list_size
+        inner = np.asarray(values.flatten().to_numpy(zero_copy_only=False))
+        data = inner.reshape(len(values), size)
+    elif _is_list(pa, values.type):
+        raise PackError(
+            f"column {name!r} holds lists of lists of varying length; only lists of numbers or "
+            "of fixed-size lists (a trailing shape) become ragged tops"
+        )
+    else:
+        data = np.asarray(values.to_numpy(zero_copy_only=False))
+    if data.dtype.kind not in "biuf":
+        raise PackError(f"column {name!r} holds lists of {values.type}, not numbers")
+    return data, indptr
+
+
+def _plain(pa: Any, col: Any) -> Any:
+    """A dictionary-encoded column as its values."""
+    return col.cast(col.type.value_type) if pa.types.is_dictionary(col.type) else col
+
+
+def _categories(pa: Any, table: Any, columns: Sequence[str]) -> dict[str, np.ndarray]:
+    """The sorted categories of each string column, over the whole table."""
+    out = {}
+    for c in columns:
+        col = _plain(pa, table.column(c))
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            values = np.asarray(col.to_numpy(zero_copy_only=False)).astype(str)
+            out[c] = np.unique(values)
+    return out
+
+
+def _write_table_file(
+    pa: Any,
+    sub: Any,
+    columns: Sequence[str],
+    categories: dict[str, np.ndarray],
+    path: Path,
+    attrs: dict[str, Any],
+) -> None:
+    with h5py.File(path, "w") as f:
+        f.attrs.update(attrs)
+        for c in columns:
+            col = _plain(pa, sub.column(c).combine_chunks())
+            if col.null_count:
+                raise PackError(
+                    f"column {c!r} has {col.null_count} missing values; fill or drop them first"
+                )
+            if pa.types.is_fixed_size_list(col.type):  # rows of one shape
+                inner = np.asarray(col.flatten().to_numpy(zero_copy_only=False))
+                f.create_dataset(c, data=inner.reshape(len(col), col.type.list_size))
+            elif _is_list(pa, col.type):
+                data, indptr = _ragged(pa, col, c)
+                g = f.create_group(c)
+                g.create_dataset("data", data=np.ascontiguousarray(data))
+                g.create_dataset("indptr", data=indptr)
+            elif c in categories:
+                values = np.asarray(col.to_numpy(zero_copy_only=False)).astype(str)
+                names = categories[c]
+                g = f.create_group(c)
+                g.attrs.update(_CATEGORICAL_ATTRS)
+                g.create_dataset("codes", data=np.searchsorted(names, values).astype(np.int32))
+                g.create_dataset("categories", data=names.astype(object), dtype=h5py.string_dtype())
+            else:
+                values = np.asarray(col.to_numpy(zero_copy_only=False))
+                if values.dtype.kind not in "biuf":
+                    raise PackError(f"column {c!r} holds {col.type} values: not packed")
+                f.create_dataset(c, data=values)
+
+
+def _table_bytes(pa: Any, table: Any) -> int:
+    try:
+        return int(table.nbytes)
+    except (AttributeError, pa.ArrowException):
+        return 0
+
+
+def pack_ragged_table(args: argparse.Namespace, out: Path, split: Any, file_bytes: int) -> int:
+    """Pack Parquet tables with list columns into ragged tops (see the module's docstring)."""
+    pa = _pyarrow()
+    inputs: list[Path] = args.inputs
+    if args.compression != "none":
+        raise PackError(
+            "--compression does not apply to tables with list columns: ragged tops are written "
+            "contiguous (the rows of a chunk are then one read)"
+        )
+    tables = [_read_table(p) for p in inputs]
+    columns = _columns(pa, tables[0], inputs[0], args)
+    try:
+        table = pa.concat_tables([t.select(columns) for t in tables])
+    except (KeyError, pa.ArrowException) as exc:
+        raise PackError(f"the tables do not share the columns {columns}: {exc}") from exc
+    return _pack_table(args, out, split, file_bytes, table, columns, ", ".join(map(str, inputs)))
+
+
+def _pack_table(
+    args: argparse.Namespace,
+    out: Path,
+    split: Any,
+    file_bytes: int,
+    table: Any,
+    columns: list[str],
+    described: str,
+) -> int:
+    """Split, shuffle and write ``table``'s ``columns`` into files of ragged, categorical and
+    row tops, and the source lists naming them."""
+    pa = _pyarrow()
+    n = table.num_rows
+    categories = _categories(pa, table, columns)
+    rng = np.random.default_rng(args.seed)
+    train, val = split(n, None, args.val, rng)
+    if len(train) == 0:
+        raise PackError(f"{n} samples leave none for training with --val {args.val}")
+    if args.shuffle:
+        train, val = rng.permutation(train), rng.permutation(val)
+    total = _table_bytes(pa, table)
+    per_file = args.samples_per_file or max(1, n * file_bytes // max(1, total))
+    kinds = []
+    for c in columns:
+        t = table.schema.field(c).type
+        kinds.append(
+            f"{c} ragged" if _is_list(pa, t) else f"{c} categorical" if c in categories else c
+        )
+    print(
+        f"packing {plural(n, 'sample')} ({mib(total)}) from {described} "
+        f"into {out}: {', '.join(kinds)}",
+        flush=True,
+    )
+    attrs: dict[str, Any] = {"packed_by": f"asynchdf5 {__version__} pack"}
+    if args.shuffle:
+        attrs[SHUFFLED_ATTR] = True
+    written: list[str] = []
+    try:
+        for name, order in (("train", train), ("val", val)):
+            if len(order) == 0:
+                continue
+            files = []
+            for k, a in enumerate(range(0, len(order), per_file)):
+                final = out / f"{name}-{k:05d}.h5"
+                tmp = out / f"{temporary_prefix()}{final.name}"
+                sub = table.take(pa.array(order[a : a + per_file]))
+                _write_table_file(pa, sub, columns, categories, tmp, attrs)
+                _commit(tmp, final)
+                files.append(final.name)
+            commit_text(out / f"{name}.txt", "\n".join(files) + "\n")
+            written.append(f"{name} {plural(len(order), 'sample')} in {plural(len(files), 'file')}")
+    finally:
+        for tmp in out.glob(f"{temporary_prefix()}*"):
+            tmp.unlink(missing_ok=True)
+    print(f"wrote {'; '.join(written)}")
+    print(f"next: asynchdf5 inspect {out / 'train.txt'} --tops {' '.join(columns)}")
+    return 0
+
+
+# --- HDF5 files with variable-length datasets ---------------------------------------------------
+
+
+def vlen_tops(paths: Sequence[Path], tops: Sequence[str]) -> bool:
+    """Whether a top of the first file is an h5py variable-length numeric dataset."""
+    try:
+        with h5py.File(paths[0], "r") as f:
+            for t in tops:
+                d = f.get(t)
+                if isinstance(d, h5py.Dataset) and h5py.check_vlen_dtype(d.dtype) is not None:
+                    return h5py.check_string_dtype(d.dtype) is None
+    except OSError:
+        return False  # the row path says what is wrong with the file
+    return False
+
+
+def _hdf5_column(pa: Any, entry: str, f: h5py.File, top: str) -> Any:
+    d = f.get(top)
+    if not isinstance(d, h5py.Dataset):
+        raise PackError(f"{entry}: no dataset {top!r} (choose the tops with --tops)")
+    base = h5py.check_vlen_dtype(d.dtype)
+    if base is not None:
+        if h5py.check_string_dtype(d.dtype) is not None or base.kind not in "biuf":
+            raise PackError(f"{entry}: top {top!r} holds variable-length {base}, not numbers")
+        rows = d[()]
+        values = np.concatenate(rows) if len(rows) else np.empty(0, base)
+        offsets = np.zeros(len(rows) + 1, np.int32 if len(values) < 2**31 else np.int64)
+        np.cumsum([len(r) for r in rows], out=offsets[1:])
+        kind = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
+        return kind.from_arrays(pa.array(offsets), pa.array(values.astype(base)))
+    values = d[()]
+    if values.dtype.kind not in "biuf" or values.ndim > 2:
+        raise PackError(
+            f"{entry}: top {top!r} has rows of shape {values.shape[1:]} and dtype "
+            f"{values.dtype}; beside variable-length tops, numbers or vectors are packed"
+        )
+    if values.ndim == 2:
+        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
+    return pa.array(values)
+
+
+def pack_vlen(
+    args: argparse.Namespace, out: Path, split: Any, file_bytes: int, entries: Sequence[str]
+) -> int:
+    """Pack HDF5 files whose ``--tops`` include h5py variable-length numeric datasets: those
+    as ragged groups (``data`` + ``indptr``, read as contiguous ranges instead of one heap
+    object per row), the others as rows (read into memory)."""
+    pa = _pyarrow()
+    if args.compression != "none":
+        raise PackError(
+            "--compression does not apply to variable-length tops: ragged tops are written "
+            "contiguous (the rows of a chunk are then one read)"
+        )
+    tops: list[str] = list(args.tops)
+    tables = []
+    for entry in entries:
+        with h5py.File(entry, "r") as f:
+            cols = {t: _hdf5_column(pa, entry, f, t) for t in tops}
+        counts = {t: len(c) for t, c in cols.items()}
+        if len(set(counts.values())) > 1:
+            raise PackError(f"{entry}: the tops have different row counts ({counts})")
+        tables.append(pa.table(cols))
+    try:
+        table = pa.concat_tables(tables)
+    except pa.ArrowException as exc:
+        raise PackError(f"the files' tops differ in type: {exc}") from exc
+    return _pack_table(args, out, split, file_bytes, table, tops, f"{len(entries)} HDF5 files")
+
+
+# --- .h5ad -------------------------------------------------------------------------------------
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """``tmp`` complete on disk, then renamed to ``final``."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
+def _enc(obj: Any) -> object:
+    said = obj.attrs.get(ENCODING_ATTR)
+    return said.decode() if isinstance(said, bytes) else said
+
+
+def _copy_contiguous(src: h5py.Dataset, parent: h5py.Group, name: str) -> None:
+    """``src`` as a contiguous, unfiltered dataset ``name`` of ``parent``, in slabs."""
+    dst = parent.create_dataset(name, shape=src.shape, dtype=src.dtype)
+    dst.attrs.update(src.attrs)
+    if src.size == 0:
+        return
+    if src.ndim == 0:
+        dst[()] = src[()]
+        return
+    row = max(1, src.dtype.itemsize * int(np.prod(src.shape[1:], dtype=np.int64)))
+    step = max(1, _COPY_BYTES // row)
+    for a in range(0, int(src.shape[0]), step):
+        dst[a : a + step] = src[a : a + step]
+
+
+def _csc_to_csr(src: h5py.Group, parent: h5py.Group, name: str, where: str) -> None:
+    """A CSC matrix group as a CSR one (its rows, the samples, each one range): in memory."""
+    try:
+        sparse = importlib.import_module("scipy.sparse")
+    except ImportError as exc:
+        raise PackError(f"{where}: a CSC matrix is turned into CSR with scipy: install it") from exc
+    shape = tuple(int(n) for n in src.attrs["shape"])
+    m = sparse.csc_matrix((src["data"][()], src["indices"][()], src["indptr"][()]), shape=shape)
+    csr = m.tocsr()
+    csr.sort_indices()
+    g = parent.create_group(name)
+    g.attrs.update({k: v for k, v in src.attrs.items()})
+    g.attrs[ENCODING_ATTR] = "csr_matrix"
+    g.create_dataset("data", data=csr.data)
+    g.create_dataset("indices", data=csr.indices)
+    g.create_dataset("indptr", data=csr.indptr.astype(np.int64))
+
+
+def _rewrite(src: h5py.Group, dst: h5py.Group, where: str) -> None:
+    dst.attrs.update(src.attrs)
+    for name, obj in src.items():
+        if isinstance(obj, h5py.Group):
+            if _enc(obj) == "csc_matrix" and {"data", "indices", "indptr"} <= set(obj.keys()):
+                _csc_to_csr(obj, dst, name, f"{where}/{name}")
+                continue
+            _rewrite(obj, dst.create_group(name), f"{where}/{name}")
+        elif isinstance(obj, h5py.Dataset) and obj.dtype.kind in "biufc" and obj.shape:
+            _copy_contiguous(obj, dst, name)
+        else:  # strings, references, scalars: as they are
+            src.copy(obj, dst, name=name)
+
+
+def pack_h5ad(args: argparse.Namespace, out: Path) -> int:
+    """Rewrite ``.h5ad`` files in the form the layer reads fastest (see the module's
+    docstring), one output file per input, named by ``train.txt``."""
+    for flag, value, default in (
+        ("--shuffle", args.shuffle, False),
+        ("--val", args.val, 0.0),
+        ("--samples-per-file", args.samples_per_file, None),
+        ("--compression", args.compression, "none"),
+        ("--columns", args.columns, None),
+        ("--label-column", args.label_column, None),
+        ("--tops", args.tops, None),
+    ):
+        if value != default:
+            raise PackError(
+                f"{flag} does not apply to .h5ad inputs: each file is rewritten as it is, with "
+                "its layouts made fast (shuffle when reading: the layer's shuffle=True)"
+            )
+    names = []
+    try:
+        for k, path in enumerate(args.inputs):
+            final = out / f"train-{k:05d}.h5"
+            tmp = out / f"{temporary_prefix()}{final.name}"
+            try:
+                with h5py.File(path, "r") as src, h5py.File(tmp, "w") as dst:
+                    _rewrite(src, dst, str(path))
+                    dst.attrs["packed_by"] = f"asynchdf5 {__version__} pack"
+            except OSError as exc:
+                raise PackError(f"{path}: cannot rewrite it: {exc}") from exc
+            _commit(tmp, final)
+            names.append(final.name)
+            print(f"{path} -> {final} ({mib(final.stat().st_size)})", flush=True)
+    finally:
+        for tmp in out.glob(f"{temporary_prefix()}*"):
+            tmp.unlink(missing_ok=True)
+    commit_text(out / "train.txt", "\n".join(names) + "\n")
+    print(f"wrote {plural(len(names), 'file')} ({out / 'train.txt'})")
+    print(f"next: asynchdf5 inspect {out / 'train.txt'} --tops X obs/<column>")
+    return 0

@@ -1,0 +1,263 @@
+"""``asynchdf5 pack`` and ``inspect`` for samples that are not fixed rows (issue 41, item 3):
+Parquet list columns become ragged groups (``data`` + ``indptr``), string columns categorical
+groups, an ``.h5ad`` file is rewritten with contiguous layouts (sparse X kept as CSR, CSC made
+CSR, categoricals kept) that AnnData still reads; ``inspect`` says each top's form.
+
+The ragged groups are checked here with h5py; reading them with the layer needs
+``asynchdf5.Ragged`` (built beside this), and that test skips until it exists."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+import asynchdf5
+from asynchdf5 import HDF5DataLayer, Windows
+
+from ._helpers import run_main
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """anndata and scipy may warn about their own futures: not these tests' business."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _table(path: Path, n: int = 50) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 9, n)
+    lengths[3] = 0  # an empty row
+    tokens = [np.arange(k, dtype=np.int32) + 100 * i for i, k in enumerate(lengths)]
+    atoms = [rng.random((k % 4 + 1, 3)).astype(np.float32) for k in lengths]
+    kinds = [("cat", "dog", "emu")[i % 3] for i in range(n)]
+    pa_atoms = pa.array(
+        [[list(map(float, r)) for r in a] for a in atoms],
+        type=pa.list_(pa.list_(pa.float32(), 3)),
+    )
+    table = pa.table(
+        {
+            "tokens": pa.array([t.tolist() for t in tokens], type=pa.list_(pa.int32())),
+            "atoms": pa_atoms,
+            "row": pa.array(np.arange(n, dtype=np.int64)),
+            "kind": pa.array(kinds),
+        }
+    )
+    pq.write_table(table, path)
+    return {"tokens": tokens, "atoms": atoms, "kind": kinds}
+
+
+def _ragged_rows(g: h5py.Group) -> list[np.ndarray]:
+    data, indptr = g["data"][()], g["indptr"][()]
+    assert indptr.dtype == np.int64 and indptr[0] == 0 and indptr[-1] == len(data)
+    assert (np.diff(indptr) >= 0).all()
+    assert g["data"].chunks is None  # contiguous: the direct-read path
+    return [data[indptr[r] : indptr[r + 1]] for r in range(len(indptr) - 1)]
+
+
+@pytest.mark.timeout(60)
+def test_pack_writes_ragged_groups_from_parquet_list_columns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    truth = _table(tmp_path / "t.parquet")
+    out = tmp_path / "out"
+    args = ["pack", tmp_path / "t.parquet", out, "--shuffle", "--samples-per-file", "20"]
+    status, text, err = run_main([*args, "--columns", "tokens", "atoms", "row", "kind"], capsys)
+    assert status == 0, err
+    files = (out / "train.txt").read_text().split()
+    assert files == ["train-00000.h5", "train-00001.h5", "train-00002.h5"]
+    seen = []
+    names = None
+    for name in files:
+        with h5py.File(out / name) as f:
+            assert f.attrs["shuffled"]
+            rows = f["row"][()]
+            seen += rows.tolist()
+            for r, tok in zip(rows, _ragged_rows(f["tokens"]), strict=True):
+                np.testing.assert_array_equal(tok, truth["tokens"][r])
+            for r, at in zip(rows, _ragged_rows(f["atoms"]), strict=True):
+                assert at.shape[1:] == (3,)  # a trailing shape
+                np.testing.assert_array_equal(at, truth["atoms"][r])
+            g = f["kind"]
+            assert g.attrs["encoding-type"] == "categorical"
+            here = tuple(s.decode() for s in g["categories"][()])
+            assert names is None or here == names  # the same categories in every file
+            names = here
+            for r, c in zip(rows, g["codes"][()], strict=True):
+                assert names[c] == truth["kind"][r]
+    assert sorted(seen) == list(range(50))
+    assert seen != list(range(50))  # shuffled
+    # What inspect makes of it: the forms, read as the layer would.
+    status, text, _ = run_main(["inspect", out / "train.txt", "--tops", "tokens", "kind"], capsys)
+    assert "tokens: ragged: variable-length rows (data + indptr" in text
+    assert "kind: categorical: 3 categories ('cat', 'dog', 'emu')" in text
+
+
+@pytest.mark.timeout(60)
+def test_the_layer_reads_packed_ragged_tops(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not hasattr(asynchdf5, "Ragged"):
+        pytest.skip("asynchdf5.Ragged (ragged tops) is not in this build yet")
+    truth = _table(tmp_path / "t.parquet")
+    out = tmp_path / "out"
+    assert run_main(["pack", tmp_path / "t.parquet", out, "--shuffle"], capsys)[0] == 0
+    with HDF5DataLayer(
+        out / "train.txt", tops=("tokens", "row", "kind"), batch_size=8, shuffle=True
+    ) as layer:
+        assert layer.categories["kind"] == ("cat", "dog", "emu")
+        seen = []
+        for batch in layer:
+            r = batch["tokens"]
+            for i, row in enumerate(np.array(batch["row"])):
+                np.testing.assert_array_equal(np.asarray(r[i]), truth["tokens"][row])
+                seen.append(int(row))
+    assert sorted(seen) == list(range(50))
+
+
+def test_pack_refuses_what_it_cannot_keep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pq.write_table(pa.table({"x": pa.array([[[1, 2], [3]], [[4]]])}), tmp_path / "n.parquet")
+    status, _, err = run_main(["pack", tmp_path / "n.parquet", tmp_path / "o"], capsys)
+    assert status == 1 and "lists of lists of varying length" in err
+    pq.write_table(pa.table({"x": pa.array([[1], None])}), tmp_path / "m.parquet")
+    status, _, err = run_main(["pack", tmp_path / "m.parquet", tmp_path / "o2"], capsys)
+    assert status == 1 and "missing values" in err
+
+
+def _anndata(path: Path, fmt: str) -> Any:
+    ad = pytest.importorskip("anndata")
+    pd = pytest.importorskip("pandas")
+    sparse = pytest.importorskip("scipy.sparse")
+    rng = np.random.default_rng(1)
+    n, genes = 40, 9
+    x = sparse.random(n, genes, density=0.3, format="csr", dtype=np.float32, random_state=rng)
+    obs = pd.DataFrame(
+        {
+            "cell_type": pd.Categorical([("T", "B", "NK")[i % 3] for i in range(n)]),
+            "row": np.arange(n),
+        },
+        index=[f"c{i}" for i in range(n)],
+    )
+    a = ad.AnnData(X=x.tocsc() if fmt == "csc" else x.toarray() if fmt == "dense" else x, obs=obs)
+    with _quiet():
+        a.write_h5ad(path, compression="gzip")  # chunked, filtered: what pack undoes
+    return a
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", ["csr", "csc", "dense"])
+def test_pack_rewrites_an_h5ad_in_fast_layouts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str
+) -> None:
+    ad = pytest.importorskip("anndata")
+    original = _anndata(tmp_path / "a.h5ad", fmt)
+    out = tmp_path / "out"
+    status, _, err = run_main(["pack", tmp_path / "a.h5ad", out], capsys)
+    assert status == 0, err
+    assert (out / "train.txt").read_text().split() == ["train-00000.h5"]
+    packed = out / "train-00000.h5"
+    with h5py.File(packed) as f:
+        if fmt == "dense":
+            assert f["X"].chunks is None and f["X"].compression is None
+        else:
+            assert f["X"].attrs["encoding-type"] == "csr_matrix"
+            for k in ("data", "indices", "indptr"):
+                assert f["X"][k].chunks is None  # contiguous: one range per chunk of rows
+        assert f["obs/cell_type"].attrs["encoding-type"] == "categorical"
+        assert f["obs/cell_type/codes"].chunks is None
+    with _quiet():
+        back = ad.read_h5ad(packed)
+    x0 = original.X.toarray() if hasattr(original.X, "toarray") else original.X
+    x1 = back.X.toarray() if hasattr(back.X, "toarray") else back.X
+    np.testing.assert_array_equal(x0, x1)
+    assert list(back.obs["cell_type"]) == list(original.obs["cell_type"])
+    # The layer reads its categorical and numeric obs columns (and a dense X) now.
+    tops = ("obs/cell_type", "obs/row") + (("X",) if fmt == "dense" else ())
+    with HDF5DataLayer(out / "train.txt", tops=tops, batch_size=16, shuffle=True) as layer:
+        names = layer.categories["obs/cell_type"]
+        for batch in layer:  # (bounded by the test's timeout)
+            rows = np.array(batch["obs/row"])
+            codes = np.array(batch["obs/cell_type"])
+            want = [original.obs["cell_type"].iloc[r] for r in rows]
+            assert [names[c] for c in codes] == want
+            if fmt == "dense":
+                np.testing.assert_array_equal(np.array(batch["X"]), x0[rows])
+    status, text, _ = run_main(["inspect", out / "train.txt", "--tops", "X"], capsys)
+    if fmt != "dense":
+        assert "X: sparse csr: a sparse matrix of shape (40, 9) (csr_matrix" in text
+    status, _, err = run_main(["pack", tmp_path / "a.h5ad", tmp_path / "o", "--shuffle"], capsys)
+    assert status == 1 and "--shuffle does not apply to .h5ad inputs" in err
+
+
+def test_inspect_windows_and_variable_length(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = tmp_path / "f.h5"
+    with h5py.File(p, "w") as f:
+        f["tokens"] = np.arange(5000, dtype=np.uint16)
+        vl = f.create_dataset("vl", (3,), dtype=h5py.vlen_dtype(np.int32))
+        vl[0], vl[1], vl[2] = [1, 2], [3], []
+    status, text, _ = run_main(["inspect", p, "--windows", "tokens:1025:1024"], capsys)
+    assert status == 0
+    assert "tokens: windows: windows of 1025 elements every 1024" in text
+    status, text, _ = run_main(["inspect", p, "--tops", "tokens", "vl"], capsys)
+    assert "tokens: rows: a 1-D stream of integers: Windows(top, length, stride)" in text
+    assert "vl: variable-length: an h5py variable-length dataset" in text
+    assert "vl: h5py fallback (h5py)" in text
+    status, _, err = run_main(["inspect", p, "--windows", "tokens:x"], capsys)
+    assert status == 2 and "TOP:LENGTH" in err
+    # The catalog's verdict on windows: samples as the layer counts them.
+    with HDF5DataLayer(p, tops=(Windows("tokens", 1025, 1024),), batch_size=2) as layer:
+        assert layer.n_samples == 4
+
+
+@pytest.mark.timeout(60)
+def test_pack_turns_variable_length_datasets_into_ragged_groups(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = np.random.default_rng(3)
+    truth: list[np.ndarray] = []
+    paths = []
+    for k, n in enumerate((30, 0, 25)):
+        p = tmp_path / f"v{k}.h5"
+        with h5py.File(p, "w") as f:
+            d = f.create_dataset("tokens", (n,), dtype=h5py.vlen_dtype(np.int32))
+            for i in range(n):
+                row = rng.integers(0, 1000, rng.integers(0, 6)).astype(np.int32)
+                d[i] = row
+                truth.append(row)
+            f["label"] = np.arange(len(truth) - n, len(truth), dtype=np.int64)
+            f["emb"] = np.repeat(f["label"][()][:, None], 4, axis=1).astype(np.float32)
+        paths.append(p)
+    out = tmp_path / "out"
+    args = ["pack", *paths, out, "--tops", "tokens", "label", "emb", "--shuffle"]
+    status, _, err = run_main(args, capsys)
+    assert status == 0, err
+    seen = []
+    for name in (out / "train.txt").read_text().split():
+        with h5py.File(out / name) as f:
+            labels = f["label"][()]
+            np.testing.assert_array_equal(f["emb"][()], np.repeat(labels[:, None], 4, axis=1))
+            for r, row in zip(labels, _ragged_rows(f["tokens"]), strict=True):
+                np.testing.assert_array_equal(row, truth[r])
+                assert row.dtype == np.int32
+            seen += labels.tolist()
+    assert sorted(seen) == list(range(55))
+    # A file without variable-length tops still packs them as rows, as before.
+    status, _, err = run_main(["pack", paths[0], tmp_path / "rows", "--tops", "label"], capsys)
+    assert status == 0, err
+    with h5py.File(tmp_path / "rows" / "train-00000.h5") as f:
+        assert f["label"].shape == (30,)
