@@ -1,5 +1,7 @@
 """The iterator over one epoch or the endless stream (:class:`EpochIterator`): a view on the
-layer's :class:`~._consumer.Consumer`, which holds every piece of state it changes."""
+layer's :class:`~._consumer.Consumer`, which holds the consumer's state. The iterator's own
+fields (its mode, whether a ``for`` loop drives it, the opening it serves, whether it is done)
+are written here only, from what the consumer answers."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from ._batch import Batch
 from ._consumer import Consumer
 from ._pipeline import Mode
 from ._process import raise_kept_interrupt
+from ._sync import bridged
 
 __all__ = ["EpochIterator"]
 
@@ -33,7 +36,7 @@ class EpochIterator:
         #: The layer's consumer, which this iterator is a view on.
         self.consumer = consumer
         self.mode: Mode = mode
-        #: Set by the sync bridge, which hands batches over in the ``for`` loop's thread.
+        #: Driven by a ``for`` loop, which hands batches over in its own thread (:mod:`._sync`).
         self.bridged = False
         #: The iteration is over (finished, failed, closed).
         self.done = False
@@ -50,28 +53,36 @@ class EpochIterator:
     async def __anext__(self) -> Batch:
         raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
         consumer = self.consumer
-        batch = consumer.next_ready(self)  # a ready batch, without a trip through the loop
-        if batch is not None:
-            return batch
-        if self.done:
-            raise StopAsyncIteration
         try:
+            batch = consumer.next_ready(self)  # a ready batch, without a trip through the loop
+            if batch is not None:
+                return batch
+            if self.done:
+                raise StopAsyncIteration
+            if self.opening is None:
+                self.opening = await consumer.begin(self)
             return await consumer.next(self)
         except StopAsyncIteration:
+            self.done = True
             raise
         except BaseException:
             # Cancelled, or failed: like an async generator, the iteration is over.
+            self.done = True
             consumer.leave(self)
             raise
 
     async def aclose(self) -> None:
         """End this iteration before its end (what leaving ``async for`` with ``break`` does)."""
-        self.consumer.leave(self)
+        self.close()
 
     def close(self) -> None:
         """:meth:`aclose` for sync code."""
+        self.done = True
         self.consumer.leave(self)
 
     def __iter__(self) -> Iterator[Batch]:
-        """Iterate with ``for`` (the layer must be open with ``with``)."""
-        return self.consumer.iterate_sync(self)
+        """Iterate with ``for`` (the layer must be open with ``with``): batches come across the
+        opening's portal (:func:`~._sync.bridged`) and are handed over in the loop's thread."""
+        portal = self.consumer.portal()
+        self.bridged = True
+        return bridged(portal, self)

@@ -199,7 +199,8 @@ async def _serve(
 ) -> None:
     opened = False
     try:
-        layer = _rebuilt(source, dataclasses.replace(config, process=False))
+        # Exactly the parent's configuration (its drawn seed included), without process=True.
+        layer = AsyncHDF5DataLayer._with_config(source, dataclasses.replace(config, process=False))
         if part is not None:
             layer._set_part(*part)
         if state is not None:
@@ -215,34 +216,6 @@ async def _serve(
             raise
         sock.setblocking(True)
         sock.send(pickle.dumps(("failed", error_blob(exc))))
-
-
-def _rebuilt(source: Any, c: Any) -> AsyncHDF5DataLayer:
-    """A layer over ``source`` (files, or streams) with exactly the configuration ``c`` (its
-    drawn seed included)."""
-    out = AsyncHDF5DataLayer(
-        source,
-        batch_size=c.batch_size,
-        tops=c.tops,
-        shuffle=c.shuffle,
-        chunk_size=c.chunk_size,
-        transformers=c.transformers,
-        seed=c.seed,
-        drop_last=c.drop_last,
-        rank=c.rank,
-        world_size=c.world_size,
-        cache_bytes=c.cache_bytes,
-        prefetch=c.prefetch,
-        backend=c.backend,
-        storage_options=c.storage_options,
-        remote_cache=c.remote_cache,
-        remote_cache_bytes=c.remote_cache_bytes,
-        block_size=c.block_size,
-        mmap=c.mmap,
-        batch_mode=c.batch_mode,
-    )
-    out.config = c  # the parent's, drawn seed and all
-    return out
 
 
 def main() -> None:
