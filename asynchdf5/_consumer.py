@@ -27,7 +27,7 @@ import collections
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.lowlevel
@@ -162,7 +162,7 @@ class Consumer:
         run: Run
         reader = opened.reader
         if isinstance(reader, ProcessReader):
-            run = reader.new_run(mode, self.epoch)
+            run = reader.new_run(mode, self.epoch, self.run_state())
         else:
             run = Run(
                 reader,
@@ -398,6 +398,18 @@ class Consumer:
     def position(self) -> Position:
         """Where the consumer is: :meth:`~._place.Place.position`."""
         return self.place.position(self.planner.plan)
+
+    def run_state(self) -> dict[str, Any]:
+        """Where a run that starts now starts, as a state (for the helper process of
+        ``process=True``, which loads it and iterates from there). A run starts with nothing
+        of its epoch handed over yet; in the epoch of a state loaded, that is the state itself,
+        whatever mode the run serves (``state_dict()`` would say the mode's start: the
+        position of a run in another mode than the state's does not carry the state's)."""
+        planner, (mode, epoch, _, _) = self.planner, self.position()
+        r = planner.resume
+        if r is not None and epoch == r.epoch:
+            return planner.state((r.mode, epoch, 0, 0))
+        return planner.state((mode, epoch, 0, 0))
 
     def restart_at(self, epoch: int) -> None:
         """Serve ``epoch`` next, from a fresh plan (``set_epoch``, or a state loaded; the layer

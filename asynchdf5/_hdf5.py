@@ -145,9 +145,9 @@ class HDF5Layer(LayerBase):
         self.paths = paths
         # The source and catalog that len() (or n_samples, state_dict ...) built before an
         # opening, for that opening; the finalizer closes them if none comes.
-        self._looked: (
-            tuple[Source, Looked, weakref.finalize[[Source, int], AsyncHDF5DataLayer]] | None
-        ) = None
+        self._looked: tuple[Source, Looked, weakref.finalize[[Source, int], HDF5Layer]] | None = (
+            None
+        )
         if config.process:
             check_picklable(config, self._helper_source())  # before any batch: what cannot go
         super().__init__(config)
@@ -358,7 +358,7 @@ class HDF5Layer(LayerBase):
             looked, self._looked = self._looked, None
             looked[2]()
         planner = self._planner
-        state = self._run_state() if planner.resume is not None else None
+        state = self._consumer.run_state() if planner.resume is not None else None
         c = self.config
         device = None
         if c.device is not None:  # the helper gathers host batches; this process uploads them
@@ -366,7 +366,7 @@ class HDF5Layer(LayerBase):
             device = (self._delivery, c.batch_size)
         blob = payload(self._helper_source(), c, planner.part, state)
         slots = ring_slots(c.prefetch)
-        reader, shape = await ProcessReader.start(blob, self._run_state, self._stats, slots, device)
+        reader, shape = await ProcessReader.start(blob, self._stats, slots, device)
         try:
             check_schemas(shape.streams, process=True)
             rows = planner.opening(shape, epoch)

@@ -205,19 +205,6 @@ class LayerBase:
         self._data_shape()
         return self._planner.state(self._consumer.position())
 
-    def _run_state(self) -> dict[str, Any]:
-        """Where a run that starts now starts, as a state (for the helper process of
-        ``process=True``, which loads it and iterates from there). A run starts with nothing
-        of its epoch handed over yet; in the epoch of a state loaded, that is the state itself,
-        whatever mode the run serves (:meth:`state_dict` would say the mode's start: the
-        position of a run in another mode than the state's does not carry the state's)."""
-        self._data_shape()
-        planner, (mode, epoch, _, _) = self._planner, self._consumer.position()
-        r = planner.resume
-        if r is not None and epoch == r.epoch:
-            return planner.state((r.mode, epoch, 0, 0))
-        return planner.state((mode, epoch, 0, 0))
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`): the next batch is the one that
         would have come next in the run that saved it, and every later epoch is that run's
