@@ -306,14 +306,12 @@ class Consumer:
         ready.extend(group)
         return ready.popleft()
 
-    async def next_batches(self, it: EpochIterator, limit: int) -> list[Batch]:
-        """The next batch for ``it`` and up to ``limit - 1`` more that are ready now; ``[]`` at
-        the end. For the sync bridge: one trip across its thread bridge per group of ready
-        batches, never more than are already gathered (an epoch is never collected)."""
-        try:
-            out = [await it.__anext__()]
-        except StopAsyncIteration:
-            return []
+    def ready_now(self, it: EpochIterator, limit: int) -> list[Batch]:
+        """Up to ``limit`` more batches for ``it`` that are gathered already (after one it got
+        from :meth:`next`), stopping at an epoch's end or a failure, which the next
+        :meth:`next` handles; never waits. For a ``for`` loop: one trip across the bridge per
+        group of ready batches."""
+        out: list[Batch] = []
         run, ready = self.run, self.ready
         while len(out) < limit and not it.done and run is not None and self.run is run:
             if not ready:

@@ -1,13 +1,12 @@
-"""The sync side of the layers: ``with`` / ``for``, through one bridge.
+"""The bridge of the sync side of the layers (``with`` / ``for``): an event loop in a background
+thread and its portal.
 
 A layer opened with ``with`` holds a :class:`SyncOpening`: its async opening, run on an event
 loop in a background thread (one anyio blocking portal per opening; ``backend=`` picks asyncio
-or trio). Every call crosses that one bridge: opening and closing, and iterating
-(:func:`bridged`), which takes at most :data:`BRIDGE_BATCHES` batches that are already gathered
-per trip (never an epoch: nothing is collected ahead of what the pipeline has ready). Batches
-are handed over (for a device: made ready on the current CUDA stream) in the ``for`` loop's own
-thread, not the bridge's. Control goes one way: the ``for`` loop calls the consumer across the
-portal; the consumer holds the portal as data and calls nothing here.
+or trio). Every call crosses that one bridge: opening and closing, and iterating (a ``for``
+loop's :class:`~._iterator.EpochIterator` takes at most :data:`BRIDGE_BATCHES` batches that are
+already gathered per trip, through :func:`call_or_cancel`). This module knows no layer, consumer
+or iterator: it runs what it is given on the loop, and control goes one way.
 
 Ctrl-C never leaves the bridge's thread running with nobody to stop it: closing asks the loop to
 stop with ``KeyboardInterrupt`` held back until the request is queued (a second Ctrl-C during
@@ -19,23 +18,16 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager
 from types import FrameType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from ._batch import Batch
-from ._process import forget_kept_interrupts, raise_kept_interrupt
-
-if TYPE_CHECKING:
-    from ._iterator import EpochIterator
-
-__all__ = ["BRIDGE_BATCHES", "SyncOpening", "bridged"]
+__all__ = ["BRIDGE_BATCHES", "SyncOpening", "call_or_cancel", "interrupts_held"]
 
 T = TypeVar("T")
 
@@ -160,7 +152,7 @@ def interrupts_held() -> Iterator[None]:
 CANCEL_WAIT_S = 10.0
 
 
-def _call_or_cancel(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+def call_or_cancel(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     """``portal.call(fn, *args)``; but when the wait is interrupted (Ctrl-C), the call is
     cancelled on the loop and has ended before the interrupt goes on. Else it would go on
     waiting there for the consumer's next group, and take it (or, taking it from the same run
@@ -181,32 +173,3 @@ def _call_or_cancel(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *ar
             with interrupts_held():
                 done.wait(CANCEL_WAIT_S)
         raise
-
-
-def bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:
-    """``it`` in a ``for`` loop: groups of ready batches across ``portal``, each handed over
-    (and counted for ``state_dict()``) in the loop's thread as the loop takes it."""
-    consumer = it.consumer
-    forget_kept_interrupts()  # those of no loop: see raise_kept_interrupt
-    try:
-        while True:
-            batches = _call_or_cancel(portal, consumer.next_batches, it, BRIDGE_BATCHES)
-            if not batches:
-                raise_kept_interrupt()
-                return
-            batches.reverse()
-            while batches:  # popped: a batch the loop is done with is not held here
-                batch = batches.pop()
-                try:
-                    consumer.deliver(it, batch)  # counts for state_dict() once the loop has it
-                except BaseException:
-                    portal.call(consumer.fail, it)
-                    raise
-                t0 = time.perf_counter()
-                yield batch
-                consumer.stepped(time.perf_counter() - t0)
-                raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
-    finally:
-        if not it.done:  # left early (break) or failed in the loop's body
-            with contextlib.suppress(Exception):  # the bridge may be gone already
-                portal.call(it.aclose)
