@@ -12,9 +12,10 @@ only here:
   included), both written here only.
 
 Iterators (:class:`~._iterator.EpochIterator`) are views: each holds its own mode and whether
-it is done, and asks the consumer for every batch; a ``for`` loop (:mod:`._sync`) asks the same
-public methods across the opening's portal. The consumer calls nothing above it: it holds the
-portal as data, never a callback. Plans come from the layer's :class:`~._planner.Planner`.
+it is done, and asks the consumer for every batch; in a ``for`` loop the iterator drives
+itself across the opening's portal (:mod:`._sync`) and hands each batch over in the loop's
+thread (:meth:`Consumer.deliver`). The consumer calls nothing above it, iterators included: it
+holds the portal as data, never a callback. Plans come from the layer's :class:`~._planner.Planner`.
 
 One consumer at a time: a second *live* iterator (neither finished, failed, closed, nor dropped:
 an ``async for`` left with ``break`` drops its iterator at once) is a
@@ -329,7 +330,7 @@ class Consumer:
     # --- batches handed over: the position and the consumer's stats ---------------------------
 
     def _accept(self, it: EpochIterator, batch: Batch) -> Batch:
-        """``batch`` is handed to ``it`` (bridged: to the bridge, which hands it over in the
+        """``batch`` is handed to ``it`` (bridged: to its ``for`` loop, which hands it over in the
         ``for`` loop's thread with :meth:`deliver`)."""
         rows = len(batch.indices)
         bridged = it.bridged
@@ -359,14 +360,14 @@ class Consumer:
         return batch
 
     def deliver(self, it: EpochIterator, batch: Batch) -> None:
-        """The sync bridge hands ``batch`` to its ``for`` loop (in that loop's thread): it is
+        """``it``'s ``for`` loop takes ``batch`` (in that loop's thread): it is
         made ready there (a device's: on the current CUDA stream), and counts for
         ``state_dict()`` from now on."""
         self.delivery.hand_off(batch)
         self.place.count(it.mode, batch.epoch, len(batch.indices))
 
     def stepped(self, seconds: float) -> None:
-        """The sync bridge's ``for`` loop spent ``seconds`` on a batch before asking again."""
+        """A ``for`` loop spent ``seconds`` on a batch before asking again."""
         self._counts.step_seconds += seconds
 
     def _epoch_ended(self, it: EpochIterator, epoch: int) -> None:
