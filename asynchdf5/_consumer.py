@@ -7,12 +7,15 @@ only here:
   slots and a background :class:`~._pipeline.Run` in its task group;
 - ``epoch``, the epochs finished, and the live iterator (at most one) with the epoch it is in;
 - the position: the batches and samples of that epoch handed over (what ``state_dict()``
-  saves; kept in its :class:`~._place.Place`), and the consumer's stats
-  (:class:`~._stats.ConsumerStats`), both written here only.
+  saves; kept in its :class:`~._place.Place`, counted by :meth:`~._place.Place.count` only),
+  and the consumer's stats (:class:`~._stats.ConsumerStats`, the samples of each stream
+  included), both written here only.
 
-Iterators (:class:`~._iterator.EpochIterator`) are views: each holds its mode and whether it is
-done, and asks the consumer for every batch; the sync bridge (:mod:`._sync`) uses the same public
-methods from the ``for`` loop's thread. Plans come from the layer's :class:`~._planner.Planner`.
+Iterators (:class:`~._iterator.EpochIterator`) are views: each holds its own mode and whether
+it is done, and asks the consumer for every batch; in a ``for`` loop the iterator drives
+itself across the opening's portal (:mod:`._sync`) and hands each batch over in the loop's
+thread (:meth:`Consumer.deliver`). The consumer calls nothing above it, iterators included: it
+holds the portal as data, never a callback. Plans come from the layer's :class:`~._planner.Planner`.
 
 One consumer at a time: a second *live* iterator (neither finished, failed, closed, nor dropped:
 an ``async for`` left with ``break`` drops its iterator at once) is a
@@ -23,25 +26,26 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.lowlevel
+import numpy as np
+from anyio.from_thread import BlockingPortal
 
 from ._batch import Batch
-from ._cache import Slot
 from ._delivery import Delivery
 from ._errors import StateError
-from ._opened import Bridge, Opened
+from ._mix import StreamRows
+from ._opened import Opened
 from ._pace import PAUSE_EVERY_S, Pace
 from ._pipeline import EpochEnd, Failure, Item, Mode, Run
 from ._place import Place, Position
 from ._planner import Planner
 from ._process import ProcessReader
-from ._read import Reader
-from ._schemas import check_stream
+from ._schemas import Schemas, check_stream
 from ._stats import Stats
 
 if TYPE_CHECKING:
@@ -66,9 +70,8 @@ class Consumer:
         self.delivery = delivery
         self.stats = stats
         self._counts = stats.consumer  # the consumer's stats: written here only
-        #: Called on every batch handed over (several streams: it says each row's stream and
-        #: counts them); set by the layer at open.
-        self.label: Callable[[Batch], None] | None = None
+        # Several streams: says each batch's rows' stream as it is handed over (set at open).
+        self._labels: _StreamLabels | None = None
         self.batch_size = batch_size
         self.prefetch = prefetch
         self.state: Literal["closed", "opening", "open", "closing"] = "closed"
@@ -108,21 +111,20 @@ class Consumer:
         """Opening failed: the layer is closed."""
         self.state = "closed"
 
-    async def open(
-        self,
-        reader: Reader | ProcessReader,
-        slots: list[Slot] | None,
-        *,
-        sync: bool,
-        bridge: Bridge | None,
-        opened_at: float,
-    ) -> None:
-        """The layer is open with ``reader`` and ``slots``: the first epoch's run starts (its
-        first chunk is read now). ``bridge``: how a ``for`` loop iterates (sync only)."""
-        self.opened = await Opened.enter(reader, slots, sync=sync, bridge=bridge, at=opened_at)
+    async def open(self, opened: Opened) -> None:
+        """The layer is open with ``opened`` (built whole by the opening): the first epoch's
+        run starts (its first chunk is read now)."""
+        self.opened = opened
         self.openings += 1
         self.state = "open"
-        self.start_run("epoch")
+        streams = opened.shape.streams
+        self._labels = _StreamLabels(streams) if streams else None
+        try:
+            self.start_run("epoch")
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self.close(type(exc), exc, exc.__traceback__)
+            raise
 
     async def close(
         self,
@@ -154,17 +156,29 @@ class Consumer:
     # --- the run ------------------------------------------------------------------------------
 
     def start_run(self, mode: Mode) -> Run:
-        """Start the run serving ``mode`` from the next epoch, in the layer's task group."""
-        assert self.opened is not None
-        self.run = run = self.opened.start_run(
-            mode,
-            self.epoch,
-            self.planner,
-            batch_size=self.batch_size,
-            delivery=self.delivery,
-            prefetch=self.prefetch,
-            stats=self.stats,
-        )
+        """Start the run serving ``mode`` from the next epoch, in the open layer's task group
+        (``process=True``: a run the helper process serves)."""
+        opened = self.opened
+        assert opened is not None
+        run: Run
+        reader = opened.reader
+        if isinstance(reader, ProcessReader):
+            run = reader.new_run(mode, self.epoch, self.run_state())
+        else:
+            run = Run(
+                reader,
+                opened.slots,
+                self.planner,
+                mode=mode,
+                start_epoch=self.epoch,
+                batch_size=self.batch_size,
+                delivery=self.delivery,
+                prefetch=self.prefetch,
+                stats=self.stats,
+                schemas=Schemas.of(opened.shape.streams),
+            )
+        opened.task_group.start_soon(run.main)
+        self.run = run
         self.ready.clear()
         self._boundary = self.epoch
         return run
@@ -182,14 +196,15 @@ class Consumer:
         """The live iterator, if any."""
         return self.place.live()
 
-    def iterate_sync(self, it: EpochIterator) -> Iterator[Batch]:
-        """``it`` in a ``for`` loop, through the sync bridge (the layer opened with ``with``)."""
+    def portal(self) -> BlockingPortal:
+        """The portal a ``for`` loop takes its batches through (the layer opened with
+        ``with``); :class:`StateError` when the layer is not open so."""
         opened = self._check_open()
-        if opened.bridge is None:
+        if opened.portal is None:
             raise StateError(
                 "the layer was opened with `async with`: iterate it with `async for`, not `for`"
             )
-        return opened.bridge(it)
+        return opened.portal
 
     def _check_open(self) -> Opened:
         if self.state != "open" or self.opened is None:
@@ -198,15 +213,15 @@ class Consumer:
             )
         return self.opened
 
-    async def _begin(self, it: EpochIterator) -> None:
-        """``it`` becomes the consumer: the run serving its mode from the next epoch."""
-        if self._check_open().sync and not it.bridged:
+    async def begin(self, it: EpochIterator) -> int:
+        """``it`` becomes the consumer: the run serving its mode from the next epoch. Returns
+        the opening ``it`` serves from now on (the iterator keeps it)."""
+        if self._check_open().portal is not None and not it.bridged:
             raise StateError(
                 "the layer was opened with `with`: iterate it with `for`, not `async for`"
             )
         if it.mode == "stream":
             check_stream(self.planner.shape)
-        it.opening = self.openings
         live = self.live()
         if live is not None and live is not it:
             raise StateError(
@@ -224,6 +239,7 @@ class Consumer:
                 self._ending = None
             self.start_run(it.mode)
         self._pace.mark()  # the loop ran meanwhile; and the pause needs its clock's reading
+        return self.openings
 
     def next_ready(self, it: EpochIterator) -> Batch | None:
         """A batch of the group taken last, handed to ``it`` without a trip through the event
@@ -243,11 +259,9 @@ class Consumer:
         return None
 
     async def next(self, it: EpochIterator) -> Batch:
-        """The next batch for ``it`` (waiting for it); ``StopAsyncIteration`` at the end of an
-        epoch; the pipeline's error when it failed."""
-        if it.opening is None:
-            await self._begin(it)
-        elif it.opening != self.openings or self.state != "open":
+        """The next batch for ``it`` (begun: :meth:`begin`), waiting for it;
+        ``StopAsyncIteration`` at the end of an epoch; the pipeline's error when it failed."""
+        if it.opening != self.openings or self.state != "open":
             raise StateError(
                 "this iterator's layer was closed: open the layer again and start a new iteration"
             )
@@ -260,7 +274,6 @@ class Consumer:
             if isinstance(item, EpochEnd):
                 self._epoch_ended(it, item.epoch)
                 if it.mode == "epoch":
-                    it.done = True
                     raise StopAsyncIteration
                 continue
             assert isinstance(item, Failure)
@@ -294,14 +307,12 @@ class Consumer:
         ready.extend(group)
         return ready.popleft()
 
-    async def next_batches(self, it: EpochIterator, limit: int) -> list[Batch]:
-        """The next batch for ``it`` and up to ``limit - 1`` more that are ready now; ``[]`` at
-        the end. For the sync bridge: one trip across its thread bridge per group of ready
-        batches, never more than are already gathered (an epoch is never collected)."""
-        try:
-            out = [await it.__anext__()]
-        except StopAsyncIteration:
-            return []
+    def ready_now(self, it: EpochIterator, limit: int) -> list[Batch]:
+        """Up to ``limit`` more batches for ``it`` that are gathered already (after one it got
+        from :meth:`next`), stopping at an epoch's end or a failure, which the next
+        :meth:`next` handles; never waits. For a ``for`` loop: one trip across the bridge per
+        group of ready batches."""
+        out: list[Batch] = []
         run, ready = self.run, self.ready
         while len(out) < limit and not it.done and run is not None and self.run is run:
             if not ready:
@@ -319,7 +330,7 @@ class Consumer:
     # --- batches handed over: the position and the consumer's stats ---------------------------
 
     def _accept(self, it: EpochIterator, batch: Batch) -> Batch:
-        """``batch`` is handed to ``it`` (bridged: to the bridge, which hands it over in the
+        """``batch`` is handed to ``it`` (bridged: to its ``for`` loop, which hands it over in the
         ``for`` loop's thread with :meth:`deliver`)."""
         rows = len(batch.indices)
         bridged = it.bridged
@@ -330,33 +341,33 @@ class Consumer:
             except BaseException:
                 self.fail(it)
                 raise
-            if it.mode == "epoch" and batch.epoch != place.start:  # as Place.count, inline
-                place.start, place.batches, place.samples = batch.epoch, 0, 0
-            place.batches += 1
-            place.samples += rows
+            place.count(it.mode, batch.epoch, rows)
         counts = self._counts
         if counts.first_batch_seconds is None:
             assert self.opened is not None
             counts.first_batch_seconds = time.perf_counter() - self.opened.at
         counts.batches += 1
         counts.samples += rows
-        if self.label is not None:
-            self.label(batch)
-        place.touched = batch.epoch
+        labels = self._labels
+        if labels is not None:
+            per_stream = counts.stream_samples
+            for name, n in labels(batch):
+                per_stream[name] = per_stream.get(name, 0) + n
+        place.touch(batch.epoch)
         self._boundary = None
         if not bridged:
             self.last_handed = time.perf_counter()
         return batch
 
     def deliver(self, it: EpochIterator, batch: Batch) -> None:
-        """The sync bridge hands ``batch`` to its ``for`` loop (in that loop's thread): it is
+        """``it``'s ``for`` loop takes ``batch`` (in that loop's thread): it is
         made ready there (a device's: on the current CUDA stream), and counts for
         ``state_dict()`` from now on."""
         self.delivery.hand_off(batch)
         self.place.count(it.mode, batch.epoch, len(batch.indices))
 
     def stepped(self, seconds: float) -> None:
-        """The sync bridge's ``for`` loop spent ``seconds`` on a batch before asking again."""
+        """A ``for`` loop spent ``seconds`` on a batch before asking again."""
         self._counts.step_seconds += seconds
 
     def _epoch_ended(self, it: EpochIterator, epoch: int) -> None:
@@ -367,8 +378,7 @@ class Consumer:
     def fail(self, it: EpochIterator) -> None:
         """The pipeline failed, or a batch could not be handed over: ``it``'s iteration ends,
         the epoch is over, the run is stopped, and the next iteration starts the next epoch
-        whole."""
-        it.done = True
+        whole (the iterator marks itself done as the error reaches it)."""
         if it.opening != self.openings or self.live() not in (it, None):
             return
         self.place.failed(it.mode)
@@ -378,11 +388,9 @@ class Consumer:
         self._drop_run()
 
     def leave(self, it: EpochIterator) -> None:
-        """``it`` is closed (or cancelled) before its end: the epoch it was in counts as
-        finished once the next iteration starts, as for an iterator dropped by ``break``."""
-        if not it.done:
-            it.done = True
-            self.place.drop(it)
+        """``it`` is closed (or cancelled, or failed) before its end: the epoch it was in counts
+        as finished once the next iteration starts, as for an iterator dropped by ``break``."""
+        self.place.drop(it)
 
     # --- where the consumer is ----------------------------------------------------------------
 
@@ -390,8 +398,37 @@ class Consumer:
         """Where the consumer is: :meth:`~._place.Place.position`."""
         return self.place.position(self.planner.plan)
 
+    def run_state(self) -> dict[str, Any]:
+        """Where a run that starts now starts, as a state (for the helper process of
+        ``process=True``, which loads it and iterates from there). A run starts with nothing
+        of its epoch handed over yet; in the epoch of a state loaded, that is the state itself,
+        whatever mode the run serves (``state_dict()`` would say the mode's start: the
+        position of a run in another mode than the state's does not carry the state's)."""
+        planner, (mode, epoch, _, _) = self.planner, self.position()
+        r = planner.resume
+        if r is not None and epoch == r.epoch:
+            return planner.state((r.mode, epoch, 0, 0))
+        return planner.state((mode, epoch, 0, 0))
+
     def restart_at(self, epoch: int) -> None:
         """Serve ``epoch`` next, from a fresh plan (``set_epoch``, or a state loaded; the layer
         allows it only while no iterator is live)."""
         self.place.restart_at(epoch)
         self._boundary = None  # the next iteration replaces the run
+
+
+class _StreamLabels:
+    """Says which stream each row of a batch came from (``batch.streams``: indices into the
+    layer's ``stream_names``); the consumer counts what it says."""
+
+    def __init__(self, streams: Sequence[StreamRows]) -> None:
+        self.names = tuple(s.name for s in streams)
+        self.starts = np.array([s.start for s in streams[1:]], np.int64)
+
+    def __call__(self, batch: Batch) -> list[tuple[str, int]]:
+        """Label ``batch``'s rows; the samples of each stream it holds (streams with none left
+        out)."""
+        labels = np.searchsorted(self.starts, batch.indices, side="right")
+        batch.streams = labels
+        counts = np.bincount(labels, minlength=len(self.names)).tolist()
+        return [(self.names[s], n) for s, n in enumerate(counts) if n]

@@ -1,7 +1,10 @@
-"""The HDF5 layers: :class:`AsyncHDF5DataLayer` and its sync face :class:`HDF5DataLayer`.
+"""The HDF5 layers: :class:`AsyncHDF5DataLayer` and :class:`HDF5DataLayer`, two faces of one
+base (:class:`HDF5Layer`: the properties, the source, the opening), as httpx's ``AsyncClient``
+and ``Client`` share theirs; neither wraps nor inherits the other.
 
-Opening one builds the catalog of its files (in a worker thread), sizes the host cache for it,
-and hands the pipeline an :class:`~._read.HDF5Reader` over the files' source.
+Opening one builds the catalog of its files (in a worker thread), has the planner check and
+size it, allocates the host cache and makes an :class:`~._read.HDF5Reader` over the files'
+source: the whole :class:`~._opened.Opened`, built here in that order, in one call.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+from anyio.from_thread import BlockingPortal
 
 from ._cache import Slot, allocate_slots
 from ._catalog import Catalog, build_catalog
@@ -25,6 +29,7 @@ from ._errors import DataLayerError
 from ._layer import LayerBase
 from ._machine import memory_bytes, memory_room
 from ._mix import StreamRows
+from ._opened import Opened
 from ._process import ProcessReader, check_picklable, payload, ring_slots
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
 from ._schemas import check_schemas
@@ -38,7 +43,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     from typing_extensions import Self, Unpack
 
-__all__ = ["AsyncHDF5DataLayer", "HDF5DataLayer"]
+__all__ = ["AsyncHDF5DataLayer", "HDF5DataLayer", "HDF5Layer"]
 
 _log = logging.getLogger("asynchdf5")
 
@@ -52,23 +57,8 @@ def _close_source(files: Source, pid: int) -> None:
         files.close()
 
 
-class AsyncHDF5DataLayer(LayerBase):
-    """Shuffled minibatches from HDF5 files, for ``async for`` in a training coroutine.
-
-    A background pipeline reads large chunks of the source into a host cache, cuts them into
-    batches in a worker thread, runs the transformers and hands the batches to ``async for``.
-    Works on asyncio and trio (through anyio); ``with`` and ``for`` work too, on an event loop
-    in a background thread (see :class:`HDF5DataLayer`). The keyword properties are documented
-    in the user guide's property table.
-
-    Examples
-    --------
-    >>> import anyio, asynchdf5
-    >>> async def main(path):
-    ...     async with asynchdf5.AsyncHDF5DataLayer(path, batch_size=32) as layer:
-    ...         async for batch in layer:
-    ...             ...
-    """
+class HDF5Layer(LayerBase):
+    """What the two HDF5 layers share: the keyword properties, the source, and the opening."""
 
     def __init__(
         self,
@@ -78,6 +68,21 @@ class AsyncHDF5DataLayer(LayerBase):
         config = LayerConfig.parse(
             properties, stream_tops=stream_tops(source), caller=type(self).__name__
         )
+        self._setup(source, config)
+
+    @classmethod
+    def _with_config(
+        cls, source: SourceLike | Mapping[str, Stream | SourceLike], config: LayerConfig
+    ) -> Self:
+        """A layer over ``source`` with exactly ``config`` (checked already: another layer's,
+        its drawn seed included), as the helper process of ``process=True`` makes it."""
+        layer = cls.__new__(cls)
+        layer._setup(source, config)
+        return layer
+
+    def _setup(
+        self, source: SourceLike | Mapping[str, Stream | SourceLike], config: LayerConfig
+    ) -> None:
         # Every remote read (a list file given as a URL, now; the files, at open) goes through
         # this one object, with the layer's options.
         self._reach = SourceOptions.of(config)
@@ -93,9 +98,9 @@ class AsyncHDF5DataLayer(LayerBase):
         self.paths = paths
         # The source and catalog that len() (or n_samples, state_dict ...) built before an
         # opening, for that opening; the finalizer closes them if none comes.
-        self._looked: (
-            tuple[Source, Looked, weakref.finalize[[Source, int], AsyncHDF5DataLayer]] | None
-        ) = None
+        self._looked: tuple[Source, Looked, weakref.finalize[[Source, int], HDF5Layer]] | None = (
+            None
+        )
         if config.process:
             check_picklable(config, self._helper_source())  # before any batch: what cannot go
         super().__init__(config)
@@ -204,13 +209,16 @@ class AsyncHDF5DataLayer(LayerBase):
             raise
         return files, found
 
-    async def _open_reader(self) -> tuple[Reader | ProcessReader, list[Slot] | None, DataShape]:
+    async def _open_source(self, epoch: int, portal: BlockingPortal | None, at: float) -> Opened:
         if self.config.process:
-            return await self._open_helper()
+            return await self._open_helper(epoch, portal, at)
         files, (catalog, streams) = await self._catalog()
         chosen: Choice | None = None  # holds the file's lease until the mapped reader takes it
         try:
             shape = self._shape_of(catalog, streams)
+            # Checked and taken by the planner, which says the rows a slot must hold (an
+            # elastically resumed epoch's chunks may be larger).
+            rows = self._planner.opening(shape, epoch)
             slots: list[Slot] | None = None
             # Data larger than the memory the process may use is read from the disk every
             # epoch: it is copied (mmap="auto"), and the reader streams it around the page
@@ -229,8 +237,6 @@ class AsyncHDF5DataLayer(LayerBase):
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole)
             else:
-                # An elastically resumed epoch's chunks may be larger.
-                rows = self._planner.cache_rows(shape, self._consumer.epoch)
                 if rows > shape.chunk_rows:
                     cache_plan(catalog, self.config, rows)  # the budget must hold them
                 slots = allocate_slots(catalog.tops, rows)
@@ -289,21 +295,23 @@ class AsyncHDF5DataLayer(LayerBase):
                     top,
                     reader.read_notes.get(top, "see read_notes"),
                 )
-        return reader, slots, shape
+        return await Opened.enter(
+            reader, slots, shape, slot_rows=rows, delivery=self._delivery, portal=portal, at=at
+        )
 
     def _helper_source(self) -> object:
         """What the helper process (``process=True``) is given as its ``source``: the streams
         (each one's files resolved), or the files."""
         return self.streams if self._streams else list(self.paths)
 
-    async def _open_helper(self) -> tuple[ProcessReader, None, DataShape]:
+    async def _open_helper(self, epoch: int, portal: BlockingPortal | None, at: float) -> Opened:
         """``process=True``: start the helper process, which opens the layer there (a state
         loaded before opening goes with it, so that its cache is sized for that state)."""
         if self._looked is not None:  # the helper builds its own catalog: close this one's files
             looked, self._looked = self._looked, None
             looked[2]()
         planner = self._planner
-        state = self._run_state() if planner.resume is not None else None
+        state = self._consumer.run_state() if planner.resume is not None else None
         c = self.config
         device = None
         if c.device is not None:  # the helper gathers host batches; this process uploads them
@@ -311,22 +319,45 @@ class AsyncHDF5DataLayer(LayerBase):
             device = (self._delivery, c.batch_size)
         blob = payload(self._helper_source(), c, planner.part, state)
         slots = ring_slots(c.prefetch)
-        reader, shape = await ProcessReader.start(blob, self._run_state, self._stats, slots, device)
+        reader, shape = await ProcessReader.start(blob, self._stats, slots, device)
         try:
             check_schemas(shape.streams, process=True)
+            rows = planner.opening(shape, epoch)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await reader.aclose()
             raise
-        return reader, None, shape
+        return await Opened.enter(
+            reader, None, shape, slot_rows=rows, delivery=self._delivery, portal=portal, at=at
+        )
 
 
-class HDF5DataLayer(AsyncHDF5DataLayer):
+class AsyncHDF5DataLayer(HDF5Layer):
+    """Shuffled minibatches from HDF5 files, for ``async for`` in a training coroutine.
+
+    A background pipeline reads large chunks of the source into a host cache, cuts them into
+    batches in a worker thread, runs the transformers and hands the batches to ``async for``.
+    Works on asyncio and trio (through anyio); ``with`` and ``for`` work too, on an event loop
+    in a background thread (see :class:`HDF5DataLayer`). The keyword properties are documented
+    in the user guide's property table.
+
+    Examples
+    --------
+    >>> import anyio, asynchdf5
+    >>> async def main(path):
+    ...     async with asynchdf5.AsyncHDF5DataLayer(path, batch_size=32) as layer:
+    ...         async for batch in layer:
+    ...             ...
+    """
+
+
+class HDF5DataLayer(HDF5Layer):
     """Shuffled minibatches from HDF5 files, for ordinary ``with`` / ``for`` loops.
 
     The same keyword properties as :class:`AsyncHDF5DataLayer`; the pipeline runs on an asyncio
     event loop in a background thread. Every call crosses one bridge to that loop; iterating
-    takes the batches the pipeline has ready (up to 256) per trip.
+    takes the batches the pipeline has ready (up to 256) per trip. ``async with`` and
+    ``async for`` work too, as on :class:`AsyncHDF5DataLayer`.
 
     Examples
     --------
@@ -337,11 +368,6 @@ class HDF5DataLayer(AsyncHDF5DataLayer):
     ...             for batch in layer:
     ...                 ...
     """
-
-    @property
-    def layer(self) -> Self:
-        """The layer itself (kept from when the sync facade wrapped an async layer)."""
-        return self
 
 
 _SOURCE = "source : str, path, sequence of them, or mapping of str to Stream\n    " + SOURCE_DOC

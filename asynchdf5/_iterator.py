@@ -1,14 +1,21 @@
 """The iterator over one epoch or the endless stream (:class:`EpochIterator`): a view on the
-layer's :class:`~._consumer.Consumer`, which holds every piece of state it changes."""
+layer's :class:`~._consumer.Consumer`, which holds the consumer's state. The iterator's own
+fields (its mode, whether a ``for`` loop drives it, the opening it serves, whether it is done)
+are written here only, from what the consumer answers."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
+
+from anyio.from_thread import BlockingPortal
 
 from ._batch import Batch
 from ._consumer import Consumer
 from ._pipeline import Mode
-from ._process import raise_kept_interrupt
+from ._process import forget_kept_interrupts, raise_kept_interrupt
+from ._sync import BRIDGE_BATCHES, call_or_cancel
 
 __all__ = ["EpochIterator"]
 
@@ -33,7 +40,7 @@ class EpochIterator:
         #: The layer's consumer, which this iterator is a view on.
         self.consumer = consumer
         self.mode: Mode = mode
-        #: Set by the sync bridge, which hands batches over in the ``for`` loop's thread.
+        #: Driven by a ``for`` loop, which hands batches over in its own thread (:mod:`._sync`).
         self.bridged = False
         #: The iteration is over (finished, failed, closed).
         self.done = False
@@ -50,28 +57,74 @@ class EpochIterator:
     async def __anext__(self) -> Batch:
         raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
         consumer = self.consumer
-        batch = consumer.next_ready(self)  # a ready batch, without a trip through the loop
-        if batch is not None:
-            return batch
-        if self.done:
-            raise StopAsyncIteration
         try:
+            batch = consumer.next_ready(self)  # a ready batch, without a trip through the loop
+            if batch is not None:
+                return batch
+            if self.done:
+                raise StopAsyncIteration
+            if self.opening is None:
+                self.opening = await consumer.begin(self)
             return await consumer.next(self)
         except StopAsyncIteration:
+            self.done = True
             raise
         except BaseException:
             # Cancelled, or failed: like an async generator, the iteration is over.
+            self.done = True
             consumer.leave(self)
             raise
 
     async def aclose(self) -> None:
         """End this iteration before its end (what leaving ``async for`` with ``break`` does)."""
-        self.consumer.leave(self)
+        self.close()
 
     def close(self) -> None:
         """:meth:`aclose` for sync code."""
+        self.done = True
         self.consumer.leave(self)
 
     def __iter__(self) -> Iterator[Batch]:
-        """Iterate with ``for`` (the layer must be open with ``with``)."""
-        return self.consumer.iterate_sync(self)
+        """Iterate with ``for`` (the layer must be open with ``with``): batches come across the
+        opening's portal (:mod:`._sync`) and are handed over in the loop's thread."""
+        portal = self.consumer.portal()
+        self.bridged = True
+        return self._bridged(portal)
+
+    async def _next_group(self, limit: int) -> list[Batch]:
+        """On the loop: the next batch and up to ``limit - 1`` more that are ready now; ``[]``
+        at the end. One trip across the bridge per group of ready batches, never more than are
+        already gathered (an epoch is never collected)."""
+        try:
+            first = await self.__anext__()
+        except StopAsyncIteration:
+            return []
+        return [first, *self.consumer.ready_now(self, limit - 1)]
+
+    def _bridged(self, portal: BlockingPortal) -> Iterator[Batch]:
+        """This iteration in a ``for`` loop: each batch is handed over (and counted for
+        ``state_dict()``) in the loop's thread as the loop takes it."""
+        consumer = self.consumer
+        forget_kept_interrupts()  # those of no loop: see raise_kept_interrupt
+        try:
+            while True:
+                batches = call_or_cancel(portal, self._next_group, BRIDGE_BATCHES)
+                if not batches:
+                    raise_kept_interrupt()
+                    return
+                batches.reverse()
+                while batches:  # popped: a batch the loop is done with is not held here
+                    batch = batches.pop()
+                    try:
+                        consumer.deliver(self, batch)  # counts once the loop has it
+                    except BaseException:
+                        portal.call(consumer.fail, self)
+                        raise
+                    t0 = time.perf_counter()
+                    yield batch
+                    consumer.stepped(time.perf_counter() - t0)
+                    raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
+        finally:
+            if not self.done:  # left early (break) or failed in the loop's body
+                with contextlib.suppress(Exception):  # the bridge may be gone already
+                    portal.call(self.aclose)

@@ -1,11 +1,15 @@
 """What every layer shares: configuration, lifecycle, iterators and stats.
 
-A layer is thin: a :class:`~._config.LayerConfig`, a delivery chosen at construction, one
-:class:`~._planner.Planner` (every question about order) and one :class:`~._consumer.Consumer`
-(where the consumer is: open or closed, the epoch, the position, its stats). ``async with`` (or
-``with``, through the sync bridge) opens the reader and sizes the cache, then hands them to the
-consumer; each ``async for`` (or ``for``) is an :class:`~._iterator.EpochIterator`, a view on
-the consumer. Resume goes through the planner to :mod:`._resume`.
+A layer is thin: a delivery chosen at construction, one :class:`~._planner.Planner` (every
+question about order; it holds the layer's one :class:`~._config.LayerConfig`) and one
+:class:`~._consumer.Consumer` (where the consumer is: open or closed, the epoch, the position,
+its stats). ``async with`` has the layer's source build its whole opening (catalog, checks,
+reader, cache: an :class:`~._opened.Opened`, by :meth:`LayerBase._open_source`) and hands it to
+the consumer. ``with`` does the same on an event loop in a background thread: the layer then
+holds a :class:`~._sync.SyncOpening` (composed, not inherited), whose portal the ``for`` loops
+take their batches through. Each ``async for`` (or ``for``) is an
+:class:`~._iterator.EpochIterator`, a view on the consumer. Resume goes through the planner to
+:mod:`._resume`.
 """
 
 from __future__ import annotations
@@ -18,22 +22,21 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
+from anyio.from_thread import BlockingPortal
+
 from ._batch import Batch
-from ._cache import Slot
 from ._config import LayerConfig
 from ._consumer import Consumer
 from ._delivery import Delivery, make_delivery
 from ._errors import ConfigurationError, StateError
 from ._iterator import EpochIterator
-from ._plan import EpochPlan, check_split
+from ._opened import Opened
+from ._plan import EpochPlan
 from ._planner import Planner, check_part
 from ._priority import nice_steps
-from ._process import ProcessReader
-from ._read import Reader
 from ._shape import DataShape
 from ._stats import LayerStats, Stats
-from ._streams import StreamLabels
-from ._sync import SyncInterface
+from ._sync import SyncOpening
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -43,11 +46,10 @@ else:  # pragma: no cover
 _log = logging.getLogger("asynchdf5")
 
 
-class LayerBase(SyncInterface):
+class LayerBase:
     """What every layer shares: configuration, lifecycle, iterators, stats."""
 
     def __init__(self, config: LayerConfig) -> None:
-        self.config = config
         delivery = make_delivery(config)
         self._stats = Stats()
         self._planner = Planner(config)
@@ -58,16 +60,20 @@ class LayerBase(SyncInterface):
             batch_size=config.batch_size,
             prefetch=config.prefetch,
         )
-        self._slot_rows = 0  # the rows the open layer's cache slots hold
+        #: Opened with ``with``: the opening on its background event loop (None otherwise).
+        self._sync: SyncOpening | None = None
+        # What the latest opening's reader said of each top (kept after the close, for stats).
         self._read_paths: Mapping[str, str] = {}
         self._read_notes: Mapping[str, str] = {}
 
     # --- what subclasses provide --------------------------------------------------------------
 
-    async def _open_reader(self) -> tuple[Reader | ProcessReader, list[Slot] | None, DataShape]:
-        """Open the data, size the cache; the reader (or the helper process that runs the
-        pipeline, with ``process=True``), its cache slots (None: in place), and what was
-        learned of the data."""
+    async def _open_source(self, epoch: int, portal: BlockingPortal | None, at: float) -> Opened:
+        """Build the whole opening, at ``epoch``: open the data, have the planner check and
+        size it (:meth:`~._planner.Planner.opening`), make the reader (or the helper process
+        that runs the pipeline, with ``process=True``) and its cache slots, and end with
+        :meth:`~._opened.Opened.enter`. ``portal``: opened with ``with``; ``at``: when the
+        opening began."""
         raise NotImplementedError
 
     def _look(self) -> DataShape:
@@ -93,6 +99,12 @@ class LayerBase(SyncInterface):
         return shape
 
     # --- configuration ------------------------------------------------------------------------
+
+    @property
+    def config(self) -> LayerConfig:
+        """The layer's properties, checked (read-only: the planner holds them, and a state
+        loaded with ``seed=None`` gives them its seed)."""
+        return self._planner.config
 
     @property
     def batch_size(self) -> int:
@@ -195,19 +207,6 @@ class LayerBase(SyncInterface):
         self._data_shape()
         return self._planner.state(self._consumer.position())
 
-    def _run_state(self) -> dict[str, Any]:
-        """Where a run that starts now starts, as a state (for the helper process of
-        ``process=True``, which loads it and iterates from there). A run starts with nothing
-        of its epoch handed over yet; in the epoch of a state loaded, that is the state itself,
-        whatever mode the run serves (:meth:`state_dict` would say the mode's start: the
-        position of a run in another mode than the state's does not carry the state's)."""
-        self._data_shape()
-        planner, (mode, epoch, _, _) = self._planner, self._consumer.position()
-        r = planner.resume
-        if r is not None and epoch == r.epoch:
-            return planner.state((r.mode, epoch, 0, 0))
-        return planner.state((mode, epoch, 0, 0))
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`): the next batch is the one that
         would have come next in the run that saved it, and every later epoch is that run's
@@ -224,15 +223,14 @@ class LayerBase(SyncInterface):
         if consumer.live() is not None:
             raise StateError("load_state_dict while an iterator is live: finish or close it first")
         self._data_shape()
-        open_rows = self._slot_rows if consumer.state == "open" else None
-        epoch = self._planner.load(state, open_rows)
-        self.config = self._planner.config  # seed=None takes the saved seed
-        consumer.restart_at(epoch)
+        opened = consumer.opened
+        open_rows = opened.slot_rows if consumer.state == "open" and opened is not None else None
+        consumer.restart_at(self._planner.load(state, open_rows))
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        await self._open(sync=False)
+        await self._open(None)
         return self
 
     async def __aexit__(
@@ -248,8 +246,9 @@ class LayerBase(SyncInterface):
         await self._consumer.close(None, None, None)
 
     @contextlib.asynccontextmanager
-    async def _opened(self, *, sync: bool) -> AsyncIterator[None]:
-        await self._open(sync=sync)
+    async def _opened(self, portal: BlockingPortal) -> AsyncIterator[None]:
+        """The layer open, on the event loop behind ``portal`` (what ``with`` enters there)."""
+        await self._open(portal)
         try:
             yield
         except BaseException as exc:
@@ -258,38 +257,40 @@ class LayerBase(SyncInterface):
         else:
             await self._consumer.close(None, None, None)
 
-    async def _open(self, *, sync: bool) -> None:
+    async def _open(self, portal: BlockingPortal | None) -> None:
+        """Open: the source builds the whole opening, which the consumer adopts."""
         consumer = self._consumer
-        consumer.opening()
+        consumer.opening()  # a second opener gets a StateError before any await
         try:
-            opened_at = time.perf_counter()
+            at = time.perf_counter()
             nice_steps()  # a bad ASYNCHDF5_NICE fails here, not in a pipeline thread
-            reader, slots, shape = await self._open_reader()
-            try:
-                self._delivery.check(reader.tops)
-                # The same answer on every rank: decided from the configuration and the catalog.
-                c = self.config
-                check_split(shape.epoch_samples, c.batch_size, c.world_size, c.drop_last)
-                if shape != self._planner.shape:
-                    self._planner.looked(shape)
-                self._slot_rows = self._planner.cache_rows(shape, consumer.epoch)
-                self._read_paths, self._read_notes = reader.read_paths, reader.read_notes
-                consumer.label = (
-                    StreamLabels(shape.streams, self._stats.consumer) if shape.streams else None
-                )
-                await consumer.open(
-                    reader,
-                    slots,
-                    sync=sync,
-                    bridge=self._iterate_sync if sync else None,
-                    opened_at=opened_at,
-                )
-            except BaseException:
-                await reader.aclose()
-                raise
+            opened = await self._open_source(consumer.epoch, portal, at)
         except BaseException:
             consumer.not_opened()
             raise
+        reader = opened.reader
+        self._read_paths, self._read_notes = reader.read_paths, reader.read_notes
+        await consumer.open(opened)
+
+    def __enter__(self) -> Self:
+        if self._sync is not None:
+            raise StateError("the layer is already open")
+        self._sync = SyncOpening.enter(self._opened)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the pipeline and its event loop thread; release everything (idempotent)."""
+        opening, self._sync = self._sync, None
+        if opening is not None:
+            opening.close()
 
     # --- iterating ----------------------------------------------------------------------------
 

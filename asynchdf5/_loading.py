@@ -193,10 +193,10 @@ class ChunkLoader:
                     (time.perf_counter() - t0) * 1e3,
                 )
             if region is not None:
-                loaded.release = region.release
+                loaded.on_release(region.release)
             elif loaded.rows_are_global:
                 self._held.add(loaded)
-                loaded.release = functools.partial(self._give_back, loaded)
+                loaded.on_release(functools.partial(self._give_back, loaded))
                 loaded.verify = self.reader.verify
                 loaded.guard = self.reader.guard
             load.item = (plan, loaded)
@@ -212,7 +212,7 @@ class ChunkLoader:
         """The run is over: give the reader back the chunks served in place that the pipeline
         did not finish with (the consumer left an epoch, a read failed): they will not be."""
         for loaded in list(self._held):
-            loaded.release = None
+            loaded.on_release(None)
             self._give_back(loaded)
 
     async def _load(self, chunk: ChunkPlan, slot: Slot | None) -> LoadedChunk:

@@ -11,14 +11,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from anyio.from_thread import BlockingPortal
 
-from ._cache import Slot
 from ._catalog import TopInfo
 from ._config import LayerConfig, Properties, document
 from ._errors import ConfigurationError, SchemaError
 from ._layer import LayerBase
+from ._opened import Opened
 from ._plan import ChunkPlan
-from ._read import Reader
 from ._shape import DataShape
 from ._stats import ReadStats
 from ._windows import Windows, window_view
@@ -103,8 +103,13 @@ class MemoryDataLayer(LayerBase):
         assert self._shape is not None
         return self._shape
 
-    async def _open_reader(self) -> tuple[Reader, list[Slot] | None, DataShape]:
-        return MemoryReader(self._arrays, self._specs), None, self._look()
+    async def _open_source(self, epoch: int, portal: BlockingPortal | None, at: float) -> Opened:
+        shape = self._look()
+        rows = self._planner.opening(shape, epoch)
+        reader = MemoryReader(self._arrays, self._specs)
+        return await Opened.enter(
+            reader, None, shape, slot_rows=rows, delivery=self._delivery, portal=portal, at=at
+        )
 
 
 def _check_arrays(arrays: Mapping[str, np.ndarray], tops: Sequence[str]) -> int:

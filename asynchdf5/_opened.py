@@ -1,64 +1,61 @@
-"""What an open layer has (:class:`Opened`): its reader, its cache slots and the task group its
-runs live in (:meth:`Opened.start_run` starts one there), from ``async with`` (or ``with``) to
-the end of the close.
+"""What an open layer has (:class:`Opened`): its reader, its cache slots, the data's shape and
+the task group its runs live in, from ``async with`` (or ``with``) to the end of the close.
 
-The layer's :class:`~._consumer.Consumer` holds one while the layer is open. Closing is done in
-the task that opened it (the task group's rule), and releases everything even when cancelled:
-the reader's files and threads, the delivery, and the cache's pages (in a worker thread: giving
-back a large cache blocks for tens of milliseconds).
+:meth:`Opened.enter` is the last step of an opening: the source side of the layer (its catalog,
+its reader and slots, the planner's checks) has built everything else before it, and hands it
+here once; nothing of the opening is left to do after it returns but for the consumer to adopt
+it. The layer's :class:`~._consumer.Consumer` holds one while the layer is open. Closing is
+done in the task that opened it (the task group's rule), and releases everything even when
+cancelled: the reader's files and threads, the delivery, and the cache's pages (in a worker
+thread: giving back a large cache blocks for tens of milliseconds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
+from anyio.from_thread import BlockingPortal
 
-from ._batch import Batch
 from ._cache import Slot, free_slots
 from ._delivery import Delivery
 from ._errors import StateError
-from ._pipeline import Mode, Run
-from ._planner import Planner
 from ._process import ProcessReader
 from ._read import Reader
-from ._schemas import Schemas
-from ._stats import Stats
+from ._shape import DataShape
 
-if TYPE_CHECKING:
-    from ._iterator import EpochIterator
-
-__all__ = ["Bridge", "Opened"]
-
-#: How a ``for`` loop iterates an iterator of a layer opened with ``with`` (the sync bridge).
-Bridge = Callable[["EpochIterator"], Iterator[Batch]]
+__all__ = ["Opened"]
 
 
 class Opened:
     """An opening of a layer: made by :meth:`enter` in the opening task, ended by :meth:`exit`
-    and :meth:`release` in the same task."""
+    and :meth:`release` in the same task. Its fields are fixed for the opening's life (the
+    slots aside, dropped once released)."""
 
     def __init__(
         self,
         reader: Reader | ProcessReader,
         slots: list[Slot] | None,
+        shape: DataShape,
+        slot_rows: int,
         task_group: TaskGroup,
         *,
-        sync: bool,
-        bridge: Bridge | None,
+        portal: BlockingPortal | None,
         at: float,
     ) -> None:
         self.reader = reader
         #: The cache slots (None: rows are served in place).
         self.slots = slots
+        #: The data's shape this opening serves.
+        self.shape = shape
+        #: The rows a cache slot holds (what a state loaded while open must fit).
+        self.slot_rows = slot_rows
         self.task_group = task_group
-        #: Opened with ``with``: iterated through the sync bridge only.
-        self.sync = sync
-        self.bridge = bridge
+        #: Opened with ``with``: the portal of the event loop in the background thread, through
+        #: which a ``for`` loop takes its batches (None: opened with ``async with``).
+        self.portal = portal
         #: When the opening began (``time.perf_counter()``): the first batch's latency runs
         #: from there.
         self.at = at
@@ -69,49 +66,25 @@ class Opened:
         cls,
         reader: Reader | ProcessReader,
         slots: list[Slot] | None,
+        shape: DataShape,
         *,
-        sync: bool,
-        bridge: Bridge | None,
+        slot_rows: int,
+        delivery: Delivery,
+        portal: BlockingPortal | None,
         at: float,
     ) -> Opened:
-        """Open: the task group is entered in the calling task."""
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        return cls(reader, slots, task_group, sync=sync, bridge=bridge, at=at)
-
-    def start_run(
-        self,
-        mode: Mode,
-        epoch: int,
-        planner: Planner,
-        *,
-        batch_size: int,
-        delivery: Delivery,
-        prefetch: int,
-        stats: Stats,
-    ) -> Run:
-        """A run serving ``mode`` from ``epoch`` over this opening's reader and slots, started
-        in its task group (``process=True``: a run the helper process serves)."""
-        run: Run
-        reader = self.reader
-        schemas = Schemas.of(planner.shape.streams) if planner.shape is not None else None
-        if isinstance(reader, ProcessReader):
-            run = reader.new_run(mode, epoch)
-        else:
-            run = Run(
-                reader,
-                self.slots,
-                planner,
-                mode=mode,
-                start_epoch=epoch,
-                batch_size=batch_size,
-                delivery=delivery,
-                prefetch=prefetch,
-                stats=stats,
-                schemas=schemas,
-            )
-        self.task_group.start_soon(run.main)
-        return run
+        """The opening, complete: ``delivery`` checked against the reader's tops (a
+        :class:`~asynchdf5.SchemaError` before any batch) and the task group entered in the
+        calling task. On failure the reader is closed here: it is this opening's."""
+        try:
+            delivery.check(reader.tops)
+            task_group = anyio.create_task_group()
+            await task_group.__aenter__()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await reader.aclose()
+            raise
+        return cls(reader, slots, shape, slot_rows, task_group, portal=portal, at=at)
 
     def check_closer(self) -> None:
         """:class:`StateError` unless the calling task opened the layer."""

@@ -252,8 +252,7 @@ class Run:
         group, items, permit = entry
         if group is not None:
             for chunk, _, _ in group.pieces:
-                chunk.refs -= 1
-                chunk.done_with()
+                chunk.let_go()
         if permit:
             self._room.release()
         taken = items.copy()
@@ -358,7 +357,7 @@ class Run:
                             raise schemas.mixed(cur.schema, schema)
                         take = min(need - cur.rows, end - pos)
                         cur.pieces.append((chunk, pos, pos + take))
-                        chunk.refs += 1
+                        chunk.hold()
                         cur.rows += take
                         pos += take
                         if cur.rows < need:
@@ -375,7 +374,7 @@ class Run:
                     if len(group.sizes) >= limit:
                         await self._submit(group)
                         group, limit = GroupSpec(), self.group
-                chunk.cut = True
+                chunk.all_cut()  # its slot goes back once the last batch from it is let go of
                 last = chunk.plan.index == len(plan.chunks) - 1
                 if last and cur is not None:
                     cur.ends_epoch = plan.epoch  # stream mode: the batch wraps into the next epoch
@@ -384,7 +383,6 @@ class Run:
                     group, limit = GroupSpec(), self.group
                 if cur is not None:
                     await self._carry(cur)  # the invariant: see the class docstring
-                chunk.done_with()
                 if last and cur is None:
                     await self._submit(EpochEnd(plan.epoch))
 
@@ -398,8 +396,7 @@ class Run:
         carried = await anyio.to_thread.run_sync(carry, spec, specs)
         spec.pieces = [(carried, 0, spec.rows)]
         for chunk, _, _ in held:
-            chunk.refs -= 1
-            chunk.done_with()
+            chunk.let_go()
 
 
 async def _upstream(stage: Callable[..., Awaitable[None]], *args: Any) -> None:

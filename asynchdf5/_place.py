@@ -3,9 +3,10 @@
 The position is what ``state_dict()`` saves: an epoch iteration's batches and samples handed
 over in its epoch, or a stream's samples since the epoch it began at, turned into
 ``(mode, epoch, batches, samples)`` by :meth:`Place.position`. A :class:`Place` belongs to one
-:class:`~._consumer.Consumer` and is written by it only (its hand-over counts batches inline);
-it is kept apart so that the arithmetic of positions and epoch boundaries reads on its own,
-away from the runs and the hand-over.
+:class:`~._consumer.Consumer` and is written through its methods only, by that consumer (every
+batch handed over is counted by :meth:`Place.count`, on the event loop or in a sync ``for``
+loop's thread alike); it is kept apart so that the arithmetic of positions and epoch
+boundaries reads on its own, away from the runs and the hand-over.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class Place:
             self.start, self.batches, self.samples = epoch, 0, 0
         self.batches += 1
         self.samples += rows
+
+    def touch(self, epoch: int) -> None:
+        """The consumer got a batch of ``epoch`` (it may leave that epoch early)."""
+        self.touched = epoch
 
     def ended(self, mode: Mode, epoch: int) -> None:
         """Every batch of ``epoch`` has been handed over (in ``mode``)."""

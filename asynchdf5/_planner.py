@@ -37,7 +37,7 @@ from ._config import (
 )
 from ._errors import ConfigurationError
 from ._mix import plan_mixed
-from ._plan import EpochPlan, plan_epoch
+from ._plan import EpochPlan, check_split, plan_epoch
 from ._replan import skip_samples, split_plan
 from ._resume import Loaded, Resume, fingerprint, load_state, resumed_plan, save_state
 from ._schemas import check_elastic
@@ -256,8 +256,12 @@ class Planner:
     """Every question about the order of one layer's epochs (see the module docstring).
 
     Its state changes only through its methods: :meth:`looked` (the data's shape is known),
-    :meth:`set_part` (a DataLoader worker's run of batches), :meth:`load` (a saved state) and
-    :meth:`forget_state` (``set_epoch``). Each change drops the plans kept.
+    :meth:`opening` (the same, checked, at open), :meth:`set_part` (a DataLoader worker's run
+    of batches), :meth:`load` (a saved state) and :meth:`forget_state` (``set_epoch``). Each
+    change drops the plans kept.
+
+    The planner holds the layer's one :class:`~._config.LayerConfig` (the layer's ``config``
+    reads it here): only :meth:`load` replaces it, when ``seed=None`` takes a state's seed.
     """
 
     def __init__(self, config: LayerConfig) -> None:
@@ -281,6 +285,17 @@ class Planner:
         """The data's shape is ``shape`` (looked at, or opened)."""
         self.shape = shape
         self._changed()
+
+    def opening(self, shape: DataShape, epoch: int) -> int:
+        """The layer opens over ``shape`` at ``epoch``: the split is checked (the same answer
+        on every rank: from the configuration and the catalog), the shape taken, and the rows
+        a cache slot must hold returned (:meth:`cache_rows`). Called once per opening, before
+        the cache is allocated."""
+        c = self.config
+        check_split(shape.epoch_samples, c.batch_size, c.world_size, c.drop_last)
+        if shape != self.shape:
+            self.looked(shape)
+        return self.cache_rows(shape, epoch)
 
     def set_part(self, part: tuple[int, int] | None) -> None:
         self.part = part

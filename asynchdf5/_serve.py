@@ -28,7 +28,6 @@ import anyio
 import numpy as np
 
 from ._batch import Batch
-from ._config import HDF5_PROPERTIES
 from ._errors import TransformError
 from ._hdf5 import AsyncHDF5DataLayer
 from ._process import (
@@ -200,7 +199,8 @@ async def _serve(
 ) -> None:
     opened = False
     try:
-        layer = _rebuilt(source, dataclasses.replace(config, process=False))
+        # Exactly the parent's configuration (its drawn seed included), without process=True.
+        layer = AsyncHDF5DataLayer._with_config(source, dataclasses.replace(config, process=False))
         if part is not None:
             layer._set_part(*part)
         if state is not None:
@@ -216,14 +216,6 @@ async def _serve(
             raise
         sock.setblocking(True)
         sock.send(pickle.dumps(("failed", error_blob(exc))))
-
-
-def _rebuilt(source: Any, c: Any) -> AsyncHDF5DataLayer:
-    """A layer over ``source`` (files, or streams) with exactly the configuration ``c`` (its
-    drawn seed included)."""
-    out = AsyncHDF5DataLayer(source, **{name: getattr(c, name) for name in HDF5_PROPERTIES})
-    out.config = c  # the parent's, drawn seed and all
-    return out
 
 
 def main() -> None:

@@ -3,8 +3,12 @@ an incomplete batch carried out of them (:class:`Carry`), and the specs of batch
 batches (:class:`BatchSpec`, :class:`GroupSpec`) as pieces ``(chunk, start, stop)`` of serving
 orders.
 
-A spec holds references to its chunks (``refs``) until it is gathered: a cache slot goes back to
-the reader once its chunk is cut and nothing refers to it (:meth:`LoadedChunk.done_with`).
+A spec holds references to its chunks until it is gathered: a cache slot goes back to the
+reader once its chunk is cut and nothing refers to it. A chunk's lifetime (``refs``, ``cut``,
+``release``) is written here only, through :class:`LoadedChunk`'s methods: the reader stage
+says how its slot goes back (:meth:`~LoadedChunk.on_release`), the batcher holds it per batch
+cut (:meth:`~LoadedChunk.hold`) and says when every row is cut (:meth:`~LoadedChunk.all_cut`),
+and whoever is done with a batch lets go (:meth:`~LoadedChunk.let_go`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class LoadedChunk:
     #: Every row the gather will take (``order``, or ``indices`` when global) was checked to be
     #: in ``arrays`` (:func:`check_rows`) when the chunk was loaded: not again per batch.
     checked: bool = False
+    #: How the chunk's slot goes back (None: nothing to give back, or given back already).
     release: Callable[[], None] | None = None
     #: Rows taken in place from memory that the file may change under (a mapped file): called
     #: after rows were gathered from it and before they go anywhere; raises ReadError if the
@@ -59,8 +64,27 @@ class LoadedChunk:
     def size(self) -> int:
         return self.plan.size
 
-    def done_with(self) -> None:
-        """Give the slot back once it is fully cut and every batch from it gathered."""
+    def on_release(self, release: Callable[[], None] | None) -> None:
+        """Give the slot back with ``release`` once it is fully cut and every batch from it is
+        gathered and taken (None: nothing to give back, or the run gives it back itself)."""
+        self.release = release
+
+    def hold(self) -> None:
+        """A batch was cut from it: held until that batch is let go of."""
+        self.refs += 1
+
+    def all_cut(self) -> None:
+        """Every row has been cut into a batch (or dropped)."""
+        self.cut = True
+        self._done_with()
+
+    def let_go(self) -> None:
+        """A batch cut from it was gathered and taken (or carried out of it)."""
+        self.refs -= 1
+        self._done_with()
+
+    def _done_with(self) -> None:
+        """Give the slot back once it is fully cut and every batch from it let go of."""
         if self.cut and self.refs == 0 and self.release is not None:
             release, self.release = self.release, None
             release()
@@ -73,9 +97,11 @@ class Carry:
 
     arrays: Mapping[str, np.ndarray]
     indices: np.ndarray
-    refs: int = 0
 
-    def done_with(self) -> None:
+    def hold(self) -> None:
+        """Nothing to count: the carry is the batch's own memory."""
+
+    def let_go(self) -> None:
         """Nothing to give back: the carry is the batch's own memory."""
 
 
@@ -116,7 +142,7 @@ class GroupSpec:
     def add(self, chunk: LoadedChunk | Carry, start: int, stop: int) -> None:
         """Rows ``start:stop`` of ``chunk``'s serving order (joined to the last piece when they
         continue it); the chunk is held until the group is gathered."""
-        chunk.refs += 1
+        chunk.hold()
         self.pieces.append((chunk, start, stop))
 
     def batch_tops(self) -> list[Mapping[str, str]] | None:

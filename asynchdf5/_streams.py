@@ -4,8 +4,8 @@
 each stream is a source as ``source=`` takes one (a list file, an HDF5 file, a sequence of
 paths, URLs), with its share of every epoch. Here: the public :class:`Stream`, the checks made
 when a layer is constructed (:func:`parse_streams`), the samples each stream gives per epoch
-(:func:`stream_counts`), the one catalog of every stream's files (:func:`combine`) and the
-labels of a batch's rows (:class:`StreamLabels`). The plan is :mod:`._mix`'s.
+(:func:`stream_counts`) and the one catalog of every stream's files (:func:`combine`). The plan
+is :mod:`._mix`'s; the consumer labels each batch's rows with their stream.
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from ._batch import Batch
 from ._catalog import Catalog, FileInfo, same_categories
 from ._config import MAX_EPOCH_BATCHES, MAX_SAMPLES, LayerConfig
 from ._errors import ConfigurationError, DataLayerError
 from ._mix import StreamRows
 from ._schemas import mismatch, split_schemas
 from ._sources import SourceLike
-from ._stats import ConsumerStats
 
 __all__ = [
     "Stream",
-    "StreamLabels",
     "StreamSpec",
     "combine",
     "parse_streams",
@@ -262,22 +259,3 @@ def combine(
     tops = dict(catalogs[0].tops) if split is None else split[0]
     categories = {t: c for cat in catalogs for t, c in cat.categories.items()}
     return Catalog(files, tops, categories), streams
-
-
-class StreamLabels:
-    """Says which stream each row of a batch came from (``batch.streams``: indices into the
-    layer's ``stream_names``), and counts the samples handed over per stream."""
-
-    def __init__(self, streams: Sequence[StreamRows], stats: ConsumerStats) -> None:
-        self.names = tuple(s.name for s in streams)
-        self.starts = np.array([s.start for s in streams[1:]], np.int64)
-        self.stats = stats
-
-    def __call__(self, batch: Batch) -> None:
-        labels = np.searchsorted(self.starts, batch.indices, side="right")
-        batch.streams = labels
-        counts = self.stats.stream_samples
-        for s, n in enumerate(np.bincount(labels, minlength=len(self.names)).tolist()):
-            if n:
-                name = self.names[s]
-                counts[name] = counts.get(name, 0) + n

@@ -1,11 +1,12 @@
-"""The sync interface of the layers: ``with`` / ``for``, through one bridge.
+"""The bridge of the sync side of the layers (``with`` / ``for``): an event loop in a background
+thread and its portal.
 
-A layer opened with ``with`` runs its async pipeline on an event loop in a background thread
-(one anyio blocking portal per opening, on asyncio). Every call crosses
-that one bridge: opening and closing, and iterating, which takes at most :data:`BRIDGE_BATCHES`
-batches that are already gathered per trip (never an epoch: nothing is collected ahead of what
-the pipeline has ready). Batches are handed over (for a device: made ready on the current CUDA
-stream) in the ``for`` loop's own thread, not the bridge's.
+A layer opened with ``with`` holds a :class:`SyncOpening`: its async opening, run on an event
+loop in a background thread (one anyio blocking portal per opening, on asyncio). Every call
+crosses that one bridge: opening and closing, and iterating (a ``for`` loop's
+:class:`~._iterator.EpochIterator` takes at most :data:`BRIDGE_BATCHES` batches that are already
+gathered per trip, through :func:`call_or_cancel`). This module knows no layer, consumer
+or iterator: it runs what it is given on the loop, and control goes one way.
 
 Ctrl-C never leaves the bridge's thread running with nobody to stop it: closing asks the loop to
 stop with ``KeyboardInterrupt`` held back until the request is queued (a second Ctrl-C during
@@ -16,28 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
-from types import FrameType, TracebackType
+from contextlib import AbstractAsyncContextManager
+from types import FrameType
 from typing import Any, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from ._batch import Batch
-from ._errors import StateError
-from ._iterator import EpochIterator
-from ._process import forget_kept_interrupts, raise_kept_interrupt
-
-if sys.version_info >= (3, 11):
-    from typing import Self
-else:  # pragma: no cover
-    from typing_extensions import Self
-
-__all__ = ["BRIDGE_BATCHES", "SyncInterface"]
+__all__ = ["BRIDGE_BATCHES", "SyncOpening", "call_or_cancel", "interrupts_held"]
 
 T = TypeVar("T")
 
@@ -46,62 +36,42 @@ T = TypeVar("T")
 BRIDGE_BATCHES = 256
 
 
-class SyncInterface:
-    """``with`` / ``for`` for a layer whose async side provides ``_opened(sync=True)``."""
+class SyncOpening:
+    """A layer opened with ``with``: its async opening, entered and exited on the event loop of
+    a background thread through that loop's portal (:meth:`enter`, :meth:`close`)."""
 
-    _portal: BlockingPortal | None = None
-    _bridge: _Bridge | None = None
-    _opening: Any = None
+    def __init__(self, bridge: _Bridge, opening: Any) -> None:
+        self._bridge = bridge
+        self._opening = opening
 
-    def _opened(self, *, sync: bool) -> contextlib.AbstractAsyncContextManager[Any]:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        if self._portal is not None:
-            raise StateError("the layer is already open")
+    @classmethod
+    def enter(
+        cls,
+        opening: Callable[[BlockingPortal], AbstractAsyncContextManager[Any]],
+    ) -> SyncOpening:
+        """Start the loop and enter ``opening(portal)`` there (the portal goes to the open
+        layer, for its ``for`` loops); on failure the loop is stopped again."""
         bridge = _Bridge()
         try:
-            opening = bridge.portal.wrap_async_context_manager(self._opened(sync=True))
-            opening.__enter__()
+            entered = bridge.portal.wrap_async_context_manager(opening(bridge.portal))
+            entered.__enter__()
         except BaseException:
             bridge.stop(cancel=True)
             raise
-        self._bridge, self._portal, self._opening = bridge, bridge.portal, opening
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        return cls(bridge, entered)
 
     def close(self) -> None:
-        """Stop the pipeline and its event loop thread; release everything (idempotent).
+        """Exit the opening and stop its event loop thread.
 
         A ``KeyboardInterrupt`` during the close cuts the graceful part short (what still runs
         on the loop is cancelled) but never the request to stop the loop.
         """
-        bridge, opening = self._bridge, self._opening
-        self._bridge = self._portal = self._opening = None
-        if bridge is None:
-            return
         closed = False
         try:
-            opening.__exit__(None, None, None)
+            self._opening.__exit__(None, None, None)
             closed = True
         finally:
-            bridge.stop(cancel=not closed)
-
-    def _iterate_sync(self, it: EpochIterator) -> Iterator[Batch]:
-        """``it`` in a ``for`` loop: the bridge the layer gives its consumer when opened with
-        ``with``."""
-        portal = self._portal
-        if portal is None:
-            raise StateError("the layer is not open: iterate inside `with layer:`")
-        it.bridged = True  # batches are handed over here, in the loop's thread
-        return _bridged(portal, it)
+            self._bridge.stop(cancel=not closed)
 
 
 class _Bridge:
@@ -181,7 +151,7 @@ def interrupts_held() -> Iterator[None]:
 CANCEL_WAIT_S = 10.0
 
 
-def _call_or_cancel(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+def call_or_cancel(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     """``portal.call(fn, *args)``; but when the wait is interrupted (Ctrl-C), the call is
     cancelled on the loop and has ended before the interrupt goes on. Else it would go on
     waiting there for the consumer's next group, and take it (or, taking it from the same run
@@ -202,30 +172,3 @@ def _call_or_cancel(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *ar
             with interrupts_held():
                 done.wait(CANCEL_WAIT_S)
         raise
-
-
-def _bridged(portal: BlockingPortal, it: EpochIterator) -> Iterator[Batch]:
-    consumer = it.consumer
-    forget_kept_interrupts()  # those of no loop: see raise_kept_interrupt
-    try:
-        while True:
-            batches = _call_or_cancel(portal, consumer.next_batches, it, BRIDGE_BATCHES)
-            if not batches:
-                raise_kept_interrupt()
-                return
-            batches.reverse()
-            while batches:  # popped: a batch the loop is done with is not held here
-                batch = batches.pop()
-                try:
-                    consumer.deliver(it, batch)  # counts for state_dict() once the loop has it
-                except BaseException:
-                    portal.call(consumer.fail, it)
-                    raise
-                t0 = time.perf_counter()
-                yield batch
-                consumer.stepped(time.perf_counter() - t0)
-                raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
-    finally:
-        if not it.done:  # left early (break) or failed in the loop's body
-            with contextlib.suppress(Exception):  # the bridge may be gone already
-                portal.call(it.aclose)

@@ -1,4 +1,4 @@
-"""No import cycle in the package.
+"""No import cycle in the package, and no cycle at run time either.
 
 The graph is built from the source with :mod:`ast`, one node per module of ``asynchdf5``, and an
 edge wherever a module imports another module of the package. The rule:
@@ -18,15 +18,39 @@ edge wherever a module imports another module of the package. The rule:
 The cycles are the strongly connected components of more than one module. Any that must be lived
 with for a while is listed, once, in :data:`KNOWN_CYCLES` (none now): each may shrink or vanish,
 but no module may join one and no other cycle may appear.
+
+At run time, control may still go back up through an object handed down (a callback, a bound
+method of the layer): the import graph cannot see that. So an open layer's consumer is walked
+(its opening, reader, runs, planner, everything of ours it reaches) for anything defined in a
+module above it in ``[tool.importlinter]``'s stages: none may be there, opened with ``with`` or
+with ``async with``, with one source or several streams, in this process or with a helper.
 """
 
 from __future__ import annotations
 
 import ast
+import collections
+import functools
+import re
+import sys
+import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
 
 import asynchdf5
+from asynchdf5 import AsyncHDF5DataLayer, HDF5DataLayer, Stream
+from asynchdf5._layer import LayerBase
+
+from ._files import write_source
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
 
 #: Import cycles tolerated: none. A cycle that must be lived with for a while is listed here, once.
 KNOWN_CYCLES: tuple[frozenset[str], ...] = ()
@@ -163,3 +187,125 @@ def test_the_graph_counts_lazy_imports_but_not_type_only_ones(tmp_path: Path) ->
         ["pkg", "pkg.a", "pkg.b"],  # through the lazy import, and the package's __init__
         ["pkg.sub.e", "pkg.sub.f"],  # through the import under try
     ]
+
+
+def stages() -> list[list[str]]:
+    """The stages of ``[tool.importlinter]``'s first contract, top first: each a list of
+    modules (a package stands for its modules)."""
+    pyproject = Path(asynchdf5.__file__).parent.parent / "pyproject.toml"
+    contracts = tomllib.loads(pyproject.read_text())["tool"]["importlinter"]["contracts"]
+    return [re.split(r"\s*\|\s*", row) for row in contracts[0]["layers"]]
+
+
+def stage_of(module: str, rows: list[list[str]]) -> int | None:
+    """The stage ``module`` is in (None: not ours, or in no stage)."""
+    for k, row in enumerate(rows):
+        if any(module == m or module.startswith(m + ".") for m in row):
+            return k
+    return None
+
+
+def module_of(cls: type) -> str:
+    """Where ``cls`` is defined (a public class says ``asynchdf5``, where it is re-exported:
+    its functions still say their module)."""
+    for value in vars(cls).values():
+        if isinstance(value, types.FunctionType):
+            return value.__module__
+    return cls.__module__
+
+
+def reached_from_above(root: object, below: int, rows: list[list[str]]) -> list[str]:
+    """What ``root`` reaches (through our objects' attributes and plain containers, never a
+    weak reference) that is defined in a stage above ``below``: functions, methods, partials,
+    or objects of our classes; each as ``path: what``."""
+    found: list[str] = []
+    seen: set[int] = set()
+    todo: list[tuple[str, object]] = [("consumer", root)]
+    while todo:
+        path, obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, functools.partial):
+            todo.append((f"{path}.func", obj.func))
+            todo += [(f"{path}.args", a) for a in obj.args]
+            continue
+        if isinstance(obj, types.MethodType):
+            todo.append((f"{path}.__self__", obj.__self__))
+            obj = obj.__func__
+        if isinstance(obj, types.FunctionType):
+            stage = stage_of(obj.__module__, rows)
+            if stage is not None and stage < below:
+                found.append(f"{path}: {obj.__module__}.{obj.__qualname__}")
+            continue
+        if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            todo += [(f"{path}[]", v) for v in obj]
+            continue
+        if isinstance(obj, dict):
+            todo += [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+            continue
+        module = module_of(type(obj))
+        if not module.startswith("asynchdf5."):
+            continue  # not ours: numpy, anyio, threads, files, weak references ...
+        stage = stage_of(module, rows)
+        if stage is not None and stage < below:
+            found.append(f"{path}: a {module}.{type(obj).__qualname__}")
+        fields = dict(getattr(obj, "__dict__", {}))
+        for name in getattr(type(obj), "__slots__", ()):
+            if hasattr(obj, name):
+                fields[name] = getattr(obj, name)
+        todo += [(f"{path}.{k}", v) for k, v in fields.items()]
+    return found
+
+
+def check_nothing_from_above(layer: LayerBase) -> None:
+    rows = stages()
+    below = stage_of("asynchdf5._consumer", rows)
+    assert below is not None and stage_of("asynchdf5._sync", rows) is not None
+    consumer = layer._consumer
+    assert consumer.opened is not None and consumer.run is not None  # open, a run going
+    found = reached_from_above(consumer, below, rows)
+    assert not found, "the consumer reaches code above it:\n" + "\n".join(sorted(found))
+
+
+def test_the_walk_finds_a_callback_from_above() -> None:
+    """The check itself: a bound method of a layer, a partial of it, or a layer object held
+    anywhere below the consumer is found."""
+    rows = stages()
+    below = stage_of("asynchdf5._consumer", rows)
+    assert below is not None
+    layer = asynchdf5.MemoryDataLayer({"x": [1, 2, 3]}, batch_size=1)
+    consumer = layer._consumer
+    assert not reached_from_above(consumer, below, rows)
+    for held in (layer.close, functools.partial(print, layer), [{"k": layer}]):
+        consumer.stats.consumer.stream_samples = {"x": held}  # type: ignore[dict-item]
+        assert reached_from_above(consumer, below, rows)
+
+
+@pytest.mark.parametrize("streams", [False, True], ids=["one source", "streams"])
+@pytest.mark.parametrize("process", [False, True], ids=["here", "helper"])
+def test_no_callback_from_the_consumer_up_when_opened_with_with(
+    tmp_path: Path, streams: bool, process: bool
+) -> None:
+    lst, files = write_source(tmp_path, (40, 40))
+    source: Any = {"a": Stream(files[0]), "b": Stream(files[1])} if streams else lst
+    with HDF5DataLayer(source, batch_size=10, shuffle=True, seed=1, process=process) as layer:
+        it = iter(layer)
+        next(it)
+        check_nothing_from_above(layer)
+        assert sum(1 for _ in it) == 7
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_no_callback_from_the_consumer_up_when_opened_with_async_with(
+    tmp_path: Path,
+) -> None:
+    _, files = write_source(tmp_path, (40, 40))
+    source = {"a": Stream(files[0]), "b": Stream(files[1])}
+    with anyio.fail_after(30):
+        async with AsyncHDF5DataLayer(source, batch_size=10, shuffle=True, seed=1) as layer:
+            it = aiter(layer)
+            await anext(it)
+            check_nothing_from_above(layer)
+            assert len([b async for b in it]) == 7

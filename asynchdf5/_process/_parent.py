@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -85,7 +85,6 @@ class ProcessReader:
         self,
         proc: subprocess.Popen[bytes],
         sock: socket.socket,
-        state: Callable[[], dict[str, Any]],
         stats: Stats,
         slots: int,
         uploader: Uploader | None = None,
@@ -93,7 +92,6 @@ class ProcessReader:
         self._uploader = uploader
         self._proc = proc
         self._sock = sock
-        self._state = state
         self._stats = stats
         self._slots = slots
         self._segments: list[Segment | None] = [None] * slots
@@ -116,7 +114,6 @@ class ProcessReader:
     async def start(
         cls,
         payload: bytes,
-        state: Callable[[], dict[str, Any]],
         stats: Stats,
         slots: int,
         device: tuple[Delivery, int] | None = None,
@@ -129,7 +126,7 @@ class ProcessReader:
             proc = await anyio.to_thread.run_sync(spawn, theirs, payload)
         finally:
             theirs.close()
-        reader = cls(proc, ours, state, stats, slots)
+        reader = cls(proc, ours, stats, slots)
         try:
             message = await reader._next()
             if message[0] == "failed":
@@ -170,10 +167,10 @@ class ProcessReader:
 
     # --- runs -----------------------------------------------------------------------------------
 
-    def new_run(self, mode: Mode, start_epoch: int) -> RemoteRun:
-        """A run from where the layer's consumer is now, in ``mode``."""
+    def new_run(self, mode: Mode, start_epoch: int, state: dict[str, Any]) -> RemoteRun:
+        """A run in ``mode`` from ``state``: where the layer's consumer is now (the consumer's
+        :meth:`~asynchdf5._consumer.Consumer.run_state`)."""
         self._token += 1
-        state = self._state()
         with contextlib.suppress(OSError):  # the helper is gone: the run's first take says so
             send(self._sock, ("start", self._token, mode, state))
         return RemoteRun(self, mode, start_epoch, self._token, self._uploader)
