@@ -28,7 +28,7 @@ from ._machine import memory_bytes, memory_room
 from ._mix import StreamRows
 from ._process import ProcessReader, check_picklable, payload, ring_slots
 from ._properties import document
-from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
+from ._read import Choice, HDF5Reader, MappedReader, Reader, choose, fill_threads
 from ._schemas import check_schemas
 from ._shape import DataShape
 from ._sizing import cache_plan, shape_of
@@ -274,7 +274,7 @@ class AsyncHDF5DataLayer(LayerBase):
                 reader = MappedReader(catalog, files, leases, choice.note)
             elif shape.resident:
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
-                reader = HDF5Reader(catalog, files, resident=whole)
+                reader = HDF5Reader(catalog, files, resident=whole, read_threads=fill_threads())
             else:
                 # An elastically resumed epoch's chunks may be larger.
                 rows = self._planner.cache_rows(shape, self._consumer.epoch)
