@@ -31,7 +31,7 @@ from ._machine import memory_bytes, memory_room
 from ._mix import StreamRows
 from ._opened import Opened
 from ._process import ProcessReader, check_picklable, payload, ring_slots
-from ._read import Choice, HDF5Reader, MappedReader, Reader, choose
+from ._read import Choice, HDF5Reader, MappedReader, Reader, choose, fill_threads
 from ._schemas import check_schemas
 from ._shape import DataShape
 from ._sizing import cache_plan, shape_of
@@ -235,7 +235,7 @@ class HDF5Layer(LayerBase):
                 reader = MappedReader(catalog, files, leases, choice.note)
             elif shape.resident:
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
-                reader = HDF5Reader(catalog, files, resident=whole)
+                reader = HDF5Reader(catalog, files, resident=whole, read_threads=fill_threads())
             else:
                 if rows > shape.chunk_rows:
                     cache_plan(catalog, self.config, rows)  # the budget must hold them

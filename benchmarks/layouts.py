@@ -10,11 +10,13 @@ labels, written with h5py in each layout the tools users have write every day:
 - ``packed shuffled``: the contiguous file through ``asynchdf5 pack --shuffle``.
 
 Each layout is read by the readers of :mod:`benchmarks._layouts_child` (a raw read of its stored
-bytes, h5py in order in 256-row slices, the decode limit for filtered layouts, and a fresh
-shuffled layer's epochs 1 and 2 with its first batch), warm (page cache filled first) and in a
+bytes into one reused buffer and into memory never written before, h5py in order in 256-row
+slices, the decode limit for filtered layouts, and a fresh shuffled layer's epochs 1 and 2 with
+its first batch), warm (page cache filled first) and in a
 memory cgroup of ``limit`` MiB with the files evicted before each reader (cold); one child per
 mode, the readers alternating ``rounds`` times. Figures are the best round of each reader, and
-the layer's ratios to the raw read, to h5py and (filtered) to the decode limit. Timings depend on
+the layer's ratios to the raw reads, to h5py and (filtered) to the decode limit; epoch 2 ÷ the
+raw read says what the shuffled gather alone reaches, a bound on epoch 1 too. Timings depend on
 the machine's load: compare the ratios of one run.
 """
 
@@ -177,15 +179,19 @@ def bench(rec: Recorder) -> None:
                     _best(runs["h5py"]),
                     _best(runs.get("decode", [])),
                 )
+                fresh = _best(runs.get("raw_fresh", []))
                 epoch1 = _best(runs["layer"])
                 epoch2 = max((r["epochs"][1] for r in runs["layer"]), default=None)
                 first = min((r["first_batch_s"] for r in runs["layer"]), default=None)
                 rec.figure(f"{what}: raw read of the stored bytes", raw, "samples/s")
+                rec.figure(f"{what}: raw read into fresh memory", fresh, "samples/s")
                 rec.figure(f"{what}: h5py in order (256-row slices)", h5, "samples/s")
                 rec.figure(f"{what}: decode limit ({os.cpu_count()} threads)", dec, "samples/s")
                 rec.figure(f"{what}: layer epoch 1", epoch1, "samples/s")
                 rec.figure(f"{what}: layer epoch 2", epoch2, "samples/s")
                 rec.ratio(f"{what}: layer epoch 1 ÷ raw read", epoch1, raw)
+                rec.ratio(f"{what}: layer epoch 1 ÷ raw read into fresh memory", epoch1, fresh)
+                rec.ratio(f"{what}: layer epoch 2 ÷ raw read", epoch2, raw)
                 rec.ratio(f"{what}: layer epoch 1 ÷ h5py in order", epoch1, h5)
                 rec.ratio(f"{what}: layer epoch 1 ÷ decode limit", epoch1, dec)
                 rec.figure(f"{what}: layer first batch", first, "s")

@@ -232,3 +232,32 @@ async def test_a_file_system_refusing_direct_reads_falls_back_on_every_thread(
                     np.testing.assert_array_equal(b["label"], b.indices)
                     seen.append(b.indices)
             np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(n))
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 2), (2, 2), (16, 8)])
+@pytest.mark.parametrize("layout", ["contiguous", "chunked"])
+async def test_a_resident_data_set_is_read_in_on_a_thread_a_core(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int, threads: int, layout: str
+) -> None:
+    """Read once into memory never written before, a resident data set costs CPU more than
+    disk: it is read on as many threads as cores (2 to 8), streaming chunks on 2, and either
+    way every row arrives exactly once with its values."""
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    made: list[tuple[bool, float]] = []
+    real_init = HDF5Reader.__init__
+
+    def init(reader: HDF5Reader, *args: Any, **kw: Any) -> None:
+        real_init(reader, *args, **kw)
+        made.append((reader.resident is not None, reader._limiter.total_tokens))
+
+    monkeypatch.setattr(HDF5Reader, "__init__", init)
+    source, _ = write_source(tmp_path, layout=layout)
+    for chunk_size in (2**20, CHUNK):  # resident, then streaming
+        with anyio.fail_after(30):
+            layer = AsyncHDF5DataLayer(
+                source, batch_size=BATCH, shuffle=True, seed=2, chunk_size=chunk_size, mmap=False
+            )
+            async with layer:
+                for epoch in range(2):
+                    check_epoch([b async for b in layer], N, BATCH, epoch)
+    assert made == [(True, threads), (False, 2)]

@@ -4,6 +4,6 @@ and the choice between them (:mod:`._choice`)."""
 
 from ._choice import Choice, choose, probe
 from ._mapped import MappedReader
-from ._reader import HDF5Reader, Reader
+from ._reader import HDF5Reader, Reader, fill_threads
 
-__all__ = ["Choice", "HDF5Reader", "MappedReader", "Reader", "choose", "probe"]
+__all__ = ["Choice", "HDF5Reader", "MappedReader", "Reader", "choose", "fill_threads", "probe"]

@@ -42,7 +42,15 @@ from ._chunked import Need, chunk_reads
 from ._spans import merged, uncovered
 from ._steps import H5pyRead, byte_view, direct_ranges, swapper, window_reads
 
-__all__ = ["HDF5Reader", "Reader"]
+__all__ = ["HDF5Reader", "Reader", "fill_threads"]
+
+
+def fill_threads() -> int:
+    """Threads that read a resident data set into its memory at once: as many as cores, from 2
+    to 8. Those reads write memory never written before, so faulting its pages in and copying
+    into them cost CPU (a page cache copy into fresh memory runs far below one into memory
+    already written): more threads spread that cost over the cores where there are any."""
+    return max(2, min(8, os.cpu_count() or 1))
 
 
 class Reader(Protocol):
