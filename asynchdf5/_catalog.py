@@ -26,6 +26,7 @@ import numpy as np
 from ._catalog_cache import CatalogCache, Described
 from ._errors import DataLayerError, SchemaError, SourceError
 from ._layout import ChunkIndex, Extent, Layout, ReadPath, describe
+from ._ragged_tops import RaggedForm, RaggedInfo, RaggedParts, find_form, member_of_csr
 from ._sources import LocalSource, Source, StoredFile, name_entry
 
 __all__ = [
@@ -60,16 +61,40 @@ SHUFFLED_ATTR = "shuffled"
 
 @dataclass(frozen=True)
 class TopInfo:
-    """A top: its name, the dtype of its samples (native byte order) and their shape."""
+    """A top: its name, the dtype of its samples (native byte order) and their shape.
+
+    A ragged or sparse top (``ragged`` set, :mod:`._ragged_tops`): ``dtype`` and
+    ``sample_shape`` are its values' (the trailing shape of a row), and ``row_bytes`` is what
+    a slot keeps per row besides its values: the row's span (two int64).
+    """
 
     name: str
     dtype: np.dtype[Any]
     sample_shape: tuple[int, ...]
+    ragged: RaggedInfo | None = field(default=None, compare=False)
     #: Bytes of one sample (computed once: the chunk reader asks for it per byte range).
     row_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.ragged is not None:
+            object.__setattr__(self, "row_bytes", 16)
+            return
         object.__setattr__(self, "row_bytes", self.dtype.itemsize * math.prod(self.sample_shape))
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one value of a ragged top (with a sparse top's column index)."""
+        b = self.dtype.itemsize * math.prod(self.sample_shape)
+        if self.ragged is not None and self.ragged.index_dtype is not None:
+            b += self.ragged.index_dtype.itemsize
+        return b
+
+    @property
+    def mean_row_bytes(self) -> float:
+        """Bytes a batch holds per row, on average: a ragged top's values count."""
+        if self.ragged is None:
+            return float(self.row_bytes)
+        return self.ragged.mean_values * self.value_bytes + 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +107,8 @@ class FileInfo:
     layouts: dict[str, Layout]
     #: Its samples were written in a random order (the :data:`SHUFFLED_ATTR` attribute True).
     shuffled: bool = False
+    #: Its ragged and sparse tops: their ``indptr`` and where their values are.
+    ragged: dict[str, RaggedParts] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -111,6 +138,32 @@ class Catalog:
         # Files with rows only: 0-row files contribute nothing to the global index.
         self._nonempty = [f for f in self.files if f.nrows > 0]
         self._starts = [f.start for f in self._nonempty]
+        self._bases: dict[tuple[int, str], int] = {}
+        self._bound_ragged()
+
+    def _bound_ragged(self) -> None:
+        """Each ragged top's heap bound over every file (:attr:`RaggedInfo.largest`), and where
+        each file's values start among all of them (:meth:`values_base`)."""
+        for name, t in list(self.tops.items()):
+            if t.ragged is None:
+                continue
+            lengths = [f.ragged[name].lengths for f in self.files if name in f.ragged]
+            every = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+            largest = np.zeros(len(every) + 1, np.int64)
+            np.cumsum(np.sort(every)[::-1], out=largest[1:])
+            info = dataclasses.replace(t.ragged, largest=largest)
+            self.tops[name] = dataclasses.replace(t, ragged=info)
+            base = 0
+            for f in self.files:
+                parts = f.ragged.get(name)
+                if parts is not None:
+                    self._bases[(id(f), name)] = base
+                    base += int(parts.indptr[-1])
+
+    def values_base(self, file: FileInfo, top: str) -> int:
+        """Where ragged top ``top``'s values of ``file`` start among the values of every file
+        (a resident heap holds them all in that order)."""
+        return self._bases[(id(file), top)]
 
     @property
     def row_bytes(self) -> int:
@@ -122,7 +175,15 @@ class Catalog:
         paths: dict[str, set[str]] = {t: set() for t in self.tops}
         for f in self._nonempty:
             for top, layout in f.layouts.items():
-                paths[top].add(layout.path)
+                parts = f.ragged.get(top)
+                if parts is None:
+                    paths[top].add(layout.path)
+                elif parts.vlen is not None:
+                    paths[top].add("vlen-h5py")
+                else:
+                    inner = {p.path for p in (parts.data, parts.indices) if p is not None}
+                    kind = "sparse" if parts.indices is not None else "ragged"
+                    paths[top].add(f"{kind}-{'+'.join(sorted(inner))}")
         return {t: "+".join(sorted(p)) or "none" for t, p in paths.items()}
 
     def read_notes(self) -> dict[str, str]:
@@ -425,8 +486,10 @@ def _describe_file(
     rows: dict[str, int] = {}
     layouts: dict[str, Layout] = {}
     h5: h5py.File | None = None
+    ragged: dict[str, RaggedParts] = {}
     for name in tops:
         found: FoundTop | None = None
+        form: RaggedForm | None = None
         if cached is not None:
             stored_dtype, full_shape, layout = cached.tops[name]
             native = np.dtype(stored_dtype.newbyteorder("=").str)
@@ -437,13 +500,33 @@ def _describe_file(
                 touched[id(file)] = file
             if not file.local:
                 refuse_external_links(file.name, h5, name)
-            found = find_top(file.name, h5, name)
-            native, shape = found.dtype, found.sample_shape
-            full_shape = tuple(int(n) for n in found.dset.shape)
+            form = find_form(file.name, h5, name)
+            if form is None:
+                member_of_csr(file.name, h5, name)
+                found = find_top(file.name, h5, name)
+                native, shape = found.dtype, found.sample_shape
+                full_shape = tuple(int(n) for n in found.dset.shape)
+            else:
+                native, shape = form.dtype, form.sample_shape
+                full_shape = (form.nrows, *shape)
         spec = specs.get(name)
         if spec is None:
-            specs[name] = TopInfo(name, np.dtype(native.str), shape)
+            info = None
+            if form is not None:
+                index = None if form.indices is None else form.indices.dtype.newbyteorder("=")
+                info = RaggedInfo(
+                    form.kind,
+                    form.n_cols,
+                    None if index is None else np.dtype(index.str),
+                    vlen=form.vlen is not None,
+                )
+            specs[name] = TopInfo(name, np.dtype(native.str), shape, info)
             first_file[name] = file.name
+        elif _kind_of(spec) != (now := _form_kind(form)):
+            raise SchemaError(
+                f"{file.name}: top {name!r} is stored as {now}, but in {first_file[name]} as "
+                f"{_kind_of(spec)}; a top must be stored alike in every file"
+            )
         elif spec.sample_shape != shape or spec.dtype != native:
             raise SchemaError(
                 f"{file.name}: top {name!r} has samples of shape {shape} and dtype {native}, "
@@ -451,7 +534,11 @@ def _describe_file(
                 f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
             )
         rows[name] = full_shape[0]
-        if found is not None:
+        if form is not None:
+            parts = _ragged_parts(source, file, form, name, touched, needed)
+            ragged[name] = parts
+            layout = parts.vlen or parts.data  # type: ignore[assignment]
+        elif found is not None:
             layout = _layout_of(source, file, found, name, touched, needed)
             described[name] = (found.dset.dtype, full_shape, layout)
         layouts[name] = layout
@@ -468,9 +555,60 @@ def _describe_file(
         assert h5 is not None
         said = h5.attrs.get(SHUFFLED_ATTR)
         shuffled = isinstance(said, (bool, np.bool_)) and bool(said)
-        if kept is not None and described:
+        if kept is not None and described and not ragged:  # ragged tops: described anew
             kept.record(file, described, shuffled)
-    return FileInfo(file, counts.pop(), start, layouts, shuffled)
+    return FileInfo(file, counts.pop(), start, layouts, shuffled, ragged)
+
+
+def _form_kind(form: RaggedForm | None) -> str:
+    """How a top is stored, in words: a dataset of fixed rows, ragged, or sparse (columns)."""
+    if form is None:
+        return "a dataset of fixed rows"
+    return form.kind + (f" of {form.n_cols} columns" if form.kind == "sparse" else "")
+
+
+def _kind_of(spec: TopInfo) -> str:
+    """:func:`_form_kind` of a catalogued top."""
+    r = spec.ragged
+    if r is None:
+        return "a dataset of fixed rows"
+    return r.kind + (f" of {r.n_cols} columns" if r.sparse else "")
+
+
+def _ragged_parts(
+    source: Source,
+    file: StoredFile,
+    form: RaggedForm,
+    name: str,
+    touched: dict[int, StoredFile],
+    needed: set[int],
+) -> RaggedParts:
+    """Where a ragged top's values are in ``file``: the layouts of its ``data`` (and
+    ``indices``), each read as a dataset's rows are; a variable-length dataset through h5py."""
+    if form.vlen is not None:
+        holder, dset = physical(source, file, form.vlen)
+        touched[id(holder)] = holder
+        needed.add(id(holder))
+        vlen = Layout(
+            "h5py",
+            "variable-length (h5py heap)",
+            dataset_name=dset.name,
+            file=holder,
+            note="variable-length rows: HDF5 keeps their values in a heap that h5py reads",
+        )
+        return RaggedParts(form.indptr, vlen=vlen)
+
+    def layout_of(dset: h5py.Dataset) -> Layout:
+        dtype = np.dtype(dset.dtype.newbyteorder("=").str)
+        found = FoundTop(dset, "", dtype, tuple(int(s) for s in dset.shape[1:]))
+        return _layout_of(
+            source, file, found, f"{name}/{posixpath.basename(dset.name)}", touched, needed
+        )
+
+    assert form.data is not None
+    data = layout_of(form.data)
+    indices = None if form.indices is None else layout_of(form.indices)
+    return RaggedParts(form.indptr, data=data, indices=indices)
 
 
 def _layout_of(

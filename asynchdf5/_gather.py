@@ -15,10 +15,11 @@ from concurrent.futures import Executor, wait
 import numpy as np
 
 from ._errors import ReadError
+from ._ragged_tops import heap_keys, is_heap
 from ._specs import Carry, Piece, split_pieces
 from ._verify import rows_words
 
-__all__ = ["PARALLEL_BYTES", "check_rows", "gather_rows", "gather_split"]
+__all__ = ["PARALLEL_BYTES", "check_rows", "gather_ragged", "gather_rows", "gather_split"]
 
 #: Below this many bytes rows are gathered on one thread: handing half to another thread costs
 #: more than it saves (and the two would contend for the GIL between small copies).
@@ -104,5 +105,72 @@ def check_rows(rows: np.ndarray, arrays: Mapping[str, np.ndarray]) -> None:
     if len(rows):
         lo, hi = int(rows.min()), int(rows.max())
         for name, a in arrays.items():
+            if is_heap(name):  # a ragged top's values: its spans (rows) are checked
+                continue
             if lo < 0 or hi >= len(a):
                 raise IndexError(f"rows {lo}..{hi} of {len(a)} (top {name!r})")
+
+
+#: Rows shorter than this on average are copied with one ``np.take`` over an index of their
+#: values; longer ones a slice each (a Python step per row costs what ~64 values do).
+_SLICE_VALUES = 64
+
+
+def gather_ragged(
+    pieces: Sequence[Piece], name: str, sparse: bool
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The rows of ragged top ``name`` in ``pieces``, in order: their offsets (int64, rows + 1,
+    from 0) and their values (with a sparse top's column indices: ``[values, indices]``), each
+    one new array the batch owns. Rows that follow each other in a heap (an unshuffled chunk's)
+    are copied as one slice."""
+    keys = heap_keys(name, sparse)
+    spans: list[np.ndarray] = []
+    for chunk, a, b in pieces:
+        rows: np.ndarray | slice
+        if isinstance(chunk, Carry):
+            rows = slice(a, b)
+        elif chunk.rows_are_global:
+            rows = chunk.indices[a:b]
+        else:
+            rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
+        spans.append(chunk.arrays[name][rows])
+    lengths = [s[:, 1] - s[:, 0] for s in spans]
+    offsets = np.zeros(sum(len(n) for n in lengths) + 1, np.int64)
+    if len(offsets) > 1:
+        np.cumsum(np.concatenate(lengths), out=offsets[1:])
+    total = int(offsets[-1])
+    first = pieces[0][0].arrays if pieces else None
+    outs = []
+    for key in keys:
+        heap = first[key] if first is not None else np.empty(0)
+        outs.append(np.empty((total, *heap.shape[1:]), heap.dtype))
+    at = 0
+    for (chunk, _, _), span, length in zip(pieces, spans, lengths, strict=True):
+        k = int(length.sum())
+        for key, out in zip(keys, outs, strict=True):
+            _copy_spans(chunk.arrays[key], span, length, out[at : at + k])
+        at += k
+    return offsets, outs
+
+
+def _copy_spans(heap: np.ndarray, span: np.ndarray, length: np.ndarray, dest: np.ndarray) -> None:
+    """Copy ``heap[start:stop]`` of each span, in order, into ``dest`` (exactly their sum)."""
+    if len(dest) == 0:
+        return
+    starts, stops = span[:, 0], span[:, 1]
+    # Runs of spans that continue each other: one slice each.
+    breaks = np.flatnonzero(starts[1:] != stops[:-1]) + 1
+    if len(dest) >= _SLICE_VALUES * (len(breaks) + 1):
+        run_starts = np.concatenate(([0], breaks))
+        run_stops = np.concatenate((breaks, [len(span)]))
+        at = 0
+        for i, j in zip(run_starts.tolist(), run_stops.tolist(), strict=True):
+            s0, s1 = int(starts[i]), int(stops[j - 1])
+            dest[at : at + s1 - s0] = heap[s0:s1]
+            at += s1 - s0
+        return
+    # Short rows: one take over the index of every value (the start of its row, plus its place).
+    ends = np.cumsum(length)
+    index = np.arange(len(dest), dtype=np.int64)
+    index += np.repeat(starts - (ends - length), length)
+    np.take(heap, index, axis=0, out=dest, mode="clip")

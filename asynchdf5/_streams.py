@@ -21,7 +21,7 @@ import numpy as np
 from ._batch import Batch
 from ._catalog import Catalog
 from ._config import MAX_EPOCH_BATCHES, MAX_SAMPLES, LayerConfig
-from ._errors import ConfigurationError, DataLayerError
+from ._errors import ConfigurationError, DataLayerError, SchemaError
 from ._mix import StreamRows
 from ._schemas import mismatch, split_schemas
 from ._sources import SourceLike
@@ -224,6 +224,25 @@ def stream_counts(specs: Sequence[StreamSpec], sizes: Sequence[int]) -> tuple[in
     return tuple(counts)
 
 
+def _same_kinds(names: Sequence[str], catalogs: Sequence[Catalog]) -> None:
+    """:class:`SchemaError` when a top is ragged (or sparse) in one stream and not in another:
+    their batches could not be one value."""
+    first: dict[str, tuple[str, str]] = {}
+    for name, cat in zip(names, catalogs, strict=True):
+        for top, info in cat.tops.items():
+            kind = "a dataset of fixed rows"
+            if info.ragged is not None:
+                kind = info.ragged.kind + (
+                    f" of {info.ragged.n_cols} columns" if info.ragged.sparse else ""
+                )
+            seen = first.setdefault(top, (name, kind))
+            if seen[1] != kind:
+                raise SchemaError(
+                    f"top {top!r} is {kind} in stream {name!r} but {seen[1]} in stream "
+                    f"{seen[0]!r}; a top must be stored alike in every stream"
+                )
+
+
 def combine(
     specs: Sequence[StreamSpec], catalogs: Sequence[Catalog], *, per_stream: bool = False
 ) -> tuple[Catalog, tuple[StreamRows, ...]]:
@@ -236,7 +255,13 @@ def combine(
     stream).
     """
     names = [s.name for s in specs]
+    _same_kinds(names, catalogs)
     split = split_schemas(names, catalogs) if per_stream else None
+    if split is not None and any(t.ragged for c in catalogs for t in c.tops.values()):
+        raise ConfigurationError(
+            'streams whose tops differ in dtype or sample shape (batch_mode="per_stream") '
+            "cannot have ragged or sparse tops yet; give the streams one schema"
+        )
     if split is None and (error := mismatch(names, catalogs)) is not None:
         raise error
     files = []

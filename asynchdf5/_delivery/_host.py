@@ -13,7 +13,8 @@ import numpy as np
 
 from .._batch import Batch
 from .._catalog import TopInfo
-from .._gather import gather_split
+from .._gather import gather_ragged, gather_split
+from .._ragged import Ragged, csr_batch
 from .._specs import GroupSpec, merge_pieces, split_pieces
 from .._stats import GatherStats
 from .._transform import apply_transformers
@@ -25,7 +26,21 @@ __all__ = [
     "HostDelivery",
     "aligned_empty",
     "line_offset",
+    "ragged_batch",
 ]
+
+
+def ragged_batch(top: TopInfo, offsets: np.ndarray, heaps: list[np.ndarray], a: int, b: int) -> Any:
+    """Rows ``a:b`` of a ragged top's gathered rows (:func:`~.._gather.gather_ragged`) as a
+    batch's value: a :class:`~asynchdf5.Ragged`, or a sparse top's ``scipy.sparse.csr_array``
+    (views of the gathered arrays, offsets from 0)."""
+    assert top.ragged is not None
+    o = offsets[a : b + 1]
+    lo, hi = int(o[0]), int(o[-1])
+    rebased = o - lo
+    if top.ragged.sparse:
+        return csr_batch(heaps[0][lo:hi], heaps[1][lo:hi], rebased, top.ragged.n_cols)
+    return Ragged._trusted(heaps[0][lo:hi], rebased)
 
 
 def _refcounts_are_reliable() -> bool:
@@ -140,6 +155,7 @@ class HostDelivery:
 
     def __init__(self, transformers: Sequence[tuple[str, Transformer]]) -> None:
         self.transformers = list(transformers)
+        self._ragged: dict[str, TopInfo] = {}
         self._buffers: BatchBuffers | None = None
         self._shape: tuple[int, int, dict[str, int]] | None = None
 
@@ -168,8 +184,11 @@ class HostDelivery:
         offsets: Mapping[str, int] | None = None,
     ) -> None:
         shape = (group_rows, depth, dict(offsets or {}))
+        # Ragged tops' batches are arrays of their own, made per group (gather_ragged).
+        self._ragged = {k: t for k, t in tops.items() if t.ragged is not None}
         if self._buffers is None or self._shape != shape:
-            self._buffers = BatchBuffers(tops, group_rows, depth, offsets)
+            fixed = {k: t for k, t in tops.items() if t.ragged is None}
+            self._buffers = BatchBuffers(fixed, group_rows, depth, offsets)
             self._shape = shape
 
     def make(
@@ -206,6 +225,11 @@ class HostDelivery:
                 dest = {i: arrays[i][at : at + n] for i in names.values()}
                 gather_split(head, dest, indices[at : at + n], helper)
                 at, first = at + n, first + count
+        ragged = {
+            name: (t, *gather_ragged(pieces, name, t.ragged.sparse))
+            for name, t in self._ragged.items()
+            if t.ragged is not None
+        }
         each = group.batch_tops()
         out: list[Batch] = []
         error: Exception | None = None
@@ -219,6 +243,8 @@ class HostDelivery:
                 if each is None
                 else {top: arrays[internal][at:end] for top, internal in each[i].items()}
             )
+            for name, (t, offsets, heaps) in ragged.items():
+                data[name] = ragged_batch(t, offsets, heaps, at, end)
             rows = indices[at:end]
             at = end
             if transformers:
