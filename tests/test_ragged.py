@@ -7,6 +7,7 @@ shape, rows of ``g``), so each check ties values, lengths and ``batch.indices`` 
 
 from __future__ import annotations
 
+import gc
 import itertools
 import warnings
 from collections.abc import Sequence
@@ -164,6 +165,8 @@ def test_exactly_once_with_empty_rows_and_zero_row_file(
             seen = epoch_of(layer)
             check_exactly_once([seen], 50)
             firsts.append(seen)
+        # Stats count the values read: at least every value once (an epoch of int64 + spans).
+        assert layer.stats.bytes_read >= 8 * int(sum(lengths_of(0, 50)))
     if shuffle:
         assert firsts[0] != firsts[1]  # a new order per epoch
 
@@ -495,3 +498,85 @@ def test_property_exactly_once_and_aligned(
     ) as layer:
         for _ in range(2):
             check_exactly_once([epoch_of(layer)], sum(sizes))
+
+
+# --- torch --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+# torch's own unpickling of a sparse tensor from a worker says its checks are off (not ours).
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
+def test_torch_padded_with_lengths_and_sparse_csr(tmp_path: Path, workers: int) -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from asynchdf5.torch import HDF5IterableDataset
+
+    files = write_files(tmp_path, [19, 6])
+    m = scipy.sparse.random(25, 5, density=0.4, format="csr", random_state=3, dtype=np.float32)
+    with h5py.File(files[0], "a") as f, h5py.File(files[1], "a") as g:
+        for h, part in ((f, m[:19]), (g, m[19:])):
+            x = h.create_group("X")
+            x["data"], x["indices"], x["indptr"] = part.data, part.indices, part.indptr
+            x.attrs["shape"] = part.shape
+            h["dense"] = part.toarray()
+
+    def check(b: dict[str, Any]) -> list[int]:
+        padded, lengths = b["tok"]
+        assert isinstance(padded, torch.Tensor) and padded.shape[0] == len(b["label"])
+        assert lengths.tolist() == b["len"].tolist()
+        for row, g, n in zip(padded, b["label"], lengths, strict=True):
+            assert (row[:n] == g).all() and (row[n:] == 0).all()
+        assert b["X"].layout == torch.sparse_csr
+        assert torch.equal(b["X"].to_dense(), b["dense"])
+        return list(b["label"].tolist())
+
+    with HDF5IterableDataset(
+        files, tops=("tok", "label", "len", "X", "dense"), batch_size=4, shuffle=True
+    ) as ds:
+        seen = [
+            i for b in list(DataLoader(ds, batch_size=None, num_workers=workers)) for i in check(b)
+        ]
+    check_exactly_once([seen], 25)
+    gc.collect()
+
+
+def test_torch_nested_jagged(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from asynchdf5.torch import HDF5IterableDataset
+
+    files = write_files(tmp_path, [14])
+    with HDF5IterableDataset(
+        files, tops=("tok", "label", "len"), batch_size=5, ragged="nested"
+    ) as ds:
+        for b in DataLoader(ds, batch_size=None):
+            t = b["tok"]
+            assert t.is_nested
+            for row, g, n in zip(t.unbind(), b["label"], b["len"], strict=True):
+                assert len(row) == n and (row == g).all()
+    with pytest.raises(ConfigurationError, match="ragged"):
+        HDF5IterableDataset(files, tops=("tok",), batch_size=5, ragged="jagged")
+
+
+def test_elastic_resume_on_another_world_size(tmp_path: Path) -> None:
+    files = write_files(tmp_path, [29, 18])
+    kw: dict[str, Any] = {
+        "tops": ("tok", "label", "len"),
+        "batch_size": 4,
+        "shuffle": True,
+        "seed": 5,
+        "chunk_size": 12,
+    }
+    with HDF5DataLayer(files, world_size=1, rank=0, **kw) as layer:
+        it = iter(layer)
+        head = [i for _ in range(3) for i in next(it).indices.tolist()]
+        state = layer.state_dict()
+    rest: list[int] = []
+    for rank in range(2):
+        resumed = HDF5DataLayer(files, world_size=2, rank=rank, **kw)
+        resumed.load_state_dict(state)
+        with resumed:
+            rest += epoch_of(resumed)
+    check_exactly_once([head, rest], 47)

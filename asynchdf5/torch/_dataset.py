@@ -21,7 +21,7 @@ from .._batch import Batch
 from .._errors import ConfigurationError, StateError
 from .._layer import LayerBase
 from .._resume import batches_before
-from ._epoch import INDICES, STREAMS, Epoch, Tensors, as_tensor
+from ._epoch import INDICES, STREAMS, Epoch, Tensors, as_torch, check_ragged_form
 from ._lightning import quiet_len_warning
 from ._shared import Ring
 
@@ -70,9 +70,16 @@ class LayerDataset(IterableDataset[Tensors]):
     """What both datasets share; subclasses say how to make their layer."""
 
     def __init__(
-        self, properties: Mapping[str, Any], *, indices: bool, num_workers: int | None
+        self,
+        properties: Mapping[str, Any],
+        *,
+        indices: bool,
+        num_workers: int | None,
+        ragged: str = "padded",
     ) -> None:
         super().__init__()
+        #: How a ragged top's batch reaches torch (:func:`~._epoch.as_torch`).
+        self.ragged = check_ragged_form(ragged)
         if num_workers is not None and (
             isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
         ):
@@ -258,7 +265,7 @@ class LayerDataset(IterableDataset[Tensors]):
             shared = self._ring.pack(batch, INDICES if self.indices else None)
             if shared is not None:
                 return cast(Tensors, shared)  # unpickled in the main process, it is Tensors
-        out = {name: as_tensor(array) for name, array in batch.items()}
+        out = {name: as_torch(array, self.ragged) for name, array in batch.items()}
         if self.indices:
             out[INDICES] = torch.from_numpy(batch.indices)
             if batch.streams is not None and STREAMS not in out:
