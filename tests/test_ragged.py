@@ -542,7 +542,7 @@ def test_torch_padded_with_lengths_and_sparse_csr(tmp_path: Path, workers: int) 
 
 
 def test_torch_nested_jagged(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
     from asynchdf5.torch import HDF5IterableDataset
