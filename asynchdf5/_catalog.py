@@ -167,8 +167,14 @@ class Catalog:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one sample over all tops."""
+        """Bytes of one sample over all tops (a ragged top's span, not its values)."""
         return sum(t.row_bytes for t in self.tops.values())
+
+    @property
+    def mean_row_bytes(self) -> int:
+        """Bytes of one sample over all tops, a ragged top's values on average: what the
+        order's heuristics (blocks, first read, lanes) size reads by."""
+        return max(1, round(sum(t.mean_row_bytes for t in self.tops.values())))
 
     def read_paths(self) -> dict[str, str]:
         """Read path of each top ("+"-joined when files differ)."""

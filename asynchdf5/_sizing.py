@@ -108,7 +108,12 @@ def shape_of(
     else:
         stored, request = stored_rows(catalog), request_bytes(catalog)
         order = order_of(
-            config, row_bytes, cache.chunk_rows, stored, request, stored_shuffled(catalog)
+            config,
+            catalog.mean_row_bytes,  # ragged tops: their values too
+            cache.chunk_rows,
+            stored,
+            request,
+            stored_shuffled(catalog),
         )
         block, first = order.block_rows, order.first_rows
         lanes, laned, top = order.ramp_lanes, order.chunk_lanes, order.ramp_top_lanes

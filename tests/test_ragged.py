@@ -580,3 +580,34 @@ def test_elastic_resume_on_another_world_size(tmp_path: Path) -> None:
         with resumed:
             rest += epoch_of(resumed)
     check_exactly_once([head, rest], 47)
+
+
+def test_shuffled_ragged_rows_mix_class_sorted_data(tmp_path: Path) -> None:
+    """The mixing promise (docs/shuffle.md) holds for ragged rows, whose order's blocks are
+    sized by their values' bytes: class-sorted rows, a cache of a third of the data."""
+    from .test_mixing import BATCH, CLASSES, PROMISE, against_permutation
+
+    n = 40_000
+    path = tmp_path / "sorted.h5"
+    lens = np.random.default_rng(0).integers(0, 100, n)
+    with h5py.File(path, "w") as f:
+        g = f.create_group("tok")
+        g["data"] = np.zeros(int(lens.sum()), np.int32)
+        indptr = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=indptr[1:])
+        g["indptr"] = indptr
+        f["label"] = np.arange(n) * CLASSES // n
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheBudgetWarning)  # the small cache is the case
+        layer = HDF5DataLayer(
+            path,
+            tops=("tok", "label"),
+            batch_size=BATCH,
+            shuffle=True,
+            seed=1,
+            cache_bytes=8_500_000,  # chunks of a third of the data (not resident)
+        )
+        with layer:
+            got = np.concatenate([np.asarray(b["label"]).copy() for b in layer])
+    assert np.array_equal(np.sort(got), np.arange(n) * CLASSES // n)
+    assert against_permutation(got, n) >= PROMISE
