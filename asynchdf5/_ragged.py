@@ -68,7 +68,7 @@ class Ragged:
         return r
 
     @classmethod
-    def from_rows(cls, rows: list[npt.ArrayLike], dtype: npt.DTypeLike = None) -> Ragged:
+    def from_rows(cls, rows: list[npt.ArrayLike], dtype: npt.DTypeLike | None = None) -> Ragged:
         """A Ragged holding ``rows`` (each an array of the same trailing shape), in order."""
         arrays = [np.asarray(r, dtype) for r in rows]
         offsets = np.zeros(len(arrays) + 1, np.int64)
@@ -114,7 +114,7 @@ class Ragged:
         return int(self.values.nbytes + self.offsets.nbytes)
 
     def to_padded(
-        self, pad: Any = 0, length: int | None = None, dtype: npt.DTypeLike = None
+        self, pad: Any = 0, length: int | None = None, dtype: npt.DTypeLike | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """The rows as one dense array ``(rows, length, *trailing)`` and their lengths.
 

@@ -156,7 +156,8 @@ def _numeric(where: str, top: str, what: str, dt: np.dtype[Any]) -> np.dtype[Any
             f"{where}: top {top!r}: {what} has dtype {dt}; only bool, integer, float and "
             "complex values are supported"
         )
-    return np.dtype(dt.newbyteorder("=").str)
+    native: np.dtype[Any] = np.dtype(dt.newbyteorder("=").str)
+    return native
 
 
 def _indptr(where: str, top: str, dset: Any, n_values: int) -> np.ndarray:

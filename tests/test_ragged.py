@@ -611,3 +611,37 @@ def test_shuffled_ragged_rows_mix_class_sorted_data(tmp_path: Path) -> None:
             got = np.concatenate([np.asarray(b["label"]).copy() for b in layer])
     assert np.array_equal(np.sort(got), np.arange(n) * CLASSES // n)
     assert against_permutation(got, n) >= PROMISE
+
+
+def test_a_top_stored_alike_in_every_file_and_stream(tmp_path: Path) -> None:
+    ragged = write_ragged(tmp_path / "r.h5", 0, 5)
+    fixed = tmp_path / "f.h5"
+    with h5py.File(fixed, "w") as f:
+        f["tok"] = np.zeros((4, 3), np.int64)
+        f["label"] = np.arange(4)
+    with pytest.raises(SchemaError) as err:
+        HDF5DataLayer([ragged, fixed], tops=("tok",), batch_size=1).__enter__()
+    check_message(err.value, "f.h5", "'tok'", "fixed rows", "ragged")
+    with pytest.raises(SchemaError) as err:
+        HDF5DataLayer(
+            {"a": Stream([ragged]), "b": Stream([fixed])}, tops=("tok",), batch_size=1
+        ).__enter__()
+    check_message(err.value, "'tok'", "stream 'b'", "ragged")
+
+
+def test_streams_of_different_schemas_refuse_ragged_tops(tmp_path: Path) -> None:
+    a = write_ragged(tmp_path / "a.h5", 0, 6)
+    b = tmp_path / "b.h5"
+    with h5py.File(b, "w") as f:  # 'label' of another dtype: another schema
+        g = f.create_group("tok")
+        g["data"], g["indptr"] = np.arange(3, dtype=np.int64), np.array([0, 1, 3])
+        f["label"] = np.arange(2, dtype=np.int32)
+    layer = HDF5DataLayer(
+        {"a": Stream([a]), "b": Stream([b])},
+        tops=("tok", "label"),
+        batch_size=2,
+        batch_mode="per_stream",
+    )
+    with pytest.raises(ConfigurationError) as err:
+        layer.__enter__()
+    check_message(err.value, "per_stream", "ragged")
