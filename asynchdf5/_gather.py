@@ -161,13 +161,10 @@ def _copy_spans(heap: np.ndarray, span: np.ndarray, length: np.ndarray, dest: np
     # Runs of spans that continue each other: one slice each.
     breaks = np.flatnonzero(starts[1:] != stops[:-1]) + 1
     if len(dest) >= _SLICE_VALUES * (len(breaks) + 1):
-        run_starts = np.concatenate(([0], breaks))
-        run_stops = np.concatenate((breaks, [len(span)]))
-        at = 0
-        for i, j in zip(run_starts.tolist(), run_stops.tolist(), strict=True):
-            s0, s1 = int(starts[i]), int(stops[j - 1])
-            dest[at : at + s1 - s0] = heap[s0:s1]
-            at += s1 - s0
+        first = starts[np.concatenate(([0], breaks))].tolist()
+        last = stops[np.concatenate((breaks - 1, [len(span) - 1]))].tolist()
+        # One C loop copies every run: the Python work is a view per run.
+        np.concatenate([heap[a:b] for a, b in zip(first, last, strict=True)], axis=0, out=dest)
         return
     # Short rows: one take over the index of every value (the start of its row, plus its place).
     ends = np.cumsum(length)

@@ -645,3 +645,22 @@ def test_streams_of_different_schemas_refuse_ragged_tops(tmp_path: Path) -> None
     with pytest.raises(ConfigurationError) as err:
         layer.__enter__()
     check_message(err.value, "per_stream", "ragged")
+
+
+@pytest.mark.parametrize("longest", [3, 500])  # one take over an index; a slice per run
+@pytest.mark.parametrize("trailing", [(), (2,)])
+def test_copy_spans_in_order(longest: int, trailing: tuple[int, ...]) -> None:
+    from asynchdf5._gather import _copy_spans
+
+    rng = np.random.default_rng(longest)
+    lens = rng.integers(0, longest + 1, 50)
+    ip = np.zeros(51, np.int64)
+    np.cumsum(lens, out=ip[1:])
+    heap = np.arange(int(ip[-1]) * max(1, int(np.prod(trailing)))).reshape(-1, *trailing)
+    rows = np.concatenate([rng.permutation(25), np.arange(25, 50)])  # shuffled, then a run
+    span = np.stack([ip[rows], ip[rows + 1]], axis=1)
+    length = span[:, 1] - span[:, 0]
+    dest = np.empty((int(length.sum()), *trailing), heap.dtype)
+    _copy_spans(heap, span, length, dest)
+    want = np.concatenate([heap[ip[r] : ip[r + 1]] for r in rows])
+    np.testing.assert_array_equal(dest, want)
