@@ -26,7 +26,14 @@ import numpy as np
 from ._catalog_cache import CatalogCache, Described
 from ._errors import DataLayerError, SchemaError, SourceError
 from ._layout import ChunkIndex, Extent, Layout, ReadPath, describe
-from ._ragged_tops import RaggedForm, RaggedInfo, RaggedParts, find_form, member_of_csr
+from ._ragged_tops import (
+    RaggedForm,
+    RaggedInfo,
+    RaggedParts,
+    find_form,
+    kind_words,
+    member_of_csr,
+)
 from ._sources import LocalSource, Source, StoredFile, name_entry
 
 __all__ = [
@@ -528,10 +535,10 @@ def _describe_file(
                 )
             specs[name] = TopInfo(name, np.dtype(native.str), shape, info)
             first_file[name] = file.name
-        elif _kind_of(spec) != (now := _form_kind(form)):
+        elif (was := _kind(spec.ragged)) != (now := _kind(form)):
             raise SchemaError(
                 f"{file.name}: top {name!r} is stored as {now}, but in {first_file[name]} as "
-                f"{_kind_of(spec)}; a top must be stored alike in every file"
+                f"{was}; a top must be stored alike in every file"
             )
         elif spec.sample_shape != shape or spec.dtype != native:
             raise SchemaError(
@@ -543,7 +550,9 @@ def _describe_file(
         if form is not None:
             parts = _ragged_parts(source, file, form, name, touched, needed)
             ragged[name] = parts
-            layout = parts.vlen or parts.data  # type: ignore[assignment]
+            held = parts.vlen if parts.vlen is not None else parts.data
+            assert held is not None
+            layout = held
         elif found is not None:
             layout = _layout_of(source, file, found, name, touched, needed)
             described[name] = (found.dset.dtype, full_shape, layout)
@@ -566,19 +575,9 @@ def _describe_file(
     return FileInfo(file, counts.pop(), start, layouts, shuffled, ragged)
 
 
-def _form_kind(form: RaggedForm | None) -> str:
-    """How a top is stored, in words: a dataset of fixed rows, ragged, or sparse (columns)."""
-    if form is None:
-        return "a dataset of fixed rows"
-    return form.kind + (f" of {form.n_cols} columns" if form.kind == "sparse" else "")
-
-
-def _kind_of(spec: TopInfo) -> str:
-    """:func:`_form_kind` of a catalogued top."""
-    r = spec.ragged
-    if r is None:
-        return "a dataset of fixed rows"
-    return r.kind + (f" of {r.n_cols} columns" if r.sparse else "")
+def _kind(of: RaggedForm | RaggedInfo | None) -> str:
+    """How a top found in a file (``RaggedForm``) or catalogued (``RaggedInfo``) is stored."""
+    return "a dataset of fixed rows" if of is None else kind_words(of.kind, of.n_cols)
 
 
 def _ragged_parts(

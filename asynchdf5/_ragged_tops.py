@@ -45,6 +45,7 @@ __all__ = [
     "find_form",
     "heap_keys",
     "is_heap",
+    "kind_words",
     "member_of_csr",
     "refuse_ragged",
 ]
@@ -63,6 +64,13 @@ Kind = Literal["ragged", "sparse"]
 def heap_keys(top: str, sparse: bool) -> tuple[str, ...]:
     """The internal names of ``top``'s heaps: its values, and a sparse top's column indices."""
     return (top + HEAP, top + INDICES) if sparse else (top + HEAP,)
+
+
+def kind_words(kind: str | None, n_cols: int = 0) -> str:
+    """How a top is stored, in words, for messages: ``kind`` None is a dataset of fixed rows."""
+    if kind is None:
+        return "a dataset of fixed rows"
+    return kind + (f" of {n_cols} columns" if kind == "sparse" else "")
 
 
 def is_heap(name: str) -> bool:

@@ -23,6 +23,7 @@ from ._catalog import Catalog
 from ._config import MAX_EPOCH_BATCHES, MAX_SAMPLES, LayerConfig
 from ._errors import ConfigurationError, DataLayerError, SchemaError
 from ._mix import StreamRows
+from ._ragged_tops import kind_words
 from ._schemas import mismatch, split_schemas
 from ._sources import SourceLike
 from ._stats import ConsumerStats
@@ -230,11 +231,8 @@ def _same_kinds(names: Sequence[str], catalogs: Sequence[Catalog]) -> None:
     first: dict[str, tuple[str, str]] = {}
     for name, cat in zip(names, catalogs, strict=True):
         for top, info in cat.tops.items():
-            kind = "a dataset of fixed rows"
-            if info.ragged is not None:
-                kind = info.ragged.kind + (
-                    f" of {info.ragged.n_cols} columns" if info.ragged.sparse else ""
-                )
+            r = info.ragged
+            kind = kind_words(None if r is None else r.kind, 0 if r is None else r.n_cols)
             seen = first.setdefault(top, (name, kind))
             if seen[1] != kind:
                 raise SchemaError(
