@@ -674,3 +674,19 @@ def test_device_refuses_ragged_tops_at_open(tmp_path: Path, fake_cupy: Any) -> N
     with pytest.raises(ConfigurationError) as err:
         layer.__enter__()
     check_message(err.value, "'tok'", "device=", "Pad")
+
+
+def test_a_transformer_may_keep_the_top_ragged_and_batches_print(tmp_path: Path) -> None:
+    files = write_files(tmp_path, [9])
+
+    def clip(r: Ragged) -> Ragged:
+        return Ragged(np.minimum(r.values, 3), r.offsets)
+
+    with HDF5DataLayer(
+        files, tops=("tok", "label", "len"), batch_size=4, transformers=[("tok", clip)]
+    ) as layer:
+        for b in layer:
+            assert "Ragged(" in repr(b)
+            np.testing.assert_array_equal(b["tok"].lengths, b["len"])
+            for i, g in enumerate(b.indices.tolist()):
+                assert (b["tok"][i] == min(g, 3)).all()
