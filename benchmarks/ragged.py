@@ -9,7 +9,8 @@ memory cgroup can be made (:mod:`benchmarks.cgroups`), again with the child in a
 
 - *raw read*: the values (and column indices) read front to back with ``read_direct`` in
   64 MiB slabs, and ``indptr``: the bytes every reader must move, at the rate nothing beats;
-- *asynchdf5*: shuffled epochs of ``Ragged`` (``csr_array``) batches, rows/s and bytes/s;
+- *asynchdf5*: shuffled epochs of ``Ragged`` (``csr_array``) batches, rows/s and bytes/s, and
+  unshuffled ones (the same order as the raw read);
 - *AnnLoader*: ``anndata.experimental.AnnLoader`` over the backed file, shuffled, where
   anndata installs (it is in the ``bench`` extra).
 
@@ -113,7 +114,7 @@ def _layer(job: dict[str, Any]) -> dict[str, Any]:
 
     tops = tuple(job["tops"])
     with HDF5DataLayer(
-        job["path"], tops=tops, batch_size=job["batch"], shuffle=True, seed=0
+        job["path"], tops=tops, batch_size=job["batch"], shuffle=job["shuffle"], seed=0
     ) as layer:
         times = []
         moved = rows = 0
@@ -154,7 +155,12 @@ def _annloader(job: dict[str, Any]) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - t0, "rows": rows, "bytes": 0}
 
 
-READERS = {"raw": _raw, "layer": _layer, "annloader": _annloader}
+READERS = {
+    "raw": _raw,
+    "layer": lambda job: _layer({**job, "shuffle": True}),
+    "layer-unshuffled": lambda job: _layer({**job, "shuffle": False}),
+    "annloader": _annloader,
+}
 
 
 def child(job_file: str) -> None:
@@ -216,7 +222,7 @@ def bench(rec: Recorder) -> None:
                 "batch": 64,
                 "rows": size["docs"],
             },
-            ["raw", "layer"],
+            ["raw", "layer", "layer-unshuffled"],
         ),
     ]
     if isinstance(cells, str):
@@ -233,7 +239,7 @@ def bench(rec: Recorder) -> None:
                     "batch": 256,
                     "rows": size["cells"],
                 },
-                ["raw", "layer", "annloader"],
+                ["raw", "layer", "layer-unshuffled", "annloader"],
             )
         )
     made = cgroups.make(f"asynchdf5-ragged-{os.getpid()}", LIMIT_MIB * 2**20)
@@ -271,6 +277,11 @@ def bench(rec: Recorder) -> None:
                         )
                 rec.ratio(
                     f"{what}: asynchdf5 ÷ raw read, {label}", rates.get("layer"), rates.get("raw")
+                )
+                rec.ratio(
+                    f"{what}: asynchdf5 unshuffled ÷ raw read, {label}",
+                    rates.get("layer-unshuffled"),
+                    rates.get("raw"),
                 )
                 rec.ratio(
                     f"{what}: asynchdf5 ÷ AnnLoader (backed), {label}",
