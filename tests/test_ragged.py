@@ -690,3 +690,19 @@ def test_a_transformer_may_keep_the_top_ragged_and_batches_print(tmp_path: Path)
             np.testing.assert_array_equal(b["tok"].lengths, b["len"])
             for i, g in enumerate(b.indices.tolist()):
                 assert (b["tok"][i] == min(g, 3)).all()
+
+
+def test_h5sparse_attributes_name_the_columns(tmp_path: Path) -> None:
+    """h5sparse writes ``h5sparse_format`` and ``h5sparse_shape`` instead of AnnData's attrs."""
+    m = scipy.sparse.random(12, 7, density=0.4, format="csr", random_state=4, dtype=np.float64)
+    path = tmp_path / "h5sparse.h5"
+    with h5py.File(path, "w") as f:
+        g = f.create_group("X")
+        g["data"], g["indices"], g["indptr"] = m.data, m.indices, m.indptr
+        g.attrs["h5sparse_format"] = "csr"
+        g.attrs["h5sparse_shape"] = m.shape
+        f["dense"] = m.toarray()
+    with HDF5DataLayer(path, tops=("X", "dense"), batch_size=5, shuffle=True) as layer:
+        for b in layer:
+            assert b["X"].shape == (len(b.indices), 7)
+            np.testing.assert_array_equal(b["X"].toarray(), b["dense"])
