@@ -125,7 +125,9 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """Type-check the package, the tests and this file with ``mypy --strict``."""
     session.install(TORCH, "torchdata")
-    install(session, "test", "codecs", "remote", "torch", "pack", "lightning", "keras", "jax", "sparse")
+    install(
+        session, "test", "codecs", "remote", "torch", "pack", "lightning", "keras", "jax", "sparse"
+    )
     session.install("mypy", "nox")
     session.run("mypy", *session.posargs)
 
