@@ -147,27 +147,34 @@ def gather_ragged(
     at = 0
     for (chunk, _, _), span, length in zip(pieces, spans, lengths, strict=True):
         k = int(length.sum())
-        for key, out in zip(keys, outs, strict=True):
-            _copy_spans(chunk.arrays[key], span, length, out[at : at + k])
+        heaps = [chunk.arrays[key] for key in keys]
+        _copy_spans(heaps, span, length, [out[at : at + k] for out in outs])
         at += k
     return offsets, outs
 
 
-def _copy_spans(heap: np.ndarray, span: np.ndarray, length: np.ndarray, dest: np.ndarray) -> None:
-    """Copy ``heap[start:stop]`` of each span, in order, into ``dest`` (exactly their sum)."""
-    if len(dest) == 0:
+def _copy_spans(
+    heaps: Sequence[np.ndarray], span: np.ndarray, length: np.ndarray, dests: Sequence[np.ndarray]
+) -> None:
+    """Copy ``heap[start:stop]`` of each span, in order, into each heap's ``dest`` (exactly
+    their sum): a sparse top's values and column indices share the spans, and the work that
+    depends on them alone."""
+    if len(dests[0]) == 0:
         return
     starts, stops = span[:, 0], span[:, 1]
     # Runs of spans that continue each other: one slice each.
     breaks = np.flatnonzero(starts[1:] != stops[:-1]) + 1
-    if len(dest) >= _SLICE_VALUES * (len(breaks) + 1):
+    if len(dests[0]) >= _SLICE_VALUES * (len(breaks) + 1):
         first = starts[np.concatenate(([0], breaks))].tolist()
         last = stops[np.concatenate((breaks - 1, [len(span) - 1]))].tolist()
-        # One C loop copies every run: the Python work is a view per run.
-        np.concatenate([heap[a:b] for a, b in zip(first, last, strict=True)], axis=0, out=dest)
+        runs = list(zip(first, last, strict=True))
+        for heap, dest in zip(heaps, dests, strict=True):
+            # One C loop copies every run: the Python work is a view per run.
+            np.concatenate([heap[a:b] for a, b in runs], axis=0, out=dest)
         return
     # Short rows: one take over the index of every value (the start of its row, plus its place).
     ends = np.cumsum(length)
-    index = np.arange(len(dest), dtype=np.int64)
+    index = np.arange(len(dests[0]), dtype=np.int64)
     index += np.repeat(starts - (ends - length), length)
-    np.take(heap, index, axis=0, out=dest, mode="clip")
+    for heap, dest in zip(heaps, dests, strict=True):
+        np.take(heap, index, axis=0, out=dest, mode="clip")

@@ -661,7 +661,7 @@ def test_copy_spans_in_order(longest: int, trailing: tuple[int, ...]) -> None:
     span = np.stack([ip[rows], ip[rows + 1]], axis=1)
     length = span[:, 1] - span[:, 0]
     dest = np.empty((int(length.sum()), *trailing), heap.dtype)
-    _copy_spans(heap, span, length, dest)
+    _copy_spans([heap], span, length, [dest])
     want = np.concatenate([heap[ip[r] : ip[r + 1]] for r in rows])
     np.testing.assert_array_equal(dest, want)
 
