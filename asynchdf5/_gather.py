@@ -9,8 +9,9 @@ bounds that ``clip`` would hide are checked once per chunk when it is loaded
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, wait
+from typing import Any
 
 import numpy as np
 
@@ -117,12 +118,17 @@ _SLICE_VALUES = 64
 
 
 def gather_ragged(
-    pieces: Sequence[Piece], name: str, sparse: bool
+    pieces: Sequence[Piece],
+    name: str,
+    sparse: bool,
+    empty: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] | None = None,
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """The rows of ragged top ``name`` in ``pieces``, in order: their offsets (int64, rows + 1,
     from 0) and their values (with a sparse top's column indices: ``[values, indices]``), each
-    one new array the batch owns. Rows that follow each other in a heap (an unshuffled chunk's)
-    are copied as one slice."""
+    an array of the batch's own: new, or from ``empty(shape, dtype)`` (a pool of reused
+    buffers). Rows that follow each other in a heap (an unshuffled chunk's) are copied as one
+    slice."""
+    make = empty if empty is not None else np.empty
     keys = heap_keys(name, sparse)
     spans: list[np.ndarray] = []
     for chunk, a, b in pieces:
@@ -143,7 +149,7 @@ def gather_ragged(
     outs = []
     for key in keys:
         heap = first[key] if first is not None else np.empty(0)
-        outs.append(np.empty((total, *heap.shape[1:]), heap.dtype))
+        outs.append(make((total, *heap.shape[1:]), heap.dtype))
     at = 0
     for (chunk, _, _), span, length in zip(pieces, spans, lengths, strict=True):
         k = int(length.sum())

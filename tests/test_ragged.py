@@ -706,3 +706,28 @@ def test_h5sparse_attributes_name_the_columns(tmp_path: Path) -> None:
         for b in layer:
             assert b["X"].shape == (len(b.indices), 7)
             np.testing.assert_array_equal(b["X"].toarray(), b["dense"])
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_kept_batches_stay_intact_while_buffers_are_reused(tmp_path: Path, sparse: bool) -> None:
+    """The values' buffers are reused once nothing refers to them: batches (and rows) kept
+    across an epoch, and two epochs, hold what they held when they were handed over."""
+    files = write_files(tmp_path, [60, 25])
+    if sparse:
+        for f in files:
+            with h5py.File(f, "a") as h:
+                n = len(h["label"])
+                m = scipy.sparse.csr_array(np.arange(n * 4, dtype=np.float32).reshape(n, 4) % 3)
+                g = h.create_group("X")
+                g["data"], g["indices"], g["indptr"] = m.data, m.indices, m.indptr
+                g.attrs["shape"] = m.shape
+                h["dense"] = m.toarray()
+    tops = ("tok", "label", "len", *(("X", "dense") if sparse else ()))
+    with HDF5DataLayer(files, tops=tops, batch_size=3, shuffle=True, chunk_size=10) as layer:
+        kept = [b for _ in range(2) for b in layer]
+        rows = [b["tok"][0] for b in kept]
+    for b, row in zip(kept, rows, strict=True):
+        check_rows(b)
+        assert (row == b.indices[0]).all()
+        if sparse:
+            np.testing.assert_array_equal(b["X"].toarray(), b["dense"])
