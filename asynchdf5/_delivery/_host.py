@@ -266,9 +266,9 @@ class HostDelivery:
                 dest = {i: arrays[i][at : at + n] for i in names.values()}
                 gather_split(head, dest, indices[at : at + n], helper)
                 at, first = at + n, first + count
-        heaps = self._heaps.empty if self._heaps is not None else None
+        empty = self._heaps.empty if self._heaps is not None else None
         ragged = {
-            name: (t, *gather_ragged(pieces, name, t.ragged.sparse, heaps))
+            name: (t, *gather_ragged(pieces, name, t.ragged.sparse, empty))
             for name, t in self._ragged.items()
             if t.ragged is not None
         }
