@@ -221,7 +221,7 @@ class HostDelivery:
         offsets: Mapping[str, int] | None = None,
     ) -> None:
         shape = (group_rows, depth, dict(offsets or {}))
-        # Ragged tops' batches are arrays of their own, made per group (gather_ragged).
+        # Ragged tops' batch values are gathered per group into buffers of a pool (HeapBuffers).
         self._ragged = {k: t for k, t in tops.items() if t.ragged is not None}
         if self._ragged and (self._heaps is None or self._shape != shape):
             self._heaps = HeapBuffers(
