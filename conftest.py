@@ -54,6 +54,7 @@ def _setup(namespace: dict[str, Any]) -> None:
         no_lightning=not _installed("lightning", "torchdata"),
         no_keras=not _installed("keras", "jax"),  # the page runs Keras on JAX
         no_jax=not _installed("jax"),
+        no_anndata=not _installed("anndata", "scipy"),
     )
 
 

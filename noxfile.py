@@ -57,7 +57,7 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH, "torchdata")
     # The clients (Lightning, Keras 3, JAX on CPU): their tests run in seconds and skip
     # without them; installing them adds about half a minute with a warm pip cache.
-    extras = ("test", "codecs", "remote", "torch", "pack", "lightning", "keras", "jax")
+    extras = ("test", "codecs", "remote", "torch", "pack", "lightning", "keras", "jax", "sparse")
     if sys.platform != "linux":
         install(session, *extras)
     else:
@@ -75,7 +75,7 @@ def bench_check(session: nox.Session) -> None:
     (the ``quick_benchmarks`` tests of ``tests/test_benchmarks.py``; their figures mean nothing
     at these sizes). CI runs it after ``tests``, which leaves it out to stay short."""
     session.install(TORCH, "torchdata")
-    install(session, "test", "bench", "codecs", "remote", "torch")
+    install(session, "test", "bench", "codecs", "remote", "torch", "sparse")
     session.run(
         "pytest",
         "tests/test_benchmarks.py",
@@ -125,7 +125,9 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """Type-check the package, the tests and this file with ``mypy --strict``."""
     session.install(TORCH, "torchdata")
-    install(session, "test", "codecs", "remote", "torch", "pack", "lightning", "keras", "jax")
+    install(
+        session, "test", "codecs", "remote", "torch", "pack", "lightning", "keras", "jax", "sparse"
+    )
     session.install("mypy", "nox")
     session.run("mypy", *session.posargs)
 
@@ -150,7 +152,7 @@ def bench(session: nox.Session) -> None:
     """Run every benchmark (``python -m benchmarks run all``), one JSON file each under
     ``bench-results/``, and print their markdown; ``nox -s bench -- --quick`` runs toy sizes,
     other arguments go to ``run`` too (``nox -s bench -- --out DIR``)."""
-    install(session, "bench", "codecs", "remote")
+    install(session, "bench", "codecs", "remote", "sparse")
     session.install(TORCH)
     session.run("python", "-m", "benchmarks", "run", "all", *session.posargs)
 

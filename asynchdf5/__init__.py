@@ -22,6 +22,7 @@ from ._errors import (
 from ._hdf5 import AsyncHDF5DataLayer, HDF5DataLayer
 from ._iterator import EpochIterator
 from ._memory import MemoryDataLayer
+from ._ragged import Ragged
 from ._stats import LayerStats
 from ._streams import Stream
 from ._windows import Windows
@@ -37,6 +38,7 @@ __all__ = [
     "HDF5DataLayer",
     "LayerStats",
     "MemoryDataLayer",
+    "Ragged",
     "ReadError",
     "SchemaError",
     "SourceError",

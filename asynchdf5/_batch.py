@@ -55,6 +55,8 @@ class Batch(Mapping[str, Any]):
     def __repr__(self) -> str:
         tops = ", ".join(
             f"{k!r}: {type(v).__module__.split('.')[0]}{tuple(v.shape)} {v.dtype}"
+            if hasattr(v, "shape")
+            else f"{k!r}: {v!r}"  # a ragged top's value
             for k, v in self._data.items()
         )
         return f"Batch(epoch={self.epoch}, rows={self.size}, {{{tops}}})"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mmap
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +18,7 @@ from ._errors import ConfigurationError
 from ._machine import memory_bytes, memory_room
 from ._pages import free_arrays
 from ._plan import shard_share
+from ._ragged_tops import heap_keys
 
 __all__ = [
     "N_SLOTS",
@@ -27,6 +28,7 @@ __all__ = [
     "allocate_slots",
     "default_cache_bytes",
     "free_slots",
+    "heap_bytes",
     "size_cache",
     "slot_rows",
 ]
@@ -109,15 +111,42 @@ def _anonymous(nbytes: int) -> np.ndarray:
 
 
 def allocate_slots(tops: Mapping[str, TopInfo], rows: int, count: int = N_SLOTS) -> list[Slot]:
-    """Allocate the cache slots once; they are reused for every chunk of every epoch."""
+    """Allocate the cache slots once; they are reused for every chunk of every epoch.
+
+    A ragged top has its spans (``(rows, 2)`` int64) under its name and its heaps under
+    :func:`~._ragged_tops.heap_keys`, each sized for the ``rows`` longest rows of the data
+    (:meth:`~._ragged_tops.RaggedInfo.heap_rows`): no chunk of ``rows`` rows overflows them.
+    """
     slots = []
     for i in range(count):
         arrays = {}
         for t in tops.values():
-            raw = _anonymous(rows * t.row_bytes)
-            arrays[t.name] = raw.view(t.dtype).reshape(rows, *t.sample_shape)
+            if t.ragged is None:
+                raw = _anonymous(rows * t.row_bytes)
+                arrays[t.name] = raw.view(t.dtype).reshape(rows, *t.sample_shape)
+                continue
+            arrays[t.name] = _anonymous(rows * 16).view(np.int64).reshape(rows, 2)
+            values = t.ragged.heap_rows(rows)
+            kinds = [(t.dtype, t.sample_shape)]
+            if t.ragged.index_dtype is not None:
+                kinds.append((t.ragged.index_dtype, ()))
+            for key, (dtype, shape) in zip(heap_keys(t.name, t.ragged.sparse), kinds, strict=True):
+                n = values * dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+                arrays[key] = _anonymous(n).view(dtype).reshape(values, *shape)
         slots.append(Slot(i, arrays))
     return slots
+
+
+def heap_bytes(tops: Mapping[str, TopInfo]) -> Callable[[int], int] | None:
+    """Bytes of the ragged tops' heaps in a slot of ``rows`` rows (None: no ragged top)."""
+    ragged = [t for t in tops.values() if t.ragged is not None]
+    if not ragged:
+        return None
+
+    def of(rows: int) -> int:
+        return sum(t.ragged.heap_rows(rows) * t.value_bytes for t in ragged if t.ragged)
+
+    return of
 
 
 def free_slots(slots: Iterable[Slot]) -> None:
@@ -146,13 +175,27 @@ def size_cache(
     chunk_size: int,
     cache_bytes: int | None,
     rows: int | None = None,
+    heaps: Callable[[int], int] | None = None,
 ) -> CachePlan:
     """Size the cache for ``n`` samples of ``row_bytes`` (the same answer on every rank).
 
     Raises :class:`ConfigurationError` when the budget cannot hold a batch in each slot; warns
     (:class:`CacheBudgetWarning`) when the chunks must shrink to fit it. ``rows``: chunks of
-    exactly that many rows (a resumed run's), or a :class:`ConfigurationError`.
+    exactly that many rows (a resumed run's), or a :class:`ConfigurationError`. ``heaps``: the
+    bytes a slot of so many rows needs besides (ragged tops' values, :func:`heap_bytes`): the
+    chunks are sized in bytes, so that no slot's heap can overflow whichever rows it holds.
     """
+    if heaps is not None:
+        return _size_ragged(
+            n,
+            row_bytes,
+            heaps,
+            batch_size=batch_size,
+            world_size=world_size,
+            chunk_size=chunk_size,
+            cache_bytes=cache_bytes,
+            rows=rows,
+        )
     share = shard_share(n, batch_size, 0, world_size)[1]  # rank 0's: the same on every rank
     budget = cache_bytes if cache_bytes is not None else default_cache_bytes(held=world_size == 1)
     batch_rows = min(batch_size, max(1, share))
@@ -176,4 +219,65 @@ def size_cache(
     # The whole data set is one chunk and fits the budget: keep it, read each sample once.
     resident = n <= chunk_size and n * row_bytes <= budget
     shrunk = chunk_rows < min(chunk_size, max(1, share))
+    return CachePlan(chunk_rows, resident, budget, shrunk)
+
+
+def _size_ragged(
+    n: int,
+    row_bytes: int,
+    heaps: Callable[[int], int],
+    *,
+    batch_size: int,
+    world_size: int,
+    chunk_size: int,
+    cache_bytes: int | None,
+    rows: int | None,
+) -> CachePlan:
+    """:func:`size_cache` with ragged tops: a slot of ``r`` rows takes
+    ``r * row_bytes + heaps(r)`` bytes (``heaps`` grows with ``r``: the largest rows first)."""
+    share = shard_share(n, batch_size, 0, world_size)[1]
+    budget = cache_bytes if cache_bytes is not None else default_cache_bytes(held=world_size == 1)
+
+    def slot(r: int) -> int:
+        return r * row_bytes + heaps(r)
+
+    batch_rows = min(batch_size, max(1, share))
+    need = N_SLOTS * slot(batch_rows)
+    if need > budget:
+        what = f"cache_bytes={budget}" if cache_bytes is not None else _default_words(budget)
+        raise ConfigurationError(
+            f"{what} cannot hold what the pipeline needs: {N_SLOTS} cache slots of a batch "
+            f"each, and a batch of the {batch_rows} longest rows of the ragged tops takes "
+            f"{slot(batch_rows)} bytes ({need} bytes in all); raise cache_bytes (where the "
+            "memory allows it) or lower batch_size"
+        )
+    want = min(chunk_size, max(1, share))
+    if rows is not None:
+        if N_SLOTS * slot(rows) > budget:
+            raise ConfigurationError(
+                f"the saved run cached chunks of {rows} samples, whose longest rows take "
+                f"{slot(rows)} bytes; cache_bytes={budget} cannot hold {N_SLOTS} of them: "
+                "raise cache_bytes"
+            )
+        chunk_rows = rows
+    elif N_SLOTS * slot(want) <= budget:
+        chunk_rows = want
+    else:  # the most rows whose slots fit (slot() grows with r): a binary search
+        lo, hi = batch_rows, want
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if N_SLOTS * slot(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        chunk_rows = lo
+        warnings.warn(
+            f"chunk_size={chunk_size} samples with rows of varying length would take up to "
+            f"{N_SLOTS * slot(want) / 2**30:.2f} GiB in {N_SLOTS} cache slots, more than "
+            f"cache_bytes={budget / 2**30:.2f} GiB: using chunks of {chunk_rows} samples",
+            CacheBudgetWarning,
+            stacklevel=3,
+        )
+    resident = n <= chunk_size and slot(n) <= budget
+    shrunk = chunk_rows < want
     return CachePlan(chunk_rows, resident, budget, shrunk)

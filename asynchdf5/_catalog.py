@@ -26,6 +26,14 @@ import numpy as np
 from ._catalog_cache import CatalogCache, Described
 from ._errors import DataLayerError, SchemaError, SourceError
 from ._layout import ChunkIndex, Extent, Layout, ReadPath, describe
+from ._ragged_tops import (
+    RaggedForm,
+    RaggedInfo,
+    RaggedParts,
+    find_form,
+    kind_words,
+    member_of_csr,
+)
 from ._sources import LocalSource, Source, StoredFile, name_entry
 from ._windows import Windows, count_windows
 
@@ -68,17 +76,40 @@ class TopInfo:
 
     ``windows``: the top is cut from a 1-D dataset as :class:`~asynchdf5.Windows` ``(length,
     stride)`` (its rows are windows; the layouts say where the dataset's elements are).
+
+    A ragged or sparse top (``ragged`` set, :mod:`._ragged_tops`): ``dtype`` and
+    ``sample_shape`` are its values' (the trailing shape of a row), and ``row_bytes`` is what
+    a slot keeps per row besides its values: the row's span (two int64).
     """
 
     name: str
     dtype: np.dtype[Any]
     sample_shape: tuple[int, ...]
     windows: tuple[int, int] | None = None
+    ragged: RaggedInfo | None = field(default=None, compare=False)
     #: Bytes of one sample (computed once: the chunk reader asks for it per byte range).
     row_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.ragged is not None:
+            object.__setattr__(self, "row_bytes", 16)
+            return
         object.__setattr__(self, "row_bytes", self.dtype.itemsize * math.prod(self.sample_shape))
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one value of a ragged top (with a sparse top's column index)."""
+        b = self.dtype.itemsize * math.prod(self.sample_shape)
+        if self.ragged is not None and self.ragged.index_dtype is not None:
+            b += self.ragged.index_dtype.itemsize
+        return b
+
+    @property
+    def mean_row_bytes(self) -> float:
+        """Bytes a batch holds per row, on average: a ragged top's values count."""
+        if self.ragged is None:
+            return float(self.row_bytes)
+        return self.ragged.mean_values * self.value_bytes + 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,6 +124,8 @@ class FileInfo:
     shuffled: bool = False
     #: The category names of its tops that are categorical groups (:func:`categorical`).
     categories: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    #: Its ragged and sparse tops: their ``indptr`` and where their values are.
+    ragged: dict[str, RaggedParts] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -125,18 +158,58 @@ class Catalog:
         # Files with rows only: 0-row files contribute nothing to the global index.
         self._nonempty = [f for f in self.files if f.nrows > 0]
         self._starts = [f.start for f in self._nonempty]
+        self._bases: dict[tuple[int, str], int] = {}
+        self._bound_ragged()
+
+    def _bound_ragged(self) -> None:
+        """Each ragged top's heap bound over every file (:attr:`RaggedInfo.largest`), and where
+        each file's values start among all of them (:meth:`values_base`)."""
+        for name, t in list(self.tops.items()):
+            if t.ragged is None:
+                continue
+            lengths = [f.ragged[name].lengths for f in self.files if name in f.ragged]
+            every = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+            largest = np.zeros(len(every) + 1, np.int64)
+            np.cumsum(np.sort(every)[::-1], out=largest[1:])
+            info = dataclasses.replace(t.ragged, largest=largest)
+            self.tops[name] = dataclasses.replace(t, ragged=info)
+            base = 0
+            for f in self.files:
+                parts = f.ragged.get(name)
+                if parts is not None:
+                    self._bases[(id(f), name)] = base
+                    base += int(parts.indptr[-1])
+
+    def values_base(self, file: FileInfo, top: str) -> int:
+        """Where ragged top ``top``'s values of ``file`` start among the values of every file
+        (a resident heap holds them all in that order)."""
+        return self._bases[(id(file), top)]
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one sample over all tops."""
+        """Bytes of one sample over all tops (a ragged top's span, not its values)."""
         return sum(t.row_bytes for t in self.tops.values())
+
+    @property
+    def mean_row_bytes(self) -> int:
+        """Bytes of one sample over all tops, a ragged top's values on average: what the
+        order's heuristics (blocks, first read, lanes) size reads by."""
+        return max(1, round(sum(t.mean_row_bytes for t in self.tops.values())))
 
     def read_paths(self) -> dict[str, str]:
         """Read path of each top ("+"-joined when files differ)."""
         paths: dict[str, set[str]] = {t: set() for t in self.tops}
         for f in self._nonempty:
             for top, layout in f.layouts.items():
-                paths[top].add(layout.path)
+                parts = f.ragged.get(top)
+                if parts is None:
+                    paths[top].add(layout.path)
+                elif parts.vlen is not None:
+                    paths[top].add("vlen-h5py")
+                else:
+                    inner = {p.path for p in (parts.data, parts.indices) if p is not None}
+                    kind = "sparse" if parts.indices is not None else "ragged"
+                    paths[top].add(f"{kind}-{'+'.join(sorted(inner))}")
         return {t: "+".join(sorted(p)) or "none" for t, p in paths.items()}
 
     def read_notes(self) -> dict[str, str]:
@@ -536,9 +609,11 @@ def _describe_file(
     categories: dict[str, tuple[Any, ...]] = {}  # of the tops that are categorical groups
     layouts: dict[str, Layout] = {}
     h5: h5py.File | None = None
+    ragged: dict[str, RaggedParts] = {}
     for top in tops:
         name = str(top)  # a plain name (a Windows top is one, saying how to cut it besides)
         found: FoundTop | None = None
+        form: RaggedForm | None = None
         if cached is not None:
             stored_dtype, full_shape, layout = cached.tops[name]
             native = np.dtype(stored_dtype.newbyteorder("=").str)
@@ -554,12 +629,25 @@ def _describe_file(
                 found = find_top(file.name, h5, coded[0])
                 categories[name] = coded[1]
             else:
-                found = find_top(file.name, h5, name)
-            native, shape = found.dtype, found.sample_shape
-            full_shape = tuple(int(n) for n in found.dset.shape)
+                form = find_form(file.name, h5, name)
+                if form is None:
+                    member_of_csr(file.name, h5, name)
+                    found = find_top(file.name, h5, name)
+            if form is None:
+                assert found is not None
+                native, shape = found.dtype, found.sample_shape
+                full_shape = tuple(int(n) for n in found.dset.shape)
+            else:
+                native, shape = form.dtype, form.sample_shape
+                full_shape = (form.nrows, *shape)
         windows = None
         nrows = full_shape[0]
         if isinstance(top, Windows):
+            if form is not None:
+                raise SchemaError(
+                    f"{file.name}: top {top!r} cuts windows from a 1-D dataset, but {name!r} "
+                    f"is stored as {_kind(form)}"
+                )
             windows = (top.length, top.stride)
             if len(full_shape) != 1:
                 raise SchemaError(
@@ -570,8 +658,22 @@ def _describe_file(
             elements[name] = full_shape[0]
         spec = specs.get(name)
         if spec is None:
-            specs[name] = TopInfo(name, np.dtype(native.str), shape, windows)
+            info = None
+            if form is not None:
+                index = None if form.indices is None else form.indices.dtype.newbyteorder("=")
+                info = RaggedInfo(
+                    form.kind,
+                    form.n_cols,
+                    None if index is None else np.dtype(index.str),
+                    vlen=form.vlen is not None,
+                )
+            specs[name] = TopInfo(name, np.dtype(native.str), shape, windows, info)
             first_file[name] = file.name
+        elif (was := _kind(spec.ragged)) != (now := _kind(form)):
+            raise SchemaError(
+                f"{file.name}: top {name!r} is stored as {now}, but in {first_file[name]} as "
+                f"{was}; a top must be stored alike in every file"
+            )
         elif spec.sample_shape != shape or spec.dtype != native:
             raise SchemaError(
                 f"{file.name}: top {name!r} has samples of shape {shape} and dtype {native}, "
@@ -579,7 +681,13 @@ def _describe_file(
                 f"{spec.dtype}; a top must have the same sample shape and dtype in every file"
             )
         rows[name] = nrows
-        if found is not None:
+        if form is not None:
+            parts = _ragged_parts(source, file, form, name, touched, needed)
+            ragged[name] = parts
+            held = parts.vlen if parts.vlen is not None else parts.data
+            assert held is not None
+            layout = held
+        elif found is not None:
             layout = _layout_of(source, file, found, name, touched, needed)
             if name not in categories:  # (the kept catalog does not hold category names)
                 described[name] = (found.dset.dtype, full_shape, layout)
@@ -607,9 +715,50 @@ def _describe_file(
         assert h5 is not None
         said = h5.attrs.get(SHUFFLED_ATTR)
         shuffled = isinstance(said, (bool, np.bool_)) and bool(said)
-        if kept is not None and described:
+        if kept is not None and described and not ragged:  # ragged tops: described anew
             kept.record(file, described, shuffled)
-    return FileInfo(file, counts.pop(), start, layouts, shuffled, categories)
+    return FileInfo(file, counts.pop(), start, layouts, shuffled, categories, ragged)
+
+
+def _kind(of: RaggedForm | RaggedInfo | None) -> str:
+    """How a top found in a file (``RaggedForm``) or catalogued (``RaggedInfo``) is stored."""
+    return "a dataset of fixed rows" if of is None else kind_words(of.kind, of.n_cols)
+
+
+def _ragged_parts(
+    source: Source,
+    file: StoredFile,
+    form: RaggedForm,
+    name: str,
+    touched: dict[int, StoredFile],
+    needed: set[int],
+) -> RaggedParts:
+    """Where a ragged top's values are in ``file``: the layouts of its ``data`` (and
+    ``indices``), each read as a dataset's rows are; a variable-length dataset through h5py."""
+    if form.vlen is not None:
+        holder, dset = physical(source, file, form.vlen)
+        touched[id(holder)] = holder
+        needed.add(id(holder))
+        vlen = Layout(
+            "h5py",
+            "variable-length (h5py heap)",
+            dataset_name=dset.name,
+            file=holder,
+            note="variable-length rows: HDF5 keeps their values in a heap that h5py reads",
+        )
+        return RaggedParts(form.indptr, vlen=vlen)
+
+    def layout_of(dset: h5py.Dataset) -> Layout:
+        dtype = np.dtype(dset.dtype.newbyteorder("=").str)
+        found = FoundTop(dset, "", dtype, tuple(int(s) for s in dset.shape[1:]))
+        return _layout_of(
+            source, file, found, f"{name}/{posixpath.basename(dset.name)}", touched, needed
+        )
+
+    assert form.data is not None
+    data = layout_of(form.data)
+    indices = None if form.indices is None else layout_of(form.indices)
+    return RaggedParts(form.indptr, data=data, indices=indices)
 
 
 def _layout_of(

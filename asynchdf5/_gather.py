@@ -18,19 +18,21 @@ a carry into the arrays the delivery hands over, with their global indices.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, wait
 from typing import Any
 
 import numpy as np
 
 from ._errors import ReadError
+from ._ragged_tops import heap_keys, is_heap
 from ._specs import BatchSpec, Carry, LoadedChunk, Piece, split_pieces
 
 __all__ = [
     "PARALLEL_BYTES",
     "carry",
     "check_rows",
+    "gather_ragged",
     "gather_rows",
     "gather_split",
     "rows_words",
@@ -121,6 +123,8 @@ def check_rows(rows: np.ndarray, arrays: Mapping[str, np.ndarray]) -> None:
     if len(rows):
         lo, hi = int(rows.min()), int(rows.max())
         for name, a in arrays.items():
+            if is_heap(name):  # a ragged top's values: its spans (rows) are checked
+                continue
             if lo < 0 or hi >= len(a):
                 raise IndexError(f"rows {lo}..{hi} of {len(a)} (top {name!r})")
 
@@ -160,7 +164,11 @@ def rows_words(indices: np.ndarray) -> str:
 # --- the carry --------------------------------------------------------------------------------
 
 
-def carry(spec: BatchSpec, tops: Mapping[str, tuple[tuple[int, ...], np.dtype[Any]]]) -> Carry:
+def carry(
+    spec: BatchSpec,
+    tops: Mapping[str, tuple[tuple[int, ...], np.dtype[Any]]],
+    ragged: Mapping[str, bool] | None = None,
+) -> Carry:
     """Copy the rows cut so far into an incomplete batch out of the chunks they are in.
 
     The batcher calls this when it has cut every row of a chunk and the batch it is building
@@ -172,9 +180,93 @@ def carry(spec: BatchSpec, tops: Mapping[str, tuple[tuple[int, ...], np.dtype[An
     after the gather that completes the batch: a later check can miss a change this one sees (a
     file rewritten in place, its modification time set back, then linked or unlinked: the two
     moves of its change time look like one link change).
+
+    ``ragged``: the ragged tops (name -> whether sparse), carried as a chunk holds them: their
+    rows' spans under the top's name, over heaps of their own (:func:`gather_ragged`).
     """
     arrays = {name: np.empty((spec.rows, *shape), dtype) for name, (shape, dtype) in tops.items()}
     indices = np.empty(spec.rows, np.int64)
     gather_rows(spec.pieces, arrays, indices)
+    for name, sparse in (ragged or {}).items():
+        offsets, heaps = gather_ragged(spec.pieces, name, sparse)
+        arrays[name] = np.stack([offsets[:-1], offsets[1:]], axis=1)
+        arrays.update(zip(heap_keys(name, sparse), heaps, strict=True))
     verify(spec.pieces)  # rows of a mapped file: unchanged when they were copied
     return Carry(arrays, indices)
+
+
+# --- ragged tops ------------------------------------------------------------------------------
+
+
+#: Rows shorter than this on average are copied with one ``np.take`` over an index of their
+#: values; longer ones a slice each (a Python step per row costs what ~64 values do).
+_SLICE_VALUES = 64
+
+
+def gather_ragged(
+    pieces: Sequence[Piece],
+    name: str,
+    sparse: bool,
+    empty: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] | None = None,
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The rows of ragged top ``name`` in ``pieces``, in order: their offsets (int64, rows + 1,
+    from 0) and their values (with a sparse top's column indices: ``[values, indices]``), each
+    an array of the batch's own: new, or from ``empty(shape, dtype)`` (a pool of reused
+    buffers). Rows that follow each other in a heap (an unshuffled chunk's) are copied as one
+    slice."""
+    make = empty if empty is not None else np.empty
+    keys = heap_keys(name, sparse)
+    spans: list[np.ndarray] = []
+    for chunk, a, b in pieces:
+        rows: np.ndarray | slice
+        if isinstance(chunk, Carry):
+            rows = slice(a, b)
+        elif chunk.rows_are_global:
+            rows = chunk.indices[a:b]
+        else:
+            rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
+        spans.append(chunk.arrays[name][rows])
+    lengths = [s[:, 1] - s[:, 0] for s in spans]
+    offsets = np.zeros(sum(len(n) for n in lengths) + 1, np.int64)
+    if len(offsets) > 1:
+        np.cumsum(np.concatenate(lengths), out=offsets[1:])
+    total = int(offsets[-1])
+    first = pieces[0][0].arrays if pieces else None
+    outs = []
+    for key in keys:
+        heap = first[key] if first is not None else np.empty(0)
+        outs.append(make((total, *heap.shape[1:]), heap.dtype))
+    at = 0
+    for (chunk, _, _), span, length in zip(pieces, spans, lengths, strict=True):
+        k = int(length.sum())
+        heaps = [chunk.arrays[key] for key in keys]
+        _copy_spans(heaps, span, length, [out[at : at + k] for out in outs])
+        at += k
+    return offsets, outs
+
+
+def _copy_spans(
+    heaps: Sequence[np.ndarray], span: np.ndarray, length: np.ndarray, dests: Sequence[np.ndarray]
+) -> None:
+    """Copy ``heap[start:stop]`` of each span, in order, into each heap's ``dest`` (exactly
+    their sum): a sparse top's values and column indices share the spans, and the work that
+    depends on them alone."""
+    if len(dests[0]) == 0:
+        return
+    starts, stops = span[:, 0], span[:, 1]
+    # Runs of spans that continue each other: one slice each.
+    breaks = np.flatnonzero(starts[1:] != stops[:-1]) + 1
+    if len(dests[0]) >= _SLICE_VALUES * (len(breaks) + 1):
+        first = starts[np.concatenate(([0], breaks))].tolist()
+        last = stops[np.concatenate((breaks - 1, [len(span) - 1]))].tolist()
+        runs = list(zip(first, last, strict=True))
+        for heap, dest in zip(heaps, dests, strict=True):
+            # One C loop copies every run: the Python work is a view per run.
+            np.concatenate([heap[a:b] for a, b in runs], axis=0, out=dest)
+        return
+    # Short rows: one take over the index of every value (the start of its row, plus its place).
+    ends = np.cumsum(length)
+    index = np.arange(len(dests[0]), dtype=np.int64)
+    index += np.repeat(starts - (ends - length), length)
+    for heap, dest in zip(heaps, dests, strict=True):
+        np.take(heap, index, axis=0, out=dest, mode="clip")

@@ -30,6 +30,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from ._cache import Slot
 from ._gather import check_rows
 from ._plan import ChunkPlan, EpochPlan
+from ._ragged_tops import is_heap
 from ._read import Reader
 from ._specs import LoadedChunk
 from ._stats import ReadStats, StageClock
@@ -281,19 +282,25 @@ class _Shared:
     """A cache slot that consecutive chunks share while they fit, each in the rows after the one
     before (chunks smaller than a slot: an epoch's ramp, a short last chunk). It goes back to the
     free slots once the launcher has closed it (the next chunk did not fit) and every chunk read
-    into it has been released. Used on the event loop's thread only."""
+    into it has been released. Used on the event loop's thread only.
 
-    __slots__ = ("_capacity", "_closed", "_free", "_used", "_users", "slot")
+    A slot with ragged tops' heaps (:mod:`._ragged_tops`) holds one chunk: how many values a
+    chunk has is known only once it is read, and each heap is bounded for one chunk."""
+
+    __slots__ = ("_capacity", "_closed", "_free", "_one", "_used", "_users", "slot")
 
     def __init__(self, slot: Slot, free: MemoryObjectSendStream[Slot]) -> None:
         self.slot = slot
         self._free = free
-        self._capacity = min((len(a) for a in slot.arrays.values()), default=0)
+        self._capacity = min((len(a) for k, a in slot.arrays.items() if not is_heap(k)), default=0)
+        self._one = any(is_heap(k) for k in slot.arrays)
         self._used = 0
         self._users = 0
         self._closed = False
 
     def fits(self, rows: int) -> bool:
+        if self._one and self._used:
+            return False
         return self._used + rows <= self._capacity
 
     def take(self, rows: int) -> _Region:
@@ -301,9 +308,8 @@ class _Shared:
         a = self._used
         self._used += rows
         self._users += 1
-        return _Region(
-            Slot(self.slot.index, {k: v[a : a + rows] for k, v in self.slot.arrays.items()}), self
-        )
+        arrays = {k: v if is_heap(k) else v[a : a + rows] for k, v in self.slot.arrays.items()}
+        return _Region(Slot(self.slot.index, arrays), self)
 
     def close(self) -> None:
         """No more chunks go in."""

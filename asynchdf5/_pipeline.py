@@ -133,7 +133,7 @@ class Run:
         self.batch_size = batch_size
         self.delivery = delivery
         self.stats = stats
-        row_bytes = sum(t.row_bytes for t in reader.tops.values())
+        row_bytes = int(sum(t.mean_row_bytes for t in reader.tops.values()))
         sources = slots[0].arrays if slots else reader.own_arrays
         # Gather several batches per group: the batcher's and the consumer's Python work is per
         # group, not per batch, which matters at thousands of batches per second. Groups of
@@ -166,7 +166,13 @@ class Run:
         self._out = self._gatherers.out
         self.scope = anyio.CancelScope()
         self.done = anyio.Event()
-        self._row_specs = {t.name: (t.sample_shape, t.dtype) for t in reader.tops.values()}
+        self._row_specs = {
+            t.name: (t.sample_shape, t.dtype) for t in reader.tops.values() if t.ragged is None
+        }
+        #: Ragged tops (name -> sparse), carried with their values (:func:`~._carry.carry`).
+        self._ragged = {
+            t.name: t.ragged.sparse for t in reader.tops.values() if t.ragged is not None
+        }
 
     async def main(self) -> None:
         """Run until cancelled or failed; always ends the gathering threads and the consumer's
@@ -393,7 +399,8 @@ class Run:
         specs = self._row_specs
         if spec.schema is not None and self.schemas is not None:
             specs = {k: specs[k] for k in self.schemas.tops[spec.schema].values()}
-        carried = await anyio.to_thread.run_sync(carry, spec, specs)
+        ragged = self._ragged if spec.schema is None else {}  # (schemas: no ragged tops)
+        carried = await anyio.to_thread.run_sync(carry, spec, specs, ragged)
         spec.pieces = [(carried, 0, spec.rows)]
         for chunk, _, _ in held:
             chunk.let_go()

@@ -41,6 +41,7 @@ from ._process import (
     write_batch,
 )
 from ._process import recv as _recv
+from ._ragged_tops import refuse_ragged
 
 __all__ = ["main"]
 
@@ -206,6 +207,7 @@ async def _serve(
         if state is not None:
             layer.load_state_dict(state)
         async with layer:
+            refuse_ragged(layer.stats.read_paths)
             opened = True
             helper = Helper(sock, layer)
             stats = layer.stats

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from ._cache import N_SLOTS, CacheBudgetWarning, CachePlan, size_cache
+from ._cache import N_SLOTS, CacheBudgetWarning, CachePlan, heap_bytes, size_cache
 from ._catalog import Catalog
 from ._config import LayerConfig
 from ._errors import ConfigurationError
@@ -36,8 +36,9 @@ def stored_rows(catalog: Catalog) -> int:
         (
             layout.chunks.rows
             for f in catalog.files
-            for layout in f.layouts.values()
+            for name, layout in f.layouts.items()
             if layout.chunks is not None
+            and name not in f.ragged  # a ragged top's stored chunks hold values, not rows
             # Unfiltered whole-sample chunks are read row by row, as contiguous data is.
             and (layout.filters or layout.chunks.splits_samples)
         ),
@@ -63,6 +64,7 @@ def cache_plan(catalog: Catalog, config: LayerConfig, rows: int | None) -> Cache
         chunk_size=c.chunk_size,
         cache_bytes=c.cache_bytes,
         rows=rows,
+        heaps=heap_bytes(catalog.tops),
     )
     if c.cache_bytes is None and c.world_size == 1:  # (ranks: see default_cache_bytes)
         check_room(plan.budget, min(c.batch_size, catalog.n_samples) * catalog.row_bytes)
@@ -106,7 +108,12 @@ def shape_of(
     else:
         stored, request = stored_rows(catalog), request_bytes(catalog)
         order = order_of(
-            config, row_bytes, cache.chunk_rows, stored, request, stored_shuffled(catalog)
+            config,
+            catalog.mean_row_bytes,  # ragged tops: their values too
+            cache.chunk_rows,
+            stored,
+            request,
+            stored_shuffled(catalog),
         )
         block, first = order.block_rows, order.first_rows
         lanes, laned, top = order.ramp_lanes, order.chunk_lanes, order.ramp_top_lanes

@@ -20,8 +20,9 @@ import numpy as np
 
 from ._catalog import Catalog, FileInfo, same_categories
 from ._config import MAX_EPOCH_BATCHES, MAX_SAMPLES, LayerConfig
-from ._errors import ConfigurationError, DataLayerError
+from ._errors import ConfigurationError, DataLayerError, SchemaError
 from ._mix import StreamRows
+from ._ragged_tops import kind_words
 from ._schemas import mismatch, split_schemas
 from ._sources import SourceLike
 
@@ -221,6 +222,22 @@ def stream_counts(specs: Sequence[StreamSpec], sizes: Sequence[int]) -> tuple[in
     return tuple(counts)
 
 
+def _same_kinds(names: Sequence[str], catalogs: Sequence[Catalog]) -> None:
+    """:class:`SchemaError` when a top is ragged (or sparse) in one stream and not in another:
+    their batches could not be one value."""
+    first: dict[str, tuple[str, str]] = {}
+    for name, cat in zip(names, catalogs, strict=True):
+        for top, info in cat.tops.items():
+            r = info.ragged
+            kind = kind_words(None if r is None else r.kind, 0 if r is None else r.n_cols)
+            seen = first.setdefault(top, (name, kind))
+            if seen[1] != kind:
+                raise SchemaError(
+                    f"top {top!r} is {kind} in stream {name!r} but {seen[1]} in stream "
+                    f"{seen[0]!r}; a top must be stored alike in every stream"
+                )
+
+
 def combine(
     specs: Sequence[StreamSpec], catalogs: Sequence[Catalog], *, per_stream: bool = False
 ) -> tuple[Catalog, tuple[StreamRows, ...]]:
@@ -233,7 +250,13 @@ def combine(
     stream).
     """
     names = [s.name for s in specs]
+    _same_kinds(names, catalogs)
     split = split_schemas(names, catalogs) if per_stream else None
+    if split is not None and any(t.ragged for c in catalogs for t in c.tops.values()):
+        raise ConfigurationError(
+            'streams whose tops differ in dtype or sample shape (batch_mode="per_stream") '
+            "cannot have ragged or sparse tops yet; give the streams one schema"
+        )
     if split is None and (error := mismatch(names, catalogs)) is not None:
         raise error
     files = []

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import TransformError
+from ._ragged import Ragged
 from .transforms import Transformer
 
 __all__ = ["apply_transformers", "describe_transformer"]
@@ -49,7 +50,7 @@ def apply_transformers(
                 f"{where}: raised {type(exc).__name__}: {exc} (batch of {rows} rows, first "
                 f"global index {int(indices[0]) if rows else None})"
             ) from exc
-        shape = getattr(y, "shape", None)
+        shape = (len(y),) if isinstance(y, Ragged) else getattr(y, "shape", None)
         if shape is None or len(shape) == 0:
             raise TransformError(f"{where}: returned {type(y).__name__}, not an array of rows")
         if shape[0] != rows:

@@ -36,8 +36,18 @@ import numpy as np
 import numpy.typing as npt
 
 from asynchdf5._errors import ConfigurationError, SchemaError, SourceError
+from asynchdf5._ragged import Ragged
 
-__all__ = ["Cast", "Normalize", "Scale", "SubMean", "Transformer", "Transpose"]
+__all__ = [
+    "Cast",
+    "Densify",
+    "Normalize",
+    "Pad",
+    "Scale",
+    "SubMean",
+    "Transformer",
+    "Transpose",
+]
 
 Transformer: TypeAlias = Callable[[Any], Any]
 """Any callable from a batch array to an array with the same number of rows."""
@@ -337,3 +347,74 @@ class Transpose:
 
     def __repr__(self) -> str:
         return f"Transpose({self.axes!r})"
+
+
+class Pad:
+    """A ragged top's batch (:class:`~asynchdf5.Ragged`) as one dense padded array.
+
+    Parameters
+    ----------
+    pad
+        The value past each row's end.
+    length : int or None
+        The padded length: None pads to the batch's longest row (the shape then varies from
+        batch to batch), a number gives every batch that length (longer rows are cut).
+
+    The batch's value becomes the dense array ``(rows, length, *trailing)`` only: a
+    transformer gives one value per top, so the lengths do not come with it (no extra key is
+    added to the batch). Where the lengths matter, leave the top ragged and call
+    :meth:`Ragged.to_padded <asynchdf5.Ragged.to_padded>`, which returns both, or take the
+    torch adapter's ``ragged="padded"`` (a padded tensor and its lengths).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from asynchdf5 import Ragged
+    >>> Pad(0, length=4)(Ragged(np.arange(5), np.array([0, 2, 5]))).tolist()
+    [[0, 1, 0, 0], [2, 3, 4, 0]]
+    """
+
+    def __init__(self, pad: Any = 0, length: int | None = None) -> None:
+        if length is not None:
+            try:
+                length = operator.index(length)
+            except TypeError as exc:
+                raise ConfigurationError(f"Pad length must be an integer, got {length!r}") from exc
+            if length < 0:
+                raise ConfigurationError(f"Pad length must be >= 0, got {length}")
+        self.pad = pad
+        self.length = length
+
+    def __call__(self, x: Any) -> Any:
+        if not isinstance(x, Ragged):
+            raise TypeError(
+                f"{self!r} pads a ragged top's batch (an asynchdf5.Ragged), got {type(x).__name__}"
+            )
+        return x.to_padded(self.pad, self.length)[0]
+
+    def __repr__(self) -> str:
+        return f"Pad({self.pad!r}, length={self.length!r})"
+
+
+class Densify:
+    """A sparse-matrix top's batch (a :class:`scipy.sparse.csr_array`) as a dense array of
+    shape ``(rows, n_cols)``.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse
+    >>> Densify()(scipy.sparse.csr_array(np.eye(2, dtype=np.float32))).tolist()
+    [[1.0, 0.0], [0.0, 1.0]]
+    """
+
+    def __call__(self, x: Any) -> Any:
+        to_dense = getattr(x, "toarray", None)
+        if to_dense is None:
+            raise TypeError(
+                f"{self!r} densifies a sparse-matrix top's batch (a scipy.sparse CSR array), "
+                f"got {type(x).__name__}"
+            )
+        return to_dense()
+
+    def __repr__(self) -> str:
+        return "Densify()"

@@ -116,6 +116,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "several weighted streams in one layer against one stream",
         ),
         Benchmark(
+            "ragged",
+            "benchmarks.ragged:bench",
+            "ragged and sparse rows against a raw read of their bytes; a sparse .h5ad "
+            "against AnnLoader; warm and in a 512 MiB cgroup",
+        ),
+        Benchmark(
             "layouts",
             "benchmarks.layouts:bench",
             "contiguous, chunked, gzip, lzf, split-sample chunks: the layer against the limits",

@@ -451,7 +451,7 @@ async def test_rows_carried_into_the_next_chunk_are_checked_when_carried(
 
     carried: list[int] = []
 
-    def rewrite_then_carry(spec: Any, tops: Any) -> Any:
+    def rewrite_then_carry(spec: Any, tops: Any, ragged: Any = None) -> Any:
         if not carried:
             st = path.stat()
             with open(path, "r+b") as f:  # rows 64-99 (the first chunk's last 36): other bytes
@@ -459,7 +459,7 @@ async def test_rows_carried_into_the_next_chunk_are_checked_when_carried(
                 f.write(np.full(36 * 2, -1, np.float32).tobytes())
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         try:
-            return real(spec, tops)
+            return real(spec, tops, ragged)
         finally:
             if not carried:
                 carried.append(spec.rows)

@@ -33,7 +33,7 @@ import numpy as np
 
 from .._batch import Batch
 from .._catalog import TopInfo
-from .._errors import DeviceError, SchemaError
+from .._errors import ConfigurationError, DeviceError, SchemaError
 from .._gather import gather_split
 from .._specs import GroupSpec
 from .._stats import GatherStats
@@ -336,6 +336,13 @@ class CudaDelivery:
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Raise :class:`~asynchdf5.SchemaError` for a top CuPy cannot hold (before any batch)."""
         for name, top in tops.items():
+            if top.ragged is not None:
+                raise ConfigurationError(
+                    f"top {name!r} has rows of varying length ({top.ragged.kind}): device= "
+                    "does not upload ragged or sparse tops yet; leave out device= and move "
+                    "each batch yourself (e.g. after Ragged.to_padded, or transforms.Pad / "
+                    "transforms.Densify, then cupy.asarray)"
+                )
             dtype = top.dtype
             if dtype.char in "gG":  # long double: no CUDA type, no DLPack type
                 raise SchemaError(

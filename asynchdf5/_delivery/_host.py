@@ -13,7 +13,8 @@ import numpy as np
 
 from .._batch import Batch
 from .._catalog import TopInfo
-from .._gather import gather_split
+from .._gather import gather_ragged, gather_split
+from .._ragged import Ragged, csr_batch
 from .._specs import GroupSpec, merge_pieces, split_pieces
 from .._stats import GatherStats
 from .._transform import apply_transformers
@@ -25,7 +26,57 @@ __all__ = [
     "HostDelivery",
     "aligned_empty",
     "line_offset",
+    "ragged_batch",
 ]
+
+
+def ragged_batch(top: TopInfo, offsets: np.ndarray, heaps: list[np.ndarray], a: int, b: int) -> Any:
+    """Rows ``a:b`` of a ragged top's gathered rows (:func:`~.._gather.gather_ragged`) as a
+    batch's value: a :class:`~asynchdf5.Ragged`, or a sparse top's ``scipy.sparse.csr_array``
+    (views of the gathered arrays, offsets from 0)."""
+    assert top.ragged is not None
+    o = offsets[a : b + 1]
+    lo, hi = int(o[0]), int(o[-1])
+    rebased = o - lo
+    if top.ragged.sparse:
+        return csr_batch(heaps[0][lo:hi], heaps[1][lo:hi], rebased, top.ragged.n_cols)
+    return Ragged._trusted(heaps[0][lo:hi], rebased)
+
+
+class HeapBuffers:
+    """Reused memory for ragged tops' batch values (:func:`~.._gather.gather_ragged`'s
+    ``empty``): a buffer goes back to use once nothing refers to it (no batch, no view of
+    one), as :class:`BatchBuffers`' do. A group's values vary in size: a request takes the
+    first free buffer large enough, else replaces a free smaller one (a quarter larger than
+    asked), else, with ``depth`` buffers in use, gets memory of its own. Fresh memory is slow
+    to touch the first time; reused memory is not."""
+
+    def __init__(self, depth: int) -> None:
+        self._depth = depth
+        self._pool: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self._reuse = _refcounts_are_reliable()
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        with self._lock:
+            if self._reuse:
+                pool = self._pool
+                smaller = -1
+                for i in range(len(pool)):
+                    # Two references when free: the pool's and getrefcount's argument.
+                    if sys.getrefcount(pool[i]) <= 2:
+                        if len(pool[i]) >= nbytes:
+                            return pool[i][:nbytes].view(dtype).reshape(shape)
+                        smaller = i
+                if smaller >= 0 or len(pool) < self._depth:
+                    buf = np.empty(nbytes + nbytes // 4 + 64, np.uint8)
+                    if smaller >= 0:
+                        pool[smaller] = buf
+                    else:
+                        pool.append(buf)
+                    return buf[:nbytes].view(dtype).reshape(shape)
+        return np.empty(shape, dtype)
 
 
 def _refcounts_are_reliable() -> bool:
@@ -140,6 +191,8 @@ class HostDelivery:
 
     def __init__(self, transformers: Sequence[tuple[str, Transformer]]) -> None:
         self.transformers = list(transformers)
+        self._ragged: dict[str, TopInfo] = {}
+        self._heaps: HeapBuffers | None = None
         self._buffers: BatchBuffers | None = None
         self._shape: tuple[int, int, dict[str, int]] | None = None
 
@@ -168,8 +221,15 @@ class HostDelivery:
         offsets: Mapping[str, int] | None = None,
     ) -> None:
         shape = (group_rows, depth, dict(offsets or {}))
+        # Ragged tops' batch values are gathered per group into buffers of a pool (HeapBuffers).
+        self._ragged = {k: t for k, t in tops.items() if t.ragged is not None}
+        if self._ragged and (self._heaps is None or self._shape != shape):
+            self._heaps = HeapBuffers(
+                depth * sum(2 if t.ragged.sparse else 1 for t in self._ragged.values() if t.ragged)
+            )
         if self._buffers is None or self._shape != shape:
-            self._buffers = BatchBuffers(tops, group_rows, depth, offsets)
+            fixed = {k: t for k, t in tops.items() if t.ragged is None}
+            self._buffers = BatchBuffers(fixed, group_rows, depth, offsets)
             self._shape = shape
 
     def make(
@@ -206,6 +266,12 @@ class HostDelivery:
                 dest = {i: arrays[i][at : at + n] for i in names.values()}
                 gather_split(head, dest, indices[at : at + n], helper)
                 at, first = at + n, first + count
+        empty = self._heaps.empty if self._heaps is not None else None
+        ragged = {
+            name: (t, *gather_ragged(pieces, name, t.ragged.sparse, empty))
+            for name, t in self._ragged.items()
+            if t.ragged is not None
+        }
         each = group.batch_tops()
         out: list[Batch] = []
         error: Exception | None = None
@@ -219,6 +285,8 @@ class HostDelivery:
                 if each is None
                 else {top: arrays[internal][at:end] for top, internal in each[i].items()}
             )
+            for name, (t, offsets, heaps) in ragged.items():
+                data[name] = ragged_batch(t, offsets, heaps, at, end)
             rows = indices[at:end]
             at = end
             if transformers:
@@ -252,4 +320,5 @@ class HostDelivery:
 
     def close(self) -> None:
         self._buffers = None
+        self._heaps = None
         self._shape = None

@@ -166,6 +166,8 @@ def refusal(catalog: Catalog) -> str | None:
     for info in files:
         for top, layout in info.layouts.items():
             where = f"{info.name}: " if len(files) > 1 else ""
+            if top in info.ragged:
+                return f"{where}top {top!r} has rows of varying length (copied into the cache)"
             row_bytes = catalog.tops[top].row_bytes
             if layout.path != "pread" or len(layout.extents) != 1:
                 how = f"stored {layout.storage}"

@@ -32,15 +32,17 @@ import numpy as np
 
 from .._catalog import Catalog, Segment, TopInfo
 from .._codecs import ChunkDecoder
+from .._errors import ReadError
 from .._layout import Layout
 from .._pages import free_arrays
 from .._plan import ChunkPlan
 from .._priority import background
+from .._ragged_tops import heap_keys
 from .._sources import ByteRange, Source, Streaming
 from .._stats import ReadStats
 from ._chunked import Need, chunk_reads
 from ._spans import merged, uncovered
-from ._steps import H5pyRead, byte_view, direct_ranges, swapper, window_reads
+from ._steps import H5pyRead, VlenRead, byte_view, direct_ranges, swapper, window_reads
 
 __all__ = ["HDF5Reader", "Reader", "fill_threads"]
 
@@ -166,6 +168,9 @@ class HDF5Reader:
         after: list[Callable[[], None]] = []
         cuts: list[Callable[[], None]] = []
         for top, info in self.tops.items():
+            if info.ragged is not None:
+                self._plan_ragged(top, info, segments, arrays, ranges, h5reads, after)
+                continue
             # The rows each chunked layout must give, planned together so that a stored chunk
             # several segments need is read and decoded once.
             chunked: dict[int, tuple[Layout, list[Need]]] = {}
@@ -207,20 +212,100 @@ class HDF5Reader:
                         part = dest[r - r0 : re - r0]
                         h5reads.append(H5pyRead(layout, r, re, part, f"top {top!r}, rows {r}:{re}"))
             for layout, needs in chunked.values():
-                decoder = self._decoder(layout, info)
+                decoder = self._decoder(layout, info.dtype.itemsize)
                 ranges += chunk_reads(
                     layout, needs, decoder, f"top {top!r}", piece, fresh=self.resident is not None
                 )
         return ranges, h5reads, after, cuts
 
-    def _decoder(self, layout: Layout, info: TopInfo) -> ChunkDecoder:
+    def _plan_ragged(
+        self,
+        top: str,
+        info: TopInfo,
+        segments: Sequence[Segment],
+        arrays: Mapping[str, np.ndarray],
+        ranges: list[ByteRange],
+        h5reads: list[H5pyRead],
+        after: list[Callable[[], None]],
+    ) -> None:
+        """The reads of a ragged top (:mod:`.._ragged_tops`): each segment's rows are one
+        contiguous range of values (``indptr`` says which, from memory), read as a dataset's
+        rows are into the next place of the slot's heap, or, resident, at the values' place
+        among all files'. Their spans are written here, from ``indptr``."""
+        assert info.ragged is not None
+        piece = self.source.piece_bytes
+        spans = arrays[top]
+        heaps = [arrays[k] for k in heap_keys(top, info.ragged.sparse)]
+        chunked: dict[int, tuple[Layout, int, list[Need]]] = {}
+        at = 0
+        for seg in segments:
+            parts = seg.file.ragged.get(top)
+            if parts is None:  # another stream's variant of the top
+                continue
+            ip, r0, r1 = parts.indptr, seg.row_start, seg.row_stop
+            e0, e1 = int(ip[r0]), int(ip[r1])
+            if self.resident is not None:
+                at = self.catalog.values_base(seg.file, top) + e0
+            if at + (e1 - e0) > len(heaps[0]):  # never, by the heap's bound: never overflowed
+                raise ReadError(
+                    f"{seg.file.name}: top {top!r}, rows {r0}:{r1}: {e1 - e0} values do not fit "
+                    f"the cache slot's {len(heaps[0]) - at} left"
+                )
+            span = spans[seg.out_start : seg.out_start + (r1 - r0)]
+            np.add(ip[r0:r1], at - e0, out=span[:, 0])
+            np.add(ip[r0 + 1 : r1 + 1], at - e0, out=span[:, 1])
+            if e1 > e0:
+                about = f"top {top!r}, rows {r0}:{r1} (values {e0}:{e1})"
+                if parts.vlen is not None:
+                    h5reads.append(VlenRead(parts.vlen, r0, r1, heaps[0][at : at + e1 - e0], about))
+                for layout, heap in zip((parts.data, parts.indices), heaps, strict=False):
+                    if layout is not None:
+                        dest = heap[at : at + e1 - e0]
+                        self._plan_rows(layout, e0, e1, dest, about, chunked, ranges, h5reads)
+                        if layout.swap:
+                            after.append(swapper(dest))
+            at += e1 - e0
+        for layout, itemsize, needs in chunked.values():
+            decoder = self._decoder(layout, itemsize)
+            ranges += chunk_reads(
+                layout, needs, decoder, f"top {top!r}", piece, fresh=self.resident is not None
+            )
+
+    def _plan_rows(
+        self,
+        layout: Layout,
+        r0: int,
+        r1: int,
+        dest: np.ndarray,
+        about: str,
+        chunked: dict[int, tuple[Layout, int, list[Need]]],
+        ranges: list[ByteRange],
+        h5reads: list[H5pyRead],
+    ) -> None:
+        """The reads that put rows ``r0:r1`` of ``layout``'s dataset into ``dest`` (a ragged
+        top's values: its ``data`` or ``indices``), by the dataset's read path."""
+        rb = dest.dtype.itemsize * int(np.prod(dest.shape[1:], dtype=np.int64))
+        piece = self.source.piece_bytes
+        if layout.path == "pread":
+            ranges += direct_ranges(layout, r0, r1, byte_view(dest), rb, about, piece)
+        elif layout.path == "chunks":
+            chunked.setdefault(id(layout), (layout, dest.dtype.itemsize, []))[2].append(
+                Need(r0, r1, dest)
+            )
+        else:
+            step = max(1, piece // max(1, rb))
+            for r in range(r0, r1, step):
+                e = min(r1, r + step)
+                h5reads.append(H5pyRead(layout, r, e, dest[r - r0 : e - r0], about))
+
+    def _decoder(self, layout: Layout, itemsize: int) -> ChunkDecoder:
         dec = self._decoders.get(id(layout))
         if dec is None:
             assert layout.chunks is not None
             shape = layout.chunks.shape
-            chunk_bytes = info.dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+            chunk_bytes = itemsize * int(np.prod(shape, dtype=np.int64))
             dec = self._decoders[id(layout)] = ChunkDecoder(
-                layout.filters, info.dtype.itemsize, chunk_bytes, shape
+                layout.filters, itemsize, chunk_bytes, shape
             )
         return dec
 

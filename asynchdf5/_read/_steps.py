@@ -19,7 +19,7 @@ from .._layout import Layout
 from .._sources import ByteRange
 from .._windows import cut_windows, expand_in_place, token_range
 
-__all__ = ["H5pyRead", "byte_view", "direct_ranges", "swapper", "window_reads"]
+__all__ = ["H5pyRead", "VlenRead", "byte_view", "direct_ranges", "swapper", "window_reads"]
 
 
 def byte_view(a: np.ndarray) -> memoryview:
@@ -122,3 +122,40 @@ def window_reads(
         return t0, t1, into, partial(expand_in_place, dest, stride)
     buffer = np.empty(t1 - t0, dest.dtype)
     return t0, t1, buffer, partial(cut_windows, dest, buffer, stride)
+
+
+class VlenRead(H5pyRead):
+    """Rows ``r0:r1`` of a variable-length dataset read by h5py, their values concatenated
+    into ``dest`` (blocking). HDF5 keeps such rows in a heap that only it reads: this holds
+    h5py's lock, and copies every value once more (out of h5py's arrays, one per row)."""
+
+    __slots__ = ()
+
+    def __call__(self) -> int:
+        layout = self.layout
+        assert layout.file is not None
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(layout.file.pinned())
+                dataset = layout.open_dataset()
+            except ReadError as exc:
+                raise ReadError(f"{self.about}: {exc}") from exc
+            try:
+                rows = dataset[self.r0 : self.r1]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self._check()
+                raise ReadError(f"{layout.file.name}: {self.about}: read failed: {exc}") from exc
+            self._check()
+        at = 0
+        for row in rows:
+            n = len(row)
+            if at + n > len(self.dest):
+                break
+            self.dest[at : at + n] = row
+            at += n
+        if at != len(self.dest) or sum(len(r) for r in rows) != len(self.dest):
+            raise ReadError(
+                f"{layout.file.name}: {self.about}: the rows hold other lengths than when the "
+                "file was opened (changed under the layer?)"
+            )
+        return int(self.dest.nbytes)

@@ -135,6 +135,12 @@ class HDF5IterableDataset(LayerDataset):
     num_workers : int, optional
         Deprecated, and no longer needed: the DataLoader's ``num_workers`` is learned in its
         workers. When given, it must equal the DataLoader's.
+    ragged : {"padded", "nested"}
+        How a ragged top's batch (:class:`~asynchdf5.Ragged`) arrives: ``"padded"`` (the
+        default) as a pair ``(padded, lengths)`` of tensors (zeros past each row's end, to the
+        batch's longest row; the batch's keys stay the tops), ``"nested"`` as one jagged
+        ``torch.nested`` tensor. A sparse-matrix top arrives as a ``torch.sparse_csr_tensor``
+        (or dense, after ``transforms.Densify()``).
     **properties
         The keyword properties of :class:`~asynchdf5.HDF5DataLayer` (``batch_size`` is
         required; ``shuffle``, ``seed``, ``rank``, ``world_size``, ``transformers``,
@@ -177,10 +183,11 @@ class HDF5IterableDataset(LayerDataset):
         *,
         indices: bool = False,
         num_workers: int | None = None,
+        ragged: str = "padded",
         **properties: Unpack[HDF5Properties],
     ) -> None:
         self._source: Any = source
-        super().__init__(properties, indices=indices, num_workers=num_workers)
+        super().__init__(properties, indices=indices, num_workers=num_workers, ragged=ragged)
         assert isinstance(self._layer, HDF5DataLayer)
         # Resolved: the same files (and streams) in any process.
         self._source = self._layer.streams or list(self._layer.paths)
@@ -245,10 +252,11 @@ class MemoryIterableDataset(LayerDataset):
         *,
         indices: bool = False,
         num_workers: int | None = None,
+        ragged: str = "padded",
         **properties: Unpack[Properties],
     ) -> None:
         self._data = data
-        super().__init__(properties, indices=indices, num_workers=num_workers)
+        super().__init__(properties, indices=indices, num_workers=num_workers, ragged=ragged)
 
     def _new_layer(self, **properties: Any) -> LayerBase:
         return MemoryDataLayer(self._data, **properties)

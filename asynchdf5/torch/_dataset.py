@@ -22,6 +22,7 @@ from torch.utils.dlpack import from_dlpack
 from .._batch import Batch
 from .._errors import ConfigurationError, StateError
 from .._layer import LayerBase
+from .._ragged import Ragged
 from .._resume import batches_before
 from ._shared import Ring
 
@@ -47,6 +48,44 @@ def as_tensor(array: Any) -> torch.Tensor:
     if not a.flags.writeable or any(s < 0 for s in a.strides):
         a = np.array(a)  # from_numpy warns on read-only memory, refuses negative strides
     return torch.from_numpy(a)
+
+
+#: How a ragged top's batch reaches torch (the datasets' ``ragged=``).
+RAGGED_FORMS = ("padded", "nested")
+
+
+def check_ragged_form(form: object) -> str:
+    if form not in RAGGED_FORMS:
+        raise ConfigurationError(
+            f"ragged must be one of {', '.join(map(repr, RAGGED_FORMS))}, not {form!r}"
+        )
+    return str(form)
+
+
+def as_torch(value: Any, ragged: str = "padded") -> Any:
+    """A batch's value for torch: a tensor (:func:`as_tensor`); a ragged top's
+    :class:`~asynchdf5.Ragged` as ``(padded, lengths)`` tensors (``ragged="padded"``, padded
+    with 0 to the batch's longest row) or one jagged ``torch.nested`` tensor
+    (``ragged="nested"``); a sparse top's ``scipy.sparse`` CSR batch as a
+    ``torch.sparse_csr_tensor`` (int64 indices)."""
+    if isinstance(value, Ragged):
+        if ragged == "nested":
+            return torch.nested.nested_tensor_from_jagged(
+                as_tensor(value.values), as_tensor(value.offsets)
+            )
+        padded, lengths = value.to_padded()
+        return torch.from_numpy(padded), torch.from_numpy(lengths)
+    if type(value).__module__.startswith("scipy.sparse") and getattr(value, "format", "") == "csr":
+        with warnings.catch_warnings():  # torch says its CSR tensors are "in beta", once
+            warnings.filterwarnings("ignore", "Sparse CSR tensor support", UserWarning)
+            return torch.sparse_csr_tensor(
+                torch.from_numpy(np.asarray(value.indptr, np.int64)),
+                torch.from_numpy(np.asarray(value.indices, np.int64)),
+                as_tensor(value.data),
+                size=value.shape,
+                check_invariants=False,  # the layer's own arrays, checked at open (indptr)
+            )
+    return as_tensor(value)
 
 
 class Epoch(Iterator[Tensors]):
@@ -162,9 +201,16 @@ class LayerDataset(IterableDataset[Tensors]):
     """What both datasets share; subclasses say how to make their layer."""
 
     def __init__(
-        self, properties: Mapping[str, Any], *, indices: bool, num_workers: int | None
+        self,
+        properties: Mapping[str, Any],
+        *,
+        indices: bool,
+        num_workers: int | None,
+        ragged: str = "padded",
     ) -> None:
         super().__init__()
+        #: How a ragged top's batch reaches torch (:func:`as_torch`).
+        self.ragged = check_ragged_form(ragged)
         if num_workers is not None and (
             isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
         ):
@@ -350,7 +396,7 @@ class LayerDataset(IterableDataset[Tensors]):
             shared = self._ring.pack(batch, INDICES if self.indices else None)
             if shared is not None:
                 return cast(Tensors, shared)  # unpickled in the main process, it is Tensors
-        out = {name: as_tensor(array) for name, array in batch.items()}
+        out = {name: as_torch(array, self.ragged) for name, array in batch.items()}
         if self.indices:
             out[INDICES] = torch.from_numpy(batch.indices)
             if batch.streams is not None and STREAMS not in out:

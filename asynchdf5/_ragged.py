@@ -1,0 +1,172 @@
+"""The public :class:`Ragged`: a batch of variable-length rows, and the sparse batches' maker.
+
+A ragged top's batch is one :class:`Ragged`: the rows' values concatenated in batch order and
+the offsets that cut them apart (the CSR convention: row ``i`` is
+``values[offsets[i]:offsets[i + 1]]``). It holds no Python object per row, so a batch of
+thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`) is one
+vectorised pass. A sparse-matrix top's batch is a :class:`scipy.sparse.csr_array` made by
+:func:`csr_batch` from the same three arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Ragged", "csr_batch"]
+
+
+class Ragged:
+    """Rows of varying length, as one array of values and one of offsets.
+
+    Parameters
+    ----------
+    values : numpy.ndarray
+        The rows concatenated in order, shape ``(total, *trailing)``: a row may have a
+        trailing shape (atoms x 3 coordinates), the same for every row.
+    offsets : numpy.ndarray
+        int64, ``len(rows) + 1`` of them, starting at 0, never decreasing, ending at
+        ``len(values)``: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from asynchdf5 import Ragged
+    >>> r = Ragged(np.array([1, 2, 3, 4, 5, 6]), np.array([0, 3, 3, 6]))
+    >>> len(r), r[0].tolist(), r[1].tolist(), r.lengths.tolist()
+    (3, [1, 2, 3], [], [3, 0, 3])
+    >>> x, lengths = r.to_padded(pad=-1)
+    >>> x.tolist(), lengths.tolist()
+    ([[1, 2, 3], [-1, -1, -1], [4, 5, 6]], [3, 0, 3])
+    """
+
+    __slots__ = ("offsets", "values")
+
+    def __init__(self, values: npt.ArrayLike, offsets: npt.ArrayLike) -> None:
+        v = np.asarray(values)
+        o = np.asarray(offsets)
+        if v.ndim == 0:
+            raise ValueError("Ragged values must have at least one dimension (the elements)")
+        if o.ndim != 1 or len(o) == 0 or o.dtype.kind not in "iu":
+            raise ValueError(f"Ragged offsets must be a 1-D integer array of rows + 1, not {o!r}")
+        o = o.astype(np.int64, copy=False)
+        if o[0] != 0 or o[-1] != len(v) or (len(o) > 1 and bool(np.any(o[1:] < o[:-1]))):
+            raise ValueError(
+                f"Ragged offsets must start at 0, never decrease and end at len(values)="
+                f"{len(v)}; they run {int(o[0])} .. {int(o[-1])}"
+            )
+        self.values: np.ndarray = v
+        self.offsets: np.ndarray = o
+
+    @classmethod
+    def _trusted(cls, values: np.ndarray, offsets: np.ndarray) -> Ragged:
+        """A Ragged of arrays the layer made itself (the checks above hold by construction)."""
+        r = cls.__new__(cls)
+        r.values, r.offsets = values, offsets
+        return r
+
+    @classmethod
+    def from_rows(cls, rows: list[npt.ArrayLike], dtype: npt.DTypeLike | None = None) -> Ragged:
+        """A Ragged holding ``rows`` (each an array of the same trailing shape), in order."""
+        arrays = [np.asarray(r, dtype) for r in rows]
+        offsets = np.zeros(len(arrays) + 1, np.int64)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        if arrays:
+            values = np.concatenate(arrays)
+        else:
+            values = np.empty(0, dtype if dtype is not None else np.float64)
+        return cls(values, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int | slice) -> Any:
+        """Row ``i`` (a view of :attr:`values`), or the rows of a slice (step 1) as a Ragged
+        whose values are a view."""
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise IndexError("a Ragged is sliced with step 1 only")
+            stop = max(start, stop)
+            o = self.offsets[start : stop + 1]
+            return Ragged._trusted(self.values[o[0] : o[-1]], o - o[0])
+        n = len(self)
+        k = int(i)
+        if k < 0:
+            k += n
+        if not 0 <= k < n:
+            raise IndexError(f"row {i} of a Ragged of {n} rows")
+        return self.values[self.offsets[k] : self.offsets[k + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each row's length (int64)."""
+        return np.diff(self.offsets)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.values.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.values.nbytes + self.offsets.nbytes)
+
+    def to_padded(
+        self, pad: Any = 0, length: int | None = None, dtype: npt.DTypeLike | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The rows as one dense array ``(rows, length, *trailing)`` and their lengths.
+
+        Parameters
+        ----------
+        pad
+            The value of the positions past a row's end.
+        length
+            The padded length: None (the longest row's), or a number (longer rows are cut to
+            it; the lengths returned are then the cut ones).
+        dtype
+            The dense array's dtype (default: the values').
+
+        Returns
+        -------
+        (numpy.ndarray, numpy.ndarray)
+            The padded rows and each row's length (int64), in row order. One vectorised pass
+            over the values (no Python work per row).
+        """
+        lengths = self.lengths
+        n = len(lengths)
+        longest = int(lengths.max()) if n else 0
+        size = longest if length is None else int(length)
+        if size < 0:
+            raise ValueError(f"to_padded: length={length} is negative")
+        out = np.full(
+            (n, size, *self.values.shape[1:]),
+            pad,
+            dtype=self.values.dtype if dtype is None else dtype,
+        )
+        if size >= longest:
+            mask = np.arange(size) < lengths[:, None]
+            out[mask] = self.values
+            return out, lengths
+        # Rows cut to ``size``: keep the values whose place within their row is below it.
+        cut = np.minimum(lengths, size)
+        place = np.arange(len(self.values)) - np.repeat(self.offsets[:-1], lengths)
+        mask = np.arange(size) < cut[:, None]
+        out[mask] = self.values[place < size]
+        return out, cut
+
+    def __repr__(self) -> str:
+        trailing = self.values.shape[1:]
+        shape = f", trailing shape {trailing}" if trailing else ""
+        return f"Ragged({len(self)} rows, {len(self.values)} values of {self.values.dtype}{shape})"
+
+
+def csr_batch(values: np.ndarray, indices: np.ndarray, offsets: np.ndarray, n_cols: int) -> Any:
+    """A :class:`scipy.sparse.csr_array` of ``len(offsets) - 1`` rows and ``n_cols`` columns
+    over the given arrays (views, not copies). scipy is imported here, when a sparse top's batch
+    is first made (it is the ``sparse`` extra)."""
+    import scipy.sparse
+
+    shape = (len(offsets) - 1, n_cols)
+    return scipy.sparse.csr_array((values, indices, offsets), shape=shape, copy=False)

@@ -1,0 +1,323 @@
+"""Ragged and sparse tops: how a file stores rows of varying length, checked at open.
+
+Three stored forms are tops whose rows vary in length (:func:`find_form`):
+
+- a **ragged group**: a group with ``data`` and ``indptr`` (the CSR convention of scipy and
+  AnnData, without ``indices``): row ``i`` is ``data[indptr[i]:indptr[i + 1]]``; ``data`` may
+  have a trailing shape (atoms x 3);
+- a **sparse-matrix group**: the same with ``indices`` (one column per value) and a ``shape``
+  attribute (AnnData's ``encoding-type: csr_matrix``, h5sparse's ``h5sparse_shape``); its
+  batches are :class:`scipy.sparse.csr_array` of ``shape[1]`` columns;
+- an **h5py variable-length numeric dataset** (``h5py.vlen_dtype(np.int32)``): the same rows,
+  whose values HDF5 keeps in a heap only h5py can read.
+
+Whatever the form, the catalog keeps each file's ``indptr`` in memory (8 bytes a row, read at
+open), so that a chunk's rows are one contiguous range of ``data`` (and ``indices``) found
+without a read, and read in one piece by the fast paths as any dataset's rows are. Anything
+else about such a group (a member missing, ``indptr`` decreasing or not ending at
+``len(data)``, a CSC matrix, a string heap) is a :class:`SchemaError` at open, never a batch.
+
+Inside the pipeline a ragged top is two things per cache slot (:func:`heap_keys`): its *spans*
+(an int64 ``(rows, 2)`` array: where each row's values start and stop in the slot's heap) and
+its *heaps* (the values, and a sparse top's column indices, one contiguous array each).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import h5py
+import numpy as np
+
+from ._errors import ConfigurationError, SchemaError
+from ._layout import Layout
+
+__all__ = [
+    "CSR_MEMBERS",
+    "HEAP",
+    "INDICES",
+    "RAGGED_PATHS",
+    "RaggedForm",
+    "RaggedInfo",
+    "RaggedParts",
+    "find_form",
+    "heap_keys",
+    "is_heap",
+    "kind_words",
+    "member_of_csr",
+    "refuse_ragged",
+]
+
+#: The members of a stored CSR group (scipy, AnnData, h5sparse).
+CSR_MEMBERS = ("data", "indices", "indptr")
+
+#: Marks the internal names of a ragged top's heaps among a slot's arrays: a top's name never
+#: holds it (HDF5 names are text).
+HEAP = "\0values"
+INDICES = "\0indices"
+
+Kind = Literal["ragged", "sparse"]
+
+
+def heap_keys(top: str, sparse: bool) -> tuple[str, ...]:
+    """The internal names of ``top``'s heaps: its values, and a sparse top's column indices."""
+    return (top + HEAP, top + INDICES) if sparse else (top + HEAP,)
+
+
+def kind_words(kind: str | None, n_cols: int = 0) -> str:
+    """How a top is stored, in words, for messages: ``kind`` None is a dataset of fixed rows."""
+    if kind is None:
+        return "a dataset of fixed rows"
+    return kind + (f" of {n_cols} columns" if kind == "sparse" else "")
+
+
+def is_heap(name: str) -> bool:
+    """Whether ``name`` is a heap's internal name (not a top's)."""
+    return "\0" in name
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedInfo:
+    """What every file of a ragged top shares: its kind, a sparse top's columns and index
+    dtype, and (over all files, set by the catalog) the bound on a slot's heap.
+
+    ``largest[k]``: the values held by the ``k`` longest rows together (prefix sums of the row
+    lengths sorted longest first). No chunk of ``k`` rows holds more, whichever rows the order
+    puts in it: a slot whose heap holds ``largest[k]`` values never overflows.
+    """
+
+    kind: Kind
+    n_cols: int = 0
+    index_dtype: np.dtype[Any] | None = None
+    vlen: bool = False
+    largest: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+
+    @property
+    def sparse(self) -> bool:
+        return self.kind == "sparse"
+
+    def heap_rows(self, rows: int) -> int:
+        """Values a heap needs for a chunk of ``rows`` rows."""
+        return int(self.largest[min(rows, len(self.largest) - 1)])
+
+    @property
+    def mean_values(self) -> float:
+        """Values per row, on average (the batches' size in bytes, for grouping them)."""
+        n = len(self.largest) - 1
+        return float(self.largest[-1]) / n if n else 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedParts:
+    """A ragged top in one file: ``indptr`` (int64, rows + 1, from 0) and where the values
+    (and a sparse top's indices) are: the layouts of ``data`` and ``indices``, or the
+    variable-length dataset that h5py reads (``vlen``)."""
+
+    indptr: np.ndarray
+    data: Layout | None = None
+    indices: Layout | None = None
+    vlen: Layout | None = None
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.indptr)
+
+
+@dataclass(frozen=True)
+class RaggedForm:
+    """A ragged top found in a file (before its layouts are described): the datasets that
+    hold it, its ``indptr``, and what a sample is (the values' dtype and trailing shape)."""
+
+    kind: Kind
+    indptr: np.ndarray
+    dtype: np.dtype[Any]
+    sample_shape: tuple[int, ...]
+    data: h5py.Dataset | None = None
+    indices: h5py.Dataset | None = None
+    vlen: h5py.Dataset | None = None
+    n_cols: int = 0
+
+    @property
+    def nrows(self) -> int:
+        return len(self.indptr) - 1
+
+
+_ROUTE = (
+    "a ragged top is a group with 'data' and 'indptr' (row i is data[indptr[i]:indptr[i+1]]), "
+    "a sparse-matrix top one with 'data', 'indices', 'indptr' and a 'shape' attribute (CSR), "
+    "or an h5py variable-length numeric dataset"
+)
+
+
+def _attr_text(obj: Any, name: str) -> str:
+    value = obj.attrs.get(name)
+    if isinstance(value, bytes):
+        return value.decode()
+    return str(value) if value is not None else ""
+
+
+def _numeric(where: str, top: str, what: str, dt: np.dtype[Any]) -> np.dtype[Any]:
+    if dt.kind not in "biufc" or dt.names is not None or dt.subdtype is not None:
+        raise SchemaError(
+            f"{where}: top {top!r}: {what} has dtype {dt}; only bool, integer, float and "
+            "complex values are supported"
+        )
+    native: np.dtype[Any] = np.dtype(dt.newbyteorder("=").str)
+    return native
+
+
+def _indptr(where: str, top: str, dset: Any, n_values: int) -> np.ndarray:
+    """``indptr`` read whole and checked: 1-D integers from 0, never decreasing, ending at the
+    number of values. Blocking (h5py)."""
+    if not isinstance(dset, h5py.Dataset) or dset.ndim != 1 or dset.dtype.kind not in "iu":
+        raise SchemaError(f"{where}: top {top!r}: 'indptr' must be a 1-D integer dataset")
+    indptr = np.asarray(dset[()], dtype=np.int64)
+    if len(indptr) == 0:
+        raise SchemaError(f"{where}: top {top!r}: 'indptr' is empty; it needs rows + 1 entries")
+    if indptr[0] != 0:
+        raise SchemaError(f"{where}: top {top!r}: 'indptr' starts at {int(indptr[0])}, not 0")
+    if len(indptr) > 1:
+        down = np.flatnonzero(indptr[1:] < indptr[:-1])
+        if len(down):
+            i = int(down[0])
+            raise SchemaError(
+                f"{where}: top {top!r}: 'indptr' decreases at row {i} "
+                f"({int(indptr[i])} then {int(indptr[i + 1])}); it must never decrease"
+            )
+    if indptr[-1] != n_values:
+        raise SchemaError(
+            f"{where}: top {top!r}: 'indptr' ends at {int(indptr[-1])}, but 'data' holds "
+            f"{n_values} values; it must end at len(data)"
+        )
+    return indptr
+
+
+def _group_form(where: str, top: str, group: h5py.Group) -> RaggedForm:
+    encoding = _attr_text(group, "encoding-type")
+    if encoding == "csc_matrix" or _attr_text(group, "h5sparse_format") == "csc":
+        raise SchemaError(
+            f"{where}: top {top!r} is a CSC sparse matrix (columns compressed): its rows are "
+            "not contiguous, so it cannot be read row by row; store it as CSR (AnnData: "
+            "`adata.X = adata.X.tocsr()` before writing; scipy: `.tocsr()`)"
+        )
+    names = set(group.keys())
+    if "data" not in names or "indptr" not in names:
+        have = ", ".join(sorted(names)) or "nothing"
+        kind = f" (encoding-type {encoding!r})" if encoding else ""
+        raise SchemaError(
+            f"{where}: top {top!r} is a group{kind} holding {have}, which is neither form a "
+            f"group top may take: {_ROUTE}"
+        )
+    data = group["data"]
+    if not isinstance(data, h5py.Dataset) or data.shape is None or len(data.shape) == 0:
+        raise SchemaError(f"{where}: top {top!r}: 'data' must be a dataset of at least 1-D")
+    if h5py.check_vlen_dtype(data.dtype) is not None:
+        raise SchemaError(f"{where}: top {top!r}: 'data' holds variable-length values")
+    dtype = _numeric(where, top, "'data'", data.dtype)
+    indptr = _indptr(where, top, group["indptr"], int(data.shape[0]))
+    trailing = tuple(int(s) for s in data.shape[1:])
+    if "indices" not in names:
+        return RaggedForm("ragged", indptr, dtype, trailing, data=data)
+    indices = group["indices"]
+    if (
+        not isinstance(indices, h5py.Dataset)
+        or indices.ndim != 1
+        or indices.dtype.kind not in "iu"
+        or indices.shape[0] != data.shape[0]
+    ):
+        raise SchemaError(
+            f"{where}: top {top!r}: 'indices' must be a 1-D integer dataset as long as 'data' "
+            f"({data.shape[0]} values)"
+        )
+    if trailing:
+        raise SchemaError(
+            f"{where}: top {top!r}: a sparse matrix's 'data' must be 1-D, not {data.shape}"
+        )
+    shape = group.attrs.get("shape")
+    if shape is None:
+        shape = group.attrs.get("h5sparse_shape")
+    if shape is None or len(np.atleast_1d(shape)) != 2:
+        raise SchemaError(
+            f"{where}: top {top!r} has 'data', 'indices' and 'indptr' but no 'shape' attribute "
+            "(rows, columns): the number of columns of its sparse matrix is unknown"
+        )
+    n_rows, n_cols = (int(s) for s in np.atleast_1d(shape))
+    if n_rows != len(indptr) - 1:
+        raise SchemaError(
+            f"{where}: top {top!r}: its 'shape' says {n_rows} rows, 'indptr' has {len(indptr) - 1}"
+        )
+    return RaggedForm("sparse", indptr, dtype, (), data=data, indices=indices, n_cols=n_cols)
+
+
+def _vlen_form(where: str, top: str, dset: h5py.Dataset, base: Any) -> RaggedForm:
+    if h5py.check_string_dtype(dset.dtype) is not None or np.dtype(base).kind in "SUO":
+        raise SchemaError(
+            f"{where}: top {top!r} holds variable-length strings; not supported: tokenize them "
+            "into a ragged group of integers ('data' + 'indptr', or an h5py variable-length "
+            "integer dataset), or store class codes"
+        )
+    dtype = _numeric(where, top, "its variable-length rows", np.dtype(base))
+    if dset.ndim != 1:
+        raise SchemaError(
+            f"{where}: top {top!r} is a variable-length dataset of shape {dset.shape}; only "
+            "1-D ones (one row per sample) are supported"
+        )
+    # The rows' lengths are known only from the rows: read once, here, through h5py.
+    rows = dset[()]
+    lengths = np.fromiter((len(r) for r in rows), np.int64, count=len(rows))
+    indptr = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    return RaggedForm("ragged", indptr, dtype, (), vlen=dset)
+
+
+def find_form(where: str, h5: h5py.File, top: str) -> RaggedForm | None:
+    """The ragged form of ``top`` in file ``where``: a group (:class:`SchemaError` unless it is
+    a ragged or sparse one) or a variable-length dataset; None for anything else (a dataset of
+    fixed rows, or nothing: the dataset checks say what). Blocking (h5py; reads ``indptr``)."""
+    try:
+        obj = h5.get(top)
+    except (KeyError, OSError, TypeError):
+        return None
+    if isinstance(obj, h5py.Group):
+        return _group_form(where, top, obj)
+    if isinstance(obj, h5py.Dataset) and obj.dtype.names is None:
+        base = h5py.check_vlen_dtype(obj.dtype)
+        if base is not None or h5py.check_string_dtype(obj.dtype) is not None:
+            return _vlen_form(where, top, obj, base if base is not None else obj.dtype)
+    return None
+
+
+def member_of_csr(where: str, h5: h5py.File, top: str) -> None:
+    """:class:`SchemaError` when ``top`` names a member of a CSR group (``X/data``): taken as a
+    top of its own, its values would be shuffled one by one, apart from their rows."""
+    parent, _, leaf = top.rstrip("/").rpartition("/")
+    if leaf not in CSR_MEMBERS or not parent:
+        return
+    try:
+        group = h5.get(parent)
+    except (KeyError, OSError, TypeError):
+        return
+    if isinstance(group, h5py.Group) and {"data", "indptr"} <= set(group.keys()):
+        raise SchemaError(
+            f"{where}: top {top!r} is the {leaf!r} member of the CSR group {parent!r}, whose "
+            f"rows are cut from it by 'indptr'; name the group as the top: "
+            f"tops=({posixpath.normpath(parent).lstrip('/')!r}, ...)"
+        )
+
+
+#: The read paths a ragged top's are named by (:meth:`~._catalog.Catalog.read_paths`).
+RAGGED_PATHS = ("ragged-", "sparse-", "vlen-")
+
+
+def refuse_ragged(read_paths: dict[str, str]) -> None:
+    """:class:`~._errors.ConfigurationError` for ragged tops in a ``process=True`` helper: its
+    shared-memory slots carry one array per top, of fixed rows."""
+    ragged = [t for t, p in read_paths.items() if p.startswith(RAGGED_PATHS)]
+    if ragged:
+        raise ConfigurationError(
+            f"top(s) {', '.join(map(repr, ragged))} have rows of varying length: process=True "
+            "does not carry ragged or sparse tops yet (its shared-memory slots hold fixed rows); "
+            "leave out process=True"
+        )

@@ -1,0 +1,301 @@
+"""Ragged and sparse rows: the layer against a raw read of the same bytes, and a sparse
+``.h5ad`` against AnnData's ``AnnLoader`` (``python -m benchmarks run ragged``).
+
+Two files, made once in the data folder: token sequences of 16 to 1024 int32 values (a ragged
+group, ``data`` + ``indptr``) with a label each, and a sparse count matrix written by
+``anndata`` (``X`` a CSR group, float32 values, int32 column indices) with an ``obs`` column.
+Each reader runs in a child process of its own, warm (the file read once before) and, where a
+memory cgroup can be made (:mod:`benchmarks.cgroups`), again with the child in a 512 MiB one:
+
+- *raw read*: the values (and column indices) read front to back with ``read_direct`` in
+  64 MiB slabs, and ``indptr``: the bytes every reader must move, at the rate nothing beats;
+- *asynchdf5*: shuffled epochs of ``Ragged`` (``csr_array``) batches, rows/s and bytes/s, and
+  unshuffled ones (the same order as the raw read);
+- *AnnLoader*: ``anndata.experimental.AnnLoader`` over the backed file, shuffled, where
+  anndata installs (it is in the ``bench`` extra).
+
+Ratios are taken within one run, reader against reader, in the same conditions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from benchmarks import cgroups
+from benchmarks.report import Recorder
+
+LIMIT_MIB = 512
+SLAB = 64 * 2**20
+
+
+def _sizes(quick: bool) -> dict[str, int]:
+    if quick:
+        return {"docs": 2_000, "cells": 2_000, "genes": 200, "epochs": 1, "timeout": 120}
+    return {"docs": 200_000, "cells": 100_000, "genes": 2_000, "epochs": 2, "timeout": 900}
+
+
+def write_tokens(path: Path, n: int, seed: int = 0) -> Path:
+    """``n`` token sequences of 16..1024 int32 values (a ragged group) and a label each."""
+    if path.exists():
+        return path
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(16, 1025, n)
+    indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    tmp = path.with_suffix(".tmp")
+    with h5py.File(tmp, "w") as f:
+        g = f.create_group("tokens")
+        data = g.create_dataset("data", (int(indptr[-1]),), np.int32)
+        for a in range(0, int(indptr[-1]), SLAB // 4):
+            b = min(int(indptr[-1]), a + SLAB // 4)
+            data[a:b] = rng.integers(0, 50_000, b - a, dtype=np.int32)
+        g["indptr"] = indptr
+        f["label"] = rng.integers(0, 10, n)
+    tmp.rename(path)
+    return path
+
+
+def write_cells(path: Path, cells: int, genes: int, seed: int = 0) -> Path | str:
+    """A sparse ``.h5ad`` written by anndata (5% non-zeros), or why it cannot be."""
+    if path.exists():
+        return path
+    try:
+        import anndata
+        import pandas as pd
+        import scipy.sparse
+    except ImportError as exc:
+        return f"anndata not installed ({exc})"
+    rng = np.random.default_rng(seed)
+    x = scipy.sparse.random(
+        cells, genes, density=0.05, format="csr", dtype=np.float32, random_state=rng
+    )
+    obs = pd.DataFrame({"n_counts": np.asarray(x.sum(axis=1)).ravel()})
+    obs.index = obs.index.astype(str)
+    tmp = path.with_name("tmp-" + path.name)
+    anndata.AnnData(X=x, obs=obs).write_h5ad(tmp)
+    tmp.rename(path)
+    return path
+
+
+# --- the readers, each in a child process ------------------------------------------------------
+
+
+def _raw(job: dict[str, Any]) -> dict[str, Any]:
+    """Every value (and column index) and ``indptr``, front to back in slabs."""
+    t0 = time.perf_counter()
+    moved = 0
+    with h5py.File(job["path"], "r") as f:
+        g = f[job["top"]]
+        for name in ("data", "indices", "indptr"):
+            if name not in g:
+                continue
+            d = g[name]
+            step = max(1, SLAB // d.dtype.itemsize)
+            buf = np.empty(min(step, d.shape[0]), d.dtype)
+            for a in range(0, d.shape[0], step):
+                b = min(d.shape[0], a + step)
+                d.read_direct(buf, np.s_[a:b], np.s_[0 : b - a])
+                moved += (b - a) * d.dtype.itemsize
+    s = time.perf_counter() - t0
+    return {"seconds": s, "bytes": moved, "rows": job["rows"]}
+
+
+def _layer(job: dict[str, Any]) -> dict[str, Any]:
+    from asynchdf5 import HDF5DataLayer
+
+    tops = tuple(job["tops"])
+    with HDF5DataLayer(
+        job["path"], tops=tops, batch_size=job["batch"], shuffle=job["shuffle"], seed=0
+    ) as layer:
+        times = []
+        moved = rows = 0
+        for _ in range(job["epochs"]):
+            t0 = time.perf_counter()
+            for b in layer:
+                v = b[tops[0]]
+                moved += (
+                    int(v.data.nbytes + v.indices.nbytes)
+                    if hasattr(v, "indices")
+                    else (int(v.values.nbytes))
+                )
+                rows += len(b.indices)
+            times.append(time.perf_counter() - t0)
+        paths = dict(layer.stats.read_paths)
+    return {
+        "seconds": sum(times),
+        "epoch_s": times,
+        "bytes": moved,
+        "rows": rows,
+        "read_paths": paths,
+    }
+
+
+def _annloader(job: dict[str, Any]) -> dict[str, Any]:
+    import anndata
+    from anndata.experimental import AnnLoader
+
+    adata = anndata.read_h5ad(job["path"], backed="r")
+    loader = AnnLoader(adata, batch_size=job["batch"], shuffle=True)
+    t0 = time.perf_counter()
+    rows = 0
+    deadline = t0 + job["cap_s"]
+    for b in loader:
+        rows += b.X.shape[0]
+        if time.perf_counter() > deadline:  # a capped epoch: its rate is what counts
+            break
+    return {"seconds": time.perf_counter() - t0, "rows": rows, "bytes": 0}
+
+
+READERS = {
+    "raw": _raw,
+    "layer": lambda job: _layer({**job, "shuffle": True}),
+    "layer-unshuffled": lambda job: _layer({**job, "shuffle": False}),
+    "annloader": _annloader,
+}
+
+
+def child(job_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    if job.get("cgroup_procs"):
+        cgroups.join(job["cgroup_procs"])
+    out = READERS[job["reader"]](job)
+    Path(job["result"]).write_text(json.dumps(out))
+
+
+def _run(job: dict[str, Any], work: Path, group: cgroups.MemoryCgroup | None) -> dict[str, Any]:
+    name = f"{job['reader']}-{job['what']}-{'cg' if group else 'warm'}"
+    job = {
+        **job,
+        "result": str(work / f"{name}.out.json"),
+        "cgroup_procs": str(group.procs) if group else None,
+    }
+    job_file = work / f"{name}.job.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ragged", str(job_file)],
+        capture_output=True,
+        text=True,
+        timeout=job["timeout"],
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout)[-1500:] or f"exit {proc.returncode}"}
+    result: dict[str, Any] = json.loads(Path(job["result"]).read_text())
+    return result
+
+
+def _warm(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(SLAB):
+            pass
+
+
+def bench(rec: Recorder) -> None:
+    size = _sizes(rec.quick)
+    folder = rec.data_dir / "ragged"
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = write_tokens(folder / f"tokens-{size['docs']}.h5", size["docs"])
+    cells = write_cells(
+        folder / f"cells-{size['cells']}x{size['genes']}.h5ad", size["cells"], size["genes"]
+    )
+    rec.param(**size, limit_mib=LIMIT_MIB, load=os.getloadavg()[0])
+    work = folder / f"work-{os.getpid()}"
+    work.mkdir(exist_ok=True)
+    base = {"epochs": size["epochs"], "timeout": size["timeout"], "cap_s": 60}
+    sets: list[tuple[str, dict[str, Any], list[str]]] = [
+        (
+            "tokens",
+            {
+                **base,
+                "path": str(tokens),
+                "top": "tokens",
+                "tops": ["tokens", "label"],
+                "batch": 64,
+                "rows": size["docs"],
+            },
+            ["raw", "layer", "layer-unshuffled"],
+        ),
+    ]
+    if isinstance(cells, str):
+        rec.note(f"sparse .h5ad: {cells}")
+    else:
+        sets.append(
+            (
+                "cells",
+                {
+                    **base,
+                    "path": str(cells),
+                    "top": "X",
+                    "tops": ["X", "obs/n_counts"],
+                    "batch": 256,
+                    "rows": size["cells"],
+                },
+                ["raw", "layer", "layer-unshuffled", "annloader"],
+            )
+        )
+    made = cgroups.make(f"asynchdf5-ragged-{os.getpid()}", LIMIT_MIB * 2**20)
+    groups: list[tuple[str, cgroups.MemoryCgroup | None]] = [("warm", None)]
+    if isinstance(made, str):
+        rec.note(f"no {LIMIT_MIB} MiB cgroup: {made}")
+    else:
+        groups.append((f"{LIMIT_MIB} MiB cgroup", made))
+    try:
+        for what, job, readers in sets:
+            for label, group in groups:
+                _warm(Path(job["path"]))
+                rates: dict[str, float] = {}
+                byte_rates: dict[str, float] = {}
+                for reader in readers:
+                    r = _run({**job, "reader": reader, "what": what}, work, group)
+                    if "error" in r:
+                        rec.note(f"{what} {reader} ({label}): {r['error']}")
+                        continue
+                    rows_s = r["rows"] / r["seconds"]
+                    if r["bytes"]:
+                        byte_rates[reader] = r["bytes"] / r["seconds"]
+                    if "read_paths" in r:
+                        rec.note(f"{what} asynchdf5 read paths: {r['read_paths']}")
+                    rates[reader] = rows_s
+                    rec.figure(f"{what}, {reader}, {label}", rows_s, "samples/s")
+                    if len(r.get("epoch_s", ())) > 1:  # the first epoch alone: it reads
+                        first = r["rows"] / len(r["epoch_s"]) / r["epoch_s"][0]
+                        rec.figure(f"{what}, {reader}, {label}, epoch 1", first, "samples/s")
+                    if reader in byte_rates:
+                        rec.figure(
+                            f"{what}, {reader}, {label}, values",
+                            byte_rates[reader] / 2**20,
+                            "MiB/s",
+                        )
+                rec.ratio(
+                    f"{what}: asynchdf5 ÷ raw read, {label}", rates.get("layer"), rates.get("raw")
+                )
+                rec.ratio(
+                    f"{what}: asynchdf5 unshuffled ÷ raw read, {label}",
+                    rates.get("layer-unshuffled"),
+                    rates.get("raw"),
+                )
+                rec.ratio(
+                    f"{what}: asynchdf5 ÷ AnnLoader (backed), {label}",
+                    rates.get("layer"),
+                    rates.get("annloader"),
+                )
+    finally:
+        if not isinstance(made, str):
+            made.remove()
+        for p in work.iterdir():
+            p.unlink()
+        work.rmdir()
+    rec.note(f"load average at the end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    child(sys.argv[1])

@@ -1,0 +1,733 @@
+"""Ragged and sparse tops (issue 41): rows of varying length through the whole pipeline.
+
+Every file here is written so that a row says which sample it is: row ``g`` (global index) of
+the ragged top ``tok`` holds ``length(g)`` values all equal to ``g`` (and, with a trailing
+shape, rows of ``g``), so each check ties values, lengths and ``batch.indices`` together.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+import scipy.sparse
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asynchdf5 import (
+    CacheBudgetWarning,
+    ConfigurationError,
+    HDF5DataLayer,
+    Ragged,
+    SchemaError,
+    Stream,
+)
+from asynchdf5 import transforms as T
+
+from ._files import check_exactly_once, check_message
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def lengths_of(start: int, n: int, longest: int = 7) -> np.ndarray:
+    """Row lengths of global rows ``start:start+n``: 0 to ``longest``, empty rows included."""
+    g = np.arange(start, start + n)
+    return ((g * 7919) % (longest + 1)).astype(np.int64)
+
+
+def write_ragged(
+    path: Path,
+    start: int,
+    n: int,
+    *,
+    trailing: tuple[int, ...] = (),
+    longest: int = 7,
+    lengths: np.ndarray | None = None,
+    vlen: bool = False,
+) -> Path:
+    """A file of ``n`` samples from global row ``start``: ``tok`` (ragged: ``data`` +
+    ``indptr``, or an h5py vlen dataset), ``label`` (the global index) and ``len``."""
+    lens = lengths_of(start, n, longest) if lengths is None else lengths
+    g = np.arange(start, start + n, dtype=np.int64)
+    with h5py.File(path, "w") as f:
+        f["label"] = g
+        f["len"] = lens
+        if vlen:
+            d = f.create_dataset("tok", (n,), dtype=h5py.vlen_dtype(np.int64))
+            for i in range(n):
+                d[i] = np.full(lens[i], g[i])
+        else:
+            grp = f.create_group("tok")
+            data = np.repeat(g, lens)
+            grp["data"] = data.reshape(-1, *([1] * len(trailing))) * np.ones(trailing, np.int64)
+            indptr = np.zeros(n + 1, np.int64)
+            np.cumsum(lens, out=indptr[1:])
+            grp["indptr"] = indptr
+    return path
+
+
+def write_files(folder: Path, sizes: Sequence[int], **kw: Any) -> list[Path]:
+    out, start = [], 0
+    for k, n in enumerate(sizes):
+        out.append(write_ragged(folder / f"r{k}.h5", start, n, **kw))
+        start += n
+    return out
+
+
+def check_rows(batch: Any, trailing: tuple[int, ...] = (), top: str = "tok") -> None:
+    """Each row of the ragged top is its sample's: its length and its values."""
+    r = batch[top]
+    assert isinstance(r, Ragged)
+    assert len(r) == len(batch.indices) == len(batch["label"])
+    np.testing.assert_array_equal(batch["label"], batch.indices)
+    np.testing.assert_array_equal(r.lengths, batch["len"])
+    assert r.values.shape[1:] == trailing
+    assert r.offsets[0] == 0 and r.offsets[-1] == len(r.values)
+    for i, g in enumerate(batch.indices.tolist()):
+        assert (r[i] == g).all()
+
+
+def epoch_of(layer: HDF5DataLayer, trailing: tuple[int, ...] = ()) -> list[int]:
+    seen: list[int] = []
+    for b in layer:
+        check_rows(b, trailing)
+        seen += b.indices.tolist()
+    return seen
+
+
+# --- Ragged itself ------------------------------------------------------------------------------
+
+
+def test_ragged_rows_slices_and_padding() -> None:
+    r = Ragged.from_rows([[1, 2, 3], [], [4, 5]], np.int32)
+    assert len(r) == 3 and r[-1].tolist() == [4, 5] and r[1].size == 0
+    s = r[1:]
+    assert isinstance(s, Ragged) and s.offsets.tolist() == [0, 0, 2] and s[1].tolist() == [4, 5]
+    x, n = r.to_padded(pad=-1)
+    assert x.tolist() == [[1, 2, 3], [-1, -1, -1], [4, 5, -1]] and n.tolist() == [3, 0, 2]
+    x, n = r.to_padded(length=2)
+    assert x.tolist() == [[1, 2], [0, 0], [4, 5]] and n.tolist() == [2, 0, 2]
+    x, n = r.to_padded(length=4, dtype=np.float32)
+    assert x.shape == (3, 4) and x.dtype == np.float32
+    # A trailing shape pads whole positions.
+    t = Ragged(np.arange(6).reshape(3, 2), np.array([0, 1, 3]))
+    x, n = t.to_padded()
+    assert x.shape == (2, 2, 2) and x[0, 1].tolist() == [0, 0] and x[1].tolist() == [[2, 3], [4, 5]]
+    with pytest.raises(IndexError):
+        r[3]
+    with pytest.raises(ValueError, match="offsets"):
+        Ragged(np.arange(3), np.array([0, 2, 1, 3]))
+    with pytest.raises(ValueError, match="end at len"):
+        Ragged(np.arange(3), np.array([0, 2]))
+
+
+def test_pad_and_densify_transformers() -> None:
+    r = Ragged.from_rows([[1], [2, 3, 4]], np.int64)
+    assert T.Pad(0, length=2)(r).tolist() == [[1, 0], [2, 3]]
+    assert T.Pad(9)(r).tolist() == [[1, 9, 9], [2, 3, 4]]
+    with pytest.raises(TypeError, match="Ragged"):
+        T.Pad()(np.zeros((2, 2)))
+    with pytest.raises(ConfigurationError):
+        T.Pad(0, length=-1)
+    m = scipy.sparse.csr_array(np.array([[0, 1.5], [2.0, 0]]))
+    assert T.Densify()(m).tolist() == [[0, 1.5], [2.0, 0]]
+    with pytest.raises(TypeError, match="sparse"):
+        T.Densify()(np.zeros(2))
+
+
+# --- ragged groups through the pipeline ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("chunk_size", [5, 16, 10_000])
+def test_exactly_once_with_empty_rows_and_zero_row_file(
+    tmp_path: Path, shuffle: bool, chunk_size: int
+) -> None:
+    files = write_files(tmp_path, [23, 0, 18, 9])
+    with HDF5DataLayer(
+        files,
+        tops=("tok", "label", "len"),
+        batch_size=4,
+        shuffle=shuffle,
+        seed=3,
+        chunk_size=chunk_size,
+    ) as layer:
+        assert layer.stats.read_paths["tok"] == "ragged-pread"
+        firsts = []
+        for _ in range(2):
+            seen = epoch_of(layer)
+            check_exactly_once([seen], 50)
+            firsts.append(seen)
+        # Stats count the values read: at least every value once (an epoch of int64 + spans).
+        assert layer.stats.bytes_read >= 8 * int(sum(lengths_of(0, 50)))
+    if shuffle:
+        assert firsts[0] != firsts[1]  # a new order per epoch
+
+
+def test_trailing_shape_and_chunked_compressed_data(tmp_path: Path) -> None:
+    path = tmp_path / "atoms.h5"
+    n = 30
+    lens = lengths_of(0, n)
+    g = np.arange(n, dtype=np.int64)
+    with h5py.File(path, "w") as f:
+        f["label"], f["len"] = g, lens
+        grp = f.create_group("tok")
+        data = np.repeat(g, lens)[:, None, None] * np.ones((1, 3, 2), np.int64)
+        grp.create_dataset("data", data=data, chunks=(5, 3, 2), compression="gzip")
+        indptr = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=indptr[1:])
+        grp["indptr"] = indptr
+    with HDF5DataLayer(
+        path, tops=("tok", "label", "len"), batch_size=7, shuffle=True, chunk_size=8
+    ) as layer:
+        assert layer.stats.read_paths["tok"] == "ragged-chunks"
+        check_exactly_once([epoch_of(layer, (3, 2))], n)
+
+
+def test_same_order_as_fixed_rows_and_seed(tmp_path: Path) -> None:
+    """A ragged top changes nothing of the order: the batches hold the same samples as a layer
+    over the fixed tops alone, with the same seed."""
+    files = write_files(tmp_path, [40, 25])
+    kw: dict[str, Any] = {"batch_size": 6, "shuffle": True, "seed": 11, "chunk_size": 12}
+    with HDF5DataLayer(files, tops=("tok", "label", "len"), **kw) as layer:
+        ragged = [b.indices.tolist() for b in layer]
+    with HDF5DataLayer(files, tops=("label", "len"), **kw) as layer:
+        fixed = [b.indices.tolist() for b in layer]
+    assert ragged == fixed
+
+
+def test_shards_have_equal_batch_counts_and_cover_the_epoch(tmp_path: Path) -> None:
+    files = write_files(tmp_path, [31, 20])
+    seen: list[list[int]] = []
+    counts = []
+    for rank in range(3):
+        with HDF5DataLayer(
+            files,
+            tops=("tok", "label", "len"),
+            batch_size=4,
+            shuffle=True,
+            seed=2,
+            chunk_size=9,
+            rank=rank,
+            world_size=3,
+        ) as layer:
+            batches = list(layer)
+            for b in batches:
+                check_rows(b)
+            counts.append(len(batches))
+            seen.append([i for b in batches for i in b.indices.tolist()])
+    assert len(set(counts)) == 1
+    every = [i for s in seen for i in s]
+    assert len(every) == len(set(every)) and set(every) <= set(range(51))
+
+
+def test_exact_resume_mid_epoch(tmp_path: Path) -> None:
+    files = write_files(tmp_path, [33, 14])
+    kw: dict[str, Any] = {
+        "tops": ("tok", "label", "len"),
+        "batch_size": 5,
+        "shuffle": True,
+        "seed": 4,
+        "chunk_size": 10,
+    }
+    with HDF5DataLayer(files, **kw) as layer:
+        whole = [b.indices.tolist() for b in layer]
+    with HDF5DataLayer(files, **kw) as layer:
+        it = iter(layer)
+        head = [next(it).indices.tolist() for _ in range(4)]
+        state = layer.state_dict()
+    resumed = HDF5DataLayer(files, **kw)
+    resumed.load_state_dict(state)
+    with resumed:
+        tail = []
+        for b in resumed:
+            check_rows(b)
+            tail.append(b.indices.tolist())
+    assert head + tail == whole
+
+
+def test_stream_and_transformers(tmp_path: Path) -> None:
+    files = write_files(tmp_path, [13, 8])
+    with HDF5DataLayer(
+        files,
+        tops=("tok", "label", "len"),
+        batch_size=8,
+        shuffle=True,
+        chunk_size=9,
+        transformers=[("tok", T.Pad(-1, length=5))],
+    ) as layer:
+        for b in layer:
+            x = b["tok"]
+            assert isinstance(x, np.ndarray) and x.shape == (len(b.indices), 5)
+            for row, g, n in zip(x, b.indices, b["len"], strict=True):
+                k = min(int(n), 5)
+                assert (row[:k] == g).all() and (row[k:] == -1).all()
+    with HDF5DataLayer(
+        files, tops=("tok", "label", "len"), batch_size=8, shuffle=True, chunk_size=9
+    ) as layer:
+        got = list(itertools.islice(layer.stream(), 6))  # 48 rows: past two epochs of 21
+        for b in got:
+            assert len(b.indices) == 8
+            check_rows(b)
+
+
+def test_a_ragged_top_in_several_streams(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = write_files(tmp_path / "a", [12])
+    b = [write_ragged(tmp_path / "b" / "r0.h5", 12, 9)]
+    with HDF5DataLayer(
+        {"a": Stream(a), "b": Stream(b)},
+        tops=("tok", "label", "len"),
+        batch_size=3,
+        shuffle=True,
+        chunk_size=4,
+    ) as layer:
+        seen = []
+        for batch in layer:
+            check_rows(batch)
+            seen += batch.indices.tolist()
+        check_exactly_once([seen], 21)
+
+
+def test_vlen_numeric_dataset(tmp_path: Path) -> None:
+    files = [
+        write_ragged(tmp_path / "v0.h5", 0, 17, vlen=True),
+        write_ragged(tmp_path / "v1.h5", 17, 6, vlen=True),
+    ]
+    with HDF5DataLayer(
+        files, tops=("tok", "label", "len"), batch_size=5, shuffle=True, chunk_size=7
+    ) as layer:
+        assert layer.stats.read_paths["tok"] == "vlen-h5py"
+        check_exactly_once([epoch_of(layer)], 23)
+
+
+def test_vlen_strings_are_refused_with_the_route(tmp_path: Path) -> None:
+    path = tmp_path / "s.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("text", data=["a", "bc"], dtype=h5py.string_dtype())
+    with pytest.raises(SchemaError) as err:
+        HDF5DataLayer(path, tops=("text",), batch_size=1).__enter__()
+    check_message(err.value, "s.h5", "'text'", "strings", "tokenize")
+
+
+# --- sizes: rows larger than a chunk's budget ---------------------------------------------------
+
+
+def test_one_huge_row_is_served_and_chunks_sized_in_bytes(tmp_path: Path) -> None:
+    lens = np.full(40, 200, np.int64)
+    lens[17] = 50_000  # 400 kB, more than the rest together: a slot of 40 rows is 464 kB
+    path = write_ragged(tmp_path / "huge.h5", 0, 40, lengths=lens)
+    layer = HDF5DataLayer(
+        path,
+        tops=("tok", "label", "len"),
+        batch_size=4,
+        shuffle=True,
+        chunk_size=40,
+        cache_bytes=2 * 430_000,  # a slot holds a batch of the longest rows (405 kB)
+    )
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", CacheBudgetWarning)
+        layer.__enter__()
+    try:
+        assert any("varying length" in str(w.message) for w in said), said
+        for _ in range(2):
+            check_exactly_once([epoch_of(layer)], 40)
+    finally:
+        layer.__exit__(None, None, None)
+
+
+def test_a_row_larger_than_the_budget_is_a_named_error_at_open(tmp_path: Path) -> None:
+    lens = np.full(10, 1, np.int64)
+    lens[3] = 100_000
+    path = write_ragged(tmp_path / "huge.h5", 0, 10, lengths=lens)
+    layer = HDF5DataLayer(
+        path, tops=("tok", "label"), batch_size=2, chunk_size=10, cache_bytes=200_000
+    )
+    with pytest.raises(ConfigurationError) as err:
+        layer.__enter__()
+    check_message(err.value, "cache_bytes=200000", "longest rows", "ragged")
+
+
+# --- sparse matrices ----------------------------------------------------------------------------
+
+
+def write_csr(path: Path, m: scipy.sparse.csr_array, **attrs: Any) -> Path:
+    with h5py.File(path, "w") as f:
+        g = f.create_group("X")
+        g["data"], g["indices"], g["indptr"] = m.data, m.indices, m.indptr
+        for k, v in {"shape": m.shape, "encoding-type": "csr_matrix", **attrs}.items():
+            g.attrs[k] = v
+        f["dense"] = m.toarray()
+        f["label"] = np.arange(m.shape[0])
+    return path
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_sparse_batches_are_csr_rows_in_batch_order(tmp_path: Path, shuffle: bool) -> None:
+    m = scipy.sparse.random(45, 12, density=0.25, format="csr", random_state=0, dtype=np.float32)
+    path = write_csr(tmp_path / "m.h5", scipy.sparse.csr_array(m))
+    with HDF5DataLayer(
+        path, tops=("X", "dense", "label"), batch_size=8, shuffle=shuffle, chunk_size=10
+    ) as layer:
+        assert layer.stats.read_paths["X"] == "sparse-pread"
+        seen = []
+        for b in layer:
+            x = b["X"]
+            assert isinstance(x, scipy.sparse.csr_array) and x.shape == (len(b.indices), 12)
+            np.testing.assert_array_equal(x.toarray(), b["dense"])
+            seen += b.indices.tolist()
+        check_exactly_once([seen], 45)
+    with HDF5DataLayer(
+        path, tops=("X", "dense"), batch_size=8, transformers=[("X", T.Densify())]
+    ) as layer:
+        for b in layer:
+            np.testing.assert_array_equal(b["X"], b["dense"])
+
+
+def test_anndata_sparse_h5ad(tmp_path: Path) -> None:
+    anndata = pytest.importorskip("anndata")
+    import pandas as pd
+
+    m = scipy.sparse.random(60, 9, density=0.3, format="csr", random_state=1, dtype=np.float32)
+    obs = pd.DataFrame({"n": np.arange(60)}, index=[f"c{i}" for i in range(60)])
+    path = tmp_path / "cells.h5ad"
+    anndata.AnnData(X=m, obs=obs).write_h5ad(path)
+    dense = m.toarray()
+    with HDF5DataLayer(path, tops=("X", "obs/n"), batch_size=16, shuffle=True) as layer:
+        seen = []
+        for b in layer:
+            np.testing.assert_array_equal(b["X"].toarray(), dense[b.indices])
+            np.testing.assert_array_equal(b["obs/n"], b.indices)
+            seen += b.indices.tolist()
+        check_exactly_once([seen], 60)
+
+
+def _bad(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    path = tmp_path / f"{kind}.h5"
+    with h5py.File(path, "w") as f:
+        f["label"] = np.arange(3)
+        g = f.create_group("X")
+        if kind == "neither":
+            g["values"] = np.arange(3)
+            return path, "neither form"
+        g["data"] = np.arange(4.0)
+        g["indptr"] = {
+            "decreasing": [0, 3, 2, 4],
+            "short": [0, 1, 2, 3],
+            "csc": [0, 1, 2, 4],
+            "no_shape": [0, 1, 2, 4],
+        }.get(kind, [0, 1, 2, 4])
+        if kind in ("csc", "no_shape"):
+            g["indices"] = np.array([0, 1, 0, 1])
+        if kind == "csc":
+            g.attrs["encoding-type"] = "csc_matrix"
+            g.attrs["shape"] = (2, 3)
+    return path, {
+        "decreasing": "decreases at row 1",
+        "short": "ends at 3",
+        "csc": "CSC",
+        "no_shape": "no 'shape' attribute",
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["neither", "decreasing", "short", "csc", "no_shape"])
+def test_bad_groups_are_named_errors_at_open(tmp_path: Path, kind: str) -> None:
+    path, words = _bad(tmp_path, kind)
+    with pytest.raises(SchemaError) as err:
+        HDF5DataLayer(path, tops=("X",), batch_size=1).__enter__()
+    check_message(err.value, f"{kind}.h5", "'X'", words)
+
+
+def test_a_member_of_a_csr_group_is_not_a_top(tmp_path: Path) -> None:
+    m = scipy.sparse.random(10, 4, density=0.5, format="csr", random_state=2)
+    path = write_csr(tmp_path / "m.h5", scipy.sparse.csr_array(m))
+    for member in ("X/data", "X/indices"):
+        with pytest.raises(SchemaError) as err:
+            HDF5DataLayer(path, tops=(member,), batch_size=1).__enter__()
+        check_message(err.value, repr(member), "member of the CSR group 'X'", "tops=('X'")
+
+
+def test_process_refuses_ragged_tops(tmp_path: Path) -> None:
+    files = write_files(tmp_path, [6])
+    layer = HDF5DataLayer(files, tops=("tok", "label"), batch_size=2, process=True)
+    with pytest.raises(ConfigurationError) as err:
+        layer.__enter__()
+    check_message(err.value, "'tok'", "process=True")
+
+
+# --- the whole pipeline, property-style ---------------------------------------------------------
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    sizes=st.lists(st.integers(0, 30), min_size=1, max_size=3).filter(lambda s: sum(s) > 0),
+    batch_size=st.integers(1, 9),
+    extra=st.integers(0, 30),
+    shuffle=st.booleans(),
+    longest=st.sampled_from([0, 3, 40]),
+    seed=st.integers(0, 3),
+)
+def test_property_exactly_once_and_aligned(
+    tmp_path_factory: pytest.TempPathFactory,
+    sizes: list[int],
+    batch_size: int,
+    extra: int,
+    shuffle: bool,
+    longest: int,
+    seed: int,
+) -> None:
+    folder = tmp_path_factory.mktemp("prop")
+    files = write_files(folder, sizes, longest=longest)
+    with HDF5DataLayer(
+        files,
+        tops=("tok", "label", "len"),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        chunk_size=batch_size + extra,
+        seed=seed,
+    ) as layer:
+        for _ in range(2):
+            check_exactly_once([epoch_of(layer)], sum(sizes))
+
+
+# --- torch --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+# torch's own unpickling of a sparse tensor from a worker says its checks are off (not ours).
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
+def test_torch_padded_with_lengths_and_sparse_csr(tmp_path: Path, workers: int) -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from asynchdf5.torch import HDF5IterableDataset
+
+    files = write_files(tmp_path, [19, 6])
+    m = scipy.sparse.random(25, 5, density=0.4, format="csr", random_state=3, dtype=np.float32)
+    with h5py.File(files[0], "a") as f, h5py.File(files[1], "a") as g:
+        for h, part in ((f, m[:19]), (g, m[19:])):
+            x = h.create_group("X")
+            x["data"], x["indices"], x["indptr"] = part.data, part.indices, part.indptr
+            x.attrs["shape"] = part.shape
+            h["dense"] = part.toarray()
+
+    def check(b: dict[str, Any]) -> list[int]:
+        padded, lengths = b["tok"]
+        assert isinstance(padded, torch.Tensor) and padded.shape[0] == len(b["label"])
+        assert lengths.tolist() == b["len"].tolist()
+        for row, g, n in zip(padded, b["label"], lengths, strict=True):
+            assert (row[:n] == g).all() and (row[n:] == 0).all()
+        assert b["X"].layout == torch.sparse_csr
+        assert torch.equal(b["X"].to_dense(), b["dense"])
+        return list(b["label"].tolist())
+
+    with HDF5IterableDataset(
+        files, tops=("tok", "label", "len", "X", "dense"), batch_size=4, shuffle=True
+    ) as ds:
+        seen = [
+            i for b in list(DataLoader(ds, batch_size=None, num_workers=workers)) for i in check(b)
+        ]
+    check_exactly_once([seen], 25)
+    gc.collect()
+
+
+def test_torch_nested_jagged(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from asynchdf5.torch import HDF5IterableDataset
+
+    files = write_files(tmp_path, [14])
+    with HDF5IterableDataset(
+        files, tops=("tok", "label", "len"), batch_size=5, ragged="nested"
+    ) as ds:
+        for b in DataLoader(ds, batch_size=None):
+            t = b["tok"]
+            assert t.is_nested
+            for row, g, n in zip(t.unbind(), b["label"], b["len"], strict=True):
+                assert len(row) == n and (row == g).all()
+    with pytest.raises(ConfigurationError, match="ragged"):
+        HDF5IterableDataset(files, tops=("tok",), batch_size=5, ragged="jagged")
+
+
+def test_elastic_resume_on_another_world_size(tmp_path: Path) -> None:
+    files = write_files(tmp_path, [29, 18])
+    kw: dict[str, Any] = {
+        "tops": ("tok", "label", "len"),
+        "batch_size": 4,
+        "shuffle": True,
+        "seed": 5,
+        "chunk_size": 12,
+    }
+    with HDF5DataLayer(files, world_size=1, rank=0, **kw) as layer:
+        it = iter(layer)
+        head = [i for _ in range(3) for i in next(it).indices.tolist()]
+        state = layer.state_dict()
+    rest: list[int] = []
+    for rank in range(2):
+        resumed = HDF5DataLayer(files, world_size=2, rank=rank, **kw)
+        resumed.load_state_dict(state)
+        with resumed:
+            rest += epoch_of(resumed)
+    check_exactly_once([head, rest], 47)
+
+
+def test_shuffled_ragged_rows_mix_class_sorted_data(tmp_path: Path) -> None:
+    """The mixing promise (docs/shuffle.md) holds for ragged rows, whose order's blocks are
+    sized by their values' bytes: class-sorted rows, a cache of a third of the data."""
+    from .test_mixing import BATCH, CLASSES, PROMISE, against_permutation
+
+    n = 40_000
+    path = tmp_path / "sorted.h5"
+    lens = np.random.default_rng(0).integers(0, 100, n)
+    with h5py.File(path, "w") as f:
+        g = f.create_group("tok")
+        g["data"] = np.zeros(int(lens.sum()), np.int32)
+        indptr = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=indptr[1:])
+        g["indptr"] = indptr
+        f["label"] = np.arange(n) * CLASSES // n
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheBudgetWarning)  # the small cache is the case
+        layer = HDF5DataLayer(
+            path,
+            tops=("tok", "label"),
+            batch_size=BATCH,
+            shuffle=True,
+            seed=1,
+            cache_bytes=8_500_000,  # chunks of a third of the data (not resident)
+        )
+        with layer:
+            got = np.concatenate([np.asarray(b["label"]).copy() for b in layer])
+    assert np.array_equal(np.sort(got), np.arange(n) * CLASSES // n)
+    assert against_permutation(got, n) >= PROMISE
+
+
+def test_a_top_stored_alike_in_every_file_and_stream(tmp_path: Path) -> None:
+    ragged = write_ragged(tmp_path / "r.h5", 0, 5)
+    fixed = tmp_path / "f.h5"
+    with h5py.File(fixed, "w") as f:
+        f["tok"] = np.zeros((4, 3), np.int64)
+        f["label"] = np.arange(4)
+    with pytest.raises(SchemaError) as err:
+        HDF5DataLayer([ragged, fixed], tops=("tok",), batch_size=1).__enter__()
+    check_message(err.value, "f.h5", "'tok'", "fixed rows", "ragged")
+    with pytest.raises(SchemaError) as err:
+        HDF5DataLayer(
+            {"a": Stream([ragged]), "b": Stream([fixed])}, tops=("tok",), batch_size=1
+        ).__enter__()
+    check_message(err.value, "'tok'", "stream 'b'", "ragged")
+
+
+def test_streams_of_different_schemas_refuse_ragged_tops(tmp_path: Path) -> None:
+    a = write_ragged(tmp_path / "a.h5", 0, 6)
+    b = tmp_path / "b.h5"
+    with h5py.File(b, "w") as f:  # 'label' of another dtype: another schema
+        g = f.create_group("tok")
+        g["data"], g["indptr"] = np.arange(3, dtype=np.int64), np.array([0, 1, 3])
+        f["label"] = np.arange(2, dtype=np.int32)
+    layer = HDF5DataLayer(
+        {"a": Stream([a]), "b": Stream([b])},
+        tops=("tok", "label"),
+        batch_size=2,
+        batch_mode="per_stream",
+    )
+    with pytest.raises(ConfigurationError) as err:
+        layer.__enter__()
+    check_message(err.value, "per_stream", "ragged")
+
+
+@pytest.mark.parametrize("longest", [3, 500])  # one take over an index; a slice per run
+@pytest.mark.parametrize("trailing", [(), (2,)])
+def test_copy_spans_in_order(longest: int, trailing: tuple[int, ...]) -> None:
+    from asynchdf5._gather import _copy_spans
+
+    rng = np.random.default_rng(longest)
+    lens = rng.integers(0, longest + 1, 50)
+    ip = np.zeros(51, np.int64)
+    np.cumsum(lens, out=ip[1:])
+    heap = np.arange(int(ip[-1]) * max(1, int(np.prod(trailing)))).reshape(-1, *trailing)
+    rows = np.concatenate([rng.permutation(25), np.arange(25, 50)])  # shuffled, then a run
+    span = np.stack([ip[rows], ip[rows + 1]], axis=1)
+    length = span[:, 1] - span[:, 0]
+    dest = np.empty((int(length.sum()), *trailing), heap.dtype)
+    _copy_spans([heap], span, length, [dest])
+    want = np.concatenate([heap[ip[r] : ip[r + 1]] for r in rows])
+    np.testing.assert_array_equal(dest, want)
+
+
+def test_device_refuses_ragged_tops_at_open(tmp_path: Path, fake_cupy: Any) -> None:
+    """With a device (here the stand-in CuPy of tests/_fake_cupy.py), a ragged top is refused
+    when the layer opens, before any batch, naming the top and what to do."""
+    files = write_files(tmp_path, [6])
+    layer = HDF5DataLayer(files, tops=("tok", "label"), batch_size=2, device="cuda")
+    with pytest.raises(ConfigurationError) as err:
+        layer.__enter__()
+    check_message(err.value, "'tok'", "device=", "Pad")
+
+
+def test_a_transformer_may_keep_the_top_ragged_and_batches_print(tmp_path: Path) -> None:
+    files = write_files(tmp_path, [9])
+
+    def clip(r: Ragged) -> Ragged:
+        return Ragged(np.minimum(r.values, 3), r.offsets)
+
+    with HDF5DataLayer(
+        files, tops=("tok", "label", "len"), batch_size=4, transformers=[("tok", clip)]
+    ) as layer:
+        for b in layer:
+            assert "Ragged(" in repr(b)
+            np.testing.assert_array_equal(b["tok"].lengths, b["len"])
+            for i, g in enumerate(b.indices.tolist()):
+                assert (b["tok"][i] == min(g, 3)).all()
+
+
+def test_h5sparse_attributes_name_the_columns(tmp_path: Path) -> None:
+    """h5sparse writes ``h5sparse_format`` and ``h5sparse_shape`` instead of AnnData's attrs."""
+    m = scipy.sparse.random(12, 7, density=0.4, format="csr", random_state=4, dtype=np.float64)
+    path = tmp_path / "h5sparse.h5"
+    with h5py.File(path, "w") as f:
+        g = f.create_group("X")
+        g["data"], g["indices"], g["indptr"] = m.data, m.indices, m.indptr
+        g.attrs["h5sparse_format"] = "csr"
+        g.attrs["h5sparse_shape"] = m.shape
+        f["dense"] = m.toarray()
+    with HDF5DataLayer(path, tops=("X", "dense"), batch_size=5, shuffle=True) as layer:
+        for b in layer:
+            assert b["X"].shape == (len(b.indices), 7)
+            np.testing.assert_array_equal(b["X"].toarray(), b["dense"])
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_kept_batches_stay_intact_while_buffers_are_reused(tmp_path: Path, sparse: bool) -> None:
+    """The values' buffers are reused once nothing refers to them: batches (and rows) kept
+    across an epoch, and two epochs, hold what they held when they were handed over."""
+    files = write_files(tmp_path, [60, 25])
+    if sparse:
+        for f in files:
+            with h5py.File(f, "a") as h:
+                n = len(h["label"])
+                m = scipy.sparse.csr_array(np.arange(n * 4, dtype=np.float32).reshape(n, 4) % 3)
+                g = h.create_group("X")
+                g["data"], g["indices"], g["indptr"] = m.data, m.indices, m.indptr
+                g.attrs["shape"] = m.shape
+                h["dense"] = m.toarray()
+    tops = ("tok", "label", "len", *(("X", "dense") if sparse else ()))
+    with HDF5DataLayer(files, tops=tops, batch_size=3, shuffle=True, chunk_size=10) as layer:
+        kept = [b for _ in range(2) for b in layer]
+        rows = [b["tok"][0] for b in kept]
+    for b, row in zip(kept, rows, strict=True):
+        check_rows(b)
+        assert (row == b.indices[0]).all()
+        if sparse:
+            np.testing.assert_array_equal(b["X"].toarray(), b["dense"])
