@@ -147,7 +147,8 @@ class RaggedForm:
 _ROUTE = (
     "a ragged top is a group with 'data' and 'indptr' (row i is data[indptr[i]:indptr[i+1]]), "
     "a sparse-matrix top one with 'data', 'indices', 'indptr' and a 'shape' attribute (CSR), "
-    "or an h5py variable-length numeric dataset"
+    "a categorical top one with 'codes' and 'categories'; or name a dataset (an h5py "
+    "variable-length numeric one is a ragged top too)"
 )
 
 

@@ -145,7 +145,8 @@ def test_a_plain_codes_and_categories_group_and_bad_groups(tmp_path: Path) -> No
     with pytest.raises(SchemaError, match=r"'bad' is a categorical group, but does not hold"):
         with HDF5DataLayer(p, tops=("bad",), batch_size=5):
             pass
-    with pytest.raises(SchemaError, match=r"'other' is a Group, not a dataset"):
+    neither = r"'other' is a group holding codes, more, which is neither form"
+    with pytest.raises(SchemaError, match=neither):
         with HDF5DataLayer(p, tops=("other",), batch_size=5):
             pass
 

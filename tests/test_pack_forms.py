@@ -112,7 +112,8 @@ def test_the_layer_reads_packed_ragged_tops(
         pytest.skip("asynchdf5.Ragged (ragged tops) is not in this build yet")
     truth = _table(tmp_path / "t.parquet")
     out = tmp_path / "out"
-    assert run_main(["pack", tmp_path / "t.parquet", out, "--shuffle"], capsys)[0] == 0
+    args = ["pack", tmp_path / "t.parquet", out, "--shuffle", "--columns", "tokens", "row", "kind"]
+    assert run_main(args, capsys)[0] == 0
     with HDF5DataLayer(
         out / "train.txt", tops=("tokens", "row", "kind"), batch_size=8, shuffle=True
     ) as layer:
