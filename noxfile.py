@@ -80,10 +80,10 @@ def integration(session: nox.Session) -> None:
     """The tests marked ``integration`` (``pytest -m integration``), which ``tests`` leaves out:
     each starts interpreters of its own that import torch, Lightning or JAX, or a client's
     training loop. Data-parallel jobs under real ``torchrun`` (one and two streams) killed
-    mid-epoch and resumed on as many and on more processes; the examples as a user runs them;
-    Lightning (a ``Trainer`` resumed mid-epoch, DDP on two processes), Keras 3 (on JAX and
-    PyTorch) and JAX (four virtual devices, two processes), with their documentation pages.
-    CI runs it after ``tests``."""
+    mid-epoch and resumed on as many and on more processes; DataLoader workers started by
+    "spawn"; the examples as a user runs them; Lightning (a ``Trainer`` resumed mid-epoch, DDP
+    on two processes), Keras 3 (on JAX and PyTorch) and JAX (four virtual devices, two
+    processes), with their documentation pages. CI runs it after ``tests``."""
     session.install(TORCH, "torchdata")
     install(session, "test", "remote", "pack", "torch", "lightning", "keras", "jax")
     session.run("pytest", "-m", "integration", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
