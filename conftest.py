@@ -3,7 +3,9 @@ docs/*.md, in a temporary folder that holds a small ``train.txt`` data set (uint
 images and int64 labels in two HDF5 files), with stand-ins for the user's own training step.
 
 A block that needs a CUDA GPU says so (``<!-- skip: next if(no_gpu, reason=...) -->``) and runs
-where one is usable.
+where one is usable. The pages of the optional clients (Lightning, Keras, JAX) start those
+libraries: they are marked ``integration`` and run in ``nox -s integration``, beside the clients'
+tests.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from sybil import Sybil
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
@@ -56,6 +59,17 @@ def _setup(namespace: dict[str, Any]) -> None:
         no_jax=not _installed("jax"),
         no_anndata=not _installed("anndata", "scipy"),
     )
+
+
+#: The pages about the optional clients, which run in ``nox -s integration``.
+CLIENT_PAGES = frozenset({"lightning.md", "keras.md", "jax.md"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the examples of the clients' pages ``integration``."""
+    for item in items:
+        if item.path.name in CLIENT_PAGES and item.path.parent.name == "docs":
+            item.add_marker(pytest.mark.integration)
 
 
 def _teardown(namespace: dict[str, Any]) -> None:

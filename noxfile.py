@@ -1,5 +1,12 @@
-"""Developer tasks: ``nox -s tests``, ``bench_check``, ``stress``, ``lint``, ``typecheck``,
-``docs``, ``bench``, ``demo``.
+"""Developer tasks: ``nox -s tests``, ``integration``, ``bench_check``, ``stress``, ``lint``,
+``typecheck``, ``docs``, ``bench``, ``demo``.
+
+CI (``.ci/run``) runs ``tests``, then ``integration`` and ``bench_check``: what the tests leave
+out to stay short is checked there. ``tests`` is the README's test command: every guarantee
+(exactly once, aligned tops, resume, lifecycle, faults, no leaks) on the whole pipeline, a few
+dozen examples per property test. ``integration``: the whole jobs in processes of their own
+(torchrun, the examples) and the optional clients (Lightning, Keras, JAX). ``bench_check``: every
+benchmark at its ``--quick`` size. ``stress``: thousands of examples per property test.
 
 Every session runs on the interpreter nox itself runs on (no ``python=`` pin), so the one
 command ``python3 -m pip install nox && python3 -m nox -s tests`` works on any machine that has
@@ -16,7 +23,7 @@ import nox
 import nox.command
 
 nox.needs_version = ">=2024.4.15"
-nox.options.sessions = ["tests", "bench_check", "lint", "typecheck", "docs"]
+nox.options.sessions = ["tests", "integration", "bench_check", "lint", "typecheck", "docs"]
 nox.options.reuse_venv = "yes"
 # uv creates environments and installs much faster where it is present; plain virtualenv
 # (which ships with nox) everywhere else, so a machine with only pip needs nothing more.
@@ -53,11 +60,10 @@ def tests(session: nox.Session) -> None:
     Where CuPy cannot be installed (offline, no wheel for this Python), those tests skip too.
     """
     # PyTorch first, pinned: the CPU build on this project's machines (see TORCH); then the
-    # torch extra is satisfied by it, and torchdata (StatefulDataLoader) comes on top.
+    # torch extra is satisfied by it, and torchdata (StatefulDataLoader) comes on top. The
+    # clients (Lightning, Keras 3, JAX) are tested in ``integration``, which installs them.
     session.install(TORCH, "torchdata")
-    # The clients (Lightning, Keras 3, JAX on CPU): their tests run in seconds and skip
-    # without them; installing them adds about half a minute with a warm pip cache.
-    extras = ("test", "codecs", "remote", "torch", "pack", "lightning", "keras", "jax", "sparse")
+    extras = ("test", "codecs", "remote", "torch", "pack", "sparse")
     if sys.platform != "linux":
         install(session, *extras)
     else:
@@ -67,6 +73,20 @@ def tests(session: nox.Session) -> None:
             session.warn("CuPy could not be installed: the tests against the real CuPy skip")
             install(session, *extras)
     session.run("pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
+
+
+@nox.session(venv_backend="virtualenv")  # pip: it finds the local torch file
+def integration(session: nox.Session) -> None:
+    """The tests marked ``integration`` (``pytest -m integration``), which ``tests`` leaves out:
+    each starts interpreters of its own that import torch, Lightning or JAX, or a client's
+    training loop. Data-parallel jobs under real ``torchrun`` (one and two streams) killed
+    mid-epoch and resumed on as many and on more processes; DataLoader workers started by
+    "spawn"; the examples as a user runs them; Lightning (a ``Trainer`` resumed mid-epoch, DDP
+    on two processes), Keras 3 (on JAX and PyTorch) and JAX (four virtual devices, two
+    processes), with their documentation pages. CI runs it after ``tests``."""
+    session.install(TORCH, "torchdata")
+    install(session, "test", "remote", "pack", "torch", "sparse", "lightning", "keras", "jax")
+    session.run("pytest", "-m", "integration", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
 
 
 @nox.session(venv_backend="virtualenv")  # pip: it finds the local torch file

@@ -1,5 +1,6 @@
 """The examples run, at small sizes, as a user runs them: each script in its own process.
-(``train_torch.py`` runs as the last step of ``image_folder_to_training.py``.)"""
+(``train_torch.py`` runs as the last step of ``image_folder_to_training.py``.) Each starts an
+interpreter and imports its libraries: they run in ``nox -s integration``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from asynchdf5._cli._sample import write_dataset
 
 from .test_pack import make_image_folder
+
+pytestmark = pytest.mark.integration
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

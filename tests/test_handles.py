@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -55,13 +56,22 @@ async def _epoch(layer: AsyncHDF5DataLayer, most_fds: list[int]) -> list[Batch]:
     return got
 
 
+@pytest.fixture(scope="module")
+def thousands(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3,000 files of 3 samples, written once for the module; each test reads a copy (new
+    files: nothing a run keeps beside them, such as its catalog, reaches the next)."""
+    return write_many(tmp_path_factory.mktemp("thousands"), 3000, 3).parent
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_NOFILE and /proc")
 @pytest.mark.parametrize("streaming", [False, True], ids=["cached", "streaming"])
-def test_thousands_of_files_under_a_low_descriptor_limit(tmp_path: Path, streaming: bool) -> None:
+def test_thousands_of_files_under_a_low_descriptor_limit(
+    tmp_path: Path, thousands: Path, streaming: bool
+) -> None:
     """3,000 files, ``ulimit -n 256``: two shuffled epochs, each exactly once (in a child that
     lowers its own limit). Streaming (data larger than memory, every range read direct), each
     open file holds a third descriptor."""
-    lst = write_many(tmp_path, 3000, 3)
+    lst = Path(shutil.copytree(thousands, tmp_path / "files")) / "train.txt"
     code = textwrap.dedent(
         f"""
         import resource

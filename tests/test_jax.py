@@ -18,6 +18,7 @@ from ._files import write_source
 from ._helpers import ROOT, run_python
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.timeout(120),
     pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs JAX"),
 ]

@@ -16,6 +16,7 @@ from ._files import write_source
 from ._helpers import run_python
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.timeout(120),
     # Not imported here: Keras picks its backend once, at import (TensorFlow by default).
     pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="needs Keras 3"),

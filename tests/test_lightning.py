@@ -28,7 +28,7 @@ from asynchdf5.torch import HDF5IterableDataset
 from ._files import write_source
 from ._helpers import run_python
 
-pytestmark = [pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 SIZES = (40, 13, 27)  # 80 samples, 10 batches of 8 per epoch
 BATCH = 8

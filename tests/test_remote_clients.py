@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anyio
@@ -285,17 +286,22 @@ def test_a_process_ending_mid_epoch_exits_cleanly(
         )
     )
     s3.faults(latency=0.05)
-    try:
-        for _ in range(4):
-            proc = subprocess.run(
-                [sys.executable, str(script)],
-                capture_output=True,
-                timeout=60,
-                cwd=ROOT,
-                env={**os.environ, CLIENT_VARIABLE: "obstore"},
-            )
-            want = -2 if "KeyboardInterrupt" in ending else 0  # Python ends by SIGINT then
-            assert proc.returncode == want, (proc.returncode, proc.stderr.decode()[-2000:])
-            assert b"Fatal Python error" not in proc.stderr
+
+    def run() -> None:
+        proc = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**os.environ, CLIENT_VARIABLE: "obstore"},
+        )
+        want = -2 if "KeyboardInterrupt" in ending else 0  # Python ends by SIGINT then
+        assert proc.returncode == want, (proc.returncode, proc.stderr.decode()[-2000:])
+        assert b"Fatal Python error" not in proc.stderr
+
+    try:  # four processes, side by side (the server is threaded): most of each is its start
+        with ThreadPoolExecutor(4) as pool:
+            for done in [pool.submit(run) for _ in range(4)]:
+                done.result()
     finally:
         s3.faults(clear=True)

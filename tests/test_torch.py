@@ -2,8 +2,8 @@
 
 The rows encode their global index (``label == i``, ``data == [10 i, 10 i + 1]``), so every
 batch is checked for alignment and every epoch for exactly-once from the tensors alone. Worker
-processes are real (forked; spawned in one slow test). Real ``torchrun`` runs are in
-``test_torchrun``.
+processes are real (forked; spawned in one slow test, which ``nox -s integration`` runs). Real
+``torchrun`` runs are in ``test_torchrun``.
 """
 
 from __future__ import annotations
@@ -300,6 +300,7 @@ def resource_tracker() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # two interpreters start and import torch: in nox -s integration
 def test_spawned_workers(resource_tracker: None, source: Path) -> None:
     """The "spawn" start method: the dataset is pickled to the workers, the next epoch is
     shared through shared memory all the same."""

@@ -16,7 +16,8 @@ The runs (a module fixture; two at a time, since each spends most of its time im
    ``r % 2``), finish epoch 2, then run epoch 3;
 4. the torchrun example of ``docs/pytorch.md``, as written there (with run 1).
 
-Slow (about half a minute: every process imports torch), but part of ``nox -s tests``.
+Slow (every process imports torch): these run in ``nox -s integration``, which CI runs after
+``nox -s tests``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from asynchdf5 import HDF5DataLayer
 
 from ._files import check_exactly_once, write_source
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
 
 SCRIPT = Path(__file__).with_name("_ddp_train.py")
 DOCS = Path(__file__).parents[1] / "docs" / "pytorch.md"

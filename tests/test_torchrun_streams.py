@@ -20,7 +20,7 @@ from asynchdf5 import HDF5DataLayer, Stream
 from ._files import write_h5, write_source
 from .test_torchrun import SCRIPT, Run, finish_all, saved_seed, torchrun
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
 
 BATCH = 20
 SIZES = (600, 90)
