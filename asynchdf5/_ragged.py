@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Ragged", "csr_batch"]
+from ._errors import ConfigurationError
+
+__all__ = ["Ragged", "check_dense", "csr_batch"]
 
 
 class Ragged:
@@ -170,3 +172,20 @@ def csr_batch(values: np.ndarray, indices: np.ndarray, offsets: np.ndarray, n_co
 
     shape = (len(offsets) - 1, n_cols)
     return scipy.sparse.csr_array((values, indices, offsets), shape=shape, copy=False)
+
+
+def check_dense(name: str, value: Any, consumer: str) -> None:
+    """Raise :class:`~asynchdf5.ConfigurationError` if top ``name``'s batch ``value`` is a
+    :class:`Ragged` or a ``scipy.sparse`` matrix, which ``consumer`` (an adapter that takes
+    only dense arrays) would otherwise pass on unchanged or fail on with no word of the top.
+    The error names the transformer that makes it dense."""
+    if isinstance(value, Ragged):
+        fix, kind = "transforms.Pad(0, length=...)", "rows of varying length (asynchdf5.Ragged)"
+    elif type(value).__module__.startswith("scipy.sparse"):
+        fix, kind = "transforms.Densify()", f"a sparse matrix ({type(value).__name__})"
+    else:
+        return
+    raise ConfigurationError(
+        f"top {name!r} has {kind}, which {consumer} takes only as dense arrays: add a "
+        f"transformer that makes it dense, transformers=[({name!r}, {fix})]"
+    )
