@@ -20,6 +20,11 @@ from ._errors import ConfigurationError
 __all__ = ["Ragged", "check_dense", "csr_batch"]
 
 
+#: Rows of at least this many values on average are padded a slice per row (each byte of the
+#: output written once, a Python step per row); shorter ones with one mask over all places.
+_ROW_VALUES = 32
+
+
 class Ragged:
     """Rows of varying length, as one array of values and one of offsets.
 
@@ -142,19 +147,27 @@ class Ragged:
         size = longest if length is None else int(length)
         if size < 0:
             raise ValueError(f"to_padded: length={length} is negative")
-        out = np.full(
-            (n, size, *self.values.shape[1:]),
-            pad,
-            dtype=self.values.dtype if dtype is None else dtype,
-        )
-        if size >= longest:
-            mask = np.arange(size) < lengths[:, None]
-            out[mask] = self.values
-            return out, lengths
-        # Rows cut to ``size``: keep the values whose place within their row is below it.
-        cut = np.minimum(lengths, size)
-        place = np.arange(len(self.values)) - np.repeat(self.offsets[:-1], lengths)
+        cut = np.minimum(lengths, size) if size < longest else lengths
+        shape = (n, size, *self.values.shape[1:])
+        out_dtype = self.values.dtype if dtype is None else np.dtype(dtype)
+        if n and len(self.values) >= _ROW_VALUES * n:
+            # Long rows: a slice of values and a slice of padding per row, each byte of the
+            # output written once (a Python step per row costs what ~_ROW_VALUES values do).
+            out = np.empty(shape, out_dtype)
+            starts, ks = self.offsets[:-1].tolist(), cut.tolist()
+            for row, a, k in zip(out, starts, ks, strict=True):
+                row[:k] = self.values[a : a + k]
+                if k < size:
+                    row[k:] = pad
+            return out, cut
+        # Short rows: the padding, then the values kept (those whose place within their row is
+        # below ``size``) put where a mask of the rows' places says, in one vectorised pass.
+        out = np.full(shape, pad, dtype=out_dtype)
         mask = np.arange(size) < cut[:, None]
+        if size >= longest:
+            out[mask] = self.values
+            return out, cut
+        place = np.arange(len(self.values)) - np.repeat(self.offsets[:-1], lengths)
         out[mask] = self.values[place < size]
         return out, cut
 
