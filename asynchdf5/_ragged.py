@@ -3,9 +3,10 @@
 A ragged top's batch is one :class:`Ragged`: the rows' values concatenated in batch order and
 the offsets that cut them apart (the CSR convention: row ``i`` is
 ``values[offsets[i]:offsets[i + 1]]``). It holds no Python object per row, so a batch of
-thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`) is one
-vectorised pass. A sparse-matrix top's batch is a :class:`scipy.sparse.csr_array` made by
-:func:`csr_batch` from the same three arrays.
+thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`) is a
+slice per long row (each output byte written once) or one mask over short ones. A sparse-matrix
+top's batch is a :class:`scipy.sparse.csr_array` made by :func:`csr_batch` from the same three
+arrays.
 """
 
 from __future__ import annotations
@@ -138,8 +139,9 @@ class Ragged:
         Returns
         -------
         (numpy.ndarray, numpy.ndarray)
-            The padded rows and each row's length (int64), in row order. One vectorised pass
-            over the values (no Python work per row).
+            The padded rows and each row's length (int64), in row order. Each byte of the
+            output is written once for rows of 32 values or more on average (a slice of values
+            and one of padding per row); shorter rows are filled, then masked in, vectorised.
         """
         lengths = self.lengths
         n = len(lengths)
