@@ -3,9 +3,10 @@
 A ragged top's batch is one :class:`Ragged`: the rows' values concatenated in batch order and
 the offsets that cut them apart (the CSR convention: row ``i`` is
 ``values[offsets[i]:offsets[i + 1]]``). It holds no Python object per row, so a batch of
-thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`) is one
-vectorised pass. A sparse-matrix top's batch is a :class:`scipy.sparse.csr_array` made by
-:func:`csr_batch` from the same three arrays.
+thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`) is a
+slice per long row (each output byte written once) or one mask over short ones. A sparse-matrix
+top's batch is a :class:`scipy.sparse.csr_array` made by :func:`csr_batch` from the same three
+arrays.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Ragged", "csr_batch"]
+from ._errors import ConfigurationError
+
+__all__ = ["Ragged", "check_dense", "csr_batch"]
+
+
+#: Rows of at least this many values on average are padded a slice per row (each byte of the
+#: output written once, a Python step per row); shorter ones with one mask over all places.
+_ROW_VALUES = 32
 
 
 class Ragged:
@@ -131,8 +139,9 @@ class Ragged:
         Returns
         -------
         (numpy.ndarray, numpy.ndarray)
-            The padded rows and each row's length (int64), in row order. One vectorised pass
-            over the values (no Python work per row).
+            The padded rows and each row's length (int64), in row order. Each byte of the
+            output is written once for rows of 32 values or more on average (a slice of values
+            and one of padding per row); shorter rows are filled, then masked in, vectorised.
         """
         lengths = self.lengths
         n = len(lengths)
@@ -140,19 +149,27 @@ class Ragged:
         size = longest if length is None else int(length)
         if size < 0:
             raise ValueError(f"to_padded: length={length} is negative")
-        out = np.full(
-            (n, size, *self.values.shape[1:]),
-            pad,
-            dtype=self.values.dtype if dtype is None else dtype,
-        )
-        if size >= longest:
-            mask = np.arange(size) < lengths[:, None]
-            out[mask] = self.values
-            return out, lengths
-        # Rows cut to ``size``: keep the values whose place within their row is below it.
-        cut = np.minimum(lengths, size)
-        place = np.arange(len(self.values)) - np.repeat(self.offsets[:-1], lengths)
+        cut = np.minimum(lengths, size) if size < longest else lengths
+        shape = (n, size, *self.values.shape[1:])
+        out_dtype = self.values.dtype if dtype is None else np.dtype(dtype)
+        if n and len(self.values) >= _ROW_VALUES * n:
+            # Long rows: a slice of values and a slice of padding per row, each byte of the
+            # output written once (a Python step per row costs what ~_ROW_VALUES values do).
+            out = np.empty(shape, out_dtype)
+            starts, ks = self.offsets[:-1].tolist(), cut.tolist()
+            for row, a, k in zip(out, starts, ks, strict=True):
+                row[:k] = self.values[a : a + k]
+                if k < size:
+                    row[k:] = pad
+            return out, cut
+        # Short rows: the padding, then the values kept (those whose place within their row is
+        # below ``size``) put where a mask of the rows' places says, in one vectorised pass.
+        out = np.full(shape, pad, dtype=out_dtype)
         mask = np.arange(size) < cut[:, None]
+        if size >= longest:
+            out[mask] = self.values
+            return out, cut
+        place = np.arange(len(self.values)) - np.repeat(self.offsets[:-1], lengths)
         out[mask] = self.values[place < size]
         return out, cut
 
@@ -170,3 +187,20 @@ def csr_batch(values: np.ndarray, indices: np.ndarray, offsets: np.ndarray, n_co
 
     shape = (len(offsets) - 1, n_cols)
     return scipy.sparse.csr_array((values, indices, offsets), shape=shape, copy=False)
+
+
+def check_dense(name: str, value: Any, consumer: str) -> None:
+    """Raise :class:`~asynchdf5.ConfigurationError` if top ``name``'s batch ``value`` is a
+    :class:`Ragged` or a ``scipy.sparse`` matrix, which ``consumer`` (an adapter that takes
+    only dense arrays) would otherwise pass on unchanged or fail on with no word of the top.
+    The error names the transformer that makes it dense."""
+    if isinstance(value, Ragged):
+        fix, kind = "transforms.Pad(0, length=...)", "rows of varying length (asynchdf5.Ragged)"
+    elif type(value).__module__.startswith("scipy.sparse"):
+        fix, kind = "transforms.Densify()", f"a sparse matrix ({type(value).__name__})"
+    else:
+        return
+    raise ConfigurationError(
+        f"top {name!r} has {kind}, which {consumer} takes only as dense arrays: add a "
+        f"transformer that makes it dense, transformers=[({name!r}, {fix})]"
+    )

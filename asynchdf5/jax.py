@@ -47,6 +47,7 @@ from ._config import HDF5Properties
 from ._errors import ConfigurationError, StateError
 from ._hdf5 import HDF5DataLayer
 from ._layer import LayerBase
+from ._ragged import check_dense
 from ._sources import SourceLike
 
 if sys.version_info >= (3, 11):
@@ -103,7 +104,10 @@ class Loader:
     Raises
     ------
     ConfigurationError
-        The layer's shard is not this process's, or ``prefetch < 1``.
+        The layer's shard is not this process's, or ``prefetch < 1``; at the first batch, a
+        ragged or sparse top that no transformer made dense (a global ``jax.Array`` is dense
+        and, under ``jit``, of one shape: ``transforms.Pad(0, length=n)`` or
+        ``transforms.Densify()``).
     """
 
     def __init__(self, layer: LayerBase, sharding: Any = None, *, prefetch: int = 2) -> None:
@@ -154,6 +158,7 @@ class Loader:
         world = jax.process_count()
         out = {}
         for name, array in batch.items():
+            check_dense(name, array, "asynchdf5.jax.Loader")
             local = np.asarray(array)
             wanted = jnp.dtype(local.dtype)
             kept = jax.dtypes.canonicalize_dtype(wanted)

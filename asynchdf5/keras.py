@@ -47,6 +47,7 @@ except ImportError as exc:  # pragma: no cover - tested where Keras is missing
 from ._batch import Batch
 from ._errors import ConfigurationError, StateError
 from ._layer import LayerBase
+from ._ragged import check_dense
 from ._resume import batches_before
 
 __all__ = ["Position", "PyDataset"]
@@ -96,7 +97,9 @@ class PyDataset(keras.utils.PyDataset):  # type: ignore[misc]
     Raises
     ------
     ConfigurationError
-        A name that is not a top of the layer, or ``sample_weight`` without ``y``.
+        A name that is not a top of the layer, or ``sample_weight`` without ``y``; at the
+        first batch, a ragged or sparse top among them that no transformer made dense (Keras
+        takes dense arrays: ``transforms.Pad(0, length=n)`` or ``transforms.Densify()``).
 
     Examples
     --------
@@ -211,6 +214,8 @@ class PyDataset(keras.utils.PyDataset):  # type: ignore[misc]
         self._trained = 0
 
     def _item(self, batch: Batch) -> tuple[Any, ...]:
+        for name in [*_names(self.x), *_names(self.y), *_names(self.sample_weight)]:
+            check_dense(name, batch[name], "asynchdf5.keras.PyDataset")
         x = _pick(batch, self.x)
         if self.y is None:
             return (x,)

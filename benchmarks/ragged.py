@@ -20,6 +20,7 @@ Ratios are taken within one run, reader against reader, in the same conditions.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -199,6 +200,28 @@ def _warm(path: Path) -> None:
             pass
 
 
+def _padding(rec: Recorder, tokens: Path, batch: int = 64, reps: int = 30) -> None:
+    """``Ragged.to_padded`` on a batch of the token rows against ``np.copyto`` of its output's
+    bytes (the memory speed padding aims at), in this process, alternating, the best of
+    ``reps`` each."""
+    from asynchdf5 import Ragged
+
+    with h5py.File(tokens, "r") as f:
+        indptr = f["tokens/indptr"][: batch + 1]
+        r = Ragged(f["tokens/data"][: int(indptr[-1])], indptr)
+    out, _ = r.to_padded()
+    src, dst = np.ones_like(out), np.empty_like(out)
+    best = {"pad": math.inf, "copyto": math.inf}
+    for _ in range(reps):
+        for name, f in (("pad", r.to_padded), ("copyto", lambda: np.copyto(dst, src))):
+            t0 = time.perf_counter()
+            f()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    rec.figure(f"to_padded, {batch} token rows", out.nbytes / best["pad"] / 2**20, "MiB/s")
+    rec.figure("np.copyto of its output's bytes", out.nbytes / best["copyto"] / 2**20, "MiB/s")
+    rec.ratio("to_padded ÷ np.copyto of its output", best["copyto"], best["pad"])
+
+
 def bench(rec: Recorder) -> None:
     size = _sizes(rec.quick)
     folder = rec.data_dir / "ragged"
@@ -208,6 +231,7 @@ def bench(rec: Recorder) -> None:
         folder / f"cells-{size['cells']}x{size['genes']}.h5ad", size["cells"], size["genes"]
     )
     rec.param(**size, limit_mib=LIMIT_MIB, load=os.getloadavg()[0])
+    _padding(rec, tokens)
     work = folder / f"work-{os.getpid()}"
     work.mkdir(exist_ok=True)
     base = {"epochs": size["epochs"], "timeout": size["timeout"], "cap_s": 60}

@@ -50,8 +50,8 @@ TOP_KEYS = {
     "form_note",
 }  # fmt: skip
 DOC_KEYS = {
-    "format", "source", "tops", "ok", "samples", "sample_bytes", "bytes", "read_paths", "mmap",
-    "files", "hints", "problems",
+    "format", "source", "tops", "ok", "samples", "sample_bytes", "sample_bytes_vary", "bytes",
+    "read_paths", "mmap", "files", "hints", "problems",
 }  # fmt: skip
 
 
@@ -197,6 +197,31 @@ def test_inspect_several_files_and_tops(tmp_path: Path, capsys: pytest.CaptureFi
     status, doc = inspect_json(capsys, *paths, "--tops", "label")
     assert status == 0 and doc["tops"] == ["label"] and doc["sample_bytes"] == 8
     assert len(doc["files"]) == 3 and doc["samples"] == N
+
+
+def test_inspect_ragged_top_speaks_of_values_and_average_sample_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ragged top's ``data`` rows are values, not samples: the header gives a sample's bytes
+    on average (values' bytes over samples), and the chunk words count values."""
+    lens = np.arange(500) % 7  # 3 values a row on average
+    path = tmp_path / "r.h5"
+    with h5py.File(path, "w") as f:
+        g = f.create_group("tok")
+        g.create_dataset("data", data=np.ones(int(lens.sum()), np.int32), chunks=(100,))
+        g["indptr"] = np.concatenate([[0], np.cumsum(lens)])
+        f["label"] = np.arange(500)
+    status, doc = inspect_json(capsys, path, "--tops", "tok", "label")
+    assert status == 0 and doc["samples"] == 500 and doc["sample_bytes_vary"] is True
+    # A row's values (int32) on average, its offset in the batch (int64), and the label's.
+    assert doc["sample_bytes"] == round(lens.sum() * 4 / 500 + 8 + 8)
+    tok = doc["files"][0]["tops"][0]
+    words = " ".join([tok["reason"], *tok["hints"]])
+    assert "100 values" in words and "sample" not in words, words
+    status, text, _ = run_main(["inspect", path, "--tops", "tok", "label"], capsys)
+    assert f"500 samples of about {doc['sample_bytes']} bytes on average" in text
+    status, doc = inspect_json(capsys, path, "--tops", "label")
+    assert doc["sample_bytes"] == 8 and doc["sample_bytes_vary"] is False
 
 
 # --- bench -------------------------------------------------------------------------------------

@@ -77,3 +77,47 @@ print("ok")
 """
     backend = "jax" if importlib.util.find_spec("jax") else "torch"
     assert run_python(["-c", code], 100, KERAS_BACKEND=backend).strip() == "ok"
+
+
+def test_ragged_and_sparse_tops_are_refused_by_name_until_made_dense(tmp_path: Path) -> None:
+    """A ragged top (an ``asynchdf5.Ragged`` batch) or a sparse one (a scipy CSR batch) given
+    to Keras: a ConfigurationError naming the top and the transformer that makes it dense, not
+    an object Keras fails on later; after ``Pad`` / ``Densify``, dense batches of the rows."""
+    code = """
+import sys
+import h5py, numpy as np
+from asynchdf5 import ConfigurationError, HDF5DataLayer, transforms as T
+from asynchdf5.keras import PyDataset
+path = sys.argv[1]
+lens = np.arange(12) % 4
+with h5py.File(path, "w") as f:
+    g = f.create_group("tok")
+    g["data"] = np.repeat(np.arange(12), lens)
+    g["indptr"] = np.concatenate([[0], np.cumsum(lens)])
+    x = f.create_group("X")
+    x["data"], x["indices"] = np.ones(12, np.float32), np.arange(12) % 5
+    x["indptr"] = np.arange(13)
+    x.attrs["shape"], x.attrs["encoding-type"] = (12, 5), "csr_matrix"
+    f["y"] = np.arange(12)
+for top, fix in (("tok", "transforms.Pad"), ("X", "transforms.Densify")):
+    with HDF5DataLayer(path, tops=(top, "y"), batch_size=4) as layer:
+        ds = PyDataset(layer, x=top, y="y")
+        ds.on_epoch_begin()
+        try:
+            ds[0]
+        except ConfigurationError as e:
+            assert repr(top) in str(e) and fix in str(e), e
+        else:
+            raise AssertionError(top)
+transformers = [("tok", T.Pad(-1, length=3)), ("X", T.Densify())]
+with HDF5DataLayer(path, tops=("tok", "X", "y"), batch_size=4, transformers=transformers) as layer:
+    ds = PyDataset(layer, x=("tok", "X"), y="y")
+    ds.on_epoch_begin()
+    (tok, X), y = ds[0]
+    assert tok.shape == (4, 3) and X.shape == (4, 5), (tok.shape, X.shape)
+    assert ((tok == y[:, None]) | (tok == -1)).all() and (X.sum(axis=1) == 1).all()
+print("ok")
+"""
+    backend = "jax" if importlib.util.find_spec("jax") else "torch"
+    out = run_python(["-c", code, tmp_path / "r.h5"], 100, KERAS_BACKEND=backend)
+    assert out.strip() == "ok"

@@ -128,6 +128,30 @@ def test_ragged_rows_slices_and_padding() -> None:
         Ragged(np.arange(3), np.array([0, 2]))
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 90), max_size=12),
+    length=st.none() | st.integers(0, 100),
+    trailing=st.sampled_from([(), (2,)]),
+)
+def test_to_padded_equals_padding_row_by_row(
+    lengths: list[int], length: int | None, trailing: tuple[int, ...]
+) -> None:
+    """Short rows (one index over the values) and long ones (a slice per row) pad alike: each
+    row's first values, then ``pad``, cut at ``length``; the lengths returned are the cut ones."""
+    values = np.arange(sum(lengths) * max(1, int(np.prod(trailing)))).reshape(-1, *trailing)
+    r = Ragged(values, np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
+    size = max(lengths, default=0) if length is None else length
+    x, n = r.to_padded(pad=-7, length=length, dtype=np.float64)
+    assert x.shape == (len(lengths), size, *trailing) and x.dtype == np.float64
+    want = np.full(x.shape, -7.0)
+    for i in range(len(lengths)):
+        k = min(lengths[i], size)
+        want[i, :k] = r[i][:k]
+    np.testing.assert_array_equal(x, want)
+    assert n.dtype == np.int64 and n.tolist() == [min(k, size) for k in lengths]
+
+
 def test_pad_and_densify_transformers() -> None:
     r = Ragged.from_rows([[1], [2, 3, 4]], np.int64)
     assert T.Pad(0, length=2)(r).tolist() == [[1, 0], [2, 3]]

@@ -74,8 +74,13 @@ def _adjacent(index: ChunkIndex) -> bool:
     return bool(len(order) < 2 or np.mean(offsets[order][1:] == ends) >= 0.9)
 
 
-def explain(t: TopReport, layout: Layout) -> None:
-    """Fill in ``t.reason`` (why this read path) and ``t.hints`` (what would make it faster)."""
+def explain(t: TopReport, layout: Layout, unit: str = "sample") -> None:
+    """Fill in ``t.reason`` (why this read path) and ``t.hints`` (what would make it faster).
+
+    ``unit``: what one row of the described dataset is, in the words shown: a sample, or a
+    ``"value"`` of a ragged or sparse top (its ``data``, whose rows are not the samples)."""
+    # A ragged top's chunks hold values: pack sizes them in bytes, not in whole samples.
+    pack = _PACK if unit == "sample" else "repack with `asynchdf5 pack` (about 1-4 MiB per chunk)"
     swap = "; stored in the other byte order: swapped in place after each read" * layout.swap
     if layout.path == "pread":
         where = "in external raw files" if layout.storage.startswith("external") else ""
@@ -91,28 +96,28 @@ def explain(t: TopReport, layout: Layout) -> None:
         decode = f"decoded ({', '.join(t.filters)})" if t.filters else "copied (no filters)"
         if index.splits_samples:
             t.reason = (
-                f"chunks of {t.chunk_shape} split each sample of shape {t.sample_shape}: read a "
+                f"chunks of {t.chunk_shape} split each {unit} of shape {t.sample_shape}: read a "
                 f"band at a time ({plural(index.band, 'chunk')} of {mib(size)}, "
-                f"{plural(rows, 'sample')}), raw chunks {decode} by a pool of threads, outside "
+                f"{plural(rows, unit)}), raw chunks {decode} by a pool of threads, outside "
                 f"h5py's lock{swap}"
             )
         elif not t.filters:
             t.reason = (
-                f"whole samples per chunk ({plural(rows, 'sample')}, {mib(size)}): the rows read "
+                f"whole {unit}s per chunk ({plural(rows, unit)}, {mib(size)}): the rows read "
                 "with preadv straight into the cache, chunks adjacent in the file as one read, "
                 f"outside h5py's lock{swap}"
             )
         else:
             t.reason = (
-                f"whole samples per chunk ({plural(rows, 'sample')}, {mib(size)}): raw chunks "
+                f"whole {unit}s per chunk ({plural(rows, unit)}, {mib(size)}): raw chunks "
                 f"read and {decode} by a pool of threads, outside h5py's lock{swap}"
             )
         if index.splits_samples and size < SEEK_BYTES:
             # A band is decoded chunk by chunk: small chunks cost a call (and, where a band's
             # chunks are not one after the other in the file, a seek) per few KiB.
             t.hints.append(
-                f"chunk shape {t.chunk_shape} splits each sample of shape {t.sample_shape} into "
-                f"{plural(index.band, 'chunk')} of {mib(size)}: a decode call per few KiB; {_PACK}"
+                f"chunk shape {t.chunk_shape} splits each {unit} of shape {t.sample_shape} into "
+                f"{plural(index.band, 'chunk')} of {mib(size)}: a decode call per few KiB; {pack}"
             )
         elif size < SEEK_BYTES and rows < (t.rows or 0):  # one chunk for all rows: one read
             cost = (
@@ -122,13 +127,13 @@ def explain(t: TopReport, layout: Layout) -> None:
                 else "every read is a seek"
             )
             t.hints.append(
-                f"chunk shape {t.chunk_shape} is {plural(rows, 'sample')} ({mib(size)}) per "
-                f"chunk: {cost}; {_PACK}"
+                f"chunk shape {t.chunk_shape} is {plural(rows, unit)} ({mib(size)}) per "
+                f"chunk: {cost}; {pack}"
             )
         elif t.filters and size > LARGE_CHUNK_BYTES:
             t.hints.append(
                 f"compressed chunks of {mib(size)}: a shuffled read of a block decodes whole "
-                f"chunks, far more than the block; {_PACK}"
+                f"chunks, far more than the block; {pack}"
             )
         if "gzip" in t.filters and deflate_backend() == "zlib":
             t.hints.append(

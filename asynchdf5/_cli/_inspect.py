@@ -135,7 +135,10 @@ class Report:
     #: served from the page cache: the read path ``mmap``) or ``"copied: why"`` (the paths above).
     mmap: str | None = None
     samples: int | None = None
+    #: Bytes of one sample over all tops, as a batch holds them; with a ragged or sparse top,
+    #: on average (its values' bytes over the samples, and a row's offset), and ``varying``.
     sample_bytes: int | None = None
+    varying: bool = False
 
     @property
     def ok(self) -> bool:
@@ -158,6 +161,7 @@ class Report:
             "ok": self.ok,
             "samples": self.samples,
             "sample_bytes": self.sample_bytes,
+            "sample_bytes_vary": self.varying,
             "bytes": None
             if self.samples is None or self.sample_bytes is None
             else self.samples * self.sample_bytes,
@@ -199,7 +203,9 @@ def _top(source: Source, file: Any, name: str) -> TopReport:
     found = find_top(file.name, h5, stored)
     holder, dset = physical(source, file, found.dset)
     with holder.pinned():  # an external link's target: not closed while described
-        t = _describe_top(source, holder, file, dset, found, name)
+        # A group's stored rows are its values (data), not its samples: the hints say so.
+        unit = "sample" if rows is None else "value"
+        t = _describe_top(source, holder, file, dset, found, name, unit)
     t.form, t.form_note = form, note
     if rows is not None:  # a group's samples are its rows, not its stored elements
         t.rows, t.sample_shape = rows, None  # bytes: its data's
@@ -296,7 +302,13 @@ def _form(file_name: str, h5: Any, name: str) -> tuple[str, str, str, int | None
 
 
 def _describe_top(
-    source: Source, holder: Any, file: Any, dset: Any, found: FoundTop, name: str
+    source: Source,
+    holder: Any,
+    file: Any,
+    dset: Any,
+    found: FoundTop,
+    name: str,
+    unit: str = "sample",
 ) -> TopReport:
     layout = describe_top(source, holder, dset, name, found.field)
     shape = found.sample_shape
@@ -317,7 +329,7 @@ def _describe_top(
     if dset.chunks is not None:
         t.chunk_shape = tuple(int(c) for c in dset.chunks)
         t.chunk_bytes = dset.dtype.itemsize * math.prod(t.chunk_shape)  # whole records
-    explain(t, layout)
+    explain(t, layout, unit)
     return t
 
 
@@ -380,7 +392,8 @@ def analyze(
     else:
         report.read_paths = catalog.read_paths()
         report.samples = catalog.n_samples
-        report.sample_bytes = catalog.row_bytes
+        report.varying = any(t.ragged is not None for t in catalog.tops.values())
+        report.sample_bytes = catalog.mean_row_bytes if report.varying else catalog.row_bytes
         report.mmap = probe(catalog)  # takes the file's read lease and gives it back
     finally:
         files.close()
@@ -405,7 +418,9 @@ def render(report: Report) -> str:
     head = f"source {report.source}: {plural(len(report.entries), 'file')}"
     if report.samples is not None and report.sample_bytes is not None:
         head += (
-            f", {plural(report.samples, 'sample')} of {report.sample_bytes:,} bytes "
+            f", {plural(report.samples, 'sample')} of "
+            f"{'about ' if report.varying else ''}{report.sample_bytes:,} bytes"
+            f"{' on average' if report.varying else ''} "
             f"({mib(report.samples * report.sample_bytes)})"
         )
     out.append(head + f"; tops {', '.join(report.tops)}")
