@@ -71,7 +71,7 @@ MIN_BLOCK_BYTES = 2**20
 STORED_CHUNKS_PER_BLOCK = 4
 #: ... while a cached chunk still holds at least this many blocks.
 MIN_BLOCKS_PER_CHUNK = 16
-#: The ramp of an epoch's first read (``_planner.first_read``) takes each piece from this many
+#: The ramp of an epoch's first read (``_sizing.first_read``) takes each piece from this many
 #: places of the first chunk (lanes), so that its first batches mix as a later chunk's do
 #: (docs/shuffle.md) ...
 RAMP_LANES = 32
@@ -79,11 +79,11 @@ RAMP_LANES = 32
 #: piece twice as large, parts as large: ``_walk.growing_ramp``) ...
 RAMP_TOP_LANES = 192
 #: ... each lane's part of the first piece at least this big (a read each; and at least a
-#: stored chunk decoded whole, or a remote request: see ``_planner.ramp_lanes``).
+#: stored chunk decoded whole, or a remote request: see ``_sizing.ramp_lanes``).
 MIN_LANE_BYTES = 256 * 2**10
 #: A chunk drawing from fewer places of the data set than this (its blocks and lanes) mixes
 #: class-sorted data noticeably worse than a full permutation (docs/shuffle.md): the layer warns
-#: (``_planner.mixing_warning``).
+#: (``_sizing.mixing_warning``).
 MIN_PLACES = 36
 
 #: The most samples a batch may hold (``batch_size``), and a stream may choose per epoch
