@@ -261,11 +261,11 @@ class LayerBase:
     async def _open(self, portal: BlockingPortal | None) -> None:
         """Open: the source builds the whole opening, which the consumer adopts."""
         consumer = self._consumer
-        consumer.opening()  # a second opener gets a StateError before any await
+        epoch = consumer.opening()  # a second opener gets a StateError before any await
         try:
             at = time.perf_counter()
             nice_steps()  # a bad ASYNCHDF5_NICE fails here, not in a pipeline thread
-            opened = await self._open_source(consumer.epoch, portal, at)
+            opened = await self._open_source(epoch, portal, at)
         except BaseException:
             consumer.not_opened()
             raise

@@ -309,3 +309,65 @@ async def test_no_callback_from_the_consumer_up_when_opened_with_async_with(
             await anext(it)
             check_nothing_from_above(layer)
             assert len([b async for b in it]) == 7
+
+
+#: The stages an ``async with`` passes through, in the order the opening enters each (the
+#: consumer twice: marked opening before any await, then adopting what the opening built).
+OPENING_ROUTE = [
+    "asynchdf5._layer",
+    "asynchdf5._consumer",
+    "asynchdf5._hdf5",
+    "asynchdf5._sizing",
+    "asynchdf5._planner",
+    "asynchdf5._opened",
+    "asynchdf5._consumer",
+]
+
+
+def _entered(frame: types.FrameType, seen: set[types.FrameType]) -> str | None:
+    """The module of ours that ``frame`` enters from outside it (None: a call within a module
+    already on the stack, a coroutine resumed, or not ours)."""
+    module = frame.f_globals.get("__name__", "")
+    if not module.startswith("asynchdf5") or frame in seen:
+        return None
+    seen.add(frame)  # a coroutine resumed after an await calls the same frame again
+    caller = frame.f_back
+    while caller is not None:
+        if caller.f_globals.get("__name__") == module:
+            return None
+        caller = caller.f_back
+    return str(module)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_an_opening_enters_each_stage_once_in_the_route_s_order(tmp_path: Path) -> None:
+    """docs/architecture.md's route of ``async with``: control goes down once. Every call into
+    a module of ours from outside it is recorded on the opening's thread (a worker thread's
+    catalog aside), and the route's stages are entered in order, each once (the consumer
+    twice, as the route says): the sizes of the order are fixed in ``_sizing`` before the
+    planner is reached, never by the planner's heuristics from inside ``_sizing``."""
+    lst, _ = write_source(tmp_path, (40, 40))
+    layer = AsyncHDF5DataLayer(lst, batch_size=10, shuffle=True, seed=1)
+    seen: set[types.FrameType] = set()
+    entries: list[str] = []
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            module = _entered(frame, seen)
+            if module is not None:
+                entries.append(module)
+
+    before = sys.getprofile()
+    with anyio.fail_after(30):
+        sys.setprofile(profile)
+        try:
+            await layer.__aenter__()
+        finally:
+            sys.setprofile(before)
+            seen.clear()
+        try:
+            route = [m for m in entries if m in OPENING_ROUTE]
+            assert route == OPENING_ROUTE, entries
+        finally:
+            await layer.aclose()
