@@ -603,14 +603,15 @@ class LayerConfig:
         properties: Mapping[str, object],
         *,
         hdf5: bool = True,
-        stream_tops: Sequence[str] = (),
+        streams: bool = False,
         caller: str = "LayerConfig.parse",
     ) -> LayerConfig:
         """Check every property (those of :data:`HDF5_PROPERTIES`, or with ``hdf5=False`` of
         :data:`PROPERTIES`, the rest at their defaults); raise :class:`ConfigurationError`
         naming the first bad one, and ``TypeError`` (as Python does) for a keyword that is none
-        of them or a missing ``batch_size``. ``stream_tops``: tops that only a stream reads,
-        which transformers may name too."""
+        of them or a missing ``batch_size``. ``streams``: the source is a mapping of streams,
+        whose own tops a transformer may name: the streams check the transformers' tops
+        (:func:`~._streams.parse_streams`), once each stream's tops are known."""
         takes = HDF5_PROPERTIES if hdf5 else PROPERTIES
         if "backend" in properties:
             warnings.warn(
@@ -655,12 +656,11 @@ class LayerConfig:
                 "are reused only once you let go of them, without asking)"
             )
         tops = v["tops"]
-        for i, (top, _) in enumerate(v["transformers"]):
-            if top not in tops and top not in stream_tops:
-                also = f" nor of a stream's tops {tuple(stream_tops)!r}" if stream_tops else ""
+        for i, (top, _) in enumerate(() if streams else v["transformers"]):
+            if top not in tops:
                 raise ConfigurationError(
                     f"transformers[{i}] is for top {top!r}, which is not one of "
-                    f"tops={tuple(tops)!r}{also}"
+                    f"tops={tuple(tops)!r}"
                 )
         return cls(**v, rank_source=source, seed_given=given)
 

@@ -65,7 +65,7 @@ def test_layer_config_holds_every_property_at_its_default() -> None:
     derived = {"rank_source", "seed_given"}
     fields = [f.name for f in dataclasses.fields(LayerConfig)]
     assert set(fields) - derived == set(HDF5_PROPERTIES)
-    config = LayerConfig.parse({"batch_size": 8}, stream_tops=())
+    config = LayerConfig.parse({"batch_size": 8})
     drawn = {"seed", "rank", "world_size"}  # drawn or detected when None
     for name, (_, p) in HDF5_PROPERTIES.items():
         if p.default is not REQUIRED and name not in drawn:
