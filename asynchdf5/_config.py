@@ -71,7 +71,7 @@ MIN_BLOCK_BYTES = 2**20
 STORED_CHUNKS_PER_BLOCK = 4
 #: ... while a cached chunk still holds at least this many blocks.
 MIN_BLOCKS_PER_CHUNK = 16
-#: The ramp of an epoch's first read (``_planner.first_read``) takes each piece from this many
+#: The ramp of an epoch's first read (``_sizing.first_read``) takes each piece from this many
 #: places of the first chunk (lanes), so that its first batches mix as a later chunk's do
 #: (docs/shuffle.md) ...
 RAMP_LANES = 32
@@ -79,11 +79,11 @@ RAMP_LANES = 32
 #: piece twice as large, parts as large: ``_walk.growing_ramp``) ...
 RAMP_TOP_LANES = 192
 #: ... each lane's part of the first piece at least this big (a read each; and at least a
-#: stored chunk decoded whole, or a remote request: see ``_planner.ramp_lanes``).
+#: stored chunk decoded whole, or a remote request: see ``_sizing.ramp_lanes``).
 MIN_LANE_BYTES = 256 * 2**10
 #: A chunk drawing from fewer places of the data set than this (its blocks and lanes) mixes
 #: class-sorted data noticeably worse than a full permutation (docs/shuffle.md): the layer warns
-#: (``_planner.mixing_warning``).
+#: (``_sizing.mixing_warning``).
 MIN_PLACES = 36
 
 #: The most samples a batch may hold (``batch_size``), and a stream may choose per epoch
@@ -603,14 +603,15 @@ class LayerConfig:
         properties: Mapping[str, object],
         *,
         hdf5: bool = True,
-        stream_tops: Sequence[str] = (),
+        streams: bool = False,
         caller: str = "LayerConfig.parse",
     ) -> LayerConfig:
         """Check every property (those of :data:`HDF5_PROPERTIES`, or with ``hdf5=False`` of
         :data:`PROPERTIES`, the rest at their defaults); raise :class:`ConfigurationError`
         naming the first bad one, and ``TypeError`` (as Python does) for a keyword that is none
-        of them or a missing ``batch_size``. ``stream_tops``: tops that only a stream reads,
-        which transformers may name too."""
+        of them or a missing ``batch_size``. ``streams``: the source is a mapping of streams,
+        whose own tops a transformer may name: the streams check the transformers' tops
+        (:func:`~._streams.parse_streams`), once each stream's tops are known."""
         takes = HDF5_PROPERTIES if hdf5 else PROPERTIES
         if "backend" in properties:
             warnings.warn(
@@ -655,12 +656,11 @@ class LayerConfig:
                 "are reused only once you let go of them, without asking)"
             )
         tops = v["tops"]
-        for i, (top, _) in enumerate(v["transformers"]):
-            if top not in tops and top not in stream_tops:
-                also = f" nor of a stream's tops {tuple(stream_tops)!r}" if stream_tops else ""
+        for i, (top, _) in enumerate(() if streams else v["transformers"]):
+            if top not in tops:
                 raise ConfigurationError(
                     f"transformers[{i}] is for top {top!r}, which is not one of "
-                    f"tops={tuple(tops)!r}{also}"
+                    f"tops={tuple(tops)!r}"
                 )
         return cls(**v, rank_source=source, seed_given=given)
 

@@ -101,11 +101,14 @@ class Consumer:
 
     # --- opening and closing ------------------------------------------------------------------
 
-    def opening(self) -> None:
-        """The layer starts opening (:class:`StateError` unless it is closed)."""
+    def opening(self) -> int:
+        """The layer starts opening (:class:`StateError` unless it is closed); the epoch the
+        opening serves first (asked here, so the opening reaches the consumer only to start
+        and to be adopted: :meth:`open`)."""
         if self.state != "closed":
             raise StateError(f"the layer is already {self.state}: open it once at a time")
         self.state = "opening"  # before any await: a second opener sees it at once
+        return self.place.epoch
 
     def not_opened(self) -> None:
         """Opening failed: the layer is closed."""

@@ -36,7 +36,7 @@ from ._schemas import check_schemas
 from ._shape import DataShape
 from ._sizing import cache_plan, shape_of
 from ._sources import Source, SourceLike, SourceOptions, Streaming
-from ._streams import Stream, StreamSpec, combine, parse_streams, stream_tops
+from ._streams import Stream, StreamSpec, combine, parse_streams
 
 if sys.version_info >= (3, 11):
     from typing import Self, Unpack
@@ -66,7 +66,7 @@ class HDF5Layer(LayerBase):
         **properties: Unpack[HDF5Properties],
     ) -> None:
         config = LayerConfig.parse(
-            properties, stream_tops=stream_tops(source), caller=type(self).__name__
+            properties, streams=isinstance(source, Mapping), caller=type(self).__name__
         )
         self._setup(source, config)
 

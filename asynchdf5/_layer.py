@@ -6,10 +6,10 @@ question about order; it holds the layer's one :class:`~._config.LayerConfig`) a
 its stats). ``async with`` has the layer's source build its whole opening (catalog, checks,
 reader, cache: an :class:`~._opened.Opened`, by :meth:`LayerBase._open_source`) and hands it to
 the consumer. ``with`` does the same on an event loop in a background thread: the layer then
-holds a :class:`~._sync.SyncOpening` (composed, not inherited), whose portal the ``for`` loops
-take their batches through. Each ``async for`` (or ``for``) is an
-:class:`~._iterator.EpochIterator`, a view on the consumer. Resume goes through the planner to
-:mod:`._resume`.
+holds a :class:`~._sync.Bridge` (composed, not inherited) and enters its own opening through
+the bridge's portal, which the ``for`` loops take their batches through. Each ``async for`` (or
+``for``) is an :class:`~._iterator.EpochIterator`, a view on the consumer. Resume goes through
+the planner to :mod:`._resume`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ._planner import Planner, check_part
 from ._priority import nice_steps
 from ._shape import DataShape
 from ._stats import LayerStats, Stats
-from ._sync import SyncOpening
+from ._sync import Bridge
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -60,8 +60,9 @@ class LayerBase:
             batch_size=config.batch_size,
             prefetch=config.prefetch,
         )
-        #: Opened with ``with``: the opening on its background event loop (None otherwise).
-        self._sync: SyncOpening | None = None
+        #: Opened with ``with``: the bridge to the background event loop, and the opening
+        #: entered there through its portal (None otherwise).
+        self._sync: tuple[Bridge, contextlib.AbstractContextManager[None]] | None = None
         # What the latest opening's reader said of each top (kept after the close, for stats).
         self._read_paths: Mapping[str, str] = {}
         self._read_notes: Mapping[str, str] = {}
@@ -260,11 +261,11 @@ class LayerBase:
     async def _open(self, portal: BlockingPortal | None) -> None:
         """Open: the source builds the whole opening, which the consumer adopts."""
         consumer = self._consumer
-        consumer.opening()  # a second opener gets a StateError before any await
+        epoch = consumer.opening()  # a second opener gets a StateError before any await
         try:
             at = time.perf_counter()
             nice_steps()  # a bad ASYNCHDF5_NICE fails here, not in a pipeline thread
-            opened = await self._open_source(consumer.epoch, portal, at)
+            opened = await self._open_source(epoch, portal, at)
         except BaseException:
             consumer.not_opened()
             raise
@@ -275,7 +276,16 @@ class LayerBase:
     def __enter__(self) -> Self:
         if self._sync is not None:
             raise StateError("the layer is already open")
-        self._sync = SyncOpening.enter(self._opened)
+        # The layer enters its own opening through the bridge's portal: the bridge is handed
+        # none of the layer's code, so control goes down once (on failure its loop stops).
+        bridge = Bridge()
+        try:
+            entered = bridge.portal.wrap_async_context_manager(self._opened(bridge.portal))
+            entered.__enter__()
+        except BaseException:
+            bridge.stop(cancel=True)
+            raise
+        self._sync = (bridge, entered)
         return self
 
     def __exit__(
@@ -288,9 +298,18 @@ class LayerBase:
 
     def close(self) -> None:
         """Stop the pipeline and its event loop thread; release everything (idempotent)."""
-        opening, self._sync = self._sync, None
-        if opening is not None:
-            opening.close()
+        opened, self._sync = self._sync, None
+        if opened is None:
+            return
+        bridge, entered = opened
+        # A KeyboardInterrupt during the close cuts the graceful part short (what still runs
+        # on the loop is cancelled) but never the request to stop the loop.
+        closed = False
+        try:
+            entered.__exit__(None, None, None)
+            closed = True
+        finally:
+            bridge.stop(cancel=not closed)
 
     # --- iterating ----------------------------------------------------------------------------
 

@@ -8,33 +8,20 @@ the last few, so that the pipeline, ``len()`` and ``state_dict()`` agree without
 Planning a laned epoch of a large data set takes up to about a second: :meth:`Planner.plan_soon`
 plans in a worker thread, never on the event loop.
 
-The heuristics that size an epoch's order live here too, from the properties and the files'
-layout only (never the shard), so that every rank and every resumed run draws the same order:
-the rows of a shuffled block (:func:`default_block_rows`), an epoch's first read and its ramp's
-lanes (:func:`first_read`), and the lanes of every chunk (:func:`chunk_lanes`).
+The planner sizes nothing: the blocks, first read and lanes are the shape's, fixed before it by
+:mod:`._sizing` (or by a loaded state), so that an opening reaches the planner once.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import anyio.to_thread
 
-from ._config import (
-    BLOCK_BYTES,
-    BLOCKS_PER_CHUNK,
-    MIN_BLOCK_BYTES,
-    MIN_BLOCKS_PER_CHUNK,
-    MIN_LANE_BYTES,
-    MIN_PLACES,
-    RAMP_LANES,
-    RAMP_TOP_LANES,
-    STORED_CHUNKS_PER_BLOCK,
-    LayerConfig,
-)
+from ._config import LayerConfig
 from ._errors import ConfigurationError
 from ._mix import plan_mixed
 from ._plan import EpochPlan, check_split, plan_epoch
@@ -43,210 +30,7 @@ from ._resume import Loaded, Resume, fingerprint, load_state, resumed_plan, save
 from ._schemas import check_elastic
 from ._shape import DataShape
 
-__all__ = [
-    "RAMP_BYTES",
-    "Order",
-    "Planner",
-    "chunk_lanes",
-    "default_block_rows",
-    "first_read",
-    "lane_part_rows",
-    "mixing_warning",
-    "order_of",
-    "ramp_lanes",
-]
-
-#: Rows of the first chunk of an epoch are ramped up from about this many bytes, so the first
-#: batch waits for a small read rather than a whole chunk.
-RAMP_BYTES = 8 * 2**20
-
-
-def first_read(
-    batch_size: int, row_bytes: int, shuffle: bool, stored_rows: int = 0, request_bytes: int = 0
-) -> tuple[int, int]:
-    """An epoch's first read: its rows and the lanes of its ramp (1 unshuffled).
-
-    About :data:`RAMP_BYTES` of rows, and enough for a whole batch even when the shares of the
-    ramp's lanes are rounded down (each up to a row short: see :func:`~._plan.plan_epoch`), so
-    that the first batch waits for the first piece alone. The lanes are chosen for a read of a
-    batch or :data:`RAMP_BYTES` (:func:`ramp_lanes`), and are no more than a batch's rows (more
-    add nothing to the first batch's mix); the read then grows by what their rounding can
-    lose, ``lanes - 1`` rows (not ``RAMP_LANES - 1`` whatever the lanes: a first batch of a few
-    large rows would wait for dozens). States saved with another first read keep theirs
-    (:mod:`._resume`).
-
-    Shuffled data in stored chunks decoded whole (``stored_rows``) is read at least
-    :data:`RAMP_LANES` stored chunks first, so that the first piece still draws from that many
-    places: a part of a stored chunk decodes it whole anyway, and with chunks of 1,024 rows of
-    1 KiB the 8 MiB first read drew from 8 (its batches of class-sorted data at 0.77-0.80 of a
-    permutation's label entropy; from 32, 0.98 or more).
-    """
-    ramp = RAMP_BYTES // max(1, row_bytes)
-    lanes = 1
-    if shuffle:
-        ramp = max(ramp, RAMP_LANES * stored_rows)
-        base = max(batch_size, ramp)
-        lanes = min(ramp_lanes(base, row_bytes, stored_rows, request_bytes), batch_size)
-    return max(batch_size + lanes - 1, ramp), lanes
-
-
-def ramp_lanes(first: int, row_bytes: int, stored_rows: int = 0, request_bytes: int = 0) -> int:
-    """Lanes of the ramp (see :func:`~._plan.plan_epoch`): up to :data:`RAMP_LANES`, as long as
-    each lane's part of the first piece (``first`` rows) is at least ``MIN_LANE_BYTES``, a
-    stored chunk decoded whole (``stored_rows``) and a remote request (``request_bytes``): the
-    first read stays a few large requests, and compressed data is not decoded many times over.
-    From the properties and the files' layout only, as the blocks are."""
-    row_bytes = max(1, row_bytes)
-    lane = max(1, MIN_LANE_BYTES // row_bytes, stored_rows, -(-request_bytes // row_bytes))
-    return max(1, min(RAMP_LANES, first // lane))
-
-
-def lane_part_rows(row_bytes: int, stored_rows: int = 0, request_bytes: int = 0) -> int:
-    """The fewest rows of a chunk's lane part (:func:`chunk_lanes`): ``MIN_LANE_BYTES``,
-    ``STORED_CHUNKS_PER_BLOCK`` stored chunks decoded whole (as blocks span) and a remote
-    request."""
-    row_bytes = max(1, row_bytes)
-    return max(
-        1,
-        MIN_LANE_BYTES // row_bytes,
-        STORED_CHUNKS_PER_BLOCK * stored_rows,
-        -(-request_bytes // row_bytes),
-    )
-
-
-def chunk_lanes(
-    chunk_rows: int,
-    block_rows: int | None,
-    row_bytes: int,
-    stored_rows: int = 0,
-    request_bytes: int = 0,
-) -> int:
-    """Lanes of every chunk (see :func:`~._plan.plan_epoch`): 1 when a chunk holds
-    ``BLOCKS_PER_CHUNK`` blocks (``MIN_PLACES`` of compressed or remote data), else up
-    to ``BLOCKS_PER_CHUNK``, so that a chunk still draws from enough
-    places of the data set for its batches to mix when the cache had to shrink (a small memory
-    budget) or the rows are narrow. Each lane's part of a chunk keeps :func:`lane_part_rows`.
-
-    Unlike the blocks, the lanes may depend on the cache (``chunk_rows``): they cut this rank's
-    share into chunks, and never change which samples a rank serves.
-    """
-    # Compressed data and remote objects take lanes only below MIN_PLACES blocks a chunk (the
-    # fewest that mix to the promise), their blocks being kept a few stored chunks or a request
-    # long (:func:`default_block_rows`); below 36, from 16 up, chunks of class-sorted rows
-    # in stored chunks mixed to 0.92 of a permutation, with no warning.
-    want = MIN_PLACES if stored_rows or request_bytes else BLOCKS_PER_CHUNK
-    if block_rows is None or chunk_rows // block_rows >= want:
-        return 1
-    part = lane_part_rows(row_bytes, stored_rows, request_bytes)
-    return max(1, min(BLOCKS_PER_CHUNK, chunk_rows // part))
-
-
-def mixing_warning(
-    chunk_rows: int,
-    block_rows: int | None,
-    lanes: int,
-    row_bytes: int,
-    stored_rows: int = 0,
-    request_bytes: int = 0,
-) -> str | None:
-    """Why the chunks will not mix class-sorted data to the documented 0.95 (None: they will):
-    a chunk drawing from fewer than ``MIN_PLACES`` places, its blocks and lanes, because the
-    cache is too small for that many lane parts of ``MIN_LANE_BYTES`` (or of a stored chunk
-    decoded whole, or a remote request: see :func:`chunk_lanes`), with the cache that would."""
-    if block_rows is None:
-        return None
-    places = lanes + chunk_rows // block_rows
-    if places >= MIN_PLACES:
-        return None
-    need = 2 * MIN_PLACES * lane_part_rows(row_bytes, stored_rows, request_bytes) * row_bytes
-    return (
-        f"chunks of {chunk_rows} samples draw from {places} places of the data set, fewer than "
-        f"the {MIN_PLACES} that mix class-sorted data to 0.95 of a full permutation: give the "
-        f"cache at least {need / 2**20:.0f} MiB (cache_bytes), or lower block_size"
-    )
-
-
-def default_block_rows(
-    row_bytes: int, chunk_size: int, stored_rows: int = 0, request_bytes: int = 0
-) -> int:
-    """Rows of a block for ``block_size=None``: about ``BLOCK_BYTES`` of samples (reads near
-    the disk's sequential rate), but no more than ``chunk_size``'s share of ``BLOCKS_PER_CHUNK``
-    blocks (each chunk draws from enough of the data set for its batches to mix), and never
-    less than ``MIN_BLOCK_BYTES`` (so a small ``chunk_size`` does not make tiny blocks).
-
-    ``stored_rows``: the rows of the largest stored chunk that is decoded whole (the raw-chunk
-    path). A block shorter than a few of them would decode each several times over (every
-    block decodes the stored chunks it touches whole), so blocks span at least
-    ``STORED_CHUNKS_PER_BLOCK`` of them, as long as a chunk keeps ``MIN_BLOCKS_PER_CHUNK``.
-
-    ``request_bytes``: the bytes one read request of the files should move at least (remote
-    objects: a whole request, see :attr:`~._sources.StoredFile.request_bytes`). Each block is at
-    least one request, and small requests to an object store cost a round trip and the
-    client's work each, so blocks are at least this big, again as long as a chunk
-    keeps ``MIN_BLOCKS_PER_CHUNK``.
-
-    From the properties and the files' layout only, never from the data set's size, the shard
-    or the cache: every rank, every world size and every resumed run draws the same blocks.
-    """
-    row_bytes = max(1, row_bytes)
-    rows = min(BLOCK_BYTES // row_bytes, chunk_size // BLOCKS_PER_CHUNK)
-    want = max(STORED_CHUNKS_PER_BLOCK * stored_rows, request_bytes // row_bytes)
-    floor = min(want, chunk_size // MIN_BLOCKS_PER_CHUNK)
-    return max(1, rows, floor, MIN_BLOCK_BYTES // row_bytes)
-
-
-@dataclass(frozen=True)
-class Order:
-    """How a layer's epochs are cut, from its properties and its files' layout (see
-    :func:`order_of`)."""
-
-    block_rows: int | None  # None: unshuffled
-    first_rows: int
-    ramp_lanes: int
-    chunk_lanes: int
-    ramp_top_lanes: int | None  # None: unshuffled (the ramp's pieces are stretches)
-    #: Why the chunks will not mix class-sorted data well (None: they will).
-    warning: str | None
-
-
-def order_of(
-    config: LayerConfig,
-    row_bytes: int,
-    chunk_rows: int,
-    stored_rows: int = 0,
-    request_bytes: int = 0,
-    stored_shuffled: bool = False,
-) -> Order:
-    """The blocks, first read and lanes of a layer with ``config`` over rows of ``row_bytes``,
-    cached in chunks of ``chunk_rows`` (``stored_rows``, ``request_bytes``: see
-    :func:`default_block_rows`). A ``block_size`` given is the order asked for: no lanes.
-
-    ``stored_shuffled``: every file says its samples were written in a random order
-    (``pack --shuffle``): any stretch of rows is already a random draw of the data set, so
-    nothing needs reading from many places. Blocks are then ``chunk_size`` rows and nothing is
-    laned: each chunk, and each piece of the ramp, is one or two sequential reads, and its
-    samples are served in a random order, as a permutation's batches would hold them (unless a
-    ``block_size`` is given: the order asked for).
-    """
-    c = config
-    block = None
-    if c.shuffle:
-        block = c.block_size or default_block_rows(
-            row_bytes, c.chunk_size, stored_rows, request_bytes
-        )
-    first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored_rows, request_bytes)
-    if c.shuffle and stored_shuffled and c.block_size is None:
-        first = first_read(c.batch_size, row_bytes, False)[0]  # one stretch: no lanes to round
-        return Order(c.chunk_size, first, 1, 1, None, None)
-    laned = (
-        chunk_lanes(chunk_rows, block, row_bytes, stored_rows, request_bytes)
-        if c.block_size is None
-        else 1
-    )
-    why = mixing_warning(chunk_rows, block, laned, row_bytes, stored_rows, request_bytes)
-    top = RAMP_TOP_LANES if c.shuffle else None
-    return Order(block, first, lanes, laned, top, why)
-
+__all__ = ["Planner", "check_part"]
 
 #: Plans a planner keeps (the epochs in flight: the one served, the next, and a stream's).
 KEEP_PLANS = 4

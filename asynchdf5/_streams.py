@@ -32,7 +32,6 @@ __all__ = [
     "combine",
     "parse_streams",
     "stream_counts",
-    "stream_tops",
 ]
 
 
@@ -121,15 +120,6 @@ class StreamSpec:
     weight: float | None
     choose: int | None
     tops: tuple[str, ...] = ()  # its own tops (``Stream(tops=...)``); (): the layer's
-
-
-def stream_tops(source: object) -> tuple[str, ...]:
-    """The tops that the streams of ``source`` name themselves (``Stream(tops=...)``), for
-    the transformers' check: a transformer may name one."""
-    if not isinstance(source, Mapping):
-        return ()
-    named = [t for v in source.values() if isinstance(v, Stream) for t in v.tops or ()]
-    return tuple(dict.fromkeys(named))
 
 
 def parse_streams(

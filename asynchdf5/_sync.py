@@ -1,12 +1,13 @@
 """The bridge of the sync side of the layers (``with`` / ``for``): an event loop in a background
 thread and its portal.
 
-A layer opened with ``with`` holds a :class:`SyncOpening`: its async opening, run on an event
-loop in a background thread (one anyio blocking portal per opening, on asyncio). Every call
-crosses that one bridge: opening and closing, and iterating (a ``for`` loop's
-:class:`~._iterator.EpochIterator` takes at most :data:`BRIDGE_BATCHES` batches that are already
-gathered per trip, through :func:`call_or_cancel`). This module knows no layer, consumer
-or iterator: it runs what it is given on the loop, and control goes one way.
+A layer opened with ``with`` holds a :class:`Bridge`: an event loop in a background thread and
+its anyio blocking portal (one per opening, on asyncio), through which the layer enters and
+exits its own async opening. Every call crosses that one bridge: opening and closing, and
+iterating (a ``for`` loop's :class:`~._iterator.EpochIterator` takes at most
+:data:`BRIDGE_BATCHES` batches that are already gathered per trip, through
+:func:`call_or_cancel`). This module knows no layer, consumer or iterator and is handed none of
+their code: it starts and stops the loop, and control goes one way.
 
 Ctrl-C never leaves the bridge's thread running with nobody to stop it: closing asks the loop to
 stop with ``KeyboardInterrupt`` held back until the request is queued (a second Ctrl-C during
@@ -20,14 +21,13 @@ import signal
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
-from contextlib import AbstractAsyncContextManager
 from types import FrameType
 from typing import Any, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
-__all__ = ["BRIDGE_BATCHES", "SyncOpening", "call_or_cancel", "interrupts_held"]
+__all__ = ["BRIDGE_BATCHES", "Bridge", "call_or_cancel", "interrupts_held"]
 
 T = TypeVar("T")
 
@@ -36,45 +36,7 @@ T = TypeVar("T")
 BRIDGE_BATCHES = 256
 
 
-class SyncOpening:
-    """A layer opened with ``with``: its async opening, entered and exited on the event loop of
-    a background thread through that loop's portal (:meth:`enter`, :meth:`close`)."""
-
-    def __init__(self, bridge: _Bridge, opening: Any) -> None:
-        self._bridge = bridge
-        self._opening = opening
-
-    @classmethod
-    def enter(
-        cls,
-        opening: Callable[[BlockingPortal], AbstractAsyncContextManager[Any]],
-    ) -> SyncOpening:
-        """Start the loop and enter ``opening(portal)`` there (the portal goes to the open
-        layer, for its ``for`` loops); on failure the loop is stopped again."""
-        bridge = _Bridge()
-        try:
-            entered = bridge.portal.wrap_async_context_manager(opening(bridge.portal))
-            entered.__enter__()
-        except BaseException:
-            bridge.stop(cancel=True)
-            raise
-        return cls(bridge, entered)
-
-    def close(self) -> None:
-        """Exit the opening and stop its event loop thread.
-
-        A ``KeyboardInterrupt`` during the close cuts the graceful part short (what still runs
-        on the loop is cancelled) but never the request to stop the loop.
-        """
-        closed = False
-        try:
-            self._opening.__exit__(None, None, None)
-            closed = True
-        finally:
-            self._bridge.stop(cancel=not closed)
-
-
-class _Bridge:
+class Bridge:
     """An event loop in a daemon thread, serving a blocking portal until :meth:`stop`.
 
     anyio's ``start_blocking_portal`` waits for its thread in a ``finally``, even when a

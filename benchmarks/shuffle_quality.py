@@ -106,18 +106,18 @@ class OrderSpec:
     @property
     def first_rows(self) -> int:
         """As the layer computes it for a contiguous local file, shuffled
-        (:func:`asynchdf5._planner.first_read`)."""
+        (:func:`asynchdf5._sizing.first_read`)."""
         return first_read(self.batch_size, self.row_bytes, shuffle=True)[0]
 
     @property
     def ramp_lanes(self) -> int:
-        """The same read's lanes (:func:`asynchdf5._planner.first_read`)."""
+        """The same read's lanes (:func:`asynchdf5._sizing.first_read`)."""
         return first_read(self.batch_size, self.row_bytes, shuffle=True)[1]
 
     @property
     def default_block(self) -> int:
         """``block_size=None``'s block, in samples, as the layer computes it for a contiguous
-        local file (:func:`asynchdf5._planner.default_block_rows`)."""
+        local file (:func:`asynchdf5._sizing.default_block_rows`)."""
         return default_block_rows(self.row_bytes, self.chunk_size)
 
 

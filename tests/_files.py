@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import numpy.typing as npt
 
-import asynchdf5._planner
+import asynchdf5._sizing
 from asynchdf5 import Batch
 
 #: The layouts ``write_h5`` writes, and the read path the layer takes for each.
@@ -187,7 +187,7 @@ def check_message(exc: BaseException, *parts: object) -> None:
 def ramp(rows: int | None, lane_rows: int = 1) -> Iterator[None]:
     """Make the first chunk of every epoch ramp up from ``rows`` rows (None: the default), its
     pieces taken from lanes of at least ``lane_rows`` rows (when shuffled)."""
-    shape = vars(asynchdf5._planner)  # the module's globals, as its functions read them
+    shape = vars(asynchdf5._sizing)  # the module's globals, as its functions read them
     saved = shape["RAMP_BYTES"], shape["MIN_LANE_BYTES"]
     if rows is not None:
         shape["RAMP_BYTES"] = rows * ROW_BYTES

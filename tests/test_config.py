@@ -65,7 +65,7 @@ def test_layer_config_holds_every_property_at_its_default() -> None:
     derived = {"rank_source", "seed_given"}
     fields = [f.name for f in dataclasses.fields(LayerConfig)]
     assert set(fields) - derived == set(HDF5_PROPERTIES)
-    config = LayerConfig.parse({"batch_size": 8}, stream_tops=())
+    config = LayerConfig.parse({"batch_size": 8})
     drawn = {"seed", "rank", "world_size"}  # drawn or detected when None
     for name, (_, p) in HDF5_PROPERTIES.items():
         if p.default is not REQUIRED and name not in drawn:
@@ -149,7 +149,7 @@ def test_chunk_size_smaller_than_a_batch() -> None:
 
 def test_default_blocks_are_large_but_at_least_192_per_chunk() -> None:
     from asynchdf5._config import BLOCK_BYTES, BLOCKS_PER_CHUNK, MIN_BLOCK_BYTES
-    from asynchdf5._planner import default_block_rows
+    from asynchdf5._sizing import default_block_rows
 
     image = 3 * 32 * 32 + 8
     # 3x32x32 images with the default chunk_size: the 192-blocks floor binds (about 16 MiB).
@@ -188,7 +188,7 @@ async def test_the_layer_uses_the_default_blocks(tmp_path: Path) -> None:
 
 
 def test_default_blocks_span_a_few_stored_chunks() -> None:
-    from asynchdf5._planner import default_block_rows
+    from asynchdf5._sizing import default_block_rows
 
     # gzip chunks of 1,024 rows: blocks of 4 of them where the chunk keeps 16 blocks ...
     assert default_block_rows(3080, 2**17, stored_rows=1024) == 4096
@@ -199,7 +199,7 @@ def test_default_blocks_span_a_few_stored_chunks() -> None:
 
 
 def test_default_blocks_of_remote_objects_are_a_whole_request() -> None:
-    from asynchdf5._planner import default_block_rows
+    from asynchdf5._sizing import default_block_rows
 
     request = 8 * 2**20
     # Images streamed from an object store with a small chunk_size: 8 MiB blocks, not 1 MiB ...

@@ -24,17 +24,22 @@ method of the layer): the import graph cannot see that. So an open layer's consu
 (its opening, reader, runs, planner, everything of ours it reaches) for anything defined in a
 module above it in ``[tool.importlinter]``'s stages: none may be there, opened with ``with`` or
 with ``async with``, with one source or several streams, in this process or with a helper.
+
+And the route of docs/architecture.md: every call into a module of ours from outside it is
+recorded (:func:`sys.setprofile`) during construction and during ``async with``, and the route's
+stages must be entered in its order, each once.
 """
 
 from __future__ import annotations
 
 import ast
 import collections
+import contextlib
 import functools
 import re
 import sys
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -309,3 +314,98 @@ async def test_no_callback_from_the_consumer_up_when_opened_with_async_with(
             await anext(it)
             check_nothing_from_above(layer)
             assert len([b async for b in it]) == 7
+
+
+#: The stages construction passes through (a mapping of streams), in order. The source seam
+#: is left out: the layer reaches it for its options, and each stream's files through it.
+CONSTRUCTION_ROUTE = [
+    "asynchdf5._hdf5",
+    "asynchdf5._config",
+    "asynchdf5._streams",
+    "asynchdf5._layer",
+    "asynchdf5._delivery",
+    "asynchdf5._planner",
+    "asynchdf5._consumer",
+    "asynchdf5._place",
+]
+
+
+#: The stages an ``async with`` passes through, in the order the opening enters each (the
+#: consumer twice: marked opening before any await, then adopting what the opening built).
+OPENING_ROUTE = [
+    "asynchdf5._layer",
+    "asynchdf5._consumer",
+    "asynchdf5._hdf5",
+    "asynchdf5._sizing",
+    "asynchdf5._planner",
+    "asynchdf5._opened",
+    "asynchdf5._consumer",
+]
+
+
+def _entered(frame: types.FrameType, seen: set[types.FrameType]) -> str | None:
+    """The module of ours that ``frame`` enters from outside it (None: a call within a module
+    already on the stack, a coroutine resumed, or not ours)."""
+    module = frame.f_globals.get("__name__", "")
+    if not module.startswith("asynchdf5") or frame in seen:
+        return None
+    seen.add(frame)  # a coroutine resumed after an await calls the same frame again
+    caller = frame.f_back
+    while caller is not None:
+        if caller.f_globals.get("__name__") == module:
+            return None
+        caller = caller.f_back
+    return str(module)
+
+
+@contextlib.contextmanager
+def entries_recorded() -> Iterator[list[str]]:
+    """The modules of ours that the block enters (see :func:`_entered`), in order, on this
+    thread (a worker thread's calls are not seen)."""
+    seen: set[types.FrameType] = set()
+    entries: list[str] = []
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            module = _entered(frame, seen)
+            if module is not None:
+                entries.append(module)
+
+    before = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield entries
+    finally:
+        sys.setprofile(before)
+        seen.clear()
+
+
+def test_construction_enters_each_stage_once_in_the_route_s_order(tmp_path: Path) -> None:
+    """docs/architecture.md's route of construction, with a mapping of streams (whose own tops
+    transformers may name): the config is checked first, then the streams, each once."""
+    _, files = write_source(tmp_path, (40, 40))
+    source = {"a": Stream(files[0]), "b": Stream(files[1])}
+    with entries_recorded() as entries:
+        AsyncHDF5DataLayer(source, batch_size=10, seed=1)
+    route = [m for m in entries if m in CONSTRUCTION_ROUTE]
+    assert route == CONSTRUCTION_ROUTE, entries
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_an_opening_enters_each_stage_once_in_the_route_s_order(tmp_path: Path) -> None:
+    """docs/architecture.md's route of ``async with``: control goes down once. Every call into
+    a module of ours from outside it is recorded on the opening's thread (a worker thread's
+    catalog aside), and the route's stages are entered in order, each once (the consumer
+    twice, as the route says): the sizes of the order are fixed in ``_sizing`` before the
+    planner is reached, never by the planner's heuristics from inside ``_sizing``."""
+    lst, _ = write_source(tmp_path, (40, 40))
+    layer = AsyncHDF5DataLayer(lst, batch_size=10, shuffle=True, seed=1)
+    with anyio.fail_after(30):
+        with entries_recorded() as entries:
+            await layer.__aenter__()
+        try:
+            route = [m for m in entries if m in OPENING_ROUTE]
+            assert route == OPENING_ROUTE, entries
+        finally:
+            await layer.aclose()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from asynchdf5 import ConfigurationError
 from asynchdf5._config import RAMP_LANES
 from asynchdf5._plan import ChunkPlan, EpochPlan, plan_epoch, shard_share
-from asynchdf5._planner import RAMP_BYTES, first_read
+from asynchdf5._sizing import RAMP_BYTES, first_read
 from asynchdf5._walk import Lanes, Walk, append_range
 
 from ._files import split_refused

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import asynchdf5._planner
 import asynchdf5._read._mapped
+import asynchdf5._sizing
 from asynchdf5 import (
     AsyncHDF5DataLayer,
     Batch,
@@ -238,14 +238,14 @@ async def test_a_state_saved_before_the_ramp_had_lanes_resumes_as_it_was_read(
     """States saved before ``ramp_lanes`` existed hold no such entry: their runs read each
     epoch's first chunk in one lane, and the rest of such a run must be what it would have been
     (the layer adopts 1, not today's lanes)."""
-    monkeypatch.setattr(asynchdf5._planner, "RAMP_BYTES", 40 * 16)  # ramps of 40, 80 ... rows
-    monkeypatch.setattr(asynchdf5._planner, "MIN_LANE_BYTES", 4 * 16)  # lanes of 4 rows or more
+    monkeypatch.setattr(asynchdf5._sizing, "RAMP_BYTES", 40 * 16)  # ramps of 40, 80 ... rows
+    monkeypatch.setattr(asynchdf5._sizing, "MIN_LANE_BYTES", 4 * 16)  # lanes of 4 rows or more
     kw: dict[str, Any] = dict(shuffle=True, seed=7, block_size=8)
-    monkeypatch.setattr(asynchdf5._planner, "RAMP_LANES", 1)
+    monkeypatch.setattr(asynchdf5._sizing, "RAMP_LANES", 1)
     reference, _ = await run(make("hdf5", tmp_path / "a", **kw), 3)
     _, state = await run(make("hdf5", tmp_path / "b", **kw), 2, stop=5)
     assert state["fingerprint"].pop("ramp_lanes") == 1
-    monkeypatch.setattr(asynchdf5._planner, "RAMP_LANES", 32)
+    monkeypatch.setattr(asynchdf5._sizing, "RAMP_LANES", 32)
     today, _ = await run(make("hdf5", tmp_path / "c", **kw), 2)
     assert today[1] != reference[1]  # the lanes change the order of an epoch's start
     resumed = make("hdf5", tmp_path / "d", **kw)
