@@ -5,8 +5,8 @@ order once the data has been looked at: the properties, the data's :class:`~._sh
 a DataLoader worker's part, and a loaded state (:mod:`._resume`). It answers with pure plans
 (:func:`~._plan.plan_epoch`, continued by :mod:`._replan`), the same on every rank, and keeps
 the last few, so that the pipeline, ``len()`` and ``state_dict()`` agree without planning twice.
-Planning a laned epoch of a large data set takes up to about a second: :meth:`Planner.plan_soon`
-plans in a worker thread, never on the event loop.
+Planning a laned epoch of a large data set takes long enough to stall a step:
+:meth:`Planner.plan_soon` plans in a worker thread, never on the event loop.
 
 The planner sizes nothing: the blocks, first read and lanes are the shape's, fixed before it by
 :mod:`._sizing` (or by a loaded state), so that an opening reaches the planner once.
@@ -115,9 +115,8 @@ class Planner:
     # --- plans --------------------------------------------------------------------------------
 
     def plan(self, epoch: int, *, stream: bool = False) -> EpochPlan:
-        """The plan of ``epoch`` for this rank (pure; kept for the next asker). Blocking for up
-        to about a second on a large laned data set: from the event loop, use
-        :meth:`plan_soon`."""
+        """The plan of ``epoch`` for this rank (pure; kept for the next asker). Blocking (long on a
+        large laned data set): from the event loop, use :meth:`plan_soon`."""
         key = (epoch, stream)
         with self._lock:
             kept, generation = self._plans.get(key), self._generation

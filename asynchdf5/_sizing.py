@@ -73,9 +73,8 @@ def first_read(
 
     Shuffled data in stored chunks decoded whole (``stored_rows``) is read at least
     :data:`RAMP_LANES` stored chunks first, so that the first piece still draws from that many
-    places: a part of a stored chunk decodes it whole anyway, and with chunks of 1,024 rows of
-    1 KiB the 8 MiB first read drew from 8 (its batches of class-sorted data at 0.77-0.80 of a
-    permutation's label entropy; from 32, 0.98 or more).
+    places: a part of a stored chunk decodes it whole anyway, and a first read of a few large
+    stored chunks draws from too few places to mix class-sorted data (docs/design-notes.md).
     """
     ramp = RAMP_BYTES // max(1, row_bytes)
     lanes = 1
@@ -128,8 +127,8 @@ def chunk_lanes(
     """
     # Compressed data and remote objects take lanes only below MIN_PLACES blocks a chunk (the
     # fewest that mix to the promise), their blocks being kept a few stored chunks or a request
-    # long (:func:`default_block_rows`); below 36, from 16 up, chunks of class-sorted rows
-    # in stored chunks mixed to 0.92 of a permutation, with no warning.
+    # long (:func:`default_block_rows`); fewer places mix class-sorted rows in stored chunks
+    # below the promise, with no warning.
     want = MIN_PLACES if stored_rows or request_bytes else BLOCKS_PER_CHUNK
     if block_rows is None or chunk_rows // block_rows >= want:
         return 1
