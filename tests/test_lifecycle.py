@@ -556,7 +556,9 @@ async def test_the_pipeline_plans_its_epochs_off_the_event_loop(
 # --- a cancellation from outside always leaves async with ----------------------------------------
 
 
-async def _cancelled_from_outside(source: Path, cancel: Callable[[float], None], delay: float) -> str:
+async def _cancelled_from_outside(
+    source: Path, cancel: Callable[[float], None], delay: float
+) -> str:
     """Iterate (with a transformer: the gathering then polls) until ``cancel(delay)`` lands
     (scheduled once the layer is open)."""
     layer = AsyncHDF5DataLayer(
@@ -584,14 +586,13 @@ async def test_a_native_task_cancel_always_leaves_async_with(
     with anyio.fail_after(30):
         end = time.monotonic() + 3
         while time.monotonic() < end:
+
             def cancel(delay: float) -> None:
                 me = asyncio.current_task()
                 assert me is not None
                 loop.call_later(delay, me.cancel)
 
-            task = loop.create_task(
-                _cancelled_from_outside(source, cancel, rng.uniform(0, 0.05))
-            )
+            task = loop.create_task(_cancelled_from_outside(source, cancel, rng.uniform(0, 0.05)))
             try:
                 outcome = await task
             except asyncio.CancelledError:
