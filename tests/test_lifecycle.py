@@ -664,3 +664,37 @@ async def test_a_native_task_cancel_while_closing_is_never_lost(
                 outcome = "cancelled"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert set(outcomes) == {"cancelled"}, outcomes
+
+
+async def test_a_native_task_cancel_while_opening_leaves_nothing_behind(
+    source: Path, anyio_backend: str
+) -> None:
+    """A native cancel that lands while the layer opens (a worker thread builds the catalog,
+    maps the files) leaves the thread's work whole and releases it: no lease thread, no open
+    file (the leak check after the test), and the cancellation goes on."""
+    if anyio_backend != "asyncio":
+        pytest.skip("Task.cancel is asyncio's")
+    loop = asyncio.get_running_loop()
+    rng = random.Random(3)
+
+    async def user(delay: float) -> str:
+        me = asyncio.current_task()
+        assert me is not None
+        loop.call_later(delay, me.cancel)
+        async with AsyncHDF5DataLayer(source, batch_size=10, mmap=True) as layer:
+            for _ in range(10_000):
+                async for _batch in layer:
+                    await anyio.sleep(0)
+        return "the code after async with ran"
+
+    outcomes: dict[str, int] = {}
+    with anyio.fail_after(30):
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            task = loop.create_task(user(rng.uniform(0, 0.01)))
+            try:
+                outcome = await task
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert set(outcomes) == {"cancelled"}, outcomes
