@@ -26,11 +26,16 @@ async def run_sync_whole(
 ) -> T:
     """``fn(*args)`` in a worker thread, waited for to its end even when the caller is
     cancelled (natively too); then the cancellation goes on, and what ``fn`` returned is
-    given to ``release`` (blocking, on the event loop: keep it short)."""
+    given to ``release`` (blocking, on the event loop: keep it short). What ``fn`` raises is
+    raised as it is (never wrapped in an ExceptionGroup)."""
     done: list[T] = []
+    failed: list[Exception] = []
 
     async def call() -> None:
-        done.append(await anyio.to_thread.run_sync(fn, *args))
+        try:
+            done.append(await anyio.to_thread.run_sync(fn, *args))
+        except Exception as exc:  # raised below, in the caller's task, unwrapped
+            failed.append(exc)
 
     try:
         async with anyio.create_task_group() as tg:
@@ -39,4 +44,6 @@ async def run_sync_whole(
         if done and release is not None:
             release(done[0])
         raise
+    if failed:
+        raise failed[0]
     return done[0]
