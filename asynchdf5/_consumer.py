@@ -134,10 +134,10 @@ class Consumer:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
-        """Stop the run and release everything (in the task that opened the layer); what the
-        task group's exit returns. A consumer still iterating has left its epoch early: that
-        epoch is over."""
+    ) -> None:
+        """Stop the run and release everything (in the task that opened the layer). Never
+        swallows what left the body (``exc``): a cancellation from outside goes on. A consumer
+        still iterating has left its epoch early: that epoch is over."""
         opened = self.opened
         if self.state != "open" or opened is None:
             return None
@@ -146,7 +146,7 @@ class Consumer:
         try:
             if self.run is not None:
                 self.run.scope.cancel()
-            return await opened.exit(exc_type, exc, tb)
+            await opened.exit(exc_type, exc, tb)
         finally:
             try:
                 self._drop_run()

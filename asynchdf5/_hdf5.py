@@ -37,6 +37,7 @@ from ._shape import DataShape
 from ._sizing import cache_plan, shape_of
 from ._sources import Source, SourceLike, SourceOptions, Streaming
 from ._streams import Stream, StreamSpec, combine, parse_streams
+from ._thread_call import run_sync_whole
 
 if sys.version_info >= (3, 11):
     from typing import Self, Unpack
@@ -202,7 +203,8 @@ class HDF5Layer(LayerBase):
             return looked[0], looked[1]
         files = self._source()
         try:
-            found = await anyio.to_thread.run_sync(self._build_catalog, files)
+            # Waited for whole: the files are closed below only once nothing reads them.
+            found = await run_sync_whole(self._build_catalog, files)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(files.close)
@@ -226,8 +228,9 @@ class HDF5Layer(LayerBase):
             # (or its cgroup) holds already, where that is less.
             room = memory_room()
             memory = memory_bytes() if room is None else min(memory_bytes(), room.free)
-            chosen = choice = await anyio.to_thread.run_sync(
-                choose, catalog, self.config.mmap, memory
+            # Waited for whole: the leases it takes are given back on any failure.
+            chosen = choice = await run_sync_whole(
+                choose, catalog, self.config.mmap, memory, release=Choice.close
             )
             reader: Reader
             if choice.mapped:  # no slots: rows served in place

@@ -239,8 +239,8 @@ class LayerBase:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
-        return await self._consumer.close(exc_type, exc, tb)
+    ) -> None:
+        await self._consumer.close(exc_type, exc, tb)
 
     async def aclose(self) -> None:
         """Stop the pipeline and release everything (what leaving ``async with`` does)."""
@@ -253,8 +253,8 @@ class LayerBase:
         try:
             yield
         except BaseException as exc:
-            if not await self._consumer.close(type(exc), exc, exc.__traceback__):
-                raise
+            await self._consumer.close(type(exc), exc, exc.__traceback__)
+            raise
         else:
             await self._consumer.close(None, None, None)
 

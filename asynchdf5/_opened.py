@@ -96,15 +96,20 @@ class Opened:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
-        """Wait for the task group (its run cancelled); what its exit returns."""
-        if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()):
-            return await self.task_group.__aexit__(exc_type, exc, tb)
-        # Any other exception leaving the body is the caller's own: handed to the task group,
-        # it would come out wrapped in an ExceptionGroup. The group only has to wait for the
-        # cancelled run; returning None re-raises the exception unchanged.
+    ) -> None:
+        """Wait for the task group (its run cancelled by the caller); whatever left the body
+        goes on unchanged (None: the body's exception, if any, is re-raised).
+
+        The body's exception is never handed to the task group. The group's scope is never
+        cancelled by the layer, so no cancellation leaving the body is the group's own: handed
+        to it, a cancellation from outside (asyncio's runner cancels its main task on Ctrl-C)
+        could be taken for the group's and swallowed, so that ``async with`` ended as if its
+        body had finished (on asyncio, when it came beside a cancellation of an inner scope of
+        anyio's); and any other exception would come out wrapped in an ExceptionGroup. The
+        group only has to wait for the cancelled run. A cancellation that comes during that
+        wait still propagates out of it.
+        """
         await self.task_group.__aexit__(None, None, None)
-        return None
 
     async def release(self, delivery: Delivery) -> None:
         """Release the reader's files and threads, ``delivery`` and the cache (the run ended)."""

@@ -3,8 +3,10 @@ error, a hang, or a silently truncated epoch (issue 9, section 3)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import mmap
+import random
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -26,6 +28,7 @@ from asynchdf5 import (
     StateError,
     TransformError,
 )
+from asynchdf5 import transforms as T
 from asynchdf5._process import ProcessReader
 
 from ._files import N, check_epoch, write_source
@@ -548,3 +551,150 @@ async def test_the_pipeline_plans_its_epochs_off_the_event_loop(
             async for _ in layer.stream():
                 break
     assert threads and threading.get_ident() not in threads
+
+
+# --- a cancellation from outside always leaves async with ----------------------------------------
+
+
+async def _cancelled_from_outside(
+    source: Path, cancel: Callable[[float], None], delay: float
+) -> str:
+    """Iterate (with a transformer: the gathering then polls) until ``cancel(delay)`` lands
+    (scheduled once the layer is open)."""
+    layer = AsyncHDF5DataLayer(
+        source, batch_size=10, shuffle=True, transformers=[("data", T.Scale(0.5))]
+    )
+    async with layer:
+        cancel(delay)
+        for _ in range(10_000):
+            async for _batch in layer:
+                await anyio.sleep(0)
+    return "the code after async with ran"
+
+
+async def test_a_native_task_cancel_always_leaves_async_with(
+    source: Path, anyio_backend: str
+) -> None:
+    """asyncio's runner cancels its main task on Ctrl-C: that cancellation is never the layer's
+    to swallow, wherever it lands once open (mid-epoch, beside the gathering's poll, closing).
+    A race: many cancels at random points, for a few seconds."""
+    if anyio_backend != "asyncio":
+        pytest.skip("Task.cancel is asyncio's")
+    loop = asyncio.get_running_loop()
+    rng = random.Random(0)
+    outcomes: dict[str, int] = {}
+    with anyio.fail_after(30):
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+
+            def cancel(delay: float) -> None:
+                me = asyncio.current_task()
+                assert me is not None
+                loop.call_later(delay, me.cancel)
+
+            task = loop.create_task(_cancelled_from_outside(source, cancel, rng.uniform(0, 0.05)))
+            try:
+                outcome = await task
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert set(outcomes) == {"cancelled"}, outcomes
+
+
+async def test_an_outer_cancel_scope_always_leaves_async_with(source: Path) -> None:
+    """An outer scope's cancellation is that scope's, never the layer's: the code after the
+    block never runs."""
+    rng = random.Random(1)
+    outcomes: dict[str, int] = {}
+    with anyio.fail_after(30):
+        end = time.monotonic() + 1
+        while time.monotonic() < end:
+            outcome = "cancelled"
+            with anyio.CancelScope() as scope:
+
+                def cancel(delay: float, scope: anyio.CancelScope = scope) -> None:
+                    async def later() -> None:
+                        await anyio.sleep(delay)
+                        scope.cancel()
+
+                    tg.start_soon(later)
+
+                async with anyio.create_task_group() as tg:
+                    outcome = await _cancelled_from_outside(source, cancel, rng.uniform(0, 0.05))
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert set(outcomes) == {"cancelled"}, outcomes
+
+
+async def test_a_native_task_cancel_while_closing_is_never_lost(
+    source: Path, anyio_backend: str
+) -> None:
+    """The body leaves after a few batches and the cancel lands around the close (waiting
+    for the run, releasing the reader and the cache): it still ends the task. After the block
+    the task sleeps past the cancel's time (asyncio's timers fire in order): a cancel that
+    was swallowed lets that sleep end."""
+    if anyio_backend != "asyncio":
+        pytest.skip("Task.cancel is asyncio's")
+    loop = asyncio.get_running_loop()
+    rng = random.Random(2)
+
+    async def user(batches: int, delay: float) -> str:
+        me = asyncio.current_task()
+        assert me is not None
+        layer = AsyncHDF5DataLayer(
+            source, batch_size=10, shuffle=True, transformers=[("data", T.Scale(0.5))]
+        )
+        async with layer:
+            handle = loop.call_later(delay, me.cancel)
+            taken = 0
+            async for _batch in layer:
+                taken += 1
+                if taken >= batches:
+                    break
+        await asyncio.sleep(max(0.0, handle.when() - loop.time()) + 0.01)
+        return "the cancellation was lost"
+
+    outcomes: dict[str, int] = {}
+    with anyio.fail_after(30):
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            task = loop.create_task(user(rng.randint(1, 3), rng.uniform(0, 0.005)))
+            try:
+                outcome = await task
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert set(outcomes) == {"cancelled"}, outcomes
+
+
+async def test_a_native_task_cancel_while_opening_leaves_nothing_behind(
+    source: Path, anyio_backend: str
+) -> None:
+    """A native cancel that lands while the layer opens (a worker thread builds the catalog,
+    maps the files) leaves the thread's work whole and releases it: no lease thread, no open
+    file (the leak check after the test), and the cancellation goes on."""
+    if anyio_backend != "asyncio":
+        pytest.skip("Task.cancel is asyncio's")
+    loop = asyncio.get_running_loop()
+    rng = random.Random(3)
+
+    async def user(delay: float) -> str:
+        me = asyncio.current_task()
+        assert me is not None
+        loop.call_later(delay, me.cancel)
+        async with AsyncHDF5DataLayer(source, batch_size=10, mmap=True) as layer:
+            for _ in range(10_000):
+                async for _batch in layer:
+                    await anyio.sleep(0)
+        return "the code after async with ran"
+
+    outcomes: dict[str, int] = {}
+    with anyio.fail_after(30):
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            task = loop.create_task(user(rng.uniform(0, 0.01)))
+            try:
+                outcome = await task
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert set(outcomes) == {"cancelled"}, outcomes
