@@ -572,6 +572,25 @@ async def _cancelled_from_outside(
     return "the code after async with ran"
 
 
+async def _tally_native_cancels(
+    seconds: float, start: Callable[[], Coroutine[Any, Any, str]]
+) -> dict[str, int]:
+    """Run ``start()`` as a task of its own, again and again for ``seconds``, and count how each
+    run ended: its return value, or ``"cancelled"``."""
+    loop = asyncio.get_running_loop()
+    outcomes: dict[str, int] = {}
+    with anyio.fail_after(30):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            task = loop.create_task(start())
+            try:
+                outcome = await task
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    return outcomes
+
+
 async def test_a_native_task_cancel_always_leaves_async_with(
     source: Path, anyio_backend: str
 ) -> None:
@@ -582,22 +601,15 @@ async def test_a_native_task_cancel_always_leaves_async_with(
         pytest.skip("Task.cancel is asyncio's")
     loop = asyncio.get_running_loop()
     rng = random.Random(0)
-    outcomes: dict[str, int] = {}
-    with anyio.fail_after(30):
-        end = time.monotonic() + 3
-        while time.monotonic() < end:
 
-            def cancel(delay: float) -> None:
-                me = asyncio.current_task()
-                assert me is not None
-                loop.call_later(delay, me.cancel)
+    def cancel(delay: float) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        loop.call_later(delay, me.cancel)
 
-            task = loop.create_task(_cancelled_from_outside(source, cancel, rng.uniform(0, 0.05)))
-            try:
-                outcome = await task
-            except asyncio.CancelledError:
-                outcome = "cancelled"
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    outcomes = await _tally_native_cancels(
+        3, lambda: _cancelled_from_outside(source, cancel, rng.uniform(0, 0.05))
+    )
     assert set(outcomes) == {"cancelled"}, outcomes
 
 
@@ -653,16 +665,9 @@ async def test_a_native_task_cancel_while_closing_is_never_lost(
         await asyncio.sleep(max(0.0, handle.when() - loop.time()) + 0.01)
         return "the cancellation was lost"
 
-    outcomes: dict[str, int] = {}
-    with anyio.fail_after(30):
-        end = time.monotonic() + 1.5
-        while time.monotonic() < end:
-            task = loop.create_task(user(rng.randint(1, 3), rng.uniform(0, 0.005)))
-            try:
-                outcome = await task
-            except asyncio.CancelledError:
-                outcome = "cancelled"
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    outcomes = await _tally_native_cancels(
+        1.5, lambda: user(rng.randint(1, 3), rng.uniform(0, 0.005))
+    )
     assert set(outcomes) == {"cancelled"}, outcomes
 
 
@@ -687,14 +692,5 @@ async def test_a_native_task_cancel_while_opening_leaves_nothing_behind(
                     await anyio.sleep(0)
         return "the code after async with ran"
 
-    outcomes: dict[str, int] = {}
-    with anyio.fail_after(30):
-        end = time.monotonic() + 2
-        while time.monotonic() < end:
-            task = loop.create_task(user(rng.uniform(0, 0.01)))
-            try:
-                outcome = await task
-            except asyncio.CancelledError:
-                outcome = "cancelled"
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    outcomes = await _tally_native_cancels(2, lambda: user(rng.uniform(0, 0.01)))
     assert set(outcomes) == {"cancelled"}, outcomes
