@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -372,10 +372,10 @@ def test_expand_in_place_over_many_blocks() -> None:
     np.testing.assert_array_equal(dest, window_view(stream, length, stride))
 
 
-@pytest.mark.anyio
-async def test_windows_reach_a_device(tmp_path: Path, fake_cupy: FakeCupy) -> None:
-    """The device upload (CuPy's stand-in: the control flow, not CUDA): windows are rows to it."""
-    length, stride = 7, 6
+async def _check_on_device(
+    tmp_path: Path, length: int, stride: int, array: type, to_numpy: Callable[[Any], np.ndarray]
+) -> None:
+    """Every window exactly once through ``device="cuda"``, each batch's value an ``array``."""
     paths = _write(tmp_path)
     want = _expected(LENGTHS, length, stride)
     layer = AsyncHDF5DataLayer(
@@ -386,9 +386,15 @@ async def test_windows_reach_a_device(tmp_path: Path, fake_cupy: FakeCupy) -> No
     with anyio.fail_after(DEADLINE):
         async with layer:
             async for b in layer:
-                assert isinstance(b["tokens"], FakeArray)
-                batches.append({"indices": np.array(b.indices), "tokens": b["tokens"].get()})
+                assert isinstance(b["tokens"], array)
+                batches.append({"indices": np.array(b.indices), "tokens": to_numpy(b["tokens"])})
     _check(batches, want)
+
+
+@pytest.mark.anyio
+async def test_windows_reach_a_device(tmp_path: Path, fake_cupy: FakeCupy) -> None:
+    """The device upload (CuPy's stand-in: the control flow, not CUDA): windows are rows to it."""
+    await _check_on_device(tmp_path, 7, 6, FakeArray, lambda a: a.get())
 
 
 @pytest.mark.timeout(DEADLINE)
@@ -420,21 +426,7 @@ def test_transformers_see_windows(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_windows_on_a_real_gpu(tmp_path: Path, cupy_gpu: Any) -> None:
     """The same windows, uploaded by the real CuPy (skipped without a CUDA GPU)."""
-    length, stride = 9, 8
-    paths = _write(tmp_path)
-    want = _expected(LENGTHS, length, stride)
-    layer = AsyncHDF5DataLayer(
-        paths, tops=(Windows("tokens", length, stride),), batch_size=8, shuffle=True,
-        device="cuda",
-    )  # fmt: skip
-    batches = []
-    with anyio.fail_after(DEADLINE):
-        async with layer:
-            async for b in layer:
-                assert isinstance(b["tokens"], cupy_gpu.ndarray)
-                got = cupy_gpu.asnumpy(b["tokens"])
-                batches.append({"indices": np.array(b.indices), "tokens": got})
-    _check(batches, want)
+    await _check_on_device(tmp_path, 9, 8, cupy_gpu.ndarray, cupy_gpu.asnumpy)
 
 
 @pytest.mark.timeout(DEADLINE)
