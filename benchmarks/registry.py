@@ -127,6 +127,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             "contiguous, chunked, gzip, lzf, split-sample chunks: the layer against the limits",
         ),
         Benchmark(
+            "annbatch",
+            "benchmarks.annbatch_cells:bench",
+            "a sparse .h5ad: asynchdf5 against annbatch on its converted zarr store (Python 3.12+)",
+        ),
+        Benchmark(
             "windows",
             "benchmarks.windows:bench",
             "token windows (Windows) against nanoGPT's np.memmap get_batch: warm, 512 MiB, mixing",

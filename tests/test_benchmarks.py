@@ -21,8 +21,9 @@ from benchmarks.registry import BENCHMARKS
 from benchmarks.report import KEYS, markdown
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Benchmarks that may skip here, with their reason recorded: no CUDA GPU.
-MAY_SKIP = {"gpu"}
+#: Benchmarks that may skip here, with their reason recorded: no CUDA GPU; annbatch needs
+#: Python >= 3.12.
+MAY_SKIP = {"gpu", "annbatch"}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,171 @@
+"""A sparse ``.h5ad`` read by asynchdf5 against AnnData's newer loader, ``annbatch``
+(``python -m benchmarks run annbatch``).
+
+``annbatch.Loader`` reads zarr v3 stores only (an ``.h5ad``'s CSR group is refused), so its user
+first converts the file with ``annbatch.write_sharded`` (its defaults: 64-row chunks, 1 GB
+shards, Blosc lz4); the conversion's time is a figure of its own. Then, in one run, each reader
+in a child process of its own, warm (the files read once before) and, where a memory cgroup can
+be made, again in a 512 MiB one, shuffled batches of 256 cells for two epochs:
+
+- *asynchdf5*: ``HDF5DataLayer`` over the ``.h5ad`` as anndata wrote it (``X`` a CSR group);
+- *annbatch*: ``annbatch.Loader(shuffle=True, batch_size=256)`` with its default sampler (chunks
+  of 512 contiguous rows, 32 preloaded) over the converted store, on the CPU.
+
+annbatch needs Python >= 3.12; where it does not import, the benchmark is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import cgroups
+from benchmarks.ragged import write_cells
+from benchmarks.report import Recorder, Skipped
+
+LIMIT_MIB = 512
+BATCH = 256
+
+
+def _sizes(quick: bool) -> dict[str, int]:
+    if quick:
+        return {"cells": 2_000, "genes": 200, "epochs": 1, "timeout": 120}
+    return {"cells": 100_000, "genes": 2_000, "epochs": 2, "timeout": 900}
+
+
+def _layer(job: dict[str, Any]) -> list[float]:
+    from asynchdf5 import HDF5DataLayer
+
+    times = []
+    with HDF5DataLayer(job["h5ad"], tops=("X",), batch_size=BATCH, shuffle=True, seed=0) as layer:
+        for _ in range(job["epochs"]):
+            t0, rows = time.perf_counter(), 0
+            for b in layer:
+                rows += b["X"].shape[0]
+            times.append(time.perf_counter() - t0)
+            assert rows == job["cells"], rows
+    return times
+
+
+def _annbatch(job: dict[str, Any]) -> list[float]:
+    import annbatch
+    import anndata
+    import zarr
+
+    group = zarr.open_group(job["zarr"], mode="r")
+    loader = annbatch.Loader(batch_size=BATCH, shuffle=True, preload_to_gpu=False)
+    loader.add_dataset(anndata.io.sparse_dataset(group["X"]))
+    times = []
+    for _ in range(job["epochs"]):
+        t0, rows = time.perf_counter(), 0
+        for b in loader:
+            rows += b["X"].shape[0]
+        times.append(time.perf_counter() - t0)
+        assert rows == job["cells"], rows
+    return times
+
+
+def child(job_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    if job.get("cgroup_procs"):
+        cgroups.join(job["cgroup_procs"])
+    times = {"layer": _layer, "annbatch": _annbatch}[job["reader"]](job)
+    Path(job["result"]).write_text(json.dumps(times))
+
+
+def _run(job: dict[str, Any], work: Path, group: cgroups.MemoryCgroup | None) -> Any:
+    name = f"{job['reader']}-{'cg' if group else 'warm'}"
+    job = {**job, "result": str(work / f"{name}.out.json")}
+    job["cgroup_procs"] = str(group.procs) if group else None
+    job_file = work / f"{name}.job.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.annbatch_cells", str(job_file)],
+        capture_output=True,
+        text=True,
+        timeout=job["timeout"],
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    if proc.returncode != 0:
+        return (proc.stderr or proc.stdout)[-1500:] or f"exit {proc.returncode}"
+    return json.loads(Path(job["result"]).read_text())
+
+
+def _warm(path: Path) -> None:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for p in files:
+        with open(p, "rb") as f:
+            while f.read(64 * 2**20):
+                pass
+
+
+def _convert(h5ad: Path, store: Path) -> float:
+    """``annbatch.write_sharded`` of the whole file, timed (once: the store is kept)."""
+    import annbatch
+    import anndata
+    import zarr
+
+    t0 = time.perf_counter()
+    tmp = store.with_name("tmp-" + store.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    annbatch.write_sharded(zarr.open_group(tmp, mode="w", zarr_format=3), anndata.read_h5ad(h5ad))
+    tmp.rename(store)
+    return time.perf_counter() - t0
+
+
+def bench(rec: Recorder) -> None:
+    try:
+        import annbatch
+    except ImportError as exc:
+        raise Skipped(f"annbatch does not import ({exc}); it needs Python >= 3.12") from exc
+    size = _sizes(rec.quick)
+    folder = rec.data_dir / "ragged"
+    folder.mkdir(parents=True, exist_ok=True)
+    h5ad = write_cells(
+        folder / f"cells-{size['cells']}x{size['genes']}.h5ad", size["cells"], size["genes"]
+    )
+    if isinstance(h5ad, str):
+        rec.note(f"sparse .h5ad: {h5ad}")
+        return
+    store = h5ad.with_suffix(".zarr")
+    if not store.exists():
+        rec.figure("annbatch.write_sharded of the .h5ad", _convert(h5ad, store), "s")
+    rec.param(**size, batch=BATCH, limit_mib=LIMIT_MIB, annbatch=annbatch.__version__)
+    rec.note(f"load average at the start: {os.getloadavg()}")
+    work = folder / f"annbatch-work-{os.getpid()}"
+    work.mkdir(exist_ok=True)
+    made = cgroups.make(f"asynchdf5-annbatch-{os.getpid()}", LIMIT_MIB * 2**20)
+    groups: list[tuple[str, cgroups.MemoryCgroup | None]] = [("warm", None)]
+    if isinstance(made, str):
+        rec.note(f"no {LIMIT_MIB} MiB cgroup: {made}")
+    else:
+        groups.append((f"{LIMIT_MIB} MiB cgroup", made))
+    job = {"h5ad": str(h5ad), "zarr": str(store), **size}
+    try:
+        for label, group in groups:
+            rates: dict[str, float] = {}
+            for reader in ("layer", "annbatch"):
+                _warm(h5ad if reader == "layer" else store)
+                times = _run({**job, "reader": reader}, work, group)
+                if isinstance(times, str):
+                    rec.note(f"{reader} ({label}): {times}")
+                    continue
+                rates[reader] = size["cells"] * len(times) / sum(times)
+                rec.figure(f"{reader}, {label}", rates[reader], "samples/s")
+                rec.figure(f"{reader}, {label}, epoch 1", size["cells"] / times[0], "samples/s")
+            rec.ratio(f"asynchdf5 ÷ annbatch, {label}", rates.get("layer"), rates.get("annbatch"))
+    finally:
+        if not isinstance(made, str):
+            made.remove()
+        shutil.rmtree(work, ignore_errors=True)
+    rec.note(f"load average at the end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    child(sys.argv[1])
