@@ -206,7 +206,7 @@ def check_dense(name: str, value: Any, consumer: str) -> None:
     The error names the transformer that makes it dense."""
     if isinstance(value, Ragged):
         fix, kind = "transforms.Pad(0, length=...)", "rows of varying length (asynchdf5.Ragged)"
-    elif type(value).__module__.startswith("scipy.sparse"):
+    elif type(value).__module__.startswith(("scipy.sparse", "cupyx.scipy.sparse")):
         fix, kind = "transforms.Densify()", f"a sparse matrix ({type(value).__name__})"
     else:
         return

@@ -325,3 +325,43 @@ async def test_sparse_top_on_a_real_gpu(tmp_path: Path, cupy_gpu: Any) -> None:
 @pytest.mark.anyio
 async def test_pad_and_densify_on_a_real_gpu(tmp_path: Path, cupy_gpu: Any) -> None:
     await check_transformed(tmp_path, cupy_gpu.ndarray, cupy_gpu.asnumpy)
+
+
+def test_fake_adapters_that_take_dense_arrays_name_a_device_sparse_batch(
+    fake_cupy: FakeCupy,
+) -> None:
+    """The Keras and JAX adapters take dense arrays only: a device sparse batch is named with
+    its fix (``Densify``), as a host one is."""
+    from asynchdf5 import ConfigurationError
+    from asynchdf5._ragged import check_dense
+
+    a = fake_cupy.asarray(np.ones(2, np.float32))
+    x = FakeCsrMatrix((a, fake_cupy.asarray(np.arange(2)), fake_cupy.asarray([0, 1, 2])), (2, 2))
+    with pytest.raises(ConfigurationError, match=r"'X'.*Densify"):
+        check_dense("X", x, "asynchdf5.jax.Loader")
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+async def test_torch_adapter_takes_device_ragged_and_sparse_batches(
+    tmp_path: Path, cupy_gpu: Any, torch_cuda: Any
+) -> None:
+    """The torch adapter's forms (padded + lengths, nested, sparse CSR) from device batches:
+    CUDA tensors with the host adapter's values."""
+    torch = torch_cuda
+    from asynchdf5.torch._dataset import as_torch
+
+    paths = write_ragged(tmp_path, [N])
+    csr = write_csr(tmp_path / "m.h5")
+    kw: dict[str, Any] = dict(batch_size=8, shuffle=True, seed=5)
+    async with AsyncHDF5DataLayer(paths, tops=("tok",), **kw) as host_layer:
+        host = await _epoch(host_layer, lambda b: as_torch(b["tok"]))
+    async with AsyncHDF5DataLayer(paths, tops=("tok",), device="cuda", **kw) as layer:
+        dev = await _epoch(layer, lambda b: (as_torch(b["tok"]), as_torch(b["tok"], "nested")))
+    for (h_pad, h_len), ((d_pad, d_len), nested) in zip(host, dev, strict=True):
+        assert d_pad.is_cuda and nested.is_cuda
+        assert torch.equal(d_pad.cpu(), h_pad) and torch.equal(d_len.cpu(), h_len)
+    async with AsyncHDF5DataLayer(csr, tops=("X", "dense"), device="cuda", **kw) as layer:
+        for x, dense in await _epoch(layer, lambda b: (as_torch(b["X"]), b["dense"].get())):
+            assert x.is_cuda and x.layout == torch.sparse_csr
+            np.testing.assert_array_equal(x.to_dense().cpu().numpy(), dense)
