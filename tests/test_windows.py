@@ -35,7 +35,7 @@ from asynchdf5._windows import count_windows, window_view
 
 from ._fake_cupy import FakeArray, FakeCupy
 from ._files import check_exactly_once, check_message
-from ._helpers import DEADLINE
+from ._helpers import DEADLINE, run_main
 
 #: Elements of each file's stream: one shorter than most windows, one empty.
 LENGTHS = (103, 2, 0, 64, 57)
@@ -477,3 +477,21 @@ def test_a_state_resumes_only_the_windows_it_was_saved_with(tmp_path: Path, memo
     with layer(4, 4) as same:
         same.load_state_dict(state)
         assert len(_epoch(same)) == whole - 1
+
+
+def test_inspect_says_the_stream_is_read_in_elements(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inspect --windows``: the read path is the stream's, whose rows are elements (not the
+    windows, the samples), and the form says how a chunk's windows become rows of the cache."""
+    p = tmp_path / "c.h5"
+    with h5py.File(p, "w") as f:
+        f.create_dataset("tokens", data=np.arange(10_000, dtype=np.uint16), chunks=(1000,),
+                         compression="gzip")  # fmt: skip
+    status, text, _ = run_main(["inspect", p, "--windows", "tokens:1025:1024"], capsys)
+    assert status == 0
+    assert "whole elements per chunk (1,000 elements, " in text
+    assert "chunk shape (1000,) is 1,000 elements " in text
+    assert "samples per chunk" not in text and "1,000 samples" not in text
+    assert "the read path below is the stream's" in text
+    assert "1025/1024 times the stream's bytes" in text
