@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import scipy.sparse
 
-from asynchdf5 import AsyncHDF5DataLayer, DeviceError, Ragged, SchemaError
+from asynchdf5 import AsyncHDF5DataLayer, DeviceError, Ragged, SchemaError, Stream
 from asynchdf5 import transforms as T
 from asynchdf5._delivery._cuda import CudaDelivery
 from asynchdf5._ragged_cupy import to_padded_on_device
@@ -206,14 +206,18 @@ async def test_fake_ragged_staging_is_sized_by_the_bound_and_reused(
     tmp_path: Path, fake_cupy: FakeCupy
 ) -> None:
     """Batches of one size ask for staging of one size (the longest rows' values), whatever
-    rows they hold: after the first epoch no page-locked buffer is made any more."""
+    rows they hold: after the first epoch no page-locked buffer is made any more. (A
+    transformer keeps the staging on one thread: with two, how many buffers are lent at once,
+    and so kept, depends on their timing.)"""
     paths = write_ragged(tmp_path, [N])
-    layer = AsyncHDF5DataLayer(paths, tops=("tok", "label"), batch_size=6, shuffle=True, seed=0,
-                               device="cuda")  # fmt: skip
+    kw: dict[str, Any] = dict(batch_size=6, shuffle=True, seed=0, device="cuda")
+    layer = AsyncHDF5DataLayer(
+        paths, tops=("tok", "label"), transformers=[("label", T.Cast(np.int64))], **kw
+    )
     async with layer:
         await _epoch(layer, lambda b: None)
         made = FakePinnedMemory.created
-        for _ in range(3):
+        for _ in range(6):
             await _epoch(layer, lambda b: None)
         assert FakePinnedMemory.created == made
 
@@ -302,6 +306,33 @@ def test_fake_device_ragged_rows_and_slices(fake_cupy: FakeCupy) -> None:
     tail = d[1:]
     assert _get(tail.values).tolist() == [3, 4, 5] and _get(tail.offsets).tolist() == [0, 0, 3]
     assert _get(d.lengths).tolist() == [2, 0, 3]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("reuse", [False, True])
+async def test_fake_ragged_top_in_two_streams_on_the_device(
+    tmp_path: Path, fake_cupy: FakeCupy, reuse: bool
+) -> None:
+    """A ragged top mixed from two streams reaches the device aligned, each sample once; with
+    ``reuse_buffers`` (a batch's blocks recycled at the next hand-off) each batch is right
+    when it is yielded."""
+    a = write_ragged(tmp_path, [20, 9])
+    (tmp_path / "b").mkdir()
+    b = write_ragged(tmp_path / "b", [29, 13])[1:]  # global rows 29..41: labels say which
+    layer = AsyncHDF5DataLayer(
+        {"a": Stream(a), "b": Stream(b)}, tops=("tok", "label"), batch_size=4, shuffle=True,
+        chunk_size=8, device="cuda", reuse_buffers=reuse,
+    )  # fmt: skip
+
+    def keep(batch: Any) -> np.ndarray:
+        tok, label = batch["tok"], _get(batch["label"])
+        np.testing.assert_array_equal(_get(tok.offsets)[-1], len(tok.values))
+        np.testing.assert_array_equal(_get(tok.values), np.repeat(label, _lengths(label)))
+        return label
+
+    async with layer:
+        labels = await _epoch(layer, keep)
+    check_exactly_once(labels, 42)
 
 
 # --- on a real GPU (skipped without one) -------------------------------------------------------
