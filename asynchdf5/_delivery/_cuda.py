@@ -81,9 +81,9 @@ def device_arrays(values: Iterable[Any]) -> Iterator[Any]:
         if isinstance(v, Ragged):
             yield v.values
             yield v.offsets
-        elif hasattr(v, "indptr") and hasattr(v, "indices"):
-            yield v.data
-            yield v.indices
+        elif hasattr(v, "indptr"):  # a sparse matrix (what lacks an array has no block)
+            yield getattr(v, "data", None)
+            yield getattr(v, "indices", None)
             yield v.indptr
         else:
             yield v
