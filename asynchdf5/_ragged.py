@@ -117,7 +117,8 @@ class Ragged:
     @property
     def lengths(self) -> np.ndarray:
         """Each row's length (int64)."""
-        return np.diff(self.offsets)
+        lengths: np.ndarray = self.offsets[1:] - self.offsets[:-1]  # NumPy or CuPy alike
+        return lengths
 
     @property
     def dtype(self) -> np.dtype[Any]:
