@@ -92,6 +92,9 @@ class MemoryDataLayer(LayerBase):
                 row_bytes=sum(t.row_bytes for t in self._specs.values()),
                 files=(("<memory>", n),),
                 tops=tuple((t.name, t.dtype.str, t.sample_shape) for t in self._specs.values()),
+                windows=tuple(
+                    (str(t), t.length, t.stride) for t in config.tops if isinstance(t, Windows)
+                ),
                 chunk_rows=self.config.chunk_size,
                 block_rows=None,  # one chunk, in place: blocks would change nothing
                 first_rows=None,  # nothing to read: no ramp

@@ -38,6 +38,12 @@ class Ragged:
         int64, ``len(rows) + 1`` of them, starting at 0, never decreasing, ending at
         ``len(values)``: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``.
 
+    Notes
+    -----
+    With ``device=``, a ragged top's batch is a ``Ragged`` whose ``values`` and ``offsets``
+    are CuPy arrays on the device: ``len``, slicing, :attr:`lengths` and :meth:`to_padded`
+    (done on the device) work as on the host; ``r[i]`` reads two offsets back from it.
+
     Examples
     --------
     >>> import numpy as np
@@ -99,19 +105,20 @@ class Ragged:
                 raise IndexError("a Ragged is sliced with step 1 only")
             stop = max(start, stop)
             o = self.offsets[start : stop + 1]
-            return Ragged._trusted(self.values[o[0] : o[-1]], o - o[0])
+            return Ragged._trusted(self.values[int(o[0]) : int(o[-1])], o - o[0])
         n = len(self)
         k = int(i)
         if k < 0:
             k += n
         if not 0 <= k < n:
             raise IndexError(f"row {i} of a Ragged of {n} rows")
-        return self.values[self.offsets[k] : self.offsets[k + 1]]
+        return self.values[int(self.offsets[k]) : int(self.offsets[k + 1])]
 
     @property
     def lengths(self) -> np.ndarray:
         """Each row's length (int64)."""
-        return np.diff(self.offsets)
+        lengths: np.ndarray = self.offsets[1:] - self.offsets[:-1]  # NumPy or CuPy alike
+        return lengths
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -143,6 +150,10 @@ class Ragged:
             output is written once for rows of 32 values or more on average (a slice of values
             and one of padding per row); shorter rows are filled, then masked in, vectorised.
         """
+        if type(self.values).__module__.startswith("cupy"):  # a device batch (device=)
+            from ._ragged_cupy import to_padded_on_device
+
+            return to_padded_on_device(self.values, self.offsets, pad, length, dtype)
         lengths = self.lengths
         n = len(lengths)
         longest = int(lengths.max()) if n else 0
@@ -196,7 +207,7 @@ def check_dense(name: str, value: Any, consumer: str) -> None:
     The error names the transformer that makes it dense."""
     if isinstance(value, Ragged):
         fix, kind = "transforms.Pad(0, length=...)", "rows of varying length (asynchdf5.Ragged)"
-    elif type(value).__module__.startswith("scipy.sparse"):
+    elif type(value).__module__.startswith(("scipy.sparse", "cupyx.scipy.sparse")):
         fix, kind = "transforms.Densify()", f"a sparse matrix ({type(value).__name__})"
     else:
         return

@@ -41,6 +41,9 @@ class DataShape:
     #: A shuffled share is cut into chunks of equal sizes, not full ones and a remainder
     #: (:func:`~._plan.plan_epoch`); False: states saved before.
     even_chunks: bool = False
+    #: The tops cut as :class:`~asynchdf5.Windows`: ``(name, length, stride)`` each. Another
+    #: stride can cut as many windows of the same shape: only these tell the samples apart.
+    windows: tuple[tuple[str, int, int], ...] = ()
     #: Several streams mixed (:mod:`._mix`): each one's rows and samples per epoch; () for one.
     streams: tuple[StreamRows, ...] = ()
     #: The category names of the tops that are categorical groups, in code order (what the data

@@ -344,6 +344,9 @@ def shape_of(
         row_bytes=row_bytes,
         files=tuple((os.path.basename(f.name), f.nrows) for f in catalog.files),
         tops=tuple((t.name, t.dtype.str, tuple(t.sample_shape)) for t in catalog.tops.values()),
+        windows=tuple(
+            (str(t.name), *t.windows) for t in catalog.tops.values() if t.windows is not None
+        ),
         chunk_rows=cache.chunk_rows,
         block_rows=block,
         first_rows=first,

@@ -30,6 +30,7 @@ _WHAT = {
     "n_samples": "the number of samples",
     "files": "the files (names and row counts)",
     "tops": "the tops (names, dtypes, sample shapes)",
+    "windows": "the windows (top, length, stride)",
     "batch_size": "batch_size",
     "shuffle": "shuffle",
     "drop_last": "drop_last",
@@ -73,6 +74,8 @@ def fingerprint(shape: DataShape, config: LayerConfig) -> dict[str, Any]:
         if shape.streams
         else {}
     )
+    if shape.windows:  # only where there are windows: a state without them compares as before
+        mixed["windows"] = [list(w) for w in shape.windows]
     return mixed | {
         "n_samples": shape.n_samples,
         "files": [[name, rows] for name, rows in shape.files],

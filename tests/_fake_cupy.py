@@ -7,7 +7,9 @@ installed CuPy by ``test_gpu.test_stand_in_matches_real_cupy_api``): the device 
 makes it the thread's current stream), ``Event``, device memory (``Memory``, ``UnownedMemory``,
 ``MemoryPointer``), page-locked host memory (``PinnedMemory``), ``using_allocator``, the default
 memory pool's ``free_all_blocks``, and ``cupy.ndarray`` with the few array functions used
-(``empty``, ``asarray``, ``ascontiguousarray``, ``multiply``, ``subtract``).
+(``empty``, ``asarray``, ``ascontiguousarray``, ``multiply``, ``subtract``, and for the padding
+of ragged batches ``full``, ``arange``, ``searchsorted``, ``minimum``, ``where``), and
+``cupyx.scipy.sparse.csr_matrix`` (``FakeCsrMatrix``: the sparse tops' batches).
 
 How: "device" memory is host bytes whose address stands for the device pointer, and a "device"
 array is a NumPy array over it (``FakeArray``, which says its module is ``cupy``). Pinned
@@ -27,8 +29,10 @@ recorded or waited for on which stream and in which thread; when staging buffers
 blocks are reused, freed and counted; which failure becomes which error), not CUDA semantics:
 those are for the ``gpu``-marked tests in ``test_gpu``, on a real GPU.
 
-``FAKE`` is the stand-in in use (streams entered as context managers push onto its per-thread
-stack); the ``fake_cupy`` fixture replaces it, and ``sys.modules["cupy"]``, for each test.
+``FakeCupy.upload_fails``: a host-to-device copy of that many bytes raises a CUDA error (an
+upload that fails). ``FAKE`` is the stand-in in use (streams entered as context managers push
+onto its per-thread stack); the ``fake_cupy`` fixture replaces it, and ``sys.modules["cupy"]``
+(``cupyx`` too), for each test.
 """
 
 from __future__ import annotations
@@ -148,6 +152,8 @@ class FakeMemoryPointer:
         self.mem, self.ptr = mem, mem.ptr + offset
 
     def copy_from_host_async(self, mem: int, size: int, stream: FakeStream) -> None:
+        if size == FAKE.upload_fails:
+            raise FakeCUDARuntimeError(700)  # cudaErrorIllegalAddress
         assert FAKE.current_stream() is stream
         assert FakePinnedMemory.holds(mem, size), "an async copy from pageable memory"
         ctypes.memmove(self.ptr, mem, size)
@@ -200,6 +206,35 @@ class FakeArray(np.ndarray):
 FakeArray.__module__ = "cupy"  # what asynchdf5.transforms looks at to tell CuPy arrays
 
 
+class FakeCsrMatrix:
+    """``cupyx.scipy.sparse.csr_matrix`` built from ``(data, indices, indptr)`` device arrays,
+    with CuPy's checks (1-D arrays, the value dtypes cuSPARSE holds, ``indptr`` of rows + 1)."""
+
+    def __init__(self, arg1: Any, shape: Any = None, dtype: Any = None, copy: bool = False) -> None:
+        data, indices, indptr = arg1
+        for a in arg1:
+            if not isinstance(a, FakeArray) or a.ndim != 1:
+                raise ValueError("data, indices, and indptr must be 1-D cupy arrays")
+        if np.dtype(data.dtype) not in {np.dtype(t) for t in ("?", "f4", "f8", "c8", "c16")}:
+            raise ValueError("Only bool, float32, float64, complex64 and complex128 are supported")
+        if len(data) != len(indices) or len(indptr) != shape[0] + 1:
+            raise ValueError("inconsistent sizes")
+        self.data, self.indices, self.indptr = data, indices, indptr
+        self.shape = tuple(shape)
+        self.dtype = data.dtype
+
+    def toarray(self, order: Any = None, out: Any = None) -> FakeArray:
+        import scipy.sparse
+
+        host = scipy.sparse.csr_array(
+            (self.data.get(), self.indices.get(), self.indptr.get()), shape=self.shape
+        ).toarray()
+        return FAKE.asarray(host)
+
+
+FakeCsrMatrix.__module__ = "cupyx.scipy.sparse._csr"
+
+
 class FakeCupy:
     """The parts of CuPy the stage and the transforms use."""
 
@@ -207,6 +242,7 @@ class FakeCupy:
         self.local = threading.local()
         self.null = FakeStream(name="null")
         self.device_count = 1
+        self.upload_fails: int | None = None
         self.pool = types.SimpleNamespace(freed=0)
         self.pool.free_all_blocks = lambda: setattr(self.pool, "freed", self.pool.freed + 1)
 
@@ -251,7 +287,27 @@ class FakeCupy:
         fake.ascontiguousarray = self.ascontiguousarray  # type: ignore[attr-defined]
         fake.multiply = self.ufunc(np.multiply)  # type: ignore[attr-defined]
         fake.subtract = self.ufunc(np.subtract)  # type: ignore[attr-defined]
+        fake.minimum = self.ufunc(np.minimum)  # type: ignore[attr-defined]
+        fake.full = self.full  # type: ignore[attr-defined]
+        fake.arange = self.arange  # type: ignore[attr-defined]
+        fake.searchsorted = self.searchsorted  # type: ignore[attr-defined]
+        fake.where = self.where  # type: ignore[attr-defined]
         return fake
+
+    def modules(self) -> dict[str, types.ModuleType]:
+        """``cupy``, and ``cupyx`` down to ``cupyx.scipy.sparse``, as ``sys.modules`` holds them."""
+        sparse = types.ModuleType("cupyx.scipy.sparse")
+        sparse.csr_matrix = FakeCsrMatrix  # type: ignore[attr-defined]
+        scipy_ = types.ModuleType("cupyx.scipy")
+        scipy_.sparse = sparse  # type: ignore[attr-defined]
+        cupyx = types.ModuleType("cupyx")
+        cupyx.scipy = scipy_  # type: ignore[attr-defined]
+        return {
+            "cupy": self.module(),
+            "cupyx": cupyx,
+            "cupyx.scipy": scipy_,
+            "cupyx.scipy.sparse": sparse,
+        }
 
     @contextlib.contextmanager
     def using_allocator(self, allocator: Callable[[int], Any]) -> Iterator[None]:
@@ -284,6 +340,24 @@ class FakeCupy:
 
     def ascontiguousarray(self, a: Any) -> FakeArray:
         return self.asarray(np.asarray(a))
+
+    def _device(self, host: np.ndarray) -> FakeArray:
+        out = self.empty(host.shape, host.dtype)
+        out.view(np.ndarray)[...] = host
+        return out
+
+    def full(self, shape: Any, fill_value: Any, dtype: Any = None, order: str = "C") -> FakeArray:
+        return self._device(np.full(shape, fill_value, dtype=dtype))
+
+    def arange(self, start: Any, stop: Any = None, step: Any = 1, dtype: Any = None) -> FakeArray:
+        return self._device(np.arange(start, stop, step, dtype=dtype))
+
+    def searchsorted(self, a: Any, v: Any, side: str = "left", sorter: Any = None) -> FakeArray:
+        host = np.searchsorted(np.asarray(a), np.asarray(v), side=side)  # type: ignore[call-overload]
+        return self._device(host)
+
+    def where(self, condition: Any, x: Any = None, y: Any = None) -> FakeArray:
+        return self._device(np.where(np.asarray(condition), np.asarray(x), np.asarray(y)))
 
     def ufunc(self, fn: np.ufunc) -> Callable[..., FakeArray]:
         def apply(x1: Any, x2: Any, /, *, dtype: Any = None) -> FakeArray:

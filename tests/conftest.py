@@ -144,11 +144,12 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
-    """A fresh stand-in for CuPy (``_fake_cupy``) as ``cupy`` and as ``_fake_cupy.FAKE``, its
-    counters at zero."""
+    """A fresh stand-in for CuPy (``_fake_cupy``) as ``cupy`` (and ``cupyx.scipy.sparse``) and
+    as ``_fake_cupy.FAKE``, its counters at zero."""
     fake = FakeCupy()
     monkeypatch.setattr(_fake_cupy, "FAKE", fake)
-    monkeypatch.setitem(sys.modules, "cupy", fake.module())
+    for name, module in fake.modules().items():  # cupy, and cupyx for sparse batches
+        monkeypatch.setitem(sys.modules, name, module)
     FakeMemory.created = FakePinnedMemory.created = FakeDevice.synchronized = 0
     yield fake
     FakeMemory.capacity = None

@@ -28,7 +28,7 @@ from asynchdf5 import AsyncHDF5DataLayer, ConfigurationError, HDF5DataLayer, Mem
 from asynchdf5._delivery._cuda import CudaDelivery
 from asynchdf5._delivery._cuda_memory import DeviceMemory
 
-from ._fake_cupy import FakeCupy, FakeMemory, FakeStream
+from ._fake_cupy import FakeCsrMatrix, FakeCupy, FakeMemory, FakeStream
 from ._files import IMAGE, write_source
 from ._gpu_data import IMAGES, LABELS, TRANSFORMERS, check_epoch, run_epochs, stage_of
 
@@ -191,6 +191,15 @@ def test_stand_in_matches_real_cupy_api(cupy_no_gpu: Any) -> None:
                     problems += _check_call_shape(f"{label}.{member}", value, real, set())
         elif callable(f):
             problems += _check_call_shape(label, f, r, set())
+    # The sparse tops' batches: cupyx's csr_matrix (its __init__ forwards to the compressed base).
+    import cupyx.scipy.sparse
+
+    real_csr = cupyx.scipy.sparse.csr_matrix
+    base = next(c for c in real_csr.__mro__ if c.__name__ == "_compressed_sparse_matrix")
+    problems += _check_call_shape("csr_matrix", FakeCsrMatrix.__init__, base.__init__, set())
+    for member, value in _members(FakeCsrMatrix).items():
+        real = getattr(real_csr, member)
+        problems += _check_call_shape(f"csr_matrix.{member}", value, real, set())
     # Attributes the stage reads off CuPy objects (instance attributes of the stand-in).
     for path in (
         "cuda.Device.id",

@@ -690,16 +690,6 @@ def test_copy_spans_in_order(longest: int, trailing: tuple[int, ...]) -> None:
     np.testing.assert_array_equal(dest, want)
 
 
-def test_device_refuses_ragged_tops_at_open(tmp_path: Path, fake_cupy: Any) -> None:
-    """With a device (here the stand-in CuPy of tests/_fake_cupy.py), a ragged top is refused
-    when the layer opens, before any batch, naming the top and what to do."""
-    files = write_files(tmp_path, [6])
-    layer = HDF5DataLayer(files, tops=("tok", "label"), batch_size=2, device="cuda")
-    with pytest.raises(ConfigurationError) as err:
-        layer.__enter__()
-    check_message(err.value, "'tok'", "device=", "Pad")
-
-
 def test_a_transformer_may_keep_the_top_ragged_and_batches_print(tmp_path: Path) -> None:
     files = write_files(tmp_path, [9])
 

@@ -34,8 +34,8 @@ from asynchdf5 import (
 from asynchdf5._windows import count_windows, window_view
 
 from ._fake_cupy import FakeArray, FakeCupy
-from ._files import check_exactly_once
-from ._helpers import DEADLINE
+from ._files import check_exactly_once, check_message
+from ._helpers import DEADLINE, run_main
 
 #: Elements of each file's stream: one shorter than most windows, one empty.
 LENGTHS = (103, 2, 0, 64, 57)
@@ -447,3 +447,51 @@ def test_a_stream_of_windows_beside_a_stream_of_rows(tmp_path: Path) -> None:
     assert len(t) == count_windows(1000, 9, 8) + 30
     assert (np.diff(t, axis=1) == 1).all()  # each row a run of the stream or a stored row
     assert (t[:, 0] >= 10**6).sum() == 30
+
+
+@pytest.mark.timeout(DEADLINE)
+@pytest.mark.parametrize("memory", [False, True])
+def test_a_state_resumes_only_the_windows_it_was_saved_with(tmp_path: Path, memory: bool) -> None:
+    """Strides 4 and 5 cut as many windows of 4 from a stream of 10 (the same sample count and
+    shape): the fingerprint's windows tell the states apart. Another stride, or another length,
+    is refused by a ConfigurationError naming the windows; the same windows resume."""
+    paths = _write(tmp_path, (10, 10))
+
+    def layer(length: int, stride: int) -> Any:
+        kw: dict[str, Any] = dict(tops=(Windows("tokens", length, stride),), batch_size=1)
+        if memory:
+            return MemoryDataLayer({"tokens": _stream(0, 10)}, shuffle=True, seed=3, **kw)
+        return HDF5DataLayer(paths, shuffle=True, seed=3, **kw)
+
+    with layer(4, 4) as saved:
+        whole = len(saved)
+        it = iter(saved)  # kept live: a closed iteration would count its epoch as done
+        next(it)
+        state = saved.state_dict()
+    for length, stride in ((4, 5), (3, 4)):
+        with layer(length, stride) as other:
+            assert len(other) == whole  # as many windows: only the windows differ
+            with pytest.raises(ConfigurationError) as info:
+                other.load_state_dict(state)
+            check_message(info.value, "windows", f"'tokens', {length}, {stride}")
+    with layer(4, 4) as same:
+        same.load_state_dict(state)
+        assert len(_epoch(same)) == whole - 1
+
+
+def test_inspect_says_the_stream_is_read_in_elements(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inspect --windows``: the read path is the stream's, whose rows are elements (not the
+    windows, the samples), and the form says how a chunk's windows become rows of the cache."""
+    p = tmp_path / "c.h5"
+    with h5py.File(p, "w") as f:
+        f.create_dataset("tokens", data=np.arange(10_000, dtype=np.uint16), chunks=(1000,),
+                         compression="gzip")  # fmt: skip
+    status, text, _ = run_main(["inspect", p, "--windows", "tokens:1025:1024"], capsys)
+    assert status == 0
+    assert "whole elements per chunk (1,000 elements, " in text
+    assert "chunk shape (1000,) is 1,000 elements " in text
+    assert "samples per chunk" not in text and "1,000 samples" not in text
+    assert "the read path below is the stream's" in text
+    assert "1025/1024 times the stream's bytes" in text

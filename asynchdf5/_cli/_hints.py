@@ -77,8 +77,9 @@ def _adjacent(index: ChunkIndex) -> bool:
 def explain(t: TopReport, layout: Layout, unit: str = "sample") -> None:
     """Fill in ``t.reason`` (why this read path) and ``t.hints`` (what would make it faster).
 
-    ``unit``: what one row of the described dataset is, in the words shown: a sample, or a
-    ``"value"`` of a ragged or sparse top (its ``data``, whose rows are not the samples)."""
+    ``unit``: what one row of the described dataset is, in the words shown: a sample, a
+    ``"value"`` of a ragged or sparse top (its ``data``, whose rows are not the samples), or an
+    ``"element"`` of a Windows top's stream."""
     # A ragged top's chunks hold values: pack sizes them in bytes, not in whole samples.
     pack = _PACK if unit == "sample" else "repack with `asynchdf5 pack` (about 1-4 MiB per chunk)"
     swap = "; stored in the other byte order: swapped in place after each read" * layout.swap

@@ -203,8 +203,9 @@ def _top(source: Source, file: Any, name: str) -> TopReport:
     found = find_top(file.name, h5, stored)
     holder, dset = physical(source, file, found.dset)
     with holder.pinned():  # an external link's target: not closed while described
-        # A group's stored rows are its values (data), not its samples: the hints say so.
-        unit = "sample" if rows is None else "value"
+        # A group's stored rows are its values (data), a Windows top's the elements of its
+        # stream, not its samples: the hints say so.
+        unit = "element" if isinstance(name, Windows) else "sample" if rows is None else "value"
         t = _describe_top(source, holder, file, dset, found, name, unit)
     t.form, t.form_note = form, note
     if rows is not None:  # a group's samples are its rows, not its stored elements
@@ -285,8 +286,15 @@ def _form(file_name: str, h5: Any, name: str) -> tuple[str, str, str, int | None
     if isinstance(name, Windows):
         return (
             "windows",
-            f"windows of {name.length} elements every {name.stride} from a 1-D stream; a "
-            "chunk's windows are read as one contiguous range of the stream",
+            f"windows of {name.length} elements every {name.stride} from a 1-D stream: each "
+            "run of consecutive windows (a shuffled chunk's blocks) is read as one contiguous "
+            "range of the stream, then cut into rows of the cache"
+            + (
+                f" (overlapping: {name.length}/{name.stride} times the stream's bytes)"
+                if name.stride < name.length
+                else ""
+            )
+            + "; the read path below is the stream's, whose rows are its elements",
             name,
             None,
         )

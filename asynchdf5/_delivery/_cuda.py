@@ -9,6 +9,11 @@ The delivery is the last stage of the pipeline::
   copy that reads them is done (the gather thread waits on that copy's event, if at all).
 * Copies and transformers run on the stage's own non-blocking stream; the consumer's stream
   waits on an event. Nothing in the hot path synchronises the device.
+* A ragged top's values (and a sparse top's column indices) are gathered into staging too,
+  sized by the bound the cache's heaps use (the values of the longest rows a batch could
+  hold), so that the buffers of every batch are the same size and reused; the rows' offsets
+  are copied into staging. On the device they become an :class:`~asynchdf5.Ragged` of CuPy
+  arrays, or a ``cupyx.scipy.sparse.csr_matrix``.
 * Device arrays come from :class:`DeviceMemory`, which reuses a block the consumer has freed only
   once the consumer's stream has passed the point where it was freed. That point is recorded in
   the consumer's thread, at the next hand-off: no CUDA call runs in a finaliser or in whatever
@@ -27,15 +32,17 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from .._batch import Batch
 from .._catalog import TopInfo
-from .._errors import ConfigurationError, DeviceError, SchemaError
-from .._gather import gather_split
-from .._specs import GroupSpec
+from .._errors import DeviceError, SchemaError
+from .._gather import gather_ragged, gather_split
+from .._ragged import Ragged
+from .._ragged_tops import RaggedInfo
+from .._specs import GroupSpec, Piece
 from .._stats import GatherStats
 from .._transform import apply_transformers
 from ..transforms import Transformer
@@ -51,7 +58,35 @@ from ._device import resolve_device
 if TYPE_CHECKING:  # a type only: the configuration imports this package (parse_device)
     from .._config import LayerConfig
 
-__all__ = ["CudaDelivery", "DeviceMemoryStats"]
+__all__ = ["SPARSE_DTYPES", "CudaDelivery", "DeviceMemoryStats", "device_arrays"]
+
+#: The value dtypes a CuPy sparse matrix holds (``cupyx.scipy.sparse``; cuSPARSE's types).
+SPARSE_DTYPES = frozenset(np.dtype(t) for t in ("?", "f4", "f8", "c8", "c16"))
+
+
+class _HostRagged(NamedTuple):
+    """A ragged top's batch gathered on the host: its offsets (int64, rows + 1, from 0) and
+    its heaps (values, and a sparse top's column indices) in staging, to upload."""
+
+    offsets: np.ndarray
+    heaps: list[np.ndarray]
+    info: RaggedInfo
+
+
+def device_arrays(values: Iterable[Any]) -> Iterator[Any]:
+    """The arrays a batch's values hold: an array itself, a :class:`~asynchdf5.Ragged`'s values
+    and offsets, a sparse matrix's ``data``, ``indices`` and ``indptr`` (whose device blocks the
+    batch's leases must cover)."""
+    for v in values:
+        if isinstance(v, Ragged):
+            yield v.values
+            yield v.offsets
+        elif hasattr(v, "indptr"):  # a sparse matrix (what lacks an array has no block)
+            yield getattr(v, "data", None)
+            yield getattr(v, "indices", None)
+            yield v.indptr
+        else:
+            yield v
 
 
 @dataclass(frozen=True)
@@ -188,20 +223,26 @@ class CudaDelivery:
                 tops = [self._by_name[internal] for internal in names.values()]
             t0 = time.perf_counter()
             staging: dict[str, np.ndarray] = {}  # by internal top
+            heaps: list[np.ndarray] = []  # ragged tops' staging buffers (whole)
             try:
                 for t in tops:
-                    staging[t.name] = self.alloc((size, *t.sample_shape), t.dtype)
+                    if t.ragged is None:
+                        staging[t.name] = self.alloc((size, *t.sample_shape), t.dtype)
                 indices = np.empty(size, np.int64)
                 gather_split(pieces, staging, indices, helper)
+                gathered: dict[str, Any] = dict(staging)
+                for t in tops:
+                    if t.ragged is not None:
+                        gathered[t.name] = self._gather_ragged(pieces, t, size, heaps)
                 t1 = time.perf_counter()
                 host = (
-                    dict(staging)
+                    gathered
                     if names is None
-                    else {top: staging[internal] for top, internal in names.items()}
+                    else {top: gathered[internal] for top, internal in names.items()}
                 )
                 data = self.finish(host, indices, epoch)
             except Exception as exc:
-                self.abandon(staging.values())
+                self.abandon([*staging.values(), *heaps])
                 return out, exc
             stats.gather_seconds += t1 - t0
             stats.transform_seconds += time.perf_counter() - t1
@@ -274,6 +315,27 @@ class CudaDelivery:
                 raw = gpu.staging.take(nbytes)
         return raw.view(dtype).reshape(shape)
 
+    def _gather_ragged(
+        self, pieces: Sequence[Piece], top: TopInfo, rows: int, lent: list[np.ndarray]
+    ) -> _HostRagged:
+        """Ragged ``top``'s rows of the batch, values gathered straight into staging.
+
+        Each heap's staging buffer holds the values of the ``rows`` longest rows of the data
+        set (:meth:`RaggedInfo.heap_rows`, the bound the cache's heaps use), whatever this
+        batch holds: every batch asks for buffers of one size, which are then reused. The
+        buffers are appended to ``lent`` (given back if the batch fails)."""
+        info = top.ragged
+        assert info is not None
+        bound = info.heap_rows(rows)
+
+        def empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+            whole = self.alloc((max(bound, shape[0]), *shape[1:]), dtype)
+            lent.append(whole)
+            return whole[: shape[0]]
+
+        offsets, heaps = gather_ragged(pieces, top.name, info.sparse, empty)
+        return _HostRagged(offsets, heaps, info)
+
     def finish(self, data: dict[str, Any], indices: np.ndarray, epoch: int) -> dict[str, Any]:
         """Enqueue the batch's copies and transformers on the upload stream; no waiting."""
         cp = self._cupy
@@ -283,31 +345,75 @@ class CudaDelivery:
             with gpu.device, gpu.stream, cp.cuda.using_allocator(memory.malloc):
                 memory.serial += 1
                 out = DeviceData()
-                staged = []
+                staged: list[np.ndarray] = []
                 rows = len(indices)
                 batch = (
                     f"a batch of {rows} rows, first global index "
                     f"{int(indices[0]) if rows else None}, epoch {epoch}"
                 )
-                for name, host in data.items():
-                    what = f"uploading top {name!r} ({host.nbytes} bytes, {batch})"
-                    with self._failures(what, pinned=not gpu.staging.owns(host)):
-                        if host.nbytes:
-                            host = self._pinned(gpu.staging, host)
-                            staged.append(host)
-                    with self._failures(what):
-                        dev = cp.empty(host.shape, host.dtype.newbyteorder("="))
-                        if host.nbytes:
-                            dev.data.copy_from_host_async(host.ctypes.data, host.nbytes, gpu.stream)
-                    out[name] = dev
+                try:
+                    for name, host in data.items():
+                        if isinstance(host, _HostRagged):
+                            out[name] = self._upload_ragged(gpu, name, host, staged, batch)
+                        else:
+                            out[name] = self._upload(gpu, f"top {name!r}", host, staged, batch)
+                except BaseException:  # staging of this batch copied into: back, no wait
+                    with contextlib.suppress(Exception):
+                        gpu.staging.reclaim(gpu.record(block=True), staged)
+                    raise
                 with self._failures(f"queueing the copies of {batch}"):
                     gpu.staging.copied(staged, gpu.record(block=True))
                 apply_transformers(out, self.transformers, epoch, indices)
                 with self._failures(f"queueing the transformers of {batch}"):
                     out.event = gpu.record()
-                out.leases = memory.leases_of(out.values())
+                out.leases = memory.leases_of(device_arrays(out.values()))
                 out.serial = memory.serial
         return out
+
+    def _upload(
+        self, gpu: Resources, what: str, host: np.ndarray, staged: list[np.ndarray], batch: str
+    ) -> Any:
+        """Queue the copy of ``host`` into a new device array (on the upload stream, the
+        allocator current); the staging it is read from is added to ``staged``."""
+        cp = self._cupy
+        what = f"uploading {what} ({host.nbytes} bytes, {batch})"
+        owned = gpu.staging.owns(host)
+        with self._failures(what, pinned=not owned):
+            if host.nbytes:
+                host = self._pinned(gpu.staging, host)
+            if host.nbytes or owned:  # an empty view of a buffer goes back too
+                staged.append(host)
+        with self._failures(what):
+            dev = cp.empty(host.shape, host.dtype.newbyteorder("="))
+            if host.nbytes:
+                dev.data.copy_from_host_async(host.ctypes.data, host.nbytes, gpu.stream)
+        return dev
+
+    def _upload_ragged(
+        self, gpu: Resources, name: str, host: _HostRagged, staged: list[np.ndarray], batch: str
+    ) -> Any:
+        """A ragged top's batch on the device: a :class:`~asynchdf5.Ragged` of CuPy arrays
+        (int64 offsets), or a sparse top's ``cupyx.scipy.sparse.csr_matrix``."""
+        info, offsets = host.info, host.offsets
+        values = self._upload(gpu, f"the values of top {name!r}", host.heaps[0], staged, batch)
+        if not info.sparse:
+            dev_offsets = self._upload(gpu, f"the offsets of top {name!r}", offsets, staged, batch)
+            return Ragged._trusted(values, dev_offsets)
+        index = host.heaps[1]
+        if index.dtype.itemsize < offsets.dtype.itemsize and int(offsets[-1]) < 2**31 - 1:
+            offsets = offsets.astype(index.dtype)  # one index dtype: CuPy converts none
+        columns = self._upload(gpu, f"the column indices of top {name!r}", index, staged, batch)
+        indptr = self._upload(gpu, f"the offsets of top {name!r}", offsets, staged, batch)
+        with self._failures(f"making the sparse matrix of top {name!r} ({batch})"):
+            return self._sparse().csr_matrix(
+                (values, columns, indptr), shape=(len(offsets) - 1, info.n_cols)
+            )
+
+    def _sparse(self) -> Any:
+        """``cupyx.scipy.sparse`` (imported with the first sparse batch)."""
+        import cupyx.scipy.sparse
+
+        return cupyx.scipy.sparse
 
     def abandon(self, staging: Iterable[np.ndarray]) -> None:
         """The batch being gathered or finished failed: its ``staging`` buffers go back (no
@@ -336,12 +442,12 @@ class CudaDelivery:
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Raise :class:`~asynchdf5.SchemaError` for a top CuPy cannot hold (before any batch)."""
         for name, top in tops.items():
-            if top.ragged is not None:
-                raise ConfigurationError(
-                    f"top {name!r} has rows of varying length ({top.ragged.kind}): device= "
-                    "does not upload ragged or sparse tops yet; leave out device= and move "
-                    "each batch yourself (e.g. after Ragged.to_padded, or transforms.Pad / "
-                    "transforms.Densify, then cupy.asarray)"
+            if top.ragged is not None and top.ragged.sparse and top.dtype not in SPARSE_DTYPES:
+                raise SchemaError(
+                    f"top {name!r} is a sparse matrix of {top.dtype} values, which a CuPy "
+                    "sparse matrix (cupyx.scipy.sparse) cannot hold: it holds bool, float32, "
+                    "float64, complex64 or complex128 values; store the matrix's 'data' as "
+                    "float32, or use device=None"
                 )
             dtype = top.dtype
             if dtype.char in "gG":  # long double: no CUDA type, no DLPack type

@@ -62,25 +62,31 @@ def check_ragged_form(form: object) -> str:
     return str(form)
 
 
+#: The modules of the sparse batches: a host's (scipy) and a device's (CuPy).
+_SPARSE = ("scipy.sparse", "cupyx.scipy.sparse")
+
+
 def as_torch(value: Any, ragged: str = "padded") -> Any:
     """A batch's value for torch: a tensor (:func:`as_tensor`); a ragged top's
     :class:`~asynchdf5.Ragged` as ``(padded, lengths)`` tensors (``ragged="padded"``, padded
     with 0 to the batch's longest row) or one jagged ``torch.nested`` tensor
     (``ragged="nested"``); a sparse top's ``scipy.sparse`` CSR batch as a
-    ``torch.sparse_csr_tensor`` (int64 indices)."""
+    ``torch.sparse_csr_tensor`` (int64 indices). Device batches (a Ragged of CuPy arrays, a
+    ``cupyx.scipy.sparse`` CSR matrix) become CUDA tensors the same way, through DLPack."""
     if isinstance(value, Ragged):
         if ragged == "nested":
             return torch.nested.nested_tensor_from_jagged(
                 as_tensor(value.values), as_tensor(value.offsets)
             )
         padded, lengths = value.to_padded()
-        return torch.from_numpy(padded), torch.from_numpy(lengths)
-    if type(value).__module__.startswith("scipy.sparse") and getattr(value, "format", "") == "csr":
+        return as_tensor(padded), as_tensor(lengths)
+    module = type(value).__module__
+    if module.startswith(_SPARSE) and getattr(value, "format", "") == "csr":
         with warnings.catch_warnings():  # torch says its CSR tensors are "in beta", once
             warnings.filterwarnings("ignore", "Sparse CSR tensor support", UserWarning)
             return torch.sparse_csr_tensor(
-                torch.from_numpy(np.asarray(value.indptr, np.int64)),
-                torch.from_numpy(np.asarray(value.indices, np.int64)),
+                as_tensor(value.indptr.astype(np.int64, copy=False)),
+                as_tensor(value.indices.astype(np.int64, copy=False)),
                 as_tensor(value.data),
                 size=value.shape,
                 check_invariants=False,  # the layer's own arrays, checked at open (indptr)
