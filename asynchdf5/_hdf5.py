@@ -245,9 +245,11 @@ class HDF5Layer(LayerBase):
                 slots = allocate_slots(catalog.tops, rows)
                 # Data larger than memory: read from the disk every epoch, around the page cache
                 # (Source.fetch); scattered reads wait on the disk, not the CPU: more in flight.
+                # Chunks that are long stretches (unshuffled, or data packed shuffled) are read
+                # in order, with the kernel's read-ahead, whatever the order of the chunks.
                 streaming: Streaming | None = None
                 if 0 < memory < shape.n_samples * shape.row_bytes:
-                    streaming = "scattered" if self.config.shuffle else "in order"
+                    streaming = "in order" if shape.stretches else "scattered"
                 reader = HDF5Reader(
                     catalog,
                     files,

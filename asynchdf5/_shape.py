@@ -51,6 +51,16 @@ class DataShape:
     categories: tuple[tuple[str, tuple[Any, ...]], ...] = field(default=(), compare=False)
 
     @property
+    def stretches(self) -> bool:
+        """Whether each chunk is read as one or two long stretches of rows: unshuffled, or
+        shuffled in blocks of at least a chunk with no lanes (data packed shuffled,
+        :func:`~._sizing.order_of`). Streamed from the disk, such chunks are read as an
+        unshuffled epoch's are, whatever the order of the chunks."""
+        if self.block_rows is None:
+            return True
+        return self.block_rows >= self.chunk_rows and self.chunk_lanes <= 1
+
+    @property
     def epoch_samples(self) -> int:
         """Samples of an epoch over every rank (before ``drop_last``): the streams' counts."""
         return sum(s.count for s in self.streams) if self.streams else self.n_samples

@@ -11,7 +11,8 @@ is touched (one value of each sample summed) so that no lazy path is flattered.
   the same bytes.
 - ``raw_fresh``: (warm only) the same reads into memory never written before that holds them
   all (each piece faulted in first, as the layer's resident reads are): the least a resident
-  data set's first epoch costs, beside its gather.
+  data set's first epoch costs, beside its gather; on one thread, and on as many as the layer
+  reads a resident data set on (``fill_threads``, the pieces dealt out in turn).
 - ``h5py``: what a user writes, ``dset[i:i + 256]`` of every top, in order.
 - ``decode``: (filtered layouts, warm only) the stored chunks, already in memory, decoded by
   ``asynchdf5``'s own decoder on as many threads as there are cores: the decode limit.
@@ -73,39 +74,46 @@ def raw(paths: list[str], n: int) -> dict[str, Any]:
     return {"rate": n / seconds, "seconds": seconds, "bytes": total}
 
 
-def raw_fresh(paths: list[str], n: int) -> dict[str, Any]:
+def raw_fresh(paths: list[str], n: int, threads: int = 1) -> dict[str, Any]:
     """As :func:`raw`, into memory never written before that holds every byte (each piece
-    faulted in first, as the layer does): what reading a resident data set in costs at least."""
+    faulted in first, as the layer does): what reading a resident data set in costs at least;
+    ``threads`` read the pieces, dealt out in turn."""
     import mmap
 
     from asynchdf5._pages import populate
 
     ranges, _ = _stored(paths)
     total = sum(size for _, _, size in ranges)
+    pieces: list[tuple[str, int, int, int]] = []  # (file, offset, size, where in memory)
+    at = 0
+    for name, offset, size in ranges:
+        for done in range(0, size, PIECE):
+            pieces.append((name, offset + done, min(PIECE, size - done), at))
+            at += min(PIECE, size - done)
     fds = {p: os.open(p, os.O_RDONLY) for p in {r[0] for r in ranges}}
     memory = mmap.mmap(-1, max(1, total), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(memory)
+
+    def read(k: int) -> None:
+        for name, offset, size, where in pieces[k::threads]:
+            piece = view[where : where + size]
+            populate(piece)
+            got = os.preadv(fds[name], [piece], offset)
+            piece.release()
+            if got != size:
+                raise OSError(f"{name}: short read at {offset}")
+
     try:
         t0 = time.perf_counter()
-        at = 0
-        for name, offset, size in ranges:
-            done = 0
-            while done < size:
-                piece = view[at : at + min(PIECE, size - done)]
-                populate(piece)
-                got = os.preadv(fds[name], [piece], offset + done)
-                piece.release()
-                if got <= 0:
-                    raise OSError(f"{name}: short read at {offset + done}")
-                done += got
-                at += got
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(threads)))
         seconds = time.perf_counter() - t0
     finally:
         view.release()
         memory.close()
         for fd in fds.values():
             os.close(fd)
-    return {"rate": n / seconds, "seconds": seconds, "bytes": total}
+    return {"rate": n / seconds, "seconds": seconds, "bytes": total, "threads": threads}
 
 
 def h5py_in_order(paths: list[str], n: int) -> dict[str, Any]:
@@ -227,7 +235,7 @@ def main(argv: list[str]) -> int:
     for name, lay in job["layouts"].items():
         paths, source, n = lay["paths"], lay["source"], lay["samples"]
         runs: dict[str, list[dict[str, Any]]] = {
-            "raw": [], "raw_fresh": [], "h5py": [], "layer": []
+            "raw": [], "raw_fresh": [], "raw_fresh_threads": [], "h5py": [], "layer": []
         }  # fmt: skip
         if not cold:
             raw(paths, n)  # warm: every stored byte in the page cache first
@@ -237,7 +245,11 @@ def main(argv: list[str]) -> int:
         for _ in range(job["rounds"]):
             # Into fresh memory only warm: under a memory limit the data set is streamed, never
             # held whole (nor could this reader hold it).
-            readers = ("raw", "h5py", "layer") if cold else ("raw", "raw_fresh", "h5py", "layer")
+            readers = (
+                ("raw", "h5py", "layer")
+                if cold
+                else ("raw", "raw_fresh", "raw_fresh_threads", "h5py", "layer")
+            )
             for reader in readers:
                 if cold:
                     for p in paths:
@@ -246,6 +258,10 @@ def main(argv: list[str]) -> int:
                     runs[reader].append(raw(paths, n))
                 elif reader == "raw_fresh":
                     runs[reader].append(raw_fresh(paths, n))
+                elif reader == "raw_fresh_threads":
+                    from asynchdf5._read import fill_threads
+
+                    runs[reader].append(raw_fresh(paths, n, fill_threads()))
                 elif reader == "h5py":
                     runs[reader].append(h5py_in_order(paths, n))
                 else:

@@ -180,17 +180,27 @@ def bench(rec: Recorder) -> None:
                     _best(runs.get("decode", [])),
                 )
                 fresh = _best(runs.get("raw_fresh", []))
+                fresh_threads = _best(runs.get("raw_fresh_threads", []))
+                fill = max((r["threads"] for r in runs.get("raw_fresh_threads", [])), default=0)
                 epoch1 = _best(runs["layer"])
                 epoch2 = max((r["epochs"][1] for r in runs["layer"]), default=None)
                 first = min((r["first_batch_s"] for r in runs["layer"]), default=None)
                 rec.figure(f"{what}: raw read of the stored bytes", raw, "samples/s")
                 rec.figure(f"{what}: raw read into fresh memory", fresh, "samples/s")
+                rec.figure(
+                    f"{what}: raw read into fresh memory, {fill} threads", fresh_threads,
+                    "samples/s",
+                )  # fmt: skip
                 rec.figure(f"{what}: h5py in order (256-row slices)", h5, "samples/s")
                 rec.figure(f"{what}: decode limit ({os.cpu_count()} threads)", dec, "samples/s")
                 rec.figure(f"{what}: layer epoch 1", epoch1, "samples/s")
                 rec.figure(f"{what}: layer epoch 2", epoch2, "samples/s")
                 rec.ratio(f"{what}: layer epoch 1 ÷ raw read", epoch1, raw)
                 rec.ratio(f"{what}: layer epoch 1 ÷ raw read into fresh memory", epoch1, fresh)
+                rec.ratio(
+                    f"{what}: layer epoch 1 ÷ raw read into fresh memory, {fill} threads", epoch1,
+                    fresh_threads,
+                )  # fmt: skip
                 rec.ratio(f"{what}: layer epoch 2 ÷ raw read", epoch2, raw)
                 rec.ratio(f"{what}: layer epoch 1 ÷ h5py in order", epoch1, h5)
                 rec.ratio(f"{what}: layer epoch 1 ÷ decode limit", epoch1, dec)

@@ -22,11 +22,17 @@ The readers, in one run on the same file under the same limit:
   threads, read-ahead off: the limit of a shuffled epoch that must read from many places;
 - ``layer_shuffled_packed``: the shuffled layer on the same samples in a random order, with the
   ``shuffled`` attribute ``asynchdf5 pack --shuffle`` writes: read in sequential stretches, its
-  limit is the sequential rate.
+  limit is the sequential rate;
+- ``layer_unshuffled_packed``: the unshuffled layer on that file: what its shuffled epochs are
+  held to (the same bytes, the same file, so the same state of the device's caches);
+- ``random_at_packed_plan``: the random-read rate at the read size of the shuffled layer's plan
+  on that file (its stretches: a chunk each), 2 threads (as many as the slots in flight): the
+  limit of its shuffled epochs, beside the sequential one.
 
-The last two are time-bounded (``--bound-s`` or one epoch, whichever comes first) and their rate
-is taken from the first batch on. The limit is the larger of the sequential read and the
-unshuffled layer (which keeps several reads in flight); each rate is reported against it.
+``torch_h5py``, ``memmap`` and the random reads are time-bounded (``--bound-s`` or one epoch,
+whichever comes first); the loaders' rate is taken from the first batch on. The limit is the
+larger of the sequential read and the unshuffled layer (which keeps several reads in flight);
+each rate is reported against it.
 Timings depend on the machine's load and, on a VM, on the host's cache of the virtual disk:
 compare the ratios of one run, not absolute rates across runs.
 """
@@ -68,6 +74,8 @@ READERS: dict[str, tuple[str, dict[str, Any]]] = {
     "memmap": ("memmap", {}),
     "random_at_plan": ("random", {"threads": 8}),
     "layer_shuffled_packed": ("layer", {"shuffle": True, "packed_shuffled": True}),
+    "layer_unshuffled_packed": ("layer", {"shuffle": False, "packed_shuffled": True}),
+    "random_at_packed_plan": ("random", {"threads": 2, "packed_shuffled": True}),
 }
 #: --quick: a toy file that is smaller than the limit (the run proves the code, not the rate): a
 #: child of the layer with default properties is killed for memory under 64 MiB.
@@ -84,22 +92,26 @@ def offsets(path: Path) -> tuple[int, int]:
     return int(d), int(lab)
 
 
-def plan_read_bytes(n: int, limit_mib: int) -> int:
-    """The median read of the shuffled layer's plan over the class-sorted file under a memory
-    limit of ``limit_mib`` (the default cache: a third of it), in bytes of ``data``: its chunks'
-    ranges after the first read, as the layer plans them with default properties."""
+def plan_read_bytes(n: int, limit_mib: int, packed: bool = False) -> int:
+    """The median read of the shuffled layer's plan over the class-sorted file (``packed``: the
+    file packed shuffled, whose chunks are stretches) under a memory limit of ``limit_mib`` (the
+    default cache: a third of it), in bytes of ``data``: its chunks' ranges after the first
+    read, as the layer plans them with default properties."""
     row, batch, chunk_size = SAMPLE_BYTES, 256, 2**20
     cache = size_cache(
         n, row, batch_size=batch, world_size=1, chunk_size=chunk_size,
         cache_bytes=limit_mib * 2**20 // 3,
     )  # fmt: skip
-    block = default_block_rows(row, chunk_size)
-    first, lanes = first_read(batch, row, True)
+    if packed:  # blocks of chunk_size rows, no lanes (asynchdf5._sizing.order_of)
+        block, (first, lanes), laned, top = chunk_size, first_read(batch, row, False), 1, None
+    else:
+        block = default_block_rows(row, chunk_size)
+        first, lanes = first_read(batch, row, True)
+        laned, top = chunk_lanes(cache.chunk_rows, block, row), RAMP_TOP_LANES
     plan = plan_epoch(
         n, epoch=0, batch_size=batch, chunk_size=cache.chunk_rows, shuffle=True, seed=0,
-        first_rows=first, block_size=block, ramp_lanes=lanes,
-        chunk_lanes=chunk_lanes(cache.chunk_rows, block, row), ramp_top_lanes=RAMP_TOP_LANES,
-        even_chunks=True,
+        first_rows=first, block_size=block, ramp_lanes=lanes, chunk_lanes=laned,
+        ramp_top_lanes=top, even_chunks=True,
     )  # fmt: skip
     reads = [b - a for c in plan.chunks[1:] or plan.chunks for a, b in c.ranges]
     return int(sorted(reads)[len(reads) // 2]) * (SAMPLE_BYTES - 8)
@@ -141,7 +153,11 @@ def run_reader(
         "data_offset": data_offset,
         "label_offset": label_offset,
         "layer_props": args.layer_props,
-        "read_bytes": plan_read_bytes(n, args.limit_mib) if kind == "random" else None,
+        "read_bytes": (
+            plan_read_bytes(n, args.limit_mib, bool(params.get("packed_shuffled")))
+            if kind == "random"
+            else None
+        ),
         **params,
     }
     result = run_child(name, job, [path], args, work)
@@ -296,13 +312,16 @@ def bench(rec: Recorder) -> None:
     readers = out["readers"]
     if readers.get("random_at_plan", {}).get("read_bytes"):
         rec.param(plan_read_kib=readers["random_at_plan"]["read_bytes"] // 2**10)
-    packed, unshuffled = readers.get("layer_shuffled_packed"), readers.get("layer_unshuffled")
-    if packed and unshuffled and packed.get("passes") and unshuffled.get("passes"):
+    if readers.get("random_at_packed_plan", {}).get("read_bytes"):
+        rec.param(packed_plan_read_kib=readers["random_at_packed_plan"]["read_bytes"] // 2**10)
+    packed = readers.get("layer_shuffled_packed")
+    for peer in ("layer_unshuffled", "layer_unshuffled_packed"):
+        unshuffled = readers.get(peer)
+        if not (packed and unshuffled and packed.get("passes") and unshuffled.get("passes")):
+            continue
         for i, (p, q) in enumerate(zip(packed["passes"], unshuffled["passes"], strict=False)):
             rec.figure(
-                f"layer_shuffled_packed ÷ layer_unshuffled, epoch {i + 1}",
-                p["rate"] / q["rate"],
-                "ratio",
+                f"layer_shuffled_packed ÷ {peer}, epoch {i + 1}", p["rate"] / q["rate"], "ratio"
             )
     for name, r in out["readers"].items():
         rec.note(f"{name}: {r['cgroup']}")

@@ -24,6 +24,7 @@ import pytest
 
 import asynchdf5._hdf5
 from asynchdf5 import AsyncHDF5DataLayer, ReadError
+from asynchdf5._catalog import SHUFFLED_ATTR
 from asynchdf5._loading import _Region
 from asynchdf5._read import HDF5Reader
 from asynchdf5._sources import _direct, _local
@@ -134,15 +135,19 @@ async def test_no_read_overwrites_rows_still_in_use(
     assert not reads.overlaps, reads.overlaps
 
 
-@pytest.mark.parametrize("how", ["O_DIRECT", "refused", "in order"])
+@pytest.mark.parametrize("how", ["O_DIRECT", "refused", "in order", "packed shuffled"])
 async def test_data_larger_than_memory_is_read_around_the_page_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """Where the data outgrows the memory the process may use, the reader reads around the
     page cache: shuffled, ``O_DIRECT``, or where the file system refuses it, advice before and
-    after each read; in order, through the kernel's read-ahead, dropped after. The epochs are as
-    exact; data that fits reads as before."""
+    after each read; in order, through the kernel's read-ahead, dropped after, and so is data
+    packed shuffled read shuffled (its chunks are stretches, read as in order). The epochs are
+    as exact; data that fits reads as before."""
     direct = how == "O_DIRECT"
+    # Shuffled in blocks of 8 rows, a chunk is read from 8 places (rows this narrow make the
+    # default blocks as long as a chunk: one stretch each, read as in order).
+    scattered = ("O_DIRECT", "refused")
     calls: list[object] = []
     real_read, real_advise = _direct.read_direct, _direct.advise
 
@@ -159,13 +164,17 @@ async def test_data_larger_than_memory_is_read_around_the_page_cache(
     monkeypatch.setattr(_local, "DIRECT_MIN", 0)  # the test's rows are a few bytes
     if how == "refused":  # as a file system that refuses O_DIRECT would
         monkeypatch.setenv("ASYNCHDF5_DIRECT", "0")
-    source = write_source(tmp_path)[0]
+    source, paths = write_source(tmp_path)
+    if how == "packed shuffled":  # as `asynchdf5 pack --shuffle` marks its files
+        for path in paths:
+            with h5py.File(path, "r+") as f:
+                f.attrs[SHUFFLED_ATTR] = True
     for memory, streams in ((N * ROW_BYTES - 1, True), (N * ROW_BYTES, False)):
         calls.clear()
         monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda memory=memory: memory)
         layer = AsyncHDF5DataLayer(
             source, batch_size=BATCH, shuffle=how != "in order", seed=3, chunk_size=CHUNK,
-            cache_bytes=2 * CHUNK * ROW_BYTES,
+            cache_bytes=2 * CHUNK * ROW_BYTES, block_size=8 if how in scattered else None,
         )  # fmt: skip
         async with layer:
             await _epochs(layer, 2)
