@@ -37,7 +37,7 @@ from ._shape import DataShape
 from ._sizing import held_rows, shape_of, size_opening
 from ._sources import Source, SourceLike, SourceOptions, Streaming
 from ._streams import Stream, StreamSpec, combine, parse_streams
-from ._thread_call import run_sync_whole
+from ._thread_call import release_whole, run_sync_whole
 
 if sys.version_info >= (3, 11):
     from typing import Self, Unpack
@@ -207,7 +207,7 @@ class HDF5Layer(LayerBase):
             found = await run_sync_whole(self._build_catalog, files)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(files.close)
+                await release_whole(files.close)
             raise
         return files, found
 
@@ -268,7 +268,7 @@ class HDF5Layer(LayerBase):
             with anyio.CancelScope(shield=True):
                 if chosen is not None:
                     chosen.close()
-                await anyio.to_thread.run_sync(files.close)
+                await release_whole(files.close)
             raise
         c = self.config
         slot_bytes = 2 * shape.chunk_rows * shape.row_bytes

@@ -122,7 +122,8 @@ class Planner:
         return made
 
     async def plan_soon(self, epoch: int, *, stream: bool = False) -> EpochPlan:
-        """:meth:`plan`, made in a worker thread unless it is kept already."""
+        """:meth:`plan`, made in a worker thread unless it is kept already. A wait cut short
+        loses nothing: the plan is kept for the next asker."""
         with self._lock:
             kept = self._plans.get((epoch, stream))
         if kept is not None:
