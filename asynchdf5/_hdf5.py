@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import anyio
-import anyio.to_thread
 from anyio.from_thread import BlockingPortal
 
 from ._cache import Slot, allocate_slots
