@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from . import transforms
 from ._batch import Batch
-from ._cache import CacheBudgetWarning
 from ._errors import (
     ConfigurationError,
     DataLayerError,
@@ -23,6 +22,7 @@ from ._hdf5 import AsyncHDF5DataLayer, HDF5DataLayer
 from ._iterator import EpochIterator
 from ._memory import MemoryDataLayer
 from ._ragged import Ragged
+from ._sizing import CacheBudgetWarning
 from ._stats import LayerStats
 from ._streams import Stream
 from ._windows import Windows

@@ -362,15 +362,18 @@ class Consumer:
             self.last_handed = time.perf_counter()
         return batch
 
-    def deliver(self, it: EpochIterator, batch: Batch) -> None:
+    def deliver(self, it: EpochIterator, batch: Batch, stepped: float = 0.0) -> None:
         """``it``'s ``for`` loop takes ``batch`` (in that loop's thread): it is
         made ready there (a device's: on the current CUDA stream), and counts for
-        ``state_dict()`` from now on."""
+        ``state_dict()`` from now on. ``stepped``: the seconds the loop spent on the batch
+        before (:meth:`stepped`), counted in the same call, one per step."""
+        self._counts.step_seconds += stepped
         self.delivery.hand_off(batch)
         self.place.count(it.mode, batch.epoch, len(batch.indices))
 
     def stepped(self, seconds: float) -> None:
-        """A ``for`` loop spent ``seconds`` on a batch before asking again."""
+        """A ``for`` loop spent ``seconds`` on a batch before asking again (the last of its
+        iteration: the others' come with the next :meth:`deliver`)."""
         self._counts.step_seconds += seconds
 
     def _epoch_ended(self, it: EpochIterator, epoch: int) -> None:

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import anyio
-import anyio.to_thread
 from anyio.from_thread import BlockingPortal
 
 from ._cache import Slot, allocate_slots
@@ -34,10 +33,10 @@ from ._process import ProcessReader, check_picklable, payload, ring_slots
 from ._read import Choice, HDF5Reader, MappedReader, Reader, choose, fill_threads
 from ._schemas import check_schemas
 from ._shape import DataShape
-from ._sizing import cache_plan, shape_of
+from ._sizing import held_rows, shape_of, size_opening
 from ._sources import Source, SourceLike, SourceOptions, Streaming
 from ._streams import Stream, StreamSpec, combine, parse_streams
-from ._thread_call import run_sync_whole
+from ._thread_call import release_whole, run_sync_whole
 
 if sys.version_info >= (3, 11):
     from typing import Self, Unpack
@@ -207,7 +206,7 @@ class HDF5Layer(LayerBase):
             found = await run_sync_whole(self._build_catalog, files)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(files.close)
+                await release_whole(files.close)
             raise
         return files, found
 
@@ -217,10 +216,15 @@ class HDF5Layer(LayerBase):
         files, (catalog, streams) = await self._catalog()
         chosen: Choice | None = None  # holds the file's lease until the mapped reader takes it
         try:
-            shape = self._shape_of(catalog, streams)
-            # Checked and taken by the planner, which says the rows a slot must hold (an
-            # elastically resumed epoch's chunks may be larger).
-            rows = self._planner.opening(shape, epoch)
+            planner = self._planner
+            # Every size fixed once (the order's, the slots', the memory's), then checked and
+            # taken by the planner: control goes down, never back to the sizing.
+            loaded = planner.shape if planner.resume is not None else None
+            sized = size_opening(
+                catalog, streams, self.config, loaded=loaded, resume=planner.resume, epoch=epoch
+            )
+            shape, rows = sized.shape, sized.slot_rows
+            planner.opening(shape)
             slots: list[Slot] | None = None
             # Data larger than the memory the process may use is read from the disk every
             # epoch: it is copied (mmap="auto"), and the reader streams it around the page
@@ -240,8 +244,8 @@ class HDF5Layer(LayerBase):
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole, read_threads=fill_threads())
             else:
-                if rows > shape.chunk_rows:
-                    cache_plan(catalog, self.config, rows)  # the budget must hold them
+                if sized.refused is not None:  # an elastic resume's chunks: too large
+                    raise sized.refused
                 slots = allocate_slots(catalog.tops, rows)
                 # Data larger than memory: read from the disk every epoch, around the page cache
                 # (Source.fetch); scattered reads wait on the disk, not the CPU: more in flight.
@@ -265,7 +269,7 @@ class HDF5Layer(LayerBase):
             with anyio.CancelScope(shield=True):
                 if chosen is not None:
                     chosen.close()
-                await anyio.to_thread.run_sync(files.close)
+                await release_whole(files.close)
             raise
         c = self.config
         slot_bytes = 2 * shape.chunk_rows * shape.row_bytes
@@ -327,7 +331,8 @@ class HDF5Layer(LayerBase):
         reader, shape = await ProcessReader.start(blob, self._stats, slots, device)
         try:
             check_schemas(shape.streams, process=True)
-            rows = planner.opening(shape, epoch)
+            rows = held_rows(shape, planner.resume, epoch)  # as the helper's opening sized them
+            planner.opening(shape)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await reader.aclose()

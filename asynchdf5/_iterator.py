@@ -106,6 +106,7 @@ class EpochIterator:
         ``state_dict()``) in the loop's thread as the loop takes it."""
         consumer = self.consumer
         forget_kept_interrupts()  # those of no loop: see raise_kept_interrupt
+        stepped = 0.0  # the loop's seconds on the batch before, counted with the next one
         try:
             while True:
                 batches = call_or_cancel(portal, self._next_group, BRIDGE_BATCHES)
@@ -115,16 +116,19 @@ class EpochIterator:
                 batches.reverse()
                 while batches:  # popped: a batch the loop is done with is not held here
                     batch = batches.pop()
+                    step, stepped = stepped, 0.0
                     try:
-                        consumer.deliver(self, batch)  # counts once the loop has it
+                        consumer.deliver(self, batch, step)  # counts once the loop has it
                     except BaseException:
                         portal.call(consumer.fail, self)
                         raise
                     t0 = time.perf_counter()
                     yield batch
-                    consumer.stepped(time.perf_counter() - t0)
+                    stepped = time.perf_counter() - t0
                     raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
         finally:
+            if stepped:  # the last batch's step: no batch after it to count it with
+                consumer.stepped(stepped)
             if not self.done:  # left early (break) or failed in the loop's body
                 with contextlib.suppress(Exception):  # the bridge may be gone already
                     portal.call(self.aclose)

@@ -20,6 +20,7 @@ from ._layer import LayerBase
 from ._opened import Opened
 from ._plan import ChunkPlan
 from ._shape import DataShape
+from ._sizing import held_rows
 from ._stats import ReadStats
 from ._windows import Windows, window_view
 
@@ -108,7 +109,8 @@ class MemoryDataLayer(LayerBase):
 
     async def _open_source(self, epoch: int, portal: BlockingPortal | None, at: float) -> Opened:
         shape = self._look()
-        rows = self._planner.opening(shape, epoch)
+        rows = held_rows(shape, self._planner.resume, epoch)
+        self._planner.opening(shape)
         reader = MemoryReader(self._arrays, self._specs)
         return await Opened.enter(
             reader, None, shape, slot_rows=rows, delivery=self._delivery, portal=portal, at=at

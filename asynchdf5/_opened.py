@@ -15,7 +15,6 @@ from __future__ import annotations
 from types import TracebackType
 
 import anyio
-import anyio.to_thread
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal
 
@@ -25,6 +24,7 @@ from ._errors import StateError
 from ._process import ProcessReader
 from ._read import Reader
 from ._shape import DataShape
+from ._thread_call import release_whole
 
 __all__ = ["Opened"]
 
@@ -120,4 +120,4 @@ class Opened:
             slots, self.slots = self.slots, None
             if slots:
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(free_slots, slots)
+                    await release_whole(free_slots, slots)

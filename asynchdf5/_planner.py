@@ -8,7 +8,8 @@ the last few, so that the pipeline, ``len()`` and ``state_dict()`` agree without
 Planning a laned epoch of a large data set takes long enough to stall a step:
 :meth:`Planner.plan_soon` plans in a worker thread, never on the event loop.
 
-The planner sizes nothing: the blocks, first read and lanes are the shape's, fixed before it by
+The planner sizes nothing: the blocks, first read and lanes are the shape's, and the rows a cache
+slot holds (an elastically resumed epoch's larger chunks included) are fixed before it by
 :mod:`._sizing` (or by a loaded state), so that an opening reaches the planner once.
 """
 
@@ -70,16 +71,14 @@ class Planner:
         self.shape = shape
         self._changed()
 
-    def opening(self, shape: DataShape, epoch: int) -> int:
-        """The layer opens over ``shape`` at ``epoch``: the split is checked (the same answer
-        on every rank: from the configuration and the catalog), the shape taken, and the rows
-        a cache slot must hold returned (:meth:`cache_rows`). Called once per opening, before
-        the cache is allocated."""
+    def opening(self, shape: DataShape) -> None:
+        """The layer opens over ``shape``: the split is checked (the same answer on every rank:
+        from the configuration and the catalog) and the shape taken. Called once per opening,
+        after :mod:`._sizing` fixed the shape and the rows a cache slot holds."""
         c = self.config
         check_split(shape.epoch_samples, c.batch_size, c.world_size, c.drop_last)
         if shape != self.shape:
             self.looked(shape)
-        return self.cache_rows(shape, epoch)
 
     def set_part(self, part: tuple[int, int] | None) -> None:
         self.part = part
@@ -104,14 +103,6 @@ class Planner:
         assert self.shape is not None, "the layer looks at its data before planning"
         return self.shape
 
-    def cache_rows(self, shape: DataShape, epoch: int) -> int:
-        """The rows a cache slot must hold when the layer opens with ``shape`` at ``epoch``:
-        its chunks', and an elastically resumed epoch's still to come."""
-        r, resumed = self.resume, self._resumed
-        if r is not None and resumed is not None and epoch <= r.epoch:
-            return max(shape.chunk_rows, resumed.chunk_rows)
-        return shape.chunk_rows
-
     # --- plans --------------------------------------------------------------------------------
 
     def plan(self, epoch: int, *, stream: bool = False) -> EpochPlan:
@@ -131,7 +122,8 @@ class Planner:
         return made
 
     async def plan_soon(self, epoch: int, *, stream: bool = False) -> EpochPlan:
-        """:meth:`plan`, made in a worker thread unless it is kept already."""
+        """:meth:`plan`, made in a worker thread unless it is kept already. A wait cut short
+        loses nothing: the plan is kept for the next asker."""
         with self._lock:
             kept = self._plans.get((epoch, stream))
         if kept is not None:

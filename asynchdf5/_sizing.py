@@ -1,24 +1,27 @@
 """The sizes an HDF5 layer fixes from its catalog: the cache's chunks and the order's shape.
 
-The order's heuristics, from the properties and the files' layout only (never the shard), so
-that every rank and every resumed run draws the same order: the rows of a shuffled block
-(:func:`default_block_rows`), an epoch's first read and its ramp's lanes (:func:`first_read`),
-and the lanes of every chunk (:func:`chunk_lanes`), together :func:`order_of`.
-:func:`cache_plan` fits the cache's chunks to the memory budget (:func:`~._cache.size_cache`);
-:func:`shape_of` puts the order's sizes, or a loaded state's, into the one
-:class:`~._shape.DataShape` that every plan and saved state agrees on. Pure (no I/O), and below
-the planner, which only plans from that shape: an opening sizes here, then reaches the planner
-once.
+The cache, fitted to the memory budget (:func:`size_cache`, :func:`cache_plan`): a third of the
+room the process has by default (:func:`default_cache_bytes`), chunks shrunk to fit it with a
+:class:`CacheBudgetWarning`. The order's heuristics, from the properties and the files' layout
+only (never the shard), so that every rank and every resumed run draws the same order: the rows
+of a shuffled block (:func:`default_block_rows`), an epoch's first read and its ramp's lanes
+(:func:`first_read`), and the lanes of every chunk (:func:`chunk_lanes`), together
+:func:`order_of`. :func:`shape_of` puts the order's sizes, or a loaded state's, into the one
+:class:`~._shape.DataShape` that every plan and saved state agrees on; :func:`size_opening` adds
+the rows a cache slot holds (:func:`held_rows`). No I/O but the memory figures of
+:mod:`._machine`, and below the planner, which only plans from that shape: an opening sizes
+here, once, then reaches the planner once.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ._cache import N_SLOTS, CacheBudgetWarning, CachePlan, heap_bytes, size_cache
-from ._catalog import Catalog
+from ._cache import N_SLOTS
+from ._catalog import Catalog, TopInfo
 from ._config import (
     BLOCK_BYTES,
     BLOCKS_PER_CHUNK,
@@ -32,23 +35,35 @@ from ._config import (
     LayerConfig,
 )
 from ._errors import ConfigurationError
-from ._machine import memory_room
+from ._machine import memory_bytes, memory_room
 from ._mix import StreamRows
 from ._pipeline import MIN_GROUP_BYTES, RING_GROUPS
+from ._plan import shard_share
 from ._shape import DataShape
+from ._state import Resume
 
 __all__ = [
+    "N_SLOTS",
     "RAMP_BYTES",
+    "CacheBudgetWarning",
+    "CachePlan",
     "Order",
+    "Sized",
     "cache_plan",
     "chunk_lanes",
     "default_block_rows",
+    "default_cache_bytes",
     "first_read",
+    "heap_bytes",
+    "held_rows",
     "lane_part_rows",
     "mixing_warning",
     "order_of",
     "ramp_lanes",
     "shape_of",
+    "size_cache",
+    "size_opening",
+    "slot_rows",
 ]
 
 
@@ -269,6 +284,197 @@ def stored_shuffled(catalog: Catalog) -> bool:
     return all(f.shuffled for f in catalog.files if f.nrows)
 
 
+# --- the cache, fitted to the memory budget ---------------------------------------------------
+
+
+class CacheBudgetWarning(UserWarning):
+    """``chunk_size`` samples per slot would not fit ``cache_bytes``: the chunks were shrunk."""
+
+
+def default_cache_bytes(*, held: bool = True) -> int:
+    """The default budget of the host cache: a third of the room this process has when the
+    layer opens (the machine's memory, or its container's limit, less what is held under it
+    already: :func:`~._machine.memory_room`), so that a training process's own memory, and
+    as much again for what it allocates later and the page cache, stays free. Rounded down to
+    three significant bits, so that the chunks, and the order they make, stay the same from run
+    to run while what is held differs a little.
+
+    ``held=False`` (a rank of several): a third of the memory alone, whatever is held. The
+    cache's size fixes the order, which every rank must plan alike, and what each rank holds
+    differs."""
+    if not held:
+        return memory_bytes() // 3 or 4 * 2**30
+    room = memory_room()
+    if room is None:
+        return 4 * 2**30
+    third = max(1, room.free // 3)
+    step = 1 << max(0, third.bit_length() - 3)
+    return third // step * step
+
+
+def _default_words(budget: int) -> str:
+    """Where the default budget comes from, for a message that says it is too small."""
+    room = memory_room()
+    if room is None:
+        return f"cache_bytes={budget}"
+    return f"the default cache_bytes={budget} (a third of the room left under {room})"
+
+
+def slot_rows(chunk_size: int, shard_samples: int, row_bytes: int, cache_bytes: int) -> int:
+    """Rows per slot: ``chunk_size``, no more than the shard holds, shrunk to fit the budget."""
+    rows = min(chunk_size, shard_samples)
+    fit = cache_bytes // (N_SLOTS * max(1, row_bytes))
+    if fit < rows:
+        warnings.warn(
+            f"chunk_size={chunk_size} samples of {row_bytes} bytes in {N_SLOTS} cache slots "
+            f"would take {N_SLOTS * rows * row_bytes / 2**30:.2f} GiB, more than "
+            f"cache_bytes={cache_bytes / 2**30:.2f} GiB: using chunks of {max(1, fit)} samples",
+            CacheBudgetWarning,
+            stacklevel=2,
+        )
+        rows = max(1, fit)
+    return rows
+
+
+def heap_bytes(tops: Mapping[str, TopInfo]) -> Callable[[int], int] | None:
+    """Bytes of the ragged tops' heaps in a slot of ``rows`` rows (None: no ragged top)."""
+    ragged = [t for t in tops.values() if t.ragged is not None]
+    if not ragged:
+        return None
+
+    def of(rows: int) -> int:
+        return sum(t.ragged.heap_rows(rows) * t.value_bytes for t in ragged if t.ragged)
+
+    return of
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How a source is cached: chunks of ``chunk_rows`` samples, or ``resident`` (read once)."""
+
+    chunk_rows: int
+    resident: bool
+    budget: int
+    shrunk: bool = False  # chunks hold fewer rows than chunk_size and the shard give: the budget
+
+
+def size_cache(
+    n: int,
+    row_bytes: int,
+    *,
+    batch_size: int,
+    world_size: int,
+    chunk_size: int,
+    cache_bytes: int | None,
+    rows: int | None = None,
+    heaps: Callable[[int], int] | None = None,
+) -> CachePlan:
+    """Size the cache for ``n`` samples of ``row_bytes`` (the same answer on every rank).
+
+    Raises :class:`ConfigurationError` when the budget cannot hold a batch in each slot; warns
+    (:class:`CacheBudgetWarning`) when the chunks must shrink to fit it. ``rows``: chunks of
+    exactly that many rows (a resumed run's), or a :class:`ConfigurationError`. ``heaps``: the
+    bytes a slot of so many rows needs besides (ragged tops' values, :func:`heap_bytes`): the
+    chunks are sized in bytes, so that no slot's heap can overflow whichever rows it holds.
+    """
+    if heaps is not None:
+        return _size_ragged(
+            n,
+            row_bytes,
+            heaps,
+            batch_size=batch_size,
+            world_size=world_size,
+            chunk_size=chunk_size,
+            cache_bytes=cache_bytes,
+            rows=rows,
+        )
+    share = shard_share(n, batch_size, 0, world_size)[1]  # rank 0's: the same on every rank
+    budget = cache_bytes if cache_bytes is not None else default_cache_bytes(held=world_size == 1)
+    batch_rows = min(batch_size, max(1, share))
+    need = N_SLOTS * batch_rows * row_bytes
+    if need > budget:
+        what = f"cache_bytes={budget}" if cache_bytes is not None else _default_words(budget)
+        raise ConfigurationError(
+            f"{what} cannot hold what the pipeline needs: {N_SLOTS} cache slots of "
+            f"a batch each, {batch_rows} samples of {row_bytes} bytes per slot, {need} bytes; "
+            "raise cache_bytes (where the memory allows it) or lower batch_size"
+        )
+    if rows is not None:
+        if N_SLOTS * rows * row_bytes > budget:
+            raise ConfigurationError(
+                f"the saved run cached chunks of {rows} samples of {row_bytes} bytes; "
+                f"cache_bytes={budget} cannot hold {N_SLOTS} of them: raise cache_bytes"
+            )
+        chunk_rows = rows
+    else:
+        chunk_rows = slot_rows(chunk_size, max(1, share), row_bytes, budget)
+    # The whole data set is one chunk and fits the budget: keep it, read each sample once.
+    resident = n <= chunk_size and n * row_bytes <= budget
+    shrunk = chunk_rows < min(chunk_size, max(1, share))
+    return CachePlan(chunk_rows, resident, budget, shrunk)
+
+
+def _size_ragged(
+    n: int,
+    row_bytes: int,
+    heaps: Callable[[int], int],
+    *,
+    batch_size: int,
+    world_size: int,
+    chunk_size: int,
+    cache_bytes: int | None,
+    rows: int | None,
+) -> CachePlan:
+    """:func:`size_cache` with ragged tops: a slot of ``r`` rows takes
+    ``r * row_bytes + heaps(r)`` bytes (``heaps`` grows with ``r``: the largest rows first)."""
+    share = shard_share(n, batch_size, 0, world_size)[1]
+    budget = cache_bytes if cache_bytes is not None else default_cache_bytes(held=world_size == 1)
+
+    def slot(r: int) -> int:
+        return r * row_bytes + heaps(r)
+
+    batch_rows = min(batch_size, max(1, share))
+    need = N_SLOTS * slot(batch_rows)
+    if need > budget:
+        what = f"cache_bytes={budget}" if cache_bytes is not None else _default_words(budget)
+        raise ConfigurationError(
+            f"{what} cannot hold what the pipeline needs: {N_SLOTS} cache slots of a batch "
+            f"each, and a batch of the {batch_rows} longest rows of the ragged tops takes "
+            f"{slot(batch_rows)} bytes ({need} bytes in all); raise cache_bytes (where the "
+            "memory allows it) or lower batch_size"
+        )
+    want = min(chunk_size, max(1, share))
+    if rows is not None:
+        if N_SLOTS * slot(rows) > budget:
+            raise ConfigurationError(
+                f"the saved run cached chunks of {rows} samples, whose longest rows take "
+                f"{slot(rows)} bytes; cache_bytes={budget} cannot hold {N_SLOTS} of them: "
+                "raise cache_bytes"
+            )
+        chunk_rows = rows
+    elif N_SLOTS * slot(want) <= budget:
+        chunk_rows = want
+    else:  # the most rows whose slots fit (slot() grows with r): a binary search
+        lo, hi = batch_rows, want
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if N_SLOTS * slot(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        chunk_rows = lo
+        warnings.warn(
+            f"chunk_size={chunk_size} samples with rows of varying length would take up to "
+            f"{N_SLOTS * slot(want) / 2**30:.2f} GiB in {N_SLOTS} cache slots, more than "
+            f"cache_bytes={budget / 2**30:.2f} GiB: using chunks of {chunk_rows} samples",
+            CacheBudgetWarning,
+            stacklevel=3,
+        )
+    resident = n <= chunk_size and slot(n) <= budget
+    shrunk = chunk_rows < want
+    return CachePlan(chunk_rows, resident, budget, shrunk)
+
+
 def cache_plan(catalog: Catalog, config: LayerConfig, rows: int | None) -> CachePlan:
     """The cache for ``catalog`` under ``config``'s budget; ``rows``: chunks of that many rows
     (a loaded state's), else as the properties and the budget give
@@ -291,7 +497,7 @@ def cache_plan(catalog: Catalog, config: LayerConfig, rows: int | None) -> Cache
 
 def check_room(budget: int, batch_bytes: int) -> None:
     """:class:`ConfigurationError` when the default cache ``budget`` (a third of the room this
-    process has: :func:`~._cache.default_cache_bytes`) cannot hold the least the pipeline needs
+    process has: :func:`default_cache_bytes`) cannot hold the least the pipeline needs
     (two cache slots of a batch, and its ring of batch buffers): then the rest of the process
     would not have room either, and the kernel would kill it for memory mid-epoch. Named at
     open instead, with the limit and what to set."""
@@ -316,7 +522,7 @@ def shape_of(
 ) -> DataShape:
     """The data's shape, and how it is cached: as ``forced`` (a loaded state's) says, else as
     the properties and the budget give. A cache the budget shrank warns
-    (:class:`~._cache.CacheBudgetWarning`) when the order's heuristics say what that costs."""
+    (:class:`CacheBudgetWarning`) when the order's heuristics say what that costs."""
     n, row_bytes = catalog.n_samples, catalog.row_bytes
     cache = cache_plan(catalog, config, forced.chunk_rows if forced is not None else None)
     if forced is not None:
@@ -359,3 +565,51 @@ def shape_of(
         streams=streams,
         categories=tuple(catalog.categories.items()),
     )
+
+
+def held_rows(shape: DataShape, resume: Resume | None, epoch: int) -> int:
+    """The rows a cache slot holds when a layer opens over ``shape`` at ``epoch``: its chunks',
+    and those of an epoch a loaded state (``resume``) resumes that is still to come, which is
+    served in the saved run's chunks (more rows than this run's after an elastic resume: they
+    were cut by other shares)."""
+    if resume is not None and epoch <= resume.epoch:
+        return max(shape.chunk_rows, int(resume.fingerprint["chunk_rows"]))
+    return shape.chunk_rows
+
+
+@dataclass(frozen=True)
+class Sized:
+    """What an HDF5 opening fixes from its catalog before it allocates anything
+    (:func:`size_opening`)."""
+
+    shape: DataShape  # every epoch's order and cache
+    #: The rows a cache slot holds: the shape's chunks, or the larger ones of an elastically
+    #: resumed epoch still to come.
+    slot_rows: int
+    #: Why the budget cannot hold cache slots of ``slot_rows`` (None: it can). Raised by the
+    #: opening only where it allocates slots: a mapped or resident reader has none.
+    refused: ConfigurationError | None = None
+
+
+def size_opening(
+    catalog: Catalog,
+    streams: tuple[StreamRows, ...],
+    config: LayerConfig,
+    *,
+    loaded: DataShape | None,
+    resume: Resume | None,
+    epoch: int,
+) -> Sized:
+    """The sizes of an opening at ``epoch`` (:class:`Sized`), each fixed here once.
+
+    ``loaded``: the shape a loaded state fixes (:func:`shape_of`'s ``forced``; None: none).
+    ``resume``: the loaded state; a slot holds :func:`held_rows`, and where those are more than
+    the shape's chunks the budget is checked for them too."""
+    shape = shape_of(catalog, streams, config, loaded)
+    rows, refused = held_rows(shape, resume, epoch), None
+    if rows > shape.chunk_rows:
+        try:
+            cache_plan(catalog, config, rows)
+        except ConfigurationError as exc:
+            refused = exc
+    return Sized(shape, rows, refused)

@@ -17,11 +17,10 @@ that a rename inside ``asynchdf5`` breaks this file, not several benchmarks:
 
 from __future__ import annotations
 
-from asynchdf5._cache import N_SLOTS, size_cache
 from asynchdf5._catalog import SHUFFLED_ATTR
 from asynchdf5._config import BLOCK_BYTES, RAMP_TOP_LANES
 from asynchdf5._plan import plan_epoch
-from asynchdf5._sizing import chunk_lanes, default_block_rows, first_read
+from asynchdf5._sizing import N_SLOTS, chunk_lanes, default_block_rows, first_read, size_cache
 from asynchdf5._sources._local import PIECE_BYTES
 
 __all__ = [

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning, MemoryDataLayer
-from asynchdf5._cache import slot_rows
 from asynchdf5._catalog import TopInfo
 from asynchdf5._delivery import BatchBuffers, line_offset
+from asynchdf5._sizing import slot_rows
 from asynchdf5._sources import Source
 
 from ._files import IMAGE, write_source

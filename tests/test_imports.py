@@ -409,3 +409,37 @@ async def test_an_opening_enters_each_stage_once_in_the_route_s_order(tmp_path: 
             assert route == OPENING_ROUTE, entries
         finally:
             await layer.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_an_elastic_resume_s_opening_enters_each_stage_once(tmp_path: Path) -> None:
+    """The same route when a state saved by one rank is resumed on three, whose own chunks are
+    smaller than the saved run's (chunk_size above a rank's share): the slots are sized for the
+    saved chunks, and their budget checked, in ``_sizing`` before the planner, never by going
+    back to ``_sizing`` after it; the cache's slots are allocated in one visit to ``_cache``."""
+    lst, _ = write_source(tmp_path, (40, 40))
+    kw: dict[str, Any] = dict(batch_size=4, shuffle=True, seed=1, chunk_size=2**20, mmap=False)
+    with anyio.fail_after(30):
+        async with AsyncHDF5DataLayer(lst, **kw) as saved:
+            async for _ in saved:
+                pass
+            it = aiter(saved)
+            await anext(it)
+            state = saved.state_dict()
+            await it.aclose()
+        own = AsyncHDF5DataLayer(lst, rank=1, world_size=3, **kw).state_dict()
+        assert own["fingerprint"]["chunk_rows"] < state["fingerprint"]["chunk_rows"] == 80
+        layer = AsyncHDF5DataLayer(lst, rank=1, world_size=3, **kw)
+        layer.load_state_dict(state)
+        with entries_recorded() as entries:
+            await layer.__aenter__()
+        try:
+            assert layer._consumer.opened is not None
+            assert layer._consumer.opened.slot_rows == 80  # the saved run's chunks
+            route = [m for m in entries if m in [*OPENING_ROUTE, "asynchdf5._cache"]]
+            expected = [*OPENING_ROUTE[:5], "asynchdf5._cache", *OPENING_ROUTE[5:]]
+            assert route == expected, entries
+            assert len([b async for b in layer]) > 0
+        finally:
+            await layer.aclose()

@@ -694,3 +694,52 @@ async def test_a_native_task_cancel_while_opening_leaves_nothing_behind(
 
     outcomes = await _tally_native_cancels(2, lambda: user(rng.uniform(0, 0.01)))
     assert set(outcomes) == {"cancelled"}, outcomes
+
+
+@pytest.mark.parametrize("release", ["reader", "mapped reader", "cache"])
+async def test_a_native_task_cancel_while_releasing_waits_for_the_release(
+    source: Path, anyio_backend: str, monkeypatch: pytest.MonkeyPatch, release: str
+) -> None:
+    """A native cancel that lands while the close releases the reader's files (copied or
+    mapped) or the cache's slots, each in a worker thread: the task ends cancelled only once
+    the release is over, never with its files still being closed or its memory still being
+    freed behind it."""
+    if anyio_backend != "asyncio":
+        pytest.skip("Task.cancel is asyncio's")
+    import asynchdf5._opened
+    import asynchdf5._read._mapped
+    import asynchdf5._read._reader
+
+    loop = asyncio.get_running_loop()
+    users: list[asyncio.Task[str]] = []
+    over: list[str] = []
+    owner, name = {
+        "reader": (asynchdf5._read._reader.HDF5Reader, "close"),
+        "mapped reader": (asynchdf5._read._mapped.MappedReader, "close"),
+        "cache": (asynchdf5._opened, "free_slots"),
+    }[release]
+    real = getattr(owner, name)
+
+    def slow(*args: Any) -> None:
+        loop.call_soon_threadsafe(users[0].cancel)  # lands while this release runs
+        time.sleep(0.05)
+        real(*args)
+        over.append(release)
+
+    monkeypatch.setattr(owner, name, slow)
+
+    async def user() -> str:
+        layer = AsyncHDF5DataLayer(
+            source, batch_size=10, chunk_size=40, mmap=release == "mapped reader"
+        )
+        async with layer:
+            async for _batch in layer:
+                break
+        await asyncio.sleep(5)
+        return "the cancellation was lost"
+
+    users.append(loop.create_task(user()))
+    with anyio.fail_after(30):
+        with pytest.raises(asyncio.CancelledError):
+            await users[0]
+    assert over == [release]  # over before the task ended

@@ -113,8 +113,8 @@ def test_a_group_whose_name_holds_what_splitlines_or_strip_would_cut_is_found(
 def test_the_memory_defaults_take_their_share_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
     # In a container limited to 3 GiB, nothing held: a cache of 1 GiB, data sets of up to
     # 1.5 GiB stay mapped.
-    import asynchdf5._cache as cache
     import asynchdf5._read._mapped as mapped
+    import asynchdf5._sizing as cache
 
     monkeypatch.setattr(cache, "memory_room", lambda: MemoryRoom(3 * 2**30, 0, "a limit"))
     monkeypatch.setattr(mapped, "memory_bytes", lambda: 3 * 2**30)
@@ -161,7 +161,7 @@ def test_without_a_limit_the_room_is_the_machines_less_this_process(tmp_path: Pa
 def test_the_default_cache_is_a_third_of_the_room_in_three_significant_bits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import asynchdf5._cache as cache
+    import asynchdf5._sizing as cache
 
     room = MemoryRoom(3 * 2**30, 2**30, "a limit")  # 2 GiB free: a third is 682.7 MiB
     monkeypatch.setattr(cache, "memory_room", lambda: room)
@@ -175,7 +175,7 @@ def test_ranks_of_a_job_size_the_default_cache_alike_whatever_each_holds(
 ) -> None:
     """The cache's size fixes the order every rank plans: with world_size > 1 the default is a
     third of the memory alone (what a rank holds differs from rank to rank)."""
-    import asynchdf5._cache as cache
+    import asynchdf5._sizing as cache
 
     monkeypatch.setattr(cache, "memory_bytes", lambda: 3 * 2**30)
     for held in (0, 2**29, 2**30):

@@ -19,11 +19,10 @@ import numpy as np
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, CacheBudgetWarning, HDF5DataLayer
-from asynchdf5._cache import size_cache
 from asynchdf5._catalog import SHUFFLED_ATTR
 from asynchdf5._config import LayerConfig
 from asynchdf5._plan import plan_epoch
-from asynchdf5._sizing import chunk_lanes, default_block_rows, first_read, order_of
+from asynchdf5._sizing import chunk_lanes, default_block_rows, first_read, order_of, size_cache
 from asynchdf5._walk import growing_ramp, ramp_sizes
 
 from ._helpers import run_main

@@ -3,6 +3,7 @@ item 3). The same batches, epochs, saved states and errors as in-process; nothin
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -455,3 +456,94 @@ async def test_streams_as_in_process(tmp_path: Path) -> None:
         np.testing.assert_array_equal(gi, wi)
         np.testing.assert_array_equal(gs, ws)
     assert counts == want_counts and at == want_at
+
+
+# --- a native cancel (asyncio's Ctrl-C) while the helper starts or a batch is uploaded ---------
+
+
+async def test_a_native_cancel_while_the_helper_starts_leaves_no_helper(
+    source: Path, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel lands while the helper is being started (in a worker thread): the helper
+    started is killed and reaped before the task ends cancelled, never left running."""
+    if anyio_backend != "asyncio":
+        pytest.skip("Task.cancel is asyncio's")
+    import asynchdf5._process._parent as parent
+
+    loop = asyncio.get_running_loop()
+    users: list[asyncio.Task[str]] = []
+    started: list[subprocess.Popen[bytes]] = []
+    real = parent.spawn
+
+    def spawn(*args: Any) -> subprocess.Popen[bytes]:
+        started.append(real(*args))
+        loop.call_soon_threadsafe(users[0].cancel)  # lands while this thread runs
+        time.sleep(0.05)
+        return started[-1]
+
+    monkeypatch.setattr(parent, "spawn", spawn)
+
+    async def user() -> str:
+        async with AsyncHDF5DataLayer(source, batch_size=10, process=True):
+            pass
+        return "the cancellation was lost"
+
+    users.append(loop.create_task(user()))
+    try:
+        with anyio.fail_after(DEADLINE):
+            with pytest.raises(asyncio.CancelledError):
+                await users[0]
+        assert len(started) == 1
+        assert started[0].returncode is not None  # reaped before the task ended
+    finally:
+        for proc in started:  # (the old code left it running)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    _no_helper_left()
+
+
+async def test_a_native_cancel_while_a_batch_is_uploaded_waits_for_the_upload(
+    source: Path, anyio_backend: str, monkeypatch: pytest.MonkeyPatch, fake_cupy: FakeCupy
+) -> None:
+    """With a device, the helper's host batches are uploaded in a worker thread of this
+    process, by the layer's delivery: a cancel that lands meanwhile ends the task only once
+    the upload is over, never while it still uses the delivery the close releases."""
+    if anyio_backend != "asyncio":
+        pytest.skip("Task.cancel is asyncio's")
+    import asynchdf5._delivery._cuda as cuda
+    import asynchdf5._process._runs as runs
+
+    loop = asyncio.get_running_loop()
+    users: list[asyncio.Task[str]] = []
+    events: list[str] = []
+    upload, close = runs.Uploader.upload, cuda.CudaDelivery.close
+
+    def slow_upload(self: runs.Uploader, items: list[Any]) -> list[Any]:
+        if not events:
+            loop.call_soon_threadsafe(users[0].cancel)  # lands while this thread runs
+            time.sleep(0.5)  # longer than the close of the helper takes
+        out = upload(self, items)
+        events.append("uploaded")
+        return out
+
+    def closing(self: cuda.CudaDelivery) -> None:
+        events.append("delivery closed")
+        close(self)
+
+    monkeypatch.setattr(runs.Uploader, "upload", slow_upload)
+    monkeypatch.setattr(cuda.CudaDelivery, "close", closing)
+
+    async def user() -> str:
+        async with AsyncHDF5DataLayer(source, batch_size=10, process=True, device="cuda") as layer:
+            async for _batch in layer:
+                pass
+        await asyncio.sleep(5)
+        return "the cancellation was lost"
+
+    users.append(loop.create_task(user()))
+    with anyio.fail_after(DEADLINE):
+        with pytest.raises(asyncio.CancelledError):
+            await users[0]
+    assert events[:2] == ["uploaded", "delivery closed"], events
+    _no_helper_left()

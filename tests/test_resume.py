@@ -480,3 +480,27 @@ async def test_after_an_elastic_resume_later_epochs_are_a_fresh_runs(
         (expected,), _ = await run(fresh, 1)
         assert later == expected
     assert sorted(before + after) == list(range(N))
+
+
+@pytest.mark.parametrize("mmap", [False, True], ids=["copied", "mapped"])
+async def test_an_elastic_resume_s_larger_chunks_must_fit_the_budget_where_cached(
+    tmp_path: Path, mmap: bool
+) -> None:
+    """Saved by one rank (chunks of the whole data set), resumed on three ranks whose budget
+    holds their own chunks but not the saved ones: refused at open, naming the saved chunks,
+    where the rows are cached in slots; a mapped file has no slots and opens."""
+    paths = [write_h5(tmp_path / "one.h5", 0, 80)]
+    kw: dict[str, Any] = dict(batch_size=4, shuffle=True, seed=1, chunk_size=2**20, mmap=mmap)
+    (_, _), state = await run(AsyncHDF5DataLayer(paths, **kw), 2, stop=1)
+    assert state["fingerprint"]["chunk_rows"] == 80
+    row_bytes = 16  # data: 2 float32, label: int64
+    layer = AsyncHDF5DataLayer(paths, rank=1, world_size=3, cache_bytes=2 * 27 * row_bytes, **kw)
+    layer.load_state_dict(state)
+    with anyio.fail_after(30):
+        if mmap:
+            async with layer:
+                assert len([b async for b in layer]) > 0
+        else:
+            with pytest.raises(ConfigurationError, match="saved run cached chunks of 80"):
+                async with layer:
+                    pass

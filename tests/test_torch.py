@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-import asynchdf5._cache
+import asynchdf5._sizing
 import asynchdf5.torch
 import asynchdf5.torch._dataset
 from asynchdf5 import ConfigurationError, StateError
@@ -572,7 +572,7 @@ def test_workers_share_the_budgets(
         info = SimpleNamespace(id=w, num_workers=4)
         monkeypatch.setattr(asynchdf5.torch._dataset, "get_worker_info", lambda i=info: i)
         c = worker._this_layer().config
-        budget = 2**18 if cache_bytes else asynchdf5._cache.default_cache_bytes(held=False) // 5
+        budget = 2**18 if cache_bytes else asynchdf5._sizing.default_cache_bytes(held=False) // 5
         assert (c.cache_bytes, c.prefetch) == (budget, 2)
         assert len(worker) == [5, 5, 5, 4][w]  # 19 batches of the rank, in runs
         chunks.append(worker._this_layer().state_dict()["fingerprint"]["chunk_rows"])

@@ -34,7 +34,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.to_thread
 import numpy as np
 
 from .._batch import Batch
@@ -42,6 +41,7 @@ from .._catalog import TopInfo
 from .._errors import ReadError
 from .._gathering import EpochEnd, Failure, Item
 from .._stats import GatherStats, Stats
+from .._thread_call import release_whole, run_sync_whole
 from ._errors import rebuild
 from ._runs import RemoteRun, Uploader
 from ._wire import MAX_MESSAGE, Segment, recv, refcounts_are_reliable, send, socket_pair
@@ -123,7 +123,11 @@ class ProcessReader:
         layer's delivery and batch size, to upload the helper's host batches with."""
         ours, theirs = socket_pair()
         try:
-            proc = await anyio.to_thread.run_sync(spawn, theirs, payload)
+            # Waited for whole: a helper started for a caller cancelled meanwhile is killed.
+            proc = await run_sync_whole(spawn, theirs, payload, release=_kill)
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         reader = cls(proc, ours, stats, slots)
@@ -325,9 +329,11 @@ class ProcessReader:
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(OSError):
                 send(self._sock, ("close",))
-            await anyio.to_thread.run_sync(reap, self._proc)
-            self._sock.close()
-            self._segments = [None] * self._slots  # batches still held keep their own mapping
+            try:
+                await release_whole(reap, self._proc)
+            finally:
+                self._sock.close()
+                self._segments = [None] * self._slots  # batches still held keep their mapping
 
 
 async def _wait_readable(sock: socket.socket) -> None:
@@ -367,6 +373,12 @@ def _child_env() -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` and reap it (a helper nobody waits for any more: its opening was cancelled)."""
+    proc.kill()
+    proc.wait()
 
 
 def reap(proc: subprocess.Popen[bytes], wait: float = EXIT_WAIT_S) -> None:

@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import anyio
-import anyio.to_thread
 
 from .._batch import Batch
 from .._catalog import TopInfo
 from .._gathering import Failure, Item
 from .._specs import Carry, GroupSpec
 from .._stats import GatherStats
+from .._thread_call import run_sync_whole
 
 if TYPE_CHECKING:
     from .._delivery import Delivery
@@ -111,7 +111,9 @@ class RemoteRun(RunBase):
             raise anyio.ClosedResourceError
         items = await self._reader.take(self._token)
         if self._uploader is not None:
-            items = await anyio.to_thread.run_sync(self._uploader.upload, items)
+            # Waited for whole: the layer's delivery, which it uploads with, is closed once
+            # a cancelled consumer leaves.
+            items = await run_sync_whole(self._uploader.upload, items)
         return items
 
     def shut(self) -> None:

@@ -55,6 +55,7 @@ from .._priority import background
 from .._sources import Source
 from .._sources._local import LocalFile
 from .._stats import ReadStats
+from .._thread_call import release_whole
 from ._lease import Lease, Leases
 from ._maps import MappedTop, Spliced, get_libc, supported
 from ._spans import merged, uncovered
@@ -300,7 +301,7 @@ class MappedReader:
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self.close)
+            await release_whole(self.close)
 
 
 def default_keep_bytes() -> int:

@@ -40,6 +40,7 @@ from .._priority import background
 from .._ragged_tops import heap_keys
 from .._sources import ByteRange, Source, Streaming
 from .._stats import ReadStats
+from .._thread_call import release_whole
 from ._chunked import Need, chunk_reads
 from ._spans import merged, uncovered
 from ._steps import H5pyRead, VlenRead, byte_view, direct_ranges, swapper, window_reads
@@ -408,4 +409,4 @@ class HDF5Reader:
     async def aclose(self) -> None:
         """:meth:`close` in a worker thread (h5py handles are closed too), shielded."""
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self.close)
+            await release_whole(self.close)

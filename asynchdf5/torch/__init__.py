@@ -85,11 +85,11 @@ except ImportError as exc:  # tested with torch hidden from the import system
         'pip install ".[torch]" in the asynchdf5 checkout'
     ) from exc
 
-from .._cache import default_cache_bytes
 from .._config import HDF5Properties, Properties
 from .._hdf5 import HDF5DataLayer
 from .._layer import LayerBase
 from .._memory import MemoryDataLayer
+from .._sizing import default_cache_bytes
 from .._sources import SourceLike
 from .._streams import Stream
 from ._dataset import LayerDataset
