@@ -38,7 +38,7 @@ nox.options.error_on_external_run = True
 
 # PyPI's newest torch pulls several GB of CUDA wheels; the bench compares against the CPU
 # build that this project's machines keep as a local file, in a folder that pip's configuration
-# names (find-links), which uv is told about (``pip_links``).
+# names (find-links), which uv is told about (``uv_options``).
 TORCH = "torch==2.13.0"
 
 
@@ -63,17 +63,35 @@ def _pip_find_links() -> list[str]:
     return links
 
 
-def pip_links(session: nox.Session) -> list[str]:
-    """``--find-links`` options for uv, which reads no pip configuration, so that a uv session
-    installs the wheels pip would find there (the local CPU build of torch); none for pip."""
+def uv_options(session: nox.Session) -> list[str]:
+    """The ``--find-links`` of pip's configuration for uv, which does not read it, so that a uv
+    session installs the wheels pip would find there (the local CPU build of torch); none for
+    pip."""
     if session.venv_backend != "uv":
         return []
     return [arg for link in _pip_find_links() for arg in ("--find-links", link)]
 
 
+def test_env(session: nox.Session) -> dict[str, str]:
+    """The environment of a pytest run: faulthandler on (a hung test prints every thread's
+    stack), and the compiled code of every module kept under the session's environment.
+
+    uv, unlike pip, does not compile the packages it installs, and where
+    ``PYTHONDONTWRITEBYTECODE`` is set Python does not save what it compiles either: every
+    interpreter the tests start (pytest's workers, helper processes, scripts) would compile
+    numpy, torch, h5py, ... again at each import. ``PYTHONPYCACHEPREFIX`` keeps the compiled
+    code out of the checkout, in ``.nox``; each module is compiled once, when first imported
+    (compiling all at install would compile much that the tests never import)."""
+    return {
+        "PYTHONFAULTHANDLER": "1",
+        "PYTHONDONTWRITEBYTECODE": "",
+        "PYTHONPYCACHEPREFIX": os.path.join(session.virtualenv.location, "pycache"),
+    }
+
+
 def install_torch(session: nox.Session) -> None:
     """Install PyTorch (``TORCH``, see there) and torchdata (its ``StatefulDataLoader``)."""
-    session.install(*pip_links(session), TORCH, "torchdata")
+    session.install(*uv_options(session), TORCH, "torchdata")
 
 
 def install(session: nox.Session, *extras: str) -> None:
@@ -86,7 +104,7 @@ def install(session: nox.Session, *extras: str) -> None:
     *extras
         Names of ``[project.optional-dependencies]`` groups to install with it.
     """
-    session.install(*pip_links(session), "-e", f".[{','.join(extras)}]" if extras else ".")
+    session.install(*uv_options(session), "-e", f".[{','.join(extras)}]" if extras else ".")
 
 
 @nox.session
@@ -116,9 +134,9 @@ def tests(session: nox.Session) -> None:
         except nox.command.CommandFailed:
             session.warn("CuPy could not be installed: the tests against the real CuPy skip")
             install(session, *extras)
-    session.install("pytest-xdist")
+    session.install(*uv_options(session), "pytest-xdist")
     workers = ("-n", "auto", "--maxprocesses", "4", "--dist", "worksteal")
-    session.run("pytest", *workers, *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
+    session.run("pytest", *workers, *session.posargs, env=test_env(session))
 
 
 @nox.session
@@ -132,7 +150,7 @@ def integration(session: nox.Session) -> None:
     processes), with their documentation pages. CI runs it after ``tests``."""
     install_torch(session)
     install(session, "test", "remote", "pack", "torch", "sparse", "lightning", "keras", "jax")
-    session.run("pytest", "-m", "integration", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
+    session.run("pytest", "-m", "integration", *session.posargs, env=test_env(session))
 
 
 @nox.session
@@ -148,7 +166,7 @@ def bench_check(session: nox.Session) -> None:
         "-m",
         "quick_benchmarks",
         *session.posargs,
-        env={"PYTHONFAULTHANDLER": "1"},
+        env=test_env(session),
     )
 
 
@@ -172,7 +190,7 @@ def stress(session: nox.Session) -> None:
         "tests/test_replan.py",
         "tests/test_sync.py",
         *session.posargs,
-        env={"ASYNCHDF5_STRESS_EXAMPLES": examples, "PYTHONFAULTHANDLER": "1"},
+        env={**test_env(session), "ASYNCHDF5_STRESS_EXAMPLES": examples},
     )
 
 
@@ -219,7 +237,7 @@ def bench(session: nox.Session) -> None:
     ``bench-results/``, and print their markdown; ``nox -s bench -- --quick`` runs toy sizes,
     other arguments go to ``run`` too (``nox -s bench -- --out DIR``)."""
     install(session, "bench", "codecs", "remote", "sparse")
-    session.install(*pip_links(session), TORCH)
+    session.install(*uv_options(session), TORCH)
     session.run("python", "-m", "benchmarks", "run", "all", *session.posargs)
 
 
