@@ -36,6 +36,11 @@ nox.options.default_venv_backend = "uv|virtualenv"
 # fallback to whatever happens to be on PATH.
 nox.options.error_on_external_run = True
 
+# Sessions marked "pip" stay on virtualenv and pip, uv or not: pip compiles every module it
+# installs, and these sessions start many fresh interpreters (each benchmark, each job) under
+# time limits of their own, where compiling numpy or anndata at the first import counts; only
+# ``tests`` is held to a time budget, and there uv's speed pays (see ``test_env``).
+
 # PyPI's newest torch pulls several GB of CUDA wheels; the bench compares against the CPU
 # build that this project's machines keep as a local file, in a folder that pip's configuration
 # names (find-links), which uv is told about (``uv_options``).
@@ -81,12 +86,13 @@ def test_env(session: nox.Session) -> dict[str, str]:
     interpreter the tests start (pytest's workers, helper processes, scripts) would compile
     numpy, torch, h5py, ... again at each import. ``PYTHONPYCACHEPREFIX`` keeps the compiled
     code out of the checkout, in ``.nox``; each module is compiled once, when first imported
-    (compiling all at install would compile much that the tests never import)."""
-    return {
-        "PYTHONFAULTHANDLER": "1",
-        "PYTHONDONTWRITEBYTECODE": "",
-        "PYTHONPYCACHEPREFIX": os.path.join(session.virtualenv.location, "pycache"),
-    }
+    (compiling all at install would compile much that the tests never import). pip's
+    environments come compiled: there, nothing is changed."""
+    env = {"PYTHONFAULTHANDLER": "1"}
+    if session.venv_backend == "uv":
+        env["PYTHONDONTWRITEBYTECODE"] = ""
+        env["PYTHONPYCACHEPREFIX"] = os.path.join(session.virtualenv.location, "pycache")
+    return env
 
 
 def install_torch(session: nox.Session) -> None:
@@ -139,7 +145,7 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *workers, *session.posargs, env=test_env(session))
 
 
-@nox.session
+@nox.session(venv_backend="virtualenv")  # pip: see above TORCH
 def integration(session: nox.Session) -> None:
     """The tests marked ``integration`` (``pytest -m integration``), which ``tests`` leaves out:
     each starts interpreters of its own that import torch, Lightning or JAX, or a client's
@@ -153,7 +159,7 @@ def integration(session: nox.Session) -> None:
     session.run("pytest", "-m", "integration", *session.posargs, env=test_env(session))
 
 
-@nox.session
+@nox.session(venv_backend="virtualenv")  # pip: see above TORCH
 def bench_check(session: nox.Session) -> None:
     """Every benchmark at its ``--quick`` size, each checked to write a well-formed result
     (the ``quick_benchmarks`` tests of ``tests/test_benchmarks.py``; their figures mean nothing
@@ -205,7 +211,7 @@ def lint(session: nox.Session) -> None:
     session.run("lint-imports")
 
 
-@nox.session
+@nox.session(venv_backend="virtualenv")  # pip: see above TORCH
 def typecheck(session: nox.Session) -> None:
     """Type-check the package, the tests and this file with ``mypy --strict``."""
     install_torch(session)
@@ -231,7 +237,7 @@ def docs(session: nox.Session) -> None:
     session.log(f"open {os.path.join(out, 'index.html')}")
 
 
-@nox.session
+@nox.session(venv_backend="virtualenv")  # pip: see above TORCH
 def bench(session: nox.Session) -> None:
     """Run every benchmark (``python -m benchmarks run all``), one JSON file each under
     ``bench-results/``, and print their markdown; ``nox -s bench -- --quick`` runs toy sizes,
