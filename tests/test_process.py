@@ -4,12 +4,14 @@ item 3). The same batches, epochs, saved states and errors as in-process; nothin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -56,9 +58,10 @@ def _no_helper_left() -> None:
 
 
 def _shm() -> set[str]:
-    """Our names in /dev/shm (other programs on the machine have theirs)."""
+    """The batch slots' names in /dev/shm (where there is no ``memfd_create``, see
+    ``_process._wire``); other programs and tests on the machine have theirs."""
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("asynchdf5")}
+        return {n for n in os.listdir("/dev/shm") if n.startswith("asynchdf5-batch")}
     except OSError:  # pragma: no cover - no /dev/shm
         return set()
 
@@ -285,20 +288,35 @@ def test_a_helper_that_dies_is_a_read_error(source: Path) -> None:
     _no_helper_left()
 
 
-def _all_helpers() -> set[int]:
-    """Every helper process on the machine (a killed layer's is no child of ours any more)."""
+#: The environment variable that marks the processes one test started, and their helpers.
+TAG = "ASYNCHDF5_TEST_TAG"
+
+
+def _tagged_helpers(tag: str) -> set[int]:
+    """The helper processes, anywhere on the machine, whose environment carries ``TAG=tag``: a
+    killed layer's helper is no child of ours any more, and other tests (other pytest workers)
+    run helpers of their own meanwhile. A helper inherits its layer's environment."""
     out = set()
     for p in psutil.process_iter(["cmdline"]):
-        if "asynchdf5._serve" in (p.info["cmdline"] or []):
-            out.add(p.pid)
+        if "asynchdf5._serve" not in (p.info["cmdline"] or []):
+            continue
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(TAG) == tag:
+                out.add(p.pid)
     return out
 
 
 @pytest.mark.timeout(240)
-def test_double_ctrl_c_exits_and_the_helper_goes_too(source: Path) -> None:
+def test_double_ctrl_c_exits_and_the_helper_goes_too(
+    source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = Path(__file__).resolve().parent.parent
-    env = os.environ | {"PYTHONPATH": str(root)}
-    before = _all_helpers()
+    tag = f"{os.getpid()}-{uuid.uuid4().hex}"
+    env = os.environ | {"PYTHONPATH": str(root), TAG: tag}
+    with monkeypatch.context() as patch:  # the tag reaches a helper: the last check can fail
+        patch.setenv(TAG, tag)
+        with HDF5DataLayer(source, batch_size=50, process=True):
+            assert len(_tagged_helpers(tag)) == 1
     # slow-free: a 30 ms wait in the finalizer that gives a slot back, where a Ctrl-C used to
     # be printed as "Exception ignored" and the loop went on (issue 39, item 7). The runs go
     # side by side, two of each kind, as test_sync's trials do (each starts a helper per trial:
@@ -322,9 +340,9 @@ def test_double_ctrl_c_exits_and_the_helper_goes_too(source: Path) -> None:
         for done in [pool.submit(run, extra) for extra in runs]:
             done.result()
     deadline = time.monotonic() + 10
-    while _all_helpers() - before and time.monotonic() < deadline:
+    while _tagged_helpers(tag) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _all_helpers() - before
+    assert not _tagged_helpers(tag)
 
 
 def test_torch_adapter_with_num_workers_0(source: Path) -> None:
