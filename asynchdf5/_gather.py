@@ -198,9 +198,15 @@ def carry(
 # --- ragged tops ------------------------------------------------------------------------------
 
 
-#: Rows shorter than this on average are copied with one ``np.take`` over an index of their
-#: values; longer ones a slice each (a Python step per row costs what ~64 values do).
-_SLICE_VALUES = 64
+#: Runs of spans (rows that follow each other in a heap) of at least this many bytes on average
+#: are copied a slice each: the Python step per run costs less than its bytes take to move.
+_RUN_BYTES = 64 * 2**10
+#: The block sizes (bytes) shorter runs are copied in, largest first (see :func:`_copy_spans`):
+#: a block costs about what a few dozen bytes take to move, so rows go in large blocks, their
+#: remainders in small ones, and rows shorter than the smallest block value by value.
+_BLOCK_BYTES = (512, 64)
+#: The most blocks copied through one temporary at a time (it stays in the processor's cache).
+_STAGE_BLOCKS = 1024
 
 
 def gather_ragged(
@@ -250,23 +256,91 @@ def _copy_spans(
 ) -> None:
     """Copy ``heap[start:stop]`` of each span, in order, into each heap's ``dest`` (exactly
     their sum): a sparse top's values and column indices share the spans, and the work that
-    depends on them alone."""
-    if len(dests[0]) == 0:
+    depends on them alone.
+
+    Spans that continue each other are merged into runs first (an unshuffled chunk's rows are
+    one run). Long runs are copied a slice each. Otherwise no Python step is taken per run: the
+    runs are cut into blocks of a fixed size (:data:`_BLOCK_BYTES`), each copied by one fancy
+    index over a view of the heap whose items are the blocks starting at every value (and the
+    same over ``dest``). A run's remainder shorter than the smallest block is copied as one
+    block ending at the run's end, overlapping bytes already copied with the same bytes, so
+    every write stays inside its run and the order of the writes does not matter; only runs
+    shorter than the smallest block are copied value by value (one ``take``)."""
+    total = len(dests[0])
+    if total == 0:
         return
     starts, stops = span[:, 0], span[:, 1]
-    # Runs of spans that continue each other: one slice each.
+    # Runs of spans that continue each other (empty rows continue anything).
     breaks = np.flatnonzero(starts[1:] != stops[:-1]) + 1
-    if len(dests[0]) >= _SLICE_VALUES * (len(breaks) + 1):
-        first = starts[np.concatenate(([0], breaks))].tolist()
-        last = stops[np.concatenate((breaks - 1, [len(span) - 1]))].tolist()
-        runs = list(zip(first, last, strict=True))
+    first = starts[np.concatenate(([0], breaks))]
+    last = stops[np.concatenate((breaks - 1, [len(span) - 1]))]
+    row_bytes = [_row_bytes(h) for h in heaps]
+    contiguous = all(a.flags.c_contiguous for a in (*heaps, *dests))
+    if not contiguous or total * row_bytes[0] >= _RUN_BYTES * len(first) or row_bytes[0] == 0:
+        runs = list(zip(first.tolist(), last.tolist(), strict=True))
         for heap, dest in zip(heaps, dests, strict=True):
             # One C loop copies every run: the Python work is a view per run.
             np.concatenate([heap[a:b] for a, b in runs], axis=0, out=dest)
         return
-    # Short rows: one take over the index of every value (the start of its row, plus its place).
-    ends = np.cumsum(length)
-    index = np.arange(len(dests[0]), dtype=np.int64)
-    index += np.repeat(starts - (ends - length), length)
-    for heap, dest in zip(heaps, dests, strict=True):
-        np.take(heap, index, axis=0, out=dest, mode="clip")
+    src, n = first, last - first
+    dst = np.zeros(len(n), np.int64)
+    np.cumsum(n[:-1], out=dst[1:])
+    sizes = sorted({max(1, b // row_bytes[0]) for b in _BLOCK_BYTES}, reverse=True)
+    sizes = [b for b in sizes if b > 1]
+    for i, size in enumerate(sizes):
+        k = n // size  # the whole blocks left in each run
+        if i == len(sizes) - 1:  # and the remainder, as a block ending at the run's end
+            tail = (n % size > 0) & (n + (src - first) >= size)
+            k += tail
+            shift = np.where(tail, size - n % size, 0)  # the tail block starts this much early
+        else:
+            shift = np.zeros(len(n), np.int64)
+        blocks = int(k.sum())
+        if blocks:
+            place = np.arange(blocks, dtype=np.int64) * size
+            place -= np.repeat(np.cumsum(k) * size - k * size, k)
+            # The last block of a run with a tail is moved back by its shift.
+            back = np.zeros(blocks, np.int64)
+            ends = np.cumsum(k)[k > 0] - 1
+            back[ends] = shift[k > 0]
+            place -= back
+            s_at = np.repeat(src, k) + place
+            d_at = np.repeat(dst, k) + place
+            for heap, dest, rb in zip(heaps, dests, row_bytes, strict=True):
+                _copy_blocks(heap, dest, s_at, d_at, size, rb)
+        done = np.minimum(k * size, n)
+        src, dst, n = src + done, dst + done, n - done
+    left = n > 0
+    if left.any():  # runs shorter than the smallest block: value by value
+        n, src, dst = n[left], src[left], dst[left]
+        count = int(n.sum())
+        ends = np.cumsum(n)
+        s_at = np.arange(count, dtype=np.int64)
+        d_at = s_at.copy()
+        s_at += np.repeat(src - (ends - n), n)
+        d_at += np.repeat(dst - (ends - n), n)
+        for heap, dest, rb in zip(heaps, dests, row_bytes, strict=True):
+            _copy_blocks(heap, dest, s_at, d_at, 1, rb)
+
+
+def _row_bytes(a: np.ndarray) -> int:
+    """The bytes of one value of a heap (one row along its first axis)."""
+    return a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+
+
+def _blocks_view(a: np.ndarray, size: int, rb: int) -> np.ndarray:
+    """``a`` (C-contiguous) as one item per value: the ``size`` values from it on, as bytes (the
+    items overlap; the view has one fewer item than ``a`` has values for each value past one)."""
+    view: np.ndarray = np.ndarray((len(a) - size + 1,), np.dtype(f"V{size * rb}"), a, 0, (rb,))
+    return view
+
+
+def _copy_blocks(
+    heap: np.ndarray, dest: np.ndarray, s_at: np.ndarray, d_at: np.ndarray, size: int, rb: int
+) -> None:
+    """Copy the ``size`` values from each of ``s_at`` in ``heap`` to the same of ``d_at`` in
+    ``dest``, through a temporary of at most :data:`_STAGE_BLOCKS` blocks at a time."""
+    src, out = _blocks_view(heap, size, rb), _blocks_view(dest, size, rb)
+    for a in range(0, len(s_at), _STAGE_BLOCKS):
+        b = a + _STAGE_BLOCKS
+        out[d_at[a:b]] = src[s_at[a:b]]
