@@ -201,12 +201,13 @@ def carry(
 #: Runs of spans (rows that follow each other in a heap) of at least this many bytes on average
 #: are copied a slice each: the Python step per run costs less than its bytes take to move.
 _RUN_BYTES = 64 * 2**10
-#: The block sizes (bytes) shorter runs are copied in, largest first (see :func:`_copy_spans`):
-#: a block costs about what a few dozen bytes take to move, so rows go in large blocks, their
-#: remainders in small ones, and rows shorter than the smallest block value by value.
-_BLOCK_BYTES = (512, 64)
-#: The most blocks copied through one temporary at a time (it stays in the processor's cache).
-_STAGE_BLOCKS = 1024
+#: The block sizes (bytes) shorter runs are copied in (see :func:`_copy_spans`): a run goes in
+#: blocks of the largest size it holds, fewer than four of them unless it is longer than the
+#: largest; a block from memory costs about what a few hundred bytes take to move, whatever
+#: its size, so blocks are few and large.
+_BLOCK_BYTES = (4096, 1024, 256, 64)
+#: The most bytes copied through one temporary at a time (it stays in the processor's cache).
+_STAGE_BYTES = 256 * 2**10
 
 
 def gather_ragged(
@@ -260,12 +261,12 @@ def _copy_spans(
 
     Spans that continue each other are merged into runs first (an unshuffled chunk's rows are
     one run). Long runs are copied a slice each. Otherwise no Python step is taken per run: the
-    runs are cut into blocks of a fixed size (:data:`_BLOCK_BYTES`), each copied by one fancy
-    index over a view of the heap whose items are the blocks starting at every value (and the
-    same over ``dest``). A run's remainder shorter than the smallest block is copied as one
-    block ending at the run's end, overlapping bytes already copied with the same bytes, so
-    every write stays inside its run and the order of the writes does not matter; only runs
-    shorter than the smallest block are copied value by value (one ``take``)."""
+    runs are cut into blocks of the largest size each holds (:data:`_BLOCK_BYTES`), the runs
+    of one size copied together by one fancy index over a view of the heap whose items are the
+    blocks starting at every value (and the same over ``dest``). A run's last block ends at the
+    run's end, over bytes its previous block copied (the same bytes), so every write stays
+    inside its run and the order of the writes does not matter. Only runs shorter than the
+    smallest block are copied value by value (one index over their values)."""
     total = len(dests[0])
     if total == 0:
         return
@@ -285,32 +286,24 @@ def _copy_spans(
     src, n = first, last - first
     dst = np.zeros(len(n), np.int64)
     np.cumsum(n[:-1], out=dst[1:])
-    sizes = sorted({max(1, b // row_bytes[0]) for b in _BLOCK_BYTES}, reverse=True)
-    sizes = [b for b in sizes if b > 1]
-    for i, size in enumerate(sizes):
-        k = n // size  # the whole blocks left in each run
-        if i == len(sizes) - 1:  # and the remainder, as a block ending at the run's end
-            tail = (n % size > 0) & (n + (src - first) >= size)
-            k += tail
-            shift = np.where(tail, size - n % size, 0)  # the tail block starts this much early
-        else:
-            shift = np.zeros(len(n), np.int64)
-        blocks = int(k.sum())
-        if blocks:
-            place = np.arange(blocks, dtype=np.int64) * size
-            place -= np.repeat(np.cumsum(k) * size - k * size, k)
-            # The last block of a run with a tail is moved back by its shift.
-            back = np.zeros(blocks, np.int64)
-            ends = np.cumsum(k)[k > 0] - 1
-            back[ends] = shift[k > 0]
-            place -= back
-            s_at = np.repeat(src, k) + place
-            d_at = np.repeat(dst, k) + place
-            for heap, dest, rb in zip(heaps, dests, row_bytes, strict=True):
-                _copy_blocks(heap, dest, s_at, d_at, size, rb)
-        done = np.minimum(k * size, n)
-        src, dst, n = src + done, dst + done, n - done
     left = n > 0
+    for size in sorted({b // row_bytes[0] for b in _BLOCK_BYTES if b >= 2 * row_bytes[0]})[::-1]:
+        here = left & (n >= size)  # the runs this size copies: whole blocks and a last one
+        if not here.any():
+            continue
+        left &= ~here
+        s0, d0, m = src[here], dst[here], n[here]
+        k = -(-m // size)
+        blocks = int(k.sum())
+        ends = np.cumsum(k)
+        place = np.arange(blocks, dtype=np.int64) * size
+        place -= np.repeat((ends - k) * size, k)
+        # Each run's last block ends at the run's end (over bytes its previous block copied).
+        place[ends - 1] = m - size
+        s_at = np.repeat(s0, k) + place
+        d_at = np.repeat(d0, k) + place
+        for heap, dest, rb in zip(heaps, dests, row_bytes, strict=True):
+            _copy_blocks(heap, dest, s_at, d_at, size, rb)
     if left.any():  # runs shorter than the smallest block: value by value
         n, src, dst = n[left], src[left], dst[left]
         count = int(n.sum())
@@ -339,8 +332,9 @@ def _copy_blocks(
     heap: np.ndarray, dest: np.ndarray, s_at: np.ndarray, d_at: np.ndarray, size: int, rb: int
 ) -> None:
     """Copy the ``size`` values from each of ``s_at`` in ``heap`` to the same of ``d_at`` in
-    ``dest``, through a temporary of at most :data:`_STAGE_BLOCKS` blocks at a time."""
+    ``dest``, through a temporary of at most :data:`_STAGE_BYTES` at a time."""
     src, out = _blocks_view(heap, size, rb), _blocks_view(dest, size, rb)
-    for a in range(0, len(s_at), _STAGE_BLOCKS):
-        b = a + _STAGE_BLOCKS
+    step = max(1, _STAGE_BYTES // (size * rb))
+    for a in range(0, len(s_at), step):
+        b = a + step
         out[d_at[a:b]] = src[s_at[a:b]]
