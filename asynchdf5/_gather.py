@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ._blocks import RUN_BYTES, copy_runs, row_bytes
 from ._errors import ReadError
 from ._ragged_tops import heap_keys, is_heap
 from ._specs import BatchSpec, Carry, LoadedChunk, Piece, split_pieces
@@ -198,18 +199,6 @@ def carry(
 # --- ragged tops ------------------------------------------------------------------------------
 
 
-#: Runs of spans (rows that follow each other in a heap) of at least this many bytes on average
-#: are copied a slice each: the Python step per run costs less than its bytes take to move.
-_RUN_BYTES = 64 * 2**10
-#: The block sizes (bytes) shorter runs are copied in (see :func:`_copy_spans`): a run goes in
-#: blocks of the largest size it holds, fewer than four of them unless it is longer than the
-#: largest; a block from memory costs about what a few hundred bytes take to move, whatever
-#: its size, so blocks are few and large.
-_BLOCK_BYTES = (4096, 1024, 256, 64)
-#: The most bytes copied through one temporary at a time (it stays in the processor's cache).
-_STAGE_BYTES = 256 * 2**10
-
-
 def gather_ragged(
     pieces: Sequence[Piece],
     name: str,
@@ -257,84 +246,22 @@ def _copy_spans(
 ) -> None:
     """Copy ``heap[start:stop]`` of each span, in order, into each heap's ``dest`` (exactly
     their sum): a sparse top's values and column indices share the spans, and the work that
-    depends on them alone.
-
-    Spans that continue each other are merged into runs first (an unshuffled chunk's rows are
-    one run). Long runs are copied a slice each. Otherwise no Python step is taken per run: the
-    runs are cut into blocks of the largest size each holds (:data:`_BLOCK_BYTES`), the runs
-    of one size copied together by one fancy index over a view of the heap whose items are the
-    blocks starting at every value (and the same over ``dest``). A run's last block ends at the
-    run's end, over bytes its previous block copied (the same bytes), so every write stays
-    inside its run and the order of the writes does not matter. Only runs shorter than the
-    smallest block are copied value by value (one index over their values)."""
-    total = len(dests[0])
-    if total == 0:
+    depends on them alone. Spans that continue each other are merged into runs first (an
+    unshuffled chunk's rows are one run); long runs are copied a slice each, by one C loop,
+    short ones in blocks (:func:`~._blocks.copy_runs`)."""
+    if len(dests[0]) == 0:
         return
     starts, stops = span[:, 0], span[:, 1]
-    # Runs of spans that continue each other (empty rows continue anything).
     breaks = np.flatnonzero(starts[1:] != stops[:-1]) + 1
     first = starts[np.concatenate(([0], breaks))]
     last = stops[np.concatenate((breaks - 1, [len(span) - 1]))]
-    row_bytes = [_row_bytes(h) for h in heaps]
-    contiguous = all(a.flags.c_contiguous for a in (*heaps, *dests))
-    if not contiguous or total * row_bytes[0] >= _RUN_BYTES * len(first) or row_bytes[0] == 0:
+    if len(dests[0]) * max(map(row_bytes, heaps)) >= RUN_BYTES * len(first):
         runs = list(zip(first.tolist(), last.tolist(), strict=True))
         for heap, dest in zip(heaps, dests, strict=True):
             # One C loop copies every run: the Python work is a view per run.
             np.concatenate([heap[a:b] for a, b in runs], axis=0, out=dest)
         return
-    src, n = first, last - first
-    dst = np.zeros(len(n), np.int64)
-    np.cumsum(n[:-1], out=dst[1:])
-    left = n > 0
-    for size in sorted({b // row_bytes[0] for b in _BLOCK_BYTES if b >= 2 * row_bytes[0]})[::-1]:
-        here = left & (n >= size)  # the runs this size copies: whole blocks and a last one
-        if not here.any():
-            continue
-        left &= ~here
-        s0, d0, m = src[here], dst[here], n[here]
-        k = -(-m // size)
-        blocks = int(k.sum())
-        ends = np.cumsum(k)
-        place = np.arange(blocks, dtype=np.int64) * size
-        place -= np.repeat((ends - k) * size, k)
-        # Each run's last block ends at the run's end (over bytes its previous block copied).
-        place[ends - 1] = m - size
-        s_at = np.repeat(s0, k) + place
-        d_at = np.repeat(d0, k) + place
-        for heap, dest, rb in zip(heaps, dests, row_bytes, strict=True):
-            _copy_blocks(heap, dest, s_at, d_at, size, rb)
-    if left.any():  # runs shorter than the smallest block: value by value
-        n, src, dst = n[left], src[left], dst[left]
-        count = int(n.sum())
-        ends = np.cumsum(n)
-        s_at = np.arange(count, dtype=np.int64)
-        d_at = s_at.copy()
-        s_at += np.repeat(src - (ends - n), n)
-        d_at += np.repeat(dst - (ends - n), n)
-        for heap, dest, rb in zip(heaps, dests, row_bytes, strict=True):
-            _copy_blocks(heap, dest, s_at, d_at, 1, rb)
-
-
-def _row_bytes(a: np.ndarray) -> int:
-    """The bytes of one value of a heap (one row along its first axis)."""
-    return a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
-
-
-def _blocks_view(a: np.ndarray, size: int, rb: int) -> np.ndarray:
-    """``a`` (C-contiguous) as one item per value: the ``size`` values from it on, as bytes (the
-    items overlap; the view has one fewer item than ``a`` has values for each value past one)."""
-    view: np.ndarray = np.ndarray((len(a) - size + 1,), np.dtype(f"V{size * rb}"), a, 0, (rb,))
-    return view
-
-
-def _copy_blocks(
-    heap: np.ndarray, dest: np.ndarray, s_at: np.ndarray, d_at: np.ndarray, size: int, rb: int
-) -> None:
-    """Copy the ``size`` values from each of ``s_at`` in ``heap`` to the same of ``d_at`` in
-    ``dest``, through a temporary of at most :data:`_STAGE_BYTES` at a time."""
-    src, out = _blocks_view(heap, size, rb), _blocks_view(dest, size, rb)
-    step = max(1, _STAGE_BYTES // (size * rb))
-    for a in range(0, len(s_at), step):
-        b = a + step
-        out[d_at[a:b]] = src[s_at[a:b]]
+    count = last - first
+    at = np.zeros(len(count), np.int64)
+    np.cumsum(count[:-1], out=at[1:])
+    copy_runs(heaps, dests, first, at, count)
