@@ -233,10 +233,22 @@ def gather_ragged(
         heap = first[key] if first is not None else np.empty(0)
         outs.append(make((total, *heap.shape[1:]), heap.dtype))
     at = 0
-    for (chunk, _, _), span, length in zip(pieces, spans, lengths, strict=True):
+    for (chunk, a, b), span, length in zip(pieces, spans, lengths, strict=True):
         k = int(length.sum())
         heaps = [chunk.arrays[key] for key in keys]
-        _copy_spans(heaps, span, length, [out[at : at + k] for out in outs])
+        dests = [out[at : at + k] for out in outs]
+        guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
+        if guard is None:
+            _copy_spans(heaps, span, length, dests)
+        else:  # a mapped file's heaps: the guard's check right before the copy
+            try:
+                guard.__enter__()
+            except ReadError as exc:  # named as the copying reader names a read's rows
+                raise ReadError(f"top {name!r}, {rows_words(chunk.indices[a:b])}: {exc}") from exc
+            try:
+                _copy_spans(heaps, span, length, dests)
+            finally:
+                guard.__exit__(None, None, None)
         at += k
     return offsets, outs
 

@@ -399,8 +399,8 @@ def test_sparse_batches_are_csr_rows_in_batch_order(tmp_path: Path, shuffle: boo
     m = scipy.sparse.random(45, 12, density=0.25, format="csr", random_state=0, dtype=np.float32)
     path = write_csr(tmp_path / "m.h5", scipy.sparse.csr_array(m))
     with HDF5DataLayer(
-        path, tops=("X", "dense", "label"), batch_size=8, shuffle=shuffle, chunk_size=10
-    ) as layer:
+        path, tops=("X", "dense", "label"), batch_size=8, shuffle=shuffle, chunk_size=10, mmap=False
+    ) as layer:  # (mapped: tests/test_mmap.py)
         assert layer.stats.read_paths["X"] == "sparse-pread"
         seen = []
         for b in layer:
