@@ -1042,6 +1042,12 @@ async def test_ragged_and_sparse_tops_are_mapped_and_give_the_copying_readers_ba
     assert stats.read_paths == {"tok": "ragged-mmap", "X": "sparse-mmap", "label": "mmap"} | {
         "len": "mmap"
     }
+    with h5py.File(path) as f:  # the bytes mapped: the heaps' and the fixed tops'
+        size = sum(f[k].nbytes for k in ("tok/data", "X/data", "X/indices", "label", "len"))
+    if kept:  # every row mapped (read) once, never again
+        assert stats.bytes_read == size
+    else:  # read again every epoch
+        assert stats.bytes_read >= 2 * size
     for epoch, (mine, theirs) in enumerate(zip(served, copied, strict=True)):
         seen = []
         for a, b in zip(mine, theirs, strict=True):

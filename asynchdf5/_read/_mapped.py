@@ -160,7 +160,6 @@ class MappedReader:
                 )
         self.own_arrays: Mapping[str, np.ndarray] | None = arrays
         self._files = list({id(t.file): t.file for t in self._tops}.values())
-        self._row_bytes = catalog.mean_row_bytes
         #: Keep pages mapped from one epoch to the next: the data set fits in memory (see
         #: :func:`default_keep_bytes`), so its pages can stay in the page cache.
         bound = default_keep_bytes() if keep_bytes is None else keep_bytes
@@ -191,13 +190,13 @@ class MappedReader:
         try:
             # As the local source does: submitted from anyio's thread, which waits for it even
             # when cancelled, so the reader's thread never works for a run that is over.
-            rows = await anyio.to_thread.run_sync(
+            mapped = await anyio.to_thread.run_sync(
                 lambda: pool.submit(self._prepare, ranges).result()
             )
         except BaseException:  # failed or cancelled: nobody will give the chunk back
             self.release(chunk)
             raise
-        stats.bytes += rows * self._row_bytes  # mapped now: kept pages are not read again
+        stats.bytes += mapped  # mapped now: kept pages are not read again
         stats.seconds += time.perf_counter() - t0
         stats.chunks += 1
         return self.own_arrays, True
@@ -226,7 +225,7 @@ class MappedReader:
 
     def _prepare(self, ranges: list[tuple[int, int]]) -> int:
         """Drop the mappings of the chunks given back, then make ``ranges`` ready (blocking).
-        Returns how many rows were mapped (those not kept mapped already)."""
+        Returns how many bytes were mapped (of the rows not kept mapped already)."""
         self._drop_done()
         if self.keep:  # only what was never mapped: the rest still is
             todo = [m for a, b in ranges for m in uncovered(self._mapped, a, b)]
@@ -242,7 +241,7 @@ class MappedReader:
                 err = self.guard.error()
                 tops = ", ".join(dict.fromkeys(repr(t.name) for t in self._tops))
                 raise ReadError(f"top {tops}, {_rows_words(ranges)}: {err}") from err
-        return sum(b - a for a, b in todo)
+        return sum(t.nbytes(*rows) for a, b in todo for t in self._tops if (rows := t.local(a, b)))
 
     def _populate(self, ranges: list[tuple[int, int]]) -> None:
         """Read the rows ahead and map their pages (blocking); ReadError if a page cannot be."""

@@ -154,6 +154,11 @@ class MappedTop:
             a, b = int(self.indptr[a]), int(self.indptr[b])
         return a * self.row_bytes, b * self.row_bytes
 
+    def nbytes(self, a: int, b: int) -> int:
+        """The bytes of this file's rows ``a:b``."""
+        lo, hi = self.extent(a, b)
+        return hi - lo
+
     def pages(self, a: int, b: int) -> tuple[int, int]:
         """Where the pages holding rows ``a:b`` start and end, from :attr:`address`."""
         lo, hi = self.extent(a, b)
