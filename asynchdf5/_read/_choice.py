@@ -2,8 +2,8 @@
 
 ``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: files with their
 tops stored in them contiguously, uncompressed, in this machine's byte order, on Linux 5.14 or
-newer, at most :func:`max_files` of them, with a read lease where Linux grants one and without
-one elsewhere.
+newer, at most :func:`max_files` of them (one, with a ragged or sparse top: its heaps are not
+spliced across files), with a read lease where Linux grants one and without one elsewhere.
 
 ``mmap="auto"`` (the default) maps only where no ``SIGBUS`` case that a lease can prevent is
 left open, and copies everywhere else:

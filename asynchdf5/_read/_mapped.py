@@ -28,7 +28,10 @@ never the process's own memory: the kernel can take them back at any time.
 Applies to local files whose tops are stored contiguously, uncompressed, in this machine's byte
 order, up to a bound on their number (:func:`._choice.refusal` says why not otherwise, and the
 layer copies). With several files, each top's rows are a :class:`._maps.Spliced` of the files'
-mappings, and the guard is the leases of all (:class:`._lease.Leases`).
+mappings, and the guard is the leases of all (:class:`._lease.Leases`). A ragged or sparse top
+(:mod:`.._ragged_tops`) is mapped from a source of one file only: its heaps (``data``, and a
+sparse top's ``indices``) are mapped as a top's rows are, its spans are made from ``indptr``, and
+the gather holds the guard around each copy out of a heap as around a fixed top's.
 """
 
 from __future__ import annotations
