@@ -1003,11 +1003,12 @@ async def test_a_writer_that_changes_nothing_still_ends_the_mapped_run(tmp_path:
 
 
 def _ragged(path: Path, start: int = 0, n: int = N) -> Path:
-    """``tok`` (a ragged group of rows 0..7 long, empty ones included), ``X`` (a sparse matrix
-    of as many values a row) beside ``label`` and ``len``, rows numbered from ``start``."""
+    """``tok`` (a ragged group of rows 0..100 long, empty ones included: copied out of the
+    mapped heap value by value and in blocks), ``X`` (a sparse matrix of as many values a row)
+    beside ``label`` and ``len``, rows numbered from ``start``."""
     from .test_ragged import write_ragged
 
-    write_ragged(path, start, n)
+    write_ragged(path, start, n, longest=100)
     with h5py.File(path, "r+") as f:
         indptr = f["tok/indptr"][()]
         g = f.create_group("X")
