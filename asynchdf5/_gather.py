@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ._blocks import RUN_BYTES, copy_runs, row_bytes
 from ._errors import ReadError
 from ._ragged_tops import heap_keys, is_heap
 from ._specs import BatchSpec, Carry, LoadedChunk, Piece, split_pieces
@@ -198,11 +199,6 @@ def carry(
 # --- ragged tops ------------------------------------------------------------------------------
 
 
-#: Rows shorter than this on average are copied with one ``np.take`` over an index of their
-#: values; longer ones a slice each (a Python step per row costs what ~64 values do).
-_SLICE_VALUES = 64
-
-
 def gather_ragged(
     pieces: Sequence[Piece],
     name: str,
@@ -237,10 +233,22 @@ def gather_ragged(
         heap = first[key] if first is not None else np.empty(0)
         outs.append(make((total, *heap.shape[1:]), heap.dtype))
     at = 0
-    for (chunk, _, _), span, length in zip(pieces, spans, lengths, strict=True):
+    for (chunk, a, b), span, length in zip(pieces, spans, lengths, strict=True):
         k = int(length.sum())
         heaps = [chunk.arrays[key] for key in keys]
-        _copy_spans(heaps, span, length, [out[at : at + k] for out in outs])
+        dests = [out[at : at + k] for out in outs]
+        guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
+        if guard is None:
+            _copy_spans(heaps, span, length, dests)
+        else:  # a mapped file's heaps: the guard's check right before the copy
+            try:
+                guard.__enter__()
+            except ReadError as exc:  # named as the copying reader names a read's rows
+                raise ReadError(f"top {name!r}, {rows_words(chunk.indices[a:b])}: {exc}") from exc
+            try:
+                _copy_spans(heaps, span, length, dests)
+            finally:
+                guard.__exit__(None, None, None)
         at += k
     return offsets, outs
 
@@ -250,23 +258,22 @@ def _copy_spans(
 ) -> None:
     """Copy ``heap[start:stop]`` of each span, in order, into each heap's ``dest`` (exactly
     their sum): a sparse top's values and column indices share the spans, and the work that
-    depends on them alone."""
+    depends on them alone. Spans that continue each other are merged into runs first (an
+    unshuffled chunk's rows are one run); long runs are copied a slice each, by one C loop,
+    short ones in blocks (:func:`~._blocks.copy_runs`)."""
     if len(dests[0]) == 0:
         return
     starts, stops = span[:, 0], span[:, 1]
-    # Runs of spans that continue each other: one slice each.
     breaks = np.flatnonzero(starts[1:] != stops[:-1]) + 1
-    if len(dests[0]) >= _SLICE_VALUES * (len(breaks) + 1):
-        first = starts[np.concatenate(([0], breaks))].tolist()
-        last = stops[np.concatenate((breaks - 1, [len(span) - 1]))].tolist()
-        runs = list(zip(first, last, strict=True))
+    first = starts[np.concatenate(([0], breaks))]
+    last = stops[np.concatenate((breaks - 1, [len(span) - 1]))]
+    if len(dests[0]) * max(map(row_bytes, heaps)) >= RUN_BYTES * len(first):
+        runs = list(zip(first.tolist(), last.tolist(), strict=True))
         for heap, dest in zip(heaps, dests, strict=True):
             # One C loop copies every run: the Python work is a view per run.
             np.concatenate([heap[a:b] for a, b in runs], axis=0, out=dest)
         return
-    # Short rows: one take over the index of every value (the start of its row, plus its place).
-    ends = np.cumsum(length)
-    index = np.arange(len(dests[0]), dtype=np.int64)
-    index += np.repeat(starts - (ends - length), length)
-    for heap, dest in zip(heaps, dests, strict=True):
-        np.take(heap, index, axis=0, out=dest, mode="clip")
+    count = last - first
+    at = np.zeros(len(count), np.int64)
+    np.cumsum(count[:-1], out=at[1:])
+    copy_runs(heaps, dests, first, at, count)

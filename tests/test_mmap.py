@@ -999,6 +999,111 @@ async def test_a_writer_that_changes_nothing_still_ends_the_mapped_run(tmp_path:
         await anyio.run_process(opener)
 
 
+# --- ragged and sparse tops -----------------------------------------------------------------------
+
+
+def _ragged(path: Path, start: int = 0, n: int = N) -> Path:
+    """``tok`` (a ragged group of rows 0..100 long, empty ones included: copied out of the
+    mapped heap value by value and in blocks), ``X`` (a sparse matrix of as many values a row)
+    beside ``label`` and ``len``, rows numbered from ``start``."""
+    from .test_ragged import write_ragged
+
+    write_ragged(path, start, n, longest=100)
+    with h5py.File(path, "r+") as f:
+        indptr = f["tok/indptr"][()]
+        g = f.create_group("X")
+        total = int(indptr[-1])
+        g["data"] = np.arange(total, dtype=np.float32)
+        g["indices"] = (np.arange(total) % 11).astype(np.int32)
+        g["indptr"] = indptr
+        g.attrs["shape"] = (n, 11)
+        g.attrs["encoding-type"] = "csr_matrix"
+    return path
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("kept", [True, False])
+async def test_ragged_and_sparse_tops_are_mapped_and_give_the_copying_readers_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool, kept: bool
+) -> None:
+    """A ragged and a sparse top of one contiguous file: their heaps (values, column indices)
+    mapped, their rows' spans from ``indptr``; the same batches as copied, every sample once an
+    epoch; nothing mapped once closed."""
+    if not kept:
+        monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    path = _ragged(tmp_path / "r.h5")
+    kw: dict[str, Any] = dict(shuffle=shuffle, seed=4, chunk_size=1000, epochs=2)
+    kw["tops"] = ("tok", "X", "label", "len")
+    before = await asnapshot()
+    with anyio.fail_after(60):
+        copied, copied_stats = await batches(path, mmap=False, **kw)
+        served, stats = await batches(path, **kw)
+    await aassert_released(before)
+    assert copied_stats.read_paths["tok"] == "ragged-pread"
+    assert stats.read_paths == {"tok": "ragged-mmap", "X": "sparse-mmap", "label": "mmap"} | {
+        "len": "mmap"
+    }
+    with h5py.File(path) as f:  # the bytes mapped: the heaps' and the fixed tops'
+        size = sum(f[k].nbytes for k in ("tok/data", "X/data", "X/indices", "label", "len"))
+    if kept:  # every row mapped (read) once, never again
+        assert stats.bytes_read == size
+    else:  # read again every epoch
+        assert stats.bytes_read >= 2 * size
+    for epoch, (mine, theirs) in enumerate(zip(served, copied, strict=True)):
+        seen = []
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.epoch == epoch
+            seen += a.indices.tolist()
+            np.testing.assert_array_equal(a.indices, b.indices)
+            np.testing.assert_array_equal(a["label"], a.indices)
+            np.testing.assert_array_equal(a["tok"].offsets, b["tok"].offsets)
+            np.testing.assert_array_equal(a["tok"].values, b["tok"].values)
+            np.testing.assert_array_equal(a["tok"].lengths, a["len"])
+            for i, g in enumerate(a.indices.tolist()):
+                assert (a["tok"][i] == g).all()
+            for part in ("data", "indices", "indptr"):
+                np.testing.assert_array_equal(getattr(a["X"], part), getattr(b["X"], part))
+        assert sorted(seen) == list(range(N))
+    assert mappings(path, collect=True) == []
+
+
+async def test_a_ragged_top_in_several_files_is_copied_and_says_why(tmp_path: Path) -> None:
+    for i, (start, n) in enumerate([(0, 3000), (3000, N - 3000)]):
+        _ragged(tmp_path / f"part{i}.h5", start, n)
+    (tmp_path / "list.txt").write_text("part0.h5\npart1.h5\n")
+    with anyio.fail_after(30):
+        got, stats = await batches(tmp_path / "list.txt", epochs=1, tops=("tok", "label"))
+    assert sorted(i for b in got[0] for i in b.indices.tolist()) == list(range(N))
+    assert stats.read_paths["tok"] == "ragged-pread"
+    assert stats.read_notes["tok"] == (
+        "copied: top 'tok' has rows of varying length in 2 files: mapped from one file only"
+    )
+
+
+async def test_a_lease_broken_before_a_ragged_gather_is_a_read_error_naming_the_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease's check runs right before each copy out of a mapped heap, as before a fixed
+    top's: a broken lease ends the run with a ReadError naming the top and the rows, not a
+    batch read from pages that may be gone."""
+    path = _ragged(tmp_path / "r.h5")
+
+    def broken(self: Lease) -> None:
+        raise ReadError(f"{path}: the lease was broken (a stand-in)")
+
+    monkeypatch.setattr(Lease, "__enter__", broken)
+    before = await asnapshot()
+    got = []
+    with anyio.fail_after(30), pytest.raises(ReadError) as info:
+        async with AsyncHDF5DataLayer(path, tops=("tok",), batch_size=64, seed=0) as layer:
+            assert layer.stats.read_paths == {"tok": "ragged-mmap"}
+            async for b in layer:
+                got.append(b)
+    await aassert_released(before)
+    assert got == []
+    check_message(info.value, "top 'tok', ", "rows ", "the lease was broken")
+
+
 # --- asynchdf5 inspect ---------------------------------------------------------------------------
 
 

@@ -399,8 +399,8 @@ def test_sparse_batches_are_csr_rows_in_batch_order(tmp_path: Path, shuffle: boo
     m = scipy.sparse.random(45, 12, density=0.25, format="csr", random_state=0, dtype=np.float32)
     path = write_csr(tmp_path / "m.h5", scipy.sparse.csr_array(m))
     with HDF5DataLayer(
-        path, tops=("X", "dense", "label"), batch_size=8, shuffle=shuffle, chunk_size=10
-    ) as layer:
+        path, tops=("X", "dense", "label"), batch_size=8, shuffle=shuffle, chunk_size=10, mmap=False
+    ) as layer:  # (mapped: tests/test_mmap.py)
         assert layer.stats.read_paths["X"] == "sparse-pread"
         seen = []
         for b in layer:
@@ -671,23 +671,35 @@ def test_streams_of_different_schemas_refuse_ragged_tops(tmp_path: Path) -> None
     check_message(err.value, "per_stream", "ragged")
 
 
-@pytest.mark.parametrize("longest", [3, 500])  # one take over an index; a slice per run
-@pytest.mark.parametrize("trailing", [(), (2,)])
-def test_copy_spans_in_order(longest: int, trailing: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("longest", [3, 70, 500, 20_000])  # by value, in blocks, a slice a run
+@pytest.mark.parametrize("trailing", [(), (2,), (0,)])
+@pytest.mark.parametrize("dtype", [np.int8, np.int64, np.complex128])
+def test_copy_spans_in_order(longest: int, trailing: tuple[int, ...], dtype: type) -> None:
+    """Rows copied in blocks (the last one of a row overlapping the one before it), a value at
+    a time or a slice per run: every value in its place, with a second heap (a sparse top's
+    column indices) beside the first."""
     from asynchdf5._gather import _copy_spans
 
     rng = np.random.default_rng(longest)
     lens = rng.integers(0, longest + 1, 50)
     ip = np.zeros(51, np.int64)
     np.cumsum(lens, out=ip[1:])
-    heap = np.arange(int(ip[-1]) * max(1, int(np.prod(trailing)))).reshape(-1, *trailing)
-    rows = np.concatenate([rng.permutation(25), np.arange(25, 50)])  # shuffled, then a run
-    span = np.stack([ip[rows], ip[rows + 1]], axis=1)
-    length = span[:, 1] - span[:, 0]
-    dest = np.empty((int(length.sum()), *trailing), heap.dtype)
-    _copy_spans([heap], span, length, [dest])
-    want = np.concatenate([heap[ip[r] : ip[r + 1]] for r in rows])
-    np.testing.assert_array_equal(dest, want)
+    size = int(ip[-1]) * int(np.prod(trailing))
+    heap: np.ndarray = (np.arange(size) % 251).astype(dtype).reshape(int(ip[-1]), *trailing)
+    other = np.arange(int(ip[-1]), dtype=np.int32)
+    for rows in (
+        np.concatenate([rng.permutation(25), np.arange(25, 50)]),  # shuffled, then a run
+        rng.integers(0, 50, 60),  # rows again, and more rows than the heap holds
+    ):
+        span = np.stack([ip[rows], ip[rows + 1]], axis=1)
+        length = span[:, 1] - span[:, 0]
+        dest = np.zeros((int(length.sum()), *trailing), heap.dtype)
+        dest2 = np.zeros(int(length.sum()), np.int32)
+        _copy_spans([heap, other], span, length, [dest, dest2])
+        want = np.concatenate([heap[ip[r] : ip[r + 1]] for r in rows])
+        np.testing.assert_array_equal(dest, want)
+        want2 = np.concatenate([other[ip[r] : ip[r + 1]] for r in rows])
+        np.testing.assert_array_equal(dest2, want2)
 
 
 def test_a_transformer_may_keep_the_top_ragged_and_batches_print(tmp_path: Path) -> None:

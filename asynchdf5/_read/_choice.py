@@ -2,8 +2,8 @@
 
 ``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: files with their
 tops stored in them contiguously, uncompressed, in this machine's byte order, on Linux 5.14 or
-newer, at most :func:`max_files` of them, with a read lease where Linux grants one and without
-one elsewhere.
+newer, at most :func:`max_files` of them (one, with a ragged or sparse top: its heaps are not
+spliced across files), with a read lease where Linux grants one and without one elsewhere.
 
 ``mmap="auto"`` (the default) maps only where no ``SIGBUS`` case that a lease can prevent is
 left open, and copies everywhere else:
@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .._catalog import Catalog
+from .._catalog import Catalog, FileInfo
+from .._layout import Layout
 from .._machine import memory_bytes
 from .._sources._local import LocalFile
 from ._lease import Lease
@@ -166,28 +168,51 @@ def refusal(catalog: Catalog) -> str | None:
     for info in files:
         for top, layout in info.layouts.items():
             where = f"{info.name}: " if len(files) > 1 else ""
-            if top in info.ragged:
-                return f"{where}top {top!r} has rows of varying length (copied into the cache)"
-            row_bytes = catalog.tops[top].row_bytes
-            if layout.path != "pread" or len(layout.extents) != 1:
-                how = f"stored {layout.storage}"
-                if layout.note:
-                    how = f"read through h5py ({layout.note})"
+            parts = info.ragged.get(top)
+            if parts is None:
+                size = catalog.tops[top].row_bytes * info.nrows
+                why = _unmappable(where, top, layout, info, size)
+                if why is not None:
+                    return why
+                continue
+            if parts.vlen is not None or parts.data is None:
+                return f"{where}top {top!r} is a variable-length dataset (read through h5py)"
+            if len(files) > 1:
                 return (
-                    f"{where}top {top!r} is {how}: mapping needs contiguous, uncompressed storage"
+                    f"top {top!r} has rows of varying length in {len(files)} files: mapped from "
+                    "one file only"
                 )
-            if layout.swap:
-                return f"{where}top {top!r} is stored in the other byte order"
-            (ext,) = layout.extents
-            if not isinstance(ext.file, LocalFile):
-                return f"{where}top {top!r} is not in a local file"
-            if ext.file is not info.file:  # one lease guards one file
-                return (
-                    f"{where}top {top!r} is stored in another file ({ext.file.name}): "
-                    "an external link"
-                )
-            if row_bytes == 0 or ext.start != 0 or ext.size != info.nrows * row_bytes:
-                return f"{where}top {top!r}: its stored bytes do not hold exactly its rows"
+            n, spec = int(parts.indptr[-1]), catalog.tops[top]
+            assert spec.ragged is not None
+            widths = (spec.dtype.itemsize * math.prod(spec.sample_shape), 0)
+            if spec.ragged.index_dtype is not None:
+                widths = (widths[0], spec.ragged.index_dtype.itemsize)
+            heaps = (("data", parts.data), ("indices", parts.indices))
+            for (member, heap), width in zip(heaps, widths, strict=True):
+                if heap is not None:
+                    why = _unmappable(where, f"{top}/{member}", heap, info, width * n)
+                    if why is not None:
+                        return why
+    return None
+
+
+def _unmappable(where: str, top: str, layout: Layout, info: FileInfo, size: int) -> str | None:
+    """Why ``top``'s ``layout`` in file ``info`` cannot be mapped as the ``size`` bytes of its
+    data (None: it can)."""
+    if layout.path != "pread" or len(layout.extents) != 1:
+        how = f"stored {layout.storage}"
+        if layout.note:
+            how = f"read through h5py ({layout.note})"
+        return f"{where}top {top!r} is {how}: mapping needs contiguous, uncompressed storage"
+    if layout.swap:
+        return f"{where}top {top!r} is stored in the other byte order"
+    (ext,) = layout.extents
+    if not isinstance(ext.file, LocalFile):
+        return f"{where}top {top!r} is not in a local file"
+    if ext.file is not info.file:  # one lease guards one file
+        return f"{where}top {top!r} is stored in another file ({ext.file.name}): an external link"
+    if size == 0 or ext.start != 0 or ext.size != size:
+        return f"{where}top {top!r}: its stored bytes do not hold exactly its rows"
     return None
 
 
@@ -243,7 +268,7 @@ def _choose(
     if mmap == "auto":
         # Larger than the memory the process may use: read from the disk every epoch, where
         # the copying reader's streaming reads (direct, read ahead) beat faults on mapped pages.
-        size = catalog.n_samples * catalog.row_bytes
+        size = catalog.n_samples * catalog.mean_row_bytes
         if memory is None:
             memory = memory_bytes()
         if 0 < memory < size:

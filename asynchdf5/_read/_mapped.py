@@ -28,7 +28,10 @@ never the process's own memory: the kernel can take them back at any time.
 Applies to local files whose tops are stored contiguously, uncompressed, in this machine's byte
 order, up to a bound on their number (:func:`._choice.refusal` says why not otherwise, and the
 layer copies). With several files, each top's rows are a :class:`._maps.Spliced` of the files'
-mappings, and the guard is the leases of all (:class:`._lease.Leases`).
+mappings, and the guard is the leases of all (:class:`._lease.Leases`). A ragged or sparse top
+(:mod:`.._ragged_tops`) is mapped from a source of one file only: its heaps (``data``, and a
+sparse top's ``indices``) are mapped as a top's rows are, its spans are made from ``indptr``, and
+the gather holds the guard around each copy out of a heap as around a fixed top's.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from .._errors import ReadError
 from .._machine import memory_bytes
 from .._plan import ChunkPlan
 from .._priority import background
+from .._ragged_tops import INDICES, heap_keys
 from .._sources import Source
 from .._sources._local import LocalFile
 from .._stats import ReadStats
@@ -93,7 +97,11 @@ class MappedReader:
         self.source = source
         self.tops: Mapping[str, TopInfo] = catalog.tops
         self.n_samples = catalog.n_samples
-        self.read_paths = {t: "mmap" for t in catalog.tops}
+        # A ragged top's path names its kind (``ragged-mmap``): what refuses it elsewhere.
+        self.read_paths = {
+            name: "mmap" if t.ragged is None else f"{t.ragged.kind}-mmap"
+            for name, t in catalog.tops.items()
+        }
         self.read_notes: Mapping[str, str] = {t: note for t in catalog.tops}
         infos = [f for f in catalog.files if f.nrows > 0]
         self._tops: list[MappedTop] = []
@@ -106,22 +114,47 @@ class MappedReader:
         # The files mapped stay pinned while the reader lives: the source never closes the
         # descriptors that the mappings, the checks and the read-ahead advice use.
         self._pinned: list[LocalFile] = []
+        self._spans: dict[str, np.ndarray] = {}
         try:
             for info in infos:
                 for name, top in catalog.tops.items():
-                    (ext,) = info.layouts[name].extents
-                    assert isinstance(ext.file, LocalFile)
-                    self._pin(ext.file)
-                    t = MappedTop(libc, top, ext.file, ext.offset, info.nrows, info.start)
-                    self._tops.append(t)
+                    stored = info.ragged.get(name)
+                    if stored is None:
+                        (ext,) = info.layouts[name].extents
+                        assert isinstance(ext.file, LocalFile)
+                        self._pin(ext.file)
+                        t = MappedTop(libc, top, ext.file, ext.offset, info.nrows, info.start)
+                        self._tops.append(t)
+                        continue
+                    # A ragged top (one file: :func:`._choice.refusal`): its heaps mapped, its
+                    # rows' spans from `indptr`, in memory.
+                    assert top.ragged is not None and len(infos) == 1
+                    keys = heap_keys(name, top.ragged.sparse)
+                    layouts = (stored.data, stored.indices)[: len(keys)]
+                    for key, layout in zip(keys, layouts, strict=True):
+                        assert layout is not None
+                        (ext,) = layout.extents
+                        assert isinstance(ext.file, LocalFile)
+                        self._pin(ext.file)
+                        dtype = top.ragged.index_dtype if key.endswith(INDICES) else top.dtype
+                        assert dtype is not None
+                        shape = () if key.endswith(INDICES) else top.sample_shape
+                        heap = (key, dtype, shape, stored.indptr)
+                        t = MappedTop(libc, top, ext.file, ext.offset, info.nrows, info.start, heap)
+                        self._tops.append(t)
+                    ip = stored.indptr
+                    self._spans[name] = np.stack([ip[:-1], ip[1:]], axis=1)
         except BaseException:
             self._close_maps()
             if self.guard is not None:
                 self.guard.close()
             self._unpin()
             raise
-        arrays: dict[str, Any] = {}
+        arrays: dict[str, Any] = dict(self._spans)
         for name in catalog.tops:
+            if name in self._spans:
+                arrays.update((t.key, t.array) for t in self._tops if t.name == name)
+                continue
             parts = [t for t in self._tops if t.name == name]
             if len(parts) == 1:  # one file: its rows are the array (global index = row)
                 arrays[name] = parts[0].array
@@ -131,11 +164,10 @@ class MappedReader:
                 )
         self.own_arrays: Mapping[str, np.ndarray] | None = arrays
         self._files = list({id(t.file): t.file for t in self._tops}.values())
-        self._row_bytes = catalog.row_bytes
         #: Keep pages mapped from one epoch to the next: the data set fits in memory (see
         #: :func:`default_keep_bytes`), so its pages can stay in the page cache.
         bound = default_keep_bytes() if keep_bytes is None else keep_bytes
-        self.keep = self.n_samples * self._row_bytes <= bound
+        self.keep = sum(t.length for t in self._tops) <= bound
         #: Kept: the rows mapped so far (sorted, disjoint). Else: the row ranges of chunks made
         #: ready and not given back (how many of each), and whether one was given back since
         #: the last drop (the next read drops the mappings, on the reader's thread).
@@ -162,13 +194,13 @@ class MappedReader:
         try:
             # As the local source does: submitted from anyio's thread, which waits for it even
             # when cancelled, so the reader's thread never works for a run that is over.
-            rows = await anyio.to_thread.run_sync(
+            mapped = await anyio.to_thread.run_sync(
                 lambda: pool.submit(self._prepare, ranges).result()
             )
         except BaseException:  # failed or cancelled: nobody will give the chunk back
             self.release(chunk)
             raise
-        stats.bytes += rows * self._row_bytes  # mapped now: kept pages are not read again
+        stats.bytes += mapped  # mapped now: kept pages are not read again
         stats.seconds += time.perf_counter() - t0
         stats.chunks += 1
         return self.own_arrays, True
@@ -197,7 +229,7 @@ class MappedReader:
 
     def _prepare(self, ranges: list[tuple[int, int]]) -> int:
         """Drop the mappings of the chunks given back, then make ``ranges`` ready (blocking).
-        Returns how many rows were mapped (those not kept mapped already)."""
+        Returns how many bytes were mapped (of the rows not kept mapped already)."""
         self._drop_done()
         if self.keep:  # only what was never mapped: the rest still is
             todo = [m for a, b in ranges for m in uncovered(self._mapped, a, b)]
@@ -213,21 +245,19 @@ class MappedReader:
                 err = self.guard.error()
                 tops = ", ".join(dict.fromkeys(repr(t.name) for t in self._tops))
                 raise ReadError(f"top {tops}, {_rows_words(ranges)}: {err}") from err
-        return sum(b - a for a, b in todo)
+        return sum(t.nbytes(*rows) for a, b in todo for t in self._tops if (rows := t.local(a, b)))
 
     def _populate(self, ranges: list[tuple[int, int]]) -> None:
         """Read the rows ahead and map their pages (blocking); ReadError if a page cannot be."""
         pieces = [(t, rows) for a, b in ranges for t in self._tops if (rows := t.local(a, b))]
         for t, (a, b) in pieces:  # every read queued first: the disk sees them all at once
             with contextlib.suppress(OSError):  # advice only
-                os.posix_fadvise(
-                    t.file.fd,
-                    t.offset + a * t.row_bytes,
-                    (b - a) * t.row_bytes,
-                    os.POSIX_FADV_WILLNEED,
-                )
+                lo, hi = t.extent(a, b)
+                os.posix_fadvise(t.file.fd, t.offset + lo, hi - lo, os.POSIX_FADV_WILLNEED)
         for t, (a, b) in pieces:
             lo, hi = t.pages(a, b)
+            if hi <= lo:  # a ragged top's rows holding no values
+                continue
             err = self._libc.madvise(t.address + lo, hi - lo, _POPULATE_READ)
             if err:
                 a, b = t.start + a, t.start + b  # global rows, as everywhere in messages

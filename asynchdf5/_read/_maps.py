@@ -5,11 +5,13 @@ over several mapped files indexed as one (:class:`Spliced`)."""
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import sys
 import threading
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -96,20 +98,42 @@ class MappedTop:
     """One top's stored bytes in one file, mapped: the array of its rows, where it lies in
     memory, and the global index of its row 0 (:attr:`start`).
 
+    A ragged top's heap (its values, or a sparse top's column indices: :attr:`key` names it
+    among the reader's arrays) is mapped the same way, given the file's ``indptr``: its array
+    holds the values, and the rows it is asked about (:meth:`local`, :meth:`extent`) are still
+    the top's rows, each the range of values ``indptr`` says.
+
     The mapping goes when the last view of :attr:`array` does (never under a live view)."""
 
     __slots__ = (
-        "address", "array", "file", "name", "nrows", "offset", "row_bytes", "skip", "start"
+        "address", "array", "file", "indptr", "key", "length", "name", "nrows", "offset",
+        "row_bytes", "skip", "start",
     )  # fmt: skip
 
     def __init__(
-        self, libc: Libc, info: TopInfo, file: LocalFile, offset: int, nrows: int, start: int
+        self,
+        libc: Libc,
+        info: TopInfo,
+        file: LocalFile,
+        offset: int,
+        nrows: int,
+        start: int,
+        heap: tuple[str, np.dtype[Any], tuple[int, ...], np.ndarray] | None = None,
     ) -> None:
+        """``heap``: a ragged top's heap, as its key, the values' dtype and trailing shape, and
+        the file's ``indptr`` (None: the top's rows themselves)."""
         self.name, self.file, self.row_bytes = info.name, file, info.row_bytes
         self.offset, self.nrows, self.start = offset, nrows, start
+        self.key, dtype, shape = info.name, info.dtype, info.sample_shape
+        self.indptr: np.ndarray | None = None
+        items = nrows
+        if heap is not None:
+            self.key, dtype, shape, self.indptr = heap
+            self.row_bytes = dtype.itemsize * math.prod(shape)
+            items = int(self.indptr[-1])
         # A mapping starts at a page boundary: `skip` bytes of the page before the data.
         self.skip = offset % _PAGE
-        length = self.skip + nrows * info.row_bytes
+        self.length = length = self.skip + items * self.row_bytes
         try:
             self.address = libc.map(file.fd, length, offset - self.skip)
         except OSError as exc:
@@ -120,14 +144,25 @@ class MappedTop:
         finalizer = weakref.finalize(whole, libc.unmap, self.address, length)
         # Not at interpreter exit: a daemon gather thread may still be reading the mapping then.
         finalizer.atexit = False
-        rows = whole[self.skip :].view(info.dtype).reshape(nrows, *info.sample_shape)
+        rows = whole[self.skip :].view(dtype).reshape(items, *shape)
         rows.flags.writeable = False  # mapped read-only: a write would be a SIGSEGV
         self.array: np.ndarray | None = rows
 
+    def extent(self, a: int, b: int) -> tuple[int, int]:
+        """Where the bytes of this file's rows ``a:b`` start and end, from the data's start."""
+        if self.indptr is not None:
+            a, b = int(self.indptr[a]), int(self.indptr[b])
+        return a * self.row_bytes, b * self.row_bytes
+
+    def nbytes(self, a: int, b: int) -> int:
+        """The bytes of this file's rows ``a:b``."""
+        lo, hi = self.extent(a, b)
+        return hi - lo
+
     def pages(self, a: int, b: int) -> tuple[int, int]:
         """Where the pages holding rows ``a:b`` start and end, from :attr:`address`."""
-        lo = self.skip + a * self.row_bytes
-        hi = self.skip + b * self.row_bytes
+        lo, hi = self.extent(a, b)
+        lo, hi = lo + self.skip, hi + self.skip
         return lo - lo % _PAGE, -(-hi // _PAGE) * _PAGE
 
     def local(self, a: int, b: int) -> tuple[int, int] | None:

@@ -1,0 +1,108 @@
+"""Copying runs of values between arrays, many runs at once: the kernel under a ragged top's
+gather (:func:`~._gather.gather_ragged`).
+
+A run is ``count`` values (rows along the first axis) from ``start`` in a source array, copied
+to ``at`` in a destination. Thousands of short runs (a shuffled batch's rows) cost one Python
+step each when copied a slice each, more than their bytes take to move. So they are copied in
+blocks of fixed sizes instead (:data:`BLOCK_BYTES`): a run goes in blocks of the largest size
+it holds, the runs of one size all together, by one fancy index over a view of the source whose
+items are the blocks starting at every value (and the same over the destination). A run's last
+block ends at the run's end, over bytes its previous block copied (the same bytes), so every
+write stays inside its run and the order of the writes does not matter. Runs shorter than the
+smallest block are copied value by value, by one index over their values; long runs
+(:data:`RUN_BYTES` on average) a slice each, where a Python step costs less than the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["BLOCK_BYTES", "RUN_BYTES", "copy_runs", "row_bytes"]
+
+#: Runs of at least this many bytes on average are copied a slice each.
+RUN_BYTES = 64 * 2**10
+#: The block sizes (bytes) shorter runs are copied in: a run goes in blocks of the largest size
+#: it holds, fewer than four of them unless it is longer than the largest. A block from memory
+#: costs about what a few hundred bytes take to move, whatever its size: blocks are few and large.
+BLOCK_BYTES = (4096, 1024, 256, 64)
+#: The most bytes copied through one temporary at a time (it stays in the processor's cache).
+STAGE_BYTES = 256 * 2**10
+
+
+def row_bytes(a: np.ndarray) -> int:
+    """The bytes of one value of ``a`` (one row along its first axis)."""
+    return a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+
+
+def copy_runs(
+    sources: Sequence[np.ndarray],
+    dests: Sequence[np.ndarray],
+    start: np.ndarray,
+    at: np.ndarray,
+    count: np.ndarray,
+) -> None:
+    """Copy ``source[start[i] : start[i] + count[i]]`` to ``dest[at[i] : at[i] + count[i]]``
+    for every run ``i`` (int64 arrays) and every pair of ``sources`` and ``dests`` (a sparse
+    top's values and column indices share their runs). The runs must lie inside both arrays
+    and the destinations of different runs must not overlap; sources may."""
+    keep = count > 0
+    if not keep.all():
+        start, at, count = start[keep], at[keep], count[keep]
+    sizes = [row_bytes(a) for a in sources]
+    rb = max(sizes)  # the blocks' sizes count values: of the widest source's
+    if len(count) == 0 or rb == 0:
+        return
+    contiguous = all(a.flags.c_contiguous for a in (*sources, *dests))
+    if not contiguous or int(count.sum()) * rb >= RUN_BYTES * len(count):
+        for a, b, n in zip(start.tolist(), at.tolist(), count.tolist(), strict=True):
+            for source, dest in zip(sources, dests, strict=True):
+                dest[b : b + n] = source[a : a + n]
+        return
+    left = np.ones(len(count), bool)
+    for size in sorted({b // rb for b in BLOCK_BYTES if b >= 2 * rb}, reverse=True):
+        here = left & (count >= size)  # the runs this size copies: whole blocks and a last one
+        if not here.any():
+            continue
+        left &= ~here
+        m = count[here]
+        k = -(-m // size)
+        ends = np.cumsum(k)
+        place = np.arange(int(ends[-1]), dtype=np.int64) * size
+        place -= np.repeat((ends - k) * size, k)
+        place[ends - 1] = m - size  # each run's last block ends at the run's end
+        s_at = np.repeat(start[here], k) + place
+        d_at = np.repeat(at[here], k) + place
+        for source, dest, width in zip(sources, dests, sizes, strict=True):
+            _copy_blocks(source, dest, s_at, d_at, size, width)
+    if left.any():  # runs shorter than the smallest block: value by value
+        m = count[left]
+        ends = np.cumsum(m)
+        s_at = np.arange(int(ends[-1]), dtype=np.int64)
+        d_at = s_at.copy()
+        s_at += np.repeat(start[left] - (ends - m), m)
+        d_at += np.repeat(at[left] - (ends - m), m)
+        for source, dest, width in zip(sources, dests, sizes, strict=True):
+            _copy_blocks(source, dest, s_at, d_at, 1, width)
+
+
+def _blocks(a: np.ndarray, size: int, rb: int) -> np.ndarray:
+    """``a`` (C-contiguous) as one item per value: the ``size`` values from it on, as bytes
+    (the items overlap; there are ``size - 1`` fewer than values)."""
+    view: np.ndarray = np.ndarray((len(a) - size + 1,), np.dtype(f"V{size * rb}"), a, 0, (rb,))
+    return view
+
+
+def _copy_blocks(
+    source: np.ndarray, dest: np.ndarray, s_at: np.ndarray, d_at: np.ndarray, size: int, rb: int
+) -> None:
+    """Copy the ``size`` values from each of ``s_at`` in ``source`` to the same of ``d_at`` in
+    ``dest``, through a temporary of at most :data:`STAGE_BYTES` at a time."""
+    if rb == 0:  # values of no bytes (a trailing shape with a 0)
+        return
+    src, out = _blocks(source, size, rb), _blocks(dest, size, rb)
+    step = max(1, STAGE_BYTES // (size * rb))
+    for a in range(0, len(s_at), step):
+        b = a + step
+        out[d_at[a:b]] = src[s_at[a:b]]

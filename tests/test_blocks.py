@@ -1,0 +1,37 @@
+"""Copying runs of values in blocks (:mod:`asynchdf5._blocks`): every run lands in its place,
+whatever its length, dtype or trailing shape, and whatever the path (blocks, value by value,
+a slice each)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asynchdf5._blocks import copy_runs
+
+
+@pytest.mark.parametrize("longest", [0, 3, 40, 700, 40_000])
+@pytest.mark.parametrize("trailing", [(), (3,)])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_copy_runs_puts_every_run_in_its_place(
+    longest: int, trailing: tuple[int, ...], contiguous: bool
+) -> None:
+    """Runs read from anywhere in the source (overlapping each other too) and written to
+    disjoint places of the destination, with gaps between them left as they were."""
+    rng = np.random.default_rng(longest)
+    n = 30
+    count = rng.integers(0, longest + 1, n)
+    width = int(np.prod(trailing))
+    values = max(1, int(count.max(initial=0)) * 2)
+    source: np.ndarray = np.arange(values * width, dtype=np.int16).reshape(values, *trailing)
+    if not contiguous:  # a strided view: copied a slice a run
+        source = np.repeat(source, 2, axis=0)[::2]
+    start = rng.integers(0, values - count + 1)
+    gaps = rng.integers(0, 3, n)
+    at = np.cumsum(count + gaps) - count
+    dest = np.full((int((count + gaps).sum()), *trailing), -1, np.int16)
+    want = dest.copy()
+    for a, b, k in zip(start, at, count, strict=True):
+        want[b : b + k] = source[a : a + k]
+    copy_runs([source], [dest], start.astype(np.int64), at.astype(np.int64), count)
+    np.testing.assert_array_equal(dest, want)
