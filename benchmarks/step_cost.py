@@ -39,7 +39,12 @@ Loaders (``--loaders``):
   over the dataset, in Lightning's ``CombinedLoader`` (the Trainer's own hooks not included);
 * ``keras``: :class:`asynchdf5.keras.PyDataset` through Keras's adapter and JAX iterator (what
   ``model.fit`` iterates on the JAX backend, CPU), its ``Position`` callback told of each batch;
-* ``jax``: :class:`asynchdf5.jax.Loader` over :func:`asynchdf5.jax.layer`, on the CPU device.
+* ``jax``: :class:`asynchdf5.jax.Loader` over :func:`asynchdf5.jax.layer`, on the CPU device;
+* ``lightning_free``, ``keras_free``, ``jax_free``: the same client fed the free batch (a plain
+  ``IterableDataset`` in the same loaders; a plain ``keras.utils.PyDataset`` through the same
+  adapter; ``jax.device_put`` of the free batch each step): what the client's own machinery
+  costs, whatever the loader. The loader's cost through a client is its row over the client's
+  free row.
 
 A client loader whose packages are not installed (:data:`~.step_cost_loaders.NEEDS`) is skipped,
 with a note saying what it needs.
