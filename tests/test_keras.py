@@ -82,8 +82,8 @@ print("ok")
 def test_a_training_epoch_keeps_no_batch_keras_let_go_of(tmp_path: Path) -> None:
     """Only a look's first batches (a pass outside a training epoch) are kept, to serve again;
     a training epoch's are never served again, so the dataset lets go of them: a batch kept
-    for the epoch would hold one of the layer's batch buffers (a fresh one allocated in its
-    place, every group of batches)."""
+    for the epoch would hold one of the layer's batch buffers all epoch (the layer then
+    allocates fresh ones in its place more often)."""
     code = """
 import gc, weakref
 import numpy as np
