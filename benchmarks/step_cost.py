@@ -490,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench(rec: Any) -> None:
     """``python -m benchmarks run step-cost``: :func:`main` at the run's size, every loader, its
-    JSON output recorded as figures (median and p90 step ÷ free, epoch ÷ ideal, per loader)."""
+    JSON output recorded as figures (median and p90 step ÷ free, epoch ÷ ideal, the main
+    thread's CPU per step beyond the free steps', per loader)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="step-cost-") as tmp:
@@ -511,6 +512,8 @@ def bench(rec: Any) -> None:
         rec.figure(f"{r['loader']}: median step ÷ free step", r["median_ratio"], "ratio")
         rec.figure(f"{r['loader']}: p90 step ÷ free median", r["p90_ratio"], "ratio")
         rec.figure(f"{r['loader']}: epoch ÷ ideal", r["epoch_ratio"], "ratio")
+        extra = r["main_cpu_per_step_ms"] - r["free_main_cpu_per_step_ms"]
+        rec.figure(f"{r['loader']}: main-thread CPU per step beyond free", extra, "ms")
         rec.figure(f"{r['loader']}: first batch", r["first_batch_s"], "s")
 
 
