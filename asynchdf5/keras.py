@@ -136,7 +136,7 @@ class PyDataset(keras.utils.PyDataset):  # type: ignore[misc]
         self._count = 0  # its batches this dataset has to serve (counted when it started)
         self._taken = 0  # ... taken from the layer so far
         self._served = 0  # ... served in Keras's current pass
-        self._kept: list[tuple[Any, ...]] = []  # the pass's first batches, to serve again
+        self._kept: list[tuple[Any, ...]] = []  # a look's first batches, to serve again
         self._replay: list[tuple[Any, ...]] = []  # ... served again, in order
         self._in_pass = False  # between Keras's on_epoch_begin and on_epoch_end
         self._in_keras_epoch = False  # in a training epoch (Position says): not a look
@@ -188,7 +188,7 @@ class PyDataset(keras.utils.PyDataset):  # type: ignore[misc]
             self._states[self._taken] = self.layer.state_dict()
             item = self._item(batch)
         self._served += 1
-        if len(self._kept) < _REPLAY:
+        if len(self._kept) < _REPLAY and not self._in_keras_epoch:
             self._kept.append(item)
         return item
 

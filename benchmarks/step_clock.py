@@ -121,7 +121,9 @@ def threads_delta(
 
 class Clock:
     """Per-step wall and CPU times, the waits for batches, and the main thread's scheduling
-    counters over one run of ``steps`` steps (first batch to last step)."""
+    counters over one run of ``steps`` steps (first batch to last step), taken in blocks
+    (:meth:`add_block`: each block's wall time, the waits for batches in it, and the main
+    thread's CPU time, steps and waits together)."""
 
     def __init__(self, steps: int) -> None:
         self.step_s = np.empty(steps)
@@ -133,6 +135,13 @@ class Clock:
         self.sched0 = self.sched1 = (0.0, 0.0, 0, 0)
         self.threads0: dict[str, list[float]] = {}
         self.threads1: dict[str, list[float]] = {}
+        self.wall_s = 0.0  # the blocks' wall time
+        self.block_cpu_s = 0.0  # the main thread's CPU time in the blocks
+
+    def add_block(self, wall_s: float, cpu_s: float) -> None:
+        """Count one block of steps: its wall time and the main thread's CPU time in it."""
+        self.wall_s += wall_s
+        self.block_cpu_s += cpu_s
 
     def step(self, k: int, d: npt.NDArray[Any], label: npt.NDArray[Any], iterations: int) -> None:
         # getrusage keeps the GIL (a file read would let the loader's threads in here).
@@ -147,7 +156,7 @@ class Clock:
 
     def summary(self, free: Clock | None = None) -> dict[str, Any]:
         steps = len(self.step_s)
-        wall = self.end - self.first
+        wall = self.wall_s
         median = float(np.median(self.step_s))
         ref = float(np.median(free.step_s)) if free is not None else median
         ref_cpu = float(np.median(free.cpu_s)) if free is not None else float(np.median(self.cpu_s))

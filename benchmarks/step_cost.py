@@ -2,13 +2,21 @@
 
 A GPU job's step is mostly Python that holds the GIL (kernel launches, optimizer bookkeeping);
 loader threads in the same process take GIL time and cores from it. This benchmark runs a fixed
-step, pure Python calibrated to ``--step-ms`` plus a read of a few values of the batch, first on
-a batch that costs nothing (one pre-made batch, reused: the *free* step), then fed by each loader,
-in a fresh process per loader and repeat, on a warm (page-cached) image set. It reports, per
-loader, the step's median and p90 time divided by the free step's median (measured in the same
-process just before), and the wall time of the ``--steps`` steps, from the first batch on
-(start-up excluded), divided by ``steps x free median``: what the loader costs the step, and
-whether it keeps up.
+step, pure Python calibrated to ``--step-ms`` plus a read of a few values of the batch, fed by
+each loader in a fresh process per loader and repeat, on a warm (page-cached) image set, and
+interleaved in the same process with as many *free* steps (one pre-made batch, reused), in
+blocks of ``--block`` steps in alternating order (free-loader, loader-free, ...): the machine's
+speed drifts by more than the costs measured here (a shared host), and a drift weighs on both
+kinds of steps alike this way. A free block starts while the loader refills its prefetch (a
+batch or two of its work); the medians do not see those steps.
+
+It reports, per loader, the median and p90 of the loader's steps divided by the median of the
+free steps (median over the repeats, and their range), the median over rounds of the same ratio
+within one round (a free block and a loader block), the main thread's CPU time per step (step
+and ``next()`` together) beyond the free steps', and the wall time of the loader's blocks (its
+waits for batches included, start-up excluded) divided by ``steps x free median`` and by the free
+blocks' wall time: whether it keeps up (flattered for a loader that does not: it refills its
+prefetch during the free blocks).
 
 Loaders (``--loaders``):
 
@@ -31,7 +39,12 @@ Loaders (``--loaders``):
   over the dataset, in Lightning's ``CombinedLoader`` (the Trainer's own hooks not included);
 * ``keras``: :class:`asynchdf5.keras.PyDataset` through Keras's adapter and JAX iterator (what
   ``model.fit`` iterates on the JAX backend, CPU), its ``Position`` callback told of each batch;
-* ``jax``: :class:`asynchdf5.jax.Loader` over :func:`asynchdf5.jax.layer`, on the CPU device.
+* ``jax``: :class:`asynchdf5.jax.Loader` over :func:`asynchdf5.jax.layer`, on the CPU device;
+* ``lightning_free``, ``keras_free``, ``jax_free``: the same client fed the free batch (a plain
+  ``IterableDataset`` in the same loaders; a plain ``keras.utils.PyDataset`` through the same
+  adapter; ``jax.device_put`` of the free batch each step): what the client's own machinery
+  costs, whatever the loader. The loader's cost through a client is its row over the client's
+  free row.
 
 A client loader whose packages are not installed (:data:`~.step_cost_loaders.NEEDS`) is skipped,
 with a note saying what it needs.
@@ -58,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from benchmarks import data
 from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
@@ -89,22 +103,56 @@ CHILD_MARK = "STEP_COST_RESULT "
 YIELD_S = 0.0
 
 
-def drive(batches: Iterator[Pair], steps: int, iterations: int) -> Clock:
-    clock = Clock(steps)
+def rounds(steps: int, block: int) -> Iterator[tuple[int, int, bool]]:
+    """``(first step, steps, free block first)`` of each round: a free block and a loader block
+    of ``block`` steps each, in alternating order (ABBA), so that a drift of the machine's speed
+    within a round weighs on both kinds alike."""
+    for r, k in enumerate(range(0, steps, block)):
+        yield k, min(block, steps - k), r % 2 == 0
+
+
+def free_block(clock: Clock, free: Iterator[Pair], k: int, n: int, iterations: int) -> None:
+    """Steps ``k`` to ``k + n`` on the free batch (a trivial iterator, as a loader is asked)."""
+    t, c = time.perf_counter(), time.thread_time()
+    for j in range(k, k + n):
+        d, label = next(free)
+        clock.step(j, d, label, iterations)
+    clock.add_block(time.perf_counter() - t, time.thread_time() - c)
+
+
+def warm_up(iterations: int, block: int) -> None:
+    """Free steps before the loader exists, so that neither kind pays the interpreter's and
+    the caches' first steps."""
+    free, clock = free_batches(), Clock(2 * block)
+    free_block(clock, free, 0, 2 * block, iterations)
+
+
+def drive(batches: Iterator[Pair], steps: int, iterations: int, block: int) -> tuple[Clock, Clock]:
+    """``steps`` steps fed by ``batches`` interleaved with as many free steps, in blocks (see
+    :func:`rounds`): the loader's clock and the free one."""
+    warm_up(iterations, block)
+    clock, free_clock, free = Clock(steps), Clock(steps), free_batches()
     clock.started = time.perf_counter()
     try:
         d, label = next(batches)
         clock.threads0 = threads_snapshot()
         clock.sched0 = thread_sched()
         clock.first = time.perf_counter()
-        for k in range(steps):
-            if k:
-                t = time.perf_counter()
-                if YIELD_S:
-                    time.sleep(YIELD_S)
-                d, label = next(batches)
-                clock.wait_s[k] = time.perf_counter() - t
-            clock.step(k, d, label, iterations)
+        for k, n, free_first in rounds(steps, block):
+            if free_first:
+                free_block(free_clock, free, k, n, iterations)
+            t, c = time.perf_counter(), time.thread_time()
+            for j in range(k, k + n):
+                if j:
+                    w = time.perf_counter()
+                    if YIELD_S:
+                        time.sleep(YIELD_S)
+                    d, label = next(batches)
+                    clock.wait_s[j] = time.perf_counter() - w
+                clock.step(j, d, label, iterations)
+            clock.add_block(time.perf_counter() - t, time.thread_time() - c)
+            if not free_first:
+                free_block(free_clock, free, k, n, iterations)
         clock.end = time.perf_counter()
         clock.sched1 = thread_sched()
         clock.threads1 = threads_snapshot()
@@ -112,57 +160,82 @@ def drive(batches: Iterator[Pair], steps: int, iterations: int) -> Clock:
         close = getattr(batches, "close", None)
         if close is not None:
             close()
-    return clock
+    return clock, free_clock
 
 
-async def drive_async(batches: AsyncIterator[Pair], steps: int, iterations: int) -> Clock:
-    clock = Clock(steps)
+async def drive_async(
+    batches: AsyncIterator[Pair], steps: int, iterations: int, block: int
+) -> tuple[Clock, Clock]:
+    """:func:`drive` for ``async for``: the steps run in the coroutine."""
+    warm_up(iterations, block)
+    clock, free_clock, free = Clock(steps), Clock(steps), free_batches()
     clock.started = time.perf_counter()
     try:
         d, label = await anext(batches)
         clock.threads0 = threads_snapshot()
         clock.sched0 = thread_sched()
         clock.first = time.perf_counter()
-        for k in range(steps):
-            if k:
-                t = time.perf_counter()
-                if YIELD_S:
-                    time.sleep(YIELD_S)
-                d, label = await anext(batches)
-                clock.wait_s[k] = time.perf_counter() - t
-            clock.step(k, d, label, iterations)
+        for k, n, free_first in rounds(steps, block):
+            if free_first:
+                free_block(free_clock, free, k, n, iterations)
+            t, c = time.perf_counter(), time.thread_time()
+            for j in range(k, k + n):
+                if j:
+                    w = time.perf_counter()
+                    if YIELD_S:
+                        time.sleep(YIELD_S)
+                    d, label = await anext(batches)
+                    clock.wait_s[j] = time.perf_counter() - w
+                clock.step(j, d, label, iterations)
+            clock.add_block(time.perf_counter() - t, time.thread_time() - c)
+            if not free_first:
+                free_block(free_clock, free, k, n, iterations)
         clock.end = time.perf_counter()
         clock.sched1 = thread_sched()
         clock.threads1 = threads_snapshot()
     finally:
         await batches.aclose()  # type: ignore[attr-defined]
-    return clock
+    return clock, free_clock
+
+
+def round_ratios(clock: Clock, free: Clock, steps: int, block: int) -> npt.NDArray[np.float64]:
+    """Per round, the loader's median step over the free median step of the same round."""
+    return np.array(
+        [
+            np.median(clock.step_s[k : k + n]) / np.median(free.step_s[k : k + n])
+            for k, n, _ in rounds(steps, block)
+        ]
+    )
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One loader's run: the free step, then the step fed by the loader."""
+    """One loader's run: its steps interleaved with free steps, in blocks."""
     global YIELD_S
     if spec["switch_interval_ms"]:
         sys.setswitchinterval(spec["switch_interval_ms"] / 1e3)
     LAYER_OPTIONS.update(spec["layer"])
     YIELD_S = spec["yield_us"] / 1e6
-    steps, iterations = spec["steps"], spec["iterations"]
-    free = drive(free_batches(), steps, iterations)
+    steps, iterations, block = spec["steps"], spec["iterations"], spec["block"]
     cpu0, load0 = os.times(), os.getloadavg()
     name, source, chunk = spec["loader"], spec["source"], spec["chunk_size"]
     if name in ("async", "async_process"):
         extra = {"process": True} if name == "async_process" else {}
         batches = async_batches(source, chunk, **extra)
-        clock = asyncio.run(drive_async(batches, steps, iterations))
+        clock, free = asyncio.run(drive_async(batches, steps, iterations, block))
     else:
-        clock = drive(SYNC[name](source, chunk), steps, iterations)
+        clock, free = drive(SYNC[name](source, chunk), steps, iterations, block)
     cpu1 = os.times()
+    ratios = round_ratios(clock, free, steps, block)
     return (
         {
             "loader": name,
             "repeat": spec["repeat"],
             "free": free.summary(),
             "free_median_ms": float(np.median(free.step_s)) * 1e3,
+            "round_ratio_median": float(np.median(ratios)),
+            "round_ratio_iqr": [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))],
+            "main_cpu_per_step_ms": clock.block_cpu_s / steps * 1e3,
+            "free_main_cpu_per_step_ms": free.block_cpu_s / steps * 1e3,
             "cpu_s": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
             "children_cpu_s": (cpu1.children_user + cpu1.children_system)
             - (cpu0.children_user + cpu0.children_system),
@@ -170,7 +243,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "load_end": os.getloadavg()[0],
         }
         | clock.summary(free)
-        | {"free_epoch_ratio": (clock.end - clock.first) / (free.end - free.first)}
+        | {"free_epoch_ratio": clock.wall_s / free.wall_s}
     )
 
 
@@ -218,14 +291,29 @@ def _range(values: list[float], fmt: str = "{:.3f}") -> str:
     return lo if lo == hi else f"{lo}–{hi}"
 
 
+def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    """The median of ``values`` and, where there are several, their range in brackets."""
+    if len(values) < 2:
+        return _range(values, fmt)
+    return f"{fmt.format(float(np.median(values)))} ({_range(values, fmt)})"
+
+
 def _row(name: str, runs: list[dict[str, Any]], failed: int) -> str:
     def col(key: str, fmt: str = "{:.3f}", free: bool = False) -> str:
         return _range([float((r["free"] if free else r)[key]) for r in runs], fmt)
 
+    def spread(key: str, fmt: str = "{:.3f}") -> str:
+        return _spread([float(r[key]) for r in runs], fmt)
+
+    extra_cpu = _spread(
+        [r["main_cpu_per_step_ms"] - r["free_main_cpu_per_step_ms"] for r in runs], "{:.2f}"
+    )
+
     cpu = _range([r["cpu_s"] + r["children_cpu_s"] for r in runs], "{:.1f}")
     load = _range([r["load_start"] for r in runs] + [r["load_end"] for r in runs], "{:.1f}")
     return (
-        f"| {name}{f' ({failed} failed)' if failed else ''} | {col('median_ratio')} | "
+        f"| {name}{f' ({failed} failed)' if failed else ''} | {spread('median_ratio')} | "
+        f"{spread('round_ratio_median')} | {extra_cpu} | "
         f"{col('p90_ratio')} | {col('epoch_ratio')} | {col('free_epoch_ratio')} | "
         f"{col('cpu_ratio')} | {col('gil_waits_per_step', '{:.2f}')} "
         f"({col('steps_with_gil_wait', '{:.0%}')}) | {col('gil_wait_ms_per_step')} | "
@@ -241,19 +329,24 @@ def render(out: dict[str, Any]) -> str:
         f"Step: {cfg['step_ms']:g} ms of GIL-holding Python ({cfg['iterations']:,} iterations), "
         f"{cfg['steps']:,} steps, batch {BATCH}, chunk_size {cfg['chunk_size']:,}, "
         f"{cfg['samples']:,} samples ({cfg['bytes'] / 1e9:.2f} GB, warm); "
-        f"{cfg['repeats']} repeat(s), ranges over them; switch interval "
+        f"{cfg['repeats']} repeat(s), ranges over them; blocks of {cfg['block']} steps; "
+        "switch interval "
         f"{cfg['switch_interval_ms'] or 5:g} ms; ASYNCHDF5_NICE={cfg['nice'] or 'unset'}; "
         f"extra layer properties {cfg['layer'] or 'none'}; trainer yields "
         f"{cfg['yield_us']:g} µs before each batch. "
-        "Each ratio is against the free step measured in the same process just before. A GIL "
+        "Each ratio is against the free steps interleaved with the loader's in the same "
+        "process (median over the repeats, their range in brackets); a round's ratio is the "
+        "loader's median step over the free one within one round (a block of each); the main "
+        "thread's CPU per step counts the step and the loader's next() together. A GIL "
         "wait is a voluntary context switch of the main thread inside a step (the step never "
         "blocks otherwise); its time is the mean off-CPU time of the steps not preempted.",
         "",
-        "| loader | median step ÷ free | p90 step ÷ free median | epoch ÷ ideal | "
+        "| loader | median step ÷ free | median of round ratios | main-thread CPU per step "
+        "beyond free, ms | p90 step ÷ free median | epoch ÷ ideal | "
         "epoch ÷ free epoch | step CPU ÷ free | GIL waits per step (steps with one) | "
         "GIL wait per step, ms | steps preempted (free) | waits for batches (s) | "
         "first batch (s) | CPU-s (+ children) | load avg (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in cfg["loaders"]:
         runs = [r for r in out["runs"] if r["loader"] == name and "median_ratio" in r]
@@ -262,9 +355,9 @@ def render(out: dict[str, Any]) -> str:
         if runs:
             lines.append(_row(name, runs, len(errors)))
         elif skipped:
-            lines.append(f"| {name} | skipped: {skipped[0]} |" + " |" * 11)
+            lines.append(f"| {name} | skipped: {skipped[0]} |" + " |" * 13)
         else:
-            lines.append(f"| {name} | error: {'; '.join(errors)} |" + " |" * 11)
+            lines.append(f"| {name} | error: {'; '.join(errors)} |" + " |" * 13)
     lines += [
         "",
         "Threads of the measuring process over the run (the loader's, and the main thread that "
@@ -296,7 +389,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, default=3.0, help="the step's time (default 3)")
     p.add_argument("--samples", type=int, help=f"image samples (default {FULL['samples']:,})")
     p.add_argument("--chunk-size", type=int, help=f"default {FULL['chunk_size']:,}")
-    p.add_argument("--repeats", type=int, default=1, help="runs of each loader (interleaved)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each loader (interleaved)")
+    p.add_argument("--block", type=int, default=25, help="steps per block of free / loader steps")
     p.add_argument("--loaders", default=",".join(LOADERS), help="comma-separated subset")
     p.add_argument("--switch-interval", type=float, default=0.0, help="ms (default: Python's)")
     p.add_argument(
@@ -349,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes": spec.total_bytes,
         "chunk_size": args.chunk_size or size["chunk_size"],
         "repeats": args.repeats,
+        "block": args.block,
         "loaders": loaders,
         "switch_interval_ms": args.switch_interval,
         "layer": json.loads(args.layer),
@@ -377,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                 "switch_interval_ms": args.switch_interval,
                 "layer": json.loads(args.layer),
                 "yield_us": args.yield_us,
+                "block": args.block,
             }
             result = run_child(job, files, args.timeout)
             runs.append(result)
@@ -394,13 +490,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench(rec: Any) -> None:
     """``python -m benchmarks run step-cost``: :func:`main` at the run's size, every loader, its
-    JSON output recorded as figures (median and p90 step ÷ free, epoch ÷ ideal, per loader)."""
+    JSON output recorded as figures (median and p90 step ÷ free, epoch ÷ ideal, the main
+    thread's CPU per step beyond the free steps', per loader)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="step-cost-") as tmp:
         out = Path(tmp) / "step_cost.json"
         argv = ["--data-dir", str(rec.data_dir), "--output", str(out)]
-        argv += ["--quick", "--steps", "10", "--timeout", "60"] if rec.quick else []
+        argv += (
+            ["--quick", "--steps", "10", "--repeats", "1", "--timeout", "60"] if rec.quick else []
+        )
         with contextlib.redirect_stdout(sys.stderr):
             main(argv)
         result = json.loads(out.read_text())
@@ -413,6 +512,8 @@ def bench(rec: Any) -> None:
         rec.figure(f"{r['loader']}: median step ÷ free step", r["median_ratio"], "ratio")
         rec.figure(f"{r['loader']}: p90 step ÷ free median", r["p90_ratio"], "ratio")
         rec.figure(f"{r['loader']}: epoch ÷ ideal", r["epoch_ratio"], "ratio")
+        extra = r["main_cpu_per_step_ms"] - r["free_main_cpu_per_step_ms"]
+        rec.figure(f"{r['loader']}: main-thread CPU per step beyond free", extra, "ms")
         rec.figure(f"{r['loader']}: first batch", r["first_batch_s"], "s")
 
 

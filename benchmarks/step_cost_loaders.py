@@ -45,8 +45,11 @@ LOADERS = (
     "async_process",
     "torch_process",
     "lightning",
+    "lightning_free",
     "keras",
+    "keras_free",
     "jax",
+    "jax_free",
 )
 #: The packages a client loader needs (it is skipped, with a note, where one is missing).
 NEEDS: dict[str, tuple[str, ...]] = {
@@ -54,13 +57,18 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "torch_process": ("torch",),
     "dataloader": ("torch",),
     "lightning": ("lightning", "torchdata"),
+    "lightning_free": ("lightning", "torchdata"),
     "keras": ("keras", "jax"),  # Keras on its JAX backend
+    "keras_free": ("keras", "jax"),
     "jax": ("jax",),
+    "jax_free": ("jax",),
 }
 #: Environment of the child that measures a loader (set before anything is imported there).
 ENV: dict[str, dict[str, str]] = {
     "keras": {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"},
+    "keras_free": {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"},
     "jax": {"JAX_PLATFORMS": "cpu"},
+    "jax_free": {"JAX_PLATFORMS": "cpu"},
 }
 BATCH = 256
 #: Extra layer properties for this run (``--layer``), set in the child.
@@ -77,14 +85,27 @@ def _kwargs(source: str, chunk_size: int) -> dict[str, Any]:
     } | LAYER_OPTIONS
 
 
-def free_batches(*_: Any) -> Iterator[Pair]:
+def free_pair() -> Pair:
+    """The free batch: made once, reused by every free step."""
     rng = np.random.default_rng(0)
-    pair = (
+    return (
         rng.integers(0, 256, (BATCH, *IMAGE_SHAPE), dtype=np.uint8),
         rng.integers(0, 10, BATCH, dtype=np.int64),
     )
+
+
+def free_batches(*_: Any) -> Iterator[Pair]:
+    pair = free_pair()
     while True:
         yield pair
+
+
+def _epoch_batches(source: str, chunk_size: int) -> int:
+    """Batches in an epoch of the asynchdf5 loaders (a free client row's epoch length)."""
+    import h5py
+
+    with h5py.File(source, "r") as f:
+        return len(f["label"]) // BATCH
 
 
 def layer_batches(source: str, chunk_size: int, **extra: Any) -> Iterator[Pair]:
@@ -153,6 +174,30 @@ def lightning_batches(source: str, chunk_size: int) -> Iterator[Pair]:
                 yield batch["data"].numpy(), batch["label"].numpy()
 
 
+def lightning_free_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    """:func:`lightning_batches` with the free batch (as tensors) in place of the dataset, in a
+    plain ``IterableDataset`` with as many batches an epoch: what Lightning's and torch's own
+    machinery costs the step, whatever the loader."""
+    import torch
+    from lightning.pytorch.utilities import CombinedLoader
+    from torch.utils.data import IterableDataset
+
+    from asynchdf5.torch import StatefulDataLoader
+
+    d, label = (torch.from_numpy(a) for a in free_pair())
+    n = _epoch_batches(source, chunk_size)
+
+    class Free(IterableDataset[dict[str, torch.Tensor]]):
+        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+            for _ in range(n):
+                yield {"data": d, "label": label}
+
+    loader = CombinedLoader(StatefulDataLoader(Free(), batch_size=None), "max_size_cycle")
+    while True:
+        for batch, _, _ in loader:
+            yield batch["data"].numpy(), batch["label"].numpy()
+
+
 def keras_batches(source: str, chunk_size: int) -> Iterator[Pair]:
     """What ``model.fit`` iterates on Keras's JAX backend, on the CPU (docs/keras.md): the
     :class:`asynchdf5.keras.PyDataset` through Keras's own adapter and JAX iterator, with the
@@ -181,6 +226,31 @@ def keras_batches(source: str, chunk_size: int) -> Iterator[Pair]:
             epoch += 1
 
 
+def keras_free_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    """:func:`keras_batches` with the free batch from a plain ``keras.utils.PyDataset`` of as
+    many batches an epoch (no callback): what Keras's own adapter costs the step."""
+    import keras
+    import numpy as np
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    pair = free_pair()
+    n = _epoch_batches(source, chunk_size)
+
+    class Free(keras.utils.PyDataset):  # type: ignore[misc]
+        def __len__(self) -> int:
+            return n
+
+        def __getitem__(self, index: int) -> Pair:
+            return pair
+
+    adapter = PyDatasetAdapter(Free(workers=1, use_multiprocessing=False))
+    while True:
+        adapter.on_epoch_begin()
+        for x, y in adapter.get_jax_iterator():
+            yield np.asarray(x), np.asarray(y)
+        adapter.on_epoch_end()
+
+
 def jax_batches(source: str, chunk_size: int) -> Iterator[Pair]:
     """:class:`asynchdf5.jax.Loader` over :func:`asynchdf5.jax.layer` (docs/jax.md): global
     ``jax.Array``s on the CPU device, put ahead of the step; the step reads them as NumPy."""
@@ -193,6 +263,23 @@ def jax_batches(source: str, chunk_size: int) -> Iterator[Pair]:
         while True:
             for batch in loader:
                 yield np.asarray(batch["data"]), np.asarray(batch["label"])
+
+
+def jax_free_batches(source: str, chunk_size: int) -> Iterator[Pair]:
+    """The free batch put on the CPU device each step (``jax.device_put`` with the loader's
+    default sharding; the label as int32, as the loader narrows it with x64 off): what any
+    JAX input costs the step, whatever the loader."""
+    import jax
+    import numpy as np
+
+    import asynchdf5.jax as aj
+
+    d, label = free_pair()
+    host = {"data": d, "label": label.astype(np.int32)}
+    sharding = aj.batch_sharding()
+    while True:
+        batch = jax.device_put(host, sharding)
+        yield np.asarray(batch["data"]), np.asarray(batch["label"])
 
 
 def shm_batches(source: str, chunk_size: int) -> Iterator[Pair]:
@@ -211,6 +298,9 @@ SYNC: dict[str, Callable[[str, int], Iterator[Pair]]] = {
     "process": lambda source, chunk: layer_batches(source, chunk, process=True),
     "torch_process": lambda source, chunk: torch_batches(source, chunk, process=True),
     "lightning": lightning_batches,
+    "lightning_free": lightning_free_batches,
     "keras": keras_batches,
+    "keras_free": keras_free_batches,
     "jax": jax_batches,
+    "jax_free": jax_free_batches,
 }

@@ -109,3 +109,16 @@ def test_no_memory_controller_is_a_reason_not_an_error(
     made = cgroups.make("asynchdf5-ooc-test", 2**20)
     assert isinstance(made, str)
     assert "no memory cgroup" in made
+
+
+def test_step_cost_interleaves_every_loader_step_with_a_free_one() -> None:
+    """``step-cost`` takes the loader's steps and as many free ones in alternating blocks
+    (ABBA), each step once, so that both kinds see the machine's drift alike."""
+    from benchmarks.step_cost import drive, round_ratios, rounds
+    from benchmarks.step_cost_loaders import free_batches
+
+    assert list(rounds(60, 25)) == [(0, 25, True), (25, 25, False), (50, 10, True)]
+    clock, free = drive(free_batches(), 11, 100, 4)
+    for c in (clock, free):
+        assert (c.step_s > 0).all() and c.wall_s > 0 and c.block_cpu_s > 0
+    assert len(round_ratios(clock, free, 11, 4)) == 3

@@ -79,6 +79,38 @@ print("ok")
     assert run_python(["-c", code], 100, KERAS_BACKEND=backend).strip() == "ok"
 
 
+def test_a_training_epoch_keeps_no_batch_keras_let_go_of(tmp_path: Path) -> None:
+    """Only a look's first batches (a pass outside a training epoch) are kept, to serve again;
+    a training epoch's are never served again, so the dataset lets go of them: a batch kept
+    for the epoch would hold one of the layer's batch buffers all epoch (the layer then
+    allocates fresh ones in its place more often)."""
+    code = """
+import gc, weakref
+import numpy as np
+from asynchdf5 import MemoryDataLayer
+from asynchdf5.keras import PyDataset
+data = {"x": np.zeros((40, 2), np.float32), "y": np.arange(40)}
+with MemoryDataLayer(data, batch_size=8) as layer:
+    ds = PyDataset(layer, x="x", y="y")
+    ds.on_epoch_begin()  # Keras's look at a batch, before training
+    look = weakref.ref(ds[0][0])
+    gc.collect()
+    assert look() is not None  # kept: served again at the next pass
+    ds.on_epoch_end()
+    ds.position.on_epoch_begin(0)
+    ds.on_epoch_begin()
+    first = ds[0][0]
+    assert look() is first  # the look's batch, served again
+    del first
+    served = [weakref.ref(ds[i][0]) for i in range(1, 4)]
+    gc.collect()  # (the layer's iterator may hold the last batch it made: not asked of it)
+    assert look() is None and all(r() is None for r in served[:-1]), "a trained batch is kept"
+print("ok")
+"""
+    backend = "jax" if importlib.util.find_spec("jax") else "torch"
+    assert run_python(["-c", code], 100, KERAS_BACKEND=backend).strip() == "ok"
+
+
 def test_ragged_and_sparse_tops_are_refused_by_name_until_made_dense(tmp_path: Path) -> None:
     """A ragged top (an ``asynchdf5.Ragged`` batch) or a sparse one (a scipy CSR batch) given
     to Keras: a ConfigurationError naming the top and the transformer that makes it dense, not
