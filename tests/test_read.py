@@ -229,22 +229,74 @@ def test_each_stored_chunk_is_read_and_decoded_once(tmp_path: Path, kw: dict[str
         np.testing.assert_array_equal(d, data[a:b])
 
 
-def test_lzf_is_decoded_by_h5pys_own_liblzf() -> None:
-    """No package beyond h5py is needed for LZF: its liblzf, called without the GIL, decodes
-    exactly what h5py's filter wrote."""
-    from asynchdf5._codecs import _h5py_lzf
+@pytest.mark.parametrize("which", ["imagecodecs", "h5py"])
+def test_each_lzf_decoder_gives_what_h5pys_filter_wrote(which: str) -> None:
+    """Each LZF decoder outside h5py (imagecodecs' liblzf, h5py's own called through ctypes),
+    each releasing the GIL, decodes exactly what h5py's filter wrote, into a given buffer, and
+    refuses data that does not decode to exactly the chunk's size."""
+    from asynchdf5._codecs import _h5py_lzf, _imagecodecs_lzf
 
-    decode = _h5py_lzf()
-    if decode is None:
-        pytest.skip("this h5py build does not export lzf_decompress")
+    into = _imagecodecs_lzf() if which == "imagecodecs" else _h5py_lzf()
+    if into is None:
+        pytest.skip(f"no LZF decoder from {which} here")
     data = np.arange(50_000, dtype=np.int32) // 7
     with h5py.File("mem.h5", "w", driver="core", backing_store=False) as f:
         d = f.create_dataset("x", data=data, chunks=(50_000,), compression="lzf")
         _, raw = d.id.read_direct_chunk((0,))
     assert len(raw) < data.nbytes  # really compressed
-    np.testing.assert_array_equal(np.frombuffer(decode(raw, data.nbytes), np.int32), data)
+    out = np.zeros(data.nbytes, np.uint8)
+    into(raw, out)
+    np.testing.assert_array_equal(out.view(np.int32), data)
     with pytest.raises(ValueError, match="LZF"):
-        decode(raw[: len(raw) // 2], data.nbytes)
+        into(raw[: len(raw) // 2], out)
+    with pytest.raises(ValueError, match="LZF"):  # more bytes than the chunk holds
+        into(raw, np.zeros(data.nbytes - 4, np.uint8))
+    with pytest.raises(ValueError, match="LZF"):  # fewer
+        into(raw, np.zeros(data.nbytes + 4, np.uint8))
+
+
+@pytest.mark.parametrize(
+    ("kw", "direct"),
+    [
+        ({"compression": "gzip"}, True),
+        ({"compression": "lzf"}, True),
+        ({"compression": "gzip", "fletcher32": True}, True),
+        ({"compression": "gzip", "shuffle": True}, False),  # the shuffle is undone by a copy
+        ({"fletcher32": True}, False),  # nothing decompresses: the copy is all there is
+    ],
+    ids=["gzip", "lzf", "gzip-fletcher32", "gzip-shuffle", "fletcher32"],
+)
+def test_decoding_into_the_destination_gives_what_h5py_reads(
+    kw: dict[str, Any], direct: bool
+) -> None:
+    """:meth:`ChunkDecoder.decode_into` writes exactly the chunk's bytes where the pipeline's
+    last step decompresses, and writes nothing where it cannot (then :meth:`elements`), nor for
+    a chunk stored with its filters skipped (its filter mask)."""
+    from asynchdf5._codecs import ChunkDecoder
+
+    if kw.get("compression") == "lzf" and unsupported_filters([32000]):
+        pytest.skip("no LZF decoder outside h5py")
+    data = (np.arange(64 * 50, dtype=np.float32) // 3).reshape(64, 50)
+    with h5py.File("mem.h5", "w", driver="core", backing_store=False) as f:
+        d = f.create_dataset("x", data=data, chunks=(64, 50), **kw)
+        filters = [int(d.id.get_create_plist().get_filter(i)[0]) for i in range(len(d._filters))]
+        mask, raw = d.id.read_direct_chunk((0, 0))
+    decoder = ChunkDecoder(filters, 4, data.nbytes, data.shape)
+    out = np.full(data.nbytes, 0xAB, np.uint8)
+    assert decoder.decode_into(raw, mask, out) is direct
+    if direct:
+        np.testing.assert_array_equal(out.view(np.float32).reshape(data.shape), data)
+    else:
+        assert (out == 0xAB).all()
+    np.testing.assert_array_equal(decoder.decode(raw, mask).view(np.float32), data.ravel())
+    # Every filter skipped (an optional filter that did not shrink the chunk, as HDF5 stores
+    # it): the stored bytes are the data, copied, never decoded.
+    every = (1 << len(filters)) - 1
+    out[:] = 0xAB
+    assert not decoder.decode_into(data.tobytes(), every, out)
+    assert (out == 0xAB).all()
+    got = decoder.elements(data.tobytes(), every)
+    np.testing.assert_array_equal(got.reshape(-1).view(np.float32), data.ravel())
 
 
 def test_populating_fresh_memory_keeps_what_is_there() -> None:

@@ -10,9 +10,10 @@ nothing here computes a chunk's place. Two kinds of reads:
   chunks adjacent in the file, up to :data:`RUN_BYTES` stored and :data:`RUN_DECODED_BYTES`
   decoded (at least one chunk), fetched as one request and decoded on the reader's pool of
   threads, each chunk once however many of its rows the read needs, straight into the slot (a
-  last shuffle undone by that same copy). Where chunks split the samples, a *band* (every chunk
-  of a run of rows) holds whole samples: written one after the other, as h5py does, a band is
-  one request, or a few where it is large.
+  last shuffle undone by that same copy; a chunk whose bytes are whole rows of the slot is
+  decoded right there, where its last filter allows: no copy at all). Where chunks split the
+  samples, a *band* (every chunk of a run of rows) holds whole samples: written one after the
+  other, as h5py does, a band is one request, or a few where it is large.
 """
 
 from __future__ import annotations
@@ -93,9 +94,24 @@ class ChunkRun:
 
     def __call__(self, raw: bytes | memoryview) -> None:
         view = memoryview(raw).cast("B") if isinstance(raw, memoryview) else memoryview(raw)
+        decoder = self.decoder
         for at, size, mask, what, places in self.items:
+            # A chunk whose bytes are exactly its one destination's (whole rows, in place in
+            # the slot) is decoded straight into it, where the pipeline allows.
+            whole = places[0] if len(places) == 1 else None
+            if whole is not None and not (
+                whole.first == 0
+                and whole.into.nbytes == decoder.chunk_bytes
+                and whole.into.flags.c_contiguous
+            ):
+                whole = None
             try:
-                elements = self.decoder.elements(view[at : at + size], mask)
+                if whole is not None:
+                    if whole.fresh is not None:
+                        populate(byte_view(whole.fresh))
+                    if decoder.decode_into(view[at : at + size], mask, whole.into.reshape(-1)):
+                        continue
+                elements = decoder.elements(view[at : at + size], mask)
             except ChecksumError as exc:
                 raise ReadError(f"{what}: {exc}") from exc
             except Exception as exc:
@@ -103,7 +119,7 @@ class ChunkRun:
                 # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
                 raise ReadError(f"{what} does not decode: {type(exc).__name__}: {exc}") from exc
             for p in places:
-                if p.fresh is not None:
+                if p.fresh is not None and p is not whole:
                     populate(byte_view(p.fresh))
                 rows = (slice(p.first, p.first + p.n), *(slice(0, n) for n in p.into.shape[1:-1]))
                 copy_elements(p.into, elements[rows])
