@@ -176,7 +176,7 @@ def _imagecodecs_lzf() -> DecodeInto | None:
     def into(raw: Any, out: np.ndarray) -> None:
         n = out.size
         try:
-            got = len(lzf_decode(raw, out=memoryview(out))) if len(raw) else 0
+            got = len(lzf_decode(raw, out=out.data)) if len(raw) else 0
         except RuntimeError as exc:  # imagecodecs.LzfError: bad data, or more than n bytes
             raise ValueError(f"LZF data does not decode to {n} bytes: {exc}") from exc
         if got != n:

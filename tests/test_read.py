@@ -229,6 +229,60 @@ def test_each_stored_chunk_is_read_and_decoded_once(tmp_path: Path, kw: dict[str
         np.testing.assert_array_equal(d, data[a:b])
 
 
+def test_a_run_of_chunks_ends_where_a_band_starts(tmp_path: Path) -> None:
+    """Chunks that split the samples are read in runs that end where a band starts (each band
+    whole in one run, so that one thread writes, and faults in, a band's rows), wherever a run
+    fills up after a band began and the band's chunks are adjacent in the file; and still every
+    row comes out right."""
+    import os
+
+    from asynchdf5._catalog import build_catalog
+    from asynchdf5._codecs import ChunkDecoder
+    from asynchdf5._read._chunked import ChunkRun, Need, chunk_reads
+    from asynchdf5._sources import LocalSource
+
+    data = _values(N, (3, 4))
+    path = tmp_path / "c.h5"
+    _write(path, {"chunks": (100, 1, 2), "compression": "gzip"}, data)  # bands of 6 chunks
+    source = LocalSource()
+    try:
+        catalog = build_catalog(source, [str(path)], ["data", "label"])
+        layout = catalog.files[0].layouts["data"]
+        index = layout.chunks
+        assert index is not None and index.band == 6
+        decoder = ChunkDecoder(layout.filters, 4, 4 * 100 * 2, (100, 1, 2))
+        dest = np.full_like(data, -1)
+        # Room for two and a half of the largest bands: most runs fill in a band's middle.
+        run_bytes = int(index.sizes.sum(axis=1).max() * 5 // 2)
+        ranges = chunk_reads(layout, [Need(0, N, dest)], decoder, "top 'data'", 2**30, run_bytes)
+        runs = [r.then for r in ranges]
+        starts: list[set[int]] = []  # where each run's chunks are in the file
+        for r, run in zip(ranges, runs, strict=True):
+            assert isinstance(run, ChunkRun)
+            starts.append({r.offset + it[0] for it in run.items})
+        whole = 0
+        for k in range(index.offsets.shape[0]):
+            o, z = index.offsets[k], index.sizes[k]
+            if (o[1:] != o[:-1] + z[:-1]).any():
+                continue  # HDF5 put something between its chunks: no one request holds them
+            whole += 1
+            band = {int(x) for x in o}
+            holders = [i for i, at in enumerate(starts) if band & at]
+            assert len(holders) == 1, (k, holders)  # the band is whole in one run
+        assert whole > index.offsets.shape[0] // 2
+        assert len(ranges) > index.offsets.shape[0] // 3  # runs were cut by their size
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for r, run in zip(ranges, runs, strict=True):
+                assert run is not None
+                run(os.pread(fd, r.size, r.offset))
+        finally:
+            os.close(fd)
+    finally:
+        source.close()
+    np.testing.assert_array_equal(dest, data)
+
+
 @pytest.mark.parametrize("which", ["imagecodecs", "h5py"])
 def test_each_lzf_decoder_gives_what_h5pys_filter_wrote(which: str) -> None:
     """Each LZF decoder outside h5py (imagecodecs' liblzf, h5py's own called through ctypes),

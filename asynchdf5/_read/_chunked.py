@@ -13,7 +13,9 @@ nothing here computes a chunk's place. Two kinds of reads:
   last shuffle undone by that same copy; a chunk whose bytes are whole rows of the slot is
   decoded right there, where its last filter allows: no copy at all). Where chunks split the
   samples, a *band* (every chunk of a run of rows) holds whole samples: written one after the
-  other, as h5py does, a band is one request, or a few where it is large.
+  other, as h5py does, a band is one request, or a few where it is large, and a run that fills
+  up in a band's middle ends where that band starts, so that one thread writes (and faults in)
+  each band's rows.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class _Stored:
     places: list[_Place]
     lo: int
     hi: int
+    #: Its row of chunks (its band, where chunks split the samples).
+    band: int
 
 
 class ChunkRun:
@@ -231,29 +235,36 @@ def _runs(
                 + (f", {j} of its band" if index.band > 1 else "")
                 + f" ({size} bytes at offset {offset})"
             )
-            chunks.append(_Stored(offset, size, int(index.masks[k, j]), what, places, lo, hi))
+            chunks.append(_Stored(offset, size, int(index.masks[k, j]), what, places, lo, hi, k))
     chunks.sort(key=lambda c: c.offset)
     out: list[ByteRange] = []
     run: list[_Stored] = []
-    start = end = 0
     most = max(1, RUN_DECODED_BYTES // max(1, decoder.chunk_bytes))  # chunks per run
     for c in chunks:
-        offset, size = c.offset, c.size
-        if run and (offset != end or end - start + size > run_bytes or len(run) >= most):
-            out.append(_range(index, decoder, run, start, end, about))
-            run = []
-        if not run:
-            start = end = offset
+        if run and (
+            c.offset != run[-1].offset + run[-1].size
+            or c.offset + c.size - run[0].offset > run_bytes
+            or len(run) >= most
+        ):
+            # A run full in the middle of a band ends where that band starts, where one began
+            # before it: each band's rows are then written (and faulted in) by one thread.
+            until = len(run)
+            if c.offset == run[-1].offset + run[-1].size and c.band == run[-1].band:
+                first = until - 1
+                while first > 0 and run[first - 1].band == c.band:
+                    first -= 1
+                until = first or until
+            out.append(_range(index, decoder, run[:until], about))
+            run = run[until:]
         run.append(c)
-        end += size
     if run:
-        out.append(_range(index, decoder, run, start, end, about))
+        out.append(_range(index, decoder, run, about))
     return out
 
 
-def _range(
-    index: ChunkIndex, decoder: ChunkDecoder, run: list[_Stored], start: int, end: int, about: str
-) -> ByteRange:
+def _range(index: ChunkIndex, decoder: ChunkDecoder, run: list[_Stored], about: str) -> ByteRange:
+    """One request for ``run`` (chunks adjacent in the file), decoded by a :class:`ChunkRun`."""
+    start, end = run[0].offset, run[-1].offset + run[-1].size
     name = index.file.name
     items = [(c.offset - start, c.size, c.mask, f"{name}: {c.what}", c.places) for c in run]
     lo, hi = min(c.lo for c in run), max(c.hi for c in run)
