@@ -7,10 +7,16 @@ result is bit-identical to h5py's (the tests check it for every supported pipeli
 
 Supported filters: deflate/gzip (libdeflate through ``deflate``, a dependency, else ISA-L
 through ``isal``, else the standard library's ``zlib``; all release the GIL), shuffle, fletcher32
-(the checksum is verified, as HDF5 does: a mismatch is a :class:`ChecksumError`), LZF (h5py's
-own ``lzf_decompress``, called through ctypes, which releases the GIL; else ``python-lzf`` when
-installed), and Blosc and Zstandard through ``numcodecs`` when installed. A dataset using any other
-filter is read by h5py (the layer's ``stats.read_paths`` says which path each top takes).
+(the checksum is verified, as HDF5 does: a mismatch is a :class:`ChecksumError`), LZF
+(``imagecodecs``' liblzf, a dependency, which decodes about twice as fast as h5py's build of it;
+else h5py's own ``lzf_decompress``, called through ctypes; else ``python-lzf`` when installed;
+all release the GIL), and Blosc and Zstandard through ``numcodecs`` when installed. A dataset
+using any other filter is read by h5py (the layer's ``stats.read_paths`` says which path each top
+takes).
+
+Where a chunk's decoded bytes are exactly the destination's (whole rows, no shuffle left to
+undo), the last filter decodes straight into it (:meth:`ChunkDecoder.decode_into`): one pass
+over the bytes instead of a decode and a copy.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ FILTER_NAMES = {
 #: decoder may return a buffer of its own thread's (:func:`_scratch`), valid until its next call
 #: in that thread.
 Decode = Callable[[Any, int], "bytes | bytearray | memoryview | np.ndarray"]
+#: A filter's decoding straight into ``out`` (a C-contiguous uint8 array of the decoded size);
+#: raises where the stored bytes do not decode to exactly that size.
+DecodeInto = Callable[[Any, np.ndarray], None]
 
 _local = threading.local()
 
@@ -83,7 +92,7 @@ class _Decompressor:
         weakref.finalize(self, lib.libdeflate_free_decompressor, self.handle)
 
 
-def _libdeflate_c() -> Decode | None:
+def _libdeflate_c() -> DecodeInto | None:
     """libdeflate's C API, where the ``deflate`` package's extension exports it (its Linux and
     macOS builds), called through ctypes (without the GIL) into a reused buffer: the package's
     own ``zlib_decompress`` returns fresh memory per chunk, and decodes on one thread at a time
@@ -103,41 +112,51 @@ def _libdeflate_c() -> Decode | None:
     fn.argtypes += [ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
     fn.restype = ctypes.c_int
 
-    def decode(raw: Any, n: int) -> np.ndarray:
+    def into(raw: Any, out: np.ndarray) -> None:
         d: _Decompressor | None = getattr(_local, "inflater", None)
         if d is None:
             d = _local.inflater = _Decompressor(lib)
         src = np.frombuffer(raw, np.uint8)
-        out = _scratch("inflate", n)
+        n = out.size
         got = ctypes.c_size_t(0)
         status = fn(d.handle, src.ctypes.data, src.size, out.ctypes.data, n, ctypes.byref(got))
         if status != 0 or got.value != n:  # 1: bad data, 2: short output, 3: no room
             raise ValueError(f"libdeflate: zlib data does not inflate to {n} bytes ({status})")
+
+    return into
+
+
+def _scratched(into: DecodeInto, key: str) -> Decode:
+    """``into`` as a :data:`Decode` into this thread's buffer ``key``."""
+
+    def decode(raw: Any, n: int) -> np.ndarray:
+        out = _scratch(key, n)
+        into(raw, out)
         return out
 
     return decode
 
 
-def _inflate() -> tuple[str, Decode]:
+def _inflate() -> tuple[str, Decode, DecodeInto | None]:
     found = _libdeflate_c()
     if found is not None:
-        return "libdeflate", found
+        return "libdeflate", _scratched(found, "inflate"), found
     try:
         import deflate
 
-        return "libdeflate", lambda raw, n: deflate.zlib_decompress(raw, n)
+        return "libdeflate", lambda raw, n: deflate.zlib_decompress(raw, n), None
     except ImportError:
         pass
     try:
         from isal import isal_zlib
 
-        return "isal", lambda raw, n: isal_zlib.decompress(raw, bufsize=n)
+        return "isal", lambda raw, n: isal_zlib.decompress(raw, bufsize=n), None
     except ImportError:
         pass
-    return "zlib", lambda raw, n: zlib.decompress(raw, bufsize=n)
+    return "zlib", lambda raw, n: zlib.decompress(raw, bufsize=n), None
 
 
-_DEFLATE_BACKEND, _inflate_fn = _inflate()
+_DEFLATE_BACKEND, _inflate_fn, _inflate_into = _inflate()
 
 
 def deflate_backend() -> str:
@@ -146,7 +165,28 @@ def deflate_backend() -> str:
 
 
 @functools.cache
-def _h5py_lzf() -> Decode | None:
+def _imagecodecs_lzf() -> DecodeInto | None:
+    """``imagecodecs``' LZF decoder (liblzf, built to decode about twice as fast as h5py's copy
+    of it), which releases the GIL; None where imagecodecs is not installed."""
+    try:
+        from imagecodecs import lzf_decode
+    except ImportError:
+        return None
+
+    def into(raw: Any, out: np.ndarray) -> None:
+        n = out.size
+        try:
+            got = len(lzf_decode(raw, out=out.data)) if len(raw) else 0
+        except RuntimeError as exc:  # imagecodecs.LzfError: bad data, or more than n bytes
+            raise ValueError(f"LZF data does not decode to {n} bytes: {exc}") from exc
+        if got != n:
+            raise ValueError(f"LZF data decodes to {got} bytes, expected {n}")
+
+    return into
+
+
+@functools.cache
+def _h5py_lzf() -> DecodeInto | None:
     """h5py's own LZF decoder (``lzf_decompress`` of liblzf, compiled into ``h5py.h5z`` for its
     LZF filter), through ctypes: the very code h5py decodes with, called without the GIL."""
     try:
@@ -158,22 +198,27 @@ def _h5py_lzf() -> Decode | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
     fn.restype = ctypes.c_uint
 
-    def decode(raw: Any, n: int) -> np.ndarray:
+    def into(raw: Any, out: np.ndarray) -> None:
         src = np.frombuffer(raw, np.uint8)
-        out = _scratch("lzf", n)
+        n = out.size
         got = fn(src.ctypes.data, src.size, out.ctypes.data, n) if src.size else 0
         if got != n:
             raise ValueError(f"LZF data decodes to {got} bytes, expected {n}")
-        return out
 
-    return decode
+    return into
+
+
+def _lzf_into() -> DecodeInto | None:
+    """The fastest LZF decoder into a buffer that is installed (see the module's docstring)."""
+    found = _imagecodecs_lzf()
+    return found if found is not None else _h5py_lzf()
 
 
 def _optional_decoder(filter_id: int) -> Decode | None:
     if filter_id == LZF:
-        found = _h5py_lzf()
+        found = _lzf_into()
         if found is not None:
-            return found
+            return _scratched(found, "lzf")
         try:
             import lzf
         except ImportError:
@@ -259,11 +304,25 @@ def _decoder(filter_id: int) -> Decode | None:
     return _optional_decoder(filter_id)
 
 
+def _decoder_into(filter_id: int) -> DecodeInto | None:
+    """The filter's decoding straight into a buffer, where its decoder has one."""
+    if filter_id == DEFLATE:
+        return _inflate_into
+    if filter_id == LZF:
+        return _lzf_into()
+    return None
+
+
 def unsupported_filters(filters: Sequence[int]) -> list[str]:
     """Names of the filters in ``filters`` that cannot be decoded here."""
     return [
         FILTER_NAMES.get(f, f"filter {f}") for f in filters if f != SHUFFLE and _decoder(f) is None
     ]
+
+
+#: One step of a pipeline's decoding: the filter's place in the pipeline, its decoding (None:
+#: shuffle) and its decoding into a buffer (where it has one).
+_Step = tuple[int, "Decode | None", "DecodeInto | None"]
 
 
 class ChunkDecoder:
@@ -284,13 +343,13 @@ class ChunkDecoder:
         self.itemsize = itemsize
         self.chunk_bytes = chunk_bytes
         self.shape = shape if shape is not None else (chunk_bytes // max(1, itemsize),)
-        self._steps: list[tuple[int, Decode | None]] = []
+        self._steps: list[_Step] = []
         for i in reversed(range(len(self.filters))):
             f = self.filters[i]
             decode = None if f == SHUFFLE else _decoder(f)
             if f != SHUFFLE and decode is None:
                 raise ValueError(f"unsupported filter {FILTER_NAMES.get(f, f)}")
-            self._steps.append((i, decode))
+            self._steps.append((i, decode, None if decode is None else _decoder_into(f)))
 
     def decode(self, raw: bytes | bytearray | memoryview, filter_mask: int) -> np.ndarray:
         """The chunk's bytes, as a uint8 array of ``chunk_bytes``."""
@@ -298,6 +357,21 @@ class ChunkDecoder:
         if shuffled:
             return _unshuffle(data, self.itemsize)
         return np.array(data)  # not a buffer the next decode in this thread reuses
+
+    def decode_into(
+        self, raw: bytes | bytearray | memoryview, filter_mask: int, out: np.ndarray
+    ) -> bool:
+        """Decode the chunk straight into ``out`` (a C-contiguous uint8 array of
+        ``chunk_bytes``) where the pipeline's last step can write there (a decompressor with a
+        buffer of its own to fill: no shuffle left to undo). False: nothing was written, use
+        :meth:`elements`."""
+        steps = self._active(filter_mask)
+        if not steps or steps[-1][2] is None or out.size != self.chunk_bytes:
+            return False
+        into = steps[-1][2]
+        data = self._apply(raw, steps[:-1])
+        into(data, out)
+        return True
 
     def elements(self, raw: bytes | bytearray | memoryview, filter_mask: int) -> np.ndarray:
         """The chunk's elements as a uint8 array of shape ``(*shape, itemsize)``: a view of the
@@ -312,17 +386,17 @@ class ChunkDecoder:
             data = _unshuffle(data, self.itemsize)
         return data.reshape(*self.shape, self.itemsize)
 
-    def _run(
-        self, raw: bytes | bytearray | memoryview, filter_mask: int
-    ) -> tuple[np.ndarray, bool]:
-        """The chunk's bytes after every step but a last shuffle, and whether that is left."""
+    def _active(self, filter_mask: int) -> list[_Step]:
+        """The steps of a chunk whose filter mask says which filters HDF5 skipped for it."""
+        if not filter_mask:
+            return self._steps
+        return [step for step in self._steps if not filter_mask & (1 << step[0])]
+
+    def _apply(self, raw: bytes | bytearray | memoryview, steps: Sequence[_Step]) -> Any:
+        """``raw`` through ``steps``, in order."""
         data: Any = raw
-        steps = [(i, d) for i, d in self._steps if not filter_mask & (1 << i)]  # HDF5 skipped
-        shuffled = bool(steps) and steps[-1][1] is None
-        if shuffled:
-            steps = steps[:-1]
         last: Decode | None = None
-        for _, decode in steps:
+        for _, decode, _ in steps:
             if decode is None:
                 data = _unshuffle(np.frombuffer(data, np.uint8), self.itemsize)
             else:
@@ -330,7 +404,17 @@ class ChunkDecoder:
                     data = np.array(np.frombuffer(data, np.uint8))
                 data = decode(data, self.chunk_bytes)
                 last = decode
-        out = np.frombuffer(data, np.uint8)
+        return data
+
+    def _run(
+        self, raw: bytes | bytearray | memoryview, filter_mask: int
+    ) -> tuple[np.ndarray, bool]:
+        """The chunk's bytes after every step but a last shuffle, and whether that is left."""
+        steps = self._active(filter_mask)
+        shuffled = bool(steps) and steps[-1][1] is None
+        if shuffled:
+            steps = steps[:-1]
+        out = np.frombuffer(self._apply(raw, steps), np.uint8)
         if out.size != self.chunk_bytes:
             raise ValueError(f"decoded chunk has {out.size} bytes, expected {self.chunk_bytes}")
         return out, shuffled

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import h5py
 import numpy as np
 import pytest
@@ -124,6 +125,52 @@ async def test_read_path_and_values_match_h5py(tmp_path: Path, name: str) -> Non
             assert layer.stats.read_notes["data"]
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"chunks": (20, 40, 50), "compression": "lzf"},
+        {"chunks": (20, 40, 7), "compression": "gzip"},  # bands of chunks splitting samples
+    ],
+    ids=["lzf", "split-gzip"],
+)
+async def test_a_resident_first_epoch_decodes_each_stored_chunk_once(
+    tmp_path: Path, kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read once into memory, a shuffled first epoch decodes each stored chunk once, though its
+    ramp's chunks draw blocks that cut across stored chunks (each chunk of the plan reads the
+    whole stored chunks its rows are in); every batch still holds what h5py reads."""
+    from asynchdf5._codecs import ChunkDecoder
+
+    if kw.get("compression") == "lzf" and unsupported_filters([32000]):
+        pytest.skip("no LZF decoder outside h5py")
+    n = 6000  # rows of 8000 bytes: the ramp reads about 1000, then 2000, then the rest
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 9, (n, 40, 50)).astype(np.float32).cumsum(axis=2)
+    path = tmp_path / "f.h5"
+    _write(path, kw, data)
+    with h5py.File(path, "r") as f:
+        stored = f["data"].id.get_num_chunks()
+    decoded = [0]
+    original = ChunkDecoder._apply
+
+    def counted(self: ChunkDecoder, *args: Any) -> Any:  # each chunk's filters, run once
+        decoded[0] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(ChunkDecoder, "_apply", counted)
+    # Blocks of 70 rows: most cut a stored chunk of 20 rows.
+    layer = AsyncHDF5DataLayer(path, batch_size=64, shuffle=True, seed=3, block_size=70)
+    with anyio.fail_after(60):
+        async with layer:
+            seen = np.zeros(n, np.int64)
+            async for batch in layer:
+                np.testing.assert_array_equal(batch["data"], data[batch.indices])
+                np.add.at(seen, batch.indices, 1)
+            assert (seen == 1).all()
+            assert layer.stats.read_paths["data"] == "chunks"
+    assert decoded[0] == stored
+
+
 async def test_chunked_files_with_different_chunking_across_files(tmp_path: Path) -> None:
     data = np.arange(2 * N * 12, dtype=np.int16).reshape(2 * N, 3, 4)
     paths = []
@@ -229,22 +276,128 @@ def test_each_stored_chunk_is_read_and_decoded_once(tmp_path: Path, kw: dict[str
         np.testing.assert_array_equal(d, data[a:b])
 
 
-def test_lzf_is_decoded_by_h5pys_own_liblzf() -> None:
-    """No package beyond h5py is needed for LZF: its liblzf, called without the GIL, decodes
-    exactly what h5py's filter wrote."""
-    from asynchdf5._codecs import _h5py_lzf
+def test_a_run_of_chunks_ends_where_a_band_starts(tmp_path: Path) -> None:
+    """Chunks that split the samples are read in runs that end where a band starts (each band
+    whole in one run, so that one thread writes, and faults in, a band's rows), wherever a run
+    fills up after a band began and the band's chunks are adjacent in the file; and still every
+    row comes out right."""
+    import os
 
-    decode = _h5py_lzf()
-    if decode is None:
-        pytest.skip("this h5py build does not export lzf_decompress")
+    from asynchdf5._catalog import build_catalog
+    from asynchdf5._codecs import ChunkDecoder
+    from asynchdf5._read._chunked import ChunkRun, Need, chunk_reads
+    from asynchdf5._sources import LocalSource
+
+    data = _values(N, (3, 4))
+    path = tmp_path / "c.h5"
+    _write(path, {"chunks": (100, 1, 2), "compression": "gzip"}, data)  # bands of 6 chunks
+    source = LocalSource()
+    try:
+        catalog = build_catalog(source, [str(path)], ["data", "label"])
+        layout = catalog.files[0].layouts["data"]
+        index = layout.chunks
+        assert index is not None and index.band == 6
+        decoder = ChunkDecoder(layout.filters, 4, 4 * 100 * 2, (100, 1, 2))
+        dest = np.full_like(data, -1)
+        # Room for two and a half of the largest bands: most runs fill in a band's middle.
+        run_bytes = int(index.sizes.sum(axis=1).max() * 5 // 2)
+        ranges = chunk_reads(layout, [Need(0, N, dest)], decoder, "top 'data'", 2**30, run_bytes)
+        runs = [r.then for r in ranges]
+        starts: list[set[int]] = []  # where each run's chunks are in the file
+        for r, run in zip(ranges, runs, strict=True):
+            assert isinstance(run, ChunkRun)
+            starts.append({r.offset + it[0] for it in run.items})
+        whole = 0
+        for k in range(index.offsets.shape[0]):
+            o, z = index.offsets[k], index.sizes[k]
+            if (o[1:] != o[:-1] + z[:-1]).any():
+                continue  # HDF5 put something between its chunks: no one request holds them
+            whole += 1
+            band = {int(x) for x in o}
+            holders = [i for i, at in enumerate(starts) if band & at]
+            assert len(holders) == 1, (k, holders)  # the band is whole in one run
+        assert whole > index.offsets.shape[0] // 2
+        assert len(ranges) > index.offsets.shape[0] // 3  # runs were cut by their size
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for r, run in zip(ranges, runs, strict=True):
+                assert run is not None
+                run(os.pread(fd, r.size, r.offset))
+        finally:
+            os.close(fd)
+    finally:
+        source.close()
+    np.testing.assert_array_equal(dest, data)
+
+
+@pytest.mark.parametrize("which", ["imagecodecs", "h5py"])
+def test_each_lzf_decoder_gives_what_h5pys_filter_wrote(which: str) -> None:
+    """Each LZF decoder outside h5py (imagecodecs' liblzf, h5py's own called through ctypes),
+    each releasing the GIL, decodes exactly what h5py's filter wrote, into a given buffer, and
+    refuses data that does not decode to exactly the chunk's size."""
+    from asynchdf5._codecs import _h5py_lzf, _imagecodecs_lzf
+
+    into = _imagecodecs_lzf() if which == "imagecodecs" else _h5py_lzf()
+    if into is None:
+        pytest.skip(f"no LZF decoder from {which} here")
     data = np.arange(50_000, dtype=np.int32) // 7
     with h5py.File("mem.h5", "w", driver="core", backing_store=False) as f:
         d = f.create_dataset("x", data=data, chunks=(50_000,), compression="lzf")
         _, raw = d.id.read_direct_chunk((0,))
     assert len(raw) < data.nbytes  # really compressed
-    np.testing.assert_array_equal(np.frombuffer(decode(raw, data.nbytes), np.int32), data)
+    out = np.zeros(data.nbytes, np.uint8)
+    into(raw, out)
+    np.testing.assert_array_equal(out.view(np.int32), data)
     with pytest.raises(ValueError, match="LZF"):
-        decode(raw[: len(raw) // 2], data.nbytes)
+        into(raw[: len(raw) // 2], out)
+    with pytest.raises(ValueError, match="LZF"):  # more bytes than the chunk holds
+        into(raw, np.zeros(data.nbytes - 4, np.uint8))
+    with pytest.raises(ValueError, match="LZF"):  # fewer
+        into(raw, np.zeros(data.nbytes + 4, np.uint8))
+
+
+@pytest.mark.parametrize(
+    ("kw", "direct"),
+    [
+        ({"compression": "gzip"}, True),
+        ({"compression": "lzf"}, True),
+        ({"compression": "gzip", "fletcher32": True}, True),
+        ({"compression": "gzip", "shuffle": True}, False),  # the shuffle is undone by a copy
+        ({"fletcher32": True}, False),  # nothing decompresses: the copy is all there is
+    ],
+    ids=["gzip", "lzf", "gzip-fletcher32", "gzip-shuffle", "fletcher32"],
+)
+def test_decoding_into_the_destination_gives_what_h5py_reads(
+    kw: dict[str, Any], direct: bool
+) -> None:
+    """:meth:`ChunkDecoder.decode_into` writes exactly the chunk's bytes where the pipeline's
+    last step decompresses, and writes nothing where it cannot (then :meth:`elements`), nor for
+    a chunk stored with its filters skipped (its filter mask)."""
+    from asynchdf5._codecs import ChunkDecoder
+
+    if kw.get("compression") == "lzf" and unsupported_filters([32000]):
+        pytest.skip("no LZF decoder outside h5py")
+    data = (np.arange(64 * 50, dtype=np.float32) // 3).reshape(64, 50)
+    with h5py.File("mem.h5", "w", driver="core", backing_store=False) as f:
+        d = f.create_dataset("x", data=data, chunks=(64, 50), **kw)
+        filters = [int(d.id.get_create_plist().get_filter(i)[0]) for i in range(len(d._filters))]
+        mask, raw = d.id.read_direct_chunk((0, 0))
+    decoder = ChunkDecoder(filters, 4, data.nbytes, data.shape)
+    out = np.full(data.nbytes, 0xAB, np.uint8)
+    assert decoder.decode_into(raw, mask, out) is direct
+    if direct:
+        np.testing.assert_array_equal(out.view(np.float32).reshape(data.shape), data)
+    else:
+        assert (out == 0xAB).all()
+    np.testing.assert_array_equal(decoder.decode(raw, mask).view(np.float32), data.ravel())
+    # Every filter skipped (an optional filter that did not shrink the chunk, as HDF5 stores
+    # it): the stored bytes are the data, copied, never decoded.
+    every = (1 << len(filters)) - 1
+    out[:] = 0xAB
+    assert not decoder.decode_into(data.tobytes(), every, out)
+    assert (out == 0xAB).all()
+    got = decoder.elements(data.tobytes(), every)
+    np.testing.assert_array_equal(got.reshape(-1).view(np.float32), data.ravel())
 
 
 def test_populating_fresh_memory_keeps_what_is_there() -> None:

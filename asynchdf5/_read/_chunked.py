@@ -10,9 +10,12 @@ nothing here computes a chunk's place. Two kinds of reads:
   chunks adjacent in the file, up to :data:`RUN_BYTES` stored and :data:`RUN_DECODED_BYTES`
   decoded (at least one chunk), fetched as one request and decoded on the reader's pool of
   threads, each chunk once however many of its rows the read needs, straight into the slot (a
-  last shuffle undone by that same copy). Where chunks split the samples, a *band* (every chunk
-  of a run of rows) holds whole samples: written one after the other, as h5py does, a band is
-  one request, or a few where it is large.
+  last shuffle undone by that same copy; a chunk whose bytes are whole rows of the slot is
+  decoded right there, where its last filter allows: no copy at all). Where chunks split the
+  samples, a *band* (every chunk of a run of rows) holds whole samples: written one after the
+  other, as h5py does, a band is one request, or a few where it is large, and a run that fills
+  up in a band's middle ends where that band starts, so that one thread writes (and faults in)
+  each band's rows.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class _Stored:
     places: list[_Place]
     lo: int
     hi: int
+    #: Its row of chunks (its band, where chunks split the samples).
+    band: int
 
 
 class ChunkRun:
@@ -93,9 +98,24 @@ class ChunkRun:
 
     def __call__(self, raw: bytes | memoryview) -> None:
         view = memoryview(raw).cast("B") if isinstance(raw, memoryview) else memoryview(raw)
+        decoder = self.decoder
         for at, size, mask, what, places in self.items:
+            # A chunk whose bytes are exactly its one destination's (whole rows, in place in
+            # the slot) is decoded straight into it, where the pipeline allows.
+            whole = places[0] if len(places) == 1 else None
+            if whole is not None and not (
+                whole.first == 0
+                and whole.into.nbytes == decoder.chunk_bytes
+                and whole.into.flags.c_contiguous
+            ):
+                whole = None
             try:
-                elements = self.decoder.elements(view[at : at + size], mask)
+                if whole is not None:
+                    if whole.fresh is not None:
+                        populate(byte_view(whole.fresh))
+                    if decoder.decode_into(view[at : at + size], mask, whole.into.reshape(-1)):
+                        continue
+                elements = decoder.elements(view[at : at + size], mask)
             except ChecksumError as exc:
                 raise ReadError(f"{what}: {exc}") from exc
             except Exception as exc:
@@ -103,7 +123,7 @@ class ChunkRun:
                 # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
                 raise ReadError(f"{what} does not decode: {type(exc).__name__}: {exc}") from exc
             for p in places:
-                if p.fresh is not None:
+                if p.fresh is not None and p is not whole:
                     populate(byte_view(p.fresh))
                 rows = (slice(p.first, p.first + p.n), *(slice(0, n) for n in p.into.shape[1:-1]))
                 copy_elements(p.into, elements[rows])
@@ -215,29 +235,36 @@ def _runs(
                 + (f", {j} of its band" if index.band > 1 else "")
                 + f" ({size} bytes at offset {offset})"
             )
-            chunks.append(_Stored(offset, size, int(index.masks[k, j]), what, places, lo, hi))
+            chunks.append(_Stored(offset, size, int(index.masks[k, j]), what, places, lo, hi, k))
     chunks.sort(key=lambda c: c.offset)
     out: list[ByteRange] = []
     run: list[_Stored] = []
-    start = end = 0
     most = max(1, RUN_DECODED_BYTES // max(1, decoder.chunk_bytes))  # chunks per run
     for c in chunks:
-        offset, size = c.offset, c.size
-        if run and (offset != end or end - start + size > run_bytes or len(run) >= most):
-            out.append(_range(index, decoder, run, start, end, about))
-            run = []
-        if not run:
-            start = end = offset
+        if run and (
+            c.offset != run[-1].offset + run[-1].size
+            or c.offset + c.size - run[0].offset > run_bytes
+            or len(run) >= most
+        ):
+            # A run full in the middle of a band ends where that band starts, where one began
+            # before it: each band's rows are then written (and faulted in) by one thread.
+            until = len(run)
+            if c.offset == run[-1].offset + run[-1].size and c.band == run[-1].band:
+                first = until - 1
+                while first > 0 and run[first - 1].band == c.band:
+                    first -= 1
+                until = first or until
+            out.append(_range(index, decoder, run[:until], about))
+            run = run[until:]
         run.append(c)
-        end += size
     if run:
-        out.append(_range(index, decoder, run, start, end, about))
+        out.append(_range(index, decoder, run, about))
     return out
 
 
-def _range(
-    index: ChunkIndex, decoder: ChunkDecoder, run: list[_Stored], start: int, end: int, about: str
-) -> ByteRange:
+def _range(index: ChunkIndex, decoder: ChunkDecoder, run: list[_Stored], about: str) -> ByteRange:
+    """One request for ``run`` (chunks adjacent in the file), decoded by a :class:`ChunkRun`."""
+    start, end = run[0].offset, run[-1].offset + run[-1].size
     name = index.file.name
     items = [(c.offset - start, c.size, c.mask, f"{name}: {c.what}", c.places) for c in run]
     lo, hi = min(c.lo for c in run), max(c.hi for c in run)

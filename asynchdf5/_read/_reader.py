@@ -361,9 +361,11 @@ class HDF5Reader:
         t0 = time.perf_counter()
         if self.resident is not None:
             arrays: Mapping[str, np.ndarray] = self.resident
-            placed = [
-                (a, b, a) for r0, r1 in chunk.ranges for a, b in uncovered(self._loaded, r0, r1)
-            ]
+            # Whole stored chunks: each is decoded once, not once for every chunk of the plan
+            # that needs some of its rows (an epoch's blocks cut across them).
+            wanted = [(a, b) for r0, r1 in chunk.ranges for a, b in uncovered(self._loaded, r0, r1)]
+            spans = merged([self._whole_chunks(a, b) for a, b in wanted])
+            placed = [(a, b, a) for s, e in spans for a, b in uncovered(self._loaded, s, e)]
         else:
             assert into is not None
             arrays = into
@@ -378,9 +380,26 @@ class HDF5Reader:
             stats.seconds += time.perf_counter() - t0
             stats.chunks += 1
         if self.resident is not None:
-            for a, b in chunk.ranges:
-                self._loaded = merged([*self._loaded, (a, b)])
+            self._loaded = merged([*self._loaded, *chunk.ranges, *((a, b) for a, b, _ in placed)])
         return arrays, self.resident is not None
+
+    def _whole_chunks(self, a: int, b: int) -> tuple[int, int]:
+        """Global rows ``a:b`` widened to whole stored chunks of every top stored in chunks (a
+        row of a chunk's rows of a file, its whole band where chunks split the samples)."""
+        lo, hi = a, b
+        for seg in self.catalog.segments(a, b):
+            f = seg.file
+            for top, layout in f.layouts.items():
+                index = layout.chunks
+                info = self.tops.get(top)
+                if layout.path != "chunks" or index is None or info is None:
+                    continue
+                if info.windows is not None or info.ragged is not None:
+                    continue  # its stored rows are not samples
+                rows = index.rows
+                lo = min(lo, f.start + seg.row_start // rows * rows)
+                hi = max(hi, f.start + min(f.nrows, -(-seg.row_stop // rows) * rows))
+        return lo, hi
 
     def release(self, chunk: ChunkPlan) -> None:
         pass  # resident rows stay for later epochs
