@@ -31,6 +31,7 @@ before: the main process's mappings hold it).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -149,7 +150,7 @@ def _rebuild(
     out: dict[str, torch.Tensor] = {}
     for name, i, offset, dtype, shape, ticket in places:
         dt = np.dtype(dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        n = math.prod(shape) * dt.itemsize
         # An array of its own over the bytes: it dies with the last view of it (a tensor made
         # from it holds it), and then the worker may write there again.
         region = np.frombuffer(owners[i].data[offset : offset + n], np.uint8)
