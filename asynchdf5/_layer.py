@@ -27,7 +27,7 @@ from anyio.from_thread import BlockingPortal
 from ._batch import Batch
 from ._config import LayerConfig
 from ._consumer import Consumer
-from ._delivery import Delivery, make_delivery
+from ._delivery import BatchMemory, Delivery, HostDelivery, make_delivery
 from ._errors import ConfigurationError, StateError
 from ._iterator import EpochIterator
 from ._opened import Opened
@@ -197,6 +197,15 @@ class LayerBase:
         if self._consumer.state != "closed" or self._planner.resume is not None:
             raise StateError("a layer's part can change only while it is closed, before a state")
         self._planner.set_part(check_part(part, parts))
+
+    def _gather_into(self, memory: BatchMemory) -> None:
+        """Gather host batches into buffers from ``memory`` (a DataLoader worker's shared
+        memory, for :mod:`asynchdf5.torch`, which sends batches from there without copying
+        them): only on a closed layer delivering to the host."""
+        delivery = self._delivery
+        if self._consumer.state != "closed" or not isinstance(delivery, HostDelivery):
+            raise StateError("batch memory is set only on a closed layer delivering to the host")
+        delivery.batch_memory = memory
 
     # --- resume (the rules: :mod:`._resume`) --------------------------------------------------
 

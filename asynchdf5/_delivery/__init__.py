@@ -18,7 +18,7 @@ from .._specs import GroupSpec
 from .._stats import GatherStats
 from ._cuda import CudaDelivery, DeviceMemoryStats
 from ._device import INSTALL_HINT, parse_device
-from ._host import BatchBuffers, HostDelivery, line_offset
+from ._host import BatchBuffers, BatchMemory, HostDelivery, line_offset
 
 if TYPE_CHECKING:  # a type only: the configuration imports this package (parse_device)
     from .._config import LayerConfig
@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # a type only: the configuration imports this package (parse_
 __all__ = [
     "INSTALL_HINT",
     "BatchBuffers",
+    "BatchMemory",
     "CudaDelivery",
     "Delivery",
     "DeviceMemoryStats",

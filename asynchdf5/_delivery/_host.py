@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from ..transforms import Transformer
 __all__ = [
     "CACHE_LINE",
     "BatchBuffers",
+    "BatchMemory",
     "HostDelivery",
     "aligned_empty",
     "line_offset",
@@ -94,16 +95,35 @@ def line_offset(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0]) % CACHE_LINE
 
 
-def aligned_empty(nbytes: int, offset: int) -> tuple[np.ndarray, int]:
-    """A new byte array with room for ``nbytes`` starting ``offset`` bytes into a cache line,
-    and the index of that start.
+class BatchMemory(Protocol):
+    """Where a pool's batch buffers come from, when not from NumPy: memory another process
+    reads the batches from (a DataLoader worker's shared memory, :mod:`asynchdf5.torch`), so
+    that batches are gathered where they are sent from, never copied there."""
+
+    #: Groups the consumer may hold beyond a run's own (batches on their way to that process):
+    #: the pool keeps as many more buffers.
+    held: int
+
+    def empty(self, nbytes: int) -> np.ndarray:
+        """A byte array of ``nbytes`` of memory of its own, which views of it refer to as their
+        base (NumPy's rule: the first array owning its memory, or whose base is no array), so
+        that its reference count says whether a batch still uses it."""
+        ...
+
+
+def aligned_empty(
+    nbytes: int, offset: int, memory: BatchMemory | None = None
+) -> tuple[np.ndarray, int]:
+    """A new byte array (NumPy's, or from ``memory``) with room for ``nbytes`` starting
+    ``offset`` bytes into a cache line, and the index of that start.
 
     Why: copying rows whose source and destination sit at different offsets within their cache
     lines is slower (``memmove`` takes its unaligned path). Cache slots are page-aligned
     (``mmap``); a user's arrays for ``MemoryDataLayer`` are wherever NumPy put them. So batch
     buffers follow their source instead of a fixed alignment.
     """
-    raw = np.empty(nbytes + CACHE_LINE, np.uint8)
+    size = nbytes + CACHE_LINE
+    raw = np.empty(size, np.uint8) if memory is None else memory.empty(size)
     start = (offset - line_offset(raw)) % CACHE_LINE
     return raw, start
 
@@ -115,7 +135,8 @@ class BatchBuffers:
     any view of its arrays) that the consumer keeps is never overwritten. When every buffer is
     held, a fresh one is allocated, and kept for reuse while the pool has fewer than ``depth``.
     ``offsets``: per top, the offset within a cache line of the rows gathered into it (see
-    :func:`aligned_empty`; 0 for a top not named).
+    :func:`aligned_empty`; 0 for a top not named). ``memory``: where the pooled buffers come
+    from (:class:`BatchMemory`; NumPy by default); one allocated beyond the pool is NumPy's.
 
     The pool keeps each buffer's owning byte array, and hands out typed views of it: NumPy makes
     every view of a view refer to the array that owns the memory, so the owner's reference count
@@ -128,19 +149,21 @@ class BatchBuffers:
         rows: int,
         depth: int,
         offsets: Mapping[str, int] | None = None,
+        memory: BatchMemory | None = None,
     ) -> None:
         self._tops = list(tops.values())
         self._rows = rows
-        self._depth = depth
+        self._depth = depth + (memory.held if memory is not None else 0)
+        self._memory = memory
         self._offsets = {t.name: _offset(t, (offsets or {}).get(t.name, 0)) for t in self._tops}
         self._pool: list[dict[str, tuple[np.ndarray, int]]] = []
         self._lock = threading.Lock()
         self._reuse = _refcounts_are_reliable()
         self._next = 0  # round-robin: the oldest buffer is the likeliest to be free
 
-    def _new(self) -> dict[str, tuple[np.ndarray, int]]:
+    def _new(self, memory: BatchMemory | None = None) -> dict[str, tuple[np.ndarray, int]]:
         return {
-            t.name: aligned_empty(self._rows * t.row_bytes, self._offsets[t.name])
+            t.name: aligned_empty(self._rows * t.row_bytes, self._offsets[t.name], memory)
             for t in self._tops
         }
 
@@ -163,7 +186,7 @@ class BatchBuffers:
                         self._next = (self._next + i + 1) % n
                         return self._views(bufs, rows)
                 if len(self._pool) < self._depth:
-                    bufs = self._new()
+                    bufs = self._new(self._memory)
                     self._pool.append(bufs)
                     return self._views(bufs, rows)
         return self._views(self._new(), rows)
@@ -191,10 +214,12 @@ class HostDelivery:
 
     def __init__(self, transformers: Sequence[tuple[str, Transformer]]) -> None:
         self.transformers = list(transformers)
+        #: Where batch buffers come from (None: NumPy); set before a run starts.
+        self.batch_memory: BatchMemory | None = None
         self._ragged: dict[str, TopInfo] = {}
         self._heaps: HeapBuffers | None = None
         self._buffers: BatchBuffers | None = None
-        self._shape: tuple[int, int, dict[str, int]] | None = None
+        self._shape: tuple[int, int, dict[str, int], BatchMemory | None] | None = None
 
     @property
     def runs_user_code(self) -> bool:
@@ -220,7 +245,7 @@ class HostDelivery:
         depth: int,
         offsets: Mapping[str, int] | None = None,
     ) -> None:
-        shape = (group_rows, depth, dict(offsets or {}))
+        shape = (group_rows, depth, dict(offsets or {}), self.batch_memory)
         # Ragged tops' batch values are gathered per group into buffers of a pool (HeapBuffers).
         self._ragged = {k: t for k, t in tops.items() if t.ragged is not None}
         if self._ragged and (self._heaps is None or self._shape != shape):
@@ -229,7 +254,7 @@ class HostDelivery:
             )
         if self._buffers is None or self._shape != shape:
             fixed = {k: t for k, t in tops.items() if t.ragged is None}
-            self._buffers = BatchBuffers(fixed, group_rows, depth, offsets)
+            self._buffers = BatchBuffers(fixed, group_rows, depth, offsets, self.batch_memory)
             self._shape = shape
 
     def make(

@@ -261,7 +261,7 @@ class LayerDataset(IterableDataset[Tensors]):
         self._pid: int | None = None
         self._opened = False
         self._live: weakref.ReferenceType[Epoch] | None = None
-        self._ring: Ring | None = None  # a DataLoader worker's slots of shared memory
+        self._ring: Ring | None = None  # a DataLoader worker's shared memory (see _shared)
         self._adopt(layer)
         quiet_len_warning()  # len() is exact per rank and per worker: Lightning need not warn
 
@@ -311,6 +311,9 @@ class LayerDataset(IterableDataset[Tensors]):
         )
         self._check_device(layer.config.device)
         layer._set_part(worker.id, k)
+        # Batches gathered into shared memory cross to the main process without a copy.
+        self._ring = Ring()
+        layer._gather_into(self._ring)
         values = self._board.values
         values[1] = max(int(values[1]), k)
         return layer
@@ -396,9 +399,7 @@ class LayerDataset(IterableDataset[Tensors]):
             self._mark(self._layer.epoch)
 
     def _tensors(self, batch: Batch) -> Tensors:
-        if get_worker_info() is not None:  # to the main process through a slot (see _shared)
-            if self._ring is None:
-                self._ring = Ring()
+        if self._ring is not None:  # a worker's: to the main process as shared memory
             shared = self._ring.pack(batch, INDICES if self.indices else None)
             if shared is not None:
                 return cast(Tensors, shared)  # unpickled in the main process, it is Tensors
