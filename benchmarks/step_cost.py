@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from benchmarks import data
+from benchmarks import data, page_cache
 from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
 from benchmarks.step_clock import Clock, calibrate, thread_sched, threads_snapshot
 from benchmarks.step_cost_loaders import (
@@ -249,14 +249,6 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------
 # The parent: data, calibration, one child per loader and repeat, the report
-
-
-def _warm(paths: tuple[Path, ...]) -> None:
-    buf = bytearray(64 * 2**20)
-    for path in paths:
-        with path.open("rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
 
 
 def run_child(spec: dict[str, Any], files: data.DatasetFiles, timeout: float) -> dict[str, Any]:
@@ -461,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"# {name} #{repeat}: skipped, needs {absent}", file=sys.stderr)
                 continue
-            _warm(files.paths)
+            for path in files.paths:
+                page_cache.warm(path)
             job = {
                 "loader": name,
                 "repeat": repeat,
