@@ -8,7 +8,7 @@ result is bit-identical to h5py's (the tests check it for every supported pipeli
 Supported filters: deflate/gzip (libdeflate through ``deflate``, a dependency, else ISA-L
 through ``isal``, else the standard library's ``zlib``; all release the GIL), shuffle, fletcher32
 (the checksum is verified, as HDF5 does: a mismatch is a :class:`ChecksumError`), LZF
-(``imagecodecs``' liblzf, a dependency, which decodes about twice as fast as h5py's build of it;
+(``imagecodecs``' liblzf, a dependency, a faster build than h5py's (docs/design-notes.md);
 else h5py's own ``lzf_decompress``, called through ctypes; else ``python-lzf`` when installed;
 all release the GIL), and Blosc and Zstandard through ``numcodecs`` when installed. A dataset
 using any other filter is read by h5py (the layer's ``stats.read_paths`` says which path each top
@@ -166,8 +166,8 @@ def deflate_backend() -> str:
 
 @functools.cache
 def _imagecodecs_lzf() -> DecodeInto | None:
-    """``imagecodecs``' LZF decoder (liblzf, built to decode about twice as fast as h5py's copy
-    of it), which releases the GIL; None where imagecodecs is not installed."""
+    """``imagecodecs``' LZF decoder (liblzf, a faster build than h5py's copy of it), which
+    releases the GIL; None where imagecodecs is not installed."""
     try:
         from imagecodecs import lzf_decode
     except ImportError:

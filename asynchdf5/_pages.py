@@ -57,8 +57,8 @@ _PAGE = mmap.PAGESIZE
 def populate(buffer: memoryview) -> None:
     """Fault in the pages of ``buffer`` (writable, never written yet) in one call, before a read
     writes them: written one fault at a time, fresh pages cost more than the read itself on some
-    VMs (a ``preadv`` into fresh memory moved 0.4-1 GiB/s here, 2 GiB/s after this, 9 GiB/s into
-    memory already written). Only for fresh memory: on pages already there it still walks them.
+    VMs (figures in docs/design-notes.md). Only for fresh memory: on pages already there it still
+    walks them.
     Advice only: where the kernel or the platform has none, nothing happens."""
     madvise = libc_madvise()
     if madvise is None or not buffer.nbytes or buffer.readonly:

@@ -138,20 +138,32 @@ def h5py_in_order(paths: list[str], n: int) -> dict[str, Any]:
     return {"rate": n / seconds, "seconds": seconds, "first_batch_s": first}
 
 
-def decode(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
-    """The decode limit: stored chunks of ``data`` (up to ``most_bytes`` of them) decoded on
-    every core, from memory; None for an unfiltered layout."""
-    from asynchdf5._codecs import ChunkDecoder, copy_elements
+def _filtered(paths: list[str]) -> tuple[Any, Any, Any] | None:
+    """The catalog, the first file's layout of ``data`` and a decoder of its chunks; None where
+    the layout is not stored filtered chunks."""
+    from asynchdf5._codecs import ChunkDecoder
 
     _, catalog = _stored(paths)
     layout = catalog.files[0].layouts["data"]
     index = layout.chunks
     if layout.path != "chunks" or index is None or not layout.filters:
         return None
-    info = catalog.tops["data"]
-    shape = index.shape
-    chunk_bytes = info.dtype.itemsize * int(np.prod(shape))
-    decoder = ChunkDecoder(layout.filters, info.dtype.itemsize, chunk_bytes, shape)
+    itemsize = catalog.tops["data"].dtype.itemsize
+    chunk_bytes = itemsize * int(np.prod(index.shape))
+    return catalog, layout, ChunkDecoder(layout.filters, itemsize, chunk_bytes, index.shape)
+
+
+def decode(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
+    """The decode limit: stored chunks of ``data`` (up to ``most_bytes`` of them) decoded on
+    every core, from memory; None for an unfiltered layout."""
+    from asynchdf5._codecs import copy_elements
+
+    filtered = _filtered(paths)
+    if filtered is None:
+        return None
+    _, layout, decoder = filtered
+    index, info = layout.chunks, filtered[0].tops["data"]
+    chunk_bytes = decoder.chunk_bytes
     fd = os.open(index.file.name, os.O_RDONLY)
     raws: list[tuple[bytes, int]] = []
     held = 0
@@ -195,17 +207,13 @@ def decode_fresh(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | 
     None for an unfiltered layout."""
     import mmap
 
-    from asynchdf5._codecs import ChunkDecoder
     from asynchdf5._read._chunked import Need, chunk_reads
 
-    _, catalog = _stored(paths)
-    layout = catalog.files[0].layouts["data"]
-    index = layout.chunks
-    if layout.path != "chunks" or index is None or not layout.filters:
+    filtered = _filtered(paths)
+    if filtered is None:
         return None
-    info = catalog.tops["data"]
-    chunk_bytes = info.dtype.itemsize * int(np.prod(index.shape))
-    decoder = ChunkDecoder(layout.filters, info.dtype.itemsize, chunk_bytes, index.shape)
+    catalog, layout, decoder = filtered
+    index, info = layout.chunks, catalog.tops["data"]
     rows_in_file = catalog.files[0].nrows
     share = min(1.0, most_bytes / max(1, int(index.sizes.sum())))
     rows = min(rows_in_file, max(index.rows, int(rows_in_file * share) // index.rows * index.rows))

@@ -16,16 +16,14 @@ annbatch needs Python >= 3.12; where it does not import, the benchmark is skippe
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cgroups
+from benchmarks import cgroups, page_cache
 from benchmarks.ragged import write_cells
 from benchmarks.report import Recorder, Skipped
 
@@ -69,40 +67,6 @@ def _annbatch(job: dict[str, Any]) -> list[float]:
         times.append(time.perf_counter() - t0)
         assert rows == job["cells"], rows
     return times
-
-
-def child(job_file: str) -> None:
-    job = json.loads(Path(job_file).read_text())
-    if job.get("cgroup_procs"):
-        cgroups.join(job["cgroup_procs"])
-    times = {"layer": _layer, "annbatch": _annbatch}[job["reader"]](job)
-    Path(job["result"]).write_text(json.dumps(times))
-
-
-def _run(job: dict[str, Any], work: Path, group: cgroups.MemoryCgroup | None) -> Any:
-    name = f"{job['reader']}-{'cg' if group else 'warm'}"
-    job = {**job, "result": str(work / f"{name}.out.json")}
-    job["cgroup_procs"] = str(group.procs) if group else None
-    job_file = work / f"{name}.job.json"
-    job_file.write_text(json.dumps(job))
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.annbatch_cells", str(job_file)],
-        capture_output=True,
-        text=True,
-        timeout=job["timeout"],
-        cwd=Path(__file__).resolve().parent.parent,
-    )
-    if proc.returncode != 0:
-        return (proc.stderr or proc.stdout)[-1500:] or f"exit {proc.returncode}"
-    return json.loads(Path(job["result"]).read_text())
-
-
-def _warm(path: Path) -> None:
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    for p in files:
-        with open(p, "rb") as f:
-            while f.read(64 * 2**20):
-                pass
 
 
 def _convert(h5ad: Path, store: Path) -> float:
@@ -151,10 +115,13 @@ def bench(rec: Recorder) -> None:
         for label, group in groups:
             rates: dict[str, float] = {}
             for reader in ("layer", "annbatch"):
-                _warm(h5ad if reader == "layer" else store)
-                times = _run({**job, "reader": reader}, work, group)
-                if isinstance(times, str):
-                    rec.note(f"{reader} ({label}): {times}")
+                page_cache.warm(h5ad if reader == "layer" else store)
+                name = f"{reader}-{'cg' if group else 'warm'}"
+                times, error = cgroups.run_child(
+                    "benchmarks.annbatch_cells", {**job, "reader": reader}, work, name, group
+                )
+                if error is not None:
+                    rec.note(f"{reader} ({label}): {error}")
                     continue
                 rates[reader] = size["cells"] * len(times) / sum(times)
                 rec.figure(f"{reader}, {label}", rates[reader], "samples/s")
@@ -168,4 +135,4 @@ def bench(rec: Recorder) -> None:
 
 
 if __name__ == "__main__":
-    child(sys.argv[1])
+    cgroups.child(sys.argv[1], {"layer": _layer, "annbatch": _annbatch})

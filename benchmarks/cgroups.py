@@ -11,10 +11,15 @@ runs without one.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 V1_ROOT = Path("/sys/fs/cgroup/memory")
 V2_ROOT = Path("/sys/fs/cgroup")
@@ -134,3 +139,38 @@ def join(procs: str | os.PathLike[str]) -> None:
     """
     with open(procs, "w") as f:
         f.write(str(os.getpid()))
+
+
+def run_child(
+    module: str, job: dict[str, Any], work: Path, name: str, group: MemoryCgroup | None
+) -> tuple[Any, str | None]:
+    """Run ``python -m module JOB.json`` (whose ``__main__`` calls :func:`child`) on ``job``, in
+    ``group`` where one is given, within ``job["timeout"]`` seconds.
+
+    Returns the JSON the child wrote and None, or None and the tail of its output where it failed.
+    """
+    job = {
+        **job,
+        "result": str(work / f"{name}.out.json"),
+        "cgroup_procs": str(group.procs) if group else None,
+    }
+    job_file = work / f"{name}.job.json"
+    job_file.write_text(json.dumps(job))
+    proc = subprocess.run(
+        [sys.executable, "-m", module, str(job_file)],
+        capture_output=True,
+        text=True,
+        timeout=job["timeout"],
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    if proc.returncode != 0:
+        return None, (proc.stderr or proc.stdout)[-1500:] or f"exit {proc.returncode}"
+    return json.loads(Path(job["result"]).read_text()), None
+
+
+def child(job_file: str, readers: Mapping[str, Callable[[Any], Any]]) -> None:
+    """The child side of :func:`run_child`: join the job's group, run its reader, write the JSON."""
+    job = json.loads(Path(job_file).read_text())
+    if job.get("cgroup_procs"):
+        join(job["cgroup_procs"])
+    Path(job["result"]).write_text(json.dumps(readers[job["reader"]](job)))

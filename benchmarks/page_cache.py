@@ -26,6 +26,17 @@ def evict(path: str | Path) -> None:
         os.close(fd)
 
 
+def warm(path: str | Path, buffer_bytes: int = 64 << 20) -> None:
+    """Read the file (or every file under the folder ``path``) once, so that its pages are in
+    the page cache."""
+    path = Path(path)
+    buf = memoryview(bytearray(buffer_bytes))
+    for p in [path] if path.is_file() else sorted(q for q in path.rglob("*") if q.is_file()):
+        with p.open("rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
 def _libc() -> ctypes.CDLL | None:
     for name in ("libc.so.6", None):
         try:

@@ -19,10 +19,8 @@ Ratios are taken within one run, reader against reader, in the same conditions.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from benchmarks import cgroups
+from benchmarks import cgroups, page_cache
 from benchmarks.report import Recorder
 
 LIMIT_MIB = 512
@@ -164,42 +162,6 @@ READERS = {
 }
 
 
-def child(job_file: str) -> None:
-    job = json.loads(Path(job_file).read_text())
-    if job.get("cgroup_procs"):
-        cgroups.join(job["cgroup_procs"])
-    out = READERS[job["reader"]](job)
-    Path(job["result"]).write_text(json.dumps(out))
-
-
-def _run(job: dict[str, Any], work: Path, group: cgroups.MemoryCgroup | None) -> dict[str, Any]:
-    name = f"{job['reader']}-{job['what']}-{'cg' if group else 'warm'}"
-    job = {
-        **job,
-        "result": str(work / f"{name}.out.json"),
-        "cgroup_procs": str(group.procs) if group else None,
-    }
-    job_file = work / f"{name}.job.json"
-    job_file.write_text(json.dumps(job))
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ragged", str(job_file)],
-        capture_output=True,
-        text=True,
-        timeout=job["timeout"],
-        cwd=Path(__file__).resolve().parent.parent,
-    )
-    if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout)[-1500:] or f"exit {proc.returncode}"}
-    result: dict[str, Any] = json.loads(Path(job["result"]).read_text())
-    return result
-
-
-def _warm(path: Path) -> None:
-    with open(path, "rb") as f:
-        while f.read(SLAB):
-            pass
-
-
 def _padding(rec: Recorder, tokens: Path, batch: int = 64, reps: int = 30) -> None:
     """``Ragged.to_padded`` on a batch of the token rows against ``np.copyto`` of its output's
     bytes (the memory speed padding aims at), in this process, alternating, the best of
@@ -275,13 +237,15 @@ def bench(rec: Recorder) -> None:
     try:
         for what, job, readers in sets:
             for label, group in groups:
-                _warm(Path(job["path"]))
+                page_cache.warm(job["path"])
                 rates: dict[str, float] = {}
                 byte_rates: dict[str, float] = {}
                 for reader in readers:
-                    r = _run({**job, "reader": reader, "what": what}, work, group)
-                    if "error" in r:
-                        rec.note(f"{what} {reader} ({label}): {r['error']}")
+                    name = f"{reader}-{what}-{'cg' if group else 'warm'}"
+                    job_r = {**job, "reader": reader, "what": what}
+                    r, error = cgroups.run_child("benchmarks.ragged", job_r, work, name, group)
+                    if error is not None:
+                        rec.note(f"{what} {reader} ({label}): {error}")
                         continue
                     rows_s = r["rows"] / r["seconds"]
                     if r["bytes"]:
@@ -322,4 +286,4 @@ def bench(rec: Recorder) -> None:
 
 
 if __name__ == "__main__":
-    child(sys.argv[1])
+    cgroups.child(sys.argv[1], READERS)

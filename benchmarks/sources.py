@@ -7,7 +7,6 @@ with h5py, over the same files the library reads.
 
 from __future__ import annotations
 
-import os
 from types import TracebackType
 
 import h5py
@@ -24,17 +23,10 @@ def evict(files: DatasetFiles) -> None:
         page_cache.evict(path)
 
 
-def warm(files: DatasetFiles, buffer_bytes: int = 4 << 20) -> None:
+def warm(files: DatasetFiles) -> None:
     """Read every file once so that its pages are in the page cache."""
-    buf = memoryview(bytearray(buffer_bytes))
     for path in files.paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            offset = 0
-            while n := os.preadv(fd, [buf], offset):
-                offset += n
-        finally:
-            os.close(fd)
+        page_cache.warm(path)
 
 
 class H5Rows:

@@ -66,14 +66,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from benchmarks import data
+from benchmarks import data, page_cache
 from benchmarks.config import DEFAULT_DATA_DIR, IMAGE_SHAPE, DatasetSpec
 from benchmarks.step_clock import Clock, calibrate, thread_sched, threads_snapshot
 from benchmarks.step_cost_loaders import (
@@ -127,75 +127,73 @@ def warm_up(iterations: int, block: int) -> None:
     free_block(clock, free, 0, 2 * block, iterations)
 
 
-def drive(batches: Iterator[Pair], steps: int, iterations: int, block: int) -> tuple[Clock, Clock]:
-    """``steps`` steps fed by ``batches`` interleaved with as many free steps, in blocks (see
-    :func:`rounds`): the loader's clock and the free one."""
+def _steps(steps: int, iterations: int, block: int) -> Generator[None, Pair, tuple[Clock, Clock]]:
+    """The loop of :func:`drive` and :func:`drive_async`, one for both: it yields where it
+    takes the loader's next batch and is sent that batch (timed from before the yield to after
+    it); it returns the loader's clock and the free one."""
     warm_up(iterations, block)
     clock, free_clock, free = Clock(steps), Clock(steps), free_batches()
     clock.started = time.perf_counter()
+    d, label = yield
+    clock.threads0 = threads_snapshot()
+    clock.sched0 = thread_sched()
+    clock.first = time.perf_counter()
+    for k, n, free_first in rounds(steps, block):
+        if free_first:
+            free_block(free_clock, free, k, n, iterations)
+        t, c = time.perf_counter(), time.thread_time()
+        for j in range(k, k + n):
+            if j:
+                w = time.perf_counter()
+                if YIELD_S:
+                    time.sleep(YIELD_S)
+                d, label = yield
+                clock.wait_s[j] = time.perf_counter() - w
+            clock.step(j, d, label, iterations)
+        clock.add_block(time.perf_counter() - t, time.thread_time() - c)
+        if not free_first:
+            free_block(free_clock, free, k, n, iterations)
+    clock.end = time.perf_counter()
+    clock.sched1 = thread_sched()
+    clock.threads1 = threads_snapshot()
+    return clock, free_clock
+
+
+def drive(batches: Iterator[Pair], steps: int, iterations: int, block: int) -> tuple[Clock, Clock]:
+    """``steps`` steps fed by ``batches`` interleaved with as many free steps, in blocks (see
+    :func:`rounds`): the loader's clock and the free one."""
+    loop = _steps(steps, iterations, block)
+    next(loop)
     try:
-        d, label = next(batches)
-        clock.threads0 = threads_snapshot()
-        clock.sched0 = thread_sched()
-        clock.first = time.perf_counter()
-        for k, n, free_first in rounds(steps, block):
-            if free_first:
-                free_block(free_clock, free, k, n, iterations)
-            t, c = time.perf_counter(), time.thread_time()
-            for j in range(k, k + n):
-                if j:
-                    w = time.perf_counter()
-                    if YIELD_S:
-                        time.sleep(YIELD_S)
-                    d, label = next(batches)
-                    clock.wait_s[j] = time.perf_counter() - w
-                clock.step(j, d, label, iterations)
-            clock.add_block(time.perf_counter() - t, time.thread_time() - c)
-            if not free_first:
-                free_block(free_clock, free, k, n, iterations)
-        clock.end = time.perf_counter()
-        clock.sched1 = thread_sched()
-        clock.threads1 = threads_snapshot()
+        while True:
+            pair = next(batches)
+            try:
+                loop.send(pair)
+            except StopIteration as done:
+                clocks: tuple[Clock, Clock] = done.value
+                return clocks
     finally:
         close = getattr(batches, "close", None)
         if close is not None:
             close()
-    return clock, free_clock
 
 
 async def drive_async(
     batches: AsyncIterator[Pair], steps: int, iterations: int, block: int
 ) -> tuple[Clock, Clock]:
     """:func:`drive` for ``async for``: the steps run in the coroutine."""
-    warm_up(iterations, block)
-    clock, free_clock, free = Clock(steps), Clock(steps), free_batches()
-    clock.started = time.perf_counter()
+    loop = _steps(steps, iterations, block)
+    next(loop)
     try:
-        d, label = await anext(batches)
-        clock.threads0 = threads_snapshot()
-        clock.sched0 = thread_sched()
-        clock.first = time.perf_counter()
-        for k, n, free_first in rounds(steps, block):
-            if free_first:
-                free_block(free_clock, free, k, n, iterations)
-            t, c = time.perf_counter(), time.thread_time()
-            for j in range(k, k + n):
-                if j:
-                    w = time.perf_counter()
-                    if YIELD_S:
-                        time.sleep(YIELD_S)
-                    d, label = await anext(batches)
-                    clock.wait_s[j] = time.perf_counter() - w
-                clock.step(j, d, label, iterations)
-            clock.add_block(time.perf_counter() - t, time.thread_time() - c)
-            if not free_first:
-                free_block(free_clock, free, k, n, iterations)
-        clock.end = time.perf_counter()
-        clock.sched1 = thread_sched()
-        clock.threads1 = threads_snapshot()
+        while True:
+            pair = await anext(batches)
+            try:
+                loop.send(pair)
+            except StopIteration as done:
+                clocks: tuple[Clock, Clock] = done.value
+                return clocks
     finally:
         await batches.aclose()  # type: ignore[attr-defined]
-    return clock, free_clock
 
 
 def round_ratios(clock: Clock, free: Clock, steps: int, block: int) -> npt.NDArray[np.float64]:
@@ -249,14 +247,6 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------
 # The parent: data, calibration, one child per loader and repeat, the report
-
-
-def _warm(paths: tuple[Path, ...]) -> None:
-    buf = bytearray(64 * 2**20)
-    for path in paths:
-        with path.open("rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
 
 
 def run_child(spec: dict[str, Any], files: data.DatasetFiles, timeout: float) -> dict[str, Any]:
@@ -461,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"# {name} #{repeat}: skipped, needs {absent}", file=sys.stderr)
                 continue
-            _warm(files.paths)
+            for path in files.paths:
+                page_cache.warm(path)
             job = {
                 "loader": name,
                 "repeat": repeat,

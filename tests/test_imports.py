@@ -443,3 +443,22 @@ async def test_an_elastic_resume_s_opening_enters_each_stage_once(tmp_path: Path
             assert len([b async for b in layer]) > 0
         finally:
             await layer.aclose()
+
+
+def _map_names() -> set[str]:
+    """The names in the first column of docs/architecture.md's module map."""
+    doc = (Path(asynchdf5.__file__).parents[1] / "docs" / "architecture.md").read_text()
+    table = doc.split("## The module map", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    return {name for cell in rows for name in re.findall(r"`([^`]+)`", cell)}
+
+
+def test_the_module_map_names_every_module_of_the_package_and_no_other() -> None:
+    """Each top-level module (or subpackage, as ``name/``) is in the map, and each name there
+    exists: the map is the reader's first way in, and a module added or renamed must show."""
+    package = Path(asynchdf5.__file__).parent
+    modules = {p.name for p in package.glob("*.py")}
+    modules |= {p.parent.name + "/" for p in package.glob("*/__init__.py")}
+    named = _map_names()
+    assert sorted(modules - named) == []
+    assert sorted(named - modules) == []
