@@ -50,6 +50,10 @@ from ._layer import LayerBase
 from ._ragged import check_dense
 from ._sources import SourceLike
 
+#: ``jax.make_array_from_process_local_data`` takes a pytree of arrays (one call for all of a
+#: batch's tops) from JAX 0.7.1 on; before, one call per top.
+_PUT_TAKES_TREES = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()) >= (0, 7, 1)
+
 if sys.version_info >= (3, 11):
     from typing import Unpack
 else:  # pragma: no cover
@@ -180,8 +184,10 @@ class Loader:
             local[name] = a
             shapes[name] = (a.shape[0] * world, *a.shape[1:])
         put = jax.make_array_from_process_local_data  # untyped in JAX
-        out: dict[str, jax.Array] = put(self.sharding, local, shapes)  # type: ignore[no-untyped-call]
-        return out
+        if _PUT_TAKES_TREES:
+            out: dict[str, jax.Array] = put(self.sharding, local, shapes)  # type: ignore[no-untyped-call]
+            return out
+        return {n: put(self.sharding, a, shapes[n]) for n, a in local.items()}  # type: ignore[no-untyped-call]
 
     def state_dict(self) -> dict[str, Any]:
         """Where the training loop is: the layer's state after the last batch yielded (never
