@@ -7,8 +7,13 @@ transform (and upload) each group, and put the results where the consumer takes 
 loop round trip (:class:`~._handoff.Handoff`), in the order the batcher queued them, whatever
 order they finished in. None of them ever waits for the event loop. Where transformers run
 (:attr:`Delivery.per_batch`), each batch is handed over as soon as it is transformed, ahead of
-the rest of its group: one slow transformer call holds back only the batches after it. Such
-batches do not wake a waiting consumer; it looks again soon by itself (``Run.take``).
+the rest of its group: one slow transformer call holds back only the batches after it. A
+consumer that waits is woken by such a batch only when batches come slower than one per
+:data:`POLL_S`; faster, it looks again every :data:`POLL_S` by itself (``Run.take``) and takes
+every batch ready then. Each way costs it at most about one wake-up per batch: a wake-up per
+batch of fast batches would cost the consumer more than taking them (tiny batches, light
+transformers), and polling for slow ones would wake it several times per batch (a transformer
+of a few milliseconds).
 
 How many workers. Two by default, when the delivery allows it (:attr:`Delivery.concurrent`:
 host batches without transformers): each gathers whole groups, the next free one takes the
@@ -25,6 +30,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -40,7 +46,13 @@ from ._stats import GatherStats, StageClock
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup  # type: ignore[import-not-found,unused-ignore]
 
-__all__ = ["Entry", "EpochEnd", "Failure", "Gatherers", "GroupItem", "Item", "leaf"]
+__all__ = ["POLL_S", "Entry", "EpochEnd", "Failure", "Gatherers", "GroupItem", "Item", "leaf"]
+
+#: With transformers, batches that are handed over one by one and come faster than one per this
+#: many seconds are not each woken for: a consumer that waits for them looks again this often
+#: (a batch waits at most about this long), since a wake-up costs several times what taking a
+#: small batch does. Slower ones wake it (polling would wake it more often than they come).
+POLL_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -79,9 +91,12 @@ class Gatherers:
         # Batch by batch only with one worker: it makes the groups in order, so everything
         # queued before a group has been handed over when the group's first batch is.
         self._per_batch = self.workers == 1 and delivery.per_batch
-        #: A group is being made batch by batch: its batches are put without waking the
-        #: consumer, which looks again every so often meanwhile (its group still wakes it).
-        self.emitting = False
+        #: While a group is made batch by batch and its batches come faster than one per
+        #: POLL_S: POLL_S, the consumer looks again that often and its batches are put without
+        #: waking it (the group's own entry still does); otherwise None, each wakes it.
+        self.poll: float | None = None
+        self._fast = False  # the last batch made one by one came within POLL_S of the one before
+        self._last = 0.0  # when it was handed over (or its group begun): perf_counter seconds
         self._helper = (
             ThreadPoolExecutor(1, "asynchdf5-gather-helper", initializer=background)
             if threads > 1 and not concurrent
@@ -141,14 +156,16 @@ class Gatherers:
             entry: Entry | None = None
             if not (self._stopping or self._failed):
                 clock.start()
-                self.emitting = self._per_batch and isinstance(item, GroupSpec)
+                if self._per_batch and isinstance(item, GroupSpec):
+                    self._last = time.perf_counter()
+                    self.poll = POLL_S if self._fast else None
                 entry = self._make(item, permit, mine, seq)
                 with self._lock:
                     self.stats.gather_seconds += mine.gather_seconds
                     self.stats.transform_seconds += mine.transform_seconds
                 mine.gather_seconds = mine.transform_seconds = 0.0
             self._hand_on(seq, entry)
-            self.emitting = False
+            self.poll = None
             if entry is not None:
                 clock.stop(blocked=bool(self.out))
 
@@ -163,10 +180,15 @@ class Gatherers:
             items: list[Item] = [batch]
             if emitted in item.ends:
                 items.append(EpochEnd(item.ends[emitted]))
+            now = time.perf_counter()
+            self._fast = now - self._last < POLL_S
+            self._last = now
             with self._lock:
                 assert self._next == seq, "batch by batch needs groups made in order"
                 if not self._failed:
-                    self.out.put((None, items, False), urgent=False)
+                    # A slow batch wakes a consumer that polls (it may have just looked).
+                    self.out.put((None, items, False), urgent=not self._fast)
+            self.poll = POLL_S if self._fast else None
             emitted += 1
 
         try:

@@ -85,11 +85,6 @@ def group_bytes(cached: int) -> int:
 
 #: ... and at most ``Delivery.group_batches`` batches.
 
-#: With transformers, a batch handed over on its own waits at most about this long for a
-#: consumer that waits for batches: the consumer looks again this often, rather than being woken
-#: for each batch (a wake-up costs several times what taking a small batch does).
-POLL_S = 0.001
-
 
 class Run:
     """The background pipeline from ``start_epoch`` on, in one mode.
@@ -231,9 +226,8 @@ class Run:
     async def take(self) -> list[Item]:
         """:meth:`take_nowait`, waiting for a group when none is ready."""
         while True:
-            poll = POLL_S if self._gatherers.emitting else None
             try:
-                entry = await self._out.get(poll)
+                entry = await self._out.get(self._gatherers.poll)
             except anyio.WouldBlock:
                 continue
             items = self._taken(entry)

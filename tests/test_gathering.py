@@ -21,6 +21,7 @@ import pytest
 import asynchdf5._gathering as gathering
 from asynchdf5 import AsyncHDF5DataLayer, MemoryDataLayer, ReadError
 from asynchdf5._delivery import HostDelivery
+from asynchdf5._handoff import Handoff
 from asynchdf5._read._lease import Lease
 
 from ._files import N, check_batch, check_epoch, check_message, rows, write_h5, write_source
@@ -248,3 +249,37 @@ async def test_each_batch_handed_over_on_its_own_is_checked_before_it_goes(
             async for batch in layer:
                 got.append(batch)
     assert len(got) == 1
+
+
+async def test_a_consumer_waiting_for_slow_batches_is_woken_by_each_not_polling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Batches handed over one by one that come slower than one per POLL_S (a transformer of
+    # 20 ms) wake the waiting consumer each; it does not look again every POLL_S meanwhile,
+    # which would wake it about 20 times per batch (a waste where every batch wakes it anyway).
+    # Every sample still arrives once, in the same order.
+    monkeypatch.setattr(HostDelivery, "group_batches", 256)
+    looks: list[float | None] = []  # the poll of each wait that ended with nothing
+    get = Handoff.get
+
+    async def counted(self: Handoff[Any], poll: float | None = None) -> Any:
+        try:
+            return await get(self, poll)
+        except anyio.WouldBlock:
+            looks.append(poll)
+            raise
+
+    monkeypatch.setattr(Handoff, "get", counted)
+
+    def slow(x: np.ndarray) -> np.ndarray:
+        time.sleep(0.02)
+        return x
+
+    batches = []
+    async with MemoryDataLayer(rows(0, 64), transformers=[("data", slow)], **KW) as layer:
+        with anyio.fail_after(30):
+            async for batch in layer:
+                batches.append(batch)
+    check_epoch(batches, 64, KW["batch_size"], 0)
+    assert len(batches) == 16
+    assert looks == []  # never woke to find nothing
