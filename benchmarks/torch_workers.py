@@ -5,10 +5,15 @@ per-sample Python augmentation (``python -m benchmarks run torch-workers``).
 Writes (once) N images (20,000; ``--quick``: 1,024) of 3x64x64 uint8 with an ``int64`` label into
 the data folder, reads them once to warm the page cache, then, per transformer, keeps one
 ``DataLoader(ds, batch_size=None, num_workers=k, persistent_workers=k > 0)`` of
-``batch_size=256, shuffle=True`` for each k, runs one untimed epoch through each (starting the
-workers and the pipelines), then times whole epochs alternating between them (k = 0, 2, 0, 2,
-...), so that the ratio ``num_workers=2 ÷ num_workers=0`` (of the medians) compares epochs taken
-under the same load. Also times what a batch would cost to cross into the main process the way
+``batch_size=256, shuffle=True`` for each k and times them in blocks: each block is one untimed
+epoch of one loader, then ``BLOCK`` timed epochs of it; the blocks alternate between the loaders
+(k = 0, 2, 2, 0, 0, 2, ...: each goes first as often). So each side is timed the same way: in a
+row of its own epochs (its read-ahead of the next epoch runs during its own epochs, as in
+training), never while the other loader is still reading ahead (its idle pipeline and workers
+fill their buffers during the untimed epoch, then wait). Timing epochs alternately instead
+let each loader's read-ahead run during the other's timed epochs, which costs the side that
+needs both cores (the workers) more. The ratio ``num_workers=2 ÷ num_workers=0`` is of the
+medians, from one run. Also times what a batch would cost to cross into the main process the way
 PyTorch sends tensors: ``share_memory_()`` of a fresh batch tensor.
 """
 
@@ -29,6 +34,8 @@ from benchmarks.report import Recorder
 
 BATCH = 256
 WORKERS = (0, 2)
+#: Timed epochs per block, after the block's untimed one.
+BLOCK = 2
 
 
 def augment(x: np.ndarray) -> np.ndarray:
@@ -58,9 +65,10 @@ TRANSFORMERS: dict[str, Callable[[np.ndarray], np.ndarray] | None] = {
 
 
 def rates(
-    path: Path, transformer: Callable[[np.ndarray], np.ndarray] | None, repeats: int
+    path: Path, transformer: Callable[[np.ndarray], np.ndarray] | None, rounds: int
 ) -> dict[int, float]:
-    """Median samples/s of ``repeats`` epochs at each worker count, epochs alternating."""
+    """Median samples/s at each worker count: ``rounds`` blocks per loader (an untimed epoch,
+    then :data:`BLOCK` timed ones), alternating, each loader first in every other round."""
     transformers = [("data", transformer)] if transformer is not None else []
     datasets, loaders = [], {}
     for k in WORKERS:
@@ -71,12 +79,13 @@ def rates(
         loaders[k] = DataLoader(ds, batch_size=None, num_workers=k, persistent_workers=k > 0)
     out: dict[int, list[float]] = {k: [] for k in WORKERS}
     try:
-        for e in range(repeats + 1):
-            for k, loader in loaders.items():
-                t = time.perf_counter()
-                n = sum(len(b["label"]) for b in loader)
-                if e:  # the first epoch starts the workers and the pipeline
-                    out[k].append(n / (time.perf_counter() - t))
+        for r in range(rounds):
+            for k in WORKERS if r % 2 == 0 else WORKERS[::-1]:
+                for e in range(BLOCK + 1):
+                    t = time.perf_counter()
+                    n = sum(len(b["label"]) for b in loaders[k])
+                    if e:  # the first: starts the workers, lets the other's read-ahead end
+                        out[k].append(n / (time.perf_counter() - t))
     finally:
         loaders.clear()
         for ds in datasets:
@@ -96,18 +105,20 @@ def crossing(row_bytes: int) -> float:
 
 
 def bench(rec: Recorder) -> None:
-    """Per transformer, median samples/s at 0 and 2 workers and their ratio (epochs
+    """Per transformer, median samples/s at 0 and 2 workers and their ratio (blocks of epochs
     alternating in one run), and the cost of one batch's ``share_memory_()``."""
-    n, repeats = (1024, 1) if rec.quick else (20_000, 5)
+    n, rounds = (1024, 1) if rec.quick else (20_000, 4)
     path = data_special.large_images(rec.data_dir / f"torch-workers-{n}", n)
     with open(path, "rb") as f:  # warm
         while f.read(2**24):
             pass
-    rec.param(images=n, shape="3x64x64 uint8", batch=BATCH, repeats=repeats, shuffle=True)
+    rec.param(
+        images=n, shape="3x64x64 uint8", batch=BATCH, rounds=rounds, block=BLOCK, shuffle=True
+    )
     for what, transformer in TRANSFORMERS.items():
         if rec.quick and transformer is augment:
             continue  # the slowest; the two others run the same code
-        got = rates(path, transformer, repeats)
+        got = rates(path, transformer, rounds)
         for k in WORKERS:
             rec.figure(f"{what}, num_workers={k}", got[k], "samples/s")
         rec.ratio(f"{what}: num_workers=2 ÷ num_workers=0", got[2], got[0])
