@@ -417,3 +417,71 @@ def test_populating_fresh_memory_keeps_what_is_there() -> None:
     populate(memoryview(b"read-only"))
     del view, a
     m.close()
+
+
+def test_a_bands_rows_are_faulted_in_by_its_first_chunk_in_the_file(tmp_path: Path) -> None:
+    """Read once into fresh memory, each band's rows are faulted in at once by the band's chunk
+    stored first in the file (decoded first), whichever of the band it is: a band's other
+    chunks, wherever they lie (HDF5 writes them as its chunk cache empties), then write pages
+    already there instead of faulting them in one at a time. And every row comes out right."""
+    import os
+
+    from asynchdf5._catalog import build_catalog
+    from asynchdf5._codecs import ChunkDecoder
+    from asynchdf5._read._chunked import ChunkRun, Need, chunk_reads
+    from asynchdf5._sources import LocalSource
+
+    rows, n = 50, 400
+    data = _values(n, (6,))
+    path = tmp_path / "c.h5"
+    with h5py.File(path, "w") as f:
+        f["label"] = np.arange(n)
+        d = f.create_dataset("data", (n, 6), np.float32, chunks=(rows, 2), compression="gzip")
+        for j in (2, 0, 1):  # the last chunk of each band stored first, the first one next
+            d[:, 2 * j : 2 * j + 2] = data[:, 2 * j : 2 * j + 2]
+            f.flush()
+    source = LocalSource()
+    try:
+        catalog = build_catalog(source, [str(path)], ["data", "label"])
+        layout = catalog.files[0].layouts["data"]
+        index = layout.chunks
+        assert index is not None and index.band == 3
+        first = index.offsets.argmin(axis=1)
+        assert (first != 0).all()  # a band's first chunk in the file is not its first tile
+        dest = np.zeros((n, 6), np.float32)  # calloc'd: pages never written
+        decoder = ChunkDecoder(layout.filters, 4, 4 * rows * 2, (rows, 2))
+        needs = [Need(30, 170, dest[30:170]), Need(220, n, dest[220:n])]
+        ranges = chunk_reads(layout, needs, decoder, "top 'data'", 2**30, fresh=True)
+        faulting: dict[int, list[tuple[int, int]]] = {}
+        for r in ranges:
+            assert isinstance(r.then, ChunkRun)
+            for _, _, _, stored, _ in r.then.items:
+                if stored.fresh:
+                    assert stored.k not in faulting  # once per band
+                    assert stored.offset == index.offsets[stored.k].min()  # first in the file
+                    faulting[stored.k] = [
+                        ((f.ctypes.data - dest.ctypes.data) // 24, len(f)) for f in stored.fresh
+                    ]
+        # Every band a need touches, its rows of each need (all of each sample).
+        assert faulting == {
+            0: [(30, 20)],
+            1: [(50, 50)],
+            2: [(100, 50)],
+            3: [(150, 20)],
+            4: [(220, 30)],
+            5: [(250, 50)],
+            6: [(300, 50)],
+            7: [(350, 50)],
+        }
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for r in ranges:
+                assert r.then is not None
+                r.then(os.pread(fd, r.size, r.offset))
+        finally:
+            os.close(fd)
+        np.testing.assert_array_equal(dest[30:170], data[30:170])
+        np.testing.assert_array_equal(dest[220:], data[220:])
+        assert not dest[:30].any() and not dest[170:220].any()  # nothing else written
+    finally:
+        source.close()
