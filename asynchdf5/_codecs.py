@@ -350,6 +350,10 @@ class ChunkDecoder:
             if f != SHUFFLE and decode is None:
                 raise ValueError(f"unsupported filter {FILTER_NAMES.get(f, f)}")
             self._steps.append((i, decode, None if decode is None else _decoder_into(f)))
+        # The common pipeline, one decompressor alone (gzip, lzf): :meth:`elements` decodes
+        # straight into this thread's buffer, without walking the steps (once per chunk).
+        self._plain = self._steps[0][2] if len(self._steps) == 1 else None
+        self._element_shape = (*self.shape, itemsize)
 
     def decode(self, raw: bytes | bytearray | memoryview, filter_mask: int) -> np.ndarray:
         """The chunk's bytes, as a uint8 array of ``chunk_bytes``."""
@@ -378,6 +382,10 @@ class ChunkDecoder:
         decoded bytes, strided where a last shuffle is left to the copy that reads it (one pass
         over the bytes instead of two; :func:`copy_elements`). It may view a buffer of this
         thread's: valid until the thread's next decode."""
+        if self._plain is not None and not filter_mask:
+            out = _scratch("elements", self.chunk_bytes)
+            self._plain(raw, out)  # raises unless the chunk decodes to exactly its size
+            return out.reshape(self._element_shape)
         data, shuffled = self._run(raw, filter_mask)
         n = self.chunk_bytes // max(1, self.itemsize)
         if shuffled and self.itemsize > 1 and n * self.itemsize == data.size:

@@ -151,13 +151,19 @@ async def test_a_resident_first_epoch_decodes_each_stored_chunk_once(
     with h5py.File(path, "r") as f:
         stored = f["data"].id.get_num_chunks()
     decoded = [0]
-    original = ChunkDecoder._apply
+    elements, decode_into = ChunkDecoder.elements, ChunkDecoder.decode_into
 
-    def counted(self: ChunkDecoder, *args: Any) -> Any:  # each chunk's filters, run once
+    def counted(self: ChunkDecoder, *args: Any) -> Any:  # each chunk decoded, once
         decoded[0] += 1
-        return original(self, *args)
+        return elements(self, *args)
 
-    monkeypatch.setattr(ChunkDecoder, "_apply", counted)
+    def counted_into(self: ChunkDecoder, *args: Any) -> bool:  # or decoded in place
+        done = decode_into(self, *args)
+        decoded[0] += done
+        return done
+
+    monkeypatch.setattr(ChunkDecoder, "elements", counted)
+    monkeypatch.setattr(ChunkDecoder, "decode_into", counted_into)
     # Blocks of 70 rows: most cut a stored chunk of 20 rows.
     layer = AsyncHDF5DataLayer(path, batch_size=64, shuffle=True, seed=3, block_size=70)
     with anyio.fail_after(60):
@@ -390,6 +396,11 @@ def test_decoding_into_the_destination_gives_what_h5py_reads(
     else:
         assert (out == 0xAB).all()
     np.testing.assert_array_equal(decoder.decode(raw, mask).view(np.float32), data.ravel())
+    got = decoder.elements(raw, mask)
+    assert got.shape == (*data.shape, 4)
+    np.testing.assert_array_equal(np.ascontiguousarray(got).view(np.float32)[..., 0], data)
+    with pytest.raises(ValueError):  # a chunk cut short does not decode to its size
+        decoder.elements(raw[: len(raw) // 2], mask)
     # Every filter skipped (an optional filter that did not shrink the chunk, as HDF5 stores
     # it): the stored bytes are the data, copied, never decoded.
     every = (1 << len(filters)) - 1
