@@ -21,7 +21,7 @@ nothing here computes a chunk's place. Two kinds of reads:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -53,19 +53,21 @@ class Need:
 
 
 class _Place(NamedTuple):
-    """Rows ``first:first + n`` of a decoded chunk into ``into`` (a uint8 view of the slot,
-    ``(n, *cut, itemsize)``), from the chunk's elements ``take`` (``[first:first + n,
-    :cut...]``). A tuple: a plan makes one for each stored chunk each need touches (tens of
-    thousands in a resident data set's first epoch), on the event loop."""
+    """Rows ``first:first + n`` of a decoded chunk into ``dest[region]`` (``dest``: a uint8
+    view of the slot, ``(rows, *sample_shape, itemsize)``; the region ``(n, *cut,
+    itemsize)``), from the chunk's elements ``take`` (``[first:first + n, :cut...]``). A tuple,
+    its region cut out on the decoding thread: a plan makes one for each stored chunk each
+    need touches (tens of thousands in a resident data set's first epoch), on the event loop,
+    while the decoding threads wait for its reads."""
 
     first: int
     n: int
-    into: np.ndarray
+    dest: np.ndarray
+    region: tuple[slice, ...]
     take: tuple[slice, ...]
 
 
-@dataclass(frozen=True)
-class _Stored:
+class _Stored(NamedTuple):
     """One stored chunk a read needs: where it is, its filter mask, where its rows go, and the
     rows of the top (``lo:hi``) it gives; ``k``, ``j``: its row chunk and its place in the band
     (what error messages call it, formatted only for one)."""
@@ -120,14 +122,15 @@ class ChunkRun:
                 populate(byte_view(rows))
             # A chunk whose bytes are exactly its one destination's (whole rows, in place in
             # the slot) is decoded straight into it, where the pipeline allows.
-            whole = places[0] if len(places) == 1 else None
+            intos = [p.dest[p.region] for p in places]
+            whole = intos[0] if len(intos) == 1 else None
             try:
                 if (
                     whole is not None
-                    and whole.first == 0
-                    and whole.into.nbytes == chunk_bytes
-                    and whole.into.flags.c_contiguous
-                    and decoder.decode_into(view[at : at + size], mask, whole.into.reshape(-1))
+                    and places[0].first == 0
+                    and whole.nbytes == chunk_bytes
+                    and whole.flags.c_contiguous
+                    and decoder.decode_into(view[at : at + size], mask, whole.reshape(-1))
                 ):
                     continue
                 elements = decoder.elements(view[at : at + size], mask)
@@ -138,8 +141,8 @@ class ChunkRun:
                 # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
                 what = self._what(stored)
                 raise ReadError(f"{what} does not decode: {type(exc).__name__}: {exc}") from exc
-            for p in places:
-                copy_elements(p.into, elements[p.take])
+            for p, into in zip(places, intos, strict=True):
+                copy_elements(into, elements[p.take])
 
     def _what(self, stored: _Stored) -> str:
         return stored.what(self.about, self.band)
@@ -243,7 +246,7 @@ def _runs(
             for u8, s, a, b in parts:
                 region = (slice(a - s, b - s), *where)
                 r0 = a - k * rows
-                places.append(_Place(r0, b - a, u8[region], (slice(r0, b - k * rows), *take)))
+                places.append(_Place(r0, b - a, u8, region, (slice(r0, b - k * rows), *take)))
             chunks.append(_Stored(offsets[j], sizes[j], masks[j], places, lo, hi, k, j))
     chunks.sort(key=lambda c: c.offset)
     if fresh:  # each band's rows faulted in by its first chunk in the file, decoded first
@@ -252,7 +255,7 @@ def _runs(
             if c.k not in begun:
                 begun.add(c.k)
                 rows_of = tuple(u8[a - s : b - s] for u8, s, a, b in wanted[c.k])
-                chunks[i] = replace(c, fresh=rows_of)
+                chunks[i] = c._replace(fresh=rows_of)
     out: list[ByteRange] = []
     run: list[_Stored] = []
     most = max(1, RUN_DECODED_BYTES // max(1, decoder.chunk_bytes))  # chunks per run
