@@ -496,3 +496,56 @@ def test_a_bands_rows_are_faulted_in_by_its_first_chunk_in_the_file(tmp_path: Pa
         assert not dest[:30].any() and not dest[170:220].any()  # nothing else written
     finally:
         source.close()
+
+
+async def test_a_resident_ramps_next_piece_is_read_while_the_one_before_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read once into memory, the next piece of an epoch's ramp is planned and read while the
+    piece before it is still being read (the decoding threads are not left idle between
+    them): here the first piece's read waits until the second's has begun (on one read at a
+    time it would wait forever). Rows shared by both pieces' stored chunks are read by one of
+    them and awaited by the other: each stored chunk is decoded once, and every batch holds
+    what h5py reads, each sample once."""
+    from asynchdf5._codecs import ChunkDecoder
+    from asynchdf5._read._reader import HDF5Reader
+
+    n = 6000  # rows of 8000 bytes: the ramp reads about 1000, then 2000, then the rest
+    rng = np.random.default_rng(2)
+    data = rng.integers(0, 9, (n, 40, 50)).astype(np.float32).cumsum(axis=2)
+    path = tmp_path / "f.h5"
+    _write(path, {"chunks": (20, 40, 7), "compression": "gzip"}, data)
+    with h5py.File(path, "r") as f:
+        stored = f["data"].id.get_num_chunks()
+    decoded = [0]
+    elements = ChunkDecoder.elements
+
+    def counted(self: ChunkDecoder, *args: Any) -> Any:
+        decoded[0] += 1
+        return elements(self, *args)
+
+    fill = HDF5Reader.fill
+    fills = [0]
+    second = anyio.Event()
+
+    async def overlapping(self: HDF5Reader, *args: Any) -> int:
+        fills[0] += 1
+        if fills[0] == 1:
+            await second.wait()  # the first piece's read, until the second's begins
+        else:
+            second.set()
+        return await fill(self, *args)
+
+    monkeypatch.setattr(ChunkDecoder, "elements", counted)
+    monkeypatch.setattr(HDF5Reader, "fill", overlapping)
+    layer = AsyncHDF5DataLayer(path, batch_size=64, shuffle=True, seed=5, block_size=70)
+    with anyio.fail_after(60):
+        async with layer:
+            seen = np.zeros(n, np.int64)
+            async for batch in layer:
+                np.testing.assert_array_equal(batch["data"], data[batch.indices])
+                np.add.at(seen, batch.indices, 1)
+            assert (seen == 1).all()
+            assert layer.stats.read_paths["data"] == "chunks"
+    assert fills[0] >= 3 and second.is_set()
+    assert decoded[0] == stored
