@@ -54,7 +54,7 @@ class Plans(Protocol):
 
 class ChunkLoader:
     """Reads the chunks of every epoch from ``start_epoch`` on into ``slots`` (``None``: the
-    reader serves rows in place, one chunk at a time), for :meth:`run`."""
+    reader serves rows in place, as many chunks at a time as it allows), for :meth:`run`."""
 
     def __init__(
         self,
