@@ -350,6 +350,10 @@ class ChunkDecoder:
             if f != SHUFFLE and decode is None:
                 raise ValueError(f"unsupported filter {FILTER_NAMES.get(f, f)}")
             self._steps.append((i, decode, None if decode is None else _decoder_into(f)))
+        # The common pipeline, one decompressor alone (gzip, lzf): :meth:`elements` decodes
+        # straight into this thread's buffer, without walking the steps (once per chunk).
+        self._plain = self._steps[0][2] if len(self._steps) == 1 else None
+        self._element_shape = (*self.shape, itemsize)
 
     def decode(self, raw: bytes | bytearray | memoryview, filter_mask: int) -> np.ndarray:
         """The chunk's bytes, as a uint8 array of ``chunk_bytes``."""
@@ -378,6 +382,10 @@ class ChunkDecoder:
         decoded bytes, strided where a last shuffle is left to the copy that reads it (one pass
         over the bytes instead of two; :func:`copy_elements`). It may view a buffer of this
         thread's: valid until the thread's next decode."""
+        if self._plain is not None and not filter_mask:
+            out = _scratch("elements", self.chunk_bytes)
+            self._plain(raw, out)  # raises unless the chunk decodes to exactly its size
+            return out.reshape(self._element_shape)
         data, shuffled = self._run(raw, filter_mask)
         n = self.chunk_bytes // max(1, self.itemsize)
         if shuffled and self.itemsize > 1 and n * self.itemsize == data.size:
@@ -425,11 +433,24 @@ def copy_elements(into: np.ndarray, elements: np.ndarray) -> None:
     ``into``, byte plane by byte plane where the elements are still shuffled: numpy copies a
     plane (contiguous in, every ``itemsize``-th byte out) several times faster than it gathers
     the bytes of each element from ``itemsize`` planes."""
-    if elements.shape[-1] > 1 and elements.strides[-1] != 1:
-        for j in range(elements.shape[-1]):
+    k = elements.shape[-1]
+    if k > 1 and elements.strides[-1] != 1:
+        for j in range(k):
             np.copyto(into[..., j], elements[..., j])
+    elif k in (2, 4, 8) and into.strides[-1] == 1:
+        # Whole elements at once (numpy copies a row of them faster than a row of their bytes;
+        # each element's bytes are together on both sides).
+        np.copyto(into.view(_UINT[k]), elements.view(_UINT[k]))
     else:
         np.copyto(into, elements)
+
+
+#: An unsigned integer of each element size, to copy elements whole.
+_UINT: dict[int, np.dtype[Any]] = {
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
 
 
 def _unshuffle(buf: np.ndarray, itemsize: int) -> np.ndarray:

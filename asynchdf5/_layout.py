@@ -384,19 +384,25 @@ def _chunk_index(
     sizes = np.zeros((grid[0], band), np.int64)
     masks = np.zeros((grid[0], band), np.uint32)
 
-    def visit(info: Any) -> None:
-        at = tuple(int(o) // c for o, c in zip(info.chunk_offset, chunks, strict=True))
-        if all(i < g for i, g in zip(at, grid, strict=True)):  # beyond the extent: not data
-            j = int(np.ravel_multi_index(at[1:], grid[1:])) if len(at) > 1 else 0
-            offsets[at[0], j], sizes[at[0], j] = info.byte_offset, info.size
-            masks[at[0], j] = info.filter_mask
-
+    # HDF5's answers gathered first, placed at once: a split data set has tens of thousands of
+    # chunks, and numpy calls per chunk would cost tens of microseconds each, at every opening.
+    infos: list[Any] = []
     dsid = dset.id
     if hasattr(dsid, "chunk_iter"):
-        dsid.chunk_iter(visit)
+        dsid.chunk_iter(infos.append)
     else:  # pragma: no cover - HDF5 < 1.12.3
-        for i in range(dsid.get_num_chunks()):
-            visit(dsid.get_chunk_info(i))
+        infos = [dsid.get_chunk_info(i) for i in range(dsid.get_num_chunks())]
+    if infos:
+        n = len(infos)
+        at = np.array([i.chunk_offset for i in infos], np.int64).reshape(n, len(chunks))
+        at //= np.array(chunks, np.int64)
+        inside = (at < np.array(grid, np.int64)).all(axis=1)  # beyond the extent: not data
+        at = at[inside]
+        j = np.ravel_multi_index(tuple(at[:, 1:].T), grid[1:]) if len(chunks) > 1 else 0
+        k = at[:, 0]
+        offsets[k, j] = np.fromiter((i.byte_offset for i in infos), np.int64, n)[inside]
+        sizes[k, j] = np.fromiter((i.size for i in infos), np.int64, n)[inside]
+        masks[k, j] = np.fromiter((i.filter_mask for i in infos), np.uint32, n)[inside]
     if (offsets < 0).any():
         return None  # some chunks were never written: h5py supplies the fill value
     if raw_partial:  # partial edge chunks are stored as they are: every filter skipped

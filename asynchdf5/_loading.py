@@ -54,7 +54,7 @@ class Plans(Protocol):
 
 class ChunkLoader:
     """Reads the chunks of every epoch from ``start_epoch`` on into ``slots`` (``None``: the
-    reader serves rows in place, one chunk at a time), for :meth:`run`."""
+    reader serves rows in place, as many chunks at a time as it allows), for :meth:`run`."""
 
     def __init__(
         self,
@@ -83,15 +83,16 @@ class ChunkLoader:
         before it is still being read: the reads overlap, so the disk or the network is never
         idle between chunks (the round trip at a read's head and its stragglers at the tail are
         hidden behind the other read). The source serves requests first come first served, so
-        the earlier chunk's requests go first. In place (no slots), one chunk at a time.
+        the earlier chunk's requests go first. In place (no slots), as many chunks at a time as
+        the reader allows (:attr:`~._read.Reader.reads_at_once`).
         """
         slots = self.slots
         free_send, free_recv = anyio.create_memory_object_stream[Slot](len(slots or ()) or 1)
         for s in slots or ():
             free_send.send_nowait(s)
-        # One worker per slot reads the chunks given to it (one worker in place: one chunk at a
-        # time). The workers start with the run, so no task is spawned per chunk.
-        workers = len(slots or ()) or 1
+        # One worker per slot reads the chunks given to it (in place: as many chunks at a time
+        # as the reader allows). The workers start with the run, so no task is spawned per chunk.
+        workers = len(slots or ()) or max(1, self.reader.reads_at_once)
         work_send, work_recv = anyio.create_memory_object_stream[_Work](workers)
         # The loads started, in chunk order; at most one per worker.
         loads_send, loads_recv = anyio.create_memory_object_stream[_Load](workers)

@@ -36,6 +36,7 @@ class MemoryReader:
     """Arrays in memory (``MemoryDataLayer``): rows are served in place, nothing is read."""
 
     in_place = True
+    reads_at_once = 1
     read_paths: Mapping[str, str] = {}
     read_notes: Mapping[str, str] = {}
 

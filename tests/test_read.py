@@ -151,13 +151,19 @@ async def test_a_resident_first_epoch_decodes_each_stored_chunk_once(
     with h5py.File(path, "r") as f:
         stored = f["data"].id.get_num_chunks()
     decoded = [0]
-    original = ChunkDecoder._apply
+    elements, decode_into = ChunkDecoder.elements, ChunkDecoder.decode_into
 
-    def counted(self: ChunkDecoder, *args: Any) -> Any:  # each chunk's filters, run once
+    def counted(self: ChunkDecoder, *args: Any) -> Any:  # each chunk decoded, once
         decoded[0] += 1
-        return original(self, *args)
+        return elements(self, *args)
 
-    monkeypatch.setattr(ChunkDecoder, "_apply", counted)
+    def counted_into(self: ChunkDecoder, *args: Any) -> bool:  # or decoded in place
+        done = decode_into(self, *args)
+        decoded[0] += done
+        return done
+
+    monkeypatch.setattr(ChunkDecoder, "elements", counted)
+    monkeypatch.setattr(ChunkDecoder, "decode_into", counted_into)
     # Blocks of 70 rows: most cut a stored chunk of 20 rows.
     layer = AsyncHDF5DataLayer(path, batch_size=64, shuffle=True, seed=3, block_size=70)
     with anyio.fail_after(60):
@@ -390,6 +396,11 @@ def test_decoding_into_the_destination_gives_what_h5py_reads(
     else:
         assert (out == 0xAB).all()
     np.testing.assert_array_equal(decoder.decode(raw, mask).view(np.float32), data.ravel())
+    got = decoder.elements(raw, mask)
+    assert got.shape == (*data.shape, 4)
+    np.testing.assert_array_equal(np.ascontiguousarray(got).view(np.float32)[..., 0], data)
+    with pytest.raises(ValueError):  # a chunk cut short does not decode to its size
+        decoder.elements(raw[: len(raw) // 2], mask)
     # Every filter skipped (an optional filter that did not shrink the chunk, as HDF5 stores
     # it): the stored bytes are the data, copied, never decoded.
     every = (1 << len(filters)) - 1
@@ -417,3 +428,124 @@ def test_populating_fresh_memory_keeps_what_is_there() -> None:
     populate(memoryview(b"read-only"))
     del view, a
     m.close()
+
+
+def test_a_bands_rows_are_faulted_in_by_its_first_chunk_in_the_file(tmp_path: Path) -> None:
+    """Read once into fresh memory, each band's rows are faulted in at once by the band's chunk
+    stored first in the file (decoded first), whichever of the band it is: a band's other
+    chunks, wherever they lie (HDF5 writes them as its chunk cache empties), then write pages
+    already there instead of faulting them in one at a time. And every row comes out right."""
+    import os
+
+    from asynchdf5._catalog import build_catalog
+    from asynchdf5._codecs import ChunkDecoder
+    from asynchdf5._read._chunked import ChunkRun, Need, chunk_reads
+    from asynchdf5._sources import LocalSource
+
+    rows, n = 50, 400
+    data = _values(n, (6,))
+    path = tmp_path / "c.h5"
+    with h5py.File(path, "w") as f:
+        f["label"] = np.arange(n)
+        d = f.create_dataset("data", (n, 6), np.float32, chunks=(rows, 2), compression="gzip")
+        for j in (2, 0, 1):  # the last chunk of each band stored first, the first one next
+            d[:, 2 * j : 2 * j + 2] = data[:, 2 * j : 2 * j + 2]
+            f.flush()
+    source = LocalSource()
+    try:
+        catalog = build_catalog(source, [str(path)], ["data", "label"])
+        layout = catalog.files[0].layouts["data"]
+        index = layout.chunks
+        assert index is not None and index.band == 3
+        first = index.offsets.argmin(axis=1)
+        assert (first != 0).all()  # a band's first chunk in the file is not its first tile
+        dest = np.zeros((n, 6), np.float32)  # calloc'd: pages never written
+        decoder = ChunkDecoder(layout.filters, 4, 4 * rows * 2, (rows, 2))
+        needs = [Need(30, 170, dest[30:170]), Need(220, n, dest[220:n])]
+        ranges = chunk_reads(layout, needs, decoder, "top 'data'", 2**30, fresh=True)
+        faulting: dict[int, list[tuple[int, int]]] = {}
+        for r in ranges:
+            assert isinstance(r.then, ChunkRun)
+            for _, _, _, stored, _ in r.then.items:
+                if stored.fresh:
+                    assert stored.k not in faulting  # once per band
+                    assert stored.offset == index.offsets[stored.k].min()  # first in the file
+                    faulting[stored.k] = [
+                        ((f.ctypes.data - dest.ctypes.data) // 24, len(f)) for f in stored.fresh
+                    ]
+        # Every band a need touches, its rows of each need (all of each sample).
+        assert faulting == {
+            0: [(30, 20)],
+            1: [(50, 50)],
+            2: [(100, 50)],
+            3: [(150, 20)],
+            4: [(220, 30)],
+            5: [(250, 50)],
+            6: [(300, 50)],
+            7: [(350, 50)],
+        }
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for r in ranges:
+                assert r.then is not None
+                r.then(os.pread(fd, r.size, r.offset))
+        finally:
+            os.close(fd)
+        np.testing.assert_array_equal(dest[30:170], data[30:170])
+        np.testing.assert_array_equal(dest[220:], data[220:])
+        assert not dest[:30].any() and not dest[170:220].any()  # nothing else written
+    finally:
+        source.close()
+
+
+async def test_a_resident_ramps_next_piece_is_read_while_the_one_before_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read once into memory, the next piece of an epoch's ramp is planned and read while the
+    piece before it is still being read (the decoding threads are not left idle between
+    them): here the first piece's read waits until the second's has begun (on one read at a
+    time it would wait forever). Rows shared by both pieces' stored chunks are read by one of
+    them and awaited by the other: each stored chunk is decoded once, and every batch holds
+    what h5py reads, each sample once."""
+    from asynchdf5._codecs import ChunkDecoder
+    from asynchdf5._read._reader import HDF5Reader
+
+    n = 6000  # rows of 8000 bytes: the ramp reads about 1000, then 2000, then the rest
+    rng = np.random.default_rng(2)
+    data = rng.integers(0, 9, (n, 40, 50)).astype(np.float32).cumsum(axis=2)
+    path = tmp_path / "f.h5"
+    _write(path, {"chunks": (20, 40, 7), "compression": "gzip"}, data)
+    with h5py.File(path, "r") as f:
+        stored = f["data"].id.get_num_chunks()
+    decoded = [0]
+    elements = ChunkDecoder.elements
+
+    def counted(self: ChunkDecoder, *args: Any) -> Any:
+        decoded[0] += 1
+        return elements(self, *args)
+
+    fill = HDF5Reader.fill
+    fills = [0]
+    second = anyio.Event()
+
+    async def overlapping(self: HDF5Reader, *args: Any) -> int:
+        fills[0] += 1
+        if fills[0] == 1:
+            await second.wait()  # the first piece's read, until the second's begins
+        else:
+            second.set()
+        return await fill(self, *args)
+
+    monkeypatch.setattr(ChunkDecoder, "elements", counted)
+    monkeypatch.setattr(HDF5Reader, "fill", overlapping)
+    layer = AsyncHDF5DataLayer(path, batch_size=64, shuffle=True, seed=5, block_size=70)
+    with anyio.fail_after(60):
+        async with layer:
+            seen = np.zeros(n, np.int64)
+            async for batch in layer:
+                np.testing.assert_array_equal(batch["data"], data[batch.indices])
+                np.add.at(seen, batch.indices, 1)
+            assert (seen == 1).all()
+            assert layer.stats.read_paths["data"] == "chunks"
+    assert fills[0] >= 3 and second.is_set()
+    assert decoded[0] == stored

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,82 +52,100 @@ class Need:
     dest: np.ndarray
 
 
-@dataclass(frozen=True)
-class _Place:
-    """Rows ``first:first + n`` of a decoded chunk into ``into`` (a uint8 view of the slot,
-    ``(n, *cut, itemsize)``), from the chunk's elements ``[first:first + n, :cut...]``."""
+class _Place(NamedTuple):
+    """Rows ``first:first + n`` of a decoded chunk into ``dest[region]`` (``dest``: a uint8
+    view of the slot, ``(rows, *sample_shape, itemsize)``; the region ``(n, *cut,
+    itemsize)``), from the chunk's elements ``take`` (``[first:first + n, :cut...]``). A tuple,
+    its region cut out on the decoding thread: a plan makes one for each stored chunk each
+    need touches (tens of thousands in a resident data set's first epoch), on the event loop,
+    while the decoding threads wait for its reads."""
 
     first: int
     n: int
-    into: np.ndarray
-    #: The destination's rows (all of each sample), never written before: faulted in at once
-    #: before the copy (:func:`~.._pages.populate`), for a resident data set's first read.
-    fresh: np.ndarray | None = None
+    dest: np.ndarray
+    region: tuple[slice, ...]
+    take: tuple[slice, ...]
 
 
-@dataclass(frozen=True)
-class _Stored:
-    """One stored chunk a read needs: where it is, its filter mask, what error messages call it,
-    where its rows go, and the rows of the top (``lo:hi``) it gives."""
+class _Stored(NamedTuple):
+    """One stored chunk a read needs: where it is, its filter mask, where its rows go, and the
+    rows of the top (``lo:hi``) it gives; ``k``, ``j``: its row chunk and its place in the band
+    (what error messages call it, formatted only for one)."""
 
     offset: int
     size: int
     mask: int
-    what: str
     places: list[_Place]
     lo: int
     hi: int
-    #: Its row of chunks (its band, where chunks split the samples).
-    band: int
+    k: int
+    j: int
+    #: The destination rows (all of each sample) of its band, never written before, that this
+    #: chunk faults in at once before its copy (:func:`~.._pages.populate`), for a resident data
+    #: set's first read: set on the band's first chunk in the file, the first one decoded
+    #: (a band's chunks may lie apart, in several runs).
+    fresh: tuple[np.ndarray, ...] = ()
+
+    def what(self, about: str, band: int) -> str:
+        """The chunk, as error messages call it."""
+        return (
+            f"{about}, rows {self.lo}:{self.hi}: stored chunk {self.k}"
+            + (f", {self.j} of its band" if band > 1 else "")
+            + f" ({self.size} bytes at offset {self.offset})"
+        )
 
 
 class ChunkRun:
     """Decode the stored chunks of one run and copy their rows into the slot (on a codec thread).
 
-    ``items``: for each chunk, its place in the run's bytes, its filter mask, what error
-    messages call it, and where its rows go.
+    ``items``: for each chunk, its place in the run's bytes, its filter mask, the chunk (what
+    error messages call it, the fresh rows it faults in) and where its rows go.
     """
 
-    __slots__ = ("decoder", "items")
+    __slots__ = ("about", "band", "decoder", "items")
 
     def __init__(
         self,
         decoder: ChunkDecoder,
-        items: list[tuple[int, int, int, str, list[_Place]]],
+        items: list[tuple[int, int, int, _Stored, list[_Place]]],
+        about: str,
+        band: int,
     ) -> None:
-        self.decoder, self.items = decoder, items
+        self.decoder, self.items, self.about, self.band = decoder, items, about, band
 
     def __call__(self, raw: bytes | memoryview) -> None:
         view = memoryview(raw).cast("B") if isinstance(raw, memoryview) else memoryview(raw)
         decoder = self.decoder
-        for at, size, mask, what, places in self.items:
+        chunk_bytes = decoder.chunk_bytes
+        for at, size, mask, stored, places in self.items:
+            for rows in stored.fresh:
+                populate(byte_view(rows))
             # A chunk whose bytes are exactly its one destination's (whole rows, in place in
             # the slot) is decoded straight into it, where the pipeline allows.
-            whole = places[0] if len(places) == 1 else None
-            if whole is not None and not (
-                whole.first == 0
-                and whole.into.nbytes == decoder.chunk_bytes
-                and whole.into.flags.c_contiguous
-            ):
-                whole = None
+            intos = [p.dest[p.region] for p in places]
+            whole = intos[0] if len(intos) == 1 else None
             try:
-                if whole is not None:
-                    if whole.fresh is not None:
-                        populate(byte_view(whole.fresh))
-                    if decoder.decode_into(view[at : at + size], mask, whole.into.reshape(-1)):
-                        continue
+                if (
+                    whole is not None
+                    and places[0].first == 0
+                    and whole.nbytes == chunk_bytes
+                    and whole.flags.c_contiguous
+                    and decoder.decode_into(view[at : at + size], mask, whole.reshape(-1))
+                ):
+                    continue
                 elements = decoder.elements(view[at : at + size], mask)
             except ChecksumError as exc:
-                raise ReadError(f"{what}: {exc}") from exc
+                raise ReadError(f"{self._what(stored)}: {exc}") from exc
             except Exception as exc:
                 # Each codec has its own error class (deflate.DeflateError, isal's IsalError,
                 # numcodecs' RuntimeError, ...): a chunk that does not decode is a failed read.
+                what = self._what(stored)
                 raise ReadError(f"{what} does not decode: {type(exc).__name__}: {exc}") from exc
-            for p in places:
-                if p.fresh is not None and p is not whole:
-                    populate(byte_view(p.fresh))
-                rows = (slice(p.first, p.first + p.n), *(slice(0, n) for n in p.into.shape[1:-1]))
-                copy_elements(p.into, elements[rows])
+            for p, into in zip(places, intos, strict=True):
+                copy_elements(into, elements[p.take])
+
+    def _what(self, stored: _Stored) -> str:
+        return stored.what(self.about, self.band)
 
 
 def chunk_reads(
@@ -196,47 +215,47 @@ def _runs(
     fresh: bool,
 ) -> list[ByteRange]:
     """Filtered or sample-splitting chunks: each needed chunk once, in runs of chunks adjacent
-    in the file."""
-    rows, itemsize = index.rows, decoder.itemsize
+    in the file. This runs on the event loop, once per stored chunk a read needs: no numpy
+    scalar or message is made per chunk here."""
+    rows, itemsize, band = index.rows, decoder.itemsize, index.band
     rest = index.shape[1:]
     grid = tuple(-(-n // c) for n, c in zip(index.sample_shape, rest, strict=True))
-    # Where chunk j of a band lands in a sample: its slices, and how much of it is inside.
-    tiles: list[tuple[tuple[slice, ...], tuple[int, ...]]] = []
-    for j in range(index.band):
+    # Where chunk j of a band lands in a sample (its slices), and what of the chunk's elements
+    # is inside it.
+    tiles: list[tuple[tuple[slice, ...], tuple[slice, ...]]] = []
+    for j in range(band):
         at = np.unravel_index(j, grid) if grid else ()
         starts = [int(i) * c for i, c in zip(at, rest, strict=True)]
         cut = tuple(min(c, n - s) for s, c, n in zip(starts, rest, index.sample_shape, strict=True))
-        tiles.append((tuple(slice(s, s + c) for s, c in zip(starts, cut, strict=True)), cut))
+        where = tuple(slice(s, s + c) for s, c in zip(starts, cut, strict=True))
+        tiles.append((where, tuple(slice(0, c) for c in cut)))
     # Each row chunk, with the rows of each need it holds.
-    wanted: dict[int, list[tuple[Need, int, int]]] = {}
-    shaped = [
-        (need, need.dest.view(np.uint8).reshape(len(need.dest), *index.sample_shape, itemsize))
-        for need in needs
-    ]
-    for need, _ in shaped:
+    wanted: dict[int, list[tuple[np.ndarray, int, int, int]]] = {}
+    for need in needs:
+        u8 = need.dest.view(np.uint8).reshape(len(need.dest), *index.sample_shape, itemsize)
         for k in range(need.start // rows, (need.stop - 1) // rows + 1):
             a, b = max(need.start, k * rows), min(need.stop, (k + 1) * rows)
-            wanted.setdefault(k, []).append((need, a, b))
-    bytes_of = {id(need): u8 for need, u8 in shaped}
+            wanted.setdefault(k, []).append((u8, need.start, a, b))
     chunks: list[_Stored] = []
     for k, parts in wanted.items():
-        for j, (where, _) in enumerate(tiles):
+        offsets, sizes = index.offsets[k].tolist(), index.sizes[k].tolist()
+        masks = index.masks[k].tolist()
+        lo, hi = min(a for _, _, a, _ in parts), max(b for _, _, _, b in parts)
+        for j, (where, take) in enumerate(tiles):
             places = []
-            for need, a, b in parts:
-                u8 = bytes_of[id(need)]
-                region = (slice(a - need.start, b - need.start), *where)
-                # The first chunk of a band faults the rows in for all of them.
-                new = u8[a - need.start : b - need.start] if fresh and j == 0 else None
-                places.append(_Place(a - k * rows, b - a, u8[region], new))
-            offset, size = int(index.offsets[k, j]), int(index.sizes[k, j])
-            lo, hi = min(a for _, a, _ in parts), max(b for _, _, b in parts)
-            what = (
-                f"{about}, rows {lo}:{hi}: stored chunk {k}"
-                + (f", {j} of its band" if index.band > 1 else "")
-                + f" ({size} bytes at offset {offset})"
-            )
-            chunks.append(_Stored(offset, size, int(index.masks[k, j]), what, places, lo, hi, k))
+            for u8, s, a, b in parts:
+                region = (slice(a - s, b - s), *where)
+                r0 = a - k * rows
+                places.append(_Place(r0, b - a, u8, region, (slice(r0, b - k * rows), *take)))
+            chunks.append(_Stored(offsets[j], sizes[j], masks[j], places, lo, hi, k, j))
     chunks.sort(key=lambda c: c.offset)
+    if fresh:  # each band's rows faulted in by its first chunk in the file, decoded first
+        begun: set[int] = set()
+        for i, c in enumerate(chunks):
+            if c.k not in begun:
+                begun.add(c.k)
+                rows_of = tuple(u8[a - s : b - s] for u8, s, a, b in wanted[c.k])
+                chunks[i] = c._replace(fresh=rows_of)
     out: list[ByteRange] = []
     run: list[_Stored] = []
     most = max(1, RUN_DECODED_BYTES // max(1, decoder.chunk_bytes))  # chunks per run
@@ -249,11 +268,11 @@ def _runs(
             # A run full in the middle of a band ends where that band starts, where one began
             # before it: each band's rows are then written (and faulted in) by one thread.
             until = len(run)
-            if c.offset == run[-1].offset + run[-1].size and c.band == run[-1].band:
-                first = until - 1
-                while first > 0 and run[first - 1].band == c.band:
-                    first -= 1
-                until = first or until
+            if c.offset == run[-1].offset + run[-1].size and c.k == run[-1].k:
+                b0 = until - 1
+                while b0 > 0 and run[b0 - 1].k == c.k:
+                    b0 -= 1
+                until = b0 or until
             out.append(_range(index, decoder, run[:until], about))
             run = run[until:]
         run.append(c)
@@ -266,11 +285,12 @@ def _range(index: ChunkIndex, decoder: ChunkDecoder, run: list[_Stored], about: 
     """One request for ``run`` (chunks adjacent in the file), decoded by a :class:`ChunkRun`."""
     start, end = run[0].offset, run[-1].offset + run[-1].size
     name = index.file.name
-    items = [(c.offset - start, c.size, c.mask, f"{name}: {c.what}", c.places) for c in run]
+    items = [(c.offset - start, c.size, c.mask, c, c.places) for c in run]
     lo, hi = min(c.lo for c in run), max(c.hi for c in run)
     what = (
-        run[0].what
+        run[0].what(about, index.band)
         if len(run) == 1
         else f"{about}, rows {lo}:{hi}: {len(run)} stored chunks at offset {start}"
     )
-    return ByteRange(index.file, start, end - start, what, then=ChunkRun(decoder, items))
+    then = ChunkRun(decoder, items, f"{name}: {about}", index.band)
+    return ByteRange(index.file, start, end - start, what, then=then)

@@ -77,6 +77,7 @@ class MappedReader:
     are served in place, at their global indices (see the module docstring)."""
 
     in_place = True
+    reads_at_once = 1
 
     def __init__(
         self,

@@ -77,6 +77,12 @@ class Reader(Protocol):
         ...
 
     @property
+    def reads_at_once(self) -> int:
+        """In place: how many chunks' reads may run at once (a chunk waits for rows another
+        read is filling); the loader hands them on in plan order either way."""
+        ...
+
+    @property
     def read_paths(self) -> Mapping[str, str]:
         """How each top is read (see :class:`~asynchdf5.LayerStats`)."""
         ...
@@ -143,6 +149,8 @@ class HDF5Reader:
         #: Data larger than memory, read from the disk every epoch (see ``Source.fetch``).
         self.streaming = streaming
         self._loaded: list[tuple[int, int]] = []  # sorted, disjoint: what `resident` holds
+        # Rows a read is filling now, each with its read's end (set when it ends, filled or not).
+        self._filling: list[tuple[int, int, anyio.Event]] = []
         # Pieces of a chunk (several tops, several files) move on up to `read_threads` threads at
         # once: more requests in flight for the disk, more memcpy for a warm cache.
         self._limiter = anyio.CapacityLimiter(read_threads)
@@ -358,30 +366,60 @@ class HDF5Reader:
     async def read(
         self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
     ) -> tuple[Mapping[str, np.ndarray], bool]:
-        t0 = time.perf_counter()
         if self.resident is not None:
-            arrays: Mapping[str, np.ndarray] = self.resident
-            # Whole stored chunks: each is decoded once, not once for every chunk of the plan
-            # that needs some of its rows (an epoch's blocks cut across them).
-            wanted = [(a, b) for r0, r1 in chunk.ranges for a, b in uncovered(self._loaded, r0, r1)]
-            spans = merged([self._whole_chunks(a, b) for a, b in wanted])
-            placed = [(a, b, a) for s, e in spans for a, b in uncovered(self._loaded, s, e)]
-        else:
-            assert into is not None
-            arrays = into
-            placed = []
-            out = 0
-            for a, b in chunk.ranges:
-                placed.append((a, b, out))
-                out += b - a
+            return await self._read_resident(chunk, self.resident, stats)
+        assert into is not None
+        t0 = time.perf_counter()
+        placed = []
+        out = 0
+        for a, b in chunk.ranges:
+            placed.append((a, b, out))
+            out += b - a
         if placed:
-            n = await self.fill(placed, arrays, stats)  # reads of chunks overlap: add after
+            n = await self.fill(placed, into, stats)  # reads of chunks overlap: add after
             stats.bytes += n
             stats.seconds += time.perf_counter() - t0
             stats.chunks += 1
-        if self.resident is not None:
-            self._loaded = merged([*self._loaded, *chunk.ranges, *((a, b) for a, b, _ in placed)])
-        return arrays, self.resident is not None
+        return into, False
+
+    async def _read_resident(
+        self, chunk: ChunkPlan, arrays: dict[str, np.ndarray], stats: ReadStats
+    ) -> tuple[Mapping[str, np.ndarray], bool]:
+        """The chunk's rows read once into the resident arrays, at their global indices. Reads
+        of two chunks may run at once (:attr:`reads_at_once`): each fills the rows no read holds
+        or is filling, and waits for those another read is filling (each row written once)."""
+        t0 = time.perf_counter()
+        # Whole stored chunks: each is decoded once, not once for every chunk of the plan that
+        # needs some of its rows (an epoch's blocks cut across them).
+        wanted = [(a, b) for r0, r1 in chunk.ranges for a, b in uncovered(self._loaded, r0, r1)]
+        spans = merged([self._whole_chunks(a, b) for a, b in wanted])
+        taken = merged([*self._loaded, *((a, b) for a, b, _ in self._filling)])
+        placed = [(a, b, a) for s, e in spans for a, b in uncovered(taken, s, e)]
+        others = {
+            id(ev): ev
+            for a, b, ev in self._filling
+            if any(a < y and x < b for x, y in wanted)  # rows of this chunk, filled by another
+        }
+        done = anyio.Event()
+        mine = [(a, b, done) for a, b, _ in placed]
+        self._filling += mine
+        try:
+            if placed:
+                n = await self.fill(placed, arrays, stats)  # reads of chunks overlap: add after
+                stats.bytes += n
+                stats.seconds += time.perf_counter() - t0
+                stats.chunks += 1
+                self._loaded = merged([*self._loaded, *((a, b) for a, b, _ in placed)])
+        finally:
+            self._filling = [f for f in self._filling if f[2] is not done]
+            done.set()
+        for ev in others.values():
+            await ev.wait()
+        missing = [(a, b) for r0, r1 in chunk.ranges for a, b in uncovered(self._loaded, r0, r1)]
+        if missing:  # the read filling them failed (its chunk, earlier, reports why)
+            a, b = missing[0]
+            raise ReadError(f"rows {a}:{b} were not read: the read of an earlier chunk failed")
+        return arrays, True
 
     def _whole_chunks(self, a: int, b: int) -> tuple[int, int]:
         """Global rows ``a:b`` widened to whole stored chunks of every top stored in chunks (a
@@ -414,6 +452,13 @@ class HDF5Reader:
     @property
     def own_arrays(self) -> Mapping[str, np.ndarray] | None:
         return self.resident
+
+    @property
+    def reads_at_once(self) -> int:
+        """Two, resident: the next chunk's reads (the next piece of a ramp) are planned and
+        started while the decoding threads finish the last runs of the chunk before, instead
+        of leaving them idle meanwhile."""
+        return 2 if self.resident is not None else 1
 
     def close(self) -> None:
         """Join the decoding threads and close the files (blocking)."""
