@@ -126,11 +126,15 @@ def call_or_cancel(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *arg
         finally:
             done.set()
 
-    future = portal.start_task_soon(call)
+    future: Future[T] | None = None
     try:
+        # Held while the call is handed to the loop (which waits for the loop to start it): an
+        # interrupt there would leave the call running with no future here to cancel it.
+        with interrupts_held():
+            future = portal.start_task_soon(call)
         return future.result()
     except BaseException:
-        if future.cancel():  # still running there: it ends at its next await
+        if future is not None and future.cancel():  # still running: it ends at its next await
             with interrupts_held():
                 done.wait(CANCEL_WAIT_S)
         raise

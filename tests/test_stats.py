@@ -21,16 +21,35 @@ pytestmark = pytest.mark.anyio
 async def test_a_slow_consumer_is_the_bottleneck(tmp_path: Path) -> None:
     lst, _ = write_source(tmp_path, (2000, 2000))
     async with AsyncHDF5DataLayer(lst, batch_size=100, chunk_size=1000) as layer:
+        # The steps begin once the first group is gathered: the pipeline's start (reading the
+        # first chunk) is latency, not a bottleneck, and on a loaded machine it takes longer
+        # than the tenth of the steps that the consumer may wait in all.
+        with anyio.fail_after(30):
+            while layer.stats.stages["gather"].busy_seconds == 0:
+                await anyio.sleep(0.001)
+        started = layer.stats.stages
         async for _ in layer:
             await anyio.sleep(0.01)  # the training step
         stats = layer.stats
     consumer = stats.stages["consumer"]
     assert consumer.busy_seconds >= 40 * 0.01
     assert consumer.starved_seconds < consumer.busy_seconds
-    assert stats.stages["read"].blocked_seconds > 0  # the reader waited for free slots
-    gather = stats.stages["gather"]  # the gather thread waited for the consumer to take groups
+    # While the consumer stepped, the reader waited for free slots, and the gather thread
+    # waited for the consumer to take groups more than for chunks.
+    read = _since(started["read"], stats.stages["read"])
+    assert read.blocked_seconds > 0
+    gather = _since(started["gather"], stats.stages["gather"])
     assert gather.blocked_seconds > gather.starved_seconds
     assert stats.bottleneck().startswith("your training step")
+
+
+def _since(before: StageStats, after: StageStats) -> StageStats:
+    """A stage's seconds from ``before`` to ``after`` (two snapshots of the same layer)."""
+    return StageStats(
+        after.busy_seconds - before.busy_seconds,
+        after.starved_seconds - before.starved_seconds,
+        after.blocked_seconds - before.blocked_seconds,
+    )
 
 
 async def test_a_slow_transformer_is_the_bottleneck() -> None:

@@ -165,3 +165,41 @@ def test_the_loop_after_a_caught_ctrl_c_serves_whole_epochs(tmp_path: Path, proc
             assert layer.epoch == epoch + 1
             first = epoch if first is None else first
         assert first in (1, 2) and layer.epoch == first + 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("process", [False, True], ids=["in-process", "process"])
+def test_a_ctrl_c_as_the_loop_asks_for_a_batch_leaves_no_wait_behind(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, process: bool
+) -> None:
+    """The Ctrl-C of the test above, placed for sure at the worst moment of the ``for``'s ask:
+    the call that waits for the next batch was handed to the loop, but the interrupt comes
+    before the ``for`` holds its future. The call is cancelled still, so the next loop is
+    the only one waiting for the run's groups (else anyio's BusyResourceError)."""
+    armed = False
+    real = BlockingPortal.start_task_soon
+
+    def start_task_soon(portal: BlockingPortal, func: Callable[..., Any], *args: Any) -> Any:
+        nonlocal armed
+        future = real(portal, func, *args)
+        if armed:
+            armed = False
+            signal.raise_signal(signal.SIGINT)
+        return future
+
+    source, _ = write_source(tmp_path)
+    with HDF5DataLayer(
+        source, batch_size=10, chunk_size=40, transformers=[("data", Slow())], process=process
+    ) as layer:
+        for _ in layer:  # epoch 0, whole: the run goes on into epoch 1
+            pass
+        monkeypatch.setattr(BlockingPortal, "start_task_soon", start_task_soon)
+        armed = True
+        with pytest.raises(KeyboardInterrupt):
+            for _ in layer:
+                pass
+        assert not armed
+        batches = [b for b in layer]  # the interrupted epoch whole, or the one after it
+        epoch = batches[0].epoch
+        check_epoch(batches, N, 10, epoch)
+        assert epoch in (1, 2) and layer.epoch == epoch + 1
