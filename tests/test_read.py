@@ -164,17 +164,22 @@ async def test_a_resident_first_epoch_decodes_each_stored_chunk_once(
 
     monkeypatch.setattr(ChunkDecoder, "elements", counted)
     monkeypatch.setattr(ChunkDecoder, "decode_into", counted_into)
-    # Blocks of 70 rows: most cut a stored chunk of 20 rows.
-    layer = AsyncHDF5DataLayer(path, batch_size=64, shuffle=True, seed=3, block_size=70)
+    await _one_resident_epoch_of_chunks(path, data, seed=3)
+    assert decoded[0] == stored
+
+
+async def _one_resident_epoch_of_chunks(path: Path, data: np.ndarray, seed: int) -> None:
+    """One shuffled epoch in blocks of 70 rows (most cut a stored chunk of 20 rows), read by the
+    chunk path: every batch equal to ``data``'s rows, every sample exactly once."""
+    layer = AsyncHDF5DataLayer(path, batch_size=64, shuffle=True, seed=seed, block_size=70)
     with anyio.fail_after(60):
         async with layer:
-            seen = np.zeros(n, np.int64)
+            seen = np.zeros(len(data), np.int64)
             async for batch in layer:
                 np.testing.assert_array_equal(batch["data"], data[batch.indices])
                 np.add.at(seen, batch.indices, 1)
             assert (seen == 1).all()
             assert layer.stats.read_paths["data"] == "chunks"
-    assert decoded[0] == stored
 
 
 async def test_chunked_files_with_different_chunking_across_files(tmp_path: Path) -> None:
@@ -538,14 +543,6 @@ async def test_a_resident_ramps_next_piece_is_read_while_the_one_before_is(
 
     monkeypatch.setattr(ChunkDecoder, "elements", counted)
     monkeypatch.setattr(HDF5Reader, "fill", overlapping)
-    layer = AsyncHDF5DataLayer(path, batch_size=64, shuffle=True, seed=5, block_size=70)
-    with anyio.fail_after(60):
-        async with layer:
-            seen = np.zeros(n, np.int64)
-            async for batch in layer:
-                np.testing.assert_array_equal(batch["data"], data[batch.indices])
-                np.add.at(seen, batch.indices, 1)
-            assert (seen == 1).all()
-            assert layer.stats.read_paths["data"] == "chunks"
+    await _one_resident_epoch_of_chunks(path, data, seed=5)
     assert fills[0] >= 3 and second.is_set()
     assert decoded[0] == stored
