@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +38,23 @@ def _sizes(quick: bool) -> dict[str, int]:
     return {"cells": 100_000, "genes": 2_000, "epochs": 2, "timeout": 900}
 
 
+def _timed_epochs(loader: Iterable[Mapping[str, Any]], job: dict[str, Any]) -> list[float]:
+    """Seconds of each of ``job["epochs"]`` passes over ``loader``, each checked whole."""
+    times = []
+    for _ in range(job["epochs"]):
+        t0, rows = time.perf_counter(), 0
+        for b in loader:
+            rows += b["X"].shape[0]
+        times.append(time.perf_counter() - t0)
+        assert rows == job["cells"], rows
+    return times
+
+
 def _layer(job: dict[str, Any]) -> list[float]:
     from asynchdf5 import HDF5DataLayer
 
-    times = []
     with HDF5DataLayer(job["h5ad"], tops=("X",), batch_size=BATCH, shuffle=True, seed=0) as layer:
-        for _ in range(job["epochs"]):
-            t0, rows = time.perf_counter(), 0
-            for b in layer:
-                rows += b["X"].shape[0]
-            times.append(time.perf_counter() - t0)
-            assert rows == job["cells"], rows
-    return times
+        return _timed_epochs(layer, job)
 
 
 def _annbatch(job: dict[str, Any]) -> list[float]:
@@ -59,14 +65,7 @@ def _annbatch(job: dict[str, Any]) -> list[float]:
     group = zarr.open_group(job["zarr"], mode="r")
     loader = annbatch.Loader(batch_size=BATCH, shuffle=True, preload_to_gpu=False)
     loader.add_dataset(anndata.io.sparse_dataset(group["X"]))
-    times = []
-    for _ in range(job["epochs"]):
-        t0, rows = time.perf_counter(), 0
-        for b in loader:
-            rows += b["X"].shape[0]
-        times.append(time.perf_counter() - t0)
-        assert rows == job["cells"], rows
-    return times
+    return _timed_epochs(loader, job)
 
 
 def _convert(h5ad: Path, store: Path) -> float:
@@ -104,32 +103,29 @@ def bench(rec: Recorder) -> None:
     rec.note(f"load average at the start: {os.getloadavg()}")
     work = folder / f"annbatch-work-{os.getpid()}"
     work.mkdir(exist_ok=True)
-    made = cgroups.make(f"asynchdf5-annbatch-{os.getpid()}", LIMIT_MIB * 2**20)
-    groups: list[tuple[str, cgroups.MemoryCgroup | None]] = [("warm", None)]
-    if isinstance(made, str):
-        rec.note(f"no {LIMIT_MIB} MiB cgroup: {made}")
-    else:
-        groups.append((f"{LIMIT_MIB} MiB cgroup", made))
     job = {"h5ad": str(h5ad), "zarr": str(store), **size}
     try:
-        for label, group in groups:
-            rates: dict[str, float] = {}
-            for reader in ("layer", "annbatch"):
-                page_cache.warm(h5ad if reader == "layer" else store)
-                name = f"{reader}-{'cg' if group else 'warm'}"
-                times, error = cgroups.run_child(
-                    "benchmarks.annbatch_cells", {**job, "reader": reader}, work, name, group
+        with cgroups.warm_and_capped(
+            f"asynchdf5-annbatch-{os.getpid()}", LIMIT_MIB, rec.note
+        ) as groups:
+            for label, group in groups:
+                rates: dict[str, float] = {}
+                for reader in ("layer", "annbatch"):
+                    page_cache.warm(h5ad if reader == "layer" else store)
+                    name = f"{reader}-{'cg' if group else 'warm'}"
+                    times, error = cgroups.run_child(
+                        "benchmarks.annbatch_cells", {**job, "reader": reader}, work, name, group
+                    )
+                    if error is not None:
+                        rec.note(f"{reader} ({label}): {error}")
+                        continue
+                    rates[reader] = size["cells"] * len(times) / sum(times)
+                    rec.figure(f"{reader}, {label}", rates[reader], "samples/s")
+                    rec.figure(f"{reader}, {label}, epoch 1", size["cells"] / times[0], "samples/s")
+                rec.ratio(
+                    f"asynchdf5 ÷ annbatch, {label}", rates.get("layer"), rates.get("annbatch")
                 )
-                if error is not None:
-                    rec.note(f"{reader} ({label}): {error}")
-                    continue
-                rates[reader] = size["cells"] * len(times) / sum(times)
-                rec.figure(f"{reader}, {label}", rates[reader], "samples/s")
-                rec.figure(f"{reader}, {label}, epoch 1", size["cells"] / times[0], "samples/s")
-            rec.ratio(f"asynchdf5 ÷ annbatch, {label}", rates.get("layer"), rates.get("annbatch"))
     finally:
-        if not isinstance(made, str):
-            made.remove()
         shutil.rmtree(work, ignore_errors=True)
     rec.note(f"load average at the end: {os.getloadavg()}")
 

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,26 @@ def make(name: str, limit_bytes: int) -> MemoryCgroup | str:
         group.remove()
         return f"cannot set {limit_file}: {exc.strerror or exc}"
     return group
+
+
+@contextlib.contextmanager
+def warm_and_capped(
+    name: str, limit_mib: int, note: Callable[[str], None]
+) -> Iterator[list[tuple[str, MemoryCgroup | None]]]:
+    """The conditions a reader runs in, each with its label: ``("warm", None)`` and, where a
+    memory cgroup ``name`` can be made, ``("<limit_mib> MiB cgroup", group)`` (where it cannot,
+    ``note`` is told why). The group is removed on exit."""
+    made = make(name, limit_mib * 2**20)
+    groups: list[tuple[str, MemoryCgroup | None]] = [("warm", None)]
+    if isinstance(made, str):
+        note(f"no {limit_mib} MiB cgroup: {made}")
+    else:
+        groups.append((f"{limit_mib} MiB cgroup", made))
+    try:
+        yield groups
+    finally:
+        if not isinstance(made, str):
+            made.remove()
 
 
 def join(procs: str | os.PathLike[str]) -> None:

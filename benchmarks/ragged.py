@@ -228,57 +228,54 @@ def bench(rec: Recorder) -> None:
                 ["raw", "layer", "layer-unshuffled", "annloader"],
             )
         )
-    made = cgroups.make(f"asynchdf5-ragged-{os.getpid()}", LIMIT_MIB * 2**20)
-    groups: list[tuple[str, cgroups.MemoryCgroup | None]] = [("warm", None)]
-    if isinstance(made, str):
-        rec.note(f"no {LIMIT_MIB} MiB cgroup: {made}")
-    else:
-        groups.append((f"{LIMIT_MIB} MiB cgroup", made))
     try:
-        for what, job, readers in sets:
-            for label, group in groups:
-                page_cache.warm(job["path"])
-                rates: dict[str, float] = {}
-                byte_rates: dict[str, float] = {}
-                for reader in readers:
-                    name = f"{reader}-{what}-{'cg' if group else 'warm'}"
-                    job_r = {**job, "reader": reader, "what": what}
-                    r, error = cgroups.run_child("benchmarks.ragged", job_r, work, name, group)
-                    if error is not None:
-                        rec.note(f"{what} {reader} ({label}): {error}")
-                        continue
-                    rows_s = r["rows"] / r["seconds"]
-                    if r["bytes"]:
-                        byte_rates[reader] = r["bytes"] / r["seconds"]
-                    if "read_paths" in r:
-                        rec.note(f"{what} asynchdf5 read paths: {r['read_paths']}")
-                    rates[reader] = rows_s
-                    rec.figure(f"{what}, {reader}, {label}", rows_s, "samples/s")
-                    if len(r.get("epoch_s", ())) > 1:  # the first epoch alone: it reads
-                        first = r["rows"] / len(r["epoch_s"]) / r["epoch_s"][0]
-                        rec.figure(f"{what}, {reader}, {label}, epoch 1", first, "samples/s")
-                    if reader in byte_rates:
-                        rec.figure(
-                            f"{what}, {reader}, {label}, values",
-                            byte_rates[reader] / 2**20,
-                            "MiB/s",
-                        )
-                rec.ratio(
-                    f"{what}: asynchdf5 ÷ raw read, {label}", rates.get("layer"), rates.get("raw")
-                )
-                rec.ratio(
-                    f"{what}: asynchdf5 unshuffled ÷ raw read, {label}",
-                    rates.get("layer-unshuffled"),
-                    rates.get("raw"),
-                )
-                rec.ratio(
-                    f"{what}: asynchdf5 ÷ AnnLoader (backed), {label}",
-                    rates.get("layer"),
-                    rates.get("annloader"),
-                )
+        with cgroups.warm_and_capped(
+            f"asynchdf5-ragged-{os.getpid()}", LIMIT_MIB, rec.note
+        ) as groups:
+            for what, job, readers in sets:
+                for label, group in groups:
+                    page_cache.warm(job["path"])
+                    rates: dict[str, float] = {}
+                    byte_rates: dict[str, float] = {}
+                    for reader in readers:
+                        name = f"{reader}-{what}-{'cg' if group else 'warm'}"
+                        job_r = {**job, "reader": reader, "what": what}
+                        r, error = cgroups.run_child("benchmarks.ragged", job_r, work, name, group)
+                        if error is not None:
+                            rec.note(f"{what} {reader} ({label}): {error}")
+                            continue
+                        rows_s = r["rows"] / r["seconds"]
+                        if r["bytes"]:
+                            byte_rates[reader] = r["bytes"] / r["seconds"]
+                        if "read_paths" in r:
+                            rec.note(f"{what} asynchdf5 read paths: {r['read_paths']}")
+                        rates[reader] = rows_s
+                        rec.figure(f"{what}, {reader}, {label}", rows_s, "samples/s")
+                        if len(r.get("epoch_s", ())) > 1:  # the first epoch alone: it reads
+                            first = r["rows"] / len(r["epoch_s"]) / r["epoch_s"][0]
+                            rec.figure(f"{what}, {reader}, {label}, epoch 1", first, "samples/s")
+                        if reader in byte_rates:
+                            rec.figure(
+                                f"{what}, {reader}, {label}, values",
+                                byte_rates[reader] / 2**20,
+                                "MiB/s",
+                            )
+                    rec.ratio(
+                        f"{what}: asynchdf5 ÷ raw read, {label}",
+                        rates.get("layer"),
+                        rates.get("raw"),
+                    )
+                    rec.ratio(
+                        f"{what}: asynchdf5 unshuffled ÷ raw read, {label}",
+                        rates.get("layer-unshuffled"),
+                        rates.get("raw"),
+                    )
+                    rec.ratio(
+                        f"{what}: asynchdf5 ÷ AnnLoader (backed), {label}",
+                        rates.get("layer"),
+                        rates.get("annloader"),
+                    )
     finally:
-        if not isinstance(made, str):
-            made.remove()
         for p in work.iterdir():
             p.unlink()
         work.rmdir()
