@@ -203,39 +203,51 @@ async def test_chunked_files_with_different_chunking_across_files(tmp_path: Path
 def _plan(path: Path, needs: list[tuple[int, int]]) -> tuple[list[Any], list[np.ndarray], Any]:
     """The byte ranges the reader plans for rows ``needs`` of top "data", run by hand (pread,
     then the decode step), with the destinations they filled."""
-    import os
-
-    from asynchdf5._catalog import build_catalog
     from asynchdf5._codecs import ChunkDecoder
     from asynchdf5._read._chunked import Need, chunk_reads
+
+    catalog = _catalog(path)
+    layout = catalog.files[0].layouts["data"]
+    assert layout.path == "chunks" and layout.chunks is not None
+    info = catalog.tops["data"]
+    shape = layout.chunks.shape
+    decoder = ChunkDecoder(
+        layout.filters, info.dtype.itemsize, info.dtype.itemsize * int(np.prod(shape)), shape
+    )
+    dests = [np.full((b - a, *info.sample_shape), -1, info.dtype) for a, b in needs]
+    plan = [Need(a, b, d) for (a, b), d in zip(needs, dests, strict=True)]
+    ranges = chunk_reads(layout, plan, decoder, "top 'data'", 2**30)
+    _serve(path, ranges)
+    return ranges, dests, layout
+
+
+def _catalog(path: Path) -> Any:
+    """The catalog of ``path``'s ``data`` and ``label``, built as the layer builds it."""
+    from asynchdf5._catalog import build_catalog
     from asynchdf5._sources import LocalSource
 
     source = LocalSource()
     try:
-        catalog = build_catalog(source, [str(path)], ["data", "label"])
-        layout = catalog.files[0].layouts["data"]
-        assert layout.path == "chunks" and layout.chunks is not None
-        info = catalog.tops["data"]
-        shape = layout.chunks.shape
-        decoder = ChunkDecoder(
-            layout.filters, info.dtype.itemsize, info.dtype.itemsize * int(np.prod(shape)), shape
-        )
-        dests = [np.full((b - a, *info.sample_shape), -1, info.dtype) for a, b in needs]
-        plan = [Need(a, b, d) for (a, b), d in zip(needs, dests, strict=True)]
-        ranges = chunk_reads(layout, plan, decoder, "top 'data'", 2**30)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for r in ranges:
-                raw = os.pread(fd, r.size, r.offset)
-                if r.into is not None:
-                    r.into[:] = raw
-                if r.then is not None:
-                    r.then(r.into if r.into is not None else raw)
-        finally:
-            os.close(fd)
+        return build_catalog(source, [str(path)], ["data", "label"])
     finally:
         source.close()
-    return ranges, dests, layout
+
+
+def _serve(path: Path, ranges: list[Any]) -> None:
+    """Each planned read served from the file: its bytes copied ``into`` its buffer, and handed
+    to its ``then`` step (decoding), as the reader does."""
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for r in ranges:
+            raw = os.pread(fd, r.size, r.offset)
+            if r.into is not None:
+                r.into[:] = raw
+            if r.then is not None:
+                r.then(r.into if r.into is not None else raw)
+    finally:
+        os.close(fd)
 
 
 def _values(n: int, sample: tuple[int, ...]) -> np.ndarray:
@@ -292,52 +304,37 @@ def test_a_run_of_chunks_ends_where_a_band_starts(tmp_path: Path) -> None:
     whole in one run, so that one thread writes, and faults in, a band's rows), wherever a run
     fills up after a band began and the band's chunks are adjacent in the file; and still every
     row comes out right."""
-    import os
-
-    from asynchdf5._catalog import build_catalog
     from asynchdf5._codecs import ChunkDecoder
     from asynchdf5._read._chunked import ChunkRun, Need, chunk_reads
-    from asynchdf5._sources import LocalSource
 
     data = _values(N, (3, 4))
     path = tmp_path / "c.h5"
     _write(path, {"chunks": (100, 1, 2), "compression": "gzip"}, data)  # bands of 6 chunks
-    source = LocalSource()
-    try:
-        catalog = build_catalog(source, [str(path)], ["data", "label"])
-        layout = catalog.files[0].layouts["data"]
-        index = layout.chunks
-        assert index is not None and index.band == 6
-        decoder = ChunkDecoder(layout.filters, 4, 4 * 100 * 2, (100, 1, 2))
-        dest = np.full_like(data, -1)
-        # Room for two and a half of the largest bands: most runs fill in a band's middle.
-        run_bytes = int(index.sizes.sum(axis=1).max() * 5 // 2)
-        ranges = chunk_reads(layout, [Need(0, N, dest)], decoder, "top 'data'", 2**30, run_bytes)
-        runs = [r.then for r in ranges]
-        starts: list[set[int]] = []  # where each run's chunks are in the file
-        for r, run in zip(ranges, runs, strict=True):
-            assert isinstance(run, ChunkRun)
-            starts.append({r.offset + it[0] for it in run.items})
-        whole = 0
-        for k in range(index.offsets.shape[0]):
-            o, z = index.offsets[k], index.sizes[k]
-            if (o[1:] != o[:-1] + z[:-1]).any():
-                continue  # HDF5 put something between its chunks: no one request holds them
-            whole += 1
-            band = {int(x) for x in o}
-            holders = [i for i, at in enumerate(starts) if band & at]
-            assert len(holders) == 1, (k, holders)  # the band is whole in one run
-        assert whole > index.offsets.shape[0] // 2
-        assert len(ranges) > index.offsets.shape[0] // 3  # runs were cut by their size
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for r, run in zip(ranges, runs, strict=True):
-                assert run is not None
-                run(os.pread(fd, r.size, r.offset))
-        finally:
-            os.close(fd)
-    finally:
-        source.close()
+    layout = _catalog(path).files[0].layouts["data"]
+    index = layout.chunks
+    assert index is not None and index.band == 6
+    decoder = ChunkDecoder(layout.filters, 4, 4 * 100 * 2, (100, 1, 2))
+    dest = np.full_like(data, -1)
+    # Room for two and a half of the largest bands: most runs fill in a band's middle.
+    run_bytes = int(index.sizes.sum(axis=1).max() * 5 // 2)
+    ranges = chunk_reads(layout, [Need(0, N, dest)], decoder, "top 'data'", 2**30, run_bytes)
+    runs = [r.then for r in ranges]
+    starts: list[set[int]] = []  # where each run's chunks are in the file
+    for r, run in zip(ranges, runs, strict=True):
+        assert isinstance(run, ChunkRun)
+        starts.append({r.offset + it[0] for it in run.items})
+    whole = 0
+    for k in range(index.offsets.shape[0]):
+        o, z = index.offsets[k], index.sizes[k]
+        if (o[1:] != o[:-1] + z[:-1]).any():
+            continue  # HDF5 put something between its chunks: no one request holds them
+        whole += 1
+        band = {int(x) for x in o}
+        holders = [i for i, at in enumerate(starts) if band & at]
+        assert len(holders) == 1, (k, holders)  # the band is whole in one run
+    assert whole > index.offsets.shape[0] // 2
+    assert len(ranges) > index.offsets.shape[0] // 3  # runs were cut by their size
+    _serve(path, ranges)
     np.testing.assert_array_equal(dest, data)
 
 
@@ -440,12 +437,8 @@ def test_a_bands_rows_are_faulted_in_by_its_first_chunk_in_the_file(tmp_path: Pa
     stored first in the file (decoded first), whichever of the band it is: a band's other
     chunks, wherever they lie (HDF5 writes them as its chunk cache empties), then write pages
     already there instead of faulting them in one at a time. And every row comes out right."""
-    import os
-
-    from asynchdf5._catalog import build_catalog
     from asynchdf5._codecs import ChunkDecoder
     from asynchdf5._read._chunked import ChunkRun, Need, chunk_reads
-    from asynchdf5._sources import LocalSource
 
     rows, n = 50, 400
     data = _values(n, (6,))
@@ -456,51 +449,40 @@ def test_a_bands_rows_are_faulted_in_by_its_first_chunk_in_the_file(tmp_path: Pa
         for j in (2, 0, 1):  # the last chunk of each band stored first, the first one next
             d[:, 2 * j : 2 * j + 2] = data[:, 2 * j : 2 * j + 2]
             f.flush()
-    source = LocalSource()
-    try:
-        catalog = build_catalog(source, [str(path)], ["data", "label"])
-        layout = catalog.files[0].layouts["data"]
-        index = layout.chunks
-        assert index is not None and index.band == 3
-        first = index.offsets.argmin(axis=1)
-        assert (first != 0).all()  # a band's first chunk in the file is not its first tile
-        dest = np.zeros((n, 6), np.float32)  # calloc'd: pages never written
-        decoder = ChunkDecoder(layout.filters, 4, 4 * rows * 2, (rows, 2))
-        needs = [Need(30, 170, dest[30:170]), Need(220, n, dest[220:n])]
-        ranges = chunk_reads(layout, needs, decoder, "top 'data'", 2**30, fresh=True)
-        faulting: dict[int, list[tuple[int, int]]] = {}
-        for r in ranges:
-            assert isinstance(r.then, ChunkRun)
-            for _, _, _, stored, _ in r.then.items:
-                if stored.fresh:
-                    assert stored.k not in faulting  # once per band
-                    assert stored.offset == index.offsets[stored.k].min()  # first in the file
-                    faulting[stored.k] = [
-                        ((f.ctypes.data - dest.ctypes.data) // 24, len(f)) for f in stored.fresh
-                    ]
-        # Every band a need touches, its rows of each need (all of each sample).
-        assert faulting == {
-            0: [(30, 20)],
-            1: [(50, 50)],
-            2: [(100, 50)],
-            3: [(150, 20)],
-            4: [(220, 30)],
-            5: [(250, 50)],
-            6: [(300, 50)],
-            7: [(350, 50)],
-        }
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for r in ranges:
-                assert r.then is not None
-                r.then(os.pread(fd, r.size, r.offset))
-        finally:
-            os.close(fd)
-        np.testing.assert_array_equal(dest[30:170], data[30:170])
-        np.testing.assert_array_equal(dest[220:], data[220:])
-        assert not dest[:30].any() and not dest[170:220].any()  # nothing else written
-    finally:
-        source.close()
+    layout = _catalog(path).files[0].layouts["data"]
+    index = layout.chunks
+    assert index is not None and index.band == 3
+    first = index.offsets.argmin(axis=1)
+    assert (first != 0).all()  # a band's first chunk in the file is not its first tile
+    dest = np.zeros((n, 6), np.float32)  # calloc'd: pages never written
+    decoder = ChunkDecoder(layout.filters, 4, 4 * rows * 2, (rows, 2))
+    needs = [Need(30, 170, dest[30:170]), Need(220, n, dest[220:n])]
+    ranges = chunk_reads(layout, needs, decoder, "top 'data'", 2**30, fresh=True)
+    faulting: dict[int, list[tuple[int, int]]] = {}
+    for r in ranges:
+        assert isinstance(r.then, ChunkRun)
+        for _, _, _, stored, _ in r.then.items:
+            if stored.fresh:
+                assert stored.k not in faulting  # once per band
+                assert stored.offset == index.offsets[stored.k].min()  # first in the file
+                faulting[stored.k] = [
+                    ((f.ctypes.data - dest.ctypes.data) // 24, len(f)) for f in stored.fresh
+                ]
+    # Every band a need touches, its rows of each need (all of each sample).
+    assert faulting == {
+        0: [(30, 20)],
+        1: [(50, 50)],
+        2: [(100, 50)],
+        3: [(150, 20)],
+        4: [(220, 30)],
+        5: [(250, 50)],
+        6: [(300, 50)],
+        7: [(350, 50)],
+    }
+    _serve(path, ranges)
+    np.testing.assert_array_equal(dest[30:170], data[30:170])
+    np.testing.assert_array_equal(dest[220:], data[220:])
+    assert not dest[:30].any() and not dest[170:220].any()  # nothing else written
 
 
 async def test_a_resident_ramps_next_piece_is_read_while_the_one_before_is(
