@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .._blocks import STAGE_BYTES
 from .._catalog import TopInfo
 from .._errors import ReadError
 from .._pages import MAP_FAILED, libc_madvise, libc_mmap
@@ -222,9 +223,13 @@ class ChunkRows:
     that has one; :func:`len` bounds the rows it may ask for).
 
     Row ``r`` is the ``row_bytes`` bytes at ``at[r // chunk_rows] + (r % chunk_rows) *
-    row_bytes`` of the mapping: a batch is one fancy index over a view of the mapping whose items
-    are the ``row_bytes`` bytes from every byte on (as :mod:`.._blocks` copies blocks), so a
-    batch spread over many stored chunks costs what one contiguous ``np.take`` does."""
+    row_bytes`` of the mapping. Chunks whose offsets differ by whole rows share one array of
+    rows over the mapping (a *phase*: their offset modulo ``row_bytes``): rows all of one phase
+    are one ``np.take``, as from a contiguous top. Rows of several phases (the file's chunk
+    index or other tops' chunks between runs of chunks) are one fancy index over a view whose
+    items are the ``row_bytes`` bytes from every byte on (as :mod:`.._blocks` copies blocks),
+    through a temporary of at most :data:`~.._blocks.STAGE_BYTES` at a time: ``np.take`` would
+    copy such a view whole first."""
 
     def __init__(
         self,
@@ -239,24 +244,23 @@ class ChunkRows:
         starts in it (int64, in row order); rows of ``dtype`` and ``shape``, ``nrows`` of them."""
         self.dtype = np.dtype(dtype)
         self.shape = (nrows, *shape)
-        self.row_bytes = self.dtype.itemsize * math.prod(shape)
-        assert self.row_bytes > 0 and len(whole) >= self.row_bytes
+        rb = self.row_bytes = self.dtype.itemsize * math.prod(shape)
+        assert rb > 0 and len(whole) >= rb
         self.chunk_rows = chunk_rows
         self.at = np.asarray(at, np.int64)
-        item = np.dtype(f"V{self.row_bytes}")
+        self._item = item = np.dtype(f"V{rb}")
         # Every byte's row: items overlap, so any offset of the mapping can be indexed.
-        self._bytes: np.ndarray = np.ndarray(
-            (len(whole) - self.row_bytes + 1,), item, whole, 0, (1,)
-        )
+        self._bytes: np.ndarray = np.ndarray((len(whole) - rb + 1,), item, whole, 0, (1,))
         self._bytes.flags.writeable = False
+        phases, self._phase = np.unique(self.at % rb, return_inverse=True)
+        #: Each phase's rows (contiguous), and each chunk's first row among its phase's.
+        self._phases = [
+            np.ndarray(((len(whole) - int(p)) // rb,), item, whole, int(p)) for p in phases
+        ]
+        self._first = self.at // rb
 
     def __len__(self) -> int:
         return self.shape[0]
-
-    def offsets(self, rows: np.ndarray) -> np.ndarray:
-        """Where rows ``rows`` (int64, each a row) start in the mapping."""
-        k = rows // self.chunk_rows
-        return self.at[k] + (rows - k * self.chunk_rows) * self.row_bytes
 
     def take(
         self, indices: np.ndarray, axis: int = 0, out: np.ndarray | None = None, mode: str = "clip"
@@ -265,16 +269,26 @@ class ChunkRows:
         them)."""
         assert axis == 0
         idx = np.asarray(indices, np.int64).reshape(-1)
+        n = len(idx)
         if out is None:
-            out = np.empty((len(idx), *self.shape[1:]), self.dtype)
-        if len(idx) == 0:
+            out = np.empty((n, *self.shape[1:]), self.dtype)
+        if n == 0:
             return out
-        where = self.offsets(idx)
-        if out.flags.c_contiguous and out.dtype == self.dtype:
-            dest = np.ndarray((len(idx),), self._bytes.dtype, out, 0)
-            np.take(self._bytes, where, out=dest, mode="clip")
+        direct = out.flags.c_contiguous and out.dtype == self.dtype
+        dest = np.ndarray((n,), self._item, out, 0) if direct else np.empty(n, self._item)
+        k = idx // self.chunk_rows
+        within = idx - k * self.chunk_rows
+        phase = self._phase[k]
+        if len(self._phases) == 1 or phase.min() == phase.max():
+            rows = self._phases[int(phase[0])]
+            np.take(rows, self._first[k] + within, out=dest, mode="clip")
         else:
-            out[...] = self._bytes[where].view(self.dtype).reshape(len(idx), *self.shape[1:])
+            where = self.at[k] + within * self.row_bytes
+            step = max(1, STAGE_BYTES // self.row_bytes)
+            for a in range(0, n, step):
+                dest[a : a + step] = self._bytes[where[a : a + step]]
+        if not direct:
+            out[...] = dest.view(self.dtype).reshape(out.shape)
         return out
 
     def __getitem__(self, rows: slice | np.ndarray) -> np.ndarray:
