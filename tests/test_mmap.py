@@ -14,6 +14,7 @@ truncation then ends the process with SIGBUS) is what happens, in a child proces
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import os
@@ -1133,12 +1134,20 @@ async def test_a_lease_broken_before_a_ragged_gather_is_a_read_error_naming_the_
 CHUNK = 64  # rows a stored chunk: N is not a multiple, so the last chunk is partial
 
 
-def _chunked(path: Path, how: str, *, unwritten: int | None = None) -> dict[str, np.ndarray]:
+def _chunked(
+    path: Path,
+    how: str,
+    *,
+    unwritten: int | None = None,
+    parts: tuple[int, ...] = (1500, 3333),
+    pad: bool = False,
+) -> dict[str, np.ndarray]:
     """``write_h5``'s rows in stored chunks of :data:`CHUNK` whole rows, written at once
-    (``chunks=``) or appended in three parts, each dataset resized first (``maxshape=(None,
-    ...)``, as an appending writer does: the two tops' chunks interleave in the file). Stored
-    chunk ``unwritten`` of ``data`` is never written (HDF5 reads its fill value). Returns what
-    h5py reads from the file."""
+    (``chunks=``) or appended in parts (split at ``parts``), each dataset resized first
+    (``maxshape=(None, ...)``, as an appending writer does: the two tops' chunks interleave in
+    the file). Stored chunk ``unwritten`` of ``data`` is never written (HDF5 reads its fill
+    value). ``pad``: a dataset of 3 bytes written after each part, so that the chunks after it
+    lie at offsets 3 bytes off whole rows from those before. Returns what h5py reads."""
     want = {k: v for k, v in rows(0, N).items()}
     with h5py.File(path, "w") as f:
         for name, arr in want.items():
@@ -1150,7 +1159,10 @@ def _chunked(path: Path, how: str, *, unwritten: int | None = None) -> dict[str,
                     name, shape=(0, *arr.shape[1:]), dtype=arr.dtype, chunks=chunks,
                     maxshape=(None, *arr.shape[1:]),
                 )  # fmt: skip
-        for a, b in ((0, 1500), (1500, 3333), (3333, N)):
+        cuts = (0, *parts, N)
+        for a, b in itertools.pairwise(cuts):
+            if pad and a:
+                f.create_dataset(f"pad{a}", data=np.zeros(3, np.uint8))
             for name, arr in want.items():
                 d = f[name]
                 if how != "chunks":
@@ -1209,6 +1221,56 @@ async def test_chunked_tops_of_whole_samples_are_mapped_and_give_h5pys_rows(
             np.testing.assert_array_equal(b["data"], want["data"][b.indices])
             np.testing.assert_array_equal(b["label"], want["label"][b.indices])
     assert mappings(path, collect=True) == []
+
+
+def _phases(path: Path) -> np.ndarray:
+    """How many of ``data``'s stored chunks lie at each offset modulo its row's bytes."""
+    offsets: list[int] = []
+    with h5py.File(path, "r") as f:
+        f["data"].id.chunk_iter(lambda info: offsets.append(info.byte_offset))
+    _, counts = np.unique(np.asarray(offsets) % 8, return_counts=True)
+    return np.sort(counts)[::-1]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+async def test_chunks_of_a_few_at_another_phase_are_mapped_and_those_rows_fetched_again(
+    tmp_path: Path, shuffle: bool
+) -> None:
+    """Appended with 3 bytes written between the parts: a few of ``data``'s chunks lie at
+    offsets that differ from the others' by no whole row. Mapped all the same (most rows are
+    one array of the mapping), each batch the rows h5py reads, the few taken from their own
+    phase's array."""
+    path = tmp_path / "c.h5"
+    want = _chunked(path, "maxshape", parts=(4800,), pad=True)
+    counts = _phases(path)
+    assert len(counts) > 1 and counts[0] >= choice.MAIN_PHASE * counts.sum(), counts
+    with anyio.fail_after(60):
+        served, stats = await batches(path, shuffle=shuffle, seed=2, chunk_size=1000)
+    assert stats.read_paths == {"data": "mmap", "label": "mmap"}
+    for epoch, got in enumerate(served):
+        check_epoch(got, N, 64, epoch)
+        for b in got:
+            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+
+
+async def test_chunks_at_many_phases_are_copied_and_say_why(tmp_path: Path) -> None:
+    """Chunks split between offsets of several phases, none holding 7/8 of them (as the v1
+    B-tree nodes of an h5py file of wide rows leave them): mapped, most rows would be fetched
+    by a fancy index, slower than copying, so the source is copied, and the notes say why."""
+    path = tmp_path / "c.h5"
+    want = _chunked(path, "maxshape", pad=True)
+    counts = _phases(path)
+    assert counts[0] < choice.MAIN_PHASE * counts.sum(), counts
+    with anyio.fail_after(60):
+        got, stats = await batches(path, epochs=1, shuffle=True, seed=0, chunk_size=1000)
+    assert stats.read_paths == {"data": "chunks", "label": "chunks"}
+    assert (
+        f"copied: top 'data' is stored chunked ({CHUNK}, 2), its chunks at {len(counts)} "
+        "different offsets modulo its row's 8 bytes"
+    ) in stats.read_notes["data"]
+    check_epoch(got[0], N, 64, 0)
+    for b in got[0]:
+        np.testing.assert_array_equal(b["data"], want["data"][b.indices])
 
 
 @pytest.mark.parametrize("mode", [True, "auto"])

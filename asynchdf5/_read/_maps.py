@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from .._blocks import STAGE_BYTES
 from .._catalog import TopInfo
 from .._errors import ReadError
 from .._pages import MAP_FAILED, libc_madvise, libc_mmap
@@ -223,13 +222,12 @@ class ChunkRows:
     that has one; :func:`len` bounds the rows it may ask for).
 
     Row ``r`` is the ``row_bytes`` bytes at ``at[r // chunk_rows] + (r % chunk_rows) *
-    row_bytes`` of the mapping. Chunks whose offsets differ by whole rows share one array of
-    rows over the mapping (a *phase*: their offset modulo ``row_bytes``): rows all of one phase
-    are one ``np.take``, as from a contiguous top. Rows of several phases (the file's chunk
-    index or other tops' chunks between runs of chunks) are one fancy index over a view whose
-    items are the ``row_bytes`` bytes from every byte on (as :mod:`.._blocks` copies blocks),
-    through a temporary of at most :data:`~.._blocks.STAGE_BYTES` at a time: ``np.take`` would
-    copy such a view whole first."""
+    row_bytes`` of the mapping. Chunks whose offsets differ by whole rows (one *phase*: offset
+    modulo ``row_bytes``) lie in one array of rows over the mapping, the bytes between runs of
+    them (the chunk index's nodes, other data) rows never asked for. A batch is one ``np.take``
+    from the array of the phase most chunks are at, as from a contiguous top; rows of chunks
+    at other phases are then fetched again from their phase's array by a fancy index (about
+    half of ``np.take``'s rate: :data:`._choice.MAIN_PHASE` bounds how many there are)."""
 
     def __init__(
         self,
@@ -241,26 +239,38 @@ class ChunkRows:
         shape: tuple[int, ...],
     ) -> None:
         """``whole``: the mapping's bytes (uint8, read-only); ``at``: where each stored chunk
-        starts in it (int64, in row order); rows of ``dtype`` and ``shape``, ``nrows`` of them."""
+        starts in it (int64, in row order); rows of ``dtype`` and ``shape``, ``nrows`` of
+        them."""
         self.dtype = np.dtype(dtype)
         self.shape = (nrows, *shape)
-        rb = self.row_bytes = self.dtype.itemsize * math.prod(shape)
-        assert rb > 0 and len(whole) >= rb
+        rb = self.dtype.itemsize * math.prod(shape)
+        at = np.asarray(at, np.int64)
+        assert rb > 0 and len(at) > 0
         self.chunk_rows = chunk_rows
-        self.at = np.asarray(at, np.int64)
+        phases, of, counts = np.unique(at % rb, return_inverse=True, return_counts=True)
+        main = int(np.argmax(counts))
+        order = [main, *(i for i in range(len(phases)) if i != main)]
+        #: Each phase's array of rows over the mapping, the main phase's first, as items of
+        #: ``row_bytes`` bytes: a phase need not be aligned for ``dtype``, and ``np.take``
+        #: would copy a whole unaligned array first.
         self._item = item = np.dtype(f"V{rb}")
-        # Every byte's row: items overlap, so any offset of the mapping can be indexed.
-        self._bytes: np.ndarray = np.ndarray((len(whole) - rb + 1,), item, whole, 0, (1,))
-        self._bytes.flags.writeable = False
-        phases, self._phase = np.unique(self.at % rb, return_inverse=True)
-        #: Each phase's rows (contiguous), and each chunk's first row among its phase's.
-        self._phases = [
-            np.ndarray(((len(whole) - int(p)) // rb,), item, whole, int(p)) for p in phases
-        ]
-        self._first = self.at // rb
+        self.phases = []
+        for i in order:
+            p = int(phases[i])
+            self.phases.append(whole[p : p + (len(whole) - p) // rb * rb].view(item))
+        rank = np.empty(len(phases), np.int64)
+        rank[order] = np.arange(len(phases))
+        #: Each chunk's phase (0: the main one) and its first row in that phase's array.
+        self.phase = rank[of.reshape(-1)]
+        self.first = (at - phases[of.reshape(-1)]) // rb
 
     def __len__(self) -> int:
         return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its rows (as an array's: what the pipeline sizes its groups by)."""
+        return self.shape[0] * self._item.itemsize
 
     def take(
         self, indices: np.ndarray, axis: int = 0, out: np.ndarray | None = None, mode: str = "clip"
@@ -272,21 +282,17 @@ class ChunkRows:
         n = len(idx)
         if out is None:
             out = np.empty((n, *self.shape[1:]), self.dtype)
-        if n == 0:
-            return out
         direct = out.flags.c_contiguous and out.dtype == self.dtype
         dest = np.ndarray((n,), self._item, out, 0) if direct else np.empty(n, self._item)
         k = idx // self.chunk_rows
-        within = idx - k * self.chunk_rows
-        phase = self._phase[k]
-        if len(self._phases) == 1 or phase.min() == phase.max():
-            rows = self._phases[int(phase[0])]
-            np.take(rows, self._first[k] + within, out=dest, mode="clip")
-        else:
-            where = self.at[k] + within * self.row_bytes
-            step = max(1, STAGE_BYTES // self.row_bytes)
-            for a in range(0, n, step):
-                dest[a : a + step] = self._bytes[where[a : a + step]]
+        where = self.first[k] + (idx - k * self.chunk_rows)
+        # Clipped: a row of another phase may lie past the main array's end; it is fetched again.
+        np.take(self.phases[0], where, out=dest, mode="clip")
+        if len(self.phases) > 1:
+            phase = self.phase[k]
+            for i in np.unique(phase[phase > 0]).tolist():
+                sel = np.flatnonzero(phase == i)
+                dest[sel] = self.phases[i][where[sel]]
         if not direct:
             out[...] = dest.view(self.dtype).reshape(out.shape)
         return out
@@ -314,6 +320,11 @@ class Spliced:
 
     def __len__(self) -> int:
         return int(self.ends[-1])
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its rows (as an array's: what the pipeline sizes its groups by)."""
+        return sum(int(p.nbytes) for p in self.parts)
 
     def take(
         self, indices: np.ndarray, axis: int = 0, out: np.ndarray | None = None, mode: str = "clip"
