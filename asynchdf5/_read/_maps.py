@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -311,7 +312,7 @@ class Spliced:
     A batch whose rows are all in one file is one ``np.take``; one spread over several files
     is taken file by file into its places in ``out``."""
 
-    def __init__(self, parts: list[np.ndarray], starts: list[int]) -> None:
+    def __init__(self, parts: Sequence[np.ndarray | ChunkRows], starts: list[int]) -> None:
         self.parts = parts
         self.starts = np.asarray(starts, np.int64)
         self.ends = self.starts + np.asarray([len(p) for p in parts], np.int64)
@@ -338,7 +339,7 @@ class Spliced:
         part = np.searchsorted(self.ends, idx, side="right")
         first, last = int(part.min()), int(part.max())
         if first == last:
-            np.take(self.parts[first], idx - self.starts[first], axis=0, out=out, mode="clip")
+            self.parts[first].take(idx - self.starts[first], axis=0, out=out, mode="clip")
             return out
         order = np.argsort(part, kind="stable")
         bounds = np.searchsorted(part[order], np.arange(first, last + 2))
