@@ -291,9 +291,15 @@ class ChunkRows:
         np.take(self.phases[0], where, out=dest, mode="clip")
         if len(self.phases) > 1:
             phase = self.phase[k]
-            for i in np.unique(phase[phase > 0]).tolist():
-                sel = np.flatnonzero(phase == i)
-                dest[sel] = self.phases[i][where[sel]]
+            odd = np.flatnonzero(phase)  # rows of chunks at another phase: few (or none)
+            if len(odd) == 0:
+                pass
+            elif len(self.phases) == 2:
+                dest[odd] = self.phases[1][where[odd]]
+            else:
+                for i in np.unique(phase[odd]).tolist():
+                    sel = odd[phase[odd] == i]
+                    dest[sel] = self.phases[i][where[sel]]
         if not direct:
             out[...] = dest.view(self.dtype).reshape(out.shape)
         return out
