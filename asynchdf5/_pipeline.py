@@ -133,8 +133,9 @@ class Run:
         # Gather several batches per group: the batcher's and the consumer's Python work is per
         # group, not per batch, which matters at thousands of batches per second. Groups of
         # about GROUP_BYTES, or less next to a small cache (see group_bytes).
+        # (Mapped rows over several files or stored chunks are no ndarray, but have nbytes.)
         cached = sum(s.nbytes for s in slots or ()) or sum(
-            a.nbytes for a in (sources or {}).values() if isinstance(a, np.ndarray)
+            int(getattr(a, "nbytes", 0)) for a in (sources or {}).values()
         )
         per_group = group_bytes(cached)
         self.group = int(

@@ -14,6 +14,7 @@ truncation then ends the process with SIGBUS) is what happens, in a child proces
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ import asynchdf5._read._mapped as mapped
 from asynchdf5 import AsyncHDF5DataLayer, ConfigurationError, HDF5DataLayer, ReadError
 from asynchdf5._read._lease import Lease
 
-from ._files import check_epoch, check_message, write_h5
+from ._files import check_epoch, check_exactly_once, check_message, rows, write_h5
 from ._leaks import aassert_released, asnapshot
 from .test_faults import rewrite_in_place, truncate, write_linked
 
@@ -138,27 +139,30 @@ async def test_the_same_batches_as_the_copying_reader(
     assert mappings(path, collect=True) == []  # unmapped once closed
 
 
-def _files(folder: Path, sizes: list[int]) -> Path:
+def _files(folder: Path, sizes: list[int], layout: str = "contiguous") -> Path:
     """A source list of files with ``sizes`` rows (some may have none), rows numbered across."""
     start, names = 0, []
     for i, n in enumerate(sizes):
-        write_h5(folder / f"part{i}.h5", start, n)
+        # h5py chunks no dataset of 0 rows: such a file is contiguous (and never mapped)
+        write_h5(folder / f"part{i}.h5", start, n, layout=layout if n else "contiguous")
         names.append(f"part{i}.h5")
         start += n
     (folder / "list.txt").write_text("\n".join(names) + "\n")
     return folder / "list.txt"
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "chunked"])
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("kept", [True, False])
 async def test_several_files_are_mapped_and_give_the_copying_readers_batches(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool, kept: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool, kept: bool, layout: str
 ) -> None:
     """Four files (one without rows), chunks and batches across their boundaries: mapped, a
-    lease on each, the same batches as copied; nothing mapped or open once closed."""
+    lease on each, the same batches as copied; nothing mapped or open once closed. Stored
+    contiguously, or in chunks of 8 whole rows (each file's last one partial)."""
     if not kept:
         monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
-    source = _files(tmp_path, [1700, 0, 2003, 1300])
+    source = _files(tmp_path, [1700, 0, 2003, 1300], layout)
     kw: dict[str, Any] = dict(shuffle=shuffle, seed=5, chunk_size=1024, epochs=2)
     kw["cache_bytes"] = 2048 * ROW_BYTES
     before = await asnapshot()
@@ -263,9 +267,25 @@ def _compact(folder: Path) -> Path:
     return path
 
 
+def _split(folder: Path) -> Path:
+    """Unfiltered chunks of 8 rows and one column: each holds part of its samples."""
+    path = write_h5(folder / "split.h5", 0, N)
+    with h5py.File(path, "r+") as f:
+        data = f["data"][:]
+        del f["data"]
+        f.create_dataset("data", data=data, chunks=(8, 1))
+    return path
+
+
 REFUSED: dict[str, tuple[Callable[[Path], Path], str]] = {
-    "gzip": (lambda d: write_h5(d / "z.h5", 0, N, layout="gzip"), "needs contiguous"),
-    "chunked": (lambda d: write_h5(d / "c.h5", 0, N, layout="chunked"), "needs contiguous"),
+    "gzip": (
+        lambda d: write_h5(d / "z.h5", 0, N, layout="gzip"),
+        "is stored chunked (8, 2), filtered: mapping needs contiguous storage or unfiltered chunks",
+    ),
+    "chunks that split samples": (
+        _split,
+        "is stored chunked (8, 1), chunks that split its samples: mapping needs chunks of whole",
+    ),
     "other byte order": (_big_endian, "stored in the other byte order"),
     "compact": (_compact, "is read through h5py (compact layout): mapping needs contiguous"),
 }
@@ -499,11 +519,13 @@ async def test_rows_carried_into_the_next_chunk_are_checked_when_carried(
 # --- memory --------------------------------------------------------------------------------------
 
 
-def _big(path: Path, n: int) -> Path:
-    """Two int64 tops of ``n`` rows: ``data`` is ten times the row's index, ``label`` it."""
+def _big(path: Path, n: int, chunks: int | None = None) -> Path:
+    """Two int64 tops of ``n`` rows: ``data`` is ten times the row's index, ``label`` it;
+    stored contiguously, or in ``chunks`` of that many rows."""
     with h5py.File(path, "w") as f:
-        f["data"] = np.arange(n, dtype=np.int64) * 10
-        f["label"] = np.arange(n, dtype=np.int64)
+        kw: dict[str, Any] = {} if chunks is None else {"chunks": (chunks,)}
+        f.create_dataset("data", data=np.arange(n, dtype=np.int64) * 10, **kw)
+        f.create_dataset("label", data=np.arange(n, dtype=np.int64), **kw)
     return path
 
 
@@ -521,20 +543,23 @@ def _streamed(path: Path, batch_size: int) -> AsyncHDF5DataLayer:
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the reader is the same on both
+@pytest.mark.parametrize("stored", [None, 2**15], ids=["contiguous", "chunked"])
 async def test_pages_of_chunks_done_with_are_unmapped_unless_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored: int | None
 ) -> None:
     """A data set of 256 MiB (128 MiB a top) in chunks of 4 MiB: unless kept, the mapped pages
     stay within the chunks in flight; kept (the control), the whole file ends up mapped. One
     epoch each: left mapped, its chunks would map the whole top by its end (the epochs after
-    it: ``test_chunks_of_epochs_left_early_are_unmapped_too``)."""
-    path = _big(tmp_path / "big.h5", 2**24)
+    it: ``test_chunks_of_epochs_left_early_are_unmapped_too``). Stored contiguously, or in
+    stored chunks of 256 KiB (a plan chunk's rows: the byte spans of 8 of them)."""
+    path = _big(tmp_path / "big.h5", 2**24, stored)
     peaks = {}
     for kept, bound in ((False, 0), (True, 2**40)):
         monkeypatch.setattr(mapped, "default_keep_bytes", lambda bound=bound: bound)
         peak = 0
         with anyio.fail_after(60):
             async with _streamed(path, batch_size=2**14) as layer:
+                assert layer.stats.read_paths == {"data": "mmap", "label": "mmap"}
                 async for i, b in _enumerate(layer):
                     np.testing.assert_array_equal(b["label"], b.indices)
                     np.testing.assert_array_equal(b["data"], b.indices * 10)
@@ -1102,6 +1127,200 @@ async def test_a_lease_broken_before_a_ragged_gather_is_a_read_error_naming_the_
     await aassert_released(before)
     assert got == []
     check_message(info.value, "top 'tok', ", "rows ", "the lease was broken")
+
+
+# --- tops stored in chunks of whole samples ----------------------------------------------------
+
+CHUNK = 64  # rows a stored chunk: N is not a multiple, so the last chunk is partial
+
+
+def _chunked(
+    path: Path,
+    how: str,
+    *,
+    unwritten: int | None = None,
+    parts: tuple[int, ...] = (1500, 3333),
+    pad: bool = False,
+) -> dict[str, np.ndarray]:
+    """``write_h5``'s rows in stored chunks of :data:`CHUNK` whole rows, written at once
+    (``chunks=``) or appended in parts (split at ``parts``), each dataset resized first
+    (``maxshape=(None, ...)``, as an appending writer does: the two tops' chunks interleave in
+    the file). Stored chunk ``unwritten`` of ``data`` is never written (HDF5 reads its fill
+    value). ``pad``: a dataset of 3 bytes written after each part, so that the chunks after it
+    lie at offsets 3 bytes off whole rows from those before. Returns what h5py reads."""
+    want = {k: v for k, v in rows(0, N).items()}
+    with h5py.File(path, "w") as f:
+        for name, arr in want.items():
+            chunks = (CHUNK, *arr.shape[1:])
+            if how == "chunks":
+                f.create_dataset(name, shape=arr.shape, dtype=arr.dtype, chunks=chunks)
+            else:
+                f.create_dataset(
+                    name, shape=(0, *arr.shape[1:]), dtype=arr.dtype, chunks=chunks,
+                    maxshape=(None, *arr.shape[1:]),
+                )  # fmt: skip
+        cuts = (0, *parts, N)
+        for a, b in itertools.pairwise(cuts):
+            if pad and a:
+                f.create_dataset(f"pad{a}", data=np.zeros(3, np.uint8))
+            for name, arr in want.items():
+                d = f[name]
+                if how != "chunks":
+                    d.resize(b, axis=0)
+                if name == "data" and unwritten is not None:
+                    hole = range(unwritten * CHUNK, (unwritten + 1) * CHUNK)
+                    for lo, hi in ((a, min(b, hole.start)), (max(a, hole.stop), b)):
+                        if lo < hi:
+                            d[lo:hi] = arr[lo:hi]
+                    continue
+                d[a:b] = arr[a:b]
+    with h5py.File(path, "r") as f:
+        assert f["data"].chunks == (CHUNK, 2) and N % CHUNK
+        return {name: f[name][:] for name in want}
+
+
+@pytest.mark.parametrize("how", ["chunks", "maxshape"])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize(
+    ("chunk_size", "kept"),
+    [(1000, True), (1000, False), (2**20, True)],  # streaming, unmapped after use; resident
+)
+async def test_chunked_tops_of_whole_samples_are_mapped_and_give_h5pys_rows(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+    shuffle: bool,
+    chunk_size: int,
+    kept: bool,
+) -> None:
+    """Unfiltered chunks of whole rows, written with ``chunks=`` or appended to a
+    ``maxshape=`` dataset, the last chunk partial: served mapped by default, every batch the rows
+    h5py reads at its indices, every sample exactly once an epoch; every byte mapped once when
+    kept, again each epoch when not; nothing mapped once closed."""
+    if not kept:
+        monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    path = tmp_path / "c.h5"
+    want = _chunked(path, how)
+    kw: dict[str, Any] = dict(shuffle=shuffle, seed=3, chunk_size=chunk_size, epochs=3)
+    if chunk_size < N:
+        kw["cache_bytes"] = 2 * chunk_size * ROW_BYTES
+    before = await asnapshot()
+    with anyio.fail_after(60):
+        served, stats = await batches(path, **kw)
+    await aassert_released(before)
+    assert stats.read_paths == {"data": "mmap", "label": "mmap"}
+    for note in stats.read_notes.values():
+        assert note.startswith("mapped: ") and note.endswith(", read lease held"), note
+    if kept:
+        assert stats.bytes_read == N * ROW_BYTES
+    else:
+        assert stats.bytes_read >= 2 * N * ROW_BYTES
+    for epoch, got in enumerate(served):
+        check_epoch(got, N, 64, epoch)
+        for b in got:
+            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+            np.testing.assert_array_equal(b["label"], want["label"][b.indices])
+    assert mappings(path, collect=True) == []
+
+
+def _phases(path: Path) -> np.ndarray:
+    """How many of ``data``'s stored chunks lie at each offset modulo its row's bytes."""
+    offsets: list[int] = []
+    with h5py.File(path, "r") as f:
+        f["data"].id.chunk_iter(lambda info: offsets.append(info.byte_offset))
+    _, counts = np.unique(np.asarray(offsets) % 8, return_counts=True)
+    return np.sort(counts)[::-1]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+async def test_chunks_of_a_few_at_another_phase_are_mapped_and_those_rows_fetched_again(
+    tmp_path: Path, shuffle: bool
+) -> None:
+    """Appended with 3 bytes written between the parts: a few of ``data``'s chunks lie at
+    offsets that differ from the others' by no whole row. Mapped all the same (most rows are
+    one array of the mapping), each batch the rows h5py reads, the few taken from their own
+    phase's array."""
+    path = tmp_path / "c.h5"
+    want = _chunked(path, "maxshape", parts=(4800,), pad=True)
+    counts = _phases(path)
+    assert len(counts) > 1 and counts[0] >= choice.MAIN_PHASE * counts.sum(), counts
+    with anyio.fail_after(60):
+        served, stats = await batches(path, shuffle=shuffle, seed=2, chunk_size=1000)
+    assert stats.read_paths == {"data": "mmap", "label": "mmap"}
+    for epoch, got in enumerate(served):
+        check_epoch(got, N, 64, epoch)
+        for b in got:
+            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+
+
+async def test_chunks_at_many_phases_are_copied_and_say_why(tmp_path: Path) -> None:
+    """Chunks split between offsets of several phases, none holding 7/8 of them (as the v1
+    B-tree nodes of an h5py file of wide rows leave them): mapped, most rows would be fetched
+    by a fancy index, slower than copying, so the source is copied, and the notes say why."""
+    path = tmp_path / "c.h5"
+    want = _chunked(path, "maxshape", pad=True)
+    counts = _phases(path)
+    assert counts[0] < choice.MAIN_PHASE * counts.sum(), counts
+    with anyio.fail_after(60):
+        got, stats = await batches(path, epochs=1, shuffle=True, seed=0, chunk_size=1000)
+    assert stats.read_paths == {"data": "chunks", "label": "chunks"}
+    assert (
+        f"copied: top 'data' is stored chunked ({CHUNK}, 2), its chunks at {len(counts)} "
+        "different offsets modulo its row's 8 bytes"
+    ) in stats.read_notes["data"]
+    check_epoch(got[0], N, 64, 0)
+    for b in got[0]:
+        np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+
+
+@pytest.mark.parametrize("mode", [True, "auto"])
+async def test_a_chunk_never_written_is_copied_and_reads_the_fill_value(
+    tmp_path: Path, mode: bool | str
+) -> None:
+    """Stored chunk 2 of ``data`` never written: HDF5 reads the fill value there, which no
+    mapping holds, so the source is copied (h5py reads that top), the notes saying why; the
+    batches are what h5py reads (zeros in those rows)."""
+    path = tmp_path / "hole.h5"
+    want = _chunked(path, "chunks", unwritten=2)
+    assert not want["data"][2 * CHUNK : 3 * CHUNK].any()
+    with anyio.fail_after(60):
+        got, stats = await batches(path, epochs=1, shuffle=True, seed=0, mmap=mode)
+    assert stats.read_paths["data"] == "h5py"
+    note = stats.read_notes["data"]
+    assert (
+        "copied: top 'data' is read through h5py (chunks not all written (fill values)): " in note
+    )
+    assert "mapping needs contiguous storage or unfiltered chunks of whole samples" in note
+    check_exactly_once([b.indices for b in got[0]], N)
+    for b in got[0]:
+        np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+        np.testing.assert_array_equal(b["label"], want["label"][b.indices])
+
+
+async def test_a_mapped_chunked_run_resumes_exactly(tmp_path: Path) -> None:
+    """Stopped after 20 batches of a shuffled epoch: a new layer given the state yields the
+    rest as the first one did (the same indices and rows), mapped too, every sample of the
+    epoch exactly once over both."""
+    path = tmp_path / "c.h5"
+    want = _chunked(path, "maxshape")
+    kw: dict[str, Any] = dict(batch_size=64, shuffle=True, seed=4, chunk_size=1000)
+    with anyio.fail_after(60):
+        async with AsyncHDF5DataLayer(path, **kw) as layer:
+            assert layer.stats.read_paths == {"data": "mmap", "label": "mmap"}
+            it = aiter(layer)
+            head = [await anext(it) for _ in range(20)]
+            state = layer.state_dict()
+            tail = [b async for b in it]
+        async with AsyncHDF5DataLayer(path, **kw) as resumed:
+            resumed.load_state_dict(state)
+            assert resumed.stats.read_paths == {"data": "mmap", "label": "mmap"}
+            rest = [b async for b in resumed]
+    assert len(rest) == len(tail)
+    for a, b in zip(rest, tail, strict=True):
+        np.testing.assert_array_equal(a.indices, b.indices)
+        np.testing.assert_array_equal(a["data"], want["data"][a.indices])
+        np.testing.assert_array_equal(a["label"], want["label"][a.indices])
+    check_exactly_once([b.indices for b in head + rest], N)
 
 
 # --- asynchdf5 inspect ---------------------------------------------------------------------------

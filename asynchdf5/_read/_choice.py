@@ -1,7 +1,8 @@
 """Whether a source is served mapped (:mod:`._mapped`) or copied (:mod:`._reader`), and why.
 
 ``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: files with their
-tops stored in them contiguously, uncompressed, in this machine's byte order, on Linux 5.14 or
+tops stored in them contiguously, uncompressed (or in unfiltered chunks of whole samples, every
+chunk written), in this machine's byte order, on Linux 5.14 or
 newer, at most :func:`max_files` of them (one, with a ragged or sparse top: its heaps are not
 spliced across files), with a read lease where Linux grants one and without one elsewhere.
 
@@ -31,6 +32,8 @@ import math
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
+
+import numpy as np
 
 from .._catalog import Catalog, FileInfo
 from .._layout import Layout
@@ -170,8 +173,11 @@ def refusal(catalog: Catalog) -> str | None:
             where = f"{info.name}: " if len(files) > 1 else ""
             parts = info.ragged.get(top)
             if parts is None:
-                size = catalog.tops[top].row_bytes * info.nrows
-                why = _unmappable(where, top, layout, info, size)
+                row_bytes = catalog.tops[top].row_bytes
+                if layout.path == "chunks":
+                    why = _unmappable_chunks(where, top, layout, info, row_bytes)
+                else:
+                    why = _unmappable(where, top, layout, info, row_bytes * info.nrows)
                 if why is not None:
                     return why
                 continue
@@ -203,7 +209,7 @@ def _unmappable(where: str, top: str, layout: Layout, info: FileInfo, size: int)
         how = f"stored {layout.storage}"
         if layout.note:
             how = f"read through h5py ({layout.note})"
-        return f"{where}top {top!r} is {how}: mapping needs contiguous, uncompressed storage"
+        return f"{where}top {top!r} is {how}: mapping needs contiguous storage{_OR_CHUNKS}"
     if layout.swap:
         return f"{where}top {top!r} is stored in the other byte order"
     (ext,) = layout.extents
@@ -213,6 +219,55 @@ def _unmappable(where: str, top: str, layout: Layout, info: FileInfo, size: int)
         return f"{where}top {top!r} is stored in another file ({ext.file.name}): an external link"
     if size == 0 or ext.start != 0 or ext.size != size:
         return f"{where}top {top!r}: its stored bytes do not hold exactly its rows"
+    return None
+
+
+#: The share of a chunked top's stored chunks that must lie at offsets that differ by whole rows
+#: (one *phase*: offset modulo the row's bytes) for it to be mapped. Those rows are one array of
+#: the mapping, one ``np.take``; rows of other chunks are fetched again by a fancy index (about
+#: half of ``np.take``'s rate), so a top of chunks of many phases (an h5py file's v1 B-tree nodes
+#: between every few dozen chunks) is copied, which is faster. One of the 1,563 chunks of a file
+#: written with ``libver="latest"`` is at another phase; one in 28 with the default libver.
+MAIN_PHASE = 7 / 8
+
+_OR_CHUNKS = " or unfiltered chunks of whole samples, every chunk written"
+
+
+def _unmappable_chunks(
+    where: str, top: str, layout: Layout, info: FileInfo, row_bytes: int
+) -> str | None:
+    """Why fixed top ``top``, stored chunked (``layout``) in file ``info``, cannot be mapped as
+    rows of ``row_bytes`` (None: it can). Only chunks whose bytes are exactly whole rows, as
+    stored: a row is then at its chunk's offset plus its place in the chunk, never a guess."""
+    index = layout.chunks
+    assert index is not None
+    name = f"{where}top {top!r} is stored {layout.storage}"
+    if layout.filters:
+        return f"{name}, filtered: mapping needs contiguous storage{_OR_CHUNKS}"
+    if index.band != 1 or index.splits_samples:
+        return f"{name}, chunks that split its samples: mapping needs chunks of whole samples"
+    if layout.swap:
+        return f"{where}top {top!r} is stored in the other byte order"
+    if not isinstance(index.file, LocalFile):
+        return f"{where}top {top!r} is not in a local file"
+    if index.file is not info.file:  # one lease guards one file
+        return f"{where}top {top!r} is stored in another file ({index.file.name}): an external link"
+    whole = index.rows * row_bytes
+    if (
+        row_bytes == 0
+        or len(index.offsets) * index.rows < info.nrows
+        or (index.sizes != whole).any()
+    ):
+        return f"{where}top {top!r}: its stored chunks do not hold exactly its rows"
+    _, counts = np.unique(index.offsets[:, 0] % row_bytes, return_counts=True)
+    if counts.max() < MAIN_PHASE * len(index.offsets):
+        share = counts.max() / len(index.offsets)
+        return (
+            f"{name}, its chunks at {len(counts)} different offsets modulo its row's "
+            f"{row_bytes} bytes (the most at one: {share:.0%} of them; the chunk index or other "
+            "data lies between runs of chunks): mapped, its rows would be gathered by byte "
+            "offset, slower than copying them"
+        )
     return None
 
 

@@ -27,11 +27,16 @@ never the process's own memory: the kernel can take them back at any time.
 
 Applies to local files whose tops are stored contiguously, uncompressed, in this machine's byte
 order, up to a bound on their number (:func:`._choice.refusal` says why not otherwise, and the
-layer copies). With several files, each top's rows are a :class:`._maps.Spliced` of the files'
-mappings, and the guard is the leases of all (:class:`._lease.Leases`). A ragged or sparse top
-(:mod:`.._ragged_tops`) is mapped from a source of one file only: its heaps (``data``, and a
-sparse top's ``indices``) are mapped as a top's rows are, its spans are made from ``indptr``, and
-the gather holds the guard around each copy out of a heap as around a fixed top's.
+layer copies). A top stored in chunks of whole rows, unfiltered, every chunk written, is mapped
+too: a row's bytes are at its chunk's offset plus its place in the chunk, so a batch is one
+``np.take`` from the mapping as rows (:class:`._maps.ChunkRows`; mapped only where most chunks
+lie at offsets that differ by whole rows), and a chunk's rows are made ready (and dropped) as
+the byte spans of the stored chunks they lie in. With several files, each top's rows are a
+:class:`._maps.Spliced` of the files' mappings, and the guard is the leases of all
+(:class:`._lease.Leases`). A ragged or sparse top (:mod:`.._ragged_tops`) is mapped from a
+source of one file only: its heaps (``data``, and a sparse top's ``indices``) are mapped as a
+top's rows are, its spans are made from ``indptr``, and the gather holds the guard around each
+copy out of a heap as around a fixed top's.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from .._catalog import Catalog, TopInfo
+from .._catalog import Catalog, FileInfo, TopInfo
 from .._errors import ReadError
 from .._machine import memory_bytes
 from .._plan import ChunkPlan
@@ -61,7 +66,7 @@ from .._sources._local import LocalFile
 from .._stats import ReadStats
 from .._thread_call import release_whole
 from ._lease import Lease, Leases
-from ._maps import MappedTop, Spliced, get_libc, supported
+from ._maps import Libc, MappedTop, Spliced, get_libc, supported
 from ._spans import merged, uncovered
 
 __all__ = ["MappedReader", "default_keep_bytes", "supported"]
@@ -121,11 +126,7 @@ class MappedReader:
                 for name, top in catalog.tops.items():
                     stored = info.ragged.get(name)
                     if stored is None:
-                        (ext,) = info.layouts[name].extents
-                        assert isinstance(ext.file, LocalFile)
-                        self._pin(ext.file)
-                        t = MappedTop(libc, top, ext.file, ext.offset, info.nrows, info.start)
-                        self._tops.append(t)
+                        self._tops.append(self._map(libc, top, info))
                         continue
                     # A ragged top (one file: :func:`._choice.refusal`): its heaps mapped, its
                     # rows' spans from `indptr`, in memory.
@@ -179,6 +180,21 @@ class MappedReader:
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             1, "asynchdf5-map", initializer=background
         )
+
+    def _map(self, libc: Libc, top: TopInfo, info: FileInfo) -> MappedTop:
+        """Map fixed top ``top`` of file ``info``: its one extent, or its stored chunks of whole
+        rows, from the first to the end of the last (:func:`._choice.refusal` checked them)."""
+        layout = info.layouts[top.name]
+        index = layout.chunks
+        if index is None:
+            (ext,) = layout.extents
+            file, offset, chunks = ext.file, ext.offset, None
+        else:
+            at = index.offsets[:, 0]
+            file, offset, chunks = index.file, int(at.min()), (index.rows, at)
+        assert isinstance(file, LocalFile)
+        self._pin(file)
+        return MappedTop(libc, top, file, offset, info.nrows, info.start, chunks=chunks)
 
     async def read(
         self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
@@ -252,14 +268,15 @@ class MappedReader:
         """Read the rows ahead and map their pages (blocking); ReadError if a page cannot be."""
         pieces = [(t, rows) for a, b in ranges for t in self._tops if (rows := t.local(a, b))]
         for t, (a, b) in pieces:  # every read queued first: the disk sees them all at once
-            with contextlib.suppress(OSError):  # advice only
-                lo, hi = t.extent(a, b)
-                os.posix_fadvise(t.file.fd, t.offset + lo, hi - lo, os.POSIX_FADV_WILLNEED)
-        for t, (a, b) in pieces:
-            lo, hi = t.pages(a, b)
-            if hi <= lo:  # a ragged top's rows holding no values
-                continue
-            err = self._libc.madvise(t.address + lo, hi - lo, _POPULATE_READ)
+            for lo, hi in t.spans(a, b):
+                with contextlib.suppress(OSError):  # advice only
+                    os.posix_fadvise(t.file.fd, t.offset + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+        for t, (a, b) in pieces:  # no pages: a ragged top's rows holding no values
+            populate = (
+                self._libc.madvise(t.address + lo, hi - lo, _POPULATE_READ)
+                for lo, hi in t.pages(a, b)
+            )
+            err = next((e for e in populate if e), 0)  # stops at the first that failed
             if err:
                 a, b = t.start + a, t.start + b  # global rows, as everywhere in messages
                 self._check_files([(a, b)])  # a file that changed is the cause to report
@@ -300,8 +317,8 @@ class MappedReader:
         if not given_back:
             return
         for t in self._tops:
-            used = merged([t.pages(*rows) for a, b in live if (rows := t.local(a, b))])
-            for x, y in uncovered(used, 0, t.pages(0, t.nrows)[1]):
+            used = merged([p for a, b in live if (rows := t.local(a, b)) for p in t.pages(*rows)])
+            for x, y in uncovered(used, 0, t.end):
                 self._libc.madvise(t.address + x, y - x, _DONTNEED)
 
     def _close_maps(self) -> None:

@@ -1,6 +1,7 @@
 """The mappings the mapped reader (:mod:`._mapped`) serves rows from: ``mmap`` and ``madvise``
-through the C library, one top of one file mapped (:class:`MappedTop`), and the rows of one top
-over several mapped files indexed as one (:class:`Spliced`)."""
+through the C library, one top of one file mapped (:class:`MappedTop`), the rows of a top stored
+in chunks of whole rows indexed by row (:class:`ChunkRows`), and the rows of one top over several
+mapped files indexed as one (:class:`Spliced`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,8 +21,9 @@ from .._catalog import TopInfo
 from .._errors import ReadError
 from .._pages import MAP_FAILED, libc_madvise, libc_mmap
 from .._sources._local import LocalFile
+from ._spans import merged
 
-__all__ = ["Libc", "MappedTop", "Spliced", "get_libc", "supported"]
+__all__ = ["ChunkRows", "Libc", "MappedTop", "Spliced", "get_libc", "supported"]
 
 _PAGE = mmap.PAGESIZE
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -100,14 +103,20 @@ class MappedTop:
 
     A ragged top's heap (its values, or a sparse top's column indices: :attr:`key` names it
     among the reader's arrays) is mapped the same way, given the file's ``indptr``: its array
-    holds the values, and the rows it is asked about (:meth:`local`, :meth:`extent`) are still
+    holds the values, and the rows it is asked about (:meth:`local`, :meth:`spans`) are still
     the top's rows, each the range of values ``indptr`` says.
+
+    A top stored in chunks of whole rows (``chunks``: rows per chunk and each chunk's file
+    offset, every chunk stored unfiltered at exactly its rows' bytes: :func:`._choice.refusal`
+    checks) is mapped from its first chunk to the end of its last, whatever lies between (the
+    chunk index's nodes, other tops' chunks); its array is a :class:`ChunkRows`, and a run of
+    its rows is a byte span per stored chunk it touches.
 
     The mapping goes when the last view of :attr:`array` does (never under a live view)."""
 
     __slots__ = (
-        "address", "array", "file", "indptr", "key", "length", "name", "nrows", "offset",
-        "row_bytes", "skip", "start",
+        "address", "array", "chunk_at", "chunk_rows", "file", "indptr", "key", "length", "name",
+        "nrows", "offset", "row_bytes", "skip", "start",
     )  # fmt: skip
 
     def __init__(
@@ -119,14 +128,20 @@ class MappedTop:
         nrows: int,
         start: int,
         heap: tuple[str, np.dtype[Any], tuple[int, ...], np.ndarray] | None = None,
+        chunks: tuple[int, np.ndarray] | None = None,
     ) -> None:
         """``heap``: a ragged top's heap, as its key, the values' dtype and trailing shape, and
-        the file's ``indptr`` (None: the top's rows themselves)."""
+        the file's ``indptr`` (None: the top's rows themselves). ``chunks``: the top is stored
+        in chunks of that many whole rows, at those file offsets (int64, in row order; ``offset``
+        is then the lowest of them)."""
         self.name, self.file, self.row_bytes = info.name, file, info.row_bytes
         self.offset, self.nrows, self.start = offset, nrows, start
         self.key, dtype, shape = info.name, info.dtype, info.sample_shape
         self.indptr: np.ndarray | None = None
         items = nrows
+        self.chunk_rows = 0
+        #: Where each stored chunk starts, from the data's start (``offset``): chunked tops only.
+        self.chunk_at: np.ndarray | None = None
         if heap is not None:
             self.key, dtype, shape, self.indptr = heap
             self.row_bytes = dtype.itemsize * math.prod(shape)
@@ -134,6 +149,11 @@ class MappedTop:
         # A mapping starts at a page boundary: `skip` bytes of the page before the data.
         self.skip = offset % _PAGE
         self.length = length = self.skip + items * self.row_bytes
+        if chunks is not None:
+            self.chunk_rows, at = chunks
+            self.chunk_at = np.asarray(at, np.int64) - offset
+            end = int(self.chunk_at.max()) + self.chunk_rows * self.row_bytes if len(at) else 0
+            self.length = length = self.skip + end
         try:
             self.address = libc.map(file.fd, length, offset - self.skip)
         except OSError as exc:
@@ -144,31 +164,150 @@ class MappedTop:
         finalizer = weakref.finalize(whole, libc.unmap, self.address, length)
         # Not at interpreter exit: a daemon gather thread may still be reading the mapping then.
         finalizer.atexit = False
-        rows = whole[self.skip :].view(dtype).reshape(items, *shape)
-        rows.flags.writeable = False  # mapped read-only: a write would be a SIGSEGV
-        self.array: np.ndarray | None = rows
+        whole.flags.writeable = False  # mapped read-only: a write would be a SIGSEGV
+        self.array: np.ndarray | ChunkRows | None
+        if self.chunk_at is not None:
+            self.array = ChunkRows(
+                whole, self.skip + self.chunk_at, self.chunk_rows, nrows, dtype, shape
+            )
+        else:
+            self.array = whole[self.skip :].view(dtype).reshape(items, *shape)
 
-    def extent(self, a: int, b: int) -> tuple[int, int]:
-        """Where the bytes of this file's rows ``a:b`` start and end, from the data's start."""
-        if self.indptr is not None:
-            a, b = int(self.indptr[a]), int(self.indptr[b])
-        return a * self.row_bytes, b * self.row_bytes
+    def spans(self, a: int, b: int) -> list[tuple[int, int]]:
+        """Where the bytes of this file's rows ``a:b`` lie, from the data's start: one span, or
+        for a chunked top one per run of stored chunks back to back in the file (sorted,
+        disjoint)."""
+        if self.chunk_at is None:
+            if self.indptr is not None:
+                a, b = int(self.indptr[a]), int(self.indptr[b])
+            return [(a * self.row_bytes, b * self.row_bytes)] if a < b else []
+        if a >= b:
+            return []
+        c, rb = self.chunk_rows, self.row_bytes
+        k = np.arange(a // c, (b - 1) // c + 1, dtype=np.int64)
+        lo = self.chunk_at[k] + (np.maximum(a, k * c) - k * c) * rb
+        hi = self.chunk_at[k] + (np.minimum(b, k * c + c) - k * c) * rb
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
+        starts = np.flatnonzero(np.r_[True, lo[1:] != hi[:-1]])  # runs back to back: one span
+        ends = np.r_[starts[1:], len(lo)] - 1
+        return list(zip(lo[starts].tolist(), hi[ends].tolist(), strict=True))
 
     def nbytes(self, a: int, b: int) -> int:
         """The bytes of this file's rows ``a:b``."""
-        lo, hi = self.extent(a, b)
-        return hi - lo
+        return sum(hi - lo for lo, hi in self.spans(a, b))
 
-    def pages(self, a: int, b: int) -> tuple[int, int]:
-        """Where the pages holding rows ``a:b`` start and end, from :attr:`address`."""
-        lo, hi = self.extent(a, b)
-        lo, hi = lo + self.skip, hi + self.skip
-        return lo - lo % _PAGE, -(-hi // _PAGE) * _PAGE
+    def pages(self, a: int, b: int) -> list[tuple[int, int]]:
+        """Where the pages holding rows ``a:b`` start and end, from :attr:`address` (sorted,
+        disjoint)."""
+        out = []
+        for lo, hi in self.spans(a, b):
+            lo, hi = lo + self.skip, hi + self.skip
+            out.append((lo - lo % _PAGE, -(-hi // _PAGE) * _PAGE))
+        return merged(out)
+
+    @property
+    def end(self) -> int:
+        """Where the mapping's last page ends, from :attr:`address`."""
+        return -(-self.length // _PAGE) * _PAGE
 
     def local(self, a: int, b: int) -> tuple[int, int] | None:
         """Global rows ``a:b``, as rows of this file (None: none of them is)."""
         lo, hi = max(a, self.start), min(b, self.start + self.nrows)
         return (lo - self.start, hi - self.start) if lo < hi else None
+
+
+class ChunkRows:
+    """The rows of one top stored in one mapped file in chunks of whole rows, indexed by row:
+    what the gather takes rows from (it calls :meth:`take`, as ``np.take`` does on an object
+    that has one; :func:`len` bounds the rows it may ask for).
+
+    Row ``r`` is the ``row_bytes`` bytes at ``at[r // chunk_rows] + (r % chunk_rows) *
+    row_bytes`` of the mapping. Chunks whose offsets differ by whole rows (one *phase*: offset
+    modulo ``row_bytes``) lie in one array of rows over the mapping, the bytes between runs of
+    them (the chunk index's nodes, other data) rows never asked for. A batch is one ``np.take``
+    from the array of the phase most chunks are at, as from a contiguous top; rows of chunks
+    at other phases are then fetched again from their phase's array by a fancy index (about
+    half of ``np.take``'s rate: :data:`._choice.MAIN_PHASE` bounds how many there are)."""
+
+    def __init__(
+        self,
+        whole: np.ndarray,
+        at: np.ndarray,
+        chunk_rows: int,
+        nrows: int,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+    ) -> None:
+        """``whole``: the mapping's bytes (uint8, read-only); ``at``: where each stored chunk
+        starts in it (int64, in row order); rows of ``dtype`` and ``shape``, ``nrows`` of
+        them."""
+        self.dtype = np.dtype(dtype)
+        self.shape = (nrows, *shape)
+        rb = self.dtype.itemsize * math.prod(shape)
+        at = np.asarray(at, np.int64)
+        assert rb > 0 and len(at) > 0
+        self.chunk_rows = chunk_rows
+        phases, of, counts = np.unique(at % rb, return_inverse=True, return_counts=True)
+        main = int(np.argmax(counts))
+        order = [main, *(i for i in range(len(phases)) if i != main)]
+        #: Each phase's array of rows over the mapping, the main phase's first, as items of
+        #: ``row_bytes`` bytes: a phase need not be aligned for ``dtype``, and ``np.take``
+        #: would copy a whole unaligned array first.
+        self._item = item = np.dtype(f"V{rb}")
+        self.phases = []
+        for i in order:
+            p = int(phases[i])
+            self.phases.append(whole[p : p + (len(whole) - p) // rb * rb].view(item))
+        rank = np.empty(len(phases), np.int64)
+        rank[order] = np.arange(len(phases))
+        #: Each chunk's phase (0: the main one) and its first row in that phase's array.
+        self.phase = rank[of.reshape(-1)]
+        self.first = (at - phases[of.reshape(-1)]) // rb
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its rows (as an array's: what the pipeline sizes its groups by)."""
+        return self.shape[0] * self._item.itemsize
+
+    def take(
+        self, indices: np.ndarray, axis: int = 0, out: np.ndarray | None = None, mode: str = "clip"
+    ) -> np.ndarray:
+        """``np.take(rows, indices, axis=0, out=out)`` (every index a row: the pipeline checks
+        them)."""
+        assert axis == 0
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        n = len(idx)
+        if out is None:
+            out = np.empty((n, *self.shape[1:]), self.dtype)
+        direct = out.flags.c_contiguous and out.dtype == self.dtype
+        dest = np.ndarray((n,), self._item, out, 0) if direct else np.empty(n, self._item)
+        k = idx // self.chunk_rows
+        where = self.first[k] + (idx - k * self.chunk_rows)
+        # Clipped: a row of another phase may lie past the main array's end; it is fetched again.
+        np.take(self.phases[0], where, out=dest, mode="clip")
+        if len(self.phases) > 1:
+            phase = self.phase[k]
+            odd = np.flatnonzero(phase)  # rows of chunks at another phase: few (or none)
+            if len(odd) == 0:
+                pass
+            elif len(self.phases) == 2:
+                dest[odd] = self.phases[1][where[odd]]
+            else:
+                for i in np.unique(phase[odd]).tolist():
+                    sel = odd[phase[odd] == i]
+                    dest[sel] = self.phases[i][where[sel]]
+        if not direct:
+            out[...] = dest.view(self.dtype).reshape(out.shape)
+        return out
+
+    def __getitem__(self, rows: slice | np.ndarray) -> np.ndarray:
+        if isinstance(rows, slice):
+            rows = np.arange(*rows.indices(len(self)), dtype=np.int64)
+        return self.take(np.asarray(rows, np.int64))
 
 
 class Spliced:
@@ -179,7 +318,7 @@ class Spliced:
     A batch whose rows are all in one file is one ``np.take``; one spread over several files
     is taken file by file into its places in ``out``."""
 
-    def __init__(self, parts: list[np.ndarray], starts: list[int]) -> None:
+    def __init__(self, parts: Sequence[np.ndarray | ChunkRows], starts: list[int]) -> None:
         self.parts = parts
         self.starts = np.asarray(starts, np.int64)
         self.ends = self.starts + np.asarray([len(p) for p in parts], np.int64)
@@ -188,6 +327,11 @@ class Spliced:
 
     def __len__(self) -> int:
         return int(self.ends[-1])
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its rows (as an array's: what the pipeline sizes its groups by)."""
+        return sum(int(p.nbytes) for p in self.parts)
 
     def take(
         self, indices: np.ndarray, axis: int = 0, out: np.ndarray | None = None, mode: str = "clip"
@@ -201,7 +345,7 @@ class Spliced:
         part = np.searchsorted(self.ends, idx, side="right")
         first, last = int(part.min()), int(part.max())
         if first == last:
-            np.take(self.parts[first], idx - self.starts[first], axis=0, out=out, mode="clip")
+            self.parts[first].take(idx - self.starts[first], axis=0, out=out, mode="clip")
             return out
         order = np.argsort(part, kind="stable")
         bounds = np.searchsorted(part[order], np.arange(first, last + 2))
