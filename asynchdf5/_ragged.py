@@ -28,8 +28,8 @@ __all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows"]
 _ROW_VALUES = 32
 #: From this many rows on, :func:`pad_rows` copies the rows and their padding as runs, in
 #: blocks (:func:`~._blocks.copy_runs`: a few dozen NumPy calls, whatever the rows); fewer rows
-#: cost less as two slices per row.
-_RUNS_ROWS = 256
+#: cost less as one ``np.concatenate`` of two views per row.
+_RUNS_ROWS = 1024
 
 
 def pad_rows(
@@ -39,21 +39,30 @@ def pad_rows(
     each row ``out[i]`` (``out``: ``(rows, length, *trailing)``, ``cut[i] <= length``): each
     byte of ``out`` written once, whatever it held before. ``starts`` and ``cut`` are int64.
 
-    The values and the padding go as runs (:func:`~._blocks.copy_runs`) when there are many
-    rows and ``out`` has the values' dtype (the runs move bytes); else a slice of values (cast
-    to ``out``'s dtype) and one of padding per row."""
+    Where ``out`` has the values' dtype (and is C-contiguous), many rows go as runs of values
+    and runs of padding (:func:`~._blocks.copy_runs`), fewer as one ``np.concatenate`` into
+    ``out`` of each row's values and padding (views: one C loop copies them all). Else a slice
+    of values (cast to ``out``'s dtype) and one of padding per row."""
     n, size = out.shape[0], out.shape[1]
-    if n >= _RUNS_ROWS and out.dtype == values.dtype and out.flags.c_contiguous:
-        flat = out.reshape(n * size, *out.shape[2:])
+    if out.dtype != values.dtype or not out.flags.c_contiguous:
+        for row, a, k in zip(out, starts.tolist(), cut.tolist(), strict=True):
+            row[:k] = values[a : a + k]
+            if k < size:
+                row[k:] = pad
+        return
+    flat = out.reshape(n * size, *out.shape[2:])
+    fill = np.full((size, *out.shape[2:]), pad, out.dtype)  # the padding's source
+    if n >= _RUNS_ROWS:
         at = np.arange(n, dtype=np.int64) * size
         copy_runs([values], [flat], starts, at, cut)
-        fill = np.full((size, *out.shape[2:]), pad, out.dtype)  # the runs of padding's source
         copy_runs([fill], [flat], np.zeros(n, np.int64), at + cut, size - cut)
         return
-    for row, a, k in zip(out, starts.tolist(), cut.tolist(), strict=True):
-        row[:k] = values[a : a + k]
-        if k < size:
-            row[k:] = pad
+    parts = []
+    for a, k in zip(starts.tolist(), cut.tolist(), strict=True):
+        parts.append(values[a : a + k])
+        parts.append(fill[k:])
+    if parts:
+        np.concatenate(parts, axis=0, out=flat)
 
 
 class Ragged:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import asynchdf5._gather
+import asynchdf5._ragged
 from asynchdf5 import HDF5DataLayer, Ragged, TransformError
 from asynchdf5 import transforms as T
 from asynchdf5._transform import fused_pads
@@ -64,19 +65,30 @@ def epochs(layer: HDF5DataLayer, count: int = 2) -> list[list[Any]]:
 
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize(
-    ("sizes", "chunk_size", "trailing"),
+    ("sizes", "chunk_size", "trailing", "runs"),
     [
-        ([23, 0, 18, 9], 5, ()),
-        ([23, 0, 18, 9], 16, (2,)),
-        ([23, 0, 18, 9], 10_000, ()),
-        ([700, 300], 400, ()),  # pieces of hundreds of rows: padded as runs
+        ([23, 0, 18, 9], 5, (), False),
+        ([23, 0, 18, 9], 16, (2,), False),
+        ([23, 0, 18, 9], 16, (2,), True),
+        ([23, 0, 18, 9], 10_000, (), True),
+        ([700, 300], 400, (), False),
+        ([700, 300], 400, (), True),
     ],
 )
 def test_the_fused_pad_gives_pads_batches_exactly_once(
-    tmp_path: Path, shuffle: bool, sizes: list[int], chunk_size: int, trailing: tuple[int, ...]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shuffle: bool,
+    sizes: list[int],
+    chunk_size: int,
+    trailing: tuple[int, ...],
+    runs: bool,
 ) -> None:
     """Values, padding, cut rows, empty rows, batches across chunk boundaries, with a
-    transformer after the Pad: every batch equal to the Pad's, every sample once per epoch."""
+    transformer after the Pad: every batch equal to the Pad's, every sample once per epoch,
+    the rows padded by one ``np.concatenate`` or (``runs``: from any number of rows) as runs."""
+    if runs:
+        monkeypatch.setattr(asynchdf5._ragged, "_RUNS_ROWS", 1)
     files = files_of(tmp_path, sizes, trailing)
     n = sum(sizes)
     with HDF5DataLayer(
@@ -213,23 +225,25 @@ def test_a_pad_that_is_not_fused_still_pads_or_fails_as_before(tmp_path: Path) -
         list(layer)
 
 
+@pytest.mark.parametrize("rows", [300, 1100])
 @pytest.mark.parametrize("length", [None, 0, 40, 200])
 @pytest.mark.parametrize("trailing", [(), (3,)])
 @pytest.mark.parametrize("dtype", [None, np.float32])
 def test_to_padded_of_many_rows_equals_padding_row_by_row(
-    length: int | None, trailing: tuple[int, ...], dtype: type | None
+    rows: int, length: int | None, trailing: tuple[int, ...], dtype: type | None
 ) -> None:
-    """Hundreds of rows (padded as runs when the dtype is kept) pad as row by row: the values
-    cut at ``length``, then the pad value; empty rows all pad."""
+    """Hundreds of rows (one concatenate) and over a thousand (runs) pad as row by row when
+    the dtype is kept, as a slice per row does when it is not: the values cut at ``length``,
+    then the pad value; empty rows all pad."""
     rng = np.random.default_rng(5)
-    lengths = rng.integers(0, 120, 300)
+    lengths = rng.integers(0, 120, rows)
     lengths[::17] = 0
     values = rng.integers(-1000, 1000, (int(lengths.sum()), *trailing)).astype(np.int32)
     r = Ragged(values, np.concatenate([[0], np.cumsum(lengths)]))
     x, n = r.to_padded(pad=-9, length=length, dtype=dtype)
     size = int(lengths.max()) if length is None else length
-    want = np.full((300, size, *trailing), -9, x.dtype)
-    for i in range(300):
+    want = np.full((rows, size, *trailing), -9, x.dtype)
+    for i in range(rows):
         k = min(int(lengths[i]), size)
         want[i, :k] = r[i][:k]
     assert x.dtype == (values.dtype if dtype is None else np.dtype(dtype))
