@@ -66,29 +66,38 @@ def apply_transformers(
 
 
 def fused_pads(
-    transformers: Sequence[tuple[str, Transformer]], ragged: Mapping[str, np.dtype[Any]]
+    transformers: Sequence[tuple[str, Transformer]], ragged: Mapping[str, np.dtype[Any]] | None
 ) -> tuple[dict[str, Pad], list[tuple[str, Transformer]]]:
     """The tops to gather padded, and the chain left to run on the batches.
 
-    ``ragged``: the (not sparse) ragged tops and their values' dtypes. A top whose first
-    transformer is a :class:`~asynchdf5.transforms.Pad` (that class itself: a subclass may pad
-    differently) with a ``length`` is gathered straight into that Pad's output
-    (:func:`~._gather.gather_padded`) and the Pad leaves the chain; the chain's other pairs stay,
-    in order. A Pad whose value does not convert to the top's dtype stays in the chain, which
-    then fails on it as it would have."""
+    ``ragged``: the (not sparse) ragged tops and their values' dtypes; None: any top, as if
+    every top were one and took every pad value (what may fuse, before the tops are known). A
+    top whose first transformer is a :class:`~asynchdf5.transforms.Pad` (that class itself: a
+    subclass may pad differently) with a ``length`` is gathered straight into that Pad's output
+    (:func:`~._gather.gather_padded`) and the Pad leaves the chain; the chain's other pairs
+    stay, in order. A Pad whose value does not convert to the top's dtype stays in the chain,
+    which then fails on it as it would have."""
     pads: dict[str, Pad] = {}
     chain: list[tuple[str, Transformer]] = []
     seen: set[str] = set()
     for top, fn in transformers:
         first = top not in seen
         seen.add(top)
-        if first and top in ragged and type(fn) is Pad and fn.length is not None:
-            try:
-                np.full(1, fn.pad, ragged[top])
-            except (TypeError, ValueError, OverflowError):
-                pass
-            else:
-                pads[top] = fn
-                continue
+        pad = fn if first and type(fn) is Pad and fn.length is not None else None
+        known = ragged is None or (top in ragged and _holds(ragged[top], pad))
+        if pad is not None and known:
+            pads[top] = pad
+            continue
         chain.append((top, fn))
     return pads, chain
+
+
+def _holds(dtype: np.dtype[Any], pad: Pad | None) -> bool:
+    """Whether ``pad``'s value converts to ``dtype`` (as a padded array is filled with it)."""
+    if pad is None:
+        return False
+    try:
+        np.full(1, pad.pad, dtype)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True

@@ -186,7 +186,11 @@ def _padding(rec: Recorder, tokens: Path, batch: int = 64, reps: int = 30) -> No
             f()
             best[name] = min(best[name], time.perf_counter() - t0)
     rec.figure(f"to_padded, {batch} token rows", out.nbytes / best["pad"] / 2**20, "MiB/s")
-    rec.figure("np.copyto of its output's bytes", out.nbytes / best["copyto"] / 2**20, "MiB/s")
+    rec.figure(
+        f"np.copyto of its output's bytes, {batch} rows",
+        out.nbytes / best["copyto"] / 2**20,
+        "MiB/s",
+    )
     rec.ratio(f"to_padded ÷ np.copyto of its output, {batch} rows", best["copyto"], best["pad"])
 
 

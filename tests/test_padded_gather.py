@@ -100,7 +100,8 @@ def test_the_fused_pad_gives_pads_batches_exactly_once(
         chunk_size=chunk_size,
         transformers=[("tok", T.Pad(-1, length=LENGTH)), ("tok", T.Cast(np.float32))],
     ) as layer:
-        assert layer._delivery._padded.keys() == {"tok"}  # type: ignore[attr-defined]
+        delivery: Any = layer._delivery
+        assert delivery._padded.keys() == {"tok"} and not delivery.concurrent
         for batches in epochs(layer):
             check_exactly_once([b.indices for b in batches], n)
             for b in batches:
@@ -117,8 +118,9 @@ def test_the_fused_pad_gives_pads_batches_exactly_once(
 def test_a_large_group_is_padded_half_on_the_gathering_helper(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Groups of at least PARALLEL_BYTES (here: any) pad their first half of rows on the
-    gathering helper's thread, the rest on the worker's: the batches stay the Pad's."""
+    """With a transformer after the Pad (one gathering worker), groups of at least
+    PARALLEL_BYTES (here: any) pad their first half of rows on the gathering helper's thread,
+    the rest on the worker's: the batches stay the Pad's."""
     files = files_of(tmp_path, [700, 300])
     threads: set[str] = set()
     pad_pieces = asynchdf5._gather._pad_pieces
@@ -135,7 +137,7 @@ def test_a_large_group_is_padded_half_on_the_gathering_helper(
         batch_size=10,
         shuffle=True,
         chunk_size=300,
-        transformers=[("tok", T.Pad(-1, length=LENGTH))],
+        transformers=[("tok", T.Pad(-1, length=LENGTH)), ("tok", T.Cast(np.int32))],
     ) as layer:
         batches = list(layer)
     check_exactly_once([b.indices for b in batches], 1000)
@@ -163,6 +165,9 @@ def test_the_fused_path_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         chunk_size=16,
         transformers=[("tok", T.Pad(7, length=LENGTH))],
     ) as layer:
+        # No user code left in the chain: groups gather on two threads, as with no chain.
+        delivery: Any = layer._delivery
+        assert delivery.concurrent and not delivery.per_batch
         batches = list(layer)
     check_exactly_once([b.indices for b in batches], 65)
     for b in batches:
@@ -191,6 +196,9 @@ def test_only_a_pad_of_a_given_length_at_the_head_of_a_ragged_tops_chain_is_fuse
     ]
     for top_chain, ragged in cases:
         assert fused_pads(top_chain, ragged) == ({}, top_chain)
+    # Before the tops are known: what may fuse (and so is no user code to keep off two threads).
+    assert fused_pads([("tok", T.Pad(-1, length=4))], None)[1] == []
+    assert fused_pads([("tok", MyPad(0, length=4))], None)[1] != []
 
 
 def test_a_pad_that_is_not_fused_still_pads_or_fails_as_before(tmp_path: Path) -> None:
@@ -204,7 +212,8 @@ def test_a_pad_that_is_not_fused_still_pads_or_fails_as_before(tmp_path: Path) -
         with HDF5DataLayer(
             files, tops=("tok", "label"), batch_size=6, transformers=transformers
         ) as layer:
-            assert bool(layer._delivery._padded) is fused  # type: ignore[attr-defined]
+            delivery: Any = layer._delivery
+            assert bool(delivery._padded) is fused
             got = list(layer)
         check_exactly_once([b.indices for b in got], 30)
         for b in got:

@@ -226,23 +226,28 @@ class HostDelivery:
         self._padded: dict[str, Pad] = {}
         self._order: list[str] = []
         self._chain: list[tuple[str, Transformer]] = list(transformers)
+        #: The chain without the Pads that fuse on a ragged top: the user's code, whatever the
+        #: tops turn out to be (a Pad left in the chain, on a top that is not ragged, is the
+        #: layer's own code and may run on two threads).
+        self._user_chain = fused_pads(self.transformers, None)[1]
         self._heaps: HeapBuffers | None = None
         self._buffers: BatchBuffers | None = None
         self._shape: tuple[int, int, dict[str, int], BatchMemory | None] | None = None
 
     @property
     def runs_user_code(self) -> bool:
-        return bool(self.transformers)
+        return bool(self._user_chain)
 
     @property
     def concurrent(self) -> bool:
-        """Groups gather on two threads at once, but a transformer is never called from two."""
-        return not self.transformers
+        """Groups gather on two threads at once, but a transformer is never called from two
+        (a chain of fused Pads alone gathers as no chain does)."""
+        return not self._user_chain
 
     @property
     def per_batch(self) -> bool:
         """Transformed batches go to the consumer one by one, as each is transformed."""
-        return bool(self.transformers)
+        return bool(self._user_chain)
 
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Host memory holds every dtype a top may have."""
