@@ -14,11 +14,12 @@ import pytest
 
 import asynchdf5._gather
 import asynchdf5._ragged
-from asynchdf5 import HDF5DataLayer, Ragged, TransformError
+from asynchdf5 import HDF5DataLayer, Ragged, ReadError, TransformError
 from asynchdf5 import transforms as T
+from asynchdf5._read._lease import Lease
 from asynchdf5._transform import fused_pads
 
-from ._files import check_exactly_once
+from ._files import check_exactly_once, check_message
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -173,6 +174,35 @@ def test_the_fused_path_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for b in batches:
         want = [padded_row(g, 7) for g in b.indices.tolist()]
         np.testing.assert_array_equal(b["tok"], np.array(want))
+
+
+@pytest.mark.parametrize("runs", [False, True])
+def test_a_mapped_ragged_top_is_padded_from_its_mapped_heap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runs: bool
+) -> None:
+    """One contiguous file: its heap mapped (``ragged-mmap``), the rows padded straight out of
+    it, the Pad's batches; a lease broken before a copy is a ReadError naming top and rows."""
+    if runs:
+        monkeypatch.setattr(asynchdf5._ragged, "_RUNS_ROWS", 1)
+    (path,) = files_of(tmp_path, [500])
+    kw: dict[str, Any] = dict(tops=("tok", "label"), batch_size=10, shuffle=True, seed=2)
+    pad = [("tok", T.Pad(-1, length=LENGTH))]
+    with HDF5DataLayer(path, transformers=pad, **kw) as layer:
+        assert layer.stats.read_paths["tok"] == "ragged-mmap"
+        batches = list(layer)
+    check_exactly_once([b.indices for b in batches], 500)
+    for b in batches:
+        want = [padded_row(g, -1) for g in b.indices.tolist()]
+        np.testing.assert_array_equal(b["tok"], np.array(want))
+
+    def broken(self: Lease) -> None:
+        raise ReadError(f"{path}: the lease was broken (a stand-in)")
+
+    monkeypatch.setattr(Lease, "__enter__", broken)
+    kw["tops"] = ("tok",)  # the ragged top's copy is the first checked
+    with HDF5DataLayer(path, transformers=pad, **kw) as layer, pytest.raises(ReadError) as info:
+        list(layer)
+    check_message(info.value, "top 'tok', ", "rows ", "the lease was broken")
 
 
 class MyPad(T.Pad):
