@@ -11,6 +11,9 @@ a carry into the arrays the delivery hands over, with their global indices.
   changed: the check turns that into a :class:`~asynchdf5.ReadError` naming the rows as the
   copying reader names a read's (:func:`rows_words`), instead of a batch (see
   :mod:`._read._mapped`).
+- A ragged top padded as it is gathered (:func:`gather_padded`): the rows straight into the
+  dense ``(rows, length)`` array a :class:`~asynchdf5.transforms.Pad` at the head of the top's
+  transformer chain would make of them, instead of gathering them and copying them again.
 - The carry (:func:`carry`): the rows of an incomplete batch copied out of the chunks they are
   in, so that no incomplete batch holds a cache slot across a chunk boundary (the invariant
   that keeps the pipeline from waiting on itself: see :class:`~._pipeline.Run`).
@@ -26,6 +29,7 @@ import numpy as np
 
 from ._blocks import RUN_BYTES, copy_runs, row_bytes
 from ._errors import ReadError
+from ._ragged import pad_rows
 from ._ragged_tops import heap_keys, is_heap
 from ._specs import BatchSpec, Carry, LoadedChunk, Piece, split_pieces
 
@@ -33,6 +37,7 @@ __all__ = [
     "PARALLEL_BYTES",
     "carry",
     "check_rows",
+    "gather_padded",
     "gather_ragged",
     "gather_rows",
     "gather_split",
@@ -277,3 +282,72 @@ def _copy_spans(
     at = np.zeros(len(count), np.int64)
     np.cumsum(count[:-1], out=at[1:])
     copy_runs(heaps, dests, first, at, count)
+
+
+def gather_padded(
+    pieces: Sequence[Piece],
+    name: str,
+    length: int,
+    pad: Any,
+    empty: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] | None = None,
+    helper: Executor | None = None,
+) -> np.ndarray:
+    """The rows of (not sparse) ragged top ``name`` in ``pieces``, in order, padded: what
+    :class:`~asynchdf5.transforms.Pad` ``(pad, length)`` makes of the :class:`~asynchdf5.Ragged`
+    that :func:`gather_ragged` gathers, ``(rows, length, *trailing)`` in the values' dtype (rows
+    longer than ``length`` cut to it, the rest of each row ``pad``), in one pass: each row's
+    values are copied from its heap straight to its place (:func:`~._ragged.pad_rows`). The
+    array is new or from ``empty(shape, dtype)``, as :func:`gather_ragged`'s are. With a
+    ``helper`` and an output of at least :data:`PARALLEL_BYTES`, the first half of the rows
+    is padded on the helper's thread, as :func:`gather_split` does a fixed top's."""
+    make = empty if empty is not None else np.empty
+    (key,) = heap_keys(name, False)
+    first = pieces[0][0].arrays[key] if pieces else np.empty(0)
+    rows = sum(b - a for _, a, b in pieces)
+    out = make((rows, length, *first.shape[1:]), first.dtype)
+    if helper is None or out.nbytes < PARALLEL_BYTES:
+        _pad_pieces(pieces, name, key, length, pad, out)
+        return out
+    half = rows // 2
+    head, tail = split_pieces(pieces, half)
+    future = helper.submit(_pad_pieces, head, name, key, length, pad, out[:half])
+    try:
+        _pad_pieces(tail, name, key, length, pad, out[half:])
+    except BaseException:
+        wait([future])  # the helper writes into ``out`` too: done with it before anyone reuses it
+        raise
+    future.result()
+    return out
+
+
+def _pad_pieces(
+    pieces: Sequence[Piece], name: str, key: str, length: int, pad: Any, out: np.ndarray
+) -> None:
+    """Pad the rows of ``pieces`` into ``out`` (as many rows), each chunk's under its guard."""
+    at = 0
+    for chunk, a, b in pieces:
+        rows: np.ndarray | slice
+        if isinstance(chunk, Carry):
+            rows = slice(a, b)
+        elif chunk.rows_are_global:
+            rows = chunk.indices[a:b]
+        else:
+            rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
+        span = chunk.arrays[name][rows]
+        starts = np.ascontiguousarray(span[:, 0])
+        cut = np.minimum(span[:, 1] - starts, length)
+        dest = out[at : at + b - a]
+        at += b - a
+        guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
+        if guard is None:
+            pad_rows(chunk.arrays[key], starts, cut, dest, pad)
+            continue
+        # A mapped file's heap: the guard's check right before the copy.
+        try:
+            guard.__enter__()
+        except ReadError as exc:  # named as the copying reader names a read's rows
+            raise ReadError(f"top {name!r}, {rows_words(chunk.indices[a:b])}: {exc}") from exc
+        try:
+            pad_rows(chunk.arrays[key], starts, cut, dest, pad)
+        finally:
+            guard.__exit__(None, None, None)

@@ -3,8 +3,9 @@
 A ragged top's batch is one :class:`Ragged`: the rows' values concatenated in batch order and
 the offsets that cut them apart (the CSR convention: row ``i`` is
 ``values[offsets[i]:offsets[i + 1]]``). It holds no Python object per row, so a batch of
-thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`) is a
-slice per long row (each output byte written once) or one mask over short ones. A sparse-matrix
+thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`) writes
+each output byte once for long rows (:func:`pad_rows`, also the kernel of the layer's padded
+gather) or is one mask over short ones. A sparse-matrix
 top's batch is a :class:`scipy.sparse.csr_array` made by :func:`csr_batch` from the same three
 arrays.
 """
@@ -16,14 +17,52 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._blocks import copy_runs
 from ._errors import ConfigurationError
 
-__all__ = ["Ragged", "check_dense", "csr_batch"]
+__all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows"]
 
 
-#: Rows of at least this many values on average are padded a slice per row (each byte of the
-#: output written once, a Python step per row); shorter ones with one mask over all places.
+#: Rows of at least this many values on average are padded a run per row (each byte of the
+#: output written once); shorter ones with one mask over all places.
 _ROW_VALUES = 32
+#: From this many rows on, :func:`pad_rows` copies the rows and their padding as runs, in
+#: blocks (:func:`~._blocks.copy_runs`: a few dozen NumPy calls, whatever the rows); fewer rows
+#: cost less as one ``np.concatenate`` of two views per row.
+_RUNS_ROWS = 1024
+
+
+def pad_rows(
+    values: np.ndarray, starts: np.ndarray, cut: np.ndarray, out: np.ndarray, pad: Any
+) -> None:
+    """Write ``values[starts[i] : starts[i] + cut[i]]`` and then ``pad`` up to its end into
+    each row ``out[i]`` (``out``: ``(rows, length, *trailing)``, ``cut[i] <= length``): each
+    byte of ``out`` written once, whatever it held before. ``starts`` and ``cut`` are int64.
+
+    Where ``out`` has the values' dtype (and is C-contiguous), many rows go as runs of values
+    and runs of padding (:func:`~._blocks.copy_runs`), fewer as one ``np.concatenate`` into
+    ``out`` of each row's values and padding (views: one C loop copies them all). Else a slice
+    of values (cast to ``out``'s dtype) and one of padding per row."""
+    n, size = out.shape[0], out.shape[1]
+    if out.dtype != values.dtype or not out.flags.c_contiguous:
+        for row, a, k in zip(out, starts.tolist(), cut.tolist(), strict=True):
+            row[:k] = values[a : a + k]
+            if k < size:
+                row[k:] = pad
+        return
+    flat = out.reshape(n * size, *out.shape[2:])
+    fill = np.full((size, *out.shape[2:]), pad, out.dtype)  # the padding's source
+    if n >= _RUNS_ROWS:
+        at = np.arange(n, dtype=np.int64) * size
+        copy_runs([values], [flat], starts, at, cut)
+        copy_runs([fill], [flat], np.zeros(n, np.int64), at + cut, size - cut)
+        return
+    parts = []
+    for a, k in zip(starts.tolist(), cut.tolist(), strict=True):
+        parts.append(values[a : a + k])
+        parts.append(fill[k:])
+    if parts:
+        np.concatenate(parts, axis=0, out=flat)
 
 
 class Ragged:
@@ -147,7 +186,7 @@ class Ragged:
         -------
         (numpy.ndarray, numpy.ndarray)
             The padded rows and each row's length (int64), in row order. Each byte of the
-            output is written once for rows of 32 values or more on average (a slice of values
+            output is written once for rows of 32 values or more on average (a run of values
             and one of padding per row); shorter rows are filled, then masked in, vectorised.
         """
         if type(self.values).__module__.startswith("cupy"):  # a device batch (device=)
@@ -164,14 +203,10 @@ class Ragged:
         shape = (n, size, *self.values.shape[1:])
         out_dtype = self.values.dtype if dtype is None else np.dtype(dtype)
         if n and len(self.values) >= _ROW_VALUES * n:
-            # Long rows: a slice of values and a slice of padding per row, each byte of the
-            # output written once (a Python step per row costs what ~_ROW_VALUES values do).
+            # Long rows: a run of values and one of padding per row, each byte of the output
+            # written once (a Python step per row costs what ~_ROW_VALUES values do).
             out = np.empty(shape, out_dtype)
-            starts, ks = self.offsets[:-1].tolist(), cut.tolist()
-            for row, a, k in zip(out, starts, ks, strict=True):
-                row[:k] = self.values[a : a + k]
-                if k < size:
-                    row[k:] = pad
+            pad_rows(self.values, self.offsets[:-1], cut, out, pad)
             return out, cut
         # Short rows: the padding, then the values kept (those whose place within their row is
         # below ``size``) put where a mask of the rows' places says, in one vectorised pass.

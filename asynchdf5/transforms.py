@@ -366,6 +366,10 @@ class Pad:
     :meth:`Ragged.to_padded <asynchdf5.Ragged.to_padded>`, which returns both, or take the
     torch adapter's ``ragged="padded"`` (a padded tensor and its lengths).
 
+    With a ``length``, first in its top's chain and on the host, the layer pads as it gathers:
+    each row goes from the cache straight to its place, and the batch is the one this
+    transformer would have made (the transformers after it run on it).
+
     Examples
     --------
     >>> import numpy as np

@@ -14,6 +14,12 @@ memory cgroup can be made (:mod:`benchmarks.cgroups`), again with the child in a
 - *AnnLoader*: ``anndata.experimental.AnnLoader`` over the backed file, shuffled, where
   anndata installs (it is in the ``bench`` extra).
 
+Padding, in this process: :meth:`Ragged.to_padded <asynchdf5.Ragged.to_padded>` of 64 and
+1,024 token rows against ``np.copyto`` of its output. And, warm, in child processes: shuffled
+epochs of the tokens padded to 512 by the layer (``transforms.Pad`` at the head of the chain,
+gathered padded) against the same epochs of ``Ragged`` batches the loop pads with
+``to_padded(0, 512)``.
+
 Ratios are taken within one run, reader against reader, in the same conditions.
 """
 
@@ -180,8 +186,78 @@ def _padding(rec: Recorder, tokens: Path, batch: int = 64, reps: int = 30) -> No
             f()
             best[name] = min(best[name], time.perf_counter() - t0)
     rec.figure(f"to_padded, {batch} token rows", out.nbytes / best["pad"] / 2**20, "MiB/s")
-    rec.figure("np.copyto of its output's bytes", out.nbytes / best["copyto"] / 2**20, "MiB/s")
-    rec.ratio("to_padded ÷ np.copyto of its output", best["copyto"], best["pad"])
+    rec.figure(
+        f"np.copyto of its output's bytes, {batch} rows",
+        out.nbytes / best["copyto"] / 2**20,
+        "MiB/s",
+    )
+    rec.ratio(f"to_padded ÷ np.copyto of its output, {batch} rows", best["copyto"], best["pad"])
+
+
+#: The length the padded epochs pad (and cut) the token rows to.
+PAD_LENGTH = 512
+
+
+def _layer_padded(job: dict[str, Any]) -> dict[str, Any]:
+    """Shuffled epochs of the token rows as ``(batch, PAD_LENGTH)`` arrays: padded by the layer
+    (``job["fused"]``: ``transforms.Pad`` first in the chain, gathered padded) or by the loop
+    (``Ragged.to_padded`` on each batch)."""
+    from asynchdf5 import HDF5DataLayer
+    from asynchdf5 import transforms as T
+
+    fused = job["fused"]
+    transformers = [(job["top"], T.Pad(0, length=PAD_LENGTH))] if fused else []
+    with HDF5DataLayer(
+        job["path"],
+        tops=tuple(job["tops"]),
+        batch_size=job["batch"],
+        shuffle=True,
+        seed=0,
+        transformers=transformers,
+    ) as layer:
+        times = []
+        rows = 0
+        for _ in range(job["epochs"]):
+            t0 = time.perf_counter()
+            for b in layer:
+                x = b[job["top"]] if fused else b[job["top"]].to_padded(0, PAD_LENGTH)[0]
+                assert x.shape == (len(b.indices), PAD_LENGTH)
+                rows += len(b.indices)
+            times.append(time.perf_counter() - t0)
+    return {"seconds": sum(times), "epoch_s": times, "rows": rows}
+
+
+READERS["padded-fused"] = lambda job: _layer_padded({**job, "fused": True})
+READERS["padded-loop"] = lambda job: _layer_padded({**job, "fused": False})
+
+
+def _padded_epochs(rec: Recorder, tokens: Path, work: Path, size: dict[str, int]) -> None:
+    """The tokens padded to :data:`PAD_LENGTH` by the layer's fused ``Pad`` and by
+    ``to_padded`` in the loop, warm, each in a child process, alternating."""
+    page_cache.warm(tokens)
+    job = {
+        "path": str(tokens),
+        "top": "tokens",
+        "tops": ["tokens", "label"],
+        "batch": 64,
+        "epochs": size["epochs"],
+        "timeout": size["timeout"],
+    }
+    rates: dict[str, float] = {}
+    for reader in ("padded-loop", "padded-fused"):
+        r, error = cgroups.run_child(
+            "benchmarks.ragged", {**job, "reader": reader}, work, reader, None
+        )
+        if error is not None:
+            rec.note(f"tokens {reader}: {error}")
+            continue
+        rates[reader] = r["rows"] / r["seconds"]
+        rec.figure(f"tokens, {reader} (length {PAD_LENGTH}), warm", rates[reader], "samples/s")
+    rec.ratio(
+        f"tokens: Pad(0, length={PAD_LENGTH}) fused ÷ to_padded in the loop, warm",
+        rates.get("padded-fused"),
+        rates.get("padded-loop"),
+    )
 
 
 def bench(rec: Recorder) -> None:
@@ -194,8 +270,10 @@ def bench(rec: Recorder) -> None:
     )
     rec.param(**size, limit_mib=LIMIT_MIB, load=os.getloadavg()[0])
     _padding(rec, tokens)
+    _padding(rec, tokens, 1024, 10)
     work = folder / f"work-{os.getpid()}"
     work.mkdir(exist_ok=True)
+    _padded_epochs(rec, tokens, work, size)
     base = {"epochs": size["epochs"], "timeout": size["timeout"], "cap_s": 60}
     sets: list[tuple[str, dict[str, Any], list[str]]] = [
         (

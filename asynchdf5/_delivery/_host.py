@@ -13,12 +13,12 @@ import numpy as np
 
 from .._batch import Batch
 from .._catalog import TopInfo
-from .._gather import gather_ragged, gather_split
+from .._gather import gather_padded, gather_ragged, gather_split
 from .._ragged import Ragged, csr_batch
 from .._specs import GroupSpec, merge_pieces, split_pieces
 from .._stats import GatherStats
-from .._transform import apply_transformers
-from ..transforms import Transformer
+from .._transform import apply_transformers, fused_pads
+from ..transforms import Pad, Transformer
 
 __all__ = [
     "CACHE_LINE",
@@ -206,7 +206,11 @@ def _unreferenced(bufs: dict[str, tuple[np.ndarray, int]]) -> bool:
 
 
 class HostDelivery:
-    """Batches of NumPy arrays in host memory; the transformers run on them after gathering."""
+    """Batches of NumPy arrays in host memory; the transformers run on them after gathering.
+
+    A ragged top whose chain starts with a :class:`~asynchdf5.transforms.Pad` of a given length
+    is gathered padded instead (:func:`~.._transform.fused_pads`): its batch is what that Pad
+    would have made, and the rest of the chain runs on it."""
 
     #: Small batches cost Python work per group, not per batch: big groups (bounded in bytes by
     #: the pipeline's GROUP_BYTES) make tiny batches cheaper; much bigger ones gain nothing more.
@@ -217,23 +221,33 @@ class HostDelivery:
         #: Where batch buffers come from (None: NumPy); set before a run starts.
         self.batch_memory: BatchMemory | None = None
         self._ragged: dict[str, TopInfo] = {}
+        #: The ragged tops gathered padded (not in ``_ragged``), every ragged top in the tops'
+        #: order, and the chain left to run on the batches (set by start()).
+        self._padded: dict[str, Pad] = {}
+        self._order: list[str] = []
+        self._chain: list[tuple[str, Transformer]] = list(transformers)
+        #: The chain without the Pads that fuse on a ragged top: the user's code, whatever the
+        #: tops turn out to be (a Pad left in the chain, on a top that is not ragged, is the
+        #: layer's own code and may run on two threads).
+        self._user_chain = fused_pads(self.transformers, None)[1]
         self._heaps: HeapBuffers | None = None
         self._buffers: BatchBuffers | None = None
         self._shape: tuple[int, int, dict[str, int], BatchMemory | None] | None = None
 
     @property
     def runs_user_code(self) -> bool:
-        return bool(self.transformers)
+        return bool(self._user_chain)
 
     @property
     def concurrent(self) -> bool:
-        """Groups gather on two threads at once, but a transformer is never called from two."""
-        return not self.transformers
+        """Groups gather on two threads at once, but a transformer is never called from two
+        (a chain of fused Pads alone gathers as no chain does)."""
+        return not self._user_chain
 
     @property
     def per_batch(self) -> bool:
         """Transformed batches go to the consumer one by one, as each is transformed."""
-        return bool(self.transformers)
+        return bool(self._user_chain)
 
     def check(self, tops: Mapping[str, TopInfo]) -> None:
         """Host memory holds every dtype a top may have."""
@@ -247,10 +261,14 @@ class HostDelivery:
     ) -> None:
         shape = (group_rows, depth, dict(offsets or {}), self.batch_memory)
         # Ragged tops' batch values are gathered per group into buffers of a pool (HeapBuffers).
-        self._ragged = {k: t for k, t in tops.items() if t.ragged is not None}
-        if self._ragged and (self._heaps is None or self._shape != shape):
+        ragged = {k: t for k, t in tops.items() if t.ragged is not None}
+        dense = {k: t.dtype for k, t in ragged.items() if t.ragged and not t.ragged.sparse}
+        self._padded, self._chain = fused_pads(self.transformers, dense)
+        self._ragged = {k: t for k, t in ragged.items() if k not in self._padded}
+        self._order = list(ragged)
+        if ragged and (self._heaps is None or self._shape != shape):
             self._heaps = HeapBuffers(
-                depth * sum(2 if t.ragged.sparse else 1 for t in self._ragged.values() if t.ragged)
+                depth * sum(2 if t.ragged.sparse else 1 for t in ragged.values() if t.ragged)
             )
         if self._buffers is None or self._shape != shape:
             fixed = {k: t for k, t in tops.items() if t.ragged is None}
@@ -292,6 +310,11 @@ class HostDelivery:
                 gather_split(head, dest, indices[at : at + n], helper)
                 at, first = at + n, first + count
         empty = self._heaps.empty if self._heaps is not None else None
+        padded = {
+            name: gather_padded(pieces, name, pad.length, pad.pad, empty, helper)
+            for name, pad in self._padded.items()
+            if pad.length is not None
+        }
         ragged = {
             name: (t, *gather_ragged(pieces, name, t.ragged.sparse, empty))
             for name, t in self._ragged.items()
@@ -301,7 +324,7 @@ class HostDelivery:
         out: list[Batch] = []
         error: Exception | None = None
         at = 0
-        transformers = self.transformers
+        transformers = self._chain
         transforming = 0.0  # only the transformers' own calls: cutting batches is gathering
         for i, (size, epoch) in enumerate(zip(group.sizes, group.epochs, strict=True)):
             end = at + size
@@ -310,8 +333,12 @@ class HostDelivery:
                 if each is None
                 else {top: arrays[internal][at:end] for top, internal in each[i].items()}
             )
-            for name, (t, offsets, heaps) in ragged.items():
-                data[name] = ragged_batch(t, offsets, heaps, at, end)
+            for name in self._order:  # in the tops' order
+                if name in padded:
+                    data[name] = padded[name][at:end]
+                else:
+                    t, offsets, heaps = ragged[name]
+                    data[name] = ragged_batch(t, offsets, heaps, at, end)
             rows = indices[at:end]
             at = end
             if transformers:
