@@ -1,13 +1,20 @@
 """The clock of :mod:`benchmarks.step_cost`: the step, and what it measures around it.
 
 A step is pure Python that holds the GIL throughout; around it, the clock takes the step's wall
-and CPU time and the main thread's context switches (``getrusage(RUSAGE_THREAD)``, which does not
-release the GIL, so measuring adds no switch point the loader's threads could use), and, at the
-start and end of a run only, every thread's CPU time and switches (from ``/proc``).
+and CPU time, the main thread's context switches and page faults (``getrusage(RUSAGE_THREAD)``,
+which does not release the GIL, so measuring adds no switch point the loader's threads could
+use), the CPU it ran on (``sched_getcpu``, called with the GIL held), and, at the start and end
+of a run only, every thread's CPU time and switches (from ``/proc``).
+
+The CPU matters on a virtual machine: its virtual CPUs need not run at the same speed (the host
+shares their cores with other guests), and a loader's threads move the main thread between
+them, so a step's time depends on where it ran as much as on the loader. Hence the ratio of
+loader to free steps taken on the same CPU (:meth:`Clock.summary`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import resource
@@ -56,6 +63,25 @@ def calibrate(step_ms: float, batch: int, shape: tuple[int, ...]) -> int:
 
 # --------------------------------------------------------------------------------------------
 # Driving the step (in the child process)
+
+
+def _cpu_getter() -> Any:
+    """glibc's ``sched_getcpu`` through ``PyDLL`` (which keeps the GIL, unlike ``CDLL``), or
+    ``None`` where there is none."""
+    try:
+        getcpu = ctypes.PyDLL(None).sched_getcpu
+    except (AttributeError, OSError):
+        return None
+    getcpu.restype, getcpu.argtypes = ctypes.c_int, []
+    return getcpu
+
+
+_GETCPU = _cpu_getter()
+
+
+def current_cpu() -> int:
+    """The CPU the calling thread runs on, without releasing the GIL; -1 where unknown."""
+    return int(_GETCPU()) if _GETCPU is not None else -1
 
 
 def thread_sched() -> tuple[float, float, int, int]:
@@ -130,6 +156,8 @@ class Clock:
         self.cpu_s = np.empty(steps)
         self.blocked = np.zeros(steps, np.int64)  # voluntary switches in the step: GIL waits
         self.preempted = np.zeros(steps, np.int64)  # involuntary switches in the step
+        self.faults = np.zeros(steps, np.int64)  # page faults of the main thread in the step
+        self.cpu = np.full(steps, -1, np.int64)  # the CPU the step ran on (-1: moved, unknown)
         self.wait_s = np.zeros(steps)
         self.started = self.first = self.end = 0.0
         self.sched0 = self.sched1 = (0.0, 0.0, 0, 0)
@@ -146,13 +174,28 @@ class Clock:
     def step(self, k: int, d: npt.NDArray[Any], label: npt.NDArray[Any], iterations: int) -> None:
         # getrusage keeps the GIL (a file read would let the loader's threads in here).
         r0 = resource.getrusage(RUSAGE_THREAD)
+        cpu = current_cpu()
         t, c = time.perf_counter(), time.thread_time()
         python_step(d, label, iterations)
         self.cpu_s[k] = time.thread_time() - c
         self.step_s[k] = time.perf_counter() - t
+        self.cpu[k] = cpu if current_cpu() == cpu else -1
         r1 = resource.getrusage(RUSAGE_THREAD)
         self.blocked[k] = r1.ru_nvcsw - r0.ru_nvcsw
         self.preempted[k] = r1.ru_nivcsw - r0.ru_nivcsw
+        self.faults[k] = r1.ru_minflt - r0.ru_minflt + r1.ru_majflt - r0.ru_majflt
+
+    def same_cpu_ratio(self, free: Clock) -> float:
+        """The median step over the free median step on the same CPU, weighted by this clock's
+        steps on each CPU (CPUs where either clock has fewer than 10 steps left out); NaN where
+        none is left."""
+        num = den = 0.0
+        for c in np.unique(self.cpu[self.cpu >= 0]):
+            mine, theirs = self.step_s[self.cpu == c], free.step_s[free.cpu == c]
+            if len(mine) >= 10 and len(theirs) >= 10:
+                num += len(mine) * float(np.median(mine)) / float(np.median(theirs))
+                den += len(mine)
+        return num / den if den else float("nan")
 
     def summary(self, free: Clock | None = None) -> dict[str, Any]:
         steps = len(self.step_s)
@@ -175,6 +218,10 @@ class Clock:
             "steps_with_gil_wait": float((self.blocked > 0).mean()),
             "gil_wait_ms_per_step": gil_ms,
             "preempted_steps": float((self.preempted > 0).mean()),
+            "faults_per_step": float(self.faults.mean()),
+            "steps_with_fault": float((self.faults > 0).mean()),
+            "steps_per_cpu": {str(c): int((self.cpu == c).sum()) for c in np.unique(self.cpu)},
+            "same_cpu_ratio": self.same_cpu_ratio(free) if free is not None else 1.0,
             "wait_total_s": float(self.wait_s.sum()),
             "wait_p90_ms": float(np.percentile(self.wait_s, 90)) * 1e3,
             "wall_s": wall,

@@ -350,6 +350,33 @@ def render(out: dict[str, Any]) -> str:
             lines.append(f"| {name} | error: {'; '.join(errors)} |" + " |" * 13)
     lines += [
         "",
+        "Where the steps ran: the main thread's page faults per step and its steps per CPU "
+        "(loader / free; -1: moved during the step), and the loader's median step over the free "
+        "median on the same CPU (weighted by the loader's steps there): virtual CPUs need not "
+        "run at one speed, and the loader moves the main thread between them.",
+        "",
+        "| loader | median step ÷ free, same CPU | page faults per step (free) | "
+        "steps per CPU (free) |",
+        "|---|---|---|---|",
+    ]
+    for name in cfg["loaders"]:
+        runs = [r for r in out["runs"] if r["loader"] == name and "median_ratio" in r]
+        if not runs or "same_cpu_ratio" not in runs[0]:
+            continue
+        where = "; ".join(
+            ", ".join(
+                f"{c}: {r['steps_per_cpu'].get(c, 0)}/{r['free']['steps_per_cpu'].get(c, 0)}"
+                for c in sorted(set(r["steps_per_cpu"]) | set(r["free"]["steps_per_cpu"]), key=int)
+            )
+            for r in runs
+        )
+        lines.append(
+            f"| {name} | {_spread([float(r['same_cpu_ratio']) for r in runs])} | "
+            f"{_range([r['faults_per_step'] for r in runs], '{:.2f}')} "
+            f"({_range([r['free']['faults_per_step'] for r in runs], '{:.2f}')}) | {where} |"
+        )
+    lines += [
+        "",
         "Threads of the measuring process over the run (the loader's, and the main thread that "
         "runs the steps): CPU seconds, context switches per batch.",
         "",
@@ -501,6 +528,9 @@ def bench(rec: Any) -> None:
             rec.note(f"{r['loader']}: {r.get('error') or 'skipped, ' + r['skipped']}")
             continue
         rec.figure(f"{r['loader']}: median step ÷ free step", r["median_ratio"], "ratio")
+        rec.figure(
+            f"{r['loader']}: median step ÷ free step, same CPU", r["same_cpu_ratio"], "ratio"
+        )
         rec.figure(f"{r['loader']}: p90 step ÷ free median", r["p90_ratio"], "ratio")
         rec.figure(f"{r['loader']}: epoch ÷ ideal", r["epoch_ratio"], "ratio")
         extra = r["main_cpu_per_step_ms"] - r["free_main_cpu_per_step_ms"]

@@ -122,3 +122,31 @@ def test_step_cost_interleaves_every_loader_step_with_a_free_one() -> None:
     for c in (clock, free):
         assert (c.step_s > 0).all() and c.wall_s > 0 and c.block_cpu_s > 0
     assert len(round_ratios(clock, free, 11, 4)) == 3
+
+
+def test_step_cost_compares_steps_taken_on_the_same_cpu() -> None:
+    """The same-CPU ratio compares each CPU's loader steps with the free steps on that CPU only
+    (virtual CPUs may run at different speeds), weighted by the loader's steps there, and
+    leaves out a CPU where either kind has too few steps and steps that moved."""
+    import sys
+
+    import numpy as np
+
+    from benchmarks.step_clock import Clock, current_cpu
+
+    if sys.platform.startswith("linux"):
+        assert current_cpu() >= 0
+    loader, free = Clock(40), Clock(40)
+    # CPU 0 runs at half CPU 1's speed; the loader's steps cost nothing beyond the free ones'.
+    loader.cpu[:] = [0] * 30 + [1] * 10
+    free.cpu[:] = [0] * 10 + [1] * 25 + [-1] * 5
+    loader.step_s[:] = np.where(loader.cpu == 0, 2.0, 1.0)
+    free.step_s[:] = np.where(free.cpu == 0, 2.0, 1.0)
+    assert float(np.median(loader.step_s)) / float(np.median(free.step_s)) == 2.0
+    assert loader.same_cpu_ratio(free) == 1.0
+    loader.step_s[loader.cpu == 1] = 1.5  # 1.5 x on CPU 1: a quarter of the loader's steps
+    assert loader.same_cpu_ratio(free) == 0.75 * 1.0 + 0.25 * 1.5
+    free.cpu[:12] = -1  # CPU 0 left with 8 free steps: compared on CPU 1 only
+    assert loader.same_cpu_ratio(free) == 1.5
+    free.cpu[:] = -1
+    assert np.isnan(loader.same_cpu_ratio(free))
