@@ -116,14 +116,26 @@ def _libdeflate_c() -> DecodeInto | None:
         d: _Decompressor | None = getattr(_local, "inflater", None)
         if d is None:
             d = _local.inflater = _Decompressor(lib)
-        src = np.frombuffer(raw, np.uint8)
-        n = out.size
+        src, size = _span(raw)
+        dst, n = _span(out)
         got = ctypes.c_size_t(0)
-        status = fn(d.handle, src.ctypes.data, src.size, out.ctypes.data, n, ctypes.byref(got))
+        status = fn(d.handle, src, size, dst, n, ctypes.byref(got))
         if status != 0 or got.value != n:  # 1: bad data, 2: short output, 3: no room
             raise ValueError(f"libdeflate: zlib data does not inflate to {n} bytes ({status})")
 
     return into
+
+
+def _span(buf: Any) -> tuple[int, int]:
+    """The address and size in bytes of a C-contiguous buffer, for a C call. Not numpy's
+    ``.ctypes.data``: it builds an object of several microseconds per call, and a decoder is
+    called per stored chunk (tens of thousands an epoch), holding the GIL meanwhile."""
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes
+    except (TypeError, ValueError):  # read-only (bytes), or empty
+        array = np.frombuffer(view, np.uint8)
+        return (array.__array_interface__["data"][0] if array.size else 0), array.size
 
 
 def _scratched(into: DecodeInto, key: str) -> Decode:
@@ -199,9 +211,9 @@ def _h5py_lzf() -> DecodeInto | None:
     fn.restype = ctypes.c_uint
 
     def into(raw: Any, out: np.ndarray) -> None:
-        src = np.frombuffer(raw, np.uint8)
-        n = out.size
-        got = fn(src.ctypes.data, src.size, out.ctypes.data, n) if src.size else 0
+        src, size = _span(raw)
+        dst, n = _span(out)
+        got = fn(src, size, dst, n) if size else 0
         if got != n:
             raise ValueError(f"LZF data decodes to {got} bytes, expected {n}")
 

@@ -403,6 +403,10 @@ def test_decoding_into_the_destination_gives_what_h5py_reads(
     got = decoder.elements(raw, mask)
     assert got.shape == (*data.shape, 4)
     np.testing.assert_array_equal(np.ascontiguousarray(got).view(np.float32)[..., 0], data)
+    # As the local source hands raw bytes over: a view into a larger buffer, reused.
+    held = bytearray(7) + raw + bytearray(5)
+    got = decoder.elements(memoryview(held)[7 : 7 + len(raw)], mask)
+    np.testing.assert_array_equal(np.ascontiguousarray(got).view(np.float32)[..., 0], data)
     with pytest.raises(ValueError):  # a chunk cut short does not decode to its size
         decoder.elements(raw[: len(raw) // 2], mask)
     # Every filter skipped (an optional filter that did not shrink the chunk, as HDF5 stores

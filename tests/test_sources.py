@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, DataLayerError, ReadError, SchemaError, SourceError
+from asynchdf5._gathering import leaf
 from asynchdf5._sources import _local, resolve_source
 from asynchdf5._sources._base import ByteRange
 from asynchdf5._stats import ReadStats
@@ -130,7 +132,7 @@ async def test_a_cancelled_fetch_never_leaves_a_read_running(
     events: list[str] = []
     lock = threading.Lock()
 
-    def slow_read(batch: Any, work: Any, streaming: bool) -> None:
+    def slow_read(batch: Any, work: Any, streaming: bool, raws: Any) -> None:
         with lock:
             events.append("start")
         time.sleep(0.2)
@@ -186,6 +188,60 @@ async def test_a_closed_local_source_refuses_to_open_or_read(tmp_path: Path) -> 
     assert not any(
         t.name.startswith("asynchdf5-read") for t in threading.enumerate() if t.name not in before
     )
+
+
+async def test_raw_reads_reuse_their_buffers_and_give_each_then_its_own_bytes(
+    tmp_path: Path,
+) -> None:
+    # Ranges read for their `then` (stored chunks to decode) were read into fresh memory each,
+    # whose first touch cost as much CPU as the read. Now a source reuses the buffers once each
+    # `then` has returned: every `then` must still see its own range's bytes, however many are
+    # in flight, and a range past the end of the file is still named truncated.
+    path = tmp_path / "raw.bin"
+    data = np.random.default_rng(0).integers(0, 256, 128 * 1024, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    source = _local.LocalSource()
+    file = source.open(str(path), hdf5=False)
+    seen: dict[int, bytes] = {}
+    buffers: set[int] = set()
+    lock = threading.Lock()
+
+    def keep(at: int) -> Any:
+        def then(raw: bytes | memoryview) -> None:
+            assert isinstance(raw, memoryview)
+            time.sleep(0.001)  # let reads run ahead of the `then`s
+            with lock:
+                seen[at] = bytes(raw)
+                buffers.add(id(raw.obj))
+
+        return then
+
+    sizes = [1000 + 37 * i for i in range(40)]
+    starts = [int(x) for x in np.cumsum([0, *sizes[:-1]])]
+    work: Executor = ThreadPoolExecutor(2)
+    limiter = anyio.CapacityLimiter(2)
+    try:
+        for _ in range(2):  # the second pass takes only buffers the first gave back
+            seen.clear()
+            ranges = [
+                ByteRange(file, at, n, f"range {at}", then=keep(at))
+                for at, n in zip(starts, sizes, strict=True)
+            ]
+            with anyio.fail_after(10):
+                await source.fetch(ranges, work, limiter, ReadStats())
+            assert seen == {at: data[at : at + n] for at, n in zip(starts, sizes, strict=True)}
+        assert len(buffers) == len(sizes)  # the second pass made none
+        past = [ByteRange(file, len(data) - 10, 20, "the last rows", then=keep(-1))]
+        with pytest.raises(BaseException) as caught:  # the fetch's task group wraps it
+            with anyio.fail_after(10):
+                await source.fetch(past, work, limiter, ReadStats())
+        error = leaf(caught.value)
+        assert isinstance(error, ReadError)
+        assert re.search(r"raw\.bin: the last rows: .*truncated", str(error)), error
+        assert -1 not in seen
+    finally:
+        source.close()
+        work.shutdown()
 
 
 async def test_a_fetch_racing_close_is_a_read_error(tmp_path: Path) -> None:

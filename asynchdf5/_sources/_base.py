@@ -151,8 +151,9 @@ class ByteRange:
     """``size`` bytes at ``offset`` of ``file``, to fetch.
 
     The bytes go into ``into`` (a writable buffer of ``size`` bytes), or, when ``into`` is None,
-    to ``then`` (as ``bytes`` or a read-only buffer). ``then`` runs on a worker thread once the
-    bytes are in (for ``into``, with ``into``); its exceptions propagate. ``about`` says which
+    to ``then`` (as ``bytes`` or a buffer, valid only until ``then`` returns: a source may reuse
+    it for the next range). ``then`` runs on a worker thread once the bytes are in (for
+    ``into``, with ``into``); its exceptions propagate. ``about`` says which
     rows of which top the range holds, for error messages.
     """
 

@@ -43,10 +43,50 @@ __all__ = ["PIECE_BYTES", "Fingerprint", "LocalFile", "LocalSource"]
 #: Bytes moved per worker-thread call: bounds how long a call holds a thread, so cancelling a
 #: run never waits for more than this per thread.
 PIECE_BYTES = 32 * 2**20
+#: Bytes of raw-read buffers a source keeps for reuse once their ``then`` has returned: about
+#: what its reading threads hold in flight while the decoding threads catch up.
+KEEP_RAW_BYTES = 32 * 2**20
 #: Files one worker-thread call reads at most: each is pinned open until the call checks it.
 #: Fewer where the open-file limit is low: every reading thread's calls together pin at most
 #: half of the files the source may keep open (:meth:`LocalSource.fetch`).
 FILES_PER_PIECE = 16
+
+
+class RawBuffers:
+    """Buffers for the raw bytes of ranges read for their ``then`` (stored chunks to decode),
+    handed back once ``then`` has returned and reused, up to ``keep`` bytes of them: a fresh
+    buffer per range costs its pages' first touch (and their return to the system) on every
+    read, as much CPU as the read itself. Thread-safe: taken by reading threads, given back by
+    the decoding threads."""
+
+    def __init__(self, keep: int = KEEP_RAW_BYTES) -> None:
+        self.keep = keep
+        self._free: list[bytearray] = []
+        self._held = 0  # bytes in ``_free``
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        """A buffer of at least ``size`` bytes (contents undefined): the smallest kept one that
+        holds them, else a new one."""
+        with self._lock:
+            fits = [i for i, buf in enumerate(self._free) if len(buf) >= size]
+            if fits:
+                buf = self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+                self._held -= len(buf)
+                return buf
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        """Hand ``buf`` back: no view of it may be used after this."""
+        with self._lock:
+            if self._held + len(buf) <= self.keep:
+                self._free.append(buf)
+                self._held += len(buf)
+
+    def clear(self) -> None:
+        """Drop every kept buffer."""
+        with self._lock:
+            self._free, self._held = [], 0
 
 
 class LocalSource:
@@ -63,6 +103,7 @@ class LocalSource:
         self._readers: ThreadPoolExecutor | None = None  # made at the first fetch
         self._files_per_call = FILES_PER_PIECE
         self._closed = False
+        self._raws = RawBuffers()  # raw chunk runs' buffers, reused
 
     def exists(self, name: str) -> bool:
         return os.path.isfile(name)
@@ -139,7 +180,9 @@ class LocalSource:
             scattered = streaming == "scattered"
             piece = DIRECT_BYTES if scattered else PIECE_BYTES
             for batch in _batches(ordered, piece, per_call):
-                tg.start_soon(self._fetch_in_thread, batch, work, limiter, readers, streaming)
+                tg.start_soon(
+                    self._fetch_in_thread, batch, work, limiter, readers, streaming, self._raws
+                )
         return sum(r.size for r in ranges)
 
     @staticmethod
@@ -149,10 +192,11 @@ class LocalSource:
         limiter: anyio.CapacityLimiter,
         readers: Executor,
         streaming: Streaming | None = None,
+        raws: RawBuffers | None = None,
     ) -> None:
         def read() -> None:
             try:
-                future = readers.submit(_fetch, batch, work, streaming)
+                future = readers.submit(_fetch, batch, work, streaming, raws)
             except RuntimeError:  # the pool was shut down: the source closed under this fetch
                 raise ReadError(_closed_message(batch)) from None
             future.result()
@@ -170,6 +214,7 @@ class LocalSource:
             readers, self._readers = self._readers, None
         if readers is not None:
             readers.shutdown(wait=True)
+        self._raws.clear()
         self._open.close()
         for f in files:
             f.close()
@@ -206,8 +251,14 @@ def _batches(
         yield batch
 
 
-def _fetch(batch: list[ByteRange], work: Executor, streaming: Streaming | None = None) -> None:
-    """Read a batch of ranges (blocking); raw bytes go to their ``then`` on ``work``'s threads.
+def _fetch(
+    batch: list[ByteRange],
+    work: Executor,
+    streaming: Streaming | None = None,
+    raws: RawBuffers | None = None,
+) -> None:
+    """Read a batch of ranges (blocking); raw bytes go to their ``then`` on ``work``'s threads,
+    in a buffer of ``raws`` (given back once ``then`` returns) where one is given.
 
     Every ``then`` handed to ``work`` has finished when this returns, errors or not: nothing
     writes into a cache slot after its chunk was given up.
@@ -265,8 +316,16 @@ def _fetch(batch: list[ByteRange], work: Executor, streaming: Streaming | None =
                     r.then(r.into)
             else:
                 assert r.then is not None
-                raw = _pread(f, r)
-                pending.append((r, work.submit(r.then, raw)))
+                if raws is None:
+                    pending.append((r, work.submit(r.then, _pread(f, r))))
+                else:
+                    buf = raws.take(r.size)
+                    try:
+                        _preadv(f, r, memoryview(buf)[: r.size])
+                    except BaseException:
+                        raws.give(buf)
+                        raise
+                    pending.append((r, work.submit(_then_and_give, r, buf, raws)))
             if id(r) in around and id(r) not in direct:
                 _advise((r,), DONTNEED)
     except BaseException as exc:
@@ -332,9 +391,22 @@ def _read_error(exc: BaseException, r: ByteRange) -> BaseException:
     return err
 
 
-def _preadv(f: LocalFile, r: ByteRange) -> None:
-    assert r.into is not None
-    view = r.into.cast("B") if r.into.format != "B" else r.into
+def _then_and_give(r: ByteRange, buf: bytearray, raws: RawBuffers) -> None:
+    """``r.then`` on its bytes in ``buf``, then ``buf`` back to ``raws`` (the range's ``then``
+    keeps no view of its bytes past its return: :class:`~._base.ByteRange`)."""
+    assert r.then is not None
+    try:
+        r.then(memoryview(buf)[: r.size])
+    finally:
+        raws.give(buf)
+
+
+def _preadv(f: LocalFile, r: ByteRange, into: memoryview | None = None) -> None:
+    """Read ``r`` into ``into`` (default: ``r.into``), whole: a file ending before the range's
+    end is a ``ReadError`` naming it truncated."""
+    into = into if into is not None else r.into
+    assert into is not None
+    view = into.cast("B") if into.format != "B" else into
     done = 0
     while done < r.size:
         try:
