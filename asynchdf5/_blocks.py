@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["BLOCK_BYTES", "RUN_BYTES", "copy_runs", "row_bytes"]
+__all__ = ["BLOCK_BYTES", "RELEASE_ITEMS", "RUN_BYTES", "copy_runs", "row_bytes", "stage_blocks"]
 
 #: Runs of at least this many bytes on average are copied a slice each.
 RUN_BYTES = 64 * 2**10
@@ -27,8 +27,13 @@ RUN_BYTES = 64 * 2**10
 #: it holds, fewer than four of them unless it is longer than the largest. A block from memory
 #: costs about what a few hundred bytes take to move, whatever its size: blocks are few and large.
 BLOCK_BYTES = (4096, 1024, 256, 64)
-#: The most bytes copied through one temporary at a time (it stays in the processor's cache).
+#: The most bytes copied through one temporary at a time (it stays in the processor's cache),
+#: unless that is fewer than :data:`RELEASE_ITEMS` blocks.
 STAGE_BYTES = 256 * 2**10
+#: The fewest blocks copied through one temporary at a time: NumPy lets go of the GIL during
+#: an index only when it has more than 500 items, and a copy that holds it keeps the other
+#: gathering thread from copying at the same time (two threads copy no faster than one).
+RELEASE_ITEMS = 512
 
 
 def row_bytes(a: np.ndarray) -> int:
@@ -87,6 +92,13 @@ def copy_runs(
             _copy_blocks(source, dest, s_at, d_at, 1, width)
 
 
+def stage_blocks(nbytes: int) -> int:
+    """How many blocks of ``nbytes`` one copy moves through its temporary at a time: what
+    :data:`STAGE_BYTES` holds, and never fewer than :data:`RELEASE_ITEMS` (so that the copy
+    lets go of the GIL)."""
+    return max(RELEASE_ITEMS, STAGE_BYTES // max(1, nbytes))
+
+
 def _blocks(a: np.ndarray, size: int, rb: int) -> np.ndarray:
     """``a`` (C-contiguous) as one item per value: the ``size`` values from it on, as bytes
     (the items overlap; there are ``size - 1`` fewer than values)."""
@@ -98,11 +110,12 @@ def _copy_blocks(
     source: np.ndarray, dest: np.ndarray, s_at: np.ndarray, d_at: np.ndarray, size: int, rb: int
 ) -> None:
     """Copy the ``size`` values from each of ``s_at`` in ``source`` to the same of ``d_at`` in
-    ``dest``, through a temporary of at most :data:`STAGE_BYTES` at a time."""
+    ``dest``, through a temporary of at most :data:`STAGE_BYTES` (or :data:`RELEASE_ITEMS`
+    blocks) at a time."""
     if rb == 0:  # values of no bytes (a trailing shape with a 0)
         return
     src, out = _blocks(source, size, rb), _blocks(dest, size, rb)
-    step = max(1, STAGE_BYTES // (size * rb))
+    step = stage_blocks(size * rb)
     for a in range(0, len(s_at), step):
         b = a + step
         out[d_at[a:b]] = src[s_at[a:b]]

@@ -21,8 +21,10 @@ a carry into the arrays the delivery hands over, with their global indices.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, wait
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -74,20 +76,44 @@ def gather_rows(
             # The take below writes straight into ``dest`` (mode="clip"), so the bounds are
             # checked instead: once per chunk when it was loaded, else here.
             check_rows(rows, chunk.arrays)
-        guard = chunk.guard
-        for name, dest in out.items():
-            if guard is None:
+        for name, dest in out.items():  # each top's copy on its own, under the guard
+            with guarded(chunk.guard, name, idx):
                 _take(chunk.arrays[name], rows, dest[at : at + n])
-            else:  # each top's copy on its own: the guard's check right before it
-                try:
-                    guard.__enter__()
-                except ReadError as exc:  # named as the copying reader names a read's rows
-                    raise ReadError(f"top {name!r}, {rows_words(idx)}: {exc}") from exc
-                try:
-                    _take(chunk.arrays[name], rows, dest[at : at + n])
-                finally:
-                    guard.__exit__(None, None, None)
         at += n
+
+
+@contextlib.contextmanager
+def guarded(
+    guard: AbstractContextManager[None] | None, name: str, indices: np.ndarray
+) -> Iterator[None]:
+    """Under ``guard`` (a mapped file's read lease, None: no guard), entered right before a
+    copy of top ``name``'s rows ``indices`` (global), its refusal a :class:`ReadError` naming
+    them as the copying reader names a read's rows."""
+    if guard is None:
+        yield
+        return
+    try:
+        guard.__enter__()
+    except ReadError as exc:
+        raise ReadError(f"top {name!r}, {rows_words(indices)}: {exc}") from exc
+    try:
+        yield
+    finally:
+        guard.__exit__(None, None, None)
+
+
+def piece_spans(chunk: LoadedChunk | Carry, a: int, b: int, name: str) -> np.ndarray:
+    """The spans (start, stop in its heaps) of ragged top ``name``'s rows ``a:b`` of a piece's
+    ``chunk``, in serving order."""
+    rows: np.ndarray | slice
+    if isinstance(chunk, Carry):
+        rows = slice(a, b)
+    elif chunk.rows_are_global:
+        rows = chunk.indices[a:b]
+    else:
+        rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
+    spans: np.ndarray = chunk.arrays[name][rows]
+    return spans
 
 
 def gather_split(
@@ -209,53 +235,82 @@ def gather_ragged(
     name: str,
     sparse: bool,
     empty: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] | None = None,
+    helper: Executor | None = None,
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """The rows of ragged top ``name`` in ``pieces``, in order: their offsets (int64, rows + 1,
     from 0) and their values (with a sparse top's column indices: ``[values, indices]``), each
     an array of the batch's own: new, or from ``empty(shape, dtype)`` (a pool of reused
     buffers). Rows that follow each other in a heap (an unshuffled chunk's) are copied as one
-    slice."""
+    slice. With a ``helper`` and at least :data:`PARALLEL_BYTES` of values, the rows holding
+    the first half of them are copied on the helper's thread (the copies let go of the GIL),
+    as :func:`gather_split` does a fixed top's."""
     make = empty if empty is not None else np.empty
     keys = heap_keys(name, sparse)
-    spans: list[np.ndarray] = []
+    jobs: list[_SpanJob] = []
     for chunk, a, b in pieces:
-        rows: np.ndarray | slice
-        if isinstance(chunk, Carry):
-            rows = slice(a, b)
-        elif chunk.rows_are_global:
-            rows = chunk.indices[a:b]
-        else:
-            rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
-        spans.append(chunk.arrays[name][rows])
-    lengths = [s[:, 1] - s[:, 0] for s in spans]
-    offsets = np.zeros(sum(len(n) for n in lengths) + 1, np.int64)
+        span = piece_spans(chunk, a, b, name)
+        jobs.append((chunk, a, span, span[:, 1] - span[:, 0]))
+    offsets = np.zeros(sum(len(j[2]) for j in jobs) + 1, np.int64)
     if len(offsets) > 1:
-        np.cumsum(np.concatenate(lengths), out=offsets[1:])
+        np.cumsum(np.concatenate([j[3] for j in jobs]), out=offsets[1:])
     total = int(offsets[-1])
     first = pieces[0][0].arrays if pieces else None
     outs = []
     for key in keys:
         heap = first[key] if first is not None else np.empty(0)
         outs.append(make((total, *heap.shape[1:]), heap.dtype))
-    at = 0
-    for (chunk, a, b), span, length in zip(pieces, spans, lengths, strict=True):
-        k = int(length.sum())
-        heaps = [chunk.arrays[key] for key in keys]
-        dests = [out[at : at + k] for out in outs]
-        guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
-        if guard is None:
-            _copy_spans(heaps, span, length, dests)
-        else:  # a mapped file's heaps: the guard's check right before the copy
-            try:
-                guard.__enter__()
-            except ReadError as exc:  # named as the copying reader names a read's rows
-                raise ReadError(f"top {name!r}, {rows_words(chunk.indices[a:b])}: {exc}") from exc
-            try:
-                _copy_spans(heaps, span, length, dests)
-            finally:
-                guard.__exit__(None, None, None)
-        at += k
+    nbytes = sum(row_bytes(out) for out in outs) * total
+    if helper is None or nbytes < PARALLEL_BYTES:
+        _copy_jobs(jobs, name, keys, outs, offsets, 0)
+        return offsets, outs
+    # The row that starts the second half of the values, and the jobs on either side of it.
+    cut = int(np.searchsorted(offsets, total // 2, side="right")) - 1
+    head, tail, row = [], [], 0
+    for job in jobs:
+        chunk, a, span, length = job
+        n = len(span)
+        if row + n <= cut:
+            head.append(job)
+        elif row >= cut:
+            tail.append(job)
+        else:
+            k = cut - row
+            head.append((chunk, a, span[:k], length[:k]))
+            tail.append((chunk, a + k, span[k:], length[k:]))
+        row += n
+    future = helper.submit(_copy_jobs, head, name, keys, outs, offsets, 0)
+    try:
+        _copy_jobs(tail, name, keys, outs, offsets, cut)
+    except BaseException:
+        wait([future])  # the helper writes into ``outs`` too: done with it before anyone reuses it
+        raise
+    future.result()
     return offsets, outs
+
+
+#: One piece's rows of a ragged top, to copy: its chunk, the first row's place in the chunk's
+#: serving order, the rows' spans in the chunk's heaps and their lengths.
+_SpanJob = tuple["LoadedChunk | Carry", int, np.ndarray, np.ndarray]
+
+
+def _copy_jobs(
+    jobs: Sequence[_SpanJob],
+    name: str,
+    keys: Sequence[str],
+    outs: Sequence[np.ndarray],
+    offsets: np.ndarray,
+    row: int,
+) -> None:
+    """Copy the rows of ``jobs``, the first of them row ``row`` of the batch, to their places
+    in ``outs`` (from ``offsets``), each chunk's under its guard."""
+    for chunk, a, span, length in jobs:
+        lo, hi = int(offsets[row]), int(offsets[row + len(span)])
+        heaps = [chunk.arrays[key] for key in keys]
+        dests = [out[lo:hi] for out in outs]
+        row += len(span)
+        guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
+        with guarded(guard, name, chunk.indices[a : a + len(span)]):
+            _copy_spans(heaps, span, length, dests)
 
 
 def _copy_spans(
@@ -326,28 +381,11 @@ def _pad_pieces(
     """Pad the rows of ``pieces`` into ``out`` (as many rows), each chunk's under its guard."""
     at = 0
     for chunk, a, b in pieces:
-        rows: np.ndarray | slice
-        if isinstance(chunk, Carry):
-            rows = slice(a, b)
-        elif chunk.rows_are_global:
-            rows = chunk.indices[a:b]
-        else:
-            rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
-        span = chunk.arrays[name][rows]
+        span = piece_spans(chunk, a, b, name)
         starts = np.ascontiguousarray(span[:, 0])
         cut = np.minimum(span[:, 1] - starts, length)
         dest = out[at : at + b - a]
         at += b - a
         guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
-        if guard is None:
+        with guarded(guard, name, chunk.indices[a:b]):
             pad_rows(chunk.arrays[key], starts, cut, dest, pad)
-            continue
-        # A mapped file's heap: the guard's check right before the copy.
-        try:
-            guard.__enter__()
-        except ReadError as exc:  # named as the copying reader names a read's rows
-            raise ReadError(f"top {name!r}, {rows_words(chunk.indices[a:b])}: {exc}") from exc
-        try:
-            pad_rows(chunk.arrays[key], starts, cut, dest, pad)
-        finally:
-            guard.__exit__(None, None, None)

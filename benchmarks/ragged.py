@@ -11,6 +11,13 @@ memory cgroup can be made (:mod:`benchmarks.cgroups`), again with the child in a
   64 MiB slabs, and ``indptr``: the bytes every reader must move, at the rate nothing beats;
 - *asynchdf5*: shuffled epochs of ``Ragged`` (``csr_array``) batches, rows/s and bytes/s, and
   unshuffled ones (the same order as the raw read);
+- *NumPy resident* (a limit): the same shuffled batches (the layer's first epoch's order)
+  gathered from values read into RAM beforehand by the plain NumPy code a user would write, on
+  one thread: the faster of a slice per row joined by ``np.concatenate`` and one flat index of
+  every value; what a shuffled gather of these rows costs with no file, cache or pipeline;
+- *fixed rows* (a limit): the same layer over rows of one length holding the same bytes per row
+  on average (a contiguous dataset: int32 token rows, or float32 rows as wide as a cell's
+  values and column indices), shuffled: what the layer's gather does when rows need no spans;
 - *AnnLoader*: ``anndata.experimental.AnnLoader`` over the backed file, shuffled, where
   anndata installs (it is in the ``bench`` extra).
 
@@ -20,7 +27,8 @@ epochs of the tokens padded to 512 by the layer (``transforms.Pad`` at the head 
 gathered padded) against the same epochs of ``Ragged`` batches the loop pads with
 ``to_padded(0, 512)``.
 
-Ratios are taken within one run, reader against reader, in the same conditions.
+Ratios are taken within one run, reader against reader, in the same conditions: each ratio to
+the raw read beside the ratio of its limits (NumPy resident, fixed rows) to it.
 """
 
 from __future__ import annotations
@@ -91,6 +99,30 @@ def write_cells(path: Path, cells: int, genes: int, seed: int = 0) -> Path | str
     return path
 
 
+def write_fixed(path: Path, ragged: Path, top: str) -> Path:
+    """Rows of one length holding the bytes of ``ragged``'s top per row on average (values and
+    column indices), contiguous, with a label: the fixed-row peer of the same bytes."""
+    if path.exists():
+        return path
+    with h5py.File(ragged, "r") as f:
+        g = f[top]
+        rows = len(g["indptr"]) - 1
+        nbytes = sum(g[m].dtype.itemsize * g[m].shape[0] for m in ("data", "indices") if m in g)
+    dtype = np.dtype(np.int32) if top == "tokens" else np.dtype(np.float32)
+    width = max(1, round(nbytes / max(1, rows) / dtype.itemsize))
+    rng = np.random.default_rng(1)
+    tmp = path.with_suffix(".tmp")
+    with h5py.File(tmp, "w") as f:
+        d = f.create_dataset(top, (rows, width), dtype)
+        step = max(1, SLAB // (width * dtype.itemsize))
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            d[a:b] = rng.integers(0, 50_000, (b - a, width)).astype(dtype)
+        f["label"] = rng.integers(0, 10, rows)
+    tmp.rename(path)
+    return path
+
+
 # --- the readers, each in a child process ------------------------------------------------------
 
 
@@ -118,29 +150,75 @@ def _layer(job: dict[str, Any]) -> dict[str, Any]:
     from asynchdf5 import HDF5DataLayer
 
     tops = tuple(job["tops"])
+    order: list[np.ndarray] = []
     with HDF5DataLayer(
         job["path"], tops=tops, batch_size=job["batch"], shuffle=job["shuffle"], seed=0
     ) as layer:
         times = []
         moved = rows = 0
-        for _ in range(job["epochs"]):
+        for epoch in range(job["epochs"]):
             t0 = time.perf_counter()
             for b in layer:
                 v = b[tops[0]]
-                moved += (
-                    int(v.data.nbytes + v.indices.nbytes)
-                    if hasattr(v, "indices")
-                    else (int(v.values.nbytes))
-                )
+                if hasattr(v, "indices"):
+                    moved += int(v.data.nbytes + v.indices.nbytes)
+                elif hasattr(v, "values"):
+                    moved += int(v.values.nbytes)
+                else:
+                    moved += int(v.nbytes)
                 rows += len(b.indices)
+                if epoch == 0 and job.get("order"):
+                    order.append(b.indices.copy())
             times.append(time.perf_counter() - t0)
         paths = dict(layer.stats.read_paths)
+    if order:  # the batches the NumPy reader gathers
+        np.save(job["order"], np.concatenate(order))
     return {
         "seconds": sum(times),
         "epoch_s": times,
         "bytes": moved,
         "rows": rows,
         "read_paths": paths,
+    }
+
+
+def _numpy(job: dict[str, Any]) -> dict[str, Any]:
+    """The layer's first epoch's batches, gathered on one thread by plain NumPy from the values
+    (and column indices) read into RAM first: a slice per row joined by ``np.concatenate``, and
+    one flat index of every value; the faster way's time (both epochs' worth)."""
+    with h5py.File(job["path"], "r") as f:
+        g = f[job["top"]]
+        heaps = [g[m][()] for m in ("data", "indices") if m in g]
+        indptr = np.asarray(g["indptr"][()], np.int64)
+    order = np.load(job["order"])
+    batches = [order[a : a + job["batch"]] for a in range(0, len(order), job["batch"])]
+
+    def slices(idx: np.ndarray) -> int:
+        starts, stops = indptr[idx].tolist(), indptr[idx + 1].tolist()
+        out = [np.concatenate([h[a:b] for a, b in zip(starts, stops, strict=True)]) for h in heaps]
+        np.cumsum(indptr[idx + 1] - indptr[idx])  # the batch's offsets
+        return sum(o.nbytes for o in out)
+
+    def flat(idx: np.ndarray) -> int:
+        starts = indptr[idx]
+        lengths = indptr[idx + 1] - starts
+        ends = np.cumsum(lengths)
+        at = np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]))
+        return sum(h[at].nbytes for h in heaps)
+
+    best: dict[str, float] = {}
+    moved = 0
+    for name, way in (("slices", slices), ("flat", flat)):
+        t0 = time.perf_counter()
+        moved = sum(way(idx) for _ in range(job["epochs"]) for idx in batches)
+        best[name] = time.perf_counter() - t0
+    fastest = min(best, key=lambda k: best[k])
+    return {
+        "seconds": best[fastest],
+        "rows": len(order) * job["epochs"],
+        "bytes": moved,
+        "way": fastest,
+        "ways_s": best,
     }
 
 
@@ -164,6 +242,10 @@ READERS = {
     "raw": _raw,
     "layer": lambda job: _layer({**job, "shuffle": True}),
     "layer-unshuffled": lambda job: _layer({**job, "shuffle": False}),
+    "numpy": _numpy,
+    "fixed": lambda job: _layer(
+        {**job, "path": job["fixed"], "tops": [job["top"], "label"], "shuffle": True}
+    ),
     "annloader": _annloader,
 }
 
@@ -268,6 +350,10 @@ def bench(rec: Recorder) -> None:
     cells = write_cells(
         folder / f"cells-{size['cells']}x{size['genes']}.h5ad", size["cells"], size["genes"]
     )
+    fixed = {"tokens": write_fixed(folder / f"tokens-{size['docs']}-fixed.h5", tokens, "tokens")}
+    if not isinstance(cells, str):
+        cells_fixed = folder / f"cells-{size['cells']}x{size['genes']}-fixed.h5"
+        fixed["cells"] = write_fixed(cells_fixed, cells, "X")
     rec.param(**size, limit_mib=LIMIT_MIB, load=os.getloadavg()[0])
     _padding(rec, tokens)
     _padding(rec, tokens, 1024, 10)
@@ -285,8 +371,9 @@ def bench(rec: Recorder) -> None:
                 "tops": ["tokens", "label"],
                 "batch": 64,
                 "rows": size["docs"],
+                "fixed": str(fixed["tokens"]),
             },
-            ["raw", "layer", "layer-unshuffled"],
+            ["raw", "layer", "numpy", "fixed", "layer-unshuffled"],
         ),
     ]
     if isinstance(cells, str):
@@ -302,8 +389,9 @@ def bench(rec: Recorder) -> None:
                     "tops": ["X", "obs/n_counts"],
                     "batch": 256,
                     "rows": size["cells"],
+                    "fixed": str(fixed["cells"]),
                 },
-                ["raw", "layer", "layer-unshuffled", "annloader"],
+                ["raw", "layer", "numpy", "fixed", "layer-unshuffled", "annloader"],
             )
         )
     try:
@@ -317,7 +405,8 @@ def bench(rec: Recorder) -> None:
                     byte_rates: dict[str, float] = {}
                     for reader in readers:
                         name = f"{reader}-{what}-{'cg' if group else 'warm'}"
-                        job_r = {**job, "reader": reader, "what": what}
+                        order = str(work / f"order-{what}-{label}.npy")
+                        job_r = {**job, "reader": reader, "what": what, "order": order}
                         r, error = cgroups.run_child("benchmarks.ragged", job_r, work, name, group)
                         if error is not None:
                             rec.note(f"{what} {reader} ({label}): {error}")
@@ -326,7 +415,10 @@ def bench(rec: Recorder) -> None:
                         if r["bytes"]:
                             byte_rates[reader] = r["bytes"] / r["seconds"]
                         if "read_paths" in r:
-                            rec.note(f"{what} asynchdf5 read paths: {r['read_paths']}")
+                            rec.note(f"{what} {reader} read paths: {r['read_paths']}")
+                        if "way" in r:
+                            ways = ", ".join(f"{k} {v:.3f} s" for k, v in r["ways_s"].items())
+                            rec.note(f"{what} NumPy resident ({label}): {ways}")
                         rates[reader] = rows_s
                         rec.figure(f"{what}, {reader}, {label}", rows_s, "samples/s")
                         if len(r.get("epoch_s", ())) > 1:  # the first epoch alone: it reads
@@ -342,6 +434,28 @@ def bench(rec: Recorder) -> None:
                         f"{what}: asynchdf5 ÷ raw read, {label}",
                         rates.get("layer"),
                         rates.get("raw"),
+                    )
+                    # The limits of the shuffled ratio, in the same run: what a plain NumPy gather
+                    # from RAM and the layer's fixed rows of the same bytes reach.
+                    rec.ratio(
+                        f"{what}: NumPy resident (1 thread) ÷ raw read, {label}",
+                        rates.get("numpy"),
+                        rates.get("raw"),
+                    )
+                    rec.ratio(
+                        f"{what}: asynchdf5 fixed rows ÷ raw read, {label}",
+                        rates.get("fixed"),
+                        rates.get("raw"),
+                    )
+                    rec.ratio(
+                        f"{what}: asynchdf5 ÷ NumPy resident (1 thread), {label}",
+                        rates.get("layer"),
+                        rates.get("numpy"),
+                    )
+                    rec.ratio(
+                        f"{what}: asynchdf5 ÷ asynchdf5 fixed rows, {label}",
+                        rates.get("layer"),
+                        rates.get("fixed"),
                     )
                     rec.ratio(
                         f"{what}: asynchdf5 unshuffled ÷ raw read, {label}",

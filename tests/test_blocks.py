@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asynchdf5._blocks import copy_runs
+from asynchdf5._blocks import BLOCK_BYTES, copy_runs, stage_blocks
 
 
 @pytest.mark.parametrize("longest", [0, 3, 40, 700, 40_000])
@@ -34,4 +34,26 @@ def test_copy_runs_puts_every_run_in_its_place(
     for a, b, k in zip(start, at, count, strict=True):
         want[b : b + k] = source[a : a + k]
     copy_runs([source], [dest], start.astype(np.int64), at.astype(np.int64), count)
+    np.testing.assert_array_equal(dest, want)
+
+
+def test_block_copies_let_go_of_the_gil() -> None:
+    """Each block copy indexes more blocks than NumPy's threshold for letting go of the GIL
+    (500 items), whatever the block's bytes: the other gathering thread copies meanwhile."""
+    for width in (1, 2, 4, 8, 16, 24):
+        for size in BLOCK_BYTES:
+            assert stage_blocks(size * width) > 500
+
+
+def test_copy_runs_over_many_stages() -> None:
+    """Thousands of runs, copied in blocks through several temporaries each size."""
+    rng = np.random.default_rng(7)
+    count = rng.integers(0, 1500, 3000)
+    source = rng.integers(0, 2**31, 4_000_000).astype(np.int32)
+    start = rng.integers(0, len(source) - count)
+    at = np.zeros(len(count), np.int64)
+    np.cumsum(count[:-1], out=at[1:])
+    dest = np.zeros(int(count.sum()), np.int32)
+    copy_runs([source], [dest], start, at, count)
+    want = np.concatenate([source[a : a + k] for a, k in zip(start, count, strict=True)])
     np.testing.assert_array_equal(dest, want)

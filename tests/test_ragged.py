@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import h5py
 import numpy as np
@@ -757,3 +758,73 @@ def test_kept_batches_stay_intact_while_buffers_are_reused(tmp_path: Path, spars
         assert (row == b.indices[0]).all()
         if sparse:
             np.testing.assert_array_equal(b["X"].toarray(), b["dense"])
+
+
+def test_a_large_ragged_group_is_copied_on_both_gathering_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a transformer the gathering stage is one worker and a helper thread: a group of at
+    least ``PARALLEL_BYTES`` of ragged values has the rows of its first half copied on the
+    helper (as a fixed top's are), and every row still lands with its sample, exactly once."""
+    from asynchdf5 import _gather
+
+    monkeypatch.setattr(_gather, "PARALLEL_BYTES", 2**16)  # small files make small groups
+    threads: set[str] = set()
+    copy = _gather._copy_spans
+
+    def spy(*args: Any) -> None:
+        threads.add(threading.current_thread().name)
+        copy(*args)
+
+    monkeypatch.setattr(_gather, "_copy_spans", spy)
+    files = write_files(tmp_path, [600, 300], longest=300)
+    with HDF5DataLayer(
+        files,
+        tops=("tok", "label", "len"),
+        batch_size=64,
+        shuffle=True,
+        transformers=[("len", lambda x: x)],
+    ) as layer:
+        seen = epoch_of(layer)
+    check_exactly_once([seen], 900)
+    assert threads == {"asynchdf5-gather", "asynchdf5-gather-helper_0"}
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_gather_ragged_on_a_helper_equals_one_thread(sparse: bool) -> None:
+    """The rows of a ragged (or sparse) top gathered half on a helper thread, the halves cut
+    inside a piece and between pieces: the same offsets and values as on one thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asynchdf5._gather import PARALLEL_BYTES, gather_ragged
+    from asynchdf5._ragged_tops import heap_keys
+    from asynchdf5._specs import LoadedChunk, Piece
+
+    rng = np.random.default_rng(int(sparse))
+    pieces: list[Piece] = []
+    for c in range(3):
+        lens = rng.integers(0, 2000, 400)
+        ip = np.zeros(401, np.int64)
+        np.cumsum(lens, out=ip[1:])
+        heaps: list[np.ndarray] = [rng.integers(0, 2**31, int(ip[-1])).astype(np.int32)]
+        if sparse:
+            heaps.append(rng.random(int(ip[-1]), np.float32))
+        arrays: dict[str, np.ndarray] = {"X": np.stack([ip[:-1], ip[1:]], axis=1)}
+        arrays.update(zip(heap_keys("X", sparse), heaps, strict=True))
+        order = rng.permutation(400)
+        chunk = LoadedChunk(cast(Any, None), order, arrays, order + 400 * c)
+        pieces += [(chunk, 0, 150), (chunk, 150, 400)]
+    offsets, outs = gather_ragged(pieces, "X", sparse)
+    assert sum(o.nbytes for o in outs) >= 2 * PARALLEL_BYTES
+    with ThreadPoolExecutor(1) as helper:
+        offsets2, outs2 = gather_ragged(pieces, "X", sparse, helper=helper)
+    np.testing.assert_array_equal(offsets, offsets2)
+    for a, b in zip(outs, outs2, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for k, out in zip(heap_keys("X", sparse), outs, strict=True):
+        want = [
+            c.arrays[k][s:e]
+            for c, a, b in pieces
+            for s, e in c.arrays["X"][c.order[a:b]]  # type: ignore[union-attr,index]
+        ]
+        np.testing.assert_array_equal(out, np.concatenate(want))

@@ -288,10 +288,11 @@ class HostDelivery:
         and the error, so that those are still delivered ahead of the error. The whole group is
         gathered into one buffer, with one ``take`` per top per run of rows (per-batch Python
         work is what limits small batches); the batches are views of it. With a ``helper`` and a
-        group of at least ``_gather.PARALLEL_BYTES``, half of the rows are gathered on the helper's
-        thread (``np.take`` releases the GIL). Transformers always run here, one batch after the
-        other: a transformer is never called from two threads at once; ``emit`` gets each batch
-        once its transformers are done (and the returned list leaves it out).
+        group of at least ``_gather.PARALLEL_BYTES``, half of the rows (of a ragged top: of its
+        values) are gathered on the helper's thread (``np.take`` releases the GIL). Transformers
+        always run here, one batch after the other: a transformer is never called from two
+        threads at once; ``emit`` gets each batch once its transformers are done (and the
+        returned list leaves it out).
         """
         assert self._buffers is not None, "start() first"
         t0 = time.perf_counter()
@@ -316,7 +317,7 @@ class HostDelivery:
             if pad.length is not None
         }
         ragged = {
-            name: (t, *gather_ragged(pieces, name, t.ragged.sparse, empty))
+            name: (t, *gather_ragged(pieces, name, t.ragged.sparse, empty, helper))
             for name, t in self._ragged.items()
             if t.ragged is not None
         }
