@@ -1105,6 +1105,31 @@ async def test_a_ragged_top_in_several_files_is_copied_and_says_why(tmp_path: Pa
     )
 
 
+async def test_a_ragged_top_whose_heap_is_chunked_is_copied_and_says_what_it_needs(
+    tmp_path: Path,
+) -> None:
+    """A ragged top whose values are stored in unfiltered chunks (every one written): its
+    heap is mapped only from contiguous storage, so the source is copied, and the note says
+    so; it never claims the unfiltered chunks that fixed tops are mapped from would do (found
+    by review: it did)."""
+    path = _ragged(tmp_path / "r.h5")
+    with h5py.File(path, "r+") as f:
+        values = f["tok/data"][()]
+        del f["tok/data"]
+        f["tok"].create_dataset("data", data=values, chunks=(64,))
+    with anyio.fail_after(30):
+        got, stats = await batches(path, epochs=1, tops=("tok", "label"), mmap=True)
+    assert sorted(i for b in got[0] for i in b.indices.tolist()) == list(range(N))
+    for b in got[0]:
+        for i, g in enumerate(b.indices.tolist()):
+            assert (b["tok"][i] == g).all()
+    assert stats.read_paths["tok"] == "ragged-chunks"
+    assert stats.read_notes["tok"] == (
+        "copied: top 'tok/data' is stored chunked (64,): mapping needs contiguous storage (the "
+        "heap of a ragged or sparse top)"
+    )
+
+
 async def test_a_lease_broken_before_a_ragged_gather_is_a_read_error_naming_the_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

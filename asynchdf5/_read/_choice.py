@@ -196,20 +196,33 @@ def refusal(catalog: Catalog) -> str | None:
             heaps = (("data", parts.data), ("indices", parts.indices))
             for (member, heap), width in zip(heaps, widths, strict=True):
                 if heap is not None:
-                    why = _unmappable(where, f"{top}/{member}", heap, info, width * n)
+                    why = _unmappable(
+                        where, f"{top}/{member}", heap, info, width * n, needs=_HEAP_NEEDS
+                    )
                     if why is not None:
                         return why
     return None
 
 
-def _unmappable(where: str, top: str, layout: Layout, info: FileInfo, size: int) -> str | None:
+_OR_CHUNKS = " or unfiltered chunks of whole samples, every chunk written"
+#: The storage a fixed top is mapped from.
+_FIXED_NEEDS = f"contiguous storage{_OR_CHUNKS}"
+#: The storage a ragged or sparse top's heap is mapped from: its values are spliced by
+#: ``indptr`` out of one extent (chunked, the copying reader reads it).
+_HEAP_NEEDS = "contiguous storage (the heap of a ragged or sparse top)"
+
+
+def _unmappable(
+    where: str, top: str, layout: Layout, info: FileInfo, size: int, needs: str = _FIXED_NEEDS
+) -> str | None:
     """Why ``top``'s ``layout`` in file ``info`` cannot be mapped as the ``size`` bytes of its
-    data (None: it can)."""
+    data (None: it can). ``needs``: the storage it is mapped from, said when it is not stored
+    so."""
     if layout.path != "pread" or len(layout.extents) != 1:
         how = f"stored {layout.storage}"
         if layout.note:
             how = f"read through h5py ({layout.note})"
-        return f"{where}top {top!r} is {how}: mapping needs contiguous storage{_OR_CHUNKS}"
+        return f"{where}top {top!r} is {how}: mapping needs {needs}"
     if layout.swap:
         return f"{where}top {top!r} is stored in the other byte order"
     (ext,) = layout.extents
@@ -229,8 +242,6 @@ def _unmappable(where: str, top: str, layout: Layout, info: FileInfo, size: int)
 #: between every few dozen chunks) is copied, which is faster. One of the 1,563 chunks of a file
 #: written with ``libver="latest"`` is at another phase; one in 28 with the default libver.
 MAIN_PHASE = 7 / 8
-
-_OR_CHUNKS = " or unfiltered chunks of whole samples, every chunk written"
 
 
 def _unmappable_chunks(
