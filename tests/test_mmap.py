@@ -277,6 +277,17 @@ def _split(folder: Path) -> Path:
     return path
 
 
+def _padded(folder: Path) -> Path:
+    """Unfiltered chunks of 8 rows of 4 columns over samples of 2 (``maxshape`` lets a chunk
+    be wider than the data): every chunk holds whole samples and padding between them."""
+    path = write_h5(folder / "padded.h5", 0, N)
+    with h5py.File(path, "r+") as f:
+        data = f["data"][:]
+        del f["data"]
+        f.create_dataset("data", data=data, chunks=(8, 4), maxshape=(None, None))
+    return path
+
+
 REFUSED: dict[str, tuple[Callable[[Path], Path], str]] = {
     "gzip": (
         lambda d: write_h5(d / "z.h5", 0, N, layout="gzip"),
@@ -285,6 +296,10 @@ REFUSED: dict[str, tuple[Callable[[Path], Path], str]] = {
     "chunks that split samples": (
         _split,
         "is stored chunked (8, 1), chunks that split its samples: mapping needs chunks of whole",
+    ),
+    "chunks wider than samples": (
+        _padded,
+        "is stored chunked (8, 4), chunks wider than its samples (padded): mapping needs chunks",
     ),
     "other byte order": (_big_endian, "stored in the other byte order"),
     "compact": (_compact, "is read through h5py (compact layout): mapping needs contiguous"),

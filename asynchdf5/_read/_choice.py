@@ -256,7 +256,9 @@ def _unmappable_chunks(
     if layout.filters:
         return f"{name}, filtered: mapping needs contiguous storage{_OR_CHUNKS}"
     if index.band != 1 or index.splits_samples:
-        return f"{name}, chunks that split its samples: mapping needs chunks of whole samples"
+        # One chunk a run of rows, yet not the samples' shape: wider, padded past each sample.
+        what = "wider than its samples (padded)" if index.band == 1 else "that split its samples"
+        return f"{name}, chunks {what}: mapping needs chunks of whole samples"
     if layout.swap:
         return f"{where}top {top!r} is stored in the other byte order"
     if not isinstance(index.file, LocalFile):
