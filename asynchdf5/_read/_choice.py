@@ -1,10 +1,11 @@
 """Whether a source is served mapped (:mod:`._mapped`) or copied (:mod:`._reader`), and why.
 
 ``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: files with their
-tops stored in them contiguously, uncompressed (or in unfiltered chunks of whole samples, every
-chunk written), in this machine's byte order, on Linux 5.14 or
-newer, at most :func:`max_files` of them (one, with a ragged or sparse top: its heaps are not
-spliced across files), with a read lease where Linux grants one and without one elsewhere.
+tops stored in them contiguously, uncompressed (or a fixed top in unfiltered chunks of whole
+samples, every chunk written, most of them at one phase: :data:`MAIN_PHASE`), in this machine's
+byte order, on Linux 5.14 or newer, at most :func:`max_files` of them (one, with a ragged or
+sparse top: its heaps are not spliced across files), with a read lease where Linux grants one
+and without one elsewhere.
 
 ``mmap="auto"`` (the default) maps only where no ``SIGBUS`` case that a lease can prevent is
 left open, and copies everywhere else:
@@ -237,10 +238,9 @@ def _unmappable(
 
 #: The share of a chunked top's stored chunks that must lie at offsets that differ by whole rows
 #: (one *phase*: offset modulo the row's bytes) for it to be mapped. Those rows are one array of
-#: the mapping, one ``np.take``; rows of other chunks are fetched again by a fancy index (about
-#: half of ``np.take``'s rate), so a top of chunks of many phases (an h5py file's v1 B-tree nodes
-#: between every few dozen chunks) is copied, which is faster. One of the 1,563 chunks of a file
-#: written with ``libver="latest"`` is at another phase; one in 28 with the default libver.
+#: the mapping, one ``np.take``; rows of other chunks are fetched again by a slower fancy index,
+#: so a top of chunks at many phases (the chunk index's nodes, or other data, between runs of
+#: chunks: the default libver's v1 B-tree, file space alignment) is copied, which is faster.
 MAIN_PHASE = 7 / 8
 
 
