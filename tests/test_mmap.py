@@ -582,11 +582,14 @@ async def test_pages_of_chunks_done_with_are_unmapped_unless_kept(
                         peak = max(peak, max(mappings(path)))
                 peak = max(peak, max(mappings(path)))  # and at the epoch's end
         peaks[kept] = peak
-    # KiB of one top. Not kept: the chunks made ready and not yet unmapped (2 MiB of a top
-    # each, in one or two blocks), and what the kernel maps beside the pages asked for (up to
-    # the whole folio of the page cache that holds each end of a block: 2 MiB), far below the
-    # top's 128 MiB.
-    assert 0 < peaks[False] <= 32 * 1024, peaks
+    # KiB of one top. Not kept: the chunks in flight (2 MiB of a top each, in one or two
+    # blocks), and what the kernel maps beside the pages asked for (up to the whole folio of
+    # the page cache that holds each end of a block: 2 MiB). In flight: those made ready ahead
+    # of the batcher, the batcher's, and those the groups cut and not yet taken reach (groups
+    # of two chunks' rows); up to 9 seen with a slow consumer, and 33 MiB mapped in all under
+    # load (a bound of 32 MiB flaked). No exact bound: half the top, which a run that never
+    # gives pages back exceeds by the epoch's end (kept, the control, maps all of it).
+    assert 0 < peaks[False] <= 64 * 1024, peaks
     assert peaks[True] >= 128 * 1024, peaks
 
 
