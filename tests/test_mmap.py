@@ -448,22 +448,29 @@ async def test_with_several_mapped_files_an_error_names_the_changed_files_own_ro
     assert "rows 0:1500:" not in str(info.value)
 
 
+@pytest.mark.parametrize("stored", ["contiguous", "chunked"])
 @pytest.mark.parametrize("chunk_size", [1000, 2**20])  # streaming; the whole set one chunk
 async def test_a_file_rewritten_while_served_is_a_read_error_and_no_changed_row_is_yielded(
-    tmp_path: Path, chunk_size: int, no_lease: None
+    tmp_path: Path, chunk_size: int, no_lease: None, stored: str
 ) -> None:
     """Rewritten in place (size and modification time restored) after the first batch: the
     mapped pages show the new bytes at once, so the rows gathered after it would be wrong
     (those gathered and checked before it are right, and may finish the epoch).
     Each gathered group is checked against the file's fingerprint before it is handed on:
-    a ReadError, and every batch yielded before it is correct."""
-    path = write_h5(tmp_path / "one.h5", 0, N)
+    a ReadError, and every batch yielded before it is correct. Stored contiguously, or in
+    chunks of whole rows (mapped as well)."""
+    path = tmp_path / "one.h5"
+    if stored == "chunked":
+        _chunked(path, "maxshape")
+    else:
+        write_h5(path, 0, N)
     before = await asnapshot()
     got: list[Any] = []
     with anyio.fail_after(30), pytest.raises(ReadError) as info:
         async with AsyncHDF5DataLayer(
             path, batch_size=16, chunk_size=chunk_size, shuffle=True, seed=0, mmap=True
         ) as layer:
+            assert layer.stats.read_paths == {"data": "mmap", "label": "mmap"}
             for _ in range(2):  # the groups gathered before the change may end the epoch
                 async for b in layer:
                     got.append(b)
@@ -742,15 +749,25 @@ def _truncate_while_served(
     return _child(_TRUNCATED_WHILE_SERVED, path, how, mode)
 
 
-@pytest.mark.parametrize("how", ["another process", "this process"])
+@pytest.mark.parametrize(
+    ("how", "stored"),
+    [("another process", None), ("this process", None), ("another process", 1024)],
+)
 def test_a_file_truncated_while_its_chunk_is_served_is_a_read_error_under_the_lease(
-    tmp_path: Path, how: str
+    tmp_path: Path, how: str, stored: int | None
 ) -> None:
     """The layer holds a read lease on the mapped file: the truncation waits until no gather is
     in flight and the lease is given back (a poll away, not the kernel's 45 s), and the run ends
     with a ReadError naming the file, after correct batches only. Without the lease (the code
-    before it) this child died of SIGBUS."""
-    path = write_h5(tmp_path / "one.h5", 0, 200_000)
+    before it) this child died of SIGBUS. Stored contiguously, or in ``stored`` chunks of that
+    many whole rows (mapped under the lease as well)."""
+    path = tmp_path / "one.h5"
+    if stored is None:
+        write_h5(path, 0, 200_000)
+    else:
+        with h5py.File(path, "w") as f:
+            for name, arr in rows(0, 200_000).items():
+                f.create_dataset(name, data=arr, chunks=(stored, *arr.shape[1:]))
     proc = _truncate_while_served(path, how)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     out = proc.stdout
