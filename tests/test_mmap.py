@@ -1383,6 +1383,76 @@ async def test_a_mapped_chunked_run_resumes_exactly(tmp_path: Path) -> None:
     check_exactly_once([b.indices for b in head + rest], N)
 
 
+def _indexed(path: Path, case: str) -> dict[str, np.ndarray]:
+    """``rows(0, N)`` in stored chunks of :data:`CHUNK` whole rows (or one larger chunk), the
+    chunks written in another order or held by another kind of HDF5 chunk index (``libver=
+    "latest"``: fixed array, extensible array, v2 B-tree, single chunk, implicit). Returns what
+    h5py reads."""
+    want = rows(0, N)
+    libver = "earliest" if case in ("reverse", "one chunk") else "latest"
+    with h5py.File(path, "w", libver=libver) as f:
+        for name, arr in want.items():
+            sample = arr.shape[1:]
+            if case == "one chunk":  # partial: room for more rows than N
+                f.create_dataset(name, data=arr, chunks=(2 * N, *sample), maxshape=(None, *sample))
+                continue
+            if case == "single chunk":  # the chunk is the whole fixed-size dataset
+                f.create_dataset(name, data=arr, chunks=arr.shape)
+                continue
+            if case == "implicit":  # every chunk allocated when created: no index to look up
+                plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                plist.set_chunk((CHUNK, *sample))
+                plist.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                space = h5py.h5s.create_simple(arr.shape)
+                h5py.h5d.create(f.id, name.encode(), h5py.h5t.py_create(arr.dtype), space, plist)
+                f[name][:] = arr
+                continue
+            maxshape = {"extensible array": (None, *sample), "v2 B-tree": (None,) * arr.ndim}
+            d = f.create_dataset(
+                name, shape=arr.shape, dtype=arr.dtype, chunks=(CHUNK, *sample),
+                maxshape=maxshape.get(case),
+            )  # fmt: skip
+            starts = list(range(0, N, CHUNK))
+            if case == "random":
+                starts = np.random.default_rng(0).permutation(starts).tolist()
+            else:
+                starts.reverse()
+            for a in starts:
+                d[a : a + CHUNK] = arr[a : a + CHUNK]
+    with h5py.File(path, "r") as f:
+        return {name: f[name][:] for name in want}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "reverse",
+        "random",
+        "extensible array",
+        "v2 B-tree",
+        "one chunk",
+        "single chunk",
+        "implicit",
+    ],
+)
+async def test_chunks_written_out_of_order_or_held_by_any_chunk_index_are_mapped(
+    tmp_path: Path, case: str
+) -> None:
+    """Chunks written last to first or at random, and the chunk indexes of both libvers: a
+    row is at its own chunk's offset whatever the order of the chunks in the file, so each is
+    mapped, every batch the rows h5py reads at its indices, every sample once an epoch."""
+    path = tmp_path / "c.h5"
+    want = _indexed(path, case)
+    with anyio.fail_after(60):
+        served, stats = await batches(path, shuffle=True, seed=1, chunk_size=1000)
+    assert stats.read_paths == {"data": "mmap", "label": "mmap"}, stats.read_notes
+    for epoch, got in enumerate(served):
+        check_epoch(got, N, 64, epoch)
+        for b in got:
+            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+            np.testing.assert_array_equal(b["label"], want["label"][b.indices])
+
+
 # --- asynchdf5 inspect ---------------------------------------------------------------------------
 
 
