@@ -76,8 +76,8 @@ RING_GROUPS = 6
 
 
 def group_bytes(cached: int) -> int:
-    """The bytes of a group of batches next to a cache (or data in memory) of ``cached``
-    bytes (0: none, such as a mapped file: :data:`GROUP_BYTES`)."""
+    """The bytes of a group of batches next to a cache (or data in memory or mapped) of
+    ``cached`` bytes (0: not known: :data:`GROUP_BYTES`)."""
     if cached <= 0:
         return GROUP_BYTES
     return min(GROUP_BYTES, max(MIN_GROUP_BYTES, cached // GROUP_SHARE))
@@ -133,7 +133,7 @@ class Run:
         # Gather several batches per group: the batcher's and the consumer's Python work is per
         # group, not per batch, which matters at thousands of batches per second. Groups of
         # about GROUP_BYTES, or less next to a small cache (see group_bytes).
-        # (Mapped rows over several files or stored chunks are no ndarray, but have nbytes.)
+        # Mapped rows over several files or from stored chunks are no ndarray: their nbytes.
         cached = sum(s.nbytes for s in slots or ()) or sum(
             int(getattr(a, "nbytes", 0)) for a in (sources or {}).values()
         )

@@ -1,10 +1,11 @@
 """Whether a source is served mapped (:mod:`._mapped`) or copied (:mod:`._reader`), and why.
 
 ``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: files with their
-tops stored in them contiguously, uncompressed (or in unfiltered chunks of whole samples, every
-chunk written), in this machine's byte order, on Linux 5.14 or
-newer, at most :func:`max_files` of them (one, with a ragged or sparse top: its heaps are not
-spliced across files), with a read lease where Linux grants one and without one elsewhere.
+tops stored in them contiguously, uncompressed (or a fixed top in unfiltered chunks of whole
+samples, every chunk written, most of them at one phase: :data:`MAIN_PHASE`), in this machine's
+byte order, on Linux 5.14 or newer, at most :func:`max_files` of them (one, with a ragged or
+sparse top: its heaps are not spliced across files), with a read lease where Linux grants one
+and without one elsewhere.
 
 ``mmap="auto"`` (the default) maps only where no ``SIGBUS`` case that a lease can prevent is
 left open, and copies everywhere else:
@@ -196,20 +197,33 @@ def refusal(catalog: Catalog) -> str | None:
             heaps = (("data", parts.data), ("indices", parts.indices))
             for (member, heap), width in zip(heaps, widths, strict=True):
                 if heap is not None:
-                    why = _unmappable(where, f"{top}/{member}", heap, info, width * n)
+                    why = _unmappable(
+                        where, f"{top}/{member}", heap, info, width * n, needs=_HEAP_NEEDS
+                    )
                     if why is not None:
                         return why
     return None
 
 
-def _unmappable(where: str, top: str, layout: Layout, info: FileInfo, size: int) -> str | None:
+_OR_CHUNKS = " or unfiltered chunks of whole samples, every chunk written"
+#: The storage a fixed top is mapped from.
+_FIXED_NEEDS = f"contiguous storage{_OR_CHUNKS}"
+#: The storage a ragged or sparse top's heap is mapped from: its values are spliced by
+#: ``indptr`` out of one extent (chunked, the copying reader reads it).
+_HEAP_NEEDS = "contiguous storage (the heap of a ragged or sparse top)"
+
+
+def _unmappable(
+    where: str, top: str, layout: Layout, info: FileInfo, size: int, needs: str = _FIXED_NEEDS
+) -> str | None:
     """Why ``top``'s ``layout`` in file ``info`` cannot be mapped as the ``size`` bytes of its
-    data (None: it can)."""
+    data (None: it can). ``needs``: the storage it is mapped from, said when it is not stored
+    so."""
     if layout.path != "pread" or len(layout.extents) != 1:
         how = f"stored {layout.storage}"
         if layout.note:
             how = f"read through h5py ({layout.note})"
-        return f"{where}top {top!r} is {how}: mapping needs contiguous storage{_OR_CHUNKS}"
+        return f"{where}top {top!r} is {how}: mapping needs {needs}"
     if layout.swap:
         return f"{where}top {top!r} is stored in the other byte order"
     (ext,) = layout.extents
@@ -224,13 +238,10 @@ def _unmappable(where: str, top: str, layout: Layout, info: FileInfo, size: int)
 
 #: The share of a chunked top's stored chunks that must lie at offsets that differ by whole rows
 #: (one *phase*: offset modulo the row's bytes) for it to be mapped. Those rows are one array of
-#: the mapping, one ``np.take``; rows of other chunks are fetched again by a fancy index (about
-#: half of ``np.take``'s rate), so a top of chunks of many phases (an h5py file's v1 B-tree nodes
-#: between every few dozen chunks) is copied, which is faster. One of the 1,563 chunks of a file
-#: written with ``libver="latest"`` is at another phase; one in 28 with the default libver.
+#: the mapping, one ``np.take``; rows of other chunks are fetched again by a slower fancy index,
+#: so a top of chunks at many phases (the chunk index's nodes, or other data, between runs of
+#: chunks: the default libver's v1 B-tree, file space alignment) is copied, which is faster.
 MAIN_PHASE = 7 / 8
-
-_OR_CHUNKS = " or unfiltered chunks of whole samples, every chunk written"
 
 
 def _unmappable_chunks(
@@ -245,7 +256,9 @@ def _unmappable_chunks(
     if layout.filters:
         return f"{name}, filtered: mapping needs contiguous storage{_OR_CHUNKS}"
     if index.band != 1 or index.splits_samples:
-        return f"{name}, chunks that split its samples: mapping needs chunks of whole samples"
+        # One chunk a run of rows, yet not the samples' shape: wider, padded past each sample.
+        what = "wider than its samples (padded)" if index.band == 1 else "that split its samples"
+        return f"{name}, chunks {what}: mapping needs chunks of whole samples"
     if layout.swap:
         return f"{where}top {top!r} is stored in the other byte order"
     if not isinstance(index.file, LocalFile):

@@ -227,8 +227,8 @@ class ChunkRows:
     modulo ``row_bytes``) lie in one array of rows over the mapping, the bytes between runs of
     them (the chunk index's nodes, other data) rows never asked for. A batch is one ``np.take``
     from the array of the phase most chunks are at, as from a contiguous top; rows of chunks
-    at other phases are then fetched again from their phase's array by a fancy index (about
-    half of ``np.take``'s rate: :data:`._choice.MAIN_PHASE` bounds how many there are)."""
+    at other phases are then fetched again from their phase's array by a slower fancy index
+    (:data:`._choice.MAIN_PHASE` bounds how many there are)."""
 
     def __init__(
         self,
