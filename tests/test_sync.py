@@ -16,17 +16,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
 from anyio.from_thread import BlockingPortal
 
-from asynchdf5 import HDF5DataLayer, MemoryDataLayer, _sync
-from asynchdf5._sync import Bridge, call_or_cancel, interrupts_held
+from asynchdf5 import HDF5DataLayer, MemoryDataLayer
+from asynchdf5._sync import interrupts_held
 
 from ._files import N, check_epoch, write_source
 from ._helpers import examples
@@ -178,14 +177,15 @@ def test_a_ctrl_c_as_the_loop_asks_for_a_batch_leaves_no_wait_behind(
     before the ``for`` holds its future. The call is cancelled still, so the next loop is
     the only one waiting for the run's groups (else anyio's BusyResourceError)."""
     armed = False
-    real = _sync._hand_to_loop
+    real = BlockingPortal.start_task_soon
 
-    def hand_to_loop(call: Any) -> None:
+    def start_task_soon(portal: BlockingPortal, func: Callable[..., Any], *args: Any) -> Any:
         nonlocal armed
-        real(call)
+        future = real(portal, func, *args)
         if armed:
             armed = False
             signal.raise_signal(signal.SIGINT)
+        return future
 
     source, _ = write_source(tmp_path)
     with HDF5DataLayer(
@@ -193,7 +193,7 @@ def test_a_ctrl_c_as_the_loop_asks_for_a_batch_leaves_no_wait_behind(
     ) as layer:
         for _ in layer:  # epoch 0, whole: the run goes on into epoch 1
             pass
-        monkeypatch.setattr(_sync, "_hand_to_loop", hand_to_loop)
+        monkeypatch.setattr(BlockingPortal, "start_task_soon", start_task_soon)
         armed = True
         with pytest.raises(KeyboardInterrupt):
             for _ in layer:
@@ -203,52 +203,3 @@ def test_a_ctrl_c_as_the_loop_asks_for_a_batch_leaves_no_wait_behind(
         epoch = batches[0].epoch
         check_epoch(batches, N, 10, epoch)
         assert epoch in (1, 2) and layer.epoch == epoch + 1
-
-
-@pytest.mark.timeout(30)
-def test_a_call_across_the_bridge_returns_raises_and_is_cancelled_whole() -> None:
-    """``call_or_cancel``'s calls (the ``for`` loop's trips to the loop, each an asyncio task of
-    its own): the value or error comes back; a call cancelled before the loop started it never
-    runs and is over at once; one cancelled while it waits ends (its ``finally`` has run)."""
-    bridge = Bridge()
-    try:
-        portal = bridge.portal
-        ran: list[str] = []
-
-        async def value(x: int) -> int:
-            return x + 1
-
-        async def fails() -> None:
-            raise ValueError("from the loop")
-
-        async def waits() -> None:
-            ran.append("waits")
-            try:
-                await anyio.sleep_forever()
-            finally:
-                ran.append("ended")
-
-        assert call_or_cancel(portal, value, 1) == 2
-        with pytest.raises(ValueError, match="from the loop"):
-            call_or_cancel(portal, fails)
-
-        gate = threading.Event()
-        portal.loop.call_soon_threadsafe(gate.wait)  # the loop is busy until the gate opens
-        early = _sync._Call(portal.loop, waits, ())
-        _sync._hand_to_loop(early)
-        early.cancel()
-        gate.set()
-        assert early.ended.wait(10) and early.result.cancelled()
-
-        late = _sync._Call(portal.loop, waits, ())
-        _sync._hand_to_loop(late)
-        deadline = time.monotonic() + 10
-        while not ran and time.monotonic() < deadline:
-            time.sleep(0.001)
-        late.cancel()
-        assert late.ended.wait(10)
-        with pytest.raises(CancelledError):
-            late.result.result()
-        assert ran == ["waits", "ended"]  # the early call never ran
-    finally:
-        bridge.stop(cancel=True)
