@@ -227,8 +227,9 @@ class Ragged:
 
 def csr_batch(values: np.ndarray, indices: np.ndarray, offsets: np.ndarray, n_cols: int) -> Any:
     """A :class:`scipy.sparse.csr_array` of ``len(offsets) - 1`` rows and ``n_cols`` columns
-    over the given arrays (views, not copies). scipy is imported here, when a sparse top's batch
-    is first made (it is the ``sparse`` extra)."""
+    over the given arrays (views, not copies, where ``indices`` and ``offsets`` share one
+    integer dtype that holds ``n_cols``: scipy converts them to a common one otherwise). scipy
+    is imported here, when a sparse top's batch is first made (it is the ``sparse`` extra)."""
     import scipy.sparse
 
     shape = (len(offsets) - 1, n_cols)

@@ -24,6 +24,7 @@ its *heaps* (the values, and a sparse top's column indices, one contiguous array
 
 from __future__ import annotations
 
+import functools
 import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -97,6 +98,22 @@ class RaggedInfo:
     @property
     def sparse(self) -> bool:
         return self.kind == "sparse"
+
+    @functools.cached_property
+    def batch_index_dtype(self) -> np.dtype[Any]:
+        """A sparse top's batches' ``indices`` and ``indptr`` dtype, the one scipy keeps as is:
+        int32 where the stored indices fit int32 (AnnData's are int32) and so do the columns and
+        every non-zero of the top (:attr:`largest`), else int64. scipy upcasts both arrays to a
+        common dtype; int32 offsets over int32 indices make it copy neither."""
+        limit = np.iinfo(np.int32).max
+        if (
+            self.index_dtype is not None
+            and np.can_cast(self.index_dtype, np.int32)
+            and self.n_cols <= limit
+            and int(self.largest[-1]) <= limit
+        ):
+            return np.dtype(np.int32)
+        return np.dtype(np.int64)
 
     def heap_rows(self, rows: int) -> int:
         """Values a heap needs for a chunk of ``rows`` rows."""

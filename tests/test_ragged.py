@@ -31,6 +31,7 @@ from asynchdf5 import (
     Stream,
 )
 from asynchdf5 import transforms as T
+from asynchdf5._ragged_tops import RaggedInfo
 
 from ._files import check_exactly_once, check_message
 
@@ -433,6 +434,60 @@ def test_anndata_sparse_h5ad(tmp_path: Path) -> None:
             np.testing.assert_array_equal(b["obs/n"], b.indices)
             seen += b.indices.tolist()
         check_exactly_once([seen], 60)
+
+
+def test_anndata_sparse_batches_equal_scipy_rows_with_int32_indices(tmp_path: Path) -> None:
+    """Each batch of an AnnData CSR ``X`` is, array by array and dtype by dtype, the rows scipy
+    itself cuts (``m[rows]``): int32 ``indices`` as stored and int32 ``indptr`` with them, so
+    that scipy copies neither (int64 offsets made it upcast the indices to int64)."""
+    anndata = pytest.importorskip("anndata")
+    m = scipy.sparse.random(70, 11, density=0.3, format="csr", random_state=2, dtype=np.float32)
+    m = scipy.sparse.csr_array(m)
+    path = tmp_path / "cells.h5ad"
+    anndata.AnnData(X=m).write_h5ad(path)
+    with h5py.File(path) as f:
+        assert f["X/indices"].dtype == np.int32  # AnnData's own choice, which the batch keeps
+    with HDF5DataLayer(path, tops=("X",), batch_size=16, shuffle=True, seed=3) as layer:
+        seen = []
+        for _ in range(2):  # a second epoch: the reused heaps cut alike
+            for b in layer:
+                x, want = b["X"], m[b.indices]
+                assert isinstance(x, scipy.sparse.csr_array) and x.shape == want.shape
+                for got, ref in ((x.data, want.data), (x.indices, want.indices)):
+                    assert got.dtype == ref.dtype
+                    np.testing.assert_array_equal(got, ref)
+                assert x.indptr.dtype == np.int32
+                np.testing.assert_array_equal(x.indptr, want.indptr)
+                seen += b.indices.tolist()
+        check_exactly_once([seen[:70]], 70)
+        check_exactly_once([seen[70:]], 70)
+
+
+@pytest.mark.parametrize("stored", [np.int64, np.uint32])
+def test_sparse_indices_beyond_int32_make_int64_batches(tmp_path: Path, stored: type) -> None:
+    """Indices stored in a dtype int32 cannot hold give int64 ``indices`` and ``indptr``."""
+    m = scipy.sparse.csr_array(np.arange(40, dtype=np.float32).reshape(10, 4) % 3)
+    path = write_csr(tmp_path / "m.h5", m)
+    with h5py.File(path, "a") as f:
+        indices = f["X/indices"][:].astype(stored)
+        del f["X/indices"]
+        f["X/indices"] = indices
+    with HDF5DataLayer(path, tops=("X", "dense"), batch_size=4, shuffle=True) as layer:
+        for b in layer:
+            x = b["X"]
+            assert x.indices.dtype == x.indptr.dtype == np.int64
+            np.testing.assert_array_equal(x.toarray(), b["dense"])
+
+
+def test_sparse_batch_index_dtype_bounds() -> None:
+    """int32 only while the columns and every non-zero of the top fit it."""
+    big = np.array([0, 2**31], np.int64)
+    i32 = np.dtype(np.int32)
+    assert RaggedInfo("sparse", 10, i32).batch_index_dtype == np.int32
+    assert RaggedInfo("sparse", 10, np.dtype(np.int16)).batch_index_dtype == np.int32
+    assert RaggedInfo("sparse", 2**31, i32).batch_index_dtype == np.int64
+    assert RaggedInfo("sparse", 10, i32, largest=big).batch_index_dtype == np.int64
+    assert RaggedInfo("sparse", 10, np.dtype(np.int64)).batch_index_dtype == np.int64
 
 
 def _bad(tmp_path: Path, kind: str) -> tuple[Path, str]:

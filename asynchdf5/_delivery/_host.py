@@ -34,14 +34,16 @@ __all__ = [
 def ragged_batch(top: TopInfo, offsets: np.ndarray, heaps: list[np.ndarray], a: int, b: int) -> Any:
     """Rows ``a:b`` of a ragged top's gathered rows (:func:`~.._gather.gather_ragged`) as a
     batch's value: a :class:`~asynchdf5.Ragged`, or a sparse top's ``scipy.sparse.csr_array``
-    (views of the gathered arrays, offsets from 0)."""
-    assert top.ragged is not None
+    (views of the gathered arrays, offsets from 0, of the dtype scipy keeps with the indices:
+    :attr:`~.._ragged_tops.RaggedInfo.batch_index_dtype`)."""
+    info = top.ragged
+    assert info is not None
     o = offsets[a : b + 1]
     lo, hi = int(o[0]), int(o[-1])
-    rebased = o - lo
-    if top.ragged.sparse:
-        return csr_batch(heaps[0][lo:hi], heaps[1][lo:hi], rebased, top.ragged.n_cols)
-    return Ragged._trusted(heaps[0][lo:hi], rebased)
+    if info.sparse:
+        rebased = np.subtract(o, lo, out=np.empty(len(o), info.batch_index_dtype), casting="unsafe")
+        return csr_batch(heaps[0][lo:hi], heaps[1][lo:hi], rebased, info.n_cols)
+    return Ragged._trusted(heaps[0][lo:hi], o - lo)
 
 
 class HeapBuffers:
