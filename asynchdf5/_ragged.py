@@ -227,9 +227,11 @@ class Ragged:
 
 def csr_batch(values: np.ndarray, indices: np.ndarray, offsets: np.ndarray, n_cols: int) -> Any:
     """A :class:`scipy.sparse.csr_array` of ``len(offsets) - 1`` rows and ``n_cols`` columns
-    over the given arrays (views, not copies, where ``indices`` and ``offsets`` share one
-    integer dtype that holds ``n_cols``: scipy converts them to a common one otherwise). scipy
-    is imported here, when a sparse top's batch is first made (it is the ``sparse`` extra)."""
+    over the given arrays. scipy keeps ``offsets`` as given, and ``indices`` where the two share
+    one integer dtype that holds ``n_cols`` (it converts both to a common one otherwise); it
+    copies ``values`` and ``indices`` that are views of an array more than twice their size (the
+    ``prune`` of the format check every constructor runs), as a batch cut from a group's heap
+    is. scipy is imported here, when a sparse top's batch is first made (the ``sparse`` extra)."""
     import scipy.sparse
 
     shape = (len(offsets) - 1, n_cols)

@@ -33,15 +33,16 @@ __all__ = [
 
 def ragged_batch(top: TopInfo, offsets: np.ndarray, heaps: list[np.ndarray], a: int, b: int) -> Any:
     """Rows ``a:b`` of a ragged top's gathered rows (:func:`~.._gather.gather_ragged`) as a
-    batch's value: a :class:`~asynchdf5.Ragged`, or a sparse top's ``scipy.sparse.csr_array``
-    (views of the gathered arrays, offsets from 0, of the dtype scipy keeps with the indices:
-    :attr:`~.._ragged_tops.RaggedInfo.batch_index_dtype`)."""
+    batch's value: a :class:`~asynchdf5.Ragged` (views of the gathered arrays, offsets from 0),
+    or a sparse top's ``scipy.sparse.csr_array`` (offsets from 0 of the dtype scipy keeps with
+    the indices, :attr:`~.._ragged_tops.RaggedInfo.batch_index_dtype`; see :func:`csr_batch`
+    for what scipy copies)."""
     info = top.ragged
     assert info is not None
     o = offsets[a : b + 1]
     lo, hi = int(o[0]), int(o[-1])
     if info.sparse:
-        rebased = np.subtract(o, lo, out=np.empty(len(o), info.batch_index_dtype), casting="unsafe")
+        rebased = (o - lo).astype(info.batch_index_dtype)
         return csr_batch(heaps[0][lo:hi], heaps[1][lo:hi], rebased, info.n_cols)
     return Ragged._trusted(heaps[0][lo:hi], o - lo)
 
