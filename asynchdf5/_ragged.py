@@ -227,15 +227,27 @@ class Ragged:
 
 def csr_batch(values: np.ndarray, indices: np.ndarray, offsets: np.ndarray, n_cols: int) -> Any:
     """A :class:`scipy.sparse.csr_array` of ``len(offsets) - 1`` rows and ``n_cols`` columns
-    over the given arrays. scipy keeps ``offsets`` as given, and ``indices`` where the two share
-    one integer dtype that holds ``n_cols`` (it converts both to a common one otherwise); it
-    copies ``values`` and ``indices`` that are views of an array more than twice their size (the
-    ``prune`` of the format check every constructor runs), as a batch cut from a group's heap
-    is. scipy is imported here, when a sparse top's batch is first made (the ``sparse`` extra)."""
+    over the given arrays, not copies of them, where ``indices`` and ``offsets`` share one
+    integer dtype that holds ``n_cols`` (scipy converts both to a common one otherwise). scipy
+    is imported here, when a sparse top's batch is first made (it is the ``sparse`` extra)."""
     import scipy.sparse
 
     shape = (len(offsets) - 1, n_cols)
-    return scipy.sparse.csr_array((values, indices, offsets), shape=shape, copy=False)
+    return scipy.sparse.csr_array(
+        (_own_base(values), _own_base(indices), offsets), shape=shape, copy=False
+    )
+
+
+def _own_base(a: np.ndarray) -> np.ndarray:
+    """``a``'s memory as an array whose ``base`` is ``a``'s size. Every scipy CSR constructor
+    runs ``prune``, which copies ``data`` and ``indices`` that are views of an array more than
+    twice their size (whatever ``copy=False`` says: scipy/scipy#6902), as a batch cut from a
+    group's heap is. A view through a memoryview (``a.data``) keeps the memory (and, through the
+    memoryview, the heap it belongs to) and stops NumPy's collapse of ``base`` there. A
+    strided ``a`` (no one buffer) is returned as it is."""
+    if not a.flags.c_contiguous:
+        return a
+    return np.frombuffer(a.data, a.dtype).reshape(a.shape)
 
 
 def check_dense(name: str, value: Any, consumer: str) -> None:

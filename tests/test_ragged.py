@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from asynchdf5 import (
     Stream,
 )
 from asynchdf5 import transforms as T
+from asynchdf5._ragged import csr_batch
 from asynchdf5._ragged_tops import RaggedInfo
 
 from ._files import check_exactly_once, check_message
@@ -477,6 +479,22 @@ def test_sparse_indices_beyond_int32_make_int64_batches(tmp_path: Path, stored: 
             x = b["X"]
             assert x.indices.dtype == x.indptr.dtype == np.int64
             np.testing.assert_array_equal(x.toarray(), b["dense"])
+
+
+def test_sparse_batch_shares_the_gathered_memory() -> None:
+    """A batch cut from a larger heap is a view of it: scipy's prune (scipy/scipy#6902) does not
+    copy it, writes go through, and the heap stays referenced while the batch lives."""
+    heap = np.arange(400, dtype=np.float32)
+    cols = (np.arange(400) % 7).astype(np.int32)
+    offsets = np.array([0, 3, 3, 8], np.int32)
+    x = csr_batch(heap[100:108], cols[200:208], offsets, 7)
+    assert np.shares_memory(x.data, heap) and np.shares_memory(x.indices, cols)
+    assert x.data.flags.writeable and x.indices.dtype == np.int32
+    want = scipy.sparse.csr_array((heap[100:108].copy(), cols[200:208].copy(), offsets), (3, 7))
+    np.testing.assert_array_equal(x.toarray(), want.toarray())
+    refs = sys.getrefcount(heap)
+    del x
+    assert sys.getrefcount(heap) < refs  # the batch held the heap
 
 
 def test_sparse_batch_index_dtype_bounds() -> None:

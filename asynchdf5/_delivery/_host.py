@@ -35,8 +35,8 @@ def ragged_batch(top: TopInfo, offsets: np.ndarray, heaps: list[np.ndarray], a: 
     """Rows ``a:b`` of a ragged top's gathered rows (:func:`~.._gather.gather_ragged`) as a
     batch's value: a :class:`~asynchdf5.Ragged` (views of the gathered arrays, offsets from 0),
     or a sparse top's ``scipy.sparse.csr_array`` (offsets from 0 of the dtype scipy keeps with
-    the indices, :attr:`~.._ragged_tops.RaggedInfo.batch_index_dtype`; see :func:`csr_batch`
-    for what scipy copies)."""
+    the indices, :attr:`~.._ragged_tops.RaggedInfo.batch_index_dtype`, over views of the
+    gathered values and indices: :func:`csr_batch`)."""
     info = top.ragged
     assert info is not None
     o = offsets[a : b + 1]
