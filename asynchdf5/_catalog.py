@@ -307,7 +307,13 @@ def _check_dtype(name: str, top: str, dt: np.dtype[Any]) -> None:
         raise SchemaError(
             f"{name}: top {top!r} has a compound dtype {dt}; name its fields as tops: {fields}"
         )
-    if h5py.check_vlen_dtype(dt) is not None or h5py.check_string_dtype(dt) is not None:
+    text = h5py.check_string_dtype(dt)
+    if text is not None and text.length is not None:
+        raise SchemaError(
+            f"{name}: top {top!r} holds strings of fixed length ({dt.str.lstrip('|')}, "
+            f"{text.length} bytes each); not supported{route}"
+        )
+    if h5py.check_vlen_dtype(dt) is not None or text is not None:
         raise SchemaError(
             f"{name}: top {top!r} holds strings or variable-length data ({dt}); not "
             f"supported{route}"

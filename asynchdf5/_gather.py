@@ -33,7 +33,7 @@ from ._blocks import RUN_BYTES, copy_runs, row_bytes
 from ._errors import ReadError
 from ._ragged import pad_rows
 from ._ragged_tops import heap_keys, is_heap
-from ._specs import BatchSpec, Carry, LoadedChunk, Piece, split_pieces
+from ._specs import BatchSpec, Carry, LoadedChunk, Piece, Rows, split_pieces
 
 __all__ = [
     "PARALLEL_BYTES",
@@ -112,8 +112,7 @@ def piece_spans(chunk: LoadedChunk | Carry, a: int, b: int, name: str) -> np.nda
         rows = chunk.indices[a:b]
     else:
         rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
-    spans: np.ndarray = chunk.arrays[name][rows]
-    return spans
+    return _array(chunk.arrays[name])[rows]
 
 
 def gather_split(
@@ -138,17 +137,25 @@ def gather_split(
     future.result()
 
 
-def _take(source: np.ndarray, rows: np.ndarray | slice, dest: np.ndarray) -> None:
+def _take(source: Rows, rows: np.ndarray | slice, dest: np.ndarray) -> None:
     """Copy ``rows`` of ``source`` into ``dest``."""
     if isinstance(rows, slice):
         dest[...] = source[rows]
     else:
         # mode="clip" writes straight into ``dest``; numpy's default ("raise") gathers into
-        # a temporary first and copies it over, a second copy of every row.
-        np.take(source, rows, axis=0, out=dest, mode="clip")
+        # a temporary first and copies it over, a second copy of every row. (What np.take
+        # calls: mapped rows have a take of their own.)
+        source.take(rows, axis=0, out=dest, mode="clip")
 
 
-def check_rows(rows: np.ndarray, arrays: Mapping[str, np.ndarray]) -> None:
+def _array(held: Rows) -> np.ndarray:
+    """A ragged top's spans or values: arrays wherever they are held (a mapped heap is one
+    contiguous extent of one file, never chunked nor spliced: :mod:`._read._choice`)."""
+    assert isinstance(held, np.ndarray)
+    return held
+
+
+def check_rows(rows: np.ndarray, arrays: Mapping[str, Rows]) -> None:
     """:class:`IndexError` unless every one of ``rows`` is a row of every array: ``np.take``
     with ``mode="clip"`` (which gathers straight into a batch) would silently clip the others.
     Two passes over ``rows``: the loader runs it once per chunk, so that the gather need not."""
@@ -305,7 +312,7 @@ def _copy_jobs(
     in ``outs`` (from ``offsets``), each chunk's under its guard."""
     for chunk, a, span, length in jobs:
         lo, hi = int(offsets[row]), int(offsets[row + len(span)])
-        heaps = [chunk.arrays[key] for key in keys]
+        heaps = [_array(chunk.arrays[key]) for key in keys]
         dests = [out[lo:hi] for out in outs]
         row += len(span)
         guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
@@ -388,4 +395,4 @@ def _pad_pieces(
         at += b - a
         guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
         with guarded(guard, name, chunk.indices[a:b]):
-            pad_rows(chunk.arrays[key], starts, cut, dest, pad)
+            pad_rows(_array(chunk.arrays[key]), starts, cut, dest, pad)

@@ -302,7 +302,9 @@ def find_form(where: str, h5: h5py.File, top: str) -> RaggedForm | None:
         return _group_form(where, top, obj)
     if isinstance(obj, h5py.Dataset) and obj.dtype.names is None:
         base = h5py.check_vlen_dtype(obj.dtype)
-        if base is not None or h5py.check_string_dtype(obj.dtype) is not None:
+        text = h5py.check_string_dtype(obj.dtype)
+        # Fixed-length strings (`S5`) are fixed rows, not ragged: the dataset checks refuse them.
+        if base is not None or (text is not None and text.length is None):
             return _vlen_form(where, top, obj, base if base is not None else obj.dtype)
     return None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -27,22 +28,53 @@ __all__ = [
     "GroupSpec",
     "LoadedChunk",
     "Piece",
+    "Rows",
     "merge_pieces",
     "split_pieces",
 ]
+
+
+class Rows(Protocol):
+    """What the gather takes one top's rows from: an array, or rows served where a mapped file
+    stores them (:class:`~._read._maps.ChunkRows`, :class:`~._read._maps.Spliced`), which are no
+    array: rows by :meth:`take` (``np.take``'s call: ``axis=0``, into ``out``) or by a slice,
+    bounded by ``len()``; a ragged top's spans and values are always arrays."""
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, rows: slice, /) -> np.ndarray: ...
+
+    def take(
+        self,
+        indices: np.ndarray,
+        /,
+        axis: int = ...,
+        *,
+        out: np.ndarray,
+        mode: Literal["raise", "wrap", "clip"] = ...,
+    ) -> np.ndarray: ...
 
 
 @dataclass(eq=False)
 class LoadedChunk:
     """A chunk whose rows are in memory.
 
-    ``arrays`` are a cache slot's arrays (rows at slot positions) or, for in-memory data, the
-    whole arrays (rows at global indices: ``rows_are_global``).
+    ``arrays`` are a cache slot's arrays (rows at slot positions) or, for in-memory or mapped
+    data, the whole rows (at global indices: ``rows_are_global``), mapped ones no array.
     """
 
     plan: ChunkPlan
     order: np.ndarray | None  # slot positions in serving order (None: slot order, or not needed)
-    arrays: Mapping[str, np.ndarray]
+    arrays: Mapping[str, Rows]
     indices: np.ndarray  # global indices of the served samples, in serving order
     rows_are_global: bool = False
     #: Every row the gather will take (``order``, or ``indices`` when global) was checked to be

@@ -117,11 +117,28 @@ def test_small_chunks_not_adjacent_in_the_file_are_a_seek_each(
             other.resize((other.shape[0] + 256,))
             other[-256:] = 1
             f.flush()
-        f.create_dataset("label", data=np.arange(64))
+        f.create_dataset("label", data=np.arange(64, dtype=">i8"))  # swapped: copied, not mapped
     status, doc = inspect_json(capsys, tmp_path / "rev.h5")
-    assert status == 0
+    assert status == 0 and doc["mmap"].startswith("copied")
     data = doc["files"][0]["tops"][0]
     assert data["read_path"] == "chunks" and "every read is a seek" in data["hints"][0]
+
+
+def test_small_chunks_served_mapped_are_not_hinted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Mapped, rows are taken where they lie in the chunks: the per-chunk cost that the hint
+    describes is the copying reader's, so the hint shows only where the source is copied."""
+    with h5py.File(tmp_path / "m.h5", "w") as f:
+        f.create_dataset("data", data=np.zeros((64, 8), np.float32), chunks=(4, 8))
+        f.create_dataset("label", data=np.arange(64))
+    status, doc = inspect_json(capsys, tmp_path / "m.h5")
+    assert status == 0 and doc["mmap"].startswith("mapped")
+    data = doc["files"][0]["tops"][0]
+    assert data["read_path"] == "chunks" and data["chunk_bytes"] == 128 < SEEK_BYTES
+    assert data["hints"] == [] and doc["hints"] == []
+    status, text, _ = run_main(["inspect", tmp_path / "m.h5"], capsys)
+    assert status == 0 and "OK: the layer maps the file" in text and "hints:" not in text
 
 
 def test_inspect_hints_for_slow_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -470,7 +470,8 @@ async def test_the_cache_is_given_back_in_a_worker_thread_on_close(
             reader = opened.reader
             assert not isinstance(reader, ProcessReader)  # process=False: the reader is here
             assert not opened.slots and reader.own_arrays
-            held = list(reader.own_arrays.values())
+            held = [a for a in reader.own_arrays.values() if isinstance(a, np.ndarray)]
+            assert len(held) == len(reader.own_arrays)  # resident: the copying reader's arrays
         del opened
         with anyio.fail_after(10):
             check_epoch([b async for b in layer], N, 10, 0)

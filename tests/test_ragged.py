@@ -346,6 +346,18 @@ def test_vlen_strings_are_refused_with_the_route(tmp_path: Path) -> None:
     check_message(err.value, "s.h5", "'text'", "strings", "tokenize")
 
 
+def test_fixed_length_strings_are_refused_as_such(tmp_path: Path) -> None:
+    """An `S5` dataset has fixed rows, not ragged ones: the refusal names its dtype, not
+    variable-length strings, and says what works."""
+    path = tmp_path / "s.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("code", data=np.array([b"abcde", b"fghij"], "S5"))
+    with pytest.raises(SchemaError) as err:
+        HDF5DataLayer(path, tops=("code",), batch_size=1).__enter__()
+    check_message(err.value, "s.h5", "'code'", "strings of fixed length", "S5", "integer codes")
+    assert "variable-length" not in str(err.value)
+
+
 # --- sizes: rows larger than a chunk's budget ---------------------------------------------------
 
 

@@ -127,10 +127,12 @@ def explain(t: TopReport, layout: Layout, unit: str = "sample") -> None:
                 if _adjacent(index)
                 else "every read is a seek"
             )
-            t.hints.append(
-                f"chunk shape {t.chunk_shape} is {plural(rows, unit)} ({mib(size)}) per "
-                f"chunk: {cost}; {pack}"
-            )
+            # Mapped (unfiltered chunks of whole samples), rows are taken where they lie: no
+            # read per chunk, so this cost is the copying reader's only.
+            hint = f"chunk shape {t.chunk_shape} is {plural(rows, unit)} ({mib(size)}) per "
+            hint += f"chunk: {cost}; {pack}"
+            t.hints.append(hint)
+            t.copying_hints.add(hint)
         elif t.filters and size > LARGE_CHUNK_BYTES:
             t.hints.append(
                 f"compressed chunks of {mib(size)}: a shuffled read of a block decodes whole "

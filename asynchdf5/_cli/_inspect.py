@@ -67,6 +67,8 @@ class TopReport:
     read_path: str | None = None  # "pread", "chunks" or "h5py"
     reason: str = ""
     hints: list[str] = field(default_factory=list)
+    #: Those of ``hints`` about the copying reader's cost only: dropped when the source is mapped.
+    copying_hints: set[str] = field(default_factory=set)
     stored_in: str | None = None  # another file, when an external link leads there
     error: str | None = None
     #: What the top is stored as (:func:`_form`): "rows", "windows", "categorical",
@@ -403,6 +405,9 @@ def analyze(
         report.varying = any(t.ragged is not None for t in catalog.tops.values())
         report.sample_bytes = catalog.mean_row_bytes if report.varying else catalog.row_bytes
         report.mmap = probe(catalog)  # takes the file's read lease and gives it back
+        if report.mmap.startswith("mapped"):  # the copying reader's costs are not paid
+            for t in (t for f in report.files for t in f.tops):
+                t.hints = [h for h in t.hints if h not in t.copying_hints]
     finally:
         files.close()
     return report

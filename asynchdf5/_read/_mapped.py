@@ -63,6 +63,7 @@ from .._priority import background
 from .._ragged_tops import INDICES, heap_keys
 from .._sources import Source
 from .._sources._local import LocalFile
+from .._specs import Rows
 from .._stats import ReadStats
 from .._thread_call import release_whole
 from ._lease import Lease, Leases
@@ -164,7 +165,7 @@ class MappedReader:
                 arrays[name] = Spliced(
                     [t.array for t in parts if t.array is not None], [t.start for t in parts]
                 )
-        self.own_arrays: Mapping[str, np.ndarray] | None = arrays
+        self.own_arrays: Mapping[str, Rows] | None = arrays
         self._files = list({id(t.file): t.file for t in self._tops}.values())
         #: Keep pages mapped from one epoch to the next: the data set fits in memory (see
         #: :func:`default_keep_bytes`), so its pages can stay in the page cache.
@@ -198,7 +199,7 @@ class MappedReader:
 
     async def read(
         self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
-    ) -> tuple[Mapping[str, np.ndarray], bool]:
+    ) -> tuple[Mapping[str, Rows], bool]:
         assert self.own_arrays is not None
         t0 = time.perf_counter()
         pool = self._pool

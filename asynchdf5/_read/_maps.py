@@ -13,7 +13,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from .._errors import ReadError
 from .._pages import MAP_FAILED, libc_madvise, libc_mmap
 from .._sources._local import LocalFile
 from ._spans import merged
+
+if TYPE_CHECKING:
+    from .._specs import Rows
 
 __all__ = ["ChunkRows", "Libc", "MappedTop", "Spliced", "get_libc", "supported"]
 
@@ -360,3 +363,7 @@ class Spliced:
         idx = np.arange(start, stop, step, dtype=np.int64)
         out = np.empty((len(idx), *self.shape[1:]), self.dtype)
         return self.take(idx, out=out)
+
+
+if TYPE_CHECKING:  # both are what the gather takes rows from (mypy checks that they are Rows)
+    _ROWS: tuple[type[Rows], ...] = (ChunkRows, Spliced)

@@ -39,6 +39,7 @@ from .._plan import ChunkPlan
 from .._priority import background
 from .._ragged_tops import heap_keys
 from .._sources import ByteRange, Source, Streaming
+from .._specs import Rows
 from .._stats import ReadStats
 from .._thread_call import release_whole
 from ._chunked import Need, chunk_reads
@@ -72,8 +73,9 @@ class Reader(Protocol):
         ...
 
     @property
-    def own_arrays(self) -> Mapping[str, np.ndarray] | None:
-        """Those arrays when :attr:`in_place` (filled as chunks are read), else ``None``."""
+    def own_arrays(self) -> Mapping[str, Rows] | None:
+        """Those arrays when :attr:`in_place` (filled as chunks are read), else ``None``; a
+        mapped source's rows in chunks or over several files are no array (:class:`Rows`)."""
         ...
 
     @property
@@ -92,7 +94,7 @@ class Reader(Protocol):
 
     async def read(
         self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats
-    ) -> tuple[Mapping[str, np.ndarray], bool]:
+    ) -> tuple[Mapping[str, Rows], bool]:
         """Put the chunk's rows in memory: into ``into`` (a cache slot's arrays, rows in the
         chunk's range order), or in place. Returns the arrays holding them and whether rows are
         at their global indices there."""
