@@ -16,16 +16,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from anyio.from_thread import BlockingPortal
 
-from asynchdf5 import HDF5DataLayer, MemoryDataLayer
-from asynchdf5._sync import interrupts_held
+from asynchdf5 import HDF5DataLayer, MemoryDataLayer, _sync
+from asynchdf5._sync import Bridge, call_or_cancel, interrupts_held
 
 from ._files import N, check_epoch, write_source
 from ._helpers import examples
@@ -177,15 +178,14 @@ def test_a_ctrl_c_as_the_loop_asks_for_a_batch_leaves_no_wait_behind(
     before the ``for`` holds its future. The call is cancelled still, so the next loop is
     the only one waiting for the run's groups (else anyio's BusyResourceError)."""
     armed = False
-    real = BlockingPortal.start_task_soon
+    real = _sync._hand_to_loop
 
-    def start_task_soon(portal: BlockingPortal, func: Callable[..., Any], *args: Any) -> Any:
+    def hand_to_loop(call: Any) -> None:
         nonlocal armed
-        future = real(portal, func, *args)
+        real(call)
         if armed:
             armed = False
             signal.raise_signal(signal.SIGINT)
-        return future
 
     source, _ = write_source(tmp_path)
     with HDF5DataLayer(
@@ -193,7 +193,7 @@ def test_a_ctrl_c_as_the_loop_asks_for_a_batch_leaves_no_wait_behind(
     ) as layer:
         for _ in layer:  # epoch 0, whole: the run goes on into epoch 1
             pass
-        monkeypatch.setattr(BlockingPortal, "start_task_soon", start_task_soon)
+        monkeypatch.setattr(_sync, "_hand_to_loop", hand_to_loop)
         armed = True
         with pytest.raises(KeyboardInterrupt):
             for _ in layer:
@@ -203,3 +203,84 @@ def test_a_ctrl_c_as_the_loop_asks_for_a_batch_leaves_no_wait_behind(
         epoch = batches[0].epoch
         check_epoch(batches, N, 10, epoch)
         assert epoch in (1, 2) and layer.epoch == epoch + 1
+
+
+@pytest.mark.timeout(30)
+def test_a_call_across_the_bridge_returns_raises_and_is_cancelled_whole() -> None:
+    """``call_or_cancel``'s calls (the ``for`` loop's trips to the loop, each an asyncio task of
+    its own): the value or error comes back; a call cancelled before the loop started it never
+    runs and is over at once; one cancelled while it waits ends (its ``finally`` has run)."""
+    bridge = Bridge()
+    try:
+        portal = bridge.portal
+        ran: list[str] = []
+
+        async def value(x: int) -> int:
+            return x + 1
+
+        async def fails() -> None:
+            raise ValueError("from the loop")
+
+        async def waits() -> None:
+            ran.append("waits")
+            try:
+                await anyio.sleep_forever()
+            finally:
+                ran.append("ended")
+
+        assert call_or_cancel(portal, value, 1) == 2
+        with pytest.raises(ValueError, match="from the loop"):
+            call_or_cancel(portal, fails)
+
+        gate = threading.Event()
+        portal.loop.call_soon_threadsafe(gate.wait)  # the loop is busy until the gate opens
+        early = _sync._Call(portal.loop, waits, ())
+        _sync._hand_to_loop(early)
+        early.cancel()
+        gate.set()
+        assert early.ended.wait(10) and early.result.cancelled()
+
+        late = _sync._Call(portal.loop, waits, ())
+        _sync._hand_to_loop(late)
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.001)
+        late.cancel()
+        assert late.ended.wait(10)
+        with pytest.raises(CancelledError):
+            late.result.result()
+        assert ran == ["waits", "ended"]  # the early call never ran
+    finally:
+        bridge.stop(cancel=True)
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_before_the_call_is_handed_to_the_loop_leaves_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupt that comes before the hand-off (as the interrupts are being held back, say)
+    leaves a call the loop never heard of: it is over at once, not waited for (nothing on the
+    loop would ever say it ended; the wait would last ``CANCEL_WAIT_S``, which a double Ctrl-C
+    took for a hang)."""
+    monkeypatch.setattr(_sync, "CANCEL_WAIT_S", 3600.0)  # a wait, if any, outlasts the timeout
+
+    def interrupted(call: Any) -> None:
+        raise KeyboardInterrupt
+
+    bridge = Bridge()
+    try:
+        ran: list[str] = []
+
+        async def never() -> None:
+            ran.append("ran")
+
+        monkeypatch.setattr(_sync, "_hand_to_loop", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            call_or_cancel(bridge.portal, never)
+        monkeypatch.undo()
+        call = _sync._Call(bridge.portal.loop, never, ())
+        call.cancel()  # never handed over
+        assert call.ended.is_set() and call.result.cancelled()
+        assert ran == []
+    finally:
+        bridge.stop(cancel=True)
