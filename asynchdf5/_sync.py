@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import signal
 import threading
 from collections.abc import Callable, Coroutine, Iterator
@@ -42,12 +43,16 @@ BRIDGE_BATCHES = 256
 
 class LoopPortal(BlockingPortal):
     """anyio's blocking portal that knows its asyncio event loop (made in that loop), so that
-    :func:`call_or_cancel` can hand calls to the loop directly."""
+    :func:`call_or_cancel` can hand calls to the loop directly, and the loop's context, which
+    those calls run in (not the caller's: a caller inside ``trio.run`` carries sniffio's
+    "trio" in its context, and anyio would take the bridge's tasks for trio's)."""
 
     def __init__(self) -> None:
         super().__init__()
         #: The event loop the portal serves (it was made there).
         self.loop = asyncio.get_running_loop()
+        #: The loop's context: each call's task starts in a copy of it.
+        self.context = contextvars.copy_context()
 
 
 class Bridge:
@@ -133,11 +138,14 @@ class _Call(Generic[T]):
     sure never to start (cancelled before)."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Coroutine[Any, Any, T]], args: Any
+        self,
+        portal: LoopPortal,
+        fn: Callable[..., Coroutine[Any, Any, T]],
+        args: Any,
     ) -> None:
         self.result: Future[T] = Future()
         self.ended = threading.Event()
-        self._loop, self._fn, self._args = loop, fn, args
+        self._loop, self._context, self._fn, self._args = portal.loop, portal.context, fn, args
         self._task: asyncio.Task[T] | None = None
 
     def start(self) -> None:
@@ -173,7 +181,7 @@ class _Call(Generic[T]):
 
 def _hand_to_loop(call: _Call[Any]) -> None:
     """Hand ``call`` to its loop (a function of its own: tests interrupt right after it)."""
-    call._loop.call_soon_threadsafe(call.start)
+    call._loop.call_soon_threadsafe(call.start, context=call._context.copy())
 
 
 def call_or_cancel(
@@ -185,7 +193,7 @@ def call_or_cancel(
     consumer's next group, and take it (or, taking it from the same run as the next loop does,
     make that one fail) once the caller has moved on. ``portal`` is a :class:`Bridge`'s."""
     assert isinstance(portal, LoopPortal), "a layer's portal is its bridge's"
-    call = _Call(portal.loop, fn, args)
+    call = _Call(portal, fn, args)
     try:
         # Held while the call is handed to the loop: an interrupt there would leave it unknown
         # whether the loop has it.

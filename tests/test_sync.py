@@ -234,13 +234,13 @@ def test_a_call_across_the_bridge_returns_raises_and_is_cancelled_whole() -> Non
 
         gate = threading.Event()
         portal.loop.call_soon_threadsafe(gate.wait)  # the loop is busy until the gate opens
-        early = _sync._Call(portal.loop, waits, ())
+        early = _sync._Call(portal, waits, ())
         _sync._hand_to_loop(early)
         early.cancel()
         gate.set()
         assert early.ended.wait(10) and early.result.cancelled()
 
-        late = _sync._Call(portal.loop, waits, ())
+        late = _sync._Call(portal, waits, ())
         _sync._hand_to_loop(late)
         deadline = time.monotonic() + 10
         while not ran and time.monotonic() < deadline:
@@ -278,7 +278,7 @@ def test_a_ctrl_c_before_the_call_is_handed_to_the_loop_leaves_at_once(
         with pytest.raises(KeyboardInterrupt):
             call_or_cancel(bridge.portal, never)
         monkeypatch.undo()
-        call = _sync._Call(bridge.portal.loop, never, ())
+        call = _sync._Call(bridge.portal, never, ())
         call.cancel()  # never handed over
         assert call.ended.is_set() and call.result.cancelled()
         assert ran == []
