@@ -22,6 +22,7 @@ a carry into the arrays the delivery hands over, with their global indices.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, wait
 from contextlib import AbstractContextManager
@@ -128,11 +129,22 @@ def gather_split(
         gather_rows(pieces, out, indices)
         return
     head, tail = split_pieces(pieces, total // 2)
-    future = helper.submit(gather_rows, head, out, indices)
+    on_two_threads(
+        helper,
+        functools.partial(gather_rows, head, out, indices),
+        functools.partial(gather_rows, tail, out, indices, total // 2),
+    )
+
+
+def on_two_threads(helper: Executor, head: Callable[[], None], tail: Callable[[], None]) -> None:
+    """Run ``head`` on ``helper``'s thread while ``tail`` runs on this one, both writing into one
+    output. An error here waits for the helper's part first (it writes into that output too:
+    done with it before anyone reuses it); the helper's error comes out after."""
+    future = helper.submit(head)
     try:
-        gather_rows(tail, out, indices, total // 2)
+        tail()
     except BaseException:
-        wait([future])  # the helper writes into ``out`` too: done with it before anyone reuses it
+        wait([future])
         raise
     future.result()
 
@@ -285,13 +297,11 @@ def gather_ragged(
             head.append((chunk, a, span[:k], length[:k]))
             tail.append((chunk, a + k, span[k:], length[k:]))
         row += n
-    future = helper.submit(_copy_jobs, head, name, keys, outs, offsets, 0)
-    try:
-        _copy_jobs(tail, name, keys, outs, offsets, cut)
-    except BaseException:
-        wait([future])  # the helper writes into ``outs`` too: done with it before anyone reuses it
-        raise
-    future.result()
+    on_two_threads(
+        helper,
+        functools.partial(_copy_jobs, head, name, keys, outs, offsets, 0),
+        functools.partial(_copy_jobs, tail, name, keys, outs, offsets, cut),
+    )
     return offsets, outs
 
 
@@ -372,13 +382,11 @@ def gather_padded(
         return out
     half = rows // 2
     head, tail = split_pieces(pieces, half)
-    future = helper.submit(_pad_pieces, head, name, key, length, pad, out[:half])
-    try:
-        _pad_pieces(tail, name, key, length, pad, out[half:])
-    except BaseException:
-        wait([future])  # the helper writes into ``out`` too: done with it before anyone reuses it
-        raise
-    future.result()
+    on_two_threads(
+        helper,
+        functools.partial(_pad_pieces, head, name, key, length, pad, out[:half]),
+        functools.partial(_pad_pieces, tail, name, key, length, pad, out[half:]),
+    )
     return out
 
 
