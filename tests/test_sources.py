@@ -132,7 +132,7 @@ async def test_a_cancelled_fetch_never_leaves_a_read_running(
     events: list[str] = []
     lock = threading.Lock()
 
-    def slow_read(batch: Any, work: Any, streaming: bool, raws: Any) -> None:
+    def slow_read(batch: Any, work: Any, raws: Any, streaming: bool) -> None:
         with lock:
             events.append("start")
         time.sleep(0.2)
@@ -153,7 +153,12 @@ async def test_a_cancelled_fetch_never_leaves_a_read_running(
             with anyio.fail_after(10):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(
-                        _local.LocalSource._fetch_in_thread, [], nothing, limiter, readers
+                        _local.LocalSource._fetch_in_thread,
+                        [],
+                        nothing,
+                        limiter,
+                        readers,
+                        _local.RawBuffers(),
                     )
                     tg.start_soon(cancel, tg)
             with lock:
@@ -256,7 +261,7 @@ async def test_a_fetch_racing_close_is_a_read_error(tmp_path: Path) -> None:
     with pytest.raises(ReadError, match=r"a\.h5: the signature: cannot read: the source is closed"):
         with anyio.fail_after(10):
             await _local.LocalSource._fetch_in_thread(
-                batch, nothing, anyio.CapacityLimiter(1), readers
+                batch, nothing, anyio.CapacityLimiter(1), readers, _local.RawBuffers()
             )
     source.close()
 

@@ -42,7 +42,7 @@ def ragged_batch(top: TopInfo, offsets: np.ndarray, heaps: list[np.ndarray], a: 
     o = offsets[a : b + 1]
     lo, hi = int(o[0]), int(o[-1])
     if info.sparse:
-        rebased = (o - lo).astype(info.batch_index_dtype)
+        rebased = (o - lo).astype(info.batch_index_dtype, copy=False)
         return csr_batch(heaps[0][lo:hi], heaps[1][lo:hi], rebased, info.n_cols)
     return Ragged._trusted(heaps[0][lo:hi], o - lo)
 

@@ -181,7 +181,7 @@ class LocalSource:
             piece = DIRECT_BYTES if scattered else PIECE_BYTES
             for batch in _batches(ordered, piece, per_call):
                 tg.start_soon(
-                    self._fetch_in_thread, batch, work, limiter, readers, streaming, self._raws
+                    self._fetch_in_thread, batch, work, limiter, readers, self._raws, streaming
                 )
         return sum(r.size for r in ranges)
 
@@ -191,12 +191,12 @@ class LocalSource:
         work: Executor,
         limiter: anyio.CapacityLimiter,
         readers: Executor,
+        raws: RawBuffers,
         streaming: Streaming | None = None,
-        raws: RawBuffers | None = None,
     ) -> None:
         def read() -> None:
             try:
-                future = readers.submit(_fetch, batch, work, streaming, raws)
+                future = readers.submit(_fetch, batch, work, raws, streaming)
             except RuntimeError:  # the pool was shut down: the source closed under this fetch
                 raise ReadError(_closed_message(batch)) from None
             future.result()
@@ -254,11 +254,11 @@ def _batches(
 def _fetch(
     batch: list[ByteRange],
     work: Executor,
+    raws: RawBuffers,
     streaming: Streaming | None = None,
-    raws: RawBuffers | None = None,
 ) -> None:
     """Read a batch of ranges (blocking); raw bytes go to their ``then`` on ``work``'s threads,
-    in a buffer of ``raws`` (given back once ``then`` returns) where one is given.
+    in a buffer of ``raws`` (given back once ``then`` returns).
 
     Every ``then`` handed to ``work`` has finished when this returns, errors or not: nothing
     writes into a cache slot after its chunk was given up.
@@ -316,16 +316,13 @@ def _fetch(
                     r.then(r.into)
             else:
                 assert r.then is not None
-                if raws is None:
-                    pending.append((r, work.submit(r.then, _pread(f, r))))
-                else:
-                    buf = raws.take(r.size)
-                    try:
-                        _preadv(f, r, memoryview(buf)[: r.size])
-                    except BaseException:
-                        raws.give(buf)
-                        raise
-                    pending.append((r, work.submit(_then_and_give, r, buf, raws)))
+                buf = raws.take(r.size)
+                try:
+                    _preadv(f, r, memoryview(buf)[: r.size])
+                except BaseException:
+                    raws.give(buf)
+                    raise
+                pending.append((r, work.submit(_then_and_give, r, buf, raws)))
             if id(r) in around and id(r) not in direct:
                 _advise((r,), DONTNEED)
     except BaseException as exc:
@@ -422,19 +419,3 @@ def _preadv(f: LocalFile, r: ByteRange, into: memoryview | None = None) -> None:
                 f.name,
             )
         done += got
-
-
-def _pread(f: LocalFile, r: ByteRange) -> bytes:
-    try:
-        raw = os.pread(f.fd, r.size, r.offset)
-    except OSError as exc:
-        raise name_entry(ReadError(f"{f.name}: {r.about}: read failed: {exc}"), f.name) from exc
-    if len(raw) != r.size:
-        raise name_entry(
-            ReadError(
-                f"{f.name}: {r.about}: {r.size} bytes at offset {r.offset} are cut short "
-                "(the file is truncated)"
-            ),
-            f.name,
-        )
-    return raw
