@@ -9,6 +9,7 @@ source: the whole :class:`~._opened.Opened`, built here in that order, in one ca
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -234,7 +235,11 @@ class HDF5Layer(LayerBase):
             memory = memory_bytes() if room is None else min(memory_bytes(), room.free)
             # Waited for whole: the leases it takes are given back on any failure.
             chosen = choice = await run_sync_whole(
-                choose, catalog, self.config.mmap, memory, release=Choice.close
+                functools.partial(choose, resident=shape.resident),
+                catalog,
+                self.config.mmap,
+                memory,
+                release=Choice.close,
             )
             reader: Reader
             if choice.mapped:  # no slots: rows served in place

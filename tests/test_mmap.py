@@ -36,8 +36,10 @@ import pytest
 
 import asynchdf5._read._choice as choice
 import asynchdf5._read._mapped as mapped
+import asynchdf5._read._maps as maps
 from asynchdf5 import AsyncHDF5DataLayer, ConfigurationError, HDF5DataLayer, ReadError
 from asynchdf5._read._lease import Lease
+from asynchdf5._read._maps import ChunkRows
 
 from ._files import check_epoch, check_exactly_once, check_message, rows, write_h5
 from ._leaks import aassert_released, asnapshot
@@ -1313,24 +1315,168 @@ async def test_chunks_of_a_few_at_another_phase_are_mapped_and_those_rows_fetche
             np.testing.assert_array_equal(b["data"], want["data"][b.indices])
 
 
-async def test_chunks_at_many_phases_are_copied_and_say_why(tmp_path: Path) -> None:
+async def test_chunks_at_many_phases_held_resident_are_copied_and_say_why(tmp_path: Path) -> None:
     """Chunks split between offsets of several phases, none holding 7/8 of them (as the v1
-    B-tree nodes of an h5py file of wide rows leave them): mapped, most rows would be fetched
-    by a fancy index, slower than copying, so the source is copied, and the notes say why."""
+    B-tree nodes of an h5py file of wide rows leave them), the data set held resident: mapped,
+    its rows would take two copies each epoch where the resident copy takes one, so the source
+    is copied, and the notes say why."""
     path = tmp_path / "c.h5"
     want = _chunked(path, "maxshape", pad=True)
     counts = _phases(path)
     assert counts[0] < choice.MAIN_PHASE * counts.sum(), counts
     with anyio.fail_after(60):
-        got, stats = await batches(path, epochs=1, shuffle=True, seed=0, chunk_size=1000)
+        got, stats = await batches(path, epochs=1, shuffle=True, seed=0, chunk_size=2**20)
     assert stats.read_paths == {"data": "chunks", "label": "chunks"}
     assert (
         f"copied: top 'data' is stored chunked ({CHUNK}, 2), its chunks at {len(counts)} "
         "different offsets modulo its row's 8 bytes"
     ) in stats.read_notes["data"]
+    assert (
+        "held resident, a row is one copy from memory; mapped, its rows would be gathered phase "
+        "by phase, two copies a row"
+    ) in stats.read_notes["data"]
     check_epoch(got[0], N, 64, 0)
     for b in got[0]:
         np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+
+
+WIDE = 50  # floats a row of the default-libver file: rows of 200 bytes
+WIDE_CHUNK = 8  # rows a stored chunk: 626 chunks, the last partial
+
+
+def _default_libver(path: Path) -> dict[str, np.ndarray]:
+    """``N`` rows of :data:`WIDE` float32 (row ``r``: ``10 * r + i``, exact, as ``write_h5``'s
+    rows start) and int64 labels (``r``), written as a user appends them with h5py's default
+    libver: chunks of :data:`WIDE_CHUNK` rows (labels: 64), ``maxshape=(None, ...)``, 1,000 rows
+    a write. The v1 B-tree's nodes lie between runs of chunks, leaving ``data``'s chunks at many
+    phases.
+    Returns what h5py reads."""
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset(
+            "data", (0, WIDE), np.float32, chunks=(WIDE_CHUNK, WIDE), maxshape=(None, WIDE)
+        )
+        lab = f.create_dataset("label", (0,), np.int64, chunks=(64,), maxshape=(None,))
+        for a in range(0, N, 1000):
+            b = min(N, a + 1000)
+            d.resize(b, axis=0)
+            lab.resize(b, axis=0)
+            d[a:b] = np.arange(a, b)[:, None] * 10 + np.arange(WIDE)
+            lab[a:b] = np.arange(a, b)
+    with h5py.File(path, "r") as f:
+        return {"data": f["data"][:], "label": f["label"][:]}
+
+
+def _chunk_phases(path: Path, row_bytes: int) -> np.ndarray:
+    """Each stored chunk's phase (offset modulo ``row_bytes``), in row order."""
+    found: list[tuple[int, int]] = []
+    with h5py.File(path, "r") as f:
+        f["data"].id.chunk_iter(lambda i: found.append((i.chunk_offset[0], i.byte_offset)))
+    return np.asarray([o for _, o in sorted(found)], np.int64) % row_bytes
+
+
+class _Spy:
+    """What :meth:`ChunkRows.take` was asked, on ``data`` (rows of :data:`WIDE` floats): the
+    takes spread over many phases, and the most phases one take's rows were at."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.by_phase, self.most = 0, 0
+        self.arrays: list[Any] = []
+        take, by_phase = ChunkRows.take, ChunkRows._by_phase
+
+        def spy_take(rows: Any, indices: np.ndarray, *args: Any, **kw: Any) -> np.ndarray:
+            if rows.shape[1:] == (WIDE,):
+                k = np.asarray(indices, np.int64) // rows.chunk_rows
+                self.most = max(self.most, len(np.unique(rows.phase[k])))
+                self.arrays.append(rows)
+            return take(rows, indices, *args, **kw)
+
+        def spy_by_phase(rows: Any, *args: Any) -> None:
+            self.by_phase += 1
+            by_phase(rows, *args)
+
+        monkeypatch.setattr(ChunkRows, "take", spy_take)
+        monkeypatch.setattr(ChunkRows, "_by_phase", spy_by_phase)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+async def test_chunks_of_h5pys_default_libver_streamed_are_mapped_and_give_h5pys_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool
+) -> None:
+    """An appendable dataset of wide rows written with h5py's default libver, its chunks at
+    many phases, the data set larger than the cache (streamed every epoch, where copying costs
+    two copies a row too): mapped, the note says how its rows are gathered, and every batch is
+    the rows h5py reads at its indices, of both tops, every sample once an epoch: batches over
+    many phases (taken phase by phase, in pieces of the scratch), the first and last rows, the
+    rows of chunks past the end of the main phase's array."""
+    spy = _Spy(monkeypatch)
+    monkeypatch.setattr(maps, "SCRATCH_BYTES", 24 * WIDE * 4)  # pieces of 24 rows
+    path = tmp_path / "wide.h5"
+    want = _default_libver(path)
+    phases = _chunk_phases(path, WIDE * 4)
+    _, counts = np.unique(phases, return_counts=True)
+    assert len(counts) >= 8 and counts.max() < choice.MAIN_PHASE * len(phases), counts
+    row_bytes = WIDE * 4 + 8
+    kw: dict[str, Any] = dict(shuffle=shuffle, seed=5, chunk_size=1000, epochs=2)
+    kw["cache_bytes"] = 2 * 1000 * row_bytes  # two chunks of 1,000 rows: streamed
+    kw["block_size"] = WIDE_CHUNK  # shuffled, a chunk's rows from runs of many phases
+    with anyio.fail_after(60):
+        served, stats = await batches(path, **kw)
+    assert stats.read_paths == {"data": "mmap", "label": "mmap"}, stats.read_notes
+    note = stats.read_notes["data"]
+    assert note.startswith("mapped: local file system "), note
+    spread = f"top 'data' is stored chunked ({WIDE_CHUNK}, {WIDE}), its chunks at {len(counts)} "
+    assert f"read lease held; {spread}different offsets modulo its row's 200 bytes" in note, note
+    assert note.endswith("its rows gathered phase by phase, two copies a row"), note
+    for epoch, got in enumerate(served):
+        check_epoch(got, N, 64, epoch)
+        for b in got:
+            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+            np.testing.assert_array_equal(b["label"], want["label"][b.indices])
+    assert spy.by_phase > 0 and spy.most >= (8 if shuffle else 2), (spy.by_phase, spy.most)
+    rows = spy.arrays[0]  # a chunk at another phase whose rows lie past the main array's end
+    past = (rows.phase != 0) & (rows.first + WIDE_CHUNK > len(rows.phases[0]))
+    assert past.any()
+
+
+async def test_with_mmap_true_chunks_at_many_phases_held_resident_are_mapped(
+    tmp_path: Path,
+) -> None:
+    """``mmap=True`` maps what the mapped reader can serve: chunks at many phases held
+    resident too (slower epochs after the first than copying, as its note says), every batch
+    the rows h5py reads."""
+    path = tmp_path / "wide.h5"
+    want = _default_libver(path)
+    with anyio.fail_after(60):
+        served, stats = await batches(path, shuffle=True, seed=1, mmap=True)
+    assert stats.read_paths == {"data": "mmap", "label": "mmap"}, stats.read_notes
+    assert stats.read_notes["data"].endswith("its rows gathered phase by phase, two copies a row")
+    for epoch, got in enumerate(served):
+        check_epoch(got, N, 64, epoch)
+        for b in got:
+            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+            np.testing.assert_array_equal(b["label"], want["label"][b.indices])
+
+
+def test_inspect_says_chunks_at_many_phases_are_mapped_only_when_streamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``asynchdf5 inspect`` on the default-libver file: copied where the default cache holds
+    it resident, mapped where it would be streamed (a default cache smaller than the data set),
+    each note saying why and how."""
+    import asynchdf5._cli._inspect as inspect_module
+    from asynchdf5._cli import main
+
+    path = tmp_path / "wide.h5"
+    _default_libver(path)
+    assert main(["inspect", "--json", str(path)]) == 0
+    note = json.loads(capsys.readouterr().out)["mmap"]
+    assert note.startswith("copied: top 'data' is stored chunked (8, 50), its chunks at "), note
+    assert note.endswith("mapped, its rows would be gathered phase by phase, two copies a row")
+    monkeypatch.setattr(inspect_module, "default_cache_bytes", lambda: 2**16)
+    assert main(["inspect", "--json", str(path)]) == 0
+    note = json.loads(capsys.readouterr().out)["mmap"]
+    assert note.startswith("mapped: local file system "), note
+    assert note.endswith("its rows gathered phase by phase, two copies a row"), note
 
 
 @pytest.mark.parametrize("mode", [True, "auto"])

@@ -30,8 +30,9 @@ from .._catalog import (
     refuse_external_links,
 )
 from .._codecs import FILTER_NAMES
-from .._config import DEFAULT_TOPS
+from .._config import DEFAULT_TOPS, HDF5_PROPERTIES
 from .._read import probe
+from .._sizing import default_cache_bytes
 from .._sources import Source, name_entry, open_source, resolve_source
 from .._windows import Windows, count_windows
 from ._hints import PATH_WORDS, explain
@@ -404,7 +405,10 @@ def analyze(
         report.samples = catalog.n_samples
         report.varying = any(t.ragged is not None for t in catalog.tops.values())
         report.sample_bytes = catalog.mean_row_bytes if report.varying else catalog.row_bytes
-        report.mmap = probe(catalog)  # takes the file's read lease and gives it back
+        # Resident as the layer's default cache would hold it (see _sizing.size_cache).
+        n, size = catalog.n_samples, catalog.n_samples * catalog.mean_row_bytes
+        resident = n <= HDF5_PROPERTIES["chunk_size"][1].default and size <= default_cache_bytes()
+        report.mmap = probe(catalog, resident=resident)  # takes the file's lease, gives it back
         if report.mmap.startswith("mapped"):  # the copying reader's costs are not paid
             for t in (t for f in report.files for t in f.tops):
                 t.hints = [h for h in t.hints if h not in t.copying_hints]

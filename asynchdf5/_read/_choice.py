@@ -2,10 +2,9 @@
 
 ``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: files with their
 tops stored in them contiguously, uncompressed (or a fixed top in unfiltered chunks of whole
-samples, every chunk written, most of them at one phase: :data:`MAIN_PHASE`), in this machine's
-byte order, on Linux 5.14 or newer, at most :func:`max_files` of them (one, with a ragged or
-sparse top: its heaps are not spliced across files), with a read lease where Linux grants one
-and without one elsewhere.
+samples, every chunk written), in this machine's byte order, on Linux 5.14 or newer, at most
+:func:`max_files` of them (one, with a ragged or sparse top: its heaps are not spliced across
+files), with a read lease where Linux grants one and without one elsewhere.
 
 ``mmap="auto"`` (the default) maps only where no ``SIGBUS`` case that a lease can prevent is
 left open, and copies everywhere else:
@@ -17,7 +16,10 @@ left open, and copies everywhere else:
   it is read from the disk every epoch, and the copying reader streams it;
 - a read lease is granted on every file (the file's owner, nobody has it open for writing, a
   lease-break time of at least :data:`~._lease.MIN_BREAK_S`), since without one a truncation is a
-  ``SIGBUS``.
+  ``SIGBUS``;
+- a chunked top whose chunks lie at many *phases* (:data:`MAIN_PHASE`) is mapped only where the
+  copying reader would stream the data set (not resident in its cache): a resident copy serves
+  each row in one copy from memory, where such a mapped top's rows take two.
 
 What no check can exclude, even then, is listed in :mod:`._lease` and docs/choosing.md.
 
@@ -52,6 +54,7 @@ __all__ = [
     "max_files",
     "probe",
     "refusal",
+    "scattered",
 ]
 
 #: The most files of a source that are mapped (see :func:`max_files`).
@@ -237,10 +240,13 @@ def _unmappable(
 
 
 #: The share of a chunked top's stored chunks that must lie at offsets that differ by whole rows
-#: (one *phase*: offset modulo the row's bytes) for it to be mapped. Those rows are one array of
-#: the mapping, one ``np.take``; rows of other chunks are fetched again by a slower fancy index,
-#: so a top of chunks at many phases (the chunk index's nodes, or other data, between runs of
-#: chunks: the default libver's v1 B-tree, file space alignment) is copied, which is faster.
+#: (one *phase*: offset modulo the row's bytes) for it to be mapped when the copying reader would
+#: hold the data set resident. Those rows are one array of the mapping, a batch one ``np.take``
+#: (one copy a row, as from memory). Chunks at many phases (the chunk index's nodes, or other
+#: data, between runs of chunks: the default libver's v1 B-tree, file space alignment) are
+#: gathered phase by phase and put in batch order, two copies a row
+#: (:class:`._maps.ChunkRows`): slower than a resident copy's epochs, faster than streaming
+#: copies (read into a cache slot, then gathered: two copies too, and the read's).
 MAIN_PHASE = 7 / 8
 
 
@@ -272,15 +278,29 @@ def _unmappable_chunks(
         or (index.sizes != whole).any()
     ):
         return f"{where}top {top!r}: its stored chunks do not hold exactly its rows"
-    _, counts = np.unique(index.offsets[:, 0] % row_bytes, return_counts=True)
-    if counts.max() < MAIN_PHASE * len(index.offsets):
-        share = counts.max() / len(index.offsets)
-        return (
-            f"{name}, its chunks at {len(counts)} different offsets modulo its row's "
-            f"{row_bytes} bytes (the most at one: {share:.0%} of them; the chunk index or other "
-            "data lies between runs of chunks): mapped, its rows would be gathered by byte "
-            "offset, slower than copying them"
-        )
+    return None
+
+
+def scattered(catalog: Catalog) -> str | None:
+    """Where a chunked top of a mappable source has its chunks at many phases (none holding
+    :data:`MAIN_PHASE` of them), what that is, for a note (None: nowhere)."""
+    files = [f for f in catalog.files if f.nrows > 0]
+    for info in files:
+        for top, layout in info.layouts.items():
+            index = layout.chunks
+            if layout.path != "chunks" or index is None or top in info.ragged:
+                continue
+            row_bytes = catalog.tops[top].row_bytes
+            _, counts = np.unique(index.offsets[:, 0] % row_bytes, return_counts=True)
+            if counts.max() < MAIN_PHASE * len(index.offsets):
+                where = f"{info.name}: " if len(files) > 1 else ""
+                share = counts.max() / len(index.offsets)
+                return (
+                    f"{where}top {top!r} is stored {layout.storage}, its chunks at {len(counts)} "
+                    f"different offsets modulo its row's {row_bytes} bytes (the most at one: "
+                    f"{share:.0%} of them; the chunk index or other data lies between runs of "
+                    "chunks)"
+                )
     return None
 
 
@@ -304,11 +324,18 @@ class Choice:
         self.leases = []
 
 
-def choose(catalog: Catalog, mmap: bool | Literal["auto"], memory: int | None = None) -> Choice:
+def choose(
+    catalog: Catalog,
+    mmap: bool | Literal["auto"],
+    memory: int | None = None,
+    *,
+    resident: bool = True,
+) -> Choice:
     """Map or copy ``catalog``'s source, as the ``mmap`` property says (blocking: a few system
     calls a file); ``memory``: what the process may use (None: :func:`~.._machine.memory_bytes`;
-    0: not known). A mapped choice holds the files' leases: the mapped reader takes them over,
-    or :meth:`Choice.close` gives them back."""
+    0: not known); ``resident``: whether the copying reader would hold the data set in its
+    cache (read once) rather than stream it every epoch. A mapped choice holds the files'
+    leases: the mapped reader takes them over, or :meth:`Choice.close` gives them back."""
     if mmap is False:
         return Choice(False, "copied: mmap=False")
     why = refusal(catalog)
@@ -322,13 +349,18 @@ def choose(catalog: Catalog, mmap: bool | Literal["auto"], memory: int | None = 
     with contextlib.ExitStack() as stack:  # open (pinned) while they are looked at and leased
         for file in files:
             stack.enter_context(file.pinned())
-        return _choose(catalog, mmap, memory, files)
+        return _choose(catalog, mmap, memory, files, resident)
 
 
 def _choose(
-    catalog: Catalog, mmap: bool | Literal["auto"], memory: int | None, files: list[LocalFile]
+    catalog: Catalog,
+    mmap: bool | Literal["auto"],
+    memory: int | None,
+    files: list[LocalFile],
+    resident: bool,
 ) -> Choice:
     many = len(files) > 1
+    spread = scattered(catalog)
 
     def of(file: LocalFile) -> str:
         return f" ({file.name})" if many else ""
@@ -344,6 +376,12 @@ def _choose(
                 False,
                 f"copied: the data set ({size / 2**30:.1f} GiB) is larger than the memory this "
                 f"process may use ({memory / 2**30:.1f} GiB): streamed from the disk",
+            )
+        if spread is not None and resident:
+            return Choice(
+                False,
+                f"copied: {spread}: held resident, a row is one copy from memory; mapped, its "
+                "rows would be gathered phase by phase, two copies a row",
             )
         for file in files:
             remote = _local(file)
@@ -372,12 +410,14 @@ def _choose(
         choice.note = f"mapped: {len(files)} files on {kinds}, read leases held"
     else:
         choice.note = f"mapped: {_fs_name(files[0])}, read lease held"
+    if spread is not None:
+        choice.note += f"; {spread}: its rows gathered phase by phase, two copies a row"
     return choice
 
 
-def probe(catalog: Catalog) -> str:
+def probe(catalog: Catalog, *, resident: bool = True) -> str:
     """What ``mmap="auto"`` would do with ``catalog``'s source, now (the leases taken and
-    given back at once): the note of :func:`choose`."""
-    choice = choose(catalog, "auto")
+    given back at once): the note of :func:`choose` (``resident``: as there)."""
+    choice = choose(catalog, "auto", resident=resident)
     choice.close()
     return choice.note

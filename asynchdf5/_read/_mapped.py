@@ -29,9 +29,10 @@ Applies to local files whose tops are stored contiguously, uncompressed, in this
 order, up to a bound on their number (:func:`._choice.refusal` says why not otherwise, and the
 layer copies). A top stored in chunks of whole rows, unfiltered, every chunk written, is mapped
 too: a row's bytes are at its chunk's offset plus its place in the chunk, so a batch is one
-``np.take`` from the mapping as rows (:class:`._maps.ChunkRows`; mapped only where most chunks
-lie at offsets that differ by whole rows), and a chunk's rows are made ready (and dropped) as
-the byte spans of the stored chunks they lie in. With several files, each top's rows are a
+``np.take`` from the mapping as rows (:class:`._maps.ChunkRows`; chunks at many offsets that
+differ by no whole rows are gathered phase by phase, and mapped by default only where the data
+set is streamed: :mod:`._choice`), and a chunk's rows are made ready (and dropped) as the byte
+spans of the stored chunks they lie in. With several files, each top's rows are a
 :class:`._maps.Spliced` of the files' mappings, and the guard is the leases of all
 (:class:`._lease.Leases`). A ragged or sparse top (:mod:`.._ragged_tops`) is mapped from a
 source of one file only: its heaps (``data``, and a sparse top's ``indices``) are mapped as a

@@ -220,6 +220,13 @@ class MappedTop:
         return (lo - self.start, hi - self.start) if lo < hi else None
 
 
+#: The most bytes of rows :meth:`ChunkRows.take` gathers into a thread's scratch at once (a
+#: batch spread over many phases is taken in pieces of rows that fit): a few MiB, so that each
+#: phase's ``np.take`` has rows enough to be worth its call, and the pass that puts them in batch
+#: order reads them back from the processor's cache.
+SCRATCH_BYTES = 4 * 2**20
+
+
 class ChunkRows:
     """The rows of one top stored in one mapped file in chunks of whole rows, indexed by row:
     what the gather takes rows from (it calls :meth:`take`, as ``np.take`` does on an object
@@ -228,10 +235,15 @@ class ChunkRows:
     Row ``r`` is the ``row_bytes`` bytes at ``at[r // chunk_rows] + (r % chunk_rows) *
     row_bytes`` of the mapping. Chunks whose offsets differ by whole rows (one *phase*: offset
     modulo ``row_bytes``) lie in one array of rows over the mapping, the bytes between runs of
-    them (the chunk index's nodes, other data) rows never asked for. A batch is one ``np.take``
-    from the array of the phase most chunks are at, as from a contiguous top; rows of chunks
-    at other phases are then fetched again from their phase's array by a slower fancy index
-    (:data:`._choice.MAIN_PHASE` bounds how many there are)."""
+    them (the chunk index's nodes, other data) rows never asked for; ``np.take`` gathers only
+    from such an array (of any other view it copies the whole source first). A batch whose rows
+    are nearly all at the phase most chunks are at is one ``np.take`` from that phase's array,
+    the few others fetched again from their own phase's array by a fancy index. A batch spread
+    over many phases (the v1 B-tree's nodes between every few dozen chunks, as h5py's default
+    libver writes them, leave dozens) is taken phase by phase, each phase's rows by one
+    ``np.take`` into consecutive rows of a reused scratch, then put in batch order by one
+    ``np.take`` from the scratch (contiguous, in the cache): a fancy index for most rows would
+    be slower."""
 
     def __init__(
         self,
@@ -256,7 +268,8 @@ class ChunkRows:
         order = [main, *(i for i in range(len(phases)) if i != main)]
         #: Each phase's array of rows over the mapping, the main phase's first, as items of
         #: ``row_bytes`` bytes: a phase need not be aligned for ``dtype``, and ``np.take``
-        #: would copy a whole unaligned array first.
+        #: would copy a whole unaligned array first. Each chunk's rows lie within its own
+        #: phase's array (the mapping ends where the last chunk does).
         self._item = item = np.dtype(f"V{rb}")
         self.phases = []
         for i in order:
@@ -267,6 +280,9 @@ class ChunkRows:
         #: Each chunk's phase (0: the main one) and its first row in that phase's array.
         self.phase = rank[of.reshape(-1)]
         self.first = (at - phases[of.reshape(-1)]) // rb
+        #: Each gathering thread's scratch (:meth:`_by_phase`), reused: never written memory
+        #: costs a page fault a page. Freed with this object.
+        self._scratch = threading.local()
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -290,22 +306,58 @@ class ChunkRows:
         dest = np.ndarray((n,), self._item, out, 0) if direct else np.empty(n, self._item)
         k = idx // self.chunk_rows
         where = self.first[k] + (idx - k * self.chunk_rows)
-        # Clipped: a row of another phase may lie past the main array's end; it is fetched again.
-        np.take(self.phases[0], where, out=dest, mode="clip")
-        if len(self.phases) > 1:
+        if len(self.phases) == 1:
+            np.take(self.phases[0], where, out=dest, mode="clip")
+        else:
             phase = self.phase[k]
-            odd = np.flatnonzero(phase)  # rows of chunks at another phase: few (or none)
-            if len(odd) == 0:
-                pass
-            elif len(self.phases) == 2:
-                dest[odd] = self.phases[1][where[odd]]
+            counts = np.bincount(phase, minlength=len(self.phases))
+            if n - int(counts[0]) <= n // 8:
+                self._main_then_others(dest, where, phase, counts)
             else:
-                for i in np.unique(phase[odd]).tolist():
-                    sel = odd[phase[odd] == i]
-                    dest[sel] = self.phases[i][where[sel]]
+                self._by_phase(dest, where, phase)
         if not direct:
             out[...] = dest.view(self.dtype).reshape(out.shape)
         return out
+
+    def _main_then_others(
+        self, dest: np.ndarray, where: np.ndarray, phase: np.ndarray, counts: np.ndarray
+    ) -> None:
+        """Rows nearly all at the main phase: one ``np.take`` from its array, then the rows
+        at others (``counts`` per phase) fetched again from theirs."""
+        # Clipped: a row of another phase may lie past the main array's end; it is fetched again.
+        np.take(self.phases[0], where, out=dest, mode="clip")
+        for i in np.flatnonzero(counts[1:]).tolist():
+            sel = np.flatnonzero(phase == i + 1)
+            dest[sel] = self.phases[i + 1][where[sel]]
+
+    def _by_phase(self, dest: np.ndarray, where: np.ndarray, phase: np.ndarray) -> None:
+        """Rows at many phases: in pieces that fit the scratch, each phase's rows by one
+        ``np.take`` into consecutive scratch rows, then one ``np.take`` into batch order."""
+        n = len(where)
+        step = max(1, SCRATCH_BYTES // self._item.itemsize)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            ph = phase[a:b]
+            order = np.argsort(ph, kind="stable")
+            ends = np.cumsum(np.bincount(ph, minlength=len(self.phases))).tolist()
+            from_ = where[a:b][order]
+            scratch = self._scratch_rows(b - a)
+            lo = 0
+            for i, hi in enumerate(ends):
+                if hi > lo:  # each row within its phase's array ("clip": straight into out)
+                    self.phases[i].take(from_[lo:hi], out=scratch[lo:hi], mode="clip")
+                    lo = hi
+            back = np.empty(b - a, np.int64)  # where each row of the piece is in the scratch
+            back[order] = np.arange(b - a)
+            scratch.take(back, out=dest[a:b], mode="clip")
+
+    def _scratch_rows(self, n: int) -> np.ndarray:
+        """This thread's scratch, as ``n`` rows."""
+        nbytes = n * self._item.itemsize
+        buf: np.ndarray | None = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._scratch.buf = np.empty(nbytes, np.uint8)
+        return buf[:nbytes].view(self._item)
 
     def __getitem__(self, rows: slice | np.ndarray) -> np.ndarray:
         if isinstance(rows, slice):
