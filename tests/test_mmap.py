@@ -41,7 +41,7 @@ from asynchdf5 import AsyncHDF5DataLayer, ConfigurationError, HDF5DataLayer, Rea
 from asynchdf5._read._lease import Lease
 from asynchdf5._read._maps import ChunkRows
 
-from ._files import check_epoch, check_exactly_once, check_message, rows, write_h5
+from ._files import check_epoch, check_exactly_once, check_message, rows, write_h5, write_list
 from ._leaks import aassert_released, asnapshot
 from .test_faults import rewrite_in_place, truncate, write_linked
 
@@ -1344,24 +1344,24 @@ WIDE = 50  # floats a row of the default-libver file: rows of 200 bytes
 WIDE_CHUNK = 8  # rows a stored chunk: 626 chunks, the last partial
 
 
-def _default_libver(path: Path) -> dict[str, np.ndarray]:
-    """``N`` rows of :data:`WIDE` float32 (row ``r``: ``10 * r + i``, exact, as ``write_h5``'s
-    rows start) and int64 labels (``r``), written as a user appends them with h5py's default
-    libver: chunks of :data:`WIDE_CHUNK` rows (labels: 64), ``maxshape=(None, ...)``, 1,000 rows
-    a write. The v1 B-tree's nodes lie between runs of chunks, leaving ``data``'s chunks at many
-    phases.
+def _default_libver(path: Path, start: int = 0, stop: int = N) -> dict[str, np.ndarray]:
+    """Rows ``start:stop`` of :data:`WIDE` float32 (row ``r``: ``10 * r + i``, exact, as
+    ``write_h5``'s rows start) and int64 labels (``r``), written as a user appends them with
+    h5py's default libver: chunks of :data:`WIDE_CHUNK` rows (labels: 64), ``maxshape=(None,
+    ...)``, 1,000 rows a write. The v1 B-tree's nodes lie between runs of chunks, leaving
+    ``data``'s chunks at many phases.
     Returns what h5py reads."""
     with h5py.File(path, "w") as f:
         d = f.create_dataset(
             "data", (0, WIDE), np.float32, chunks=(WIDE_CHUNK, WIDE), maxshape=(None, WIDE)
         )
         lab = f.create_dataset("label", (0,), np.int64, chunks=(64,), maxshape=(None,))
-        for a in range(0, N, 1000):
-            b = min(N, a + 1000)
-            d.resize(b, axis=0)
-            lab.resize(b, axis=0)
-            d[a:b] = np.arange(a, b)[:, None] * 10 + np.arange(WIDE)
-            lab[a:b] = np.arange(a, b)
+        for a in range(start, stop, 1000):
+            b = min(stop, a + 1000)
+            d.resize(b - start, axis=0)
+            lab.resize(b - start, axis=0)
+            d[a - start : b - start] = np.arange(a, b)[:, None] * 10 + np.arange(WIDE)
+            lab[a - start : b - start] = np.arange(a, b)
     with h5py.File(path, "r") as f:
         return {"data": f["data"][:], "label": f["label"][:]}
 
@@ -1436,6 +1436,30 @@ async def test_chunks_of_h5pys_default_libver_streamed_are_mapped_and_give_h5pys
     rows = spy.arrays[0]  # a chunk at another phase whose rows lie past the main array's end
     past = (rows.phase != 0) & (rows.first + WIDE_CHUNK > len(rows.phases[0]))
     assert past.any()
+
+
+async def test_several_default_libver_files_streamed_are_mapped_and_give_the_copying_batches(
+    tmp_path: Path,
+) -> None:
+    """Two such files (rows split at 2,200), streamed: mapped (a batch across both files taken
+    from each file's phases), the same batches as copied, each the rows h5py reads."""
+    want = [_default_libver(tmp_path / "a.h5", 0, 2200), _default_libver(tmp_path / "b.h5", 2200)]
+    source = write_list(tmp_path, ["a.h5", "b.h5"])
+    kw: dict[str, Any] = dict(shuffle=True, seed=6, chunk_size=1000, block_size=WIDE_CHUNK)
+    kw["cache_bytes"] = 2 * 1000 * (WIDE * 4 + 8)
+    with anyio.fail_after(60):
+        copied, _ = await batches(source, mmap=False, **kw)
+        served, stats = await batches(source, **kw)
+    assert stats.read_paths == {"data": "mmap", "label": "mmap"}, stats.read_notes
+    assert stats.read_notes["data"].endswith("its rows gathered phase by phase, two copies a row")
+    data = np.concatenate([w["data"] for w in want])
+    for epoch, (mine, theirs) in enumerate(zip(served, copied, strict=True)):
+        check_epoch(mine, N, 64, epoch)
+        for a, b in zip(mine, theirs, strict=True):
+            np.testing.assert_array_equal(a.indices, b.indices)
+            np.testing.assert_array_equal(a["data"], data[a.indices])
+            np.testing.assert_array_equal(a["data"], b["data"])
+            np.testing.assert_array_equal(a["label"], b["label"])
 
 
 async def test_with_mmap_true_chunks_at_many_phases_held_resident_are_mapped(
