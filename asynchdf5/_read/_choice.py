@@ -245,8 +245,9 @@ def _unmappable(
 #: (one copy a row, as from memory). Chunks at many phases (the chunk index's nodes, or other
 #: data, between runs of chunks: the default libver's v1 B-tree, file space alignment) are
 #: gathered phase by phase and put in batch order, two copies a row
-#: (:class:`._maps.ChunkRows`): slower than a resident copy's epochs, faster than streaming
-#: copies (read into a cache slot, then gathered: two copies too, and the read's).
+#: (:class:`._maps.ChunkRows`): slower than a resident copy's epochs (one copy a row, from
+#: memory). Streamed, copying takes two copies a row too (read into a cache slot, then gathered),
+#: so there such a top is mapped.
 MAIN_PHASE = 7 / 8
 
 
