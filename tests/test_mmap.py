@@ -1407,7 +1407,8 @@ async def test_chunks_of_h5pys_default_libver_streamed_are_mapped_and_give_h5pys
     two copies a row too): mapped, the note says how its rows are gathered, and every batch is
     the rows h5py reads at its indices, of both tops, every sample once an epoch: batches over
     many phases (taken phase by phase, in pieces of the scratch), the first and last rows, the
-    rows of chunks past the end of the main phase's array."""
+    rows of chunks past the end of the main phase's array. Nothing left running, open or
+    mapped once closed."""
     spy = _Spy(monkeypatch)
     monkeypatch.setattr(maps, "SCRATCH_BYTES", 24 * WIDE * 4)  # pieces of 24 rows
     path = tmp_path / "wide.h5"
@@ -1419,8 +1420,10 @@ async def test_chunks_of_h5pys_default_libver_streamed_are_mapped_and_give_h5pys
     kw: dict[str, Any] = dict(shuffle=shuffle, seed=5, chunk_size=1000, epochs=2)
     kw["cache_bytes"] = 2 * 1000 * row_bytes  # two chunks of 1,000 rows: streamed
     kw["block_size"] = WIDE_CHUNK  # shuffled, a chunk's rows from runs of many phases
+    before = await asnapshot()
     with anyio.fail_after(60):
         served, stats = await batches(path, **kw)
+    await aassert_released(before)
     assert stats.read_paths == {"data": "mmap", "label": "mmap"}, stats.read_notes
     note = stats.read_notes["data"]
     assert note.startswith("mapped: local file system "), note
@@ -1436,6 +1439,9 @@ async def test_chunks_of_h5pys_default_libver_streamed_are_mapped_and_give_h5pys
     rows = spy.arrays[0]  # a chunk at another phase whose rows lie past the main array's end
     past = (rows.phase != 0) & (rows.first + WIDE_CHUNK > len(rows.phases[0]))
     assert past.any()
+    del rows
+    spy.arrays.clear()  # the spy's own references to the mapping
+    assert mappings(path, collect=True) == []  # nothing mapped once closed (scratch included)
 
 
 async def test_several_default_libver_files_streamed_are_mapped_and_give_the_copying_batches(
