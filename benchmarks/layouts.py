@@ -11,11 +11,12 @@ labels, written with h5py in each layout the tools users have write every day:
 
 Each layout is read by the readers of :mod:`benchmarks._layouts_child` (a raw read of its stored
 bytes into one reused buffer and into memory never written before, h5py in order in 256-row
-slices, the decode limit for filtered layouts (decoded into reused memory, and placed at their
-rows of memory never written before), and a fresh shuffled layer's epochs 1 and 2 with its
-first batch), warm (page cache filled first) and in a
-memory cgroup of ``limit`` MiB with the files evicted before each reader (cold); one child per
-mode, the readers alternating ``rounds`` times. Figures are the best round of each reader, and
+slices, the decode limit for filtered layouts (decoded into reused memory by one loop per core,
+the limit the layer is held to; by one executor task per chunk, the looser limit first reported;
+and placed at their rows of memory never written before), and a fresh shuffled layer's epochs 1
+and 2 with its first batch), warm (page cache filled first) and in a memory cgroup of
+``limit`` MiB with the files evicted before each reader (cold); one child per mode, the
+readers alternating ``rounds`` times. Figures are the best round of each reader, and
 the layer's ratios to the raw reads, to h5py and (filtered) to the decode limit; epoch 2 ÷ the
 raw read says what the shuffled gather alone reaches, a bound on epoch 1 too. Timings depend on
 the machine's load: compare the ratios of one run.
@@ -194,6 +195,18 @@ def bench(rec: Recorder) -> None:
                 )  # fmt: skip
                 rec.figure(f"{what}: h5py in order (256-row slices)", h5, "samples/s")
                 rec.figure(f"{what}: decode limit ({os.cpu_count()} threads)", dec, "samples/s")
+                loop = _best(runs.get("decode_loop", []))
+                rec.figure(
+                    f"{what}: decode limit, one loop per core ({os.cpu_count()} threads)", loop,
+                    "samples/s",
+                )  # fmt: skip
+                for key, label in (("decode", "decode limit"), ("decode_loop", "one loop")):
+                    for r in runs.get(key, []):
+                        if r.get("cpu_seconds") and r.get("chunks"):
+                            rec.figure(
+                                f"{what}: {label}, CPU per stored chunk",
+                                r["cpu_seconds"] / r["chunks"] * 1e6, "us",
+                            )  # fmt: skip
                 dec_fresh = _best(runs.get("decode_fresh", []))
                 rec.figure(
                     f"{what}: decode into fresh memory ({os.cpu_count()} threads)",
@@ -211,6 +224,7 @@ def bench(rec: Recorder) -> None:
                 rec.ratio(f"{what}: layer epoch 2 ÷ raw read", epoch2, raw)
                 rec.ratio(f"{what}: layer epoch 1 ÷ h5py in order", epoch1, h5)
                 rec.ratio(f"{what}: layer epoch 1 ÷ decode limit", epoch1, dec)
+                rec.ratio(f"{what}: layer epoch 1 ÷ decode limit, one loop per core", epoch1, loop)
                 rec.ratio(f"{what}: layer epoch 1 ÷ decode into fresh memory", epoch1, dec_fresh)
                 rec.figure(f"{what}: layer first batch", first, "s")
                 last = runs["layer"][-1]
