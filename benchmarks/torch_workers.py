@@ -157,10 +157,17 @@ class ReadyBatch(IterableDataset[Any]):
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of process ``pid`` (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of process ``pid`` so far, summed over its live threads, from each thread's
+    ``/proc/PID/task/TID/schedstat`` (nanoseconds: finer than ``stat``'s clock ticks, which a
+    short ``--quick`` run would see as 0)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return total / 1e9
 
 
 def ceiling(batches: int, rounds: int, epochs: int) -> dict[int, tuple[float, float, float]]:
