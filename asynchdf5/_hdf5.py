@@ -295,6 +295,8 @@ class HDF5Layer(LayerBase):
         if choice.refused:
             why = choice.note.split(": ", 1)[-1]
             _log.warning("mmap=True does not apply: %s; reading through the cache", why)
+        elif choice.slow is not None:
+            _log.warning("mmap=True: %s", choice.slow)
         elif not choice.mapped:
             _log.info("not mapped: %s", choice.note)
         for top, path in reader.read_paths.items():

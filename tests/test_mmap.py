@@ -340,17 +340,27 @@ async def test_tops_in_two_files_are_copied(tmp_path: Path, mode: bool | str) ->
 
 
 async def test_auto_copies_a_data_set_larger_than_memory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Read from the disk every epoch anyway: the copying reader streams it (``mmap=True``
-    maps it all the same)."""
+    maps it all the same, and warns that its batches fault their rows in from the disk)."""
     import asynchdf5._hdf5
 
     monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda *a: N * ROW_BYTES - 1)
     path = write_h5(tmp_path / "one.h5", 0, N)
     with anyio.fail_after(30):
         got, stats = await batches(path, epochs=1, shuffle=True, seed=0, chunk_size=1000)
-        _, forced = await batches(path, epochs=1, chunk_size=1000, mmap=True)
+        assert not [r for r in caplog.records if "mmap=True" in r.getMessage()]
+        caplog.set_level(logging.WARNING, logger="asynchdf5")
+        forced_got, forced = await batches(path, epochs=1, chunk_size=1000, mmap=True)
+    check_epoch(forced_got[0], N, 64, 0)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(
+        m.startswith("mmap=True: the data set (0.0 GiB) is larger than the memory this process")
+        and 'mmap="auto" streams it' in m
+        for m in warned
+    ), warned
+    assert "is larger than the memory this process may use" in forced.read_notes["data"]
     check_epoch(got[0], N, 64, 0)
     assert stats.read_paths == {"data": "pread", "label": "pread"}
     assert (

@@ -316,6 +316,9 @@ class Choice:
     leases: list[Lease | str] = field(default_factory=list)
     #: The property asked for mapping (``mmap=True``) and did not get it: worth a warning.
     refused: bool = False
+    #: Mapped as ``mmap=True`` asked, where that reads slowly (a data set larger than the
+    #: memory the process may use): why, for a warning; None otherwise.
+    slow: str | None = None
 
     def close(self) -> None:
         """Give back the leases taken (the source will not be mapped after all)."""
@@ -366,18 +369,20 @@ def _choose(
     def of(file: LocalFile) -> str:
         return f" ({file.name})" if many else ""
 
+    # Larger than the memory the process may use: read from the disk every epoch, where the
+    # copying reader's streaming reads (direct, read ahead) beat faults on mapped pages.
+    size = catalog.n_samples * catalog.mean_row_bytes
+    if memory is None:
+        memory = memory_bytes()
+    larger = (
+        f"the data set ({size / 2**30:.1f} GiB) is larger than the memory this process may "
+        f"use ({memory / 2**30:.1f} GiB)"
+        if 0 < memory < size
+        else None
+    )
     if mmap == "auto":
-        # Larger than the memory the process may use: read from the disk every epoch, where
-        # the copying reader's streaming reads (direct, read ahead) beat faults on mapped pages.
-        size = catalog.n_samples * catalog.mean_row_bytes
-        if memory is None:
-            memory = memory_bytes()
-        if 0 < memory < size:
-            return Choice(
-                False,
-                f"copied: the data set ({size / 2**30:.1f} GiB) is larger than the memory this "
-                f"process may use ({memory / 2**30:.1f} GiB): streamed from the disk",
-            )
+        if larger is not None:
+            return Choice(False, f"copied: {larger}: streamed from the disk")
         if spread is not None and resident:
             return Choice(
                 False,
@@ -413,6 +418,12 @@ def _choose(
         choice.note = f"mapped: {_fs_name(files[0])}, read lease held"
     if spread is not None:
         choice.note += f"; {spread}: its rows gathered phase by phase, two copies a row"
+    if larger is not None:  # only with mmap=True: "auto" copies it
+        choice.slow = (
+            f"{larger}: mapped, every batch faults its rows in from the disk a few pages at a "
+            'time, at random; mmap="auto" streams it in large reads'
+        )
+        choice.note += f"; {larger}"
     return choice
 
 
