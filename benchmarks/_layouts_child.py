@@ -171,20 +171,9 @@ def decode(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
     _, layout, decoder = filtered
     index, info = layout.chunks, filtered[0].tops["data"]
     chunk_bytes = decoder.chunk_bytes
-    fd = os.open(index.file.name, os.O_RDONLY)
-    raws: list[tuple[bytes, int]] = []
-    held = 0
-    try:
-        stored = zip(index.offsets.ravel(), index.sizes.ravel(), index.masks.ravel(), strict=True)
-        for o, s, m in stored:
-            if held >= most_bytes:
-                break
-            raws.append((os.pread(fd, int(s), int(o)), int(m)))
-            held += int(s)
-    finally:
-        os.close(fd)
+    raws = _raw_chunks(index, most_bytes)
 
-    def one(item: tuple[bytes, int]) -> None:
+    def one(item: tuple[bytearray, int]) -> None:
         out = scratch()
         if decoder.decode_into(item[0], item[1], out):  # as the reader does a chunk of whole rows
             return
