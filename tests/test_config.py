@@ -27,7 +27,7 @@ def test_docs_table_is_generated_from_the_config() -> None:
     assert begin in text and end in text
     table = text.split(begin, 1)[1].split(end, 1)[0]
     assert table == property_table(), (
-        "docs/properties.md is out of date: `nox -s docs` rewrites it from asynchdf5._properties"
+        "docs/properties.md is out of date: `nox -s docs` rewrites it from asynchdf5._config"
     )
 
 
