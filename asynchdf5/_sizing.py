@@ -348,6 +348,13 @@ def heap_bytes(tops: Mapping[str, TopInfo]) -> Callable[[int], int] | None:
     return of
 
 
+def holds_whole(n: int, nbytes: int, chunk_size: int, budget: int) -> bool:
+    """Whether a data set of ``n`` samples, ``nbytes`` in all (its ragged tops' values
+    included), is cached resident: it is one chunk and fits the budget, so each sample is read
+    once. The one statement of the rule: the layer's cache plan and ``inspect``'s note ask it."""
+    return n <= chunk_size and nbytes <= budget
+
+
 @dataclass(frozen=True)
 class CachePlan:
     """How a source is cached: chunks of ``chunk_rows`` samples, or ``resident`` (read once)."""
@@ -408,8 +415,7 @@ def size_cache(
         chunk_rows = rows
     else:
         chunk_rows = slot_rows(chunk_size, max(1, share), row_bytes, budget)
-    # The whole data set is one chunk and fits the budget: keep it, read each sample once.
-    resident = n <= chunk_size and n * row_bytes <= budget
+    resident = holds_whole(n, n * row_bytes, chunk_size, budget)
     shrunk = chunk_rows < min(chunk_size, max(1, share))
     return CachePlan(chunk_rows, resident, budget, shrunk)
 
@@ -470,7 +476,7 @@ def _size_ragged(
             CacheBudgetWarning,
             stacklevel=3,
         )
-    resident = n <= chunk_size and slot(n) <= budget
+    resident = holds_whole(n, slot(n), chunk_size, budget)
     shrunk = chunk_rows < want
     return CachePlan(chunk_rows, resident, budget, shrunk)
 

@@ -32,7 +32,7 @@ from .._catalog import (
 from .._codecs import FILTER_NAMES
 from .._config import DEFAULT_TOPS, HDF5_PROPERTIES
 from .._read import probe
-from .._sizing import default_cache_bytes
+from .._sizing import default_cache_bytes, heap_bytes, holds_whole
 from .._sources import Source, name_entry, open_source, resolve_source
 from .._windows import Windows, count_windows
 from ._hints import PATH_WORDS, explain
@@ -405,9 +405,12 @@ def analyze(
         report.samples = catalog.n_samples
         report.varying = any(t.ragged is not None for t in catalog.tops.values())
         report.sample_bytes = catalog.mean_row_bytes if report.varying else catalog.row_bytes
-        # Resident as the layer's default cache would hold it (see _sizing.size_cache).
-        n, size = catalog.n_samples, catalog.n_samples * catalog.mean_row_bytes
-        resident = n <= HDF5_PROPERTIES["chunk_size"][1].default and size <= default_cache_bytes()
+        # Resident as the layer's default properties would cache it (its read_notes say
+        # how the layer, with the user's cache_bytes, streams and ranks, does).
+        n, heaps = catalog.n_samples, heap_bytes(catalog.tops)
+        size = n * catalog.row_bytes + (heaps(n) if heaps else 0)
+        chunk_size = HDF5_PROPERTIES["chunk_size"][1].default
+        resident = holds_whole(n, size, chunk_size, default_cache_bytes())
         report.mmap = probe(catalog, resident=resident)  # takes the file's lease, gives it back
         if report.mmap.startswith("mapped"):  # the copying reader's costs are not paid
             for t in (t for f in report.files for t in f.tops):
