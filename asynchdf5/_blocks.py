@@ -11,15 +11,28 @@ block ends at the run's end, over bytes its previous block copied (the same byte
 write stays inside its run and the order of the writes does not matter. Runs shorter than the
 smallest block are copied value by value, by one index over their values; long runs
 (:data:`RUN_BYTES` on average) a slice each, where a Python step costs less than the bytes.
+
+Values that are no one array (:class:`ScatteredValues`: a mapped heap stored in chunks) copy
+their own runs; :func:`copy_from` copies runs out of either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["BLOCK_BYTES", "RELEASE_ITEMS", "RUN_BYTES", "copy_runs", "row_bytes", "stage_blocks"]
+__all__ = [
+    "BLOCK_BYTES",
+    "RELEASE_ITEMS",
+    "RUN_BYTES",
+    "ScatteredValues",
+    "copy_from",
+    "copy_runs",
+    "row_bytes",
+    "stage_blocks",
+]
 
 #: Runs of at least this many bytes on average are copied a slice each.
 RUN_BYTES = 64 * 2**10
@@ -36,6 +49,44 @@ STAGE_BYTES = 256 * 2**10
 RELEASE_ITEMS = 512
 
 
+class ScatteredValues(Protocol):
+    """Values (along the first axis) held where they are no one array, which copy runs of
+    themselves (:class:`~._read._maps.ChunkHeap`: a mapped heap stored in chunks)."""
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, values: slice, /) -> np.ndarray: ...
+
+    def copy_into(
+        self, dest: np.ndarray, start: np.ndarray, at: np.ndarray, count: np.ndarray
+    ) -> None:
+        """:func:`copy_runs` from these values into ``dest`` (C-contiguous, their dtype)."""
+        ...
+
+
+def copy_from(
+    values: np.ndarray | ScatteredValues,
+    dest: np.ndarray,
+    start: np.ndarray,
+    at: np.ndarray,
+    count: np.ndarray,
+) -> None:
+    """:func:`copy_runs` of one source, an array or :class:`ScatteredValues`."""
+    if isinstance(values, np.ndarray):
+        copy_runs([values], [dest], start, at, count)
+    else:
+        values.copy_into(dest, start, at, count)
+
+
 def row_bytes(a: np.ndarray) -> int:
     """The bytes of one value of ``a`` (one row along its first axis)."""
     return a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
@@ -47,11 +98,16 @@ def copy_runs(
     start: np.ndarray,
     at: np.ndarray,
     count: np.ndarray,
+    grain: int = 1,
 ) -> None:
     """Copy ``source[start[i] : start[i] + count[i]]`` to ``dest[at[i] : at[i] + count[i]]``
     for every run ``i`` (int64 arrays) and every pair of ``sources`` and ``dests`` (a sparse
     top's values and column indices share their runs). The runs must lie inside both arrays
-    and the destinations of different runs must not overlap; sources may."""
+    and the destinations of different runs must not overlap; sources may.
+
+    ``grain``: every count is a multiple of it, and runs shorter than the smallest block are
+    copied that many values at a time (bytes of a mapped heap in chunks are copied as bytes,
+    runs of whole values: :class:`~._read._maps.ChunkHeap`)."""
     keep = count > 0
     if not keep.all():
         start, at, count = start[keep], at[keep], count[keep]
@@ -81,15 +137,16 @@ def copy_runs(
         d_at = np.repeat(at[here], k) + place
         for source, dest, width in zip(sources, dests, sizes, strict=True):
             _copy_blocks(source, dest, s_at, d_at, size, width)
-    if left.any():  # runs shorter than the smallest block: value by value
-        m = count[left]
+    if left.any():  # runs shorter than the smallest block: value by value (grain by grain)
+        m = count[left] // grain
         ends = np.cumsum(m)
         s_at = np.arange(int(ends[-1]), dtype=np.int64)
-        d_at = s_at.copy()
-        s_at += np.repeat(start[left] - (ends - m), m)
-        d_at += np.repeat(at[left] - (ends - m), m)
+        s_at -= np.repeat(ends - m, m)
+        s_at *= grain  # each grain's place in its run
+        d_at = s_at + np.repeat(at[left], m)
+        s_at += np.repeat(start[left], m)
         for source, dest, width in zip(sources, dests, sizes, strict=True):
-            _copy_blocks(source, dest, s_at, d_at, 1, width)
+            _copy_blocks(source, dest, s_at, d_at, grain, width)
 
 
 def stage_blocks(nbytes: int) -> int:

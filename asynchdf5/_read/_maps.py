@@ -1,7 +1,8 @@
 """The mappings the mapped reader (:mod:`._mapped`) serves rows from: ``mmap`` and ``madvise``
 through the C library, one top of one file mapped (:class:`MappedTop`), the rows of a top stored
-in chunks of whole rows indexed by row (:class:`ChunkRows`), and the rows of one top over several
-mapped files indexed as one (:class:`Spliced`)."""
+in chunks of whole rows indexed by row (:class:`ChunkRows`), the values of a ragged top's heap
+stored in chunks (:class:`ChunkHeap`), and the rows of one top over several mapped files indexed
+as one (:class:`Spliced`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._blocks import copy_runs
 from .._catalog import TopInfo
 from .._errors import ReadError
 from .._pages import MAP_FAILED, libc_madvise, libc_mmap
@@ -24,9 +26,10 @@ from .._sources._local import LocalFile
 from ._spans import merged
 
 if TYPE_CHECKING:
+    from .._blocks import ScatteredValues
     from .._specs import Rows
 
-__all__ = ["ChunkRows", "Libc", "MappedTop", "Spliced", "get_libc", "supported"]
+__all__ = ["ChunkHeap", "ChunkRows", "Libc", "MappedTop", "Spliced", "get_libc", "supported"]
 
 _PAGE = mmap.PAGESIZE
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -113,7 +116,9 @@ class MappedTop:
     offset, every chunk stored unfiltered at exactly its rows' bytes: :func:`._choice.refusal`
     checks) is mapped from its first chunk to the end of its last, whatever lies between (the
     chunk index's nodes, other tops' chunks); its array is a :class:`ChunkRows`, and a run of
-    its rows is a byte span per stored chunk it touches.
+    its rows is a byte span per stored chunk it touches. A heap stored so (``heap`` and
+    ``chunks``: values per chunk) is mapped the same way; its array is a :class:`ChunkHeap`, and
+    a run of the top's rows is a byte span per stored chunk their values touch.
 
     The mapping goes when the last view of :attr:`array` does (never under a live view)."""
 
@@ -134,9 +139,9 @@ class MappedTop:
         chunks: tuple[int, np.ndarray] | None = None,
     ) -> None:
         """``heap``: a ragged top's heap, as its key, the values' dtype and trailing shape, and
-        the file's ``indptr`` (None: the top's rows themselves). ``chunks``: the top is stored
-        in chunks of that many whole rows, at those file offsets (int64, in row order; ``offset``
-        is then the lowest of them)."""
+        the file's ``indptr`` (None: the top's rows themselves). ``chunks``: the top (or heap)
+        is stored in chunks of that many whole rows (values), at those file offsets (int64, in
+        row order; ``offset`` is then the lowest of them)."""
         self.name, self.file, self.row_bytes = info.name, file, info.row_bytes
         self.offset, self.nrows, self.start = offset, nrows, start
         self.key, dtype, shape = info.name, info.dtype, info.sample_shape
@@ -168,8 +173,12 @@ class MappedTop:
         # Not at interpreter exit: a daemon gather thread may still be reading the mapping then.
         finalizer.atexit = False
         whole.flags.writeable = False  # mapped read-only: a write would be a SIGSEGV
-        self.array: np.ndarray | ChunkRows | None
-        if self.chunk_at is not None:
+        self.array: np.ndarray | ChunkRows | ChunkHeap | None
+        if self.chunk_at is not None and heap is not None:
+            self.array = ChunkHeap(
+                whole, self.skip + self.chunk_at, self.chunk_rows, items, dtype, shape
+            )
+        elif self.chunk_at is not None:
             self.array = ChunkRows(
                 whole, self.skip + self.chunk_at, self.chunk_rows, nrows, dtype, shape
             )
@@ -178,11 +187,11 @@ class MappedTop:
 
     def spans(self, a: int, b: int) -> list[tuple[int, int]]:
         """Where the bytes of this file's rows ``a:b`` lie, from the data's start: one span, or
-        for a chunked top one per run of stored chunks back to back in the file (sorted,
-        disjoint)."""
+        for a chunked top (or heap: the chunks of the rows' values) one per run of stored chunks
+        back to back in the file (sorted, disjoint)."""
+        if self.indptr is not None:  # the rows' values, the units of a heap's chunks
+            a, b = int(self.indptr[a]), int(self.indptr[b])
         if self.chunk_at is None:
-            if self.indptr is not None:
-                a, b = int(self.indptr[a]), int(self.indptr[b])
             return [(a * self.row_bytes, b * self.row_bytes)] if a < b else []
         if a >= b:
             return []
@@ -365,6 +374,104 @@ class ChunkRows:
         return self.take(np.asarray(rows, np.int64))
 
 
+class ChunkHeap:
+    """The values of a ragged or sparse top's heap stored in one mapped file in chunks of whole
+    values, indexed by value: what the ragged gather copies a batch's rows out of (it calls
+    :meth:`copy_into`, :func:`~.._blocks.copy_from`), where a heap held as one array is copied
+    by :func:`~.._blocks.copy_runs`.
+
+    Value ``v`` is the ``value_bytes`` bytes at ``at[v // chunk_values] + (v % chunk_values) *
+    value_bytes`` of the mapping. A run of values (a row's) is one span of the mapping's bytes
+    while the chunks it lies in follow each other in the file, each starting where the one
+    before it ends (a *segment*: HDF5 writes a dataset's chunks so when it writes them in one
+    go); it is cut into a span per segment where they do not (the chunk index's nodes or other
+    data between two chunks, chunks written out of order). Spans are copied as bytes (whole
+    values each), so a chunk need not lie at an offset aligned for the values' dtype."""
+
+    def __init__(
+        self,
+        whole: np.ndarray,
+        at: np.ndarray,
+        chunk_values: int,
+        n: int,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+    ) -> None:
+        """``whole``: the mapping's bytes (uint8, read-only); ``at``: where each stored chunk
+        starts in it (int64, in value order); ``n`` values of ``dtype`` and trailing
+        ``shape``."""
+        self.dtype = np.dtype(dtype)
+        self.shape = (n, *shape)
+        self.value_bytes = vb = self.dtype.itemsize * math.prod(shape)
+        at = np.asarray(at, np.int64)
+        assert vb > 0 and chunk_values > 0 and len(at) * chunk_values >= n
+        self._bytes = whole
+        first = np.flatnonzero(np.r_[True, at[1:] != at[:-1] + chunk_values * vb])
+        #: Each segment's first value, then a bound past every value (for the searches).
+        self._first = np.append(first * chunk_values, np.iinfo(np.int64).max)
+        #: Where each segment's first value lies in the mapping.
+        self._at = at[first]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its values (as an array's: what the pipeline sizes its groups by)."""
+        return self.shape[0] * self.value_bytes
+
+    @property
+    def segments(self) -> int:
+        """How many runs of chunks back to back in the file hold its values."""
+        return len(self._at)
+
+    def byte_runs(
+        self, start: np.ndarray, at: np.ndarray, count: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runs of values ``start[i] : start[i] + count[i]`` (to ``at[i]`` of a
+        destination), as runs of bytes: where each piece starts in the mapping, where it goes
+        in the destination's bytes, and its bytes; a run cut where a segment ends."""
+        vb = self.value_bytes
+        keep = count > 0
+        start, at, count = start[keep], at[keep], count[keep]
+        if len(self._at) == 1:  # one segment: every run one span
+            return self._at[0] + start * vb, at * vb, count * vb
+        end = start + count
+        g0 = np.searchsorted(self._first, start, side="right") - 1
+        m = np.searchsorted(self._first, end - 1, side="right") - g0  # segments a run touches
+        if (m == 1).all():
+            return self._at[g0] + (start - self._first[g0]) * vb, at * vb, count * vb
+        run = np.repeat(np.arange(len(m)), m)
+        g = np.arange(int(m.sum()), dtype=np.int64) - np.repeat(np.cumsum(m) - m, m)
+        g += g0[run]
+        lo = np.maximum(start[run], self._first[g])
+        hi = np.minimum(end[run], self._first[g + 1])
+        return (
+            self._at[g] + (lo - self._first[g]) * vb,
+            (at[run] + lo - start[run]) * vb,
+            (hi - lo) * vb,
+        )
+
+    def copy_into(
+        self, dest: np.ndarray, start: np.ndarray, at: np.ndarray, count: np.ndarray
+    ) -> None:
+        """Copy values ``start[i] : start[i] + count[i]`` to ``dest[at[i] : at[i] +
+        count[i]]`` for every run ``i`` (int64 arrays), as :func:`~.._blocks.copy_runs` does
+        from an array: ``dest`` C-contiguous, of this heap's dtype and trailing shape."""
+        assert dest.dtype == self.dtype and dest.flags.c_contiguous
+        src, dst, nbytes = self.byte_runs(start, at, count)
+        flat = dest.reshape(-1).view(np.uint8)
+        copy_runs([self._bytes], [flat], src, dst, nbytes, grain=self.value_bytes)
+
+    def __getitem__(self, values: slice) -> np.ndarray:
+        """Values ``values`` (a step of 1), copied out."""
+        a, b, step = values.indices(len(self))
+        assert step == 1
+        out = np.empty((max(0, b - a), *self.shape[1:]), self.dtype)
+        self.copy_into(out, np.array([a], np.int64), np.zeros(1, np.int64), np.array([len(out)]))
+        return out
+
+
 class Spliced:
     """One top's rows over several mapped files, indexed by global row: what the gather takes
     rows from when a source of several files is mapped (it calls :meth:`take`, as
@@ -419,3 +526,4 @@ class Spliced:
 
 if TYPE_CHECKING:  # both are what the gather takes rows from (mypy checks that they are Rows)
     _ROWS: tuple[type[Rows], ...] = (ChunkRows, Spliced)
+    _HEAPS: tuple[type[ScatteredValues], ...] = (ChunkHeap,)
