@@ -30,7 +30,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ._blocks import RUN_BYTES, ScatteredValues, copy_from, copy_runs, row_bytes
+from ._blocks import RUN_BYTES, ScatteredValues, copy_all, copy_runs, row_bytes
 from ._errors import ReadError
 from ._ragged import pad_rows
 from ._ragged_tops import heap_keys, is_heap
@@ -358,12 +358,11 @@ def _copy_spans(
     first = starts[np.concatenate(([0], breaks))]
     last = stops[np.concatenate((breaks - 1, [len(span) - 1]))]
     arrays = [h for h in heaps if isinstance(h, np.ndarray)]
-    if len(arrays) < len(heaps):  # stored in chunks: each heap its own runs
+    if len(arrays) < len(heaps):  # stored in chunks: the heaps copy their runs themselves
         count = last - first
         at = np.zeros(len(count), np.int64)
         np.cumsum(count[:-1], out=at[1:])
-        for heap, dest in zip(heaps, dests, strict=True):
-            copy_from(heap, dest, first, at, count)
+        copy_all(heaps, dests, first, at, count)
         return
     if len(dests[0]) * max(map(row_bytes, arrays)) >= RUN_BYTES * len(first):
         runs = list(zip(first.tolist(), last.tolist(), strict=True))

@@ -6,6 +6,7 @@ as one (:class:`Spliced`)."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import math
 import mmap
@@ -103,6 +104,17 @@ def supported() -> str | None:
     return None
 
 
+def segments(at: np.ndarray, chunk_rows: int, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of stored chunks (of ``chunk_rows`` rows of ``row_bytes``, at offsets ``at``, in
+    row order) each starting where the one before it ends in the file: each run's first row,
+    then a bound past every row (int64 max), and where row ``r`` of run ``g`` lies:
+    ``delta[g] + r * row_bytes``."""
+    at = np.asarray(at, np.int64)
+    first = np.flatnonzero(np.r_[True, at[1:] != at[:-1] + chunk_rows * row_bytes])
+    rows = first * chunk_rows
+    return np.append(rows, np.iinfo(np.int64).max), at[first] - rows * row_bytes
+
+
 class MappedTop:
     """One top's stored bytes in one file, mapped: the array of its rows, where it lies in
     memory, and the global index of its row 0 (:attr:`start`).
@@ -124,7 +136,7 @@ class MappedTop:
 
     __slots__ = (
         "address", "array", "chunk_at", "chunk_rows", "file", "indptr", "key", "length", "name",
-        "nrows", "offset", "row_bytes", "skip", "start",
+        "nrows", "offset", "row_bytes", "seg_delta", "seg_first", "skip", "start",
     )  # fmt: skip
 
     def __init__(
@@ -157,11 +169,17 @@ class MappedTop:
         # A mapping starts at a page boundary: `skip` bytes of the page before the data.
         self.skip = offset % _PAGE
         self.length = length = self.skip + items * self.row_bytes
+        #: Runs of stored chunks back to back in the file (chunked tops only): each one's first
+        #: row (value), then a bound past the last, and where its row 0 would lie.
+        self.seg_first: list[int] = []
+        self.seg_delta: list[int] = []
         if chunks is not None:
             self.chunk_rows, at = chunks
             self.chunk_at = np.asarray(at, np.int64) - offset
             end = int(self.chunk_at.max()) + self.chunk_rows * self.row_bytes if len(at) else 0
             self.length = length = self.skip + end
+            first, delta = segments(self.chunk_at, self.chunk_rows, self.row_bytes)
+            self.seg_first, self.seg_delta = first.tolist(), delta.tolist()
         try:
             self.address = libc.map(file.fd, length, offset - self.skip)
         except OSError as exc:
@@ -195,10 +213,27 @@ class MappedTop:
             return [(a * self.row_bytes, b * self.row_bytes)] if a < b else []
         if a >= b:
             return []
-        c, rb = self.chunk_rows, self.row_bytes
-        k = np.arange(a // c, (b - 1) // c + 1, dtype=np.int64)
-        lo = self.chunk_at[k] + (np.maximum(a, k * c) - k * c) * rb
-        hi = self.chunk_at[k] + (np.minimum(b, k * c + c) - k * c) * rb
+        rb, first, delta = self.row_bytes, self.seg_first, self.seg_delta
+        g0 = bisect.bisect_right(first, a) - 1
+        g1 = bisect.bisect_right(first, b - 1) - 1
+        if g0 == g1:  # within one run of chunks back to back
+            return [(delta[g0] + a * rb, delta[g0] + b * rb)]
+        if g1 - g0 < 64:
+            pieces = sorted(
+                (delta[g] + max(a, first[g]) * rb, delta[g] + min(b, first[g + 1]) * rb)
+                for g in range(g0, g1 + 1)
+            )
+            out = [pieces[0]]
+            for lo, hi in pieces[1:]:  # runs back to back in the file: one span
+                if lo == out[-1][1]:
+                    out[-1] = (out[-1][0], hi)
+                else:
+                    out.append((lo, hi))
+            return out
+        f, d = np.asarray(first, np.int64), np.asarray(delta, np.int64)
+        g = np.arange(g0, g1 + 1, dtype=np.int64)
+        lo = d[g] + np.maximum(a, f[g]) * rb
+        hi = d[g] + np.minimum(b, f[g + 1]) * rb
         order = np.argsort(lo, kind="stable")
         lo, hi = lo[order], hi[order]
         starts = np.flatnonzero(np.r_[True, lo[1:] != hi[:-1]])  # runs back to back: one span
@@ -377,16 +412,18 @@ class ChunkRows:
 class ChunkHeap:
     """The values of a ragged or sparse top's heap stored in one mapped file in chunks of whole
     values, indexed by value: what the ragged gather copies a batch's rows out of (it calls
-    :meth:`copy_into`, :func:`~.._blocks.copy_from`), where a heap held as one array is copied
+    :meth:`copy_many`, :func:`~.._blocks.copy_all`), where a heap held as one array is copied
     by :func:`~.._blocks.copy_runs`.
 
-    Value ``v`` is the ``value_bytes`` bytes at ``at[v // chunk_values] + (v % chunk_values) *
-    value_bytes`` of the mapping. A run of values (a row's) is one span of the mapping's bytes
-    while the chunks it lies in follow each other in the file, each starting where the one
-    before it ends (a *segment*: HDF5 writes a dataset's chunks so when it writes them in one
-    go); it is cut into a span per segment where they do not (the chunk index's nodes or other
-    data between two chunks, chunks written out of order). Spans are copied as bytes (whole
-    values each), so a chunk need not lie at an offset aligned for the values' dtype."""
+    Value ``v`` is the ``value_bytes`` bytes at ``at[k] + (v - k * chunk_values) * value_bytes``
+    of the mapping, ``k = v // chunk_values`` its chunk: at ``delta[k] + v * value_bytes``,
+    ``delta[k] = at[k] - k * chunk_values * value_bytes``, the same for every chunk of a run
+    of chunks that follow each other in the file, each starting where the one before it ends
+    (HDF5 writes a dataset's chunks so when it writes them in one go). A run of values (a row's)
+    is one span of the mapping's bytes when its first and last chunk have the same ``delta``,
+    and is cut at the ends of its chunks where not (the chunk index's nodes or other data
+    between two chunks, chunks written out of order). Spans are copied as bytes (whole values
+    each), so a chunk need not lie at an offset aligned for the values' dtype."""
 
     def __init__(
         self,
@@ -406,11 +443,9 @@ class ChunkHeap:
         at = np.asarray(at, np.int64)
         assert vb > 0 and chunk_values > 0 and len(at) * chunk_values >= n
         self._bytes = whole
-        first = np.flatnonzero(np.r_[True, at[1:] != at[:-1] + chunk_values * vb])
-        #: Each segment's first value, then a bound past every value (for the searches).
-        self._first = np.append(first * chunk_values, np.iinfo(np.int64).max)
-        #: Where each segment's first value lies in the mapping.
-        self._at = at[first]
+        self.chunk_values = chunk_values
+        #: Where value ``v`` of chunk ``k`` lies: ``delta[k] + v * value_bytes``.
+        self.delta = at - np.arange(len(at), dtype=np.int64) * (chunk_values * vb)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -420,48 +455,56 @@ class ChunkHeap:
         """The bytes of its values (as an array's: what the pipeline sizes its groups by)."""
         return self.shape[0] * self.value_bytes
 
-    @property
-    def segments(self) -> int:
-        """How many runs of chunks back to back in the file hold its values."""
-        return len(self._at)
-
-    def byte_runs(
-        self, start: np.ndarray, at: np.ndarray, count: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The runs of values ``start[i] : start[i] + count[i]`` (to ``at[i]`` of a
-        destination), as runs of bytes: where each piece starts in the mapping, where it goes
-        in the destination's bytes, and its bytes; a run cut where a segment ends."""
-        vb = self.value_bytes
-        keep = count > 0
-        start, at, count = start[keep], at[keep], count[keep]
-        if len(self._at) == 1:  # one segment: every run one span
-            return self._at[0] + start * vb, at * vb, count * vb
-        end = start + count
-        g0 = np.searchsorted(self._first, start, side="right") - 1
-        m = np.searchsorted(self._first, end - 1, side="right") - g0  # segments a run touches
-        if (m == 1).all():
-            return self._at[g0] + (start - self._first[g0]) * vb, at * vb, count * vb
-        run = np.repeat(np.arange(len(m)), m)
-        g = np.arange(int(m.sum()), dtype=np.int64) - np.repeat(np.cumsum(m) - m, m)
-        g += g0[run]
-        lo = np.maximum(start[run], self._first[g])
-        hi = np.minimum(end[run], self._first[g + 1])
-        return (
-            self._at[g] + (lo - self._first[g]) * vb,
-            (at[run] + lo - start[run]) * vb,
-            (hi - lo) * vb,
-        )
-
     def copy_into(
         self, dest: np.ndarray, start: np.ndarray, at: np.ndarray, count: np.ndarray
     ) -> None:
         """Copy values ``start[i] : start[i] + count[i]`` to ``dest[at[i] : at[i] +
         count[i]]`` for every run ``i`` (int64 arrays), as :func:`~.._blocks.copy_runs` does
         from an array: ``dest`` C-contiguous, of this heap's dtype and trailing shape."""
-        assert dest.dtype == self.dtype and dest.flags.c_contiguous
-        src, dst, nbytes = self.byte_runs(start, at, count)
-        flat = dest.reshape(-1).view(np.uint8)
-        copy_runs([self._bytes], [flat], src, dst, nbytes, grain=self.value_bytes)
+        self.copy_many([self], [dest], start, at, count)
+
+    def copy_many(
+        self,
+        heaps: Sequence[ScatteredValues],
+        dests: Sequence[np.ndarray],
+        start: np.ndarray,
+        at: np.ndarray,
+        count: np.ndarray,
+    ) -> None:
+        """:meth:`copy_into` for several heaps (each a :class:`ChunkHeap`) sharing their runs,
+        each into its ``dests`` entry: a sparse top's values and column indices. Heaps of values
+        of one size in chunks of as many values are copied together: their runs cut once (where
+        any of them must be) and their blocks placed once (:func:`~.._blocks.copy_runs` with a
+        start per heap)."""
+        keep = count > 0
+        if not keep.all():
+            start, at, count = start[keep], at[keep], count[keep]
+        if len(count) == 0:
+            return
+        alike: dict[tuple[int, int], list[tuple[ChunkHeap, np.ndarray]]] = {}
+        for heap, dest in zip(heaps, dests, strict=True):
+            assert isinstance(heap, ChunkHeap) and dest.dtype == heap.dtype
+            assert dest.flags.c_contiguous
+            alike.setdefault((heap.value_bytes, heap.chunk_values), []).append((heap, dest))
+        for (vb, c), pairs in alike.items():
+            lo, dst, n = start, at, count
+            k = lo // c
+            last = (lo + n - 1) // c
+            cross = np.flatnonzero(k != last)  # runs over a chunk end: in one span?
+            if len(cross):
+                apart = np.zeros(len(cross), bool)
+                for heap, _ in pairs:
+                    apart |= heap.delta[k[cross]] != heap.delta[last[cross]]
+                if apart.any():
+                    lo, dst, n, k = _cut(lo, dst, n, k, last, cross[apart], c)
+            copy_runs(
+                [h._bytes for h, _ in pairs],
+                [d.reshape(-1).view(np.uint8) for _, d in pairs],
+                [h.delta[k] + lo * vb for h, _ in pairs],
+                dst * vb,
+                n * vb,
+                grain=vb,
+            )
 
     def __getitem__(self, values: slice) -> np.ndarray:
         """Values ``values`` (a step of 1), copied out."""
@@ -470,6 +513,34 @@ class ChunkHeap:
         out = np.empty((max(0, b - a), *self.shape[1:]), self.dtype)
         self.copy_into(out, np.array([a], np.int64), np.zeros(1, np.int64), np.array([len(out)]))
         return out
+
+
+def _cut(
+    start: np.ndarray,
+    at: np.ndarray,
+    count: np.ndarray,
+    k: np.ndarray,
+    last: np.ndarray,
+    which: np.ndarray,
+    c: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of values (``start``, to ``at``, ``count``, in chunks ``k`` to ``last`` of ``c``
+    values) with runs ``which`` cut at the end of every chunk they lie in: each run's (piece's)
+    start, place, count and chunk (the pieces after the runs left whole)."""
+    m = last[which] - k[which] + 1
+    run = np.repeat(which, m)
+    chunk = np.arange(int(m.sum()), dtype=np.int64) - np.repeat(np.cumsum(m) - m, m)
+    chunk += k[run]
+    lo = np.maximum(start[run], chunk * c)
+    hi = np.minimum(start[run] + count[run], chunk * c + c)
+    whole = np.ones(len(start), bool)
+    whole[which] = False
+    return (
+        np.concatenate((start[whole], lo)),
+        np.concatenate((at[whole], at[run] + lo - start[run])),
+        np.concatenate((count[whole], hi - lo)),
+        np.concatenate((k[whole], chunk)),
+    )
 
 
 class Spliced:
