@@ -1192,8 +1192,10 @@ def _chunk_heaps(path: Path, case: str) -> dict[str, np.ndarray]:
     :data:`HEAP_CHUNK` values, unfiltered: written at once (``"chunks"``), chunk by chunk last to
     first (``"reverse"``: no chunk follows the one before it in the file), in parts with a 3-byte
     dataset written between them (``"pad"``: chunks at offsets not aligned for their values),
-    all in one chunk (``"single chunk"``), or ``tok``'s values of shape (3,) in chunks of whole
-    values (``"trailing"``). Returns the heaps as h5py reads them."""
+    all in one chunk (``"single chunk"``), ``tok``'s values of shape (3,) in chunks of whole
+    values (``"trailing"``), or ``X``'s values as float64 and its column indices in chunks of
+    another size, written last to first (``"mixed"``: the two heaps cut apart). Returns the
+    heaps as h5py reads them."""
     with h5py.File(path, "r") as f:  # written anew: no free space of the old heaps reused
         old = {k: f[k][()] for k in ("label", "len", "tok/indptr", "X/indptr", *HEAPS)}
         attrs = dict(f["X"].attrs)
@@ -1206,11 +1208,14 @@ def _chunk_heaps(path: Path, case: str) -> dict[str, np.ndarray]:
             values = old[name]
             if case == "trailing" and name == "tok/data":
                 values = np.repeat(values[:, None], 3, axis=1)
+            if case == "mixed" and name == "X/data":
+                values = values.astype(np.float64)
+            size = 50 if case == "mixed" and name == "X/indices" else HEAP_CHUNK
             group, leaf = name.split("/")
-            chunks = (len(values) if case == "single chunk" else HEAP_CHUNK, *values.shape[1:])
+            chunks = (len(values) if case == "single chunk" else size, *values.shape[1:])
             d = f[group].create_dataset(leaf, values.shape, values.dtype, chunks=chunks)
-            starts = list(range(0, len(values), HEAP_CHUNK))
-            if case == "reverse":
+            starts = list(range(0, len(values), size))
+            if case == "reverse" or (case == "mixed" and name == "X/indices"):
                 starts.reverse()
             elif case != "pad":
                 d[...] = values
@@ -1218,7 +1223,7 @@ def _chunk_heaps(path: Path, case: str) -> dict[str, np.ndarray]:
             for i, a in enumerate(starts):
                 if case == "pad" and i % 50 == 1:
                     f.create_dataset(f"pad/{name}/{i}", data=np.zeros(3, np.uint8))
-                d[a : a + HEAP_CHUNK] = values[a : a + HEAP_CHUNK]
+                d[a : a + size] = values[a : a + size]
     with h5py.File(path, "r") as f:
         return {name: f[name][()] for name in HEAPS}
 
@@ -1243,6 +1248,7 @@ def _heap_offsets(path: Path, name: str) -> np.ndarray:
         ("pad", True, True),
         ("single chunk", True, True),
         ("trailing", False, True),
+        ("mixed", True, True),
     ],
 )
 async def test_ragged_and_sparse_heaps_in_chunks_are_mapped_and_give_the_copying_readers_batches(
