@@ -104,7 +104,7 @@ def supported() -> str | None:
     return None
 
 
-def segments(at: np.ndarray, chunk_rows: int, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+def _segments(at: np.ndarray, chunk_rows: int, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """The runs of stored chunks (of ``chunk_rows`` rows of ``row_bytes``, at offsets ``at``, in
     row order) each starting where the one before it ends in the file: each run's first row,
     then a bound past every row (int64 max), and where row ``r`` of run ``g`` lies:
@@ -128,9 +128,10 @@ class MappedTop:
     offset, every chunk stored unfiltered at exactly its rows' bytes: :func:`._choice.refusal`
     checks) is mapped from its first chunk to the end of its last, whatever lies between (the
     chunk index's nodes, other tops' chunks); its array is a :class:`ChunkRows`, and a run of
-    its rows is a byte span per stored chunk it touches. A heap stored so (``heap`` and
-    ``chunks``: values per chunk) is mapped the same way; its array is a :class:`ChunkHeap`, and
-    a run of the top's rows is a byte span per stored chunk their values touch.
+    its rows is a byte span per run of stored chunks back to back in the file that it touches
+    (the runs found once, when mapped). A heap stored so (``heap`` and ``chunks``: values per
+    chunk) is mapped the same way; its array is a :class:`ChunkHeap`, and a run of the top's rows
+    is a byte span per run of chunks their values touch.
 
     The mapping goes when the last view of :attr:`array` does (never under a live view)."""
 
@@ -178,7 +179,7 @@ class MappedTop:
             self.chunk_at = np.asarray(at, np.int64) - offset
             end = int(self.chunk_at.max()) + self.chunk_rows * self.row_bytes if len(at) else 0
             self.length = length = self.skip + end
-            first, delta = segments(self.chunk_at, self.chunk_rows, self.row_bytes)
+            first, delta = _segments(self.chunk_at, self.chunk_rows, self.row_bytes)
             self.seg_first, self.seg_delta = first.tolist(), delta.tolist()
         try:
             self.address = libc.map(file.fd, length, offset - self.skip)
