@@ -160,33 +160,55 @@ def _filtered(paths: list[str]) -> tuple[Any, Any, Any] | None:
     return catalog, layout, ChunkDecoder(layout.filters, itemsize, chunk_bytes, index.shape)
 
 
-def decode(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
-    """The decode limit: stored chunks of ``data`` (up to ``most_bytes`` of them) decoded on
-    every core, from memory; None for an unfiltered layout."""
-    from asynchdf5._codecs import copy_elements
-
+def _held_chunks(paths: list[str], most_bytes: int) -> tuple[Any, int, list[Any]] | None:
+    """What both decode limits decode: a decoder of ``data``'s stored chunks, its row's bytes,
+    and those chunks read into memory (up to ``most_bytes`` of them: :func:`_raw_chunks`);
+    None for an unfiltered layout."""
     filtered = _filtered(paths)
     if filtered is None:
         return None
-    _, layout, decoder = filtered
-    index, info = layout.chunks, filtered[0].tops["data"]
-    chunk_bytes = decoder.chunk_bytes
-    raws = _raw_chunks(index, most_bytes)
+    catalog, layout, decoder = filtered
+    return decoder, catalog.tops["data"].row_bytes, _raw_chunks(layout.chunks, most_bytes)
 
-    def one(item: tuple[bytearray, int]) -> None:
-        out = scratch()
-        if decoder.decode_into(item[0], item[1], out):  # as the reader does a chunk of whole rows
-            return
-        decoded = decoder.elements(item[0], item[1])  # as the reader does: shuffle undone on copy
+
+def _decode_chunk(decoder: Any, raw: bytearray, mask: int, out: np.ndarray) -> None:
+    """Decode one stored chunk into ``out`` (its bytes) as the reader does: straight in where
+    it can (a chunk of whole rows), else as elements, the shuffle undone on the copy."""
+    if not decoder.decode_into(raw, mask, out):
+        from asynchdf5._codecs import copy_elements
+
+        decoded = decoder.elements(raw, mask)
         copy_elements(out.reshape(decoded.shape), decoded)
 
+
+def _limit(
+    decoder: Any, row_bytes: int, chunks: int, seconds: float, threads: int, cpu: float
+) -> dict[str, Any]:
+    """A decode limit's figures: ``chunks`` chunks decoded in ``seconds`` on ``threads``
+    threads, spending ``cpu`` CPU seconds."""
+    samples = chunks * decoder.chunk_bytes / row_bytes
+    return {
+        "rate": samples / seconds,
+        "seconds": seconds,
+        "threads": threads,
+        "chunks": chunks,
+        "cpu_seconds": cpu,
+    }
+
+
+def decode(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
+    """The decode limit: stored chunks of ``data`` (up to ``most_bytes`` of them) decoded on
+    every core, from memory, a task per chunk; None for an unfiltered layout."""
+    held = _held_chunks(paths, most_bytes)
+    if held is None:
+        return None
+    decoder, row_bytes, raws = held
     local = threading.local()
 
-    def scratch() -> np.ndarray:  # as the reader's slot: memory of this thread's, reused
-        if not hasattr(local, "out"):
-            local.out = np.empty(chunk_bytes, np.uint8)
-        out: np.ndarray = local.out
-        return out
+    def one(item: tuple[bytearray, int]) -> None:
+        if not hasattr(local, "out"):  # as the reader's slot: memory of this thread's, reused
+            local.out = np.empty(decoder.chunk_bytes, np.uint8)
+        _decode_chunk(decoder, item[0], item[1], local.out)
 
     threads = os.cpu_count() or 1
     with ThreadPoolExecutor(threads) as pool:
@@ -195,46 +217,32 @@ def decode(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
         list(pool.map(one, raws))
         seconds = time.perf_counter() - t0
         cpu = time.process_time() - c0
-    samples = len(raws) * chunk_bytes / info.row_bytes
-    return {
-        "rate": samples / seconds,
-        "seconds": seconds,
-        "threads": threads,
-        "chunks": len(raws),
-        "cpu_seconds": cpu,
-    }
+    return _limit(decoder, row_bytes, len(raws), seconds, threads, cpu)
 
 
 def decode_loop(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
     """The tight decode limit: the chunks :func:`decode` decodes, by one thread per core, each
     looping over its share (every ``threads``-th chunk) into a buffer of its own, reused; no
-    task, lookup or allocation per chunk. The same calls as the reader's (``decode_into``, else
-    ``elements`` and ``copy_elements``). Also the CPU seconds the threads spent (their own
-    clocks), which says what a chunk's decode costs at least; None for an unfiltered layout."""
-    from asynchdf5._codecs import copy_elements
-
-    filtered = _filtered(paths)
-    if filtered is None:
+    task, lookup or allocation per chunk. The same calls as the reader's
+    (:func:`_decode_chunk`). Also the CPU seconds the threads spent (their own clocks), which
+    says what a chunk's decode costs at least; None for an unfiltered layout."""
+    held = _held_chunks(paths, most_bytes)
+    if held is None:
         return None
-    _, layout, decoder = filtered
-    index, info = layout.chunks, filtered[0].tops["data"]
-    chunk_bytes = decoder.chunk_bytes
-    raws = _raw_chunks(index, most_bytes)
+    decoder, row_bytes, raws = held
     threads = os.cpu_count() or 1
     start = threading.Barrier(threads + 1)
     cpu = [0.0] * threads
     errors: list[BaseException] = []
 
     def loop(k: int) -> None:
-        out = np.empty(chunk_bytes, np.uint8)
-        shaped = out.reshape(*decoder.shape, decoder.itemsize)
+        out = np.empty(decoder.chunk_bytes, np.uint8)
         mine = raws[k::threads]
         start.wait()
         c0 = time.thread_time()
         try:
             for raw, mask in mine:
-                if not decoder.decode_into(raw, mask, out):
-                    copy_elements(shaped, decoder.elements(raw, mask))
+                _decode_chunk(decoder, raw, mask, out)
         except BaseException as exc:  # re-raised by the caller
             errors.append(exc)
         cpu[k] = time.thread_time() - c0
@@ -249,14 +257,7 @@ def decode_loop(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | N
     seconds = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    samples = len(raws) * chunk_bytes / info.row_bytes
-    return {
-        "rate": samples / seconds,
-        "seconds": seconds,
-        "threads": threads,
-        "chunks": len(raws),
-        "cpu_seconds": sum(cpu),
-    }
+    return _limit(decoder, row_bytes, len(raws), seconds, threads, sum(cpu))
 
 
 def _raw_chunks(index: Any, most_bytes: int) -> list[tuple[bytearray, int]]:

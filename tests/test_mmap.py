@@ -1543,11 +1543,7 @@ async def test_chunked_tops_of_whole_samples_are_mapped_and_give_h5pys_rows(
         assert stats.bytes_read == N * ROW_BYTES
     else:
         assert stats.bytes_read >= 2 * N * ROW_BYTES
-    for epoch, got in enumerate(served):
-        check_epoch(got, N, 64, epoch)
-        for b in got:
-            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
-            np.testing.assert_array_equal(b["label"], want["label"][b.indices])
+    check_rows(served, want)
     assert mappings(path, collect=True) == []
 
 
@@ -1575,10 +1571,7 @@ async def test_chunks_of_a_few_at_another_phase_are_mapped_and_those_rows_fetche
     with anyio.fail_after(60):
         served, stats = await batches(path, shuffle=shuffle, seed=2, chunk_size=1000)
     assert stats.read_paths == {"data": "mmap", "label": "mmap"}
-    for epoch, got in enumerate(served):
-        check_epoch(got, N, 64, epoch)
-        for b in got:
-            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+    check_rows(served, want)
 
 
 async def test_chunks_at_many_phases_held_resident_are_copied_and_say_why(tmp_path: Path) -> None:
@@ -1604,6 +1597,16 @@ async def test_chunks_at_many_phases_held_resident_are_copied_and_say_why(tmp_pa
     check_epoch(got[0], N, 64, 0)
     for b in got[0]:
         np.testing.assert_array_equal(b["data"], want["data"][b.indices])
+
+
+def check_rows(served: list[list[Any]], want: dict[str, np.ndarray]) -> None:
+    """Every epoch of ``served`` whole (each of the :data:`N` samples once, batches of 64), and
+    each batch's rows of every top in ``want`` (what h5py reads) those at its indices."""
+    for epoch, got in enumerate(served):
+        check_epoch(got, N, 64, epoch)
+        for b in got:
+            for top, stored in want.items():
+                np.testing.assert_array_equal(b[top], stored[b.indices])
 
 
 WIDE = 50  # floats a row of the default-libver file: rows of 200 bytes
@@ -1696,11 +1699,7 @@ async def test_chunks_of_h5pys_default_libver_streamed_are_mapped_and_give_h5pys
     spread = f"top 'data' is stored chunked ({WIDE_CHUNK}, {WIDE}), its chunks at {len(counts)} "
     assert f"read lease held; {spread}different offsets modulo its row's 200 bytes" in note, note
     assert note.endswith("its rows gathered phase by phase, two copies a row"), note
-    for epoch, got in enumerate(served):
-        check_epoch(got, N, 64, epoch)
-        for b in got:
-            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
-            np.testing.assert_array_equal(b["label"], want["label"][b.indices])
+    check_rows(served, want)
     assert spy.by_phase > 0 and spy.most >= (8 if shuffle else 2), (spy.by_phase, spy.most)
     rows = spy.arrays[0]  # a chunk at another phase whose rows lie past the main array's end
     past = (rows.phase != 0) & (rows.first + WIDE_CHUNK > len(rows.phases[0]))
@@ -1746,11 +1745,7 @@ async def test_with_mmap_true_chunks_at_many_phases_held_resident_are_mapped(
         served, stats = await batches(path, shuffle=True, seed=1, mmap=True)
     assert stats.read_paths == {"data": "mmap", "label": "mmap"}, stats.read_notes
     assert stats.read_notes["data"].endswith("its rows gathered phase by phase, two copies a row")
-    for epoch, got in enumerate(served):
-        check_epoch(got, N, 64, epoch)
-        for b in got:
-            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
-            np.testing.assert_array_equal(b["label"], want["label"][b.indices])
+    check_rows(served, want)
 
 
 def test_inspect_says_chunks_at_many_phases_are_mapped_only_when_streamed(
@@ -1888,11 +1883,7 @@ async def test_chunks_written_out_of_order_or_held_by_any_chunk_index_are_mapped
     with anyio.fail_after(60):
         served, stats = await batches(path, shuffle=True, seed=1, chunk_size=1000)
     assert stats.read_paths == {"data": "mmap", "label": "mmap"}, stats.read_notes
-    for epoch, got in enumerate(served):
-        check_epoch(got, N, 64, epoch)
-        for b in got:
-            np.testing.assert_array_equal(b["data"], want["data"][b.indices])
-            np.testing.assert_array_equal(b["label"], want["label"][b.indices])
+    check_rows(served, want)
 
 
 # --- asynchdf5 inspect ---------------------------------------------------------------------------
