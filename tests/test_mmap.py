@@ -1194,8 +1194,10 @@ def _chunk_heaps(path: Path, case: str) -> dict[str, np.ndarray]:
     dataset written between them (``"pad"``: chunks at offsets not aligned for their values),
     all in one chunk (``"single chunk"``), ``tok``'s values of shape (3,) in chunks of whole
     values (``"trailing"``), or ``X``'s values as float64 and its column indices in chunks of
-    another size, written last to first (``"mixed"``: the two heaps cut apart). Returns the
-    heaps as h5py reads them."""
+    another size, written last to first (``"mixed"``: the two heaps cut apart), or in groups of
+    six chunks written in the order 0, 5, 2, 1, 3, 4 (``"interleaved"``: chunks 0 and 2 of a
+    group at the same ``delta`` with chunk 5 between them in the file, chunk 1 elsewhere).
+    Returns the heaps as h5py reads them."""
     with h5py.File(path, "r") as f:  # written anew: no free space of the old heaps reused
         old = {k: f[k][()] for k in ("label", "len", "tok/indptr", "X/indptr", *HEAPS)}
         attrs = dict(f["X"].attrs)
@@ -1217,6 +1219,14 @@ def _chunk_heaps(path: Path, case: str) -> dict[str, np.ndarray]:
             starts = list(range(0, len(values), size))
             if case == "reverse" or (case == "mixed" and name == "X/indices"):
                 starts.reverse()
+            elif case == "interleaved":
+                groups = [starts[g : g + 6] for g in range(0, len(starts), 6)]
+                starts = [g[i] for g in groups for i in (0, 5, 2, 1, 3, 4) if i < len(g)]
+                for a in starts:  # each chunk allocated as written (no chunk cache)
+                    part = np.zeros((size, *values.shape[1:]), values.dtype)
+                    part[: len(values) - a] = values[a : a + size]
+                    d.id.write_direct_chunk((a, *[0] * (values.ndim - 1)), part.tobytes())
+                continue
             elif case != "pad":
                 d[...] = values
                 continue
@@ -1249,6 +1259,7 @@ def _heap_offsets(path: Path, name: str) -> np.ndarray:
         ("single chunk", True, True),
         ("trailing", False, True),
         ("mixed", True, True),
+        ("interleaved", True, True),
     ],
 )
 async def test_ragged_and_sparse_heaps_in_chunks_are_mapped_and_give_the_copying_readers_batches(
@@ -1271,6 +1282,9 @@ async def test_ragged_and_sparse_heaps_in_chunks_are_mapped_and_give_the_copying
         assert len(np.unique(offsets % 8)) > 1
     if case == "single chunk":
         assert len(offsets) == 1
+    if case == "interleaved":  # chunks 0 and 2 of a group back to back but for chunk 5
+        delta = offsets - np.arange(len(offsets)) * HEAP_CHUNK * heaps["tok/data"].itemsize
+        assert (delta[0:-5:6] == delta[2:-3:6]).all() and (delta[0:-5:6] != delta[1:-4:6]).all()
     kw: dict[str, Any] = dict(shuffle=shuffle, seed=4, chunk_size=1000, epochs=2)
     kw["tops"] = ("tok", "X", "label", "len")
     before = await asnapshot()

@@ -421,8 +421,8 @@ class ChunkHeap:
     ``delta[k] = at[k] - k * chunk_values * value_bytes``, the same for every chunk of a run
     of chunks that follow each other in the file, each starting where the one before it ends
     (HDF5 writes a dataset's chunks so when it writes them in one go). A run of values (a row's)
-    is one span of the mapping's bytes when its first and last chunk have the same ``delta``,
-    and is cut at the ends of its chunks where not (the chunk index's nodes or other data
+    is one span of the mapping's bytes when its chunks lie in one such run (:attr:`run`), and
+    is cut at the ends of its chunks where not (the chunk index's nodes or other data
     between two chunks, chunks written out of order). Spans are copied as bytes (whole values
     each), so a chunk need not lie at an offset aligned for the values' dtype."""
 
@@ -447,6 +447,11 @@ class ChunkHeap:
         self.chunk_values = chunk_values
         #: Where value ``v`` of chunk ``k`` lies: ``delta[k] + v * value_bytes``.
         self.delta = at - np.arange(len(at), dtype=np.int64) * (chunk_values * vb)
+        #: The run of chunks back to back in the file that chunk ``k`` is in (a number that
+        #: grows with ``k``): values in chunks ``k`` to ``j`` are one span iff ``run[k] ==
+        #: run[j]``. Equal ``delta`` at both ends is not enough: chunks 0, 5, 2 written in that
+        #: order put chunk 2 at chunk 0's ``delta``, chunk 5 where chunk 1 would be.
+        self.run = np.cumsum(np.r_[False, self.delta[1:] != self.delta[:-1]])
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -495,7 +500,7 @@ class ChunkHeap:
             if len(cross):
                 apart = np.zeros(len(cross), bool)
                 for heap, _ in pairs:
-                    apart |= heap.delta[k[cross]] != heap.delta[last[cross]]
+                    apart |= heap.run[k[cross]] != heap.run[last[cross]]
                 if apart.any():
                     lo, dst, n, k = _cut(lo, dst, n, k, last, cross[apart], c)
             copy_runs(
