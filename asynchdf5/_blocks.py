@@ -11,15 +11,29 @@ block ends at the run's end, over bytes its previous block copied (the same byte
 write stays inside its run and the order of the writes does not matter. Runs shorter than the
 smallest block are copied value by value, by one index over their values; long runs
 (:data:`RUN_BYTES` on average) a slice each, where a Python step costs less than the bytes.
+
+Values that are no one array (:class:`ScatteredValues`: a mapped heap stored in chunks) copy
+their own runs; :func:`copy_from` copies runs out of either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["BLOCK_BYTES", "RELEASE_ITEMS", "RUN_BYTES", "copy_runs", "row_bytes", "stage_blocks"]
+__all__ = [
+    "BLOCK_BYTES",
+    "RELEASE_ITEMS",
+    "RUN_BYTES",
+    "ScatteredValues",
+    "copy_all",
+    "copy_from",
+    "copy_runs",
+    "row_bytes",
+    "stage_blocks",
+]
 
 #: Runs of at least this many bytes on average are copied a slice each.
 RUN_BYTES = 64 * 2**10
@@ -36,6 +50,76 @@ STAGE_BYTES = 256 * 2**10
 RELEASE_ITEMS = 512
 
 
+class ScatteredValues(Protocol):
+    """Values (along the first axis) held where they are no one array, which copy runs of
+    themselves (:class:`~._read._maps.ChunkHeap`: a mapped heap stored in chunks)."""
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, values: slice, /) -> np.ndarray: ...
+
+    def copy_into(
+        self, dest: np.ndarray, start: np.ndarray, at: np.ndarray, count: np.ndarray
+    ) -> None:
+        """:func:`copy_runs` from these values into ``dest`` (C-contiguous, their dtype)."""
+        ...
+
+    def copy_many(
+        self,
+        values: Sequence[ScatteredValues],
+        dests: Sequence[np.ndarray],
+        start: np.ndarray,
+        at: np.ndarray,
+        count: np.ndarray,
+    ) -> None:
+        """:meth:`copy_into` of the same runs from each of ``values`` (of this kind) into its
+        ``dests`` entry, sharing the work that depends on the runs alone."""
+        ...
+
+
+def copy_all(
+    sources: Sequence[np.ndarray | ScatteredValues],
+    dests: Sequence[np.ndarray],
+    start: np.ndarray,
+    at: np.ndarray,
+    count: np.ndarray,
+) -> None:
+    """:func:`copy_runs` from sources that are arrays or :class:`ScatteredValues` (of one
+    kind), the arrays together and the others together."""
+    arrays = [(s, d) for s, d in zip(sources, dests, strict=True) if isinstance(s, np.ndarray)]
+    others = [(s, d) for s, d in zip(sources, dests, strict=True) if not isinstance(s, np.ndarray)]
+    if arrays:
+        copy_runs([s for s, _ in arrays], [d for _, d in arrays], start, at, count)
+    if others:
+        first = others[0][0]
+        assert not isinstance(first, np.ndarray)
+        rest = [s for s, _ in others if not isinstance(s, np.ndarray)]
+        first.copy_many(rest, [d for _, d in others], start, at, count)
+
+
+def copy_from(
+    values: np.ndarray | ScatteredValues,
+    dest: np.ndarray,
+    start: np.ndarray,
+    at: np.ndarray,
+    count: np.ndarray,
+) -> None:
+    """:func:`copy_runs` of one source, an array or :class:`ScatteredValues`."""
+    if isinstance(values, np.ndarray):
+        copy_runs([values], [dest], start, at, count)
+    else:
+        values.copy_into(dest, start, at, count)
+
+
 def row_bytes(a: np.ndarray) -> int:
     """The bytes of one value of ``a`` (one row along its first axis)."""
     return a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
@@ -44,27 +128,38 @@ def row_bytes(a: np.ndarray) -> int:
 def copy_runs(
     sources: Sequence[np.ndarray],
     dests: Sequence[np.ndarray],
-    start: np.ndarray,
+    start: np.ndarray | Sequence[np.ndarray],
     at: np.ndarray,
     count: np.ndarray,
+    grain: int = 1,
 ) -> None:
     """Copy ``source[start[i] : start[i] + count[i]]`` to ``dest[at[i] : at[i] + count[i]]``
     for every run ``i`` (int64 arrays) and every pair of ``sources`` and ``dests`` (a sparse
     top's values and column indices share their runs). The runs must lie inside both arrays
-    and the destinations of different runs must not overlap; sources may."""
+    and the destinations of different runs must not overlap; sources may.
+
+    ``start``: one array for every source, or one array per source (the same runs, each from
+    its own place: a mapped heap's values and column indices lie in different chunks).
+    ``grain``: every count is a multiple of it, and runs shorter than the smallest block are
+    copied that many values at a time (a mapped heap in chunks is copied as bytes, runs of
+    whole values: :class:`~._read._maps.ChunkHeap`)."""
+    starts = [start] * len(sources) if isinstance(start, np.ndarray) else list(start)
     keep = count > 0
     if not keep.all():
-        start, at, count = start[keep], at[keep], count[keep]
+        at, count = at[keep], count[keep]
+        kept = {id(s): s[keep] for s in starts}  # a start shared stays shared
+        starts = [kept[id(s)] for s in starts]
     sizes = [row_bytes(a) for a in sources]
     rb = max(sizes)  # the blocks' sizes count values: of the widest source's
     if len(count) == 0 or rb == 0:
         return
     contiguous = all(a.flags.c_contiguous for a in (*sources, *dests))
     if not contiguous or int(count.sum()) * rb >= RUN_BYTES * len(count):
-        for a, b, n in zip(start.tolist(), at.tolist(), count.tolist(), strict=True):
-            for source, dest in zip(sources, dests, strict=True):
+        for source, dest, s in zip(sources, dests, starts, strict=True):
+            for a, b, n in zip(s.tolist(), at.tolist(), count.tolist(), strict=True):
                 dest[b : b + n] = source[a : a + n]
         return
+    jobs = list(zip(sources, dests, sizes, starts, strict=True))
     left = np.ones(len(count), bool)
     for size in sorted({b // rb for b in BLOCK_BYTES if b >= 2 * rb}, reverse=True):
         here = left & (count >= size)  # the runs this size copies: whole blocks and a last one
@@ -77,19 +172,35 @@ def copy_runs(
         place = np.arange(int(ends[-1]), dtype=np.int64) * size
         place -= np.repeat((ends - k) * size, k)
         place[ends - 1] = m - size  # each run's last block ends at the run's end
-        s_at = np.repeat(start[here], k) + place
         d_at = np.repeat(at[here], k) + place
-        for source, dest, width in zip(sources, dests, sizes, strict=True):
-            _copy_blocks(source, dest, s_at, d_at, size, width)
-    if left.any():  # runs shorter than the smallest block: value by value
-        m = count[left]
+        _copy_each(jobs, here, k, place, d_at, size)
+    if left.any():  # runs shorter than the smallest block: value by value (grain by grain)
+        m = count[left] // grain
         ends = np.cumsum(m)
-        s_at = np.arange(int(ends[-1]), dtype=np.int64)
-        d_at = s_at.copy()
-        s_at += np.repeat(start[left] - (ends - m), m)
-        d_at += np.repeat(at[left] - (ends - m), m)
-        for source, dest, width in zip(sources, dests, sizes, strict=True):
-            _copy_blocks(source, dest, s_at, d_at, 1, width)
+        place = np.arange(int(ends[-1]), dtype=np.int64)
+        place -= np.repeat(ends - m, m)
+        if grain != 1:
+            place *= grain  # each grain's place in its run
+        d_at = place + np.repeat(at[left], m)
+        _copy_each(jobs, left, m, place, d_at, grain)
+
+
+def _copy_each(
+    jobs: Sequence[tuple[np.ndarray, np.ndarray, int, np.ndarray]],
+    runs: np.ndarray,
+    k: np.ndarray,
+    place: np.ndarray,
+    d_at: np.ndarray,
+    size: int,
+) -> None:
+    """Copy blocks of ``size`` values of the ``runs`` (a mask) from each job's source (its
+    ``(source, dest, row bytes, start)``), ``k`` blocks a run, each at ``place`` in its run:
+    where the runs start is worked out once for the sources that share their starts."""
+    s_at, made = place, None
+    for source, dest, width, start in jobs:
+        if start is not made:
+            s_at, made = np.repeat(start[runs], k) + place, start
+        _copy_blocks(source, dest, s_at, d_at, size, width)
 
 
 def stage_blocks(nbytes: int) -> int:

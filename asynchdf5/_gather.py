@@ -26,11 +26,11 @@ import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, wait
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from ._blocks import RUN_BYTES, copy_runs, row_bytes
+from ._blocks import RUN_BYTES, ScatteredValues, copy_all, copy_runs, row_bytes
 from ._errors import ReadError
 from ._ragged import pad_rows
 from ._ragged_tops import heap_keys, is_heap
@@ -161,10 +161,19 @@ def _take(source: Rows, rows: np.ndarray | slice, dest: np.ndarray) -> None:
 
 
 def _array(held: Rows) -> np.ndarray:
-    """A ragged top's spans or values: arrays wherever they are held (a mapped heap is one
-    contiguous extent of one file, never chunked nor spliced: :mod:`._read._choice`)."""
+    """A ragged top's spans: an array wherever they are held."""
     assert isinstance(held, np.ndarray)
     return held
+
+
+def _heap(held: Rows) -> np.ndarray | ScatteredValues:
+    """A ragged top's values (or column indices): an array, or a mapped heap stored in chunks
+    (:class:`~._read._maps.ChunkHeap`), which copies its own runs; never spliced over several
+    files (:mod:`._read._choice`)."""
+    if isinstance(held, np.ndarray):
+        return held
+    assert hasattr(held, "copy_into")
+    return cast(ScatteredValues, held)
 
 
 def check_rows(rows: np.ndarray, arrays: Mapping[str, Rows]) -> None:
@@ -322,7 +331,7 @@ def _copy_jobs(
     in ``outs`` (from ``offsets``), each chunk's under its guard."""
     for chunk, a, span, length in jobs:
         lo, hi = int(offsets[row]), int(offsets[row + len(span)])
-        heaps = [_array(chunk.arrays[key]) for key in keys]
+        heaps = [_heap(chunk.arrays[key]) for key in keys]
         dests = [out[lo:hi] for out in outs]
         row += len(span)
         guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
@@ -331,20 +340,31 @@ def _copy_jobs(
 
 
 def _copy_spans(
-    heaps: Sequence[np.ndarray], span: np.ndarray, length: np.ndarray, dests: Sequence[np.ndarray]
+    heaps: Sequence[np.ndarray | ScatteredValues],
+    span: np.ndarray,
+    length: np.ndarray,
+    dests: Sequence[np.ndarray],
 ) -> None:
     """Copy ``heap[start:stop]`` of each span, in order, into each heap's ``dest`` (exactly
     their sum): a sparse top's values and column indices share the spans, and the work that
     depends on them alone. Spans that continue each other are merged into runs first (an
     unshuffled chunk's rows are one run); long runs are copied a slice each, by one C loop,
-    short ones in blocks (:func:`~._blocks.copy_runs`)."""
+    short ones in blocks (:func:`~._blocks.copy_runs`). A heap in a mapped file's chunks copies
+    the runs itself, each cut where its chunks are not back to back in the file."""
     if len(dests[0]) == 0:
         return
     starts, stops = span[:, 0], span[:, 1]
     breaks = np.flatnonzero(starts[1:] != stops[:-1]) + 1
     first = starts[np.concatenate(([0], breaks))]
     last = stops[np.concatenate((breaks - 1, [len(span) - 1]))]
-    if len(dests[0]) * max(map(row_bytes, heaps)) >= RUN_BYTES * len(first):
+    arrays = [h for h in heaps if isinstance(h, np.ndarray)]
+    if len(arrays) < len(heaps):  # stored in chunks: the heaps copy their runs themselves
+        count = last - first
+        at = np.zeros(len(count), np.int64)
+        np.cumsum(count[:-1], out=at[1:])
+        copy_all(heaps, dests, first, at, count)
+        return
+    if len(dests[0]) * max(map(row_bytes, arrays)) >= RUN_BYTES * len(first):
         runs = list(zip(first.tolist(), last.tolist(), strict=True))
         for heap, dest in zip(heaps, dests, strict=True):
             # One C loop copies every run: the Python work is a view per run.
@@ -353,7 +373,7 @@ def _copy_spans(
     count = last - first
     at = np.zeros(len(count), np.int64)
     np.cumsum(count[:-1], out=at[1:])
-    copy_runs(heaps, dests, first, at, count)
+    copy_runs(arrays, dests, first, at, count)
 
 
 def gather_padded(
@@ -403,4 +423,4 @@ def _pad_pieces(
         at += b - a
         guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
         with guarded(guard, name, chunk.indices[a:b]):
-            pad_rows(_array(chunk.arrays[key]), starts, cut, dest, pad)
+            pad_rows(_heap(chunk.arrays[key]), starts, cut, dest, pad)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._blocks import copy_runs
+from ._blocks import ScatteredValues, copy_from, copy_runs
 from ._errors import ConfigurationError
 
 __all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows"]
@@ -33,7 +33,11 @@ _RUNS_ROWS = 1024
 
 
 def pad_rows(
-    values: np.ndarray, starts: np.ndarray, cut: np.ndarray, out: np.ndarray, pad: Any
+    values: np.ndarray | ScatteredValues,
+    starts: np.ndarray,
+    cut: np.ndarray,
+    out: np.ndarray,
+    pad: Any,
 ) -> None:
     """Write ``values[starts[i] : starts[i] + cut[i]]`` and then ``pad`` up to its end into
     each row ``out[i]`` (``out``: ``(rows, length, *trailing)``, ``cut[i] <= length``): each
@@ -42,7 +46,8 @@ def pad_rows(
     Where ``out`` has the values' dtype (and is C-contiguous), many rows go as runs of values
     and runs of padding (:func:`~._blocks.copy_runs`), fewer as one ``np.concatenate`` into
     ``out`` of each row's values and padding (views: one C loop copies them all). Else a slice
-    of values (cast to ``out``'s dtype) and one of padding per row."""
+    of values (cast to ``out``'s dtype) and one of padding per row. Values that are no one
+    array (a mapped heap in chunks: :class:`~._blocks.ScatteredValues`) always go as runs."""
     n, size = out.shape[0], out.shape[1]
     if out.dtype != values.dtype or not out.flags.c_contiguous:
         for row, a, k in zip(out, starts.tolist(), cut.tolist(), strict=True):
@@ -52,9 +57,9 @@ def pad_rows(
         return
     flat = out.reshape(n * size, *out.shape[2:])
     fill = np.full((size, *out.shape[2:]), pad, out.dtype)  # the padding's source
-    if n >= _RUNS_ROWS:
+    if n >= _RUNS_ROWS or not isinstance(values, np.ndarray):
         at = np.arange(n, dtype=np.int64) * size
-        copy_runs([values], [flat], starts, at, cut)
+        copy_from(values, flat, starts, at, cut)
         copy_runs([fill], [flat], np.zeros(n, np.int64), at + cut, size - cut)
         return
     parts = []

@@ -57,3 +57,20 @@ def test_copy_runs_over_many_stages() -> None:
     copy_runs([source], [dest], start, at, count)
     want = np.concatenate([source[a : a + k] for a, k in zip(start, count, strict=True)])
     np.testing.assert_array_equal(dest, want)
+
+
+@pytest.mark.parametrize("grain", [4, 12])
+def test_runs_of_whole_values_copied_as_bytes_land_in_their_place(grain: int) -> None:
+    """Runs of bytes, each whole values of ``grain`` bytes at any byte offset of the source (a
+    mapped heap in chunks: :class:`~asynchdf5._read._maps.ChunkHeap`), short and long: each
+    lands in its place, the short ones copied a value at a time."""
+    rng = np.random.default_rng(grain)
+    count = rng.integers(0, 40, 500) * grain
+    source = rng.integers(0, 256, 100_000).astype(np.uint8)
+    start = rng.integers(0, len(source) - count)  # any byte
+    at = np.zeros(len(count), np.int64)
+    np.cumsum(count[:-1], out=at[1:])
+    dest = np.zeros(int(count.sum()), np.uint8)
+    copy_runs([source], [dest], start, at, count, grain=grain)
+    want = np.concatenate([source[a : a + k] for a, k in zip(start, count, strict=True)])
+    np.testing.assert_array_equal(dest, want)

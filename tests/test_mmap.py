@@ -1175,29 +1175,276 @@ async def test_a_ragged_top_in_several_files_is_copied_and_says_why(tmp_path: Pa
     )
 
 
-async def test_a_ragged_top_whose_heap_is_chunked_is_copied_and_says_what_it_needs(
+def _once(epoch_batches: list[Any], n: int, epoch: int) -> None:
+    """Batches of epoch ``epoch``, every sample of ``n`` in them exactly once."""
+    assert {b.epoch for b in epoch_batches} == {epoch}
+    check_exactly_once([b.indices for b in epoch_batches], n)
+
+
+HEAPS = ("tok/data", "X/data", "X/indices")
+#: Values a stored chunk of a heap holds: fewer than most rows (0..100 values), so rows cross
+#: one chunk end or several.
+HEAP_CHUNK = 37
+
+
+def _chunk_heaps(path: Path, case: str) -> dict[str, np.ndarray]:
+    """``_ragged``'s heaps (``tok/data``, ``X/data``, ``X/indices``) stored again in chunks of
+    :data:`HEAP_CHUNK` values, unfiltered: written at once (``"chunks"``), chunk by chunk last to
+    first (``"reverse"``: no chunk follows the one before it in the file), in parts with a 3-byte
+    dataset written between them (``"pad"``: chunks at offsets not aligned for their values),
+    all in one chunk (``"single chunk"``), ``tok``'s values of shape (3,) in chunks of whole
+    values (``"trailing"``), or ``X``'s values as float64 and its column indices in chunks of
+    another size, written last to first (``"mixed"``: the two heaps cut apart), or in groups of
+    six chunks written in the order 0, 5, 2, 1, 3, 4 (``"interleaved"``: chunks 0 and 2 of a
+    group at the same ``delta`` with chunk 5 between them in the file, chunk 1 elsewhere).
+    Returns the heaps as h5py reads them."""
+    with h5py.File(path, "r") as f:  # written anew: no free space of the old heaps reused
+        old = {k: f[k][()] for k in ("label", "len", "tok/indptr", "X/indptr", *HEAPS)}
+        attrs = dict(f["X"].attrs)
+    libver = "earliest" if case == "reverse" else "latest"
+    with h5py.File(path, "w", libver=libver) as f:
+        for name in ("label", "len", "tok/indptr", "X/indptr"):
+            f[name] = old[name]
+        f["X"].attrs.update(attrs)
+        for name in HEAPS:
+            values = old[name]
+            if case == "trailing" and name == "tok/data":
+                values = np.repeat(values[:, None], 3, axis=1)
+            if case == "mixed" and name == "X/data":
+                values = values.astype(np.float64)
+            size = 50 if case == "mixed" and name == "X/indices" else HEAP_CHUNK
+            group, leaf = name.split("/")
+            chunks = (len(values) if case == "single chunk" else size, *values.shape[1:])
+            d = f[group].create_dataset(leaf, values.shape, values.dtype, chunks=chunks)
+            starts = list(range(0, len(values), size))
+            if case == "reverse" or (case == "mixed" and name == "X/indices"):
+                starts.reverse()
+            elif case == "interleaved":
+                groups = [starts[g : g + 6] for g in range(0, len(starts), 6)]
+                starts = [g[i] for g in groups for i in (0, 5, 2, 1, 3, 4) if i < len(g)]
+                for a in starts:  # each chunk allocated as written (no chunk cache)
+                    part = np.zeros((size, *values.shape[1:]), values.dtype)
+                    part[: len(values) - a] = values[a : a + size]
+                    d.id.write_direct_chunk((a, *[0] * (values.ndim - 1)), part.tobytes())
+                continue
+            elif case != "pad":
+                d[...] = values
+                continue
+            for i, a in enumerate(starts):
+                if case == "pad" and i % 50 == 1:
+                    f.create_dataset(f"pad/{name}/{i}", data=np.zeros(3, np.uint8))
+                d[a : a + size] = values[a : a + size]
+    with h5py.File(path, "r") as f:
+        return {name: f[name][()] for name in HEAPS}
+
+
+def _heap_offsets(path: Path, name: str) -> np.ndarray:
+    """The file offsets of heap ``name``'s stored chunks, in value order."""
+    infos: list[Any] = []
+    with h5py.File(path, "r") as f:
+        f[name].id.chunk_iter(infos.append)
+    infos.sort(key=lambda i: i.chunk_offset)
+    return np.array([i.byte_offset for i in infos], np.int64)
+
+
+@pytest.mark.parametrize(
+    ("case", "kept", "shuffle"),
+    [
+        ("chunks", True, False),
+        ("chunks", True, True),
+        ("chunks", False, True),  # each chunk unmapped after use
+        ("reverse", True, False),
+        ("reverse", True, True),
+        ("pad", True, True),
+        ("single chunk", True, True),
+        ("trailing", False, True),
+        ("mixed", True, True),
+        ("interleaved", True, True),
+    ],
+)
+async def test_ragged_and_sparse_heaps_in_chunks_are_mapped_and_give_the_copying_readers_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool, case: str, kept: bool
+) -> None:
+    """A ragged and a sparse top whose heaps are stored in unfiltered chunks of whole values,
+    every chunk written, smaller than most rows (rows crossing one or several chunk ends, empty
+    rows among them): mapped, each row's values copied as byte spans cut where the chunks
+    holding them are not back to back in the file; the same batches as copied, every sample
+    once an epoch, unshuffled and shuffled; every heap byte mapped once when kept; nothing
+    mapped once closed. (Copied before: a heap was mapped only from contiguous storage.)"""
+    if not kept:
+        monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    path = _ragged(tmp_path / "r.h5")
+    heaps = _chunk_heaps(path, case)
+    offsets = _heap_offsets(path, "tok/data")
+    if case == "reverse":  # nearly every chunk before the one it follows in the rows
+        assert (np.diff(offsets) < 0).mean() > 0.9
+    if case == "pad":  # some chunks at offsets that are no whole values from the others
+        assert len(np.unique(offsets % 8)) > 1
+    if case == "single chunk":
+        assert len(offsets) == 1
+    if case == "interleaved":  # chunks 0 and 2 of a group back to back but for chunk 5
+        delta = offsets - np.arange(len(offsets)) * HEAP_CHUNK * heaps["tok/data"].itemsize
+        assert (delta[0:-5:6] == delta[2:-3:6]).all() and (delta[0:-5:6] != delta[1:-4:6]).all()
+    kw: dict[str, Any] = dict(shuffle=shuffle, seed=4, chunk_size=1000, epochs=2)
+    kw["tops"] = ("tok", "X", "label", "len")
+    before = await asnapshot()
+    with anyio.fail_after(60):
+        copied, copied_stats = await batches(path, mmap=False, **kw)
+        served, stats = await batches(path, **kw)
+    await aassert_released(before)
+    assert copied_stats.read_paths["tok"] == "ragged-chunks"
+    assert stats.read_paths == {"tok": "ragged-mmap", "X": "sparse-mmap", "label": "mmap"} | {
+        "len": "mmap"
+    }
+    note = stats.read_notes["tok"]
+    assert note.startswith("mapped: ") and "top 'tok': data chunked (" in note, note
+    assert "top 'X': data chunked (" in note and " and indices chunked (" in note, note
+    assert note.endswith("a row's values copied from the mapped chunks as one span within a run, "
+                         "cut where a run ends"), note  # fmt: skip
+    with h5py.File(path) as f:
+        size = sum(f[k].nbytes for k in (*HEAPS, "label", "len"))
+    if kept:
+        assert stats.bytes_read == size
+    else:
+        assert stats.bytes_read >= 2 * size
+    tok = heaps["tok/data"]
+    with h5py.File(path) as f:
+        indptr = f["tok/indptr"][()]
+    for epoch, (mine, theirs) in enumerate(zip(served, copied, strict=True)):
+        _once(mine, N, epoch)
+        assert len(mine) == len(theirs)
+        for a, b in zip(mine, theirs, strict=True):
+            np.testing.assert_array_equal(a.indices, b.indices)
+            np.testing.assert_array_equal(a["label"], a.indices)
+            np.testing.assert_array_equal(a["tok"].offsets, b["tok"].offsets)
+            np.testing.assert_array_equal(a["tok"].values, b["tok"].values)
+            np.testing.assert_array_equal(a["tok"].lengths, a["len"])
+            for i, g in enumerate(a.indices.tolist()):
+                np.testing.assert_array_equal(a["tok"][i], tok[indptr[g] : indptr[g + 1]])
+            for part in ("data", "indices", "indptr"):
+                np.testing.assert_array_equal(getattr(a["X"], part), getattr(b["X"], part))
+    assert mappings(path, collect=True) == []
+
+
+async def test_a_chunked_heap_padded_as_gathered_gives_the_copying_readers_batches(
     tmp_path: Path,
 ) -> None:
-    """A ragged top whose values are stored in unfiltered chunks (every one written): its
-    heap is mapped only from contiguous storage, so the source is copied, and the note says
-    so; it never claims the unfiltered chunks that fixed tops are mapped from would do (found
-    by review: it did)."""
+    """``Pad`` at the head of a chunked, mapped heap's chain: its rows padded straight out of
+    the mapped chunks (runs cut at chunk ends), the same arrays as copied."""
+    from asynchdf5 import transforms as T
+
+    path = _ragged(tmp_path / "r.h5")
+    _chunk_heaps(path, "reverse")
+    kw: dict[str, Any] = dict(shuffle=True, seed=2, chunk_size=1000, epochs=1, tops=("tok",))
+    kw["transformers"] = [("tok", T.Pad(-1, length=60))]
+    with anyio.fail_after(60):
+        copied, _ = await batches(path, mmap=False, **kw)
+        served, stats = await batches(path, **kw)
+    assert stats.read_paths == {"tok": "ragged-mmap"}
+    _once(served[0], N, 0)
+    for a, b in zip(served[0], copied[0], strict=True):
+        np.testing.assert_array_equal(a.indices, b.indices)
+        np.testing.assert_array_equal(a["tok"], b["tok"])
+
+
+@pytest.mark.timeout(120)
+def test_an_anndata_sparse_h5ad_is_mapped_and_gives_the_copying_readers_batches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sparse ``.h5ad`` as the ``anndata`` package writes it (``X/data`` and ``X/indices``
+    chunked, unfiltered): served mapped by default (it was copied), ``inspect`` and the read
+    note say how its heaps are read, and every batch, shuffled and not, is the copying
+    reader's, every cell once an epoch."""
+    anndata = pytest.importorskip("anndata")
+    import pandas as pd
+    import scipy.sparse
+
+    from asynchdf5._cli import main
+
+    n = 3000
+    m = scipy.sparse.random(n, 400, density=0.08, format="csr", random_state=3, dtype=np.float32)
+    keep = np.ones(n, np.float32)
+    keep[::97] = 0  # some cells without a count
+    m = scipy.sparse.csr_matrix(scipy.sparse.diags(keep) @ m)
+    m.eliminate_zeros()
+    assert (np.diff(m.indptr)[::97] == 0).all()
+    obs = pd.DataFrame({"nnz": np.diff(m.indptr)}, index=[f"c{i}" for i in range(n)])
+    path = tmp_path / "cells.h5ad"
+    anndata.AnnData(X=m, obs=obs).write_h5ad(path)
+    with h5py.File(path) as f:
+        chunks = f["X/data"].chunks
+        assert chunks is not None and f["X/data"].compression is None, chunks
+        assert chunks[0] < m.nnz and f["X/indices"].chunks is not None
+    status = main(["inspect", str(path), "--tops", "X", "--json"])
+    said = json.loads(capsys.readouterr().out)["mmap"]
+    assert status == 0 and said.startswith("mapped: "), said
+    assert "top 'X': data chunked (" in said and " and indices chunked (" in said, said
+    dense = m.toarray()
+    for shuffle in (False, True):
+        got = {}
+        for mode in (False, "auto"):
+            out = []
+            with HDF5DataLayer(
+                path, tops=("X", "obs/nnz"), batch_size=100, shuffle=shuffle, seed=5, mmap=mode,
+                chunk_size=700,
+            ) as layer:  # fmt: skip
+                for _ in range(2):
+                    out.append(list(layer))
+                paths, notes = layer.stats.read_paths, layer.stats.read_notes
+            got[mode] = out
+            if mode == "auto":
+                assert paths == {"X": "sparse-mmap", "obs/nnz": "mmap"}, notes
+                assert "top 'X': data chunked (" in notes["X"], notes
+        for epoch, (mine, theirs) in enumerate(zip(got["auto"], got[False], strict=True)):
+            _once(mine, n, epoch)
+            for a, b in zip(mine, theirs, strict=True):
+                np.testing.assert_array_equal(a.indices, b.indices)
+                for part in ("data", "indices", "indptr"):
+                    np.testing.assert_array_equal(getattr(a["X"], part), getattr(b["X"], part))
+                np.testing.assert_array_equal(a["X"].toarray(), dense[a.indices])
+                np.testing.assert_array_equal(np.diff(a["X"].indptr), a["obs/nnz"])
+
+
+@pytest.mark.parametrize("case", ["gzip", "unwritten"])
+async def test_a_heap_in_chunks_it_cannot_map_is_copied_and_says_what_it_needs(
+    tmp_path: Path, case: str
+) -> None:
+    """A heap in filtered chunks, or with a chunk never written (h5py reads its fill value):
+    copied, every row as h5py reads it, and the note says what mapping needs (heaps are now
+    mapped from unfiltered chunks, every one written)."""
     path = _ragged(tmp_path / "r.h5")
     with h5py.File(path, "r+") as f:
         values = f["tok/data"][()]
         del f["tok/data"]
-        f["tok"].create_dataset("data", data=values, chunks=(64,))
+        if case == "gzip":
+            f["tok"].create_dataset("data", data=values, chunks=(64,), compression="gzip")
+        else:  # the chunk holding values 64:128 never written (no row of the file is there)
+            d = f["tok"].create_dataset("data", values.shape, values.dtype, chunks=(64,))
+            d[:64], d[128:] = values[:64], values[128:]
+            values[64:128] = 0
+    with h5py.File(path) as f:
+        indptr = f["tok/indptr"][()]
     with anyio.fail_after(30):
         got, stats = await batches(path, epochs=1, tops=("tok", "label"), mmap=True)
-    assert sorted(i for b in got[0] for i in b.indices.tolist()) == list(range(N))
+    _once(got[0], N, 0)
     for b in got[0]:
         for i, g in enumerate(b.indices.tolist()):
-            assert (b["tok"][i] == g).all()
-    assert stats.read_paths["tok"] == "ragged-chunks"
-    assert stats.read_notes["tok"] == (
-        "copied: top 'tok/data' is stored chunked (64,): mapping needs contiguous storage (the "
-        "heap of a ragged or sparse top)"
+            np.testing.assert_array_equal(b["tok"][i], values[indptr[g] : indptr[g + 1]])
+    needs = (
+        "mapping needs contiguous storage or unfiltered chunks of whole values, every chunk "
+        "written (the heap of a ragged or sparse top)"
     )
+    if case == "gzip":
+        assert stats.read_paths["tok"] == "ragged-chunks"
+        assert stats.read_notes["tok"] == (
+            f"copied: top 'tok/data' is stored chunked (64,), filtered: {needs}"
+        )
+    else:
+        assert stats.read_paths["tok"] == "ragged-h5py"
+        assert stats.read_notes["tok"].endswith(
+            f"copied: top 'tok/data' is read through h5py (chunks not all written (fill "
+            f"values)): {needs}"
+        ), stats.read_notes["tok"]
 
 
 async def test_a_lease_broken_before_a_ragged_gather_is_a_read_error_naming_the_rows(

@@ -2,9 +2,10 @@
 
 ``mmap=False`` copies. ``mmap=True`` maps whatever the mapped reader can serve: files with their
 tops stored in them contiguously, uncompressed (or a fixed top in unfiltered chunks of whole
-samples, every chunk written), in this machine's byte order, on Linux 5.14 or newer, at most
-:func:`max_files` of them (one, with a ragged or sparse top: its heaps are not spliced across
-files), with a read lease where Linux grants one and without one elsewhere.
+samples, a ragged or sparse top's heaps in unfiltered chunks of whole values, every chunk
+written), in this machine's byte order, on Linux 5.14 or newer, at most :func:`max_files` of
+them (one, with a ragged or sparse top: its heaps are not spliced across files), with a read
+lease where Linux grants one and without one elsewhere.
 
 ``mmap="auto"`` (the default) maps only where no ``SIGBUS`` case that a lease can prevent is
 left open, and copies everywhere else:
@@ -50,6 +51,7 @@ __all__ = [
     "MAX_FILES",
     "Choice",
     "choose",
+    "chunked_heaps",
     "file_system",
     "max_files",
     "probe",
@@ -199,21 +201,30 @@ def refusal(catalog: Catalog) -> str | None:
                 widths = (widths[0], spec.ragged.index_dtype.itemsize)
             heaps = (("data", parts.data), ("indices", parts.indices))
             for (member, heap), width in zip(heaps, widths, strict=True):
-                if heap is not None:
-                    why = _unmappable(
-                        where, f"{top}/{member}", heap, info, width * n, needs=_HEAP_NEEDS
-                    )
-                    if why is not None:
-                        return why
+                if heap is None:
+                    continue
+                name = f"{top}/{member}"
+                if heap.path == "chunks":
+                    why = _unmappable_chunks(where, name, heap, info, width, n, "values")
+                else:
+                    why = _unmappable(where, name, heap, info, width * n, needs=_HEAP_NEEDS)
+                if why is not None:
+                    return why
     return None
 
 
-_OR_CHUNKS = " or unfiltered chunks of whole samples, every chunk written"
+def _needs(unit: str) -> str:
+    """The storage a top is mapped from, ``unit`` what its stored chunks must hold whole (a
+    fixed top's samples, a heap's values)."""
+    heap = " (the heap of a ragged or sparse top)" if unit == "values" else ""
+    return f"contiguous storage or unfiltered chunks of whole {unit}, every chunk written{heap}"
+
+
 #: The storage a fixed top is mapped from.
-_FIXED_NEEDS = f"contiguous storage{_OR_CHUNKS}"
-#: The storage a ragged or sparse top's heap is mapped from: its values are spliced by
-#: ``indptr`` out of one extent (chunked, the copying reader reads it).
-_HEAP_NEEDS = "contiguous storage (the heap of a ragged or sparse top)"
+_FIXED_NEEDS = _needs("samples")
+#: The storage a ragged or sparse top's heap is mapped from: its values are cut by ``indptr``
+#: out of one extent, or out of stored chunks of whole values (:class:`._maps.ChunkHeap`).
+_HEAP_NEEDS = _needs("values")
 
 
 def _unmappable(
@@ -252,20 +263,28 @@ MAIN_PHASE = 7 / 8
 
 
 def _unmappable_chunks(
-    where: str, top: str, layout: Layout, info: FileInfo, row_bytes: int
+    where: str,
+    top: str,
+    layout: Layout,
+    info: FileInfo,
+    row_bytes: int,
+    nrows: int | None = None,
+    unit: str = "samples",
 ) -> str | None:
-    """Why fixed top ``top``, stored chunked (``layout``) in file ``info``, cannot be mapped as
-    rows of ``row_bytes`` (None: it can). Only chunks whose bytes are exactly whole rows, as
-    stored: a row is then at its chunk's offset plus its place in the chunk, never a guess."""
+    """Why ``top``, stored chunked (``layout``) in file ``info``, cannot be mapped as ``nrows``
+    rows of ``row_bytes`` (None: the file's rows; it can): a fixed top's samples, or a ragged
+    top's heap's values (``unit``). Only chunks whose bytes are exactly whole rows, as stored:
+    a row is then at its chunk's offset plus its place in the chunk, never a guess."""
     index = layout.chunks
     assert index is not None
+    nrows = info.nrows if nrows is None else nrows
     name = f"{where}top {top!r} is stored {layout.storage}"
     if layout.filters:
-        return f"{name}, filtered: mapping needs contiguous storage{_OR_CHUNKS}"
+        return f"{name}, filtered: mapping needs {_needs(unit)}"
     if index.band != 1 or index.splits_samples:
         # One chunk a run of rows, yet not the samples' shape: wider, padded past each sample.
-        what = "wider than its samples (padded)" if index.band == 1 else "that split its samples"
-        return f"{name}, chunks {what}: mapping needs chunks of whole samples"
+        what = f"wider than its {unit} (padded)" if index.band == 1 else f"that split its {unit}"
+        return f"{name}, chunks {what}: mapping needs chunks of whole {unit}"
     if layout.swap:
         return f"{where}top {top!r} is stored in the other byte order"
     if not isinstance(index.file, LocalFile):
@@ -273,11 +292,7 @@ def _unmappable_chunks(
     if index.file is not info.file:  # one lease guards one file
         return f"{where}top {top!r} is stored in another file ({index.file.name}): an external link"
     whole = index.rows * row_bytes
-    if (
-        row_bytes == 0
-        or len(index.offsets) * index.rows < info.nrows
-        or (index.sizes != whole).any()
-    ):
+    if row_bytes == 0 or len(index.offsets) * index.rows < nrows or (index.sizes != whole).any():
         return f"{where}top {top!r}: its stored chunks do not hold exactly its rows"
     return None
 
@@ -303,6 +318,37 @@ def scattered(catalog: Catalog) -> str | None:
                     "chunks)"
                 )
     return None
+
+
+def chunked_heaps(catalog: Catalog) -> str | None:
+    """How the heaps of a mappable source's ragged and sparse tops that are stored in chunks are
+    read when mapped, for a note (None: none is stored so). A row's values lie in one run of
+    values; the chunks holding them are one span of the file where they are back to back in it
+    (:class:`._maps.ChunkHeap`)."""
+    said = []
+    for info in catalog.files:
+        if info.nrows == 0:
+            continue
+        for top, parts in info.ragged.items():
+            members = [
+                (member, heap.chunks)
+                for member, heap in (("data", parts.data), ("indices", parts.indices))
+                if heap is not None and heap.path == "chunks" and heap.chunks is not None
+            ]
+            if not members:
+                continue
+            runs = []
+            for member, index in members:
+                at, size = index.offsets[:, 0], index.sizes[:, 0]
+                n = 1 + int(np.count_nonzero(at[1:] != at[:-1] + size[:-1]))
+                runs.append(f"{member} chunked ({index.rows},) in {n} run{'s' * (n != 1)}")
+            said.append(f"top {top!r}: {' and '.join(runs)} of chunks back to back in the file")
+    if not said:
+        return None
+    return (
+        f"{'; '.join(said)}: a row's values copied from the mapped chunks as one span within a "
+        "run, cut where a run ends"
+    )
 
 
 @dataclass
@@ -418,6 +464,9 @@ def _choose(
         choice.note = f"mapped: {_fs_name(files[0])}, read lease held"
     if spread is not None:
         choice.note += f"; {spread}: its rows gathered phase by phase, two copies a row"
+    heaps = chunked_heaps(catalog)
+    if heaps is not None:
+        choice.note += f"; {heaps}"
     if larger is not None:  # only with mmap=True: "auto" copies it
         choice.slow = (
             f"{larger}: mapped, every batch faults its rows in from the disk a few pages at a "

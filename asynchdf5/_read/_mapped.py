@@ -36,8 +36,10 @@ spans of the stored chunks they lie in. With several files, each top's rows are 
 :class:`._maps.Spliced` of the files' mappings, and the guard is the leases of all
 (:class:`._lease.Leases`). A ragged or sparse top (:mod:`.._ragged_tops`) is mapped from a
 source of one file only: its heaps (``data``, and a sparse top's ``indices``) are mapped as a
-top's rows are, its spans are made from ``indptr``, and the gather holds the guard around each
-copy out of a heap as around a fixed top's.
+top's rows are, contiguous or in unfiltered chunks of whole values, every chunk written (a row's
+values then copied as byte spans cut where its chunks are not back to back in the file:
+:class:`._maps.ChunkHeap`), its spans are made from ``indptr``, and the gather holds the guard
+around each copy out of a heap as around a fixed top's.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import numpy as np
 
 from .._catalog import Catalog, FileInfo, TopInfo
 from .._errors import ReadError
+from .._layout import Layout
 from .._machine import memory_bytes
 from .._plan import ChunkPlan
 from .._priority import background
@@ -68,7 +71,7 @@ from .._specs import Rows
 from .._stats import ReadStats
 from .._thread_call import release_whole
 from ._lease import Lease, Leases
-from ._maps import Libc, MappedTop, Spliced, get_libc, supported
+from ._maps import ChunkHeap, Libc, MappedTop, Spliced, get_libc, supported
 from ._spans import merged, uncovered
 
 __all__ = ["MappedReader", "default_keep_bytes", "supported"]
@@ -128,7 +131,7 @@ class MappedReader:
                 for name, top in catalog.tops.items():
                     stored = info.ragged.get(name)
                     if stored is None:
-                        self._tops.append(self._map(libc, top, info))
+                        self._tops.append(self._map(libc, top, info, info.layouts[name]))
                         continue
                     # A ragged top (one file: :func:`._choice.refusal`): its heaps mapped, its
                     # rows' spans from `indptr`, in memory.
@@ -137,15 +140,11 @@ class MappedReader:
                     layouts = (stored.data, stored.indices)[: len(keys)]
                     for key, layout in zip(keys, layouts, strict=True):
                         assert layout is not None
-                        (ext,) = layout.extents
-                        assert isinstance(ext.file, LocalFile)
-                        self._pin(ext.file)
                         dtype = top.ragged.index_dtype if key.endswith(INDICES) else top.dtype
                         assert dtype is not None
                         shape = () if key.endswith(INDICES) else top.sample_shape
                         heap = (key, dtype, shape, stored.indptr)
-                        t = MappedTop(libc, top, ext.file, ext.offset, info.nrows, info.start, heap)
-                        self._tops.append(t)
+                        self._tops.append(self._map(libc, top, info, layout, heap))
                     ip = stored.indptr
                     self._spans[name] = np.stack([ip[:-1], ip[1:]], axis=1)
         except BaseException:
@@ -163,9 +162,8 @@ class MappedReader:
             if len(parts) == 1:  # one file: its rows are the array (global index = row)
                 arrays[name] = parts[0].array
             else:
-                arrays[name] = Spliced(
-                    [t.array for t in parts if t.array is not None], [t.start for t in parts]
-                )
+                rows = [t.array for t in parts if not isinstance(t.array, (ChunkHeap, type(None)))]
+                arrays[name] = Spliced(rows, [t.start for t in parts])  # fixed rows: no heap
         self.own_arrays: Mapping[str, Rows] | None = arrays
         self._files = list({id(t.file): t.file for t in self._tops}.values())
         #: Keep pages mapped from one epoch to the next: the data set fits in memory (see
@@ -183,10 +181,18 @@ class MappedReader:
             1, "asynchdf5-map", initializer=background
         )
 
-    def _map(self, libc: Libc, top: TopInfo, info: FileInfo) -> MappedTop:
-        """Map fixed top ``top`` of file ``info``: its one extent, or its stored chunks of whole
-        rows, from the first to the end of the last (:func:`._choice.refusal` checked them)."""
-        layout = info.layouts[top.name]
+    def _map(
+        self,
+        libc: Libc,
+        top: TopInfo,
+        info: FileInfo,
+        layout: Layout,
+        heap: tuple[str, np.dtype[Any], tuple[int, ...], np.ndarray] | None = None,
+    ) -> MappedTop:
+        """Map top ``top`` of file ``info`` stored as ``layout`` (or its heap ``heap``, as
+        :class:`._maps.MappedTop` takes it, stored so): its one extent, or its stored chunks of
+        whole rows (values), from the first to the end of the last (:func:`._choice.refusal`
+        checked them)."""
         index = layout.chunks
         if index is None:
             (ext,) = layout.extents
@@ -196,7 +202,7 @@ class MappedReader:
             file, offset, chunks = index.file, int(at.min()), (index.rows, at)
         assert isinstance(file, LocalFile)
         self._pin(file)
-        return MappedTop(libc, top, file, offset, info.nrows, info.start, chunks=chunks)
+        return MappedTop(libc, top, file, offset, info.nrows, info.start, heap, chunks)
 
     async def read(
         self, chunk: ChunkPlan, into: Mapping[str, np.ndarray] | None, stats: ReadStats

@@ -1,10 +1,12 @@
 """The mappings the mapped reader (:mod:`._mapped`) serves rows from: ``mmap`` and ``madvise``
 through the C library, one top of one file mapped (:class:`MappedTop`), the rows of a top stored
-in chunks of whole rows indexed by row (:class:`ChunkRows`), and the rows of one top over several
-mapped files indexed as one (:class:`Spliced`)."""
+in chunks of whole rows indexed by row (:class:`ChunkRows`), the values of a ragged top's heap
+stored in chunks (:class:`ChunkHeap`), and the rows of one top over several mapped files indexed
+as one (:class:`Spliced`)."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import math
 import mmap
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._blocks import copy_runs
 from .._catalog import TopInfo
 from .._errors import ReadError
 from .._pages import MAP_FAILED, libc_madvise, libc_mmap
@@ -24,9 +27,10 @@ from .._sources._local import LocalFile
 from ._spans import merged
 
 if TYPE_CHECKING:
+    from .._blocks import ScatteredValues
     from .._specs import Rows
 
-__all__ = ["ChunkRows", "Libc", "MappedTop", "Spliced", "get_libc", "supported"]
+__all__ = ["ChunkHeap", "ChunkRows", "Libc", "MappedTop", "Spliced", "get_libc", "supported"]
 
 _PAGE = mmap.PAGESIZE
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -100,6 +104,17 @@ def supported() -> str | None:
     return None
 
 
+def _segments(at: np.ndarray, chunk_rows: int, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of stored chunks (of ``chunk_rows`` rows of ``row_bytes``, at offsets ``at``, in
+    row order) each starting where the one before it ends in the file: each run's first row,
+    then a bound past every row (int64 max), and where row ``r`` of run ``g`` lies:
+    ``delta[g] + r * row_bytes``."""
+    at = np.asarray(at, np.int64)
+    first = np.flatnonzero(np.r_[True, at[1:] != at[:-1] + chunk_rows * row_bytes])
+    rows = first * chunk_rows
+    return np.append(rows, np.iinfo(np.int64).max), at[first] - rows * row_bytes
+
+
 class MappedTop:
     """One top's stored bytes in one file, mapped: the array of its rows, where it lies in
     memory, and the global index of its row 0 (:attr:`start`).
@@ -113,13 +128,16 @@ class MappedTop:
     offset, every chunk stored unfiltered at exactly its rows' bytes: :func:`._choice.refusal`
     checks) is mapped from its first chunk to the end of its last, whatever lies between (the
     chunk index's nodes, other tops' chunks); its array is a :class:`ChunkRows`, and a run of
-    its rows is a byte span per stored chunk it touches.
+    its rows is a byte span per run of stored chunks back to back in the file that it touches
+    (the runs found once, when mapped). A heap stored so (``heap`` and ``chunks``: values per
+    chunk) is mapped the same way; its array is a :class:`ChunkHeap`, and a run of the top's rows
+    is a byte span per run of chunks their values touch.
 
     The mapping goes when the last view of :attr:`array` does (never under a live view)."""
 
     __slots__ = (
         "address", "array", "chunk_at", "chunk_rows", "file", "indptr", "key", "length", "name",
-        "nrows", "offset", "row_bytes", "skip", "start",
+        "nrows", "offset", "row_bytes", "seg_delta", "seg_first", "skip", "start",
     )  # fmt: skip
 
     def __init__(
@@ -134,9 +152,9 @@ class MappedTop:
         chunks: tuple[int, np.ndarray] | None = None,
     ) -> None:
         """``heap``: a ragged top's heap, as its key, the values' dtype and trailing shape, and
-        the file's ``indptr`` (None: the top's rows themselves). ``chunks``: the top is stored
-        in chunks of that many whole rows, at those file offsets (int64, in row order; ``offset``
-        is then the lowest of them)."""
+        the file's ``indptr`` (None: the top's rows themselves). ``chunks``: the top (or heap)
+        is stored in chunks of that many whole rows (values), at those file offsets (int64, in
+        row order; ``offset`` is then the lowest of them)."""
         self.name, self.file, self.row_bytes = info.name, file, info.row_bytes
         self.offset, self.nrows, self.start = offset, nrows, start
         self.key, dtype, shape = info.name, info.dtype, info.sample_shape
@@ -152,11 +170,17 @@ class MappedTop:
         # A mapping starts at a page boundary: `skip` bytes of the page before the data.
         self.skip = offset % _PAGE
         self.length = length = self.skip + items * self.row_bytes
+        #: Runs of stored chunks back to back in the file (chunked tops only): each one's first
+        #: row (value), then a bound past the last, and where its row 0 would lie.
+        self.seg_first: list[int] = []
+        self.seg_delta: list[int] = []
         if chunks is not None:
             self.chunk_rows, at = chunks
             self.chunk_at = np.asarray(at, np.int64) - offset
             end = int(self.chunk_at.max()) + self.chunk_rows * self.row_bytes if len(at) else 0
             self.length = length = self.skip + end
+            first, delta = _segments(self.chunk_at, self.chunk_rows, self.row_bytes)
+            self.seg_first, self.seg_delta = first.tolist(), delta.tolist()
         try:
             self.address = libc.map(file.fd, length, offset - self.skip)
         except OSError as exc:
@@ -168,8 +192,12 @@ class MappedTop:
         # Not at interpreter exit: a daemon gather thread may still be reading the mapping then.
         finalizer.atexit = False
         whole.flags.writeable = False  # mapped read-only: a write would be a SIGSEGV
-        self.array: np.ndarray | ChunkRows | None
-        if self.chunk_at is not None:
+        self.array: np.ndarray | ChunkRows | ChunkHeap | None
+        if self.chunk_at is not None and heap is not None:
+            self.array = ChunkHeap(
+                whole, self.skip + self.chunk_at, self.chunk_rows, items, dtype, shape
+            )
+        elif self.chunk_at is not None:
             self.array = ChunkRows(
                 whole, self.skip + self.chunk_at, self.chunk_rows, nrows, dtype, shape
             )
@@ -178,18 +206,35 @@ class MappedTop:
 
     def spans(self, a: int, b: int) -> list[tuple[int, int]]:
         """Where the bytes of this file's rows ``a:b`` lie, from the data's start: one span, or
-        for a chunked top one per run of stored chunks back to back in the file (sorted,
-        disjoint)."""
+        for a chunked top (or heap: the chunks of the rows' values) one per run of stored chunks
+        back to back in the file (sorted, disjoint)."""
+        if self.indptr is not None:  # the rows' values, the units of a heap's chunks
+            a, b = int(self.indptr[a]), int(self.indptr[b])
         if self.chunk_at is None:
-            if self.indptr is not None:
-                a, b = int(self.indptr[a]), int(self.indptr[b])
             return [(a * self.row_bytes, b * self.row_bytes)] if a < b else []
         if a >= b:
             return []
-        c, rb = self.chunk_rows, self.row_bytes
-        k = np.arange(a // c, (b - 1) // c + 1, dtype=np.int64)
-        lo = self.chunk_at[k] + (np.maximum(a, k * c) - k * c) * rb
-        hi = self.chunk_at[k] + (np.minimum(b, k * c + c) - k * c) * rb
+        rb, first, delta = self.row_bytes, self.seg_first, self.seg_delta
+        g0 = bisect.bisect_right(first, a) - 1
+        g1 = bisect.bisect_right(first, b - 1) - 1
+        if g0 == g1:  # within one run of chunks back to back
+            return [(delta[g0] + a * rb, delta[g0] + b * rb)]
+        if g1 - g0 < 64:
+            pieces = sorted(
+                (delta[g] + max(a, first[g]) * rb, delta[g] + min(b, first[g + 1]) * rb)
+                for g in range(g0, g1 + 1)
+            )
+            out = [pieces[0]]
+            for lo, hi in pieces[1:]:  # runs back to back in the file: one span
+                if lo == out[-1][1]:
+                    out[-1] = (out[-1][0], hi)
+                else:
+                    out.append((lo, hi))
+            return out
+        f, d = np.asarray(first, np.int64), np.asarray(delta, np.int64)
+        g = np.arange(g0, g1 + 1, dtype=np.int64)
+        lo = d[g] + np.maximum(a, f[g]) * rb
+        hi = d[g] + np.minimum(b, f[g + 1]) * rb
         order = np.argsort(lo, kind="stable")
         lo, hi = lo[order], hi[order]
         starts = np.flatnonzero(np.r_[True, lo[1:] != hi[:-1]])  # runs back to back: one span
@@ -365,6 +410,145 @@ class ChunkRows:
         return self.take(np.asarray(rows, np.int64))
 
 
+class ChunkHeap:
+    """The values of a ragged or sparse top's heap stored in one mapped file in chunks of whole
+    values, indexed by value: what the ragged gather copies a batch's rows out of (it calls
+    :meth:`copy_many`, :func:`~.._blocks.copy_all`), where a heap held as one array is copied
+    by :func:`~.._blocks.copy_runs`.
+
+    Value ``v`` is the ``value_bytes`` bytes at ``at[k] + (v - k * chunk_values) * value_bytes``
+    of the mapping, ``k = v // chunk_values`` its chunk: at ``delta[k] + v * value_bytes``,
+    ``delta[k] = at[k] - k * chunk_values * value_bytes``, the same for every chunk of a run
+    of chunks that follow each other in the file, each starting where the one before it ends
+    (HDF5 writes a dataset's chunks so when it writes them in one go). A run of values (a row's)
+    is one span of the mapping's bytes when its chunks lie in one such run (:attr:`run`), and
+    is cut at the ends of its chunks where not (the chunk index's nodes or other data
+    between two chunks, chunks written out of order). Spans are copied as bytes (whole values
+    each), so a chunk need not lie at an offset aligned for the values' dtype."""
+
+    def __init__(
+        self,
+        whole: np.ndarray,
+        at: np.ndarray,
+        chunk_values: int,
+        n: int,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+    ) -> None:
+        """``whole``: the mapping's bytes (uint8, read-only); ``at``: where each stored chunk
+        starts in it (int64, in value order); ``n`` values of ``dtype`` and trailing
+        ``shape``."""
+        self.dtype = np.dtype(dtype)
+        self.shape = (n, *shape)
+        self.value_bytes = vb = self.dtype.itemsize * math.prod(shape)
+        at = np.asarray(at, np.int64)
+        assert vb > 0 and chunk_values > 0 and len(at) * chunk_values >= n
+        self._bytes = whole
+        self.chunk_values = chunk_values
+        #: Where value ``v`` of chunk ``k`` lies: ``delta[k] + v * value_bytes``.
+        self.delta = at - np.arange(len(at), dtype=np.int64) * (chunk_values * vb)
+        #: The run of chunks back to back in the file that chunk ``k`` is in (a number that
+        #: grows with ``k``): values in chunks ``k`` to ``j`` are one span iff ``run[k] ==
+        #: run[j]``. Equal ``delta`` at both ends is not enough: chunks 0, 5, 2 written in that
+        #: order put chunk 2 at chunk 0's ``delta``, chunk 5 where chunk 1 would be.
+        self.run = np.cumsum(np.r_[False, self.delta[1:] != self.delta[:-1]])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its values (as an array's: what the pipeline sizes its groups by)."""
+        return self.shape[0] * self.value_bytes
+
+    def copy_into(
+        self, dest: np.ndarray, start: np.ndarray, at: np.ndarray, count: np.ndarray
+    ) -> None:
+        """Copy values ``start[i] : start[i] + count[i]`` to ``dest[at[i] : at[i] +
+        count[i]]`` for every run ``i`` (int64 arrays), as :func:`~.._blocks.copy_runs` does
+        from an array: ``dest`` C-contiguous, of this heap's dtype and trailing shape."""
+        self.copy_many([self], [dest], start, at, count)
+
+    def copy_many(
+        self,
+        heaps: Sequence[ScatteredValues],
+        dests: Sequence[np.ndarray],
+        start: np.ndarray,
+        at: np.ndarray,
+        count: np.ndarray,
+    ) -> None:
+        """:meth:`copy_into` for several heaps (each a :class:`ChunkHeap`) sharing their runs,
+        each into its ``dests`` entry: a sparse top's values and column indices. Heaps of values
+        of one size in chunks of as many values are copied together: their runs cut once (where
+        any of them must be) and their blocks placed once (:func:`~.._blocks.copy_runs` with a
+        start per heap)."""
+        keep = count > 0
+        if not keep.all():
+            start, at, count = start[keep], at[keep], count[keep]
+        if len(count) == 0:
+            return
+        alike: dict[tuple[int, int], list[tuple[ChunkHeap, np.ndarray]]] = {}
+        for heap, dest in zip(heaps, dests, strict=True):
+            assert isinstance(heap, ChunkHeap) and dest.dtype == heap.dtype
+            assert dest.flags.c_contiguous
+            alike.setdefault((heap.value_bytes, heap.chunk_values), []).append((heap, dest))
+        for (vb, c), pairs in alike.items():
+            lo, dst, n = start, at, count
+            k = lo // c
+            last = (lo + n - 1) // c
+            cross = np.flatnonzero(k != last)  # runs over a chunk end: in one span?
+            if len(cross):
+                apart = np.zeros(len(cross), bool)
+                for heap, _ in pairs:
+                    apart |= heap.run[k[cross]] != heap.run[last[cross]]
+                if apart.any():
+                    lo, dst, n, k = _cut(lo, dst, n, k, last, cross[apart], c)
+            copy_runs(
+                [h._bytes for h, _ in pairs],
+                [d.reshape(-1).view(np.uint8) for _, d in pairs],
+                [h.delta[k] + lo * vb for h, _ in pairs],
+                dst * vb,
+                n * vb,
+                grain=vb,
+            )
+
+    def __getitem__(self, values: slice) -> np.ndarray:
+        """Values ``values`` (a step of 1), copied out."""
+        a, b, step = values.indices(len(self))
+        assert step == 1
+        out = np.empty((max(0, b - a), *self.shape[1:]), self.dtype)
+        self.copy_into(out, np.array([a], np.int64), np.zeros(1, np.int64), np.array([len(out)]))
+        return out
+
+
+def _cut(
+    start: np.ndarray,
+    at: np.ndarray,
+    count: np.ndarray,
+    k: np.ndarray,
+    last: np.ndarray,
+    which: np.ndarray,
+    c: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of values (``start``, to ``at``, ``count``, in chunks ``k`` to ``last`` of ``c``
+    values) with runs ``which`` cut at the end of every chunk they lie in: each run's (piece's)
+    start, place, count and chunk (the pieces after the runs left whole)."""
+    m = last[which] - k[which] + 1
+    run = np.repeat(which, m)
+    chunk = np.arange(int(m.sum()), dtype=np.int64) - np.repeat(np.cumsum(m) - m, m)
+    chunk += k[run]
+    lo = np.maximum(start[run], chunk * c)
+    hi = np.minimum(start[run] + count[run], chunk * c + c)
+    whole = np.ones(len(start), bool)
+    whole[which] = False
+    return (
+        np.concatenate((start[whole], lo)),
+        np.concatenate((at[whole], at[run] + lo - start[run])),
+        np.concatenate((count[whole], hi - lo)),
+        np.concatenate((k[whole], chunk)),
+    )
+
+
 class Spliced:
     """One top's rows over several mapped files, indexed by global row: what the gather takes
     rows from when a source of several files is mapped (it calls :meth:`take`, as
@@ -419,3 +603,4 @@ class Spliced:
 
 if TYPE_CHECKING:  # both are what the gather takes rows from (mypy checks that they are Rows)
     _ROWS: tuple[type[Rows], ...] = (ChunkRows, Spliced)
+    _HEAPS: tuple[type[ScatteredValues], ...] = (ChunkHeap,)
