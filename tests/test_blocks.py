@@ -74,3 +74,63 @@ def test_runs_of_whole_values_copied_as_bytes_land_in_their_place(grain: int) ->
     copy_runs([source], [dest], start, at, count, grain=grain)
     want = np.concatenate([source[a : a + k] for a, k in zip(start, count, strict=True)])
     np.testing.assert_array_equal(dest, want)
+
+
+def _stored_in_chunks(
+    rng: np.random.Generator, values: np.ndarray, chunk: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``values`` stored as the bytes of chunks of ``chunk`` values (the last one padded),
+    written in a random order with gaps of random bytes of any size before some of them (other
+    data, the chunk index's nodes): the bytes, and each chunk's offset in them, in value
+    order."""
+    vb = values.nbytes // max(1, len(values))
+    count = -(-len(values) // chunk)
+    at = np.zeros(count, np.int64)
+    parts, pos = [], 0
+    for k in rng.permutation(count).tolist():
+        gap = int(rng.choice([0, 0, chunk * vb, int(rng.integers(1, 3 * vb + 1))]))
+        parts.append(rng.integers(0, 256, gap, dtype=np.uint8))
+        at[k] = pos = pos + gap
+        stored = np.zeros(chunk * vb, np.uint8)
+        own = values[k * chunk : (k + 1) * chunk].reshape(-1).view(np.uint8)
+        stored[: len(own)] = own
+        parts.append(stored)
+        pos += chunk * vb
+    return np.concatenate(parts), at
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_out_of_values_stored_in_chunks_anywhere_are_their_values(seed: int) -> None:
+    """A heap stored in chunks (:class:`~asynchdf5._read._maps.ChunkHeap`) at random places of
+    its bytes, in any order, some back to back (a chunk may lie exactly where it would if the
+    one before it were back to back with the one before that, the one between elsewhere): runs
+    of values, short and long, empty ones among them, copied out of it alone and beside a
+    second heap in other chunks (a sparse top's column indices, their runs shared) are the
+    values. (A run over three chunks was copied as one span when its first and last chunk lay
+    as if back to back: fixed by a run of chunks per chunk, :attr:`ChunkHeap.run`.)"""
+    from asynchdf5._read._maps import ChunkHeap
+
+    rng = np.random.default_rng(seed)
+    for _ in range(25):
+        n = int(rng.integers(1, 400))
+        chunk = int(rng.integers(1, 12))
+        shape = ((), (3,))[int(rng.integers(0, 2))]
+        values = rng.integers(-(2**40), 2**40, (n, *shape)).astype(rng.choice(["i1", "i4", "f8"]))
+        column = rng.integers(0, 2**31, n).astype(np.int32)
+        heaps = []
+        for v in (values, column):
+            data, at = _stored_in_chunks(rng, v, chunk)
+            heaps.append(ChunkHeap(data, at, chunk, n, v.dtype, v.shape[1:]))
+        start = rng.integers(0, n, 60)
+        count = np.minimum(rng.integers(0, 3 * chunk + 40, 60), n - start)
+        at = np.zeros(len(count), np.int64)
+        np.cumsum(count[:-1], out=at[1:])
+        alone = np.empty((int(count.sum()), *shape), values.dtype)
+        heaps[0].copy_into(alone, start, at, count)
+        both = [np.empty_like(alone), np.empty(len(alone), np.int32)]
+        heaps[0].copy_many(heaps, both, start, at, count)
+        for v, got in ((values, alone), (values, both[0]), (column, both[1])):
+            want = np.concatenate([v[a : a + k] for a, k in zip(start, count, strict=True)])
+            np.testing.assert_array_equal(got, want)
+        a = int(rng.integers(0, n))
+        np.testing.assert_array_equal(heaps[0][a:], values[a:])
