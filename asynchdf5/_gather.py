@@ -358,13 +358,8 @@ def _copy_spans(
     first = starts[np.concatenate(([0], breaks))]
     last = stops[np.concatenate((breaks - 1, [len(span) - 1]))]
     arrays = [h for h in heaps if isinstance(h, np.ndarray)]
-    if len(arrays) < len(heaps):  # stored in chunks: the heaps copy their runs themselves
-        count = last - first
-        at = np.zeros(len(count), np.int64)
-        np.cumsum(count[:-1], out=at[1:])
-        copy_all(heaps, dests, first, at, count)
-        return
-    if len(dests[0]) * max(map(row_bytes, arrays)) >= RUN_BYTES * len(first):
+    chunked = len(arrays) < len(heaps)  # stored in chunks: the heaps copy their runs themselves
+    if not chunked and len(dests[0]) * max(map(row_bytes, arrays)) >= RUN_BYTES * len(first):
         runs = list(zip(first.tolist(), last.tolist(), strict=True))
         for heap, dest in zip(heaps, dests, strict=True):
             # One C loop copies every run: the Python work is a view per run.
@@ -373,7 +368,10 @@ def _copy_spans(
     count = last - first
     at = np.zeros(len(count), np.int64)
     np.cumsum(count[:-1], out=at[1:])
-    copy_runs(arrays, dests, first, at, count)
+    if chunked:
+        copy_all(heaps, dests, first, at, count)
+    else:
+        copy_runs(arrays, dests, first, at, count)
 
 
 def gather_padded(

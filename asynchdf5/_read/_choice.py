@@ -44,7 +44,7 @@ from .._layout import Layout
 from .._machine import memory_bytes
 from .._sources._local import LocalFile
 from ._lease import Lease
-from ._maps import supported
+from ._maps import run_starts, supported
 
 __all__ = [
     "LOCAL_FILE_SYSTEMS",
@@ -333,14 +333,17 @@ def chunked_heaps(catalog: Catalog) -> str | None:
             members = [
                 (member, heap.chunks)
                 for member, heap in (("data", parts.data), ("indices", parts.indices))
-                if heap is not None and heap.path == "chunks" and heap.chunks is not None
+                if heap is not None
+                and heap.path == "chunks"
+                and heap.chunks is not None
+                and len(heap.chunks.offsets)
             ]
             if not members:
                 continue
             runs = []
             for member, index in members:
-                at, size = index.offsets[:, 0], index.sizes[:, 0]
-                n = 1 + int(np.count_nonzero(at[1:] != at[:-1] + size[:-1]))
+                # Mapped (refusal found none), its chunks are stored whole: a size each.
+                n = int(run_starts(index.offsets[:, 0], int(index.sizes[0, 0])).sum())
                 runs.append(f"{member} chunked ({index.rows},) in {n} run{'s' * (n != 1)}")
             said.append(f"top {top!r}: {' and '.join(runs)} of chunks back to back in the file")
     if not said:

@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from .._blocks import ScatteredValues
     from .._specs import Rows
 
-__all__ = ["ChunkHeap", "ChunkRows", "Libc", "MappedTop", "Spliced", "get_libc", "supported"]
+__all__ = [
+    "ChunkHeap", "ChunkRows", "Libc", "MappedTop", "Spliced", "get_libc", "run_starts", "supported",
+]  # fmt: skip
 
 _PAGE = mmap.PAGESIZE
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -104,13 +106,23 @@ def supported() -> str | None:
     return None
 
 
+def run_starts(at: np.ndarray, chunk_bytes: int) -> np.ndarray:
+    """Which stored chunks (of ``chunk_bytes`` each, at file offsets ``at``, in row order)
+    start a run of chunks back to back in the file, each of the others starting where the one
+    before it ends (bool, the first chunk's True)."""
+    at = np.asarray(at, np.int64)
+    starts = np.ones(len(at), bool)
+    np.not_equal(at[1:], at[:-1] + chunk_bytes, out=starts[1:])
+    return starts
+
+
 def _segments(at: np.ndarray, chunk_rows: int, row_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """The runs of stored chunks (of ``chunk_rows`` rows of ``row_bytes``, at offsets ``at``, in
-    row order) each starting where the one before it ends in the file: each run's first row,
-    then a bound past every row (int64 max), and where row ``r`` of run ``g`` lies:
+    row order) back to back in the file (:func:`run_starts`): each run's first row, then a
+    bound past every row (int64 max), and where row ``r`` of run ``g`` lies:
     ``delta[g] + r * row_bytes``."""
     at = np.asarray(at, np.int64)
-    first = np.flatnonzero(np.r_[True, at[1:] != at[:-1] + chunk_rows * row_bytes])
+    first = np.flatnonzero(run_starts(at, chunk_rows * row_bytes))
     rows = first * chunk_rows
     return np.append(rows, np.iinfo(np.int64).max), at[first] - rows * row_bytes
 
@@ -451,7 +463,7 @@ class ChunkHeap:
         #: grows with ``k``): values in chunks ``k`` to ``j`` are one span iff ``run[k] ==
         #: run[j]``. Equal ``delta`` at both ends is not enough: chunks 0, 5, 2 written in that
         #: order put chunk 2 at chunk 0's ``delta``, chunk 5 where chunk 1 would be.
-        self.run = np.cumsum(np.r_[False, self.delta[1:] != self.delta[:-1]])
+        self.run = np.cumsum(run_starts(at, chunk_values * vb))
 
     def __len__(self) -> int:
         return self.shape[0]
