@@ -50,9 +50,10 @@ STAGE_BYTES = 256 * 2**10
 RELEASE_ITEMS = 512
 
 
-class ScatteredValues(Protocol):
-    """Values (along the first axis) held where they are no one array, which copy runs of
-    themselves (:class:`~._read._maps.ChunkHeap`: a mapped heap stored in chunks)."""
+class Stored(Protocol):
+    """What an array of rows (or values) along its first axis that is no one array shows of
+    itself: the mapped reader's rows and heaps (:class:`~._specs.Rows`,
+    :class:`ScatteredValues`). Indexed by a slice (a step of 1), it copies them out."""
 
     @property
     def dtype(self) -> np.dtype[Any]: ...
@@ -65,7 +66,12 @@ class ScatteredValues(Protocol):
 
     def __len__(self) -> int: ...
 
-    def __getitem__(self, values: slice, /) -> np.ndarray: ...
+    def __getitem__(self, rows: slice, /) -> np.ndarray: ...
+
+
+class ScatteredValues(Stored, Protocol):
+    """Values (along the first axis) held where they are no one array, which copy runs of
+    themselves (:class:`~._read._maps.ChunkHeap`: a mapped heap stored in chunks)."""
 
     def copy_into(
         self, dest: np.ndarray, start: np.ndarray, at: np.ndarray, count: np.ndarray

@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
+from ._blocks import Stored
 from ._plan import ChunkPlan
 
 __all__ = [
@@ -34,24 +35,12 @@ __all__ = [
 ]
 
 
-class Rows(Protocol):
+class Rows(Stored, Protocol):
     """What the gather takes one top's rows from: an array, or rows served where a mapped file
     stores them (:class:`~._read._maps.ChunkRows`, :class:`~._read._maps.Spliced`), which are no
     array: rows by :meth:`take` (``np.take``'s call: ``axis=0``, into ``out``) or by a slice,
-    bounded by ``len()``; a ragged top's spans and values are always arrays."""
-
-    @property
-    def dtype(self) -> np.dtype[Any]: ...
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, rows: slice, /) -> np.ndarray: ...
+    bounded by ``len()``. A ragged top's spans are always arrays; its values an array or a
+    mapped heap in chunks (:class:`~._blocks.ScatteredValues`)."""
 
     def take(
         self,

@@ -1127,17 +1127,7 @@ async def test_ragged_and_sparse_tops_are_mapped_and_give_the_copying_readers_ba
     if not kept:
         monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
     path = _ragged(tmp_path / "r.h5")
-    kw: dict[str, Any] = dict(shuffle=shuffle, seed=4, chunk_size=1000, epochs=2)
-    kw["tops"] = ("tok", "X", "label", "len")
-    before = await asnapshot()
-    with anyio.fail_after(60):
-        copied, copied_stats = await batches(path, mmap=False, **kw)
-        served, stats = await batches(path, **kw)
-    await aassert_released(before)
-    assert copied_stats.read_paths["tok"] == "ragged-pread"
-    assert stats.read_paths == {"tok": "ragged-mmap", "X": "sparse-mmap", "label": "mmap"} | {
-        "len": "mmap"
-    }
+    served, copied, stats = await _mapped_beside_copied(path, shuffle, "ragged-pread")
     with h5py.File(path) as f:  # the bytes mapped: the heaps' and the fixed tops'
         size = sum(f[k].nbytes for k in ("tok/data", "X/data", "X/indices", "label", "len"))
     if kept:  # every row mapped (read) once, never again
@@ -1149,15 +1139,9 @@ async def test_ragged_and_sparse_tops_are_mapped_and_give_the_copying_readers_ba
         for a, b in zip(mine, theirs, strict=True):
             assert a.epoch == epoch
             seen += a.indices.tolist()
-            np.testing.assert_array_equal(a.indices, b.indices)
-            np.testing.assert_array_equal(a["label"], a.indices)
-            np.testing.assert_array_equal(a["tok"].offsets, b["tok"].offsets)
-            np.testing.assert_array_equal(a["tok"].values, b["tok"].values)
-            np.testing.assert_array_equal(a["tok"].lengths, a["len"])
+            _alike(a, b)
             for i, g in enumerate(a.indices.tolist()):
                 assert (a["tok"][i] == g).all()
-            for part in ("data", "indices", "indptr"):
-                np.testing.assert_array_equal(getattr(a["X"], part), getattr(b["X"], part))
         assert sorted(seen) == list(range(N))
     assert mappings(path, collect=True) == []
 
@@ -1179,6 +1163,38 @@ def _once(epoch_batches: list[Any], n: int, epoch: int) -> None:
     """Batches of epoch ``epoch``, every sample of ``n`` in them exactly once."""
     assert {b.epoch for b in epoch_batches} == {epoch}
     check_exactly_once([b.indices for b in epoch_batches], n)
+
+
+async def _mapped_beside_copied(
+    path: Path, shuffle: bool, copied_path: str
+) -> tuple[list[list[Any]], list[list[Any]], Any]:
+    """Two epochs of ``_ragged``'s tops mapped and copied (read path ``copied_path`` for
+    ``tok``), each under a deadline, nothing left open: the mapped batches, the copied ones and
+    the mapped layer's stats."""
+    kw: dict[str, Any] = dict(shuffle=shuffle, seed=4, chunk_size=1000, epochs=2)
+    kw["tops"] = ("tok", "X", "label", "len")
+    before = await asnapshot()
+    with anyio.fail_after(60):
+        copied, copied_stats = await batches(path, mmap=False, **kw)
+        served, stats = await batches(path, **kw)
+    await aassert_released(before)
+    assert copied_stats.read_paths["tok"] == copied_path
+    assert stats.read_paths == {"tok": "ragged-mmap", "X": "sparse-mmap", "label": "mmap"} | {
+        "len": "mmap"
+    }
+    return served, copied, stats
+
+
+def _alike(a: Any, b: Any) -> None:
+    """Batch ``a`` of ``_ragged``'s tops (mapped) is batch ``b`` (copied), its rows aligned:
+    ``label`` is the sample's index, ``len`` its ``tok`` row's length."""
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_array_equal(a["label"], a.indices)
+    np.testing.assert_array_equal(a["tok"].offsets, b["tok"].offsets)
+    np.testing.assert_array_equal(a["tok"].values, b["tok"].values)
+    np.testing.assert_array_equal(a["tok"].lengths, a["len"])
+    for part in ("data", "indices", "indptr"):
+        np.testing.assert_array_equal(getattr(a["X"], part), getattr(b["X"], part))
 
 
 HEAPS = ("tok/data", "X/data", "X/indices")
@@ -1285,17 +1301,7 @@ async def test_ragged_and_sparse_heaps_in_chunks_are_mapped_and_give_the_copying
     if case == "interleaved":  # chunks 0 and 2 of a group back to back but for chunk 5
         delta = offsets - np.arange(len(offsets)) * HEAP_CHUNK * heaps["tok/data"].itemsize
         assert (delta[0:-5:6] == delta[2:-3:6]).all() and (delta[0:-5:6] != delta[1:-4:6]).all()
-    kw: dict[str, Any] = dict(shuffle=shuffle, seed=4, chunk_size=1000, epochs=2)
-    kw["tops"] = ("tok", "X", "label", "len")
-    before = await asnapshot()
-    with anyio.fail_after(60):
-        copied, copied_stats = await batches(path, mmap=False, **kw)
-        served, stats = await batches(path, **kw)
-    await aassert_released(before)
-    assert copied_stats.read_paths["tok"] == "ragged-chunks"
-    assert stats.read_paths == {"tok": "ragged-mmap", "X": "sparse-mmap", "label": "mmap"} | {
-        "len": "mmap"
-    }
+    served, copied, stats = await _mapped_beside_copied(path, shuffle, "ragged-chunks")
     note = stats.read_notes["tok"]
     assert note.startswith("mapped: ") and "top 'tok': data chunked (" in note, note
     assert "top 'X': data chunked (" in note and " and indices chunked (" in note, note
@@ -1314,15 +1320,9 @@ async def test_ragged_and_sparse_heaps_in_chunks_are_mapped_and_give_the_copying
         _once(mine, N, epoch)
         assert len(mine) == len(theirs)
         for a, b in zip(mine, theirs, strict=True):
-            np.testing.assert_array_equal(a.indices, b.indices)
-            np.testing.assert_array_equal(a["label"], a.indices)
-            np.testing.assert_array_equal(a["tok"].offsets, b["tok"].offsets)
-            np.testing.assert_array_equal(a["tok"].values, b["tok"].values)
-            np.testing.assert_array_equal(a["tok"].lengths, a["len"])
+            _alike(a, b)
             for i, g in enumerate(a.indices.tolist()):
                 np.testing.assert_array_equal(a["tok"][i], tok[indptr[g] : indptr[g + 1]])
-            for part in ("data", "indices", "indptr"):
-                np.testing.assert_array_equal(getattr(a["X"], part), getattr(b["X"], part))
     assert mappings(path, collect=True) == []
 
 
