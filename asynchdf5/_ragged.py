@@ -12,6 +12,8 @@ arrays.
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,7 @@ import numpy.typing as npt
 from ._blocks import ScatteredValues, copy_from, copy_runs
 from ._errors import ConfigurationError
 
-__all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows"]
+__all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows", "sparse_module"]
 
 
 #: Rows of at least this many values on average are padded a run per row (each byte of the
@@ -230,11 +232,27 @@ class Ragged:
         return f"Ragged({len(self)} rows, {len(self.values)} values of {self.values.dtype}{shape})"
 
 
+def sparse_module(top: str) -> ModuleType:
+    """``scipy.sparse`` (the ``sparse`` extra), which sparse-matrix top ``top``'s batches are
+    made of, imported now: the layer calls it at open (blocking: its first import takes a
+    fraction of a second), so that no batch waits for the import and a missing or broken scipy
+    is a :class:`~asynchdf5.ConfigurationError` naming the top before any batch."""
+    try:
+        return importlib.import_module("scipy.sparse")
+    except Exception as exc:  # ImportError, or a broken install failing in its own way
+        raise ConfigurationError(
+            f"top {top!r} is a sparse matrix (a CSR group), whose batches are scipy.sparse "
+            f"arrays, and scipy cannot be imported ({type(exc).__name__}: {exc}): install the "
+            "'sparse' extra (pip install \".[sparse]\" in the asynchdf5 checkout), or add "
+            "scipy to the environment"
+        ) from exc
+
+
 def csr_batch(values: np.ndarray, indices: np.ndarray, offsets: np.ndarray, n_cols: int) -> Any:
     """A :class:`scipy.sparse.csr_array` of ``len(offsets) - 1`` rows and ``n_cols`` columns
     over the given arrays, not copies of them, where ``indices`` and ``offsets`` share one
     integer dtype that holds ``n_cols`` (scipy converts both to a common one otherwise). scipy
-    is imported here, when a sparse top's batch is first made (it is the ``sparse`` extra)."""
+    was imported at open (:func:`sparse_module`)."""
     import scipy.sparse
 
     shape = (len(offsets) - 1, n_cols)

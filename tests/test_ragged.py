@@ -36,6 +36,7 @@ from asynchdf5._ragged import csr_batch
 from asynchdf5._ragged_tops import RaggedInfo
 
 from ._files import check_exactly_once, check_message
+from ._helpers import run_python
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -430,6 +431,37 @@ def test_sparse_batches_are_csr_rows_in_batch_order(tmp_path: Path, shuffle: boo
     ) as layer:
         for b in layer:
             np.testing.assert_array_equal(b["X"], b["dense"])
+
+
+#: Run in a fresh process: scipy.sparse is imported by the opening, not by the first batch.
+_IMPORTED_AT_OPEN = """
+import sys
+from asynchdf5 import HDF5DataLayer
+assert "scipy.sparse" not in sys.modules
+with HDF5DataLayer(sys.argv[1], tops=("X", "label"), batch_size=4) as layer:
+    print("at open:", "scipy.sparse" in sys.modules)
+    print("rows:", sum(b["X"].shape[0] for b in layer))
+"""
+
+
+def test_scipy_is_imported_at_open_not_by_the_first_batch(tmp_path: Path) -> None:
+    m = scipy.sparse.random(10, 6, density=0.3, format="csr", random_state=3)
+    path = write_csr(tmp_path / "m.h5", scipy.sparse.csr_array(m))
+    out = run_python(["-c", _IMPORTED_AT_OPEN, path], timeout=60)
+    assert out.split() == ["at", "open:", "True", "rows:", "10"], out
+
+
+def test_a_sparse_top_without_scipy_is_a_named_error_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = scipy.sparse.random(10, 6, density=0.3, format="csr", random_state=3)
+    path = write_csr(tmp_path / "m.h5", scipy.sparse.csr_array(m))
+    monkeypatch.setitem(sys.modules, "scipy.sparse", None)  # what `import` takes as missing
+    with pytest.raises(ConfigurationError) as err:
+        HDF5DataLayer(path, tops=("X", "label"), batch_size=4).__enter__()
+    check_message(err.value, "top 'X'", "sparse matrix", "scipy", "'sparse' extra")
+    with HDF5DataLayer(path, tops=("dense", "label"), batch_size=4) as layer:  # none sparse
+        assert sum(len(b["dense"]) for b in layer) == 10
 
 
 def test_anndata_sparse_h5ad(tmp_path: Path) -> None:
