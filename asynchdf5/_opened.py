@@ -15,6 +15,7 @@ from __future__ import annotations
 from types import TracebackType
 
 import anyio
+import anyio.to_thread
 from anyio.abc import TaskGroup
 from anyio.from_thread import BlockingPortal
 
@@ -74,10 +75,11 @@ class Opened:
         at: float,
     ) -> Opened:
         """The opening, complete: ``delivery`` checked against the reader's tops (a
-        :class:`~asynchdf5.SchemaError` before any batch) and the task group entered in the
+        :class:`~asynchdf5.SchemaError` before any batch; in a worker thread, as the check may
+        import what batches are made of) and the task group entered in the
         calling task. On failure the reader is closed here: it is this opening's."""
         try:
-            delivery.check(reader.tops)
+            await anyio.to_thread.run_sync(delivery.check, reader.tops)
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
         except BaseException:

@@ -12,6 +12,9 @@ arrays.
 
 from __future__ import annotations
 
+import functools
+import importlib
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -20,7 +23,7 @@ import numpy.typing as npt
 from ._blocks import ScatteredValues, copy_from, copy_runs
 from ._errors import ConfigurationError
 
-__all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows"]
+__all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows", "sparse_module"]
 
 
 #: Rows of at least this many values on average are padded a run per row (each byte of the
@@ -230,17 +233,73 @@ class Ragged:
         return f"Ragged({len(self)} rows, {len(self.values)} values of {self.values.dtype}{shape})"
 
 
+def sparse_module(top: str) -> ModuleType:
+    """``scipy.sparse`` (the ``sparse`` extra), which sparse-matrix top ``top``'s batches are
+    made of, imported now: the layer calls it at open (blocking: its first import takes a
+    fraction of a second), so that no batch waits for the import and a missing or broken scipy
+    is a :class:`~asynchdf5.ConfigurationError` naming the top before any batch."""
+    try:
+        return importlib.import_module("scipy.sparse")
+    except Exception as exc:  # ImportError, or a broken install failing in its own way
+        raise ConfigurationError(
+            f"top {top!r} is a sparse matrix (a CSR group), whose batches are scipy.sparse "
+            f"arrays, and scipy cannot be imported ({type(exc).__name__}: {exc}): install the "
+            "'sparse' extra (pip install \".[sparse]\" in the asynchdf5 checkout), or add "
+            "scipy to the environment"
+        ) from exc
+
+
 def csr_batch(values: np.ndarray, indices: np.ndarray, offsets: np.ndarray, n_cols: int) -> Any:
     """A :class:`scipy.sparse.csr_array` of ``len(offsets) - 1`` rows and ``n_cols`` columns
     over the given arrays, not copies of them, where ``indices`` and ``offsets`` share one
     integer dtype that holds ``n_cols`` (scipy converts both to a common one otherwise). scipy
-    is imported here, when a sparse top's batch is first made (it is the ``sparse`` extra)."""
+    was imported at open (:func:`sparse_module`).
+
+    The arrays are the layer's own, CSR by construction (1-D, as many values as indices,
+    offsets from 0 to their end, never decreasing): where they are int32 (AnnData's indices)
+    and scipy's constructor is one whose matrices this module knows (:func:`_csr_kind`), the
+    matrix is made as the constructor would make it, without its checks, which cost more than
+    gathering a batch's bytes; else by the constructor."""
+    cls, fixed = _csr_kind()
+    shape = (len(offsets) - 1, n_cols)
+    data, index = _own_base(values), _own_base(indices)
+    if fixed is None or index.dtype != np.int32 or offsets.dtype != np.int32 or data.ndim != 1:
+        return cls((data, index, offsets), shape=shape, copy=False)
+    m = cls.__new__(cls)
+    m.__dict__.update(fixed, _shape=shape, data=data, indices=index, indptr=offsets)
+    return m
+
+
+#: The attributes scipy's ``csr_array`` constructor sets on a matrix of (values, indices,
+#: offsets), in the versions :func:`csr_batch` makes matrices for itself.
+_CSR_ATTRIBUTES = frozenset({"_shape", "maxprint", "data", "indices", "indptr"})
+
+
+@functools.cache
+def _csr_kind() -> tuple[Any, dict[str, Any] | None]:
+    """``scipy.sparse.csr_array``, and the attributes that its constructor gives every matrix
+    alike (those not of the arrays or the shape), where a matrix it makes of int32 arrays holds
+    exactly :data:`_CSR_ATTRIBUTES` and keeps the arrays given; None where it holds other ones
+    (another scipy): :func:`csr_batch` then calls the constructor."""
     import scipy.sparse
 
-    shape = (len(offsets) - 1, n_cols)
-    return scipy.sparse.csr_array(
-        (_own_base(values), _own_base(indices), offsets), shape=shape, copy=False
+    cls = scipy.sparse.csr_array
+    arrays = (np.ones(2, np.float32), np.array([0, 1], np.int32), np.array([0, 1, 2], np.int32))
+    probe = cls(arrays, shape=(2, 2), copy=False)
+    own = vars(probe)
+    kept = all(
+        isinstance(b := own[k], np.ndarray) and _same(a, b)
+        for k, a in zip(("data", "indices", "indptr"), arrays, strict=True)
     )
+    if set(own) != _CSR_ATTRIBUTES or not kept or probe.shape != (2, 2):
+        return cls, None
+    return cls, {k: v for k, v in own.items() if k not in ("_shape", "data", "indices", "indptr")}
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``b`` is ``a`` or a view of all of it, as it is (its memory, dtype and shape)."""
+    address = a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    return address and a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides
 
 
 def _own_base(a: np.ndarray) -> np.ndarray:

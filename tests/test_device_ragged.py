@@ -13,6 +13,7 @@ Every file is written so that a row says which sample it is: row ``g`` of the ra
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,15 @@ import numpy as np
 import pytest
 import scipy.sparse
 
-from asynchdf5 import AsyncHDF5DataLayer, DeviceError, Ragged, SchemaError, Stream
+from asynchdf5 import (
+    AsyncHDF5DataLayer,
+    ConfigurationError,
+    DeviceError,
+    HDF5DataLayer,
+    Ragged,
+    SchemaError,
+    Stream,
+)
 from asynchdf5 import transforms as T
 from asynchdf5._delivery._cuda import CudaDelivery
 from asynchdf5._ragged_cupy import to_padded_on_device
@@ -192,6 +201,18 @@ async def test_fake_ragged_and_dense_tops_reach_the_device(
 @pytest.mark.anyio
 async def test_fake_sparse_top_is_a_cupy_csr_matrix(tmp_path: Path, fake_cupy: FakeCupy) -> None:
     await check_sparse(tmp_path, FakeCsrMatrix, _get)
+
+
+def test_fake_sparse_top_without_cupyx_sparse_is_a_named_error_at_open(
+    tmp_path: Path, fake_cupy: FakeCupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cupyx.scipy.sparse is imported at open for a sparse top on the device: where it cannot
+    be, opening is a ConfigurationError naming the top (not an error from the first batch)."""
+    path = write_csr(tmp_path / "m.h5")
+    monkeypatch.setitem(sys.modules, "cupyx.scipy.sparse", None)  # what `import` takes as missing
+    with pytest.raises(ConfigurationError) as err:
+        HDF5DataLayer(path, tops=("X", "label"), batch_size=8, device="cuda").__enter__()
+    check_message(err.value, "top 'X'", "cupyx.scipy.sparse cannot be imported", "device=None")
 
 
 @pytest.mark.anyio

@@ -32,10 +32,11 @@ from asynchdf5 import (
     Stream,
 )
 from asynchdf5 import transforms as T
-from asynchdf5._ragged import csr_batch
+from asynchdf5._ragged import _csr_kind, csr_batch
 from asynchdf5._ragged_tops import RaggedInfo
 
 from ._files import check_exactly_once, check_message
+from ._helpers import run_python
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -432,6 +433,37 @@ def test_sparse_batches_are_csr_rows_in_batch_order(tmp_path: Path, shuffle: boo
             np.testing.assert_array_equal(b["X"], b["dense"])
 
 
+#: Run in a fresh process: scipy.sparse is imported by the opening, not by the first batch.
+_IMPORTED_AT_OPEN = """
+import sys
+from asynchdf5 import HDF5DataLayer
+assert "scipy.sparse" not in sys.modules
+with HDF5DataLayer(sys.argv[1], tops=("X", "label"), batch_size=4) as layer:
+    print("at open:", "scipy.sparse" in sys.modules)
+    print("rows:", sum(b["X"].shape[0] for b in layer))
+"""
+
+
+def test_scipy_is_imported_at_open_not_by_the_first_batch(tmp_path: Path) -> None:
+    m = scipy.sparse.random(10, 6, density=0.3, format="csr", random_state=3)
+    path = write_csr(tmp_path / "m.h5", scipy.sparse.csr_array(m))
+    out = run_python(["-c", _IMPORTED_AT_OPEN, path], timeout=60)
+    assert out.split() == ["at", "open:", "True", "rows:", "10"], out
+
+
+def test_a_sparse_top_without_scipy_is_a_named_error_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = scipy.sparse.random(10, 6, density=0.3, format="csr", random_state=3)
+    path = write_csr(tmp_path / "m.h5", scipy.sparse.csr_array(m))
+    monkeypatch.setitem(sys.modules, "scipy.sparse", None)  # what `import` takes as missing
+    with pytest.raises(ConfigurationError) as err:
+        HDF5DataLayer(path, tops=("X", "label"), batch_size=4).__enter__()
+    check_message(err.value, "top 'X'", "sparse matrix", "scipy", "'sparse' extra")
+    with HDF5DataLayer(path, tops=("dense", "label"), batch_size=4) as layer:  # none sparse
+        assert sum(len(b["dense"]) for b in layer) == 10
+
+
 def test_anndata_sparse_h5ad(tmp_path: Path) -> None:
     anndata = pytest.importorskip("anndata")
     import pandas as pd
@@ -507,6 +539,54 @@ def test_sparse_batch_shares_the_gathered_memory() -> None:
     refs = sys.getrefcount(heap)
     del x
     assert sys.getrefcount(heap) < refs  # the batch held the heap
+
+
+@pytest.mark.parametrize("index", [np.int32, np.int64, np.int16])
+def test_sparse_batch_is_the_matrix_scipy_makes(index: type) -> None:
+    """Made without scipy's constructor (int32 arrays) or by it (others), a batch is the matrix
+    the constructor makes of the same arrays: its attributes, its dtypes, a full format check,
+    arithmetic and a row slice; and it shares the arrays (int32: none copied)."""
+    rng = np.random.default_rng(5)
+    data = rng.random(40).astype(np.float32)
+    cols: np.ndarray = rng.integers(0, 9, 40).astype(index)
+    offsets = np.array([0, 0, 6, 6, 25, 40], np.int32 if index != np.int64 else np.int64)
+    x = csr_batch(data, cols, offsets, 9)
+    want = scipy.sparse.csr_array((data.copy(), cols.copy(), offsets.copy()), shape=(5, 9))
+    assert type(x) is type(want) and set(vars(x)) == set(vars(want))
+    assert x.shape == (5, 9) and x.dtype == want.dtype and x.indices.dtype == want.indices.dtype
+    assert x.indptr.dtype == want.indptr.dtype
+    x.check_format(full_check=True)
+    np.testing.assert_array_equal(x.toarray(), want.toarray())
+    np.testing.assert_array_equal((x @ np.ones(9, np.float32)), want @ np.ones(9, np.float32))
+    np.testing.assert_array_equal(x[2:5].toarray(), want[2:5].toarray())
+    if index == np.int32:
+        assert np.shares_memory(x.data, data) and np.shares_memory(x.indices, cols)
+
+
+def test_sparse_batch_falls_back_on_a_scipy_it_does_not_know(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where scipy's constructor sets attributes other than the ones known, batches are made by
+    the constructor (equal matrices either way)."""
+    data, cols = np.ones(3, np.float32), np.array([0, 2, 1], np.int32)
+    offsets = np.array([0, 2, 3], np.int32)
+    made = []
+    real = scipy.sparse.csr_array.__init__
+
+    def counted(self: Any, *args: Any, **kw: Any) -> None:
+        made.append(1)
+        real(self, *args, **kw)
+
+    _csr_kind.cache_clear()
+    monkeypatch.setattr("asynchdf5._ragged._CSR_ATTRIBUTES", frozenset({"_shape", "data"}))
+    monkeypatch.setattr(scipy.sparse.csr_array, "__init__", counted)
+    try:
+        assert _csr_kind()[1] is None
+        made.clear()
+        x = csr_batch(data, cols, offsets, 3)
+        assert made and x.toarray().tolist() == [[1, 0, 1], [0, 1, 0]]
+    finally:
+        _csr_kind.cache_clear()
 
 
 def test_sparse_batch_index_dtype_bounds() -> None:

@@ -64,8 +64,10 @@ class Delivery(Protocol):
         ...
 
     def check(self, tops: Mapping[str, TopInfo]) -> None:
-        """Raise :class:`~asynchdf5.SchemaError` for a top this delivery cannot carry (at open,
-        before any batch)."""
+        """Raise :class:`~asynchdf5.SchemaError` for a top this delivery cannot carry, or
+        :class:`~asynchdf5.ConfigurationError` where what its batches are made of cannot be
+        imported (at open, before any batch; blocking: it may import a library, so the
+        opening calls it in a worker thread)."""
         ...
 
     def start(

@@ -26,6 +26,7 @@ CuPy is imported inside functions only, so importing asynchdf5 never imports it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 import time
 import weakref
@@ -38,7 +39,7 @@ import numpy as np
 
 from .._batch import Batch
 from .._catalog import TopInfo
-from .._errors import DeviceError, SchemaError
+from .._errors import ConfigurationError, DeviceError, SchemaError
 from .._gather import gather_ragged, gather_split
 from .._ragged import Ragged
 from .._ragged_tops import RaggedInfo
@@ -405,15 +406,22 @@ class CudaDelivery:
         columns = self._upload(gpu, f"the column indices of top {name!r}", index, staged, batch)
         indptr = self._upload(gpu, f"the offsets of top {name!r}", offsets, staged, batch)
         with self._failures(f"making the sparse matrix of top {name!r} ({batch})"):
-            return self._sparse().csr_matrix(
+            return self._sparse(name).csr_matrix(
                 (values, columns, indptr), shape=(len(offsets) - 1, info.n_cols)
             )
 
-    def _sparse(self) -> Any:
-        """``cupyx.scipy.sparse`` (imported with the first sparse batch)."""
-        import cupyx.scipy.sparse
-
-        return cupyx.scipy.sparse
+    def _sparse(self, top: str) -> Any:
+        """``cupyx.scipy.sparse``, imported at open for sparse-matrix top ``top``
+        (:meth:`check`: no batch waits for the import; a :class:`~asynchdf5.ConfigurationError`
+        naming the top where it cannot be imported)."""
+        try:
+            return importlib.import_module("cupyx.scipy.sparse")
+        except Exception as exc:  # ImportError, or a broken install failing in its own way
+            raise ConfigurationError(
+                f"top {top!r} is a sparse matrix (a CSR group), whose batches on the device are "
+                f"cupyx.scipy.sparse matrices, and cupyx.scipy.sparse cannot be imported "
+                f"({type(exc).__name__}: {exc}): check the CuPy install, or use device=None"
+            ) from exc
 
     def abandon(self, staging: Iterable[np.ndarray]) -> None:
         """The batch being gathered or finished failed: its ``staging`` buffers go back (no
@@ -440,15 +448,18 @@ class CudaDelivery:
         return host
 
     def check(self, tops: Mapping[str, TopInfo]) -> None:
-        """Raise :class:`~asynchdf5.SchemaError` for a top CuPy cannot hold (before any batch)."""
+        """Raise :class:`~asynchdf5.SchemaError` for a top CuPy cannot hold (before any batch);
+        import ``cupyx.scipy.sparse`` for a sparse-matrix top (blocking: :meth:`_sparse`)."""
         for name, top in tops.items():
-            if top.ragged is not None and top.ragged.sparse and top.dtype not in SPARSE_DTYPES:
-                raise SchemaError(
-                    f"top {name!r} is a sparse matrix of {top.dtype} values, which a CuPy "
-                    "sparse matrix (cupyx.scipy.sparse) cannot hold: it holds bool, float32, "
-                    "float64, complex64 or complex128 values; store the matrix's 'data' as "
-                    "float32, or use device=None"
-                )
+            if top.ragged is not None and top.ragged.sparse:
+                if top.dtype not in SPARSE_DTYPES:
+                    raise SchemaError(
+                        f"top {name!r} is a sparse matrix of {top.dtype} values, which a CuPy "
+                        "sparse matrix (cupyx.scipy.sparse) cannot hold: it holds bool, "
+                        "float32, float64, complex64 or complex128 values; store the matrix's "
+                        "'data' as float32, or use device=None"
+                    )
+                self._sparse(name)
             dtype = top.dtype
             if dtype.char in "gG":  # long double: no CUDA type, no DLPack type
                 raise SchemaError(

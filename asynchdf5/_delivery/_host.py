@@ -14,7 +14,7 @@ import numpy as np
 from .._batch import Batch
 from .._catalog import TopInfo
 from .._gather import gather_padded, gather_ragged, gather_split
-from .._ragged import Ragged, csr_batch
+from .._ragged import Ragged, csr_batch, sparse_module
 from .._specs import GroupSpec, merge_pieces, split_pieces
 from .._stats import GatherStats
 from .._transform import apply_transformers, fused_pads
@@ -253,7 +253,11 @@ class HostDelivery:
         return bool(self._user_chain)
 
     def check(self, tops: Mapping[str, TopInfo]) -> None:
-        """Host memory holds every dtype a top may have."""
+        """Host memory holds every dtype a top may have; a sparse-matrix top's batches need
+        scipy, imported here (blocking, at open: :func:`~.._ragged.sparse_module`)."""
+        for name, top in tops.items():
+            if top.ragged is not None and top.ragged.sparse:
+                sparse_module(name)
 
     def start(
         self,
