@@ -3,9 +3,10 @@
 A ragged top's batch is one :class:`Ragged`: the rows' values concatenated in batch order and
 the offsets that cut them apart (the CSR convention: row ``i`` is
 ``values[offsets[i]:offsets[i + 1]]``). It holds no Python object per row, so a batch of
-thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`) writes
-each output byte once for long rows (:func:`pad_rows`, also the kernel of the layer's padded
-gather) or is one mask over short ones. A sparse-matrix
+thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`,
+:func:`padded_rows`) costs a few NumPy calls whatever the rows: one copy of the output's bytes
+and one mask over them, no Python step per row. (The layer's padded gather writes into an
+array it was given, from values that may lie in chunks: :func:`pad_rows`.) A sparse-matrix
 top's batch is a :class:`scipy.sparse.csr_array` made by :func:`csr_batch` from the same three
 arrays.
 """
@@ -17,15 +18,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._blocks import ScatteredValues, copy_from, copy_runs
+from ._blocks import ScatteredValues, _blocks, copy_from, copy_runs, row_bytes
 from ._errors import ConfigurationError
 
-__all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows"]
+__all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows", "padded_rows"]
 
 
-#: Rows of at least this many values on average are padded a run per row (each byte of the
-#: output written once); shorter ones with one mask over all places.
-_ROW_VALUES = 32
 #: From this many rows on, :func:`pad_rows` copies the rows and their padding as runs, in
 #: blocks (:func:`~._blocks.copy_runs`: a few dozen NumPy calls, whatever the rows); fewer rows
 #: cost less as one ``np.concatenate`` of two views per row.
@@ -68,6 +66,98 @@ def pad_rows(
         parts.append(fill[k:])
     if parts:
         np.concatenate(parts, axis=0, out=flat)
+
+
+#: The most bytes of a mask :func:`padded_rows` gathers at a time (it stays in the cache).
+_MASK_BYTES = 2**20
+
+
+def padded_rows(
+    values: np.ndarray, starts: np.ndarray, cut: np.ndarray, size: int, fill: np.ndarray
+) -> np.ndarray:
+    """A new array ``(rows, size, *trailing)`` of ``fill``'s dtype whose row ``i`` holds
+    ``values[starts[i] : starts[i] + cut[i]]`` and then ``fill`` (a 0-d array), with no
+    Python step per row: one copy of the output's bytes and one pass of a mask over them.
+
+    Each row is first copied whole, ``size`` values from its start (one index over a view of
+    ``values`` whose items are the ``size`` values from every value on: the values past the
+    row's end come along); the places past each row's cut are then set to ``fill``
+    (:func:`_fill_past`). ``values`` holds no Python objects, ``starts`` lie within it (int64)
+    and ``cut[i] <= size``. Where the dtype changes, the values past the cuts are zeroed
+    before the cast (they may be anything: a NaN cast to an integer warns)."""
+    n = len(starts)
+    trailing = values.shape[1:]
+    shape = (n, size, *trailing)
+    rb = row_bytes(values)
+    if n == 0 or size == 0 or rb == 0:
+        return np.full(shape, fill, fill.dtype)
+    values = np.ascontiguousarray(values)
+    rows = _windows_at(values, starts, size, rb).view(values.dtype).reshape(shape)
+    padded = bool((cut < size).any())
+    if rows.dtype == fill.dtype:
+        if padded:
+            _fill_past(rows, cut, fill)
+        return rows
+    if padded:
+        _fill_past(rows, cut, np.zeros((), rows.dtype))
+    out = rows.astype(fill.dtype)
+    if padded:
+        _fill_past(out, cut, fill)
+    return out
+
+
+def _fill_past(out: np.ndarray, cut: np.ndarray, fill: np.ndarray) -> None:
+    """Set ``out[i, cut[i]:]`` to ``fill`` (0-d, ``out``'s dtype) for every row ``i`` of
+    ``out`` (``(rows, size, *trailing)``, C-contiguous), by masks of :data:`_MASK_BYTES` at
+    most at a time, each gathered as the rows are (row ``i``'s is the ``size`` places from
+    ``size - cut[i]`` of ``size`` kept ones and ``size`` others): for values of 1, 2, 4 or 8
+    bytes, as bits (an AND with the mask, and an OR with ``fill``'s bits where those are not
+    all zero); for others, a masked copy."""
+    n, size, trailing = out.shape[0], out.shape[1], out.shape[2:]
+    step = max(1, _MASK_BYTES // (size * row_bytes(out[0])))
+    width = out.dtype.itemsize
+    if width in (1, 2, 4, 8) and out.dtype.fields is None:
+        bits = out.view(f"u{width}")
+        keep = np.zeros((2 * size, *trailing), bits.dtype)
+        keep[:size] = ~keep[:size]  # all ones: the places kept
+        pads = np.zeros_like(keep)
+        pads[size:] = fill.view(bits.dtype)
+        wide = row_bytes(keep)
+        keeps, padding = _blocks(keep, size, wide), _blocks(pads, size, wide)
+        or_pads = bool(pads.any())
+        for a in range(0, n, step):
+            place = size - cut[a : a + step]
+            b = bits[a : a + step]
+            np.bitwise_and(b, keeps[place].view(bits.dtype).reshape(b.shape), out=b)
+            if or_pads:
+                np.bitwise_or(b, padding[place].view(bits.dtype).reshape(b.shape), out=b)
+        return
+    gone = np.zeros(2 * size, bool)
+    gone[size:] = True  # the places past a row's cut
+    masks = _blocks(gone, size, 1)
+    for a in range(0, n, step):
+        m = masks[size - cut[a : a + step]].view(bool).reshape(-1, size, *[1] * len(trailing))
+        np.copyto(out[a : a + step], fill, where=m)
+
+
+def _windows_at(values: np.ndarray, starts: np.ndarray, size: int, rb: int) -> np.ndarray:
+    """The ``size`` values from each of ``starts`` in ``values`` (C-contiguous), as one item
+    (bytes) each: where fewer than ``size`` values are left after a start, the ones there,
+    then zeros."""
+    total = len(values)
+    over = starts > total - size
+    if not over.any():
+        rows: np.ndarray = _blocks(values, size, rb)[starts]
+        return rows
+    s0 = int(starts[over].min())
+    end = np.zeros((total - s0 + size, *values.shape[1:]), values.dtype)
+    end[: total - s0] = values[s0:]
+    if over.all():
+        rows = _blocks(end, size, rb)[starts - s0]
+        return rows
+    got: np.ndarray = _blocks(values, size, rb)[np.where(over, 0, starts)]
+    got[over] = _blocks(end, size, rb)[starts[over] - s0]
+    return got
 
 
 class Ragged:
@@ -190,9 +280,8 @@ class Ragged:
         Returns
         -------
         (numpy.ndarray, numpy.ndarray)
-            The padded rows and each row's length (int64), in row order. Each byte of the
-            output is written once for rows of 32 values or more on average (a run of values
-            and one of padding per row); shorter rows are filled, then masked in, vectorised.
+            The padded rows and each row's length (int64), in row order: a copy of the
+            output's bytes and a mask over them, whatever the rows (:func:`padded_rows`).
         """
         if type(self.values).__module__.startswith("cupy"):  # a device batch (device=)
             from ._ragged_cupy import to_padded_on_device
@@ -205,24 +294,13 @@ class Ragged:
         if size < 0:
             raise ValueError(f"to_padded: length={length} is negative")
         cut = np.minimum(lengths, size) if size < longest else lengths
-        shape = (n, size, *self.values.shape[1:])
-        out_dtype = self.values.dtype if dtype is None else np.dtype(dtype)
-        if n and len(self.values) >= _ROW_VALUES * n:
-            # Long rows: a run of values and one of padding per row, each byte of the output
-            # written once (a Python step per row costs what ~_ROW_VALUES values do).
-            out = np.empty(shape, out_dtype)
-            pad_rows(self.values, self.offsets[:-1], cut, out, pad)
+        fill = np.full((), pad, self.values.dtype if dtype is None else np.dtype(dtype))
+        if fill.dtype.hasobject or self.values.dtype.hasobject:  # references: a row at a time
+            out = np.full((n, size, *self.values.shape[1:]), fill, fill.dtype)
+            for row, a, k in zip(out, self.offsets.tolist(), cut.tolist(), strict=False):
+                row[:k] = self.values[a : a + k]
             return out, cut
-        # Short rows: the padding, then the values kept (those whose place within their row is
-        # below ``size``) put where a mask of the rows' places says, in one vectorised pass.
-        out = np.full(shape, pad, dtype=out_dtype)
-        mask = np.arange(size) < cut[:, None]
-        if size >= longest:
-            out[mask] = self.values
-            return out, cut
-        place = np.arange(len(self.values)) - np.repeat(self.offsets[:-1], lengths)
-        out[mask] = self.values[place < size]
-        return out, cut
+        return padded_rows(self.values, self.offsets[:-1], cut, size, fill), cut
 
     def __repr__(self) -> str:
         trailing = self.values.shape[1:]
