@@ -13,6 +13,8 @@ arrays.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -93,7 +95,7 @@ def padded_rows(
         return np.full(shape, fill, fill.dtype)
     values = np.ascontiguousarray(values)
     rows = _windows_at(values, starts, size, rb).view(values.dtype).reshape(shape)
-    padded = bool((cut < size).any())
+    padded = int(cut.min()) < size
     if rows.dtype == fill.dtype:
         if padded:
             _fill_past(rows, cut, fill)
@@ -110,27 +112,26 @@ def _fill_past(out: np.ndarray, cut: np.ndarray, fill: np.ndarray) -> None:
     """Set ``out[i, cut[i]:]`` to ``fill`` (0-d, ``out``'s dtype) for every row ``i`` of
     ``out`` (``(rows, size, *trailing)``, C-contiguous), by masks of :data:`_MASK_BYTES` at
     most at a time, each gathered as the rows are (row ``i``'s is the ``size`` places from
-    ``size - cut[i]`` of ``size`` kept ones and ``size`` others): for values of 1, 2, 4 or 8
-    bytes, as bits (an AND with the mask, and an OR with ``fill``'s bits where those are not
-    all zero); for others, a masked copy."""
+    ``size - cut[i]`` of ``size`` ones then ``size`` zeros: :func:`_keep_windows`). Values of
+    1, 2, 4 or 8 bytes are masked as bits: an AND with the mask (the places past the cut
+    become zeros), between two XORs with ``fill``'s bits where those are not all zero (so that
+    they become ``fill``: ``((x ^ f) & m) ^ f`` is ``x`` where ``m`` is all ones, else ``f``).
+    Others are set by a masked copy."""
     n, size, trailing = out.shape[0], out.shape[1], out.shape[2:]
-    step = max(1, _MASK_BYTES // (size * row_bytes(out[0])))
+    step = max(1, _MASK_BYTES // (size * out.itemsize * math.prod(trailing)))
     width = out.dtype.itemsize
     if width in (1, 2, 4, 8) and out.dtype.fields is None:
         bits = out.view(f"u{width}")
-        keep = np.zeros((2 * size, *trailing), bits.dtype)
-        keep[:size] = ~keep[:size]  # all ones: the places kept
-        pads = np.zeros_like(keep)
-        pads[size:] = fill.view(bits.dtype)
-        wide = row_bytes(keep)
-        keeps, padding = _blocks(keep, size, wide), _blocks(pads, size, wide)
-        or_pads = bool(pads.any())
+        keeps = _keep_windows(size, bits.dtype, trailing)
+        f = fill.view(bits.dtype)
+        xor = bool(f != 0)
         for a in range(0, n, step):
-            place = size - cut[a : a + step]
             b = bits[a : a + step]
-            np.bitwise_and(b, keeps[place].view(bits.dtype).reshape(b.shape), out=b)
-            if or_pads:
-                np.bitwise_or(b, padding[place].view(bits.dtype).reshape(b.shape), out=b)
+            if xor:
+                np.bitwise_xor(b, f, out=b)
+            np.bitwise_and(b, keeps[size - cut[a : a + step]].view(b.dtype).reshape(b.shape), out=b)
+            if xor:
+                np.bitwise_xor(b, f, out=b)
         return
     gone = np.zeros(2 * size, bool)
     gone[size:] = True  # the places past a row's cut
@@ -140,22 +141,46 @@ def _fill_past(out: np.ndarray, cut: np.ndarray, fill: np.ndarray) -> None:
         np.copyto(out[a : a + step], fill, where=m)
 
 
+#: The most bytes of mask :func:`_keep_windows` keeps for the next batches.
+_KEPT_MASK_BYTES = 2**20
+
+
+def _keep_windows(size: int, bits: np.dtype[Any], trailing: tuple[int, ...]) -> np.ndarray:
+    """The windows (:func:`~._blocks._blocks`: item ``j`` is the ``size`` values from ``j``)
+    over ``size`` values of all ones then ``size`` zeros, in unsigned ``bits`` of ``trailing``
+    shape: row ``i``'s mask of the places kept is item ``size - cut[i]``. Small ones are kept
+    for the next batches (a ``Pad`` pads every batch to one length), read only."""
+    if 2 * size * bits.itemsize * math.prod(trailing) <= _KEPT_MASK_BYTES:
+        return _kept_keep_windows(size, bits, trailing)
+    return _make_keep_windows(size, bits, trailing)
+
+
+def _make_keep_windows(size: int, bits: np.dtype[Any], trailing: tuple[int, ...]) -> np.ndarray:
+    keep = np.zeros((2 * size, *trailing), bits)
+    keep[:size] = ~keep[:size]  # all ones: the places kept
+    keep.flags.writeable = False
+    return _blocks(keep, size, row_bytes(keep))
+
+
+_kept_keep_windows = functools.lru_cache(maxsize=8)(_make_keep_windows)
+
+
 def _windows_at(values: np.ndarray, starts: np.ndarray, size: int, rb: int) -> np.ndarray:
     """The ``size`` values from each of ``starts`` in ``values`` (C-contiguous), as one item
     (bytes) each: where fewer than ``size`` values are left after a start, the ones there,
     then zeros."""
-    total = len(values)
-    over = starts > total - size
-    if not over.any():
+    last = len(values) - size  # the last start with size values after it
+    if last >= 0 and int(starts.max()) <= last:
         rows: np.ndarray = _blocks(values, size, rb)[starts]
         return rows
+    over = starts > last
     s0 = int(starts[over].min())
-    end = np.zeros((total - s0 + size, *values.shape[1:]), values.dtype)
-    end[: total - s0] = values[s0:]
-    if over.all():
+    end = np.zeros((last + size - s0 + size, *values.shape[1:]), values.dtype)
+    end[: last + size - s0] = values[s0:]
+    if last < 0:  # every start
         rows = _blocks(end, size, rb)[starts - s0]
         return rows
-    got: np.ndarray = _blocks(values, size, rb)[np.where(over, 0, starts)]
+    got: np.ndarray = _blocks(values, size, rb)[np.minimum(starts, last)]
     got[over] = _blocks(end, size, rb)[starts[over] - s0]
     return got
 
