@@ -26,10 +26,10 @@ from ._errors import ConfigurationError
 __all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows", "padded_rows"]
 
 
-#: From this many rows on, :func:`pad_rows` copies the rows and their padding as runs, in
-#: blocks (:func:`~._blocks.copy_runs`: a few dozen NumPy calls, whatever the rows); fewer rows
-#: cost less as one ``np.concatenate`` of two views per row.
-_RUNS_ROWS = 1024
+#: From this many rows on, :func:`pad_rows` pads the rows of an array of values as
+#: :func:`padded_rows` does (a few dozen NumPy calls, whatever the rows); fewer rows cost less as
+#: one ``np.concatenate`` of two views per row.
+_WINDOW_ROWS = 32
 
 
 def pad_rows(
@@ -40,24 +40,31 @@ def pad_rows(
     pad: Any,
 ) -> None:
     """Write ``values[starts[i] : starts[i] + cut[i]]`` and then ``pad`` up to its end into
-    each row ``out[i]`` (``out``: ``(rows, length, *trailing)``, ``cut[i] <= length``): each
-    byte of ``out`` written once, whatever it held before. ``starts`` and ``cut`` are int64.
+    each row ``out[i]`` (``out``: ``(rows, length, *trailing)``, ``cut[i] <= length``),
+    whatever ``out`` held before. ``starts`` and ``cut`` are int64; the kernel of the layer's
+    padded gather (into the batch's array, from a chunk's heap).
 
-    Where ``out`` has the values' dtype (and is C-contiguous), many rows go as runs of values
-    and runs of padding (:func:`~._blocks.copy_runs`), fewer as one ``np.concatenate`` into
-    ``out`` of each row's values and padding (views: one C loop copies them all). Else a slice
-    of values (cast to ``out``'s dtype) and one of padding per row. Values that are no one
-    array (a mapped heap in chunks: :class:`~._blocks.ScatteredValues`) always go as runs."""
+    Where ``out`` has the values' dtype (and is C-contiguous), many rows of an array go as
+    :func:`padded_rows` makes them, a block of rows at a time (each row copied ``size``
+    values long, what follows its cut masked: no Python step per row), fewer as one
+    ``np.concatenate`` into ``out`` of each row's values and padding (views: one C loop
+    copies them all). Values that are no one array (a mapped heap in chunks:
+    :class:`~._blocks.ScatteredValues`) go as runs of values and runs of padding
+    (:func:`~._blocks.copy_runs`). Else a slice of values (cast to ``out``'s dtype) and one
+    of padding per row."""
     n, size = out.shape[0], out.shape[1]
-    if out.dtype != values.dtype or not out.flags.c_contiguous:
+    if out.dtype != values.dtype or not out.flags.c_contiguous or values.dtype.hasobject:
         for row, a, k in zip(out, starts.tolist(), cut.tolist(), strict=True):
             row[:k] = values[a : a + k]
             if k < size:
                 row[k:] = pad
         return
+    if isinstance(values, np.ndarray) and n >= _WINDOW_ROWS:
+        _pad_windows(values, starts, cut, out, np.full((), pad, out.dtype))
+        return
     flat = out.reshape(n * size, *out.shape[2:])
     fill = np.full((size, *out.shape[2:]), pad, out.dtype)  # the padding's source
-    if n >= _RUNS_ROWS or not isinstance(values, np.ndarray):
+    if not isinstance(values, np.ndarray):
         at = np.arange(n, dtype=np.int64) * size
         copy_from(values, flat, starts, at, cut)
         copy_runs([fill], [flat], np.zeros(n, np.int64), at + cut, size - cut)
@@ -68,6 +75,27 @@ def pad_rows(
         parts.append(fill[k:])
     if parts:
         np.concatenate(parts, axis=0, out=flat)
+
+
+def _pad_windows(
+    values: np.ndarray, starts: np.ndarray, cut: np.ndarray, out: np.ndarray, fill: np.ndarray
+) -> None:
+    """:func:`pad_rows` of many rows of an array into ``out`` (C-contiguous, the values'
+    dtype), by blocks of rows of :data:`_MASK_BYTES` at most (each copied, then masked, while
+    it is in the cache)."""
+    n, size = out.shape[0], out.shape[1]
+    rb = row_bytes(values)
+    if size == 0 or rb == 0:
+        return
+    values = np.ascontiguousarray(values)
+    step = max(1, _MASK_BYTES // (size * rb))
+    for a in range(0, n, step):
+        dest = out[a : a + step]
+        rows = _windows_at(values, starts[a : a + step], size, rb)
+        dest[...] = rows.view(values.dtype).reshape(dest.shape)
+        c = cut[a : a + step]
+        if int(c.min()) < size:
+            _fill_past(dest, c, fill)
 
 
 #: The most bytes of a mask :func:`padded_rows` gathers at a time (it stays in the cache).

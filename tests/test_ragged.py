@@ -24,6 +24,7 @@ import scipy.sparse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import asynchdf5
 from asynchdf5 import (
     CacheBudgetWarning,
     ConfigurationError,
@@ -33,7 +34,7 @@ from asynchdf5 import (
     Stream,
 )
 from asynchdf5 import transforms as T
-from asynchdf5._ragged import csr_batch, padded_rows
+from asynchdf5._ragged import _pad_windows, csr_batch, pad_rows, padded_rows
 from asynchdf5._ragged_tops import RaggedInfo
 
 from ._files import check_exactly_once, check_message
@@ -211,10 +212,41 @@ def test_to_padded_and_padded_rows_equal_padding_row_by_row(
     order = rng.permutation(len(lengths))
     starts = r.offsets[:-1][order]
     fill = np.full((), pad, values.dtype)
-    got = padded_rows(values, starts, cut[order], size, fill)
-    np.testing.assert_array_equal(
-        got, pad_row_by_row(values, starts, cut[order], size, pad, fill.dtype)
-    )
+    want = pad_row_by_row(values, starts, cut[order], size, pad, fill.dtype)
+    np.testing.assert_array_equal(padded_rows(values, starts, cut[order], size, fill), want)
+    # The padded gather's kernel, into an array that held other values, by both its ways.
+    for windows in (False, True):
+        out = np.full_like(want, b"zz") if want.dtype.kind == "S" else np.ones_like(want)
+        if windows:
+            _pad_windows(values, starts, cut[order], out, fill)
+        else:
+            pad_rows(values, starts, cut[order], out, pad)
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("pad", [0, -5])
+def test_padding_in_blocks_of_rows(monkeypatch: pytest.MonkeyPatch, pad: int) -> None:
+    """Rows padded a few at a time (masks of 64 bytes at most): every block's rows, from
+    rows taken in any order, by to_padded, padded_rows and the padded gather's kernel."""
+    monkeypatch.setattr(asynchdf5._ragged, "_MASK_BYTES", 64)
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 30, 101)
+    values = rng.integers(-1000, 1000, (int(lengths.sum()), 2)).astype(np.int16)
+    r = Ragged(values, np.concatenate([[0], np.cumsum(lengths)]))
+    for size in (None, 7):
+        x, cut = r.to_padded(pad, size)
+        n = x.shape[1]
+        np.testing.assert_array_equal(
+            x, pad_row_by_row(values, r.offsets[:-1], cut, n, pad, values.dtype)
+        )
+        order = rng.permutation(len(r))
+        starts, c = r.offsets[:-1][order], cut[order]
+        want = pad_row_by_row(values, starts, c, n, pad, values.dtype)
+        fill = np.full((), pad, values.dtype)
+        np.testing.assert_array_equal(padded_rows(values, starts, c, n, fill), want)
+        out = np.ones_like(want)
+        pad_rows(values, starts, c, out, pad)  # over _WINDOW_ROWS rows: by windows
+        np.testing.assert_array_equal(out, want)
 
 
 def test_to_padded_of_one_huge_row_nan_neighbours_and_strided_values() -> None:
