@@ -98,8 +98,11 @@ def _pad_windows(
             _fill_past(dest, c, fill)
 
 
-#: The most bytes of a mask :func:`padded_rows` gathers at a time (it stays in the cache).
-_MASK_BYTES = 2**20
+#: The most bytes of a mask (or of rows, in :func:`pad_rows`) gathered at a time: a temporary
+#: that stays in the cache and under the C allocator's threshold for mapping fresh pages
+#: (glibc's starts at 128 KiB): a larger one can be mapped and unmapped at every batch, and a
+#: fresh page costs more to fault in than its bytes take to copy.
+_MASK_BYTES = 124 * 2**10
 
 
 def padded_rows(
