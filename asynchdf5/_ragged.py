@@ -26,10 +26,16 @@ from ._errors import ConfigurationError
 __all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows", "padded_rows"]
 
 
-#: From this many rows on, :func:`pad_rows` pads the rows of an array of values as
-#: :func:`padded_rows` does (a few dozen NumPy calls, whatever the rows); fewer rows cost less as
-#: one ``np.concatenate`` of two views per row.
+#: From this many rows on, :func:`pad_rows` pads the rows of an array as :func:`padded_rows`
+#: does (a few dozen NumPy calls, whatever the rows); fewer rows cost less as one
+#: ``np.concatenate`` of two views per row.
 _WINDOW_ROWS = 32
+#: From this many rows on, :func:`pad_rows` copies the rows and their padding as runs, in
+#: blocks (:func:`~._blocks.copy_runs`), whose copies of more than
+#: :data:`~._blocks.RELEASE_ITEMS` blocks let go of the GIL: the layer's padded gather of
+#: thousands of rows runs beside the thread that hands batches out (and the other gathering
+#: thread), where the windows' copies, a block of a few dozen rows each, would hold it.
+_RUNS_ROWS = 1024
 
 
 def pad_rows(
@@ -44,14 +50,14 @@ def pad_rows(
     whatever ``out`` held before. ``starts`` and ``cut`` are int64; the kernel of the layer's
     padded gather (into the batch's array, from a chunk's heap).
 
-    Where ``out`` has the values' dtype (and is C-contiguous), many rows of an array go as
-    :func:`padded_rows` makes them, a block of rows at a time (each row copied ``size``
-    values long, what follows its cut masked: no Python step per row), fewer as one
-    ``np.concatenate`` into ``out`` of each row's values and padding (views: one C loop
-    copies them all). Values that are no one array (a mapped heap in chunks:
-    :class:`~._blocks.ScatteredValues`) go as runs of values and runs of padding
-    (:func:`~._blocks.copy_runs`). Else a slice of values (cast to ``out``'s dtype) and one
-    of padding per row."""
+    Where ``out`` has the values' dtype (and is C-contiguous): rows by the thousand, and values
+    that are no one array (a mapped heap in chunks: :class:`~._blocks.ScatteredValues`), go
+    as runs of values and runs of padding (:func:`~._blocks.copy_runs`); dozens to hundreds
+    of rows of an array as :func:`padded_rows` makes them, a block of rows at a time (each
+    row copied ``size`` values long, what follows its cut masked: no Python step per row);
+    fewer as one ``np.concatenate`` into ``out`` of each row's values and padding (views: one
+    C loop copies them all). Else a slice of values (cast to ``out``'s dtype) and one of
+    padding per row."""
     n, size = out.shape[0], out.shape[1]
     if out.dtype != values.dtype or not out.flags.c_contiguous or values.dtype.hasobject:
         for row, a, k in zip(out, starts.tolist(), cut.tolist(), strict=True):
@@ -59,12 +65,12 @@ def pad_rows(
             if k < size:
                 row[k:] = pad
         return
-    if isinstance(values, np.ndarray) and n >= _WINDOW_ROWS:
+    if isinstance(values, np.ndarray) and _WINDOW_ROWS <= n < _RUNS_ROWS:
         _pad_windows(values, starts, cut, out, np.full((), pad, out.dtype))
         return
     flat = out.reshape(n * size, *out.shape[2:])
     fill = np.full((size, *out.shape[2:]), pad, out.dtype)  # the padding's source
-    if not isinstance(values, np.ndarray):
+    if n >= _RUNS_ROWS or not isinstance(values, np.ndarray):
         at = np.arange(n, dtype=np.int64) * size
         copy_from(values, flat, starts, at, cut)
         copy_runs([fill], [flat], np.zeros(n, np.int64), at + cut, size - cut)

@@ -60,20 +60,31 @@ def padded_row(g: int, pad: float, trailing: tuple[int, ...] = ()) -> np.ndarray
     return row
 
 
+def use_way(monkeypatch: pytest.MonkeyPatch, way: str) -> None:
+    """Make ``pad_rows`` pad every piece of an array the one ``way`` (as it would at its
+    number of rows), whatever the piece's rows."""
+    rows = {"concatenate": (10**9, 10**9), "windows": (1, 10**9), "runs": (1, 1)}[way]
+    monkeypatch.setattr(asynchdf5._ragged, "_WINDOW_ROWS", rows[0])
+    monkeypatch.setattr(asynchdf5._ragged, "_RUNS_ROWS", rows[1])
+
+
 def epochs(layer: HDF5DataLayer, count: int = 2) -> list[list[Any]]:
     return [list(layer) for _ in range(count)]
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize(
-    ("sizes", "chunk_size", "trailing", "windows"),
+    ("sizes", "chunk_size", "trailing", "way"),
     [
-        ([23, 0, 18, 9], 5, (), False),
-        ([23, 0, 18, 9], 16, (2,), False),
-        ([23, 0, 18, 9], 16, (2,), True),
-        ([23, 0, 18, 9], 10_000, (), True),
-        ([700, 300], 400, (), False),
-        ([700, 300], 400, (), True),
+        ([23, 0, 18, 9], 5, (), "concatenate"),
+        ([23, 0, 18, 9], 16, (2,), "concatenate"),
+        ([23, 0, 18, 9], 16, (2,), "runs"),
+        ([23, 0, 18, 9], 16, (2,), "windows"),
+        ([23, 0, 18, 9], 10_000, (), "runs"),
+        ([23, 0, 18, 9], 10_000, (), "windows"),
+        ([700, 300], 400, (), "concatenate"),
+        ([700, 300], 400, (), "runs"),
+        ([700, 300], 400, (), "windows"),
     ],
 )
 def test_the_fused_pad_gives_pads_batches_exactly_once(
@@ -83,14 +94,13 @@ def test_the_fused_pad_gives_pads_batches_exactly_once(
     sizes: list[int],
     chunk_size: int,
     trailing: tuple[int, ...],
-    windows: bool,
+    way: str,
 ) -> None:
     """Values, padding, cut rows, empty rows, batches across chunk boundaries, with a
     transformer after the Pad: every batch equal to the Pad's, every sample once per epoch,
-    the rows padded by one ``np.concatenate`` or (``windows``: from any number of rows) by
-    copies ``length`` values long and a mask."""
-    if windows:
-        monkeypatch.setattr(asynchdf5._ragged, "_WINDOW_ROWS", 1)
+    the rows padded (from any number of rows) by one ``np.concatenate``, as runs, or by
+    copies ``length`` values long and a mask (windows)."""
+    use_way(monkeypatch, way)
     files = files_of(tmp_path, sizes, trailing)
     n = sum(sizes)
     with HDF5DataLayer(
@@ -177,14 +187,13 @@ def test_the_fused_path_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         np.testing.assert_array_equal(b["tok"], np.array(want))
 
 
-@pytest.mark.parametrize("windows", [False, True])
+@pytest.mark.parametrize("way", ["concatenate", "runs", "windows"])
 def test_a_mapped_ragged_top_is_padded_from_its_mapped_heap(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, windows: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way: str
 ) -> None:
     """One contiguous file: its heap mapped (``ragged-mmap``), the rows padded straight out of
     it, the Pad's batches; a lease broken before a copy is a ReadError naming top and rows."""
-    if windows:
-        monkeypatch.setattr(asynchdf5._ragged, "_WINDOW_ROWS", 1)
+    use_way(monkeypatch, way)
     (path,) = files_of(tmp_path, [500])
     kw: dict[str, Any] = dict(tops=("tok", "label"), batch_size=10, shuffle=True, seed=2)
     pad = [("tok", T.Pad(-1, length=LENGTH))]
