@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._blocks import ScatteredValues, _blocks, copy_from, copy_runs, row_bytes
+from ._blocks import (
+    RELEASE_ITEMS,
+    ScatteredValues,
+    _blocks,
+    copy_from,
+    copy_runs,
+    row_bytes,
+)
 from ._errors import ConfigurationError
 
 __all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows", "padded_rows"]
@@ -30,12 +37,6 @@ __all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows", "padded_rows"]
 #: does (a few dozen NumPy calls, whatever the rows); fewer rows cost less as one
 #: ``np.concatenate`` of two views per row.
 _WINDOW_ROWS = 32
-#: From this many rows on, :func:`pad_rows` copies the rows and their padding as runs, in
-#: blocks (:func:`~._blocks.copy_runs`), whose copies of more than
-#: :data:`~._blocks.RELEASE_ITEMS` blocks let go of the GIL: the layer's padded gather of
-#: thousands of rows runs beside the thread that hands batches out (and the other gathering
-#: thread), where the windows' copies, a block of a few dozen rows each, would hold it.
-_RUNS_ROWS = 1024
 
 
 def pad_rows(
@@ -50,14 +51,14 @@ def pad_rows(
     whatever ``out`` held before. ``starts`` and ``cut`` are int64; the kernel of the layer's
     padded gather (into the batch's array, from a chunk's heap).
 
-    Where ``out`` has the values' dtype (and is C-contiguous): rows by the thousand, and values
-    that are no one array (a mapped heap in chunks: :class:`~._blocks.ScatteredValues`), go
-    as runs of values and runs of padding (:func:`~._blocks.copy_runs`); dozens to hundreds
-    of rows of an array as :func:`padded_rows` makes them, a block of rows at a time (each
-    row copied ``size`` values long, what follows its cut masked: no Python step per row);
-    fewer as one ``np.concatenate`` into ``out`` of each row's values and padding (views: one
-    C loop copies them all). Else a slice of values (cast to ``out``'s dtype) and one of
-    padding per row."""
+    Where ``out`` has the values' dtype (and is C-contiguous), many rows of an array go as
+    :func:`padded_rows` makes them, a block of rows at a time (each row copied ``size``
+    values long, what follows its cut masked: no Python step per row), fewer as one
+    ``np.concatenate`` into ``out`` of each row's values and padding (views: one C loop
+    copies them all). Values that are no one array (a mapped heap in chunks:
+    :class:`~._blocks.ScatteredValues`) go as runs of values and runs of padding
+    (:func:`~._blocks.copy_runs`). Else a slice of values (cast to ``out``'s dtype) and one
+    of padding per row."""
     n, size = out.shape[0], out.shape[1]
     if out.dtype != values.dtype or not out.flags.c_contiguous or values.dtype.hasobject:
         for row, a, k in zip(out, starts.tolist(), cut.tolist(), strict=True):
@@ -65,12 +66,12 @@ def pad_rows(
             if k < size:
                 row[k:] = pad
         return
-    if isinstance(values, np.ndarray) and _WINDOW_ROWS <= n < _RUNS_ROWS:
+    if isinstance(values, np.ndarray) and n >= _WINDOW_ROWS:
         _pad_windows(values, starts, cut, out, np.full((), pad, out.dtype))
         return
     flat = out.reshape(n * size, *out.shape[2:])
     fill = np.full((size, *out.shape[2:]), pad, out.dtype)  # the padding's source
-    if n >= _RUNS_ROWS or not isinstance(values, np.ndarray):
+    if not isinstance(values, np.ndarray):
         at = np.arange(n, dtype=np.int64) * size
         copy_from(values, flat, starts, at, cut)
         copy_runs([fill], [flat], np.zeros(n, np.int64), at + cut, size - cut)
@@ -87,14 +88,14 @@ def _pad_windows(
     values: np.ndarray, starts: np.ndarray, cut: np.ndarray, out: np.ndarray, fill: np.ndarray
 ) -> None:
     """:func:`pad_rows` of many rows of an array into ``out`` (C-contiguous, the values'
-    dtype), by blocks of rows of :data:`_MASK_BYTES` at most (each copied, then masked, while
-    it is in the cache)."""
+    dtype), by blocks of rows (:func:`_block_rows`: each copied, then masked, while it is in
+    the cache)."""
     n, size = out.shape[0], out.shape[1]
     rb = row_bytes(values)
     if size == 0 or rb == 0:
         return
     values = np.ascontiguousarray(values)
-    step = max(1, _MASK_BYTES // (size * rb))
+    step = _block_rows(n, size * rb)
     for a in range(0, n, step):
         dest = out[a : a + step]
         rows = _windows_at(values, starts[a : a + step], size, rb)
@@ -145,17 +146,26 @@ def padded_rows(
     return out
 
 
+def _block_rows(rows: int, row_nbytes: int) -> int:
+    """How many of ``rows`` rows of ``row_nbytes`` to copy and mask at a time: what
+    :data:`_MASK_BYTES` holds, and never fewer than :data:`~._blocks.RELEASE_ITEMS` where
+    there are that many (NumPy lets go of the GIL during an index of more than 500 items: a
+    padded gather of thousands of rows runs beside the thread that hands batches out)."""
+    step = max(1, _MASK_BYTES // max(1, row_nbytes))
+    return max(step, RELEASE_ITEMS) if rows >= RELEASE_ITEMS else step
+
+
 def _fill_past(out: np.ndarray, cut: np.ndarray, fill: np.ndarray) -> None:
     """Set ``out[i, cut[i]:]`` to ``fill`` (0-d, ``out``'s dtype) for every row ``i`` of
-    ``out`` (``(rows, size, *trailing)``, C-contiguous), by masks of :data:`_MASK_BYTES` at
-    most at a time, each gathered as the rows are (row ``i``'s is the ``size`` places from
-    ``size - cut[i]`` of ``size`` ones then ``size`` zeros: :func:`_keep_windows`). Values of
-    1, 2, 4 or 8 bytes are masked as bits: an AND with the mask (the places past the cut
-    become zeros), between two XORs with ``fill``'s bits where those are not all zero (so that
-    they become ``fill``: ``((x ^ f) & m) ^ f`` is ``x`` where ``m`` is all ones, else ``f``).
-    Others are set by a masked copy."""
+    ``out`` (``(rows, size, *trailing)``, C-contiguous), by the masks of a block of rows
+    (:func:`_block_rows`) at a time, each gathered as the rows are (row ``i``'s is the
+    ``size`` places from ``size - cut[i]`` of ``size`` ones then ``size`` zeros:
+    :func:`_keep_windows`). Values of 1, 2, 4 or 8 bytes are masked as bits: an AND with the
+    mask (the places past the cut become zeros), between two XORs with ``fill``'s bits where
+    those are not all zero (so that they become ``fill``: ``((x ^ f) & m) ^ f`` is ``x``
+    where ``m`` is all ones, else ``f``). Others are set by a masked copy."""
     n, size, trailing = out.shape[0], out.shape[1], out.shape[2:]
-    step = max(1, _MASK_BYTES // (size * out.itemsize * math.prod(trailing)))
+    step = _block_rows(n, size * out.itemsize * math.prod(trailing))
     width = out.dtype.itemsize
     if width in (1, 2, 4, 8) and out.dtype.fields is None:
         bits = out.view(f"u{width}")

@@ -63,9 +63,8 @@ def padded_row(g: int, pad: float, trailing: tuple[int, ...] = ()) -> np.ndarray
 def use_way(monkeypatch: pytest.MonkeyPatch, way: str) -> None:
     """Make ``pad_rows`` pad every piece of an array the one ``way`` (as it would at its
     number of rows), whatever the piece's rows."""
-    rows = {"concatenate": (10**9, 10**9), "windows": (1, 10**9), "runs": (1, 1)}[way]
-    monkeypatch.setattr(asynchdf5._ragged, "_WINDOW_ROWS", rows[0])
-    monkeypatch.setattr(asynchdf5._ragged, "_RUNS_ROWS", rows[1])
+    rows = {"concatenate": 10**9, "windows": 1}[way]
+    monkeypatch.setattr(asynchdf5._ragged, "_WINDOW_ROWS", rows)
 
 
 def epochs(layer: HDF5DataLayer, count: int = 2) -> list[list[Any]]:
@@ -78,12 +77,9 @@ def epochs(layer: HDF5DataLayer, count: int = 2) -> list[list[Any]]:
     [
         ([23, 0, 18, 9], 5, (), "concatenate"),
         ([23, 0, 18, 9], 16, (2,), "concatenate"),
-        ([23, 0, 18, 9], 16, (2,), "runs"),
         ([23, 0, 18, 9], 16, (2,), "windows"),
-        ([23, 0, 18, 9], 10_000, (), "runs"),
         ([23, 0, 18, 9], 10_000, (), "windows"),
         ([700, 300], 400, (), "concatenate"),
-        ([700, 300], 400, (), "runs"),
         ([700, 300], 400, (), "windows"),
     ],
 )
@@ -98,8 +94,8 @@ def test_the_fused_pad_gives_pads_batches_exactly_once(
 ) -> None:
     """Values, padding, cut rows, empty rows, batches across chunk boundaries, with a
     transformer after the Pad: every batch equal to the Pad's, every sample once per epoch,
-    the rows padded (from any number of rows) by one ``np.concatenate``, as runs, or by
-    copies ``length`` values long and a mask (windows)."""
+    the rows padded (from any number of rows) by one ``np.concatenate`` or by copies
+    ``length`` values long and a mask (windows)."""
     use_way(monkeypatch, way)
     files = files_of(tmp_path, sizes, trailing)
     n = sum(sizes)
@@ -187,7 +183,7 @@ def test_the_fused_path_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         np.testing.assert_array_equal(b["tok"], np.array(want))
 
 
-@pytest.mark.parametrize("way", ["concatenate", "runs", "windows"])
+@pytest.mark.parametrize("way", ["concatenate", "windows"])
 def test_a_mapped_ragged_top_is_padded_from_its_mapped_heap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way: str
 ) -> None:
