@@ -212,22 +212,37 @@ def _make_keep_windows(size: int, bits: np.dtype[Any], trailing: tuple[int, ...]
 _kept_keep_windows = functools.lru_cache(maxsize=8)(_make_keep_windows)
 
 
+#: Up to this many rows whose ``size`` values pass the end of the values are finished a slice
+#: each (a few NumPy calls fewer than copying the end: a batch's last rows, padded to its
+#: longest row, usually are one or two).
+_END_ROWS = 4
+
+
 def _windows_at(values: np.ndarray, starts: np.ndarray, size: int, rb: int) -> np.ndarray:
     """The ``size`` values from each of ``starts`` in ``values`` (C-contiguous), as one item
     (bytes) each: where fewer than ``size`` values are left after a start, the ones there,
     then zeros."""
-    last = len(values) - size  # the last start with size values after it
+    total = len(values)
+    last = total - size  # the last start with size values after it
     if last >= 0 and int(starts.max()) <= last:
         rows: np.ndarray = _blocks(values, size, rb)[starts]
         return rows
-    over = starts > last
+    over = np.flatnonzero(starts > last)
+    if last >= 0 and len(over) <= _END_ROWS:
+        got: np.ndarray = _blocks(values, size, rb)[np.minimum(starts, last)]
+        typed = got.view(values.dtype).reshape(len(starts), size, *values.shape[1:])
+        for i in over.tolist():
+            a = int(starts[i])
+            typed[i, : total - a] = values[a:]
+            typed[i, total - a :] = 0
+        return got
     s0 = int(starts[over].min())
-    end = np.zeros((last + size - s0 + size, *values.shape[1:]), values.dtype)
-    end[: last + size - s0] = values[s0:]
+    end = np.zeros((total - s0 + size, *values.shape[1:]), values.dtype)
+    end[: total - s0] = values[s0:]
     if last < 0:  # every start
         rows = _blocks(end, size, rb)[starts - s0]
         return rows
-    got: np.ndarray = _blocks(values, size, rb)[np.minimum(starts, last)]
+    got = _blocks(values, size, rb)[np.minimum(starts, last)]
     got[over] = _blocks(end, size, rb)[starts[over] - s0]
     return got
 
