@@ -18,6 +18,7 @@ their own runs; :func:`copy_from` copies runs out of either.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -127,8 +128,9 @@ def copy_from(
 
 
 def row_bytes(a: np.ndarray) -> int:
-    """The bytes of one value of ``a`` (one row along its first axis)."""
-    return a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+    """The bytes of one value of ``a`` (one row along its first axis). (``math.prod`` of the
+    few Python ints of a shape costs a tenth of ``np.prod``: this runs per batch and piece.)"""
+    return a.dtype.itemsize * math.prod(a.shape[1:])
 
 
 def copy_runs(

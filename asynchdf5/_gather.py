@@ -385,8 +385,8 @@ def gather_padded(
     """The rows of (not sparse) ragged top ``name`` in ``pieces``, in order, padded: what
     :class:`~asynchdf5.transforms.Pad` ``(pad, length)`` makes of the :class:`~asynchdf5.Ragged`
     that :func:`gather_ragged` gathers, ``(rows, length, *trailing)`` in the values' dtype (rows
-    longer than ``length`` cut to it, the rest of each row ``pad``), in one pass: each row's
-    values are copied from its heap straight to its place (:func:`~._ragged.pad_rows`). The
+    longer than ``length`` cut to it, the rest of each row ``pad``), straight from the heaps
+    into the batch's array, no Ragged made and copied again (:func:`~._ragged.pad_rows`). The
     array is new or from ``empty(shape, dtype)``, as :func:`gather_ragged`'s are. With a
     ``helper`` and an output of at least :data:`PARALLEL_BYTES`, the first half of the rows
     is padded on the helper's thread, as :func:`gather_split` does a fixed top's."""

@@ -3,9 +3,10 @@
 A ragged top's batch is one :class:`Ragged`: the rows' values concatenated in batch order and
 the offsets that cut them apart (the CSR convention: row ``i`` is
 ``values[offsets[i]:offsets[i + 1]]``). It holds no Python object per row, so a batch of
-thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`) writes
-each output byte once for long rows (:func:`pad_rows`, also the kernel of the layer's padded
-gather) or is one mask over short ones. A sparse-matrix
+thousands of short rows costs two arrays, and padding it (:meth:`Ragged.to_padded`,
+:func:`padded_rows`) costs a few NumPy calls whatever the rows: one copy of the output's bytes
+and one mask over them, no Python step per row. (The layer's padded gather writes into an
+array it was given, from values that may lie in chunks: :func:`pad_rows`.) A sparse-matrix
 top's batch is a :class:`scipy.sparse.csr_array` made by :func:`csr_batch` from the same three
 arrays.
 """
@@ -14,25 +15,30 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ._blocks import ScatteredValues, copy_from, copy_runs
+from ._blocks import (
+    RELEASE_ITEMS,
+    ScatteredValues,
+    _blocks,
+    copy_from,
+    copy_runs,
+    row_bytes,
+)
 from ._errors import ConfigurationError
 
-__all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows", "sparse_module"]
+__all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows", "padded_rows", "sparse_module"]
 
 
-#: Rows of at least this many values on average are padded a run per row (each byte of the
-#: output written once); shorter ones with one mask over all places.
-_ROW_VALUES = 32
-#: From this many rows on, :func:`pad_rows` copies the rows and their padding as runs, in
-#: blocks (:func:`~._blocks.copy_runs`: a few dozen NumPy calls, whatever the rows); fewer rows
-#: cost less as one ``np.concatenate`` of two views per row.
-_RUNS_ROWS = 1024
+#: From this many rows on, :func:`pad_rows` pads the rows of an array as :func:`padded_rows`
+#: does (a few dozen NumPy calls, whatever the rows); fewer rows cost less as one
+#: ``np.concatenate`` of two views per row.
+_WINDOW_ROWS = 32
 
 
 def pad_rows(
@@ -43,24 +49,31 @@ def pad_rows(
     pad: Any,
 ) -> None:
     """Write ``values[starts[i] : starts[i] + cut[i]]`` and then ``pad`` up to its end into
-    each row ``out[i]`` (``out``: ``(rows, length, *trailing)``, ``cut[i] <= length``): each
-    byte of ``out`` written once, whatever it held before. ``starts`` and ``cut`` are int64.
+    each row ``out[i]`` (``out``: ``(rows, length, *trailing)``, ``cut[i] <= length``),
+    whatever ``out`` held before. ``starts`` and ``cut`` are int64; the kernel of the layer's
+    padded gather (into the batch's array, from a chunk's heap).
 
-    Where ``out`` has the values' dtype (and is C-contiguous), many rows go as runs of values
-    and runs of padding (:func:`~._blocks.copy_runs`), fewer as one ``np.concatenate`` into
-    ``out`` of each row's values and padding (views: one C loop copies them all). Else a slice
-    of values (cast to ``out``'s dtype) and one of padding per row. Values that are no one
-    array (a mapped heap in chunks: :class:`~._blocks.ScatteredValues`) always go as runs."""
+    Where ``out`` has the values' dtype (and is C-contiguous), many rows of an array go as
+    :func:`padded_rows` makes them, a block of rows at a time (each row copied ``size``
+    values long, what follows its cut masked: no Python step per row), fewer as one
+    ``np.concatenate`` into ``out`` of each row's values and padding (views: one C loop
+    copies them all). Values that are no one array (a mapped heap in chunks:
+    :class:`~._blocks.ScatteredValues`) go as runs of values and runs of padding
+    (:func:`~._blocks.copy_runs`). Else a slice of values (cast to ``out``'s dtype) and one
+    of padding per row."""
     n, size = out.shape[0], out.shape[1]
-    if out.dtype != values.dtype or not out.flags.c_contiguous:
+    if out.dtype != values.dtype or not out.flags.c_contiguous or values.dtype.hasobject:
         for row, a, k in zip(out, starts.tolist(), cut.tolist(), strict=True):
             row[:k] = values[a : a + k]
             if k < size:
                 row[k:] = pad
         return
+    if isinstance(values, np.ndarray) and n >= _WINDOW_ROWS:
+        _pad_windows(values, starts, cut, out, np.full((), pad, out.dtype))
+        return
     flat = out.reshape(n * size, *out.shape[2:])
     fill = np.full((size, *out.shape[2:]), pad, out.dtype)  # the padding's source
-    if n >= _RUNS_ROWS or not isinstance(values, np.ndarray):
+    if not isinstance(values, np.ndarray):
         at = np.arange(n, dtype=np.int64) * size
         copy_from(values, flat, starts, at, cut)
         copy_runs([fill], [flat], np.zeros(n, np.int64), at + cut, size - cut)
@@ -71,6 +84,169 @@ def pad_rows(
         parts.append(fill[k:])
     if parts:
         np.concatenate(parts, axis=0, out=flat)
+
+
+def _pad_windows(
+    values: np.ndarray, starts: np.ndarray, cut: np.ndarray, out: np.ndarray, fill: np.ndarray
+) -> None:
+    """:func:`pad_rows` of many rows of an array into ``out`` (C-contiguous, the values'
+    dtype), by blocks of rows (:func:`_block_rows`: each copied, then masked, while it is in
+    the cache)."""
+    n, size = out.shape[0], out.shape[1]
+    rb = row_bytes(values)
+    if size == 0 or rb == 0:
+        return
+    values = np.ascontiguousarray(values)
+    step = _block_rows(n, size * rb)
+    for a in range(0, n, step):
+        dest = out[a : a + step]
+        rows = _windows_at(values, starts[a : a + step], size, rb)
+        dest[...] = rows.view(values.dtype).reshape(dest.shape)
+        c = cut[a : a + step]
+        if int(c.min()) < size:
+            _fill_past(dest, c, fill)
+
+
+#: The most bytes of a mask (or of rows, in :func:`pad_rows`) gathered at a time: a temporary
+#: that stays in the cache and under the C allocator's threshold for mapping fresh pages
+#: (glibc's starts at 128 KiB): a larger one can be mapped and unmapped at every batch, and a
+#: fresh page costs more to fault in than its bytes take to copy.
+_MASK_BYTES = 124 * 2**10
+
+
+def padded_rows(
+    values: np.ndarray, starts: np.ndarray, cut: np.ndarray, size: int, fill: np.ndarray
+) -> np.ndarray:
+    """A new array ``(rows, size, *trailing)`` of ``fill``'s dtype whose row ``i`` holds
+    ``values[starts[i] : starts[i] + cut[i]]`` and then ``fill`` (a 0-d array), with no
+    Python step per row: one copy of the output's bytes and one pass of a mask over them.
+
+    Each row is first copied whole, ``size`` values from its start (one index over a view of
+    ``values`` whose items are the ``size`` values from every value on: the values past the
+    row's end come along); the places past each row's cut are then set to ``fill``
+    (:func:`_fill_past`). ``values`` holds no Python objects, ``starts`` lie within it (int64)
+    and ``cut[i] <= size``. Where the dtype changes, the values past the cuts are zeroed
+    before the cast (they may be anything: a NaN cast to an integer warns)."""
+    n = len(starts)
+    trailing = values.shape[1:]
+    shape = (n, size, *trailing)
+    rb = row_bytes(values)
+    if n == 0 or size == 0 or rb == 0:
+        return np.full(shape, fill, fill.dtype)
+    values = np.ascontiguousarray(values)
+    rows = _windows_at(values, starts, size, rb).view(values.dtype).reshape(shape)
+    padded = int(cut.min()) < size
+    if rows.dtype == fill.dtype:
+        if padded:
+            _fill_past(rows, cut, fill)
+        return rows
+    if padded:
+        _fill_past(rows, cut, np.zeros((), rows.dtype))
+    out = rows.astype(fill.dtype)
+    if padded:
+        _fill_past(out, cut, fill)
+    return out
+
+
+def _block_rows(rows: int, row_nbytes: int) -> int:
+    """How many of ``rows`` rows of ``row_nbytes`` to copy and mask at a time: what
+    :data:`_MASK_BYTES` holds, and never fewer than :data:`~._blocks.RELEASE_ITEMS` where
+    there are that many (NumPy lets go of the GIL during an index of more than 500 items: a
+    padded gather of thousands of rows runs beside the thread that hands batches out)."""
+    step = max(1, _MASK_BYTES // max(1, row_nbytes))
+    return max(step, RELEASE_ITEMS) if rows >= RELEASE_ITEMS else step
+
+
+def _fill_past(out: np.ndarray, cut: np.ndarray, fill: np.ndarray) -> None:
+    """Set ``out[i, cut[i]:]`` to ``fill`` (0-d, ``out``'s dtype) for every row ``i`` of
+    ``out`` (``(rows, size, *trailing)``, C-contiguous), by the masks of a block of rows
+    (:func:`_block_rows`) at a time, each gathered as the rows are (row ``i``'s is the
+    ``size`` places from ``size - cut[i]`` of ``size`` ones then ``size`` zeros:
+    :func:`_keep_windows`). Values of 1, 2, 4 or 8 bytes are masked as bits: an AND with the
+    mask (the places past the cut become zeros), between two XORs with ``fill``'s bits where
+    those are not all zero (so that they become ``fill``: ``((x ^ f) & m) ^ f`` is ``x``
+    where ``m`` is all ones, else ``f``). Others are set by a masked copy."""
+    n, size, trailing = out.shape[0], out.shape[1], out.shape[2:]
+    step = _block_rows(n, size * out.itemsize * math.prod(trailing))
+    width = out.dtype.itemsize
+    if width in (1, 2, 4, 8) and out.dtype.fields is None:
+        bits = out.view(f"u{width}")
+        keeps = _keep_windows(size, bits.dtype, trailing)
+        f = fill.view(bits.dtype)
+        xor = bool(f != 0)
+        for a in range(0, n, step):
+            b = bits[a : a + step]
+            if xor:
+                np.bitwise_xor(b, f, out=b)
+            np.bitwise_and(b, keeps[size - cut[a : a + step]].view(b.dtype).reshape(b.shape), out=b)
+            if xor:
+                np.bitwise_xor(b, f, out=b)
+        return
+    gone = np.zeros(2 * size, bool)
+    gone[size:] = True  # the places past a row's cut
+    masks = _blocks(gone, size, 1)
+    for a in range(0, n, step):
+        m = masks[size - cut[a : a + step]].view(bool).reshape(-1, size, *[1] * len(trailing))
+        np.copyto(out[a : a + step], fill, where=m)
+
+
+#: The most bytes of mask :func:`_keep_windows` keeps for the next batches.
+_KEPT_MASK_BYTES = 2**20
+
+
+def _keep_windows(size: int, bits: np.dtype[Any], trailing: tuple[int, ...]) -> np.ndarray:
+    """The windows (:func:`~._blocks._blocks`: item ``j`` is the ``size`` values from ``j``)
+    over ``size`` values of all ones then ``size`` zeros, in unsigned ``bits`` of ``trailing``
+    shape: row ``i``'s mask of the places kept is item ``size - cut[i]``. Small ones are kept
+    for the next batches (a ``Pad`` pads every batch to one length), read only."""
+    if 2 * size * bits.itemsize * math.prod(trailing) <= _KEPT_MASK_BYTES:
+        return _kept_keep_windows(size, bits, trailing)
+    return _make_keep_windows(size, bits, trailing)
+
+
+def _make_keep_windows(size: int, bits: np.dtype[Any], trailing: tuple[int, ...]) -> np.ndarray:
+    keep = np.zeros((2 * size, *trailing), bits)
+    keep[:size] = ~keep[:size]  # all ones: the places kept
+    keep.flags.writeable = False
+    return _blocks(keep, size, row_bytes(keep))
+
+
+_kept_keep_windows = functools.lru_cache(maxsize=8)(_make_keep_windows)
+
+
+#: Up to this many rows whose ``size`` values pass the end of the values are finished a slice
+#: each (a few NumPy calls fewer than copying the end: a batch's last rows, padded to its
+#: longest row, usually are one or two).
+_END_ROWS = 4
+
+
+def _windows_at(values: np.ndarray, starts: np.ndarray, size: int, rb: int) -> np.ndarray:
+    """The ``size`` values from each of ``starts`` in ``values`` (C-contiguous), as one item
+    (bytes) each: where fewer than ``size`` values are left after a start, the ones there,
+    then zeros."""
+    total = len(values)
+    last = total - size  # the last start with size values after it
+    if last >= 0 and int(starts.max()) <= last:
+        rows: np.ndarray = _blocks(values, size, rb)[starts]
+        return rows
+    over = np.flatnonzero(starts > last)
+    if last >= 0 and len(over) <= _END_ROWS:
+        got: np.ndarray = _blocks(values, size, rb)[np.minimum(starts, last)]
+        typed = got.view(values.dtype).reshape(len(starts), size, *values.shape[1:])
+        for i in over.tolist():
+            a = int(starts[i])
+            typed[i, : total - a] = values[a:]
+            typed[i, total - a :] = 0
+        return got
+    s0 = int(starts[over].min())
+    end = np.zeros((total - s0 + size, *values.shape[1:]), values.dtype)
+    end[: total - s0] = values[s0:]
+    if last < 0:  # every start
+        rows = _blocks(end, size, rb)[starts - s0]
+        return rows
+    got = _blocks(values, size, rb)[np.minimum(starts, last)]
+    got[over] = _blocks(end, size, rb)[starts[over] - s0]
+    return got
 
 
 class Ragged:
@@ -193,9 +369,8 @@ class Ragged:
         Returns
         -------
         (numpy.ndarray, numpy.ndarray)
-            The padded rows and each row's length (int64), in row order. Each byte of the
-            output is written once for rows of 32 values or more on average (a run of values
-            and one of padding per row); shorter rows are filled, then masked in, vectorised.
+            The padded rows and each row's length (int64), in row order: a copy of the
+            output's bytes and a mask over them, whatever the rows (:func:`padded_rows`).
         """
         if type(self.values).__module__.startswith("cupy"):  # a device batch (device=)
             from ._ragged_cupy import to_padded_on_device
@@ -208,24 +383,13 @@ class Ragged:
         if size < 0:
             raise ValueError(f"to_padded: length={length} is negative")
         cut = np.minimum(lengths, size) if size < longest else lengths
-        shape = (n, size, *self.values.shape[1:])
-        out_dtype = self.values.dtype if dtype is None else np.dtype(dtype)
-        if n and len(self.values) >= _ROW_VALUES * n:
-            # Long rows: a run of values and one of padding per row, each byte of the output
-            # written once (a Python step per row costs what ~_ROW_VALUES values do).
-            out = np.empty(shape, out_dtype)
-            pad_rows(self.values, self.offsets[:-1], cut, out, pad)
+        fill = np.full((), pad, self.values.dtype if dtype is None else np.dtype(dtype))
+        if fill.dtype.hasobject or self.values.dtype.hasobject:  # references: a row at a time
+            out = np.full((n, size, *self.values.shape[1:]), fill, fill.dtype)
+            for row, a, k in zip(out, self.offsets.tolist(), cut.tolist(), strict=False):
+                row[:k] = self.values[a : a + k]
             return out, cut
-        # Short rows: the padding, then the values kept (those whose place within their row is
-        # below ``size``) put where a mask of the rows' places says, in one vectorised pass.
-        out = np.full(shape, pad, dtype=out_dtype)
-        mask = np.arange(size) < cut[:, None]
-        if size >= longest:
-            out[mask] = self.values
-            return out, cut
-        place = np.arange(len(self.values)) - np.repeat(self.offsets[:-1], lengths)
-        out[mask] = self.values[place < size]
-        return out, cut
+        return padded_rows(self.values, self.offsets[:-1], cut, size, fill), cut
 
     def __repr__(self) -> str:
         trailing = self.values.shape[1:]

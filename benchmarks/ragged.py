@@ -21,11 +21,11 @@ memory cgroup can be made (:mod:`benchmarks.cgroups`), again with the child in a
 - *AnnLoader*: ``anndata.experimental.AnnLoader`` over the backed file, shuffled, where
   anndata installs (it is in the ``bench`` extra).
 
-Padding, in this process: :meth:`Ragged.to_padded <asynchdf5.Ragged.to_padded>` of 64 and
-1,024 token rows against ``np.copyto`` of its output. And, warm, in child processes: shuffled
-epochs of the tokens padded to 512 by the layer (``transforms.Pad`` at the head of the chain,
-gathered padded) against the same epochs of ``Ragged`` batches the loop pads with
-``to_padded(0, 512)``.
+Padding, in this process: :meth:`Ragged.to_padded <asynchdf5.Ragged.to_padded>` of 64, 256
+and 1,024 token rows (to the longest row, and cut to 512) against ``np.copyto`` of its output
+(a reused buffer). And, warm, in child processes: shuffled epochs of the tokens padded to 512
+by the layer (``transforms.Pad`` at the head of the chain, gathered padded) against the same
+epochs of ``Ragged`` batches the loop pads with ``to_padded(0, 512)``.
 
 Ratios are taken within one run, reader against reader, in the same conditions: each ratio to
 the raw read beside the ratio of its limits (NumPy resident, fixed rows) to it.
@@ -250,30 +250,40 @@ READERS = {
 }
 
 
-def _padding(rec: Recorder, tokens: Path, batch: int = 64, reps: int = 30) -> None:
-    """``Ragged.to_padded`` on a batch of the token rows against ``np.copyto`` of its output's
-    bytes (the memory speed padding aims at), in this process, alternating, the best of
-    ``reps`` each."""
+def _padding(
+    rec: Recorder, tokens: Path, batch: int = 64, reps: int = 30, length: int | None = None
+) -> None:
+    """``Ragged.to_padded`` on a batch of the token rows (to the longest row's length, or cut
+    to ``length``) against ``np.copyto`` of its output's bytes (the memory speed padding aims
+    at), in this process, alternating, the best of ``reps`` each."""
     from asynchdf5 import Ragged
 
     with h5py.File(tokens, "r") as f:
         indptr = f["tokens/indptr"][: batch + 1]
         r = Ragged(f["tokens/data"][: int(indptr[-1])], indptr)
-    out, _ = r.to_padded()
+    out, _ = r.to_padded(0, length)
     src, dst = np.ones_like(out), np.empty_like(out)
     best = {"pad": math.inf, "copyto": math.inf}
     for _ in range(reps):
-        for name, f in (("pad", r.to_padded), ("copyto", lambda: np.copyto(dst, src))):
+        for name, f in (
+            ("pad", lambda: r.to_padded(0, length)),
+            ("copyto", lambda: np.copyto(dst, src)),
+        ):
             t0 = time.perf_counter()
             f()
             best[name] = min(best[name], time.perf_counter() - t0)
-    rec.figure(f"to_padded, {batch} token rows", out.nbytes / best["pad"] / 2**20, "MiB/s")
+    cutting = "" if length is None else f" cut to {length}"
+    rec.figure(f"to_padded, {batch} token rows{cutting}", out.nbytes / best["pad"] / 2**20, "MiB/s")
     rec.figure(
-        f"np.copyto of its output's bytes, {batch} rows",
+        f"np.copyto of its output's bytes, {batch} rows{cutting}",
         out.nbytes / best["copyto"] / 2**20,
         "MiB/s",
     )
-    rec.ratio(f"to_padded ÷ np.copyto of its output, {batch} rows", best["copyto"], best["pad"])
+    rec.ratio(
+        f"to_padded ÷ np.copyto of its output, {batch} rows{cutting}",
+        best["copyto"],
+        best["pad"],
+    )
 
 
 #: The length the padded epochs pad (and cut) the token rows to.
@@ -355,8 +365,9 @@ def bench(rec: Recorder) -> None:
         cells_fixed = folder / f"cells-{size['cells']}x{size['genes']}-fixed.h5"
         fixed["cells"] = write_fixed(cells_fixed, cells, "X")
     rec.param(**size, limit_mib=LIMIT_MIB, load=os.getloadavg()[0])
-    _padding(rec, tokens)
-    _padding(rec, tokens, 1024, 10)
+    for batch, reps in ((64, 30), (256, 20), (1024, 10)):
+        _padding(rec, tokens, batch, reps)
+        _padding(rec, tokens, batch, reps, PAD_LENGTH)
     work = folder / f"work-{os.getpid()}"
     work.mkdir(exist_ok=True)
     _padded_epochs(rec, tokens, work, size)

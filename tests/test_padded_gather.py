@@ -60,20 +60,27 @@ def padded_row(g: int, pad: float, trailing: tuple[int, ...] = ()) -> np.ndarray
     return row
 
 
+def use_way(monkeypatch: pytest.MonkeyPatch, way: str) -> None:
+    """Make ``pad_rows`` pad every piece of an array the one ``way`` (as it would at its
+    number of rows), whatever the piece's rows."""
+    rows = {"concatenate": 10**9, "windows": 1}[way]
+    monkeypatch.setattr(asynchdf5._ragged, "_WINDOW_ROWS", rows)
+
+
 def epochs(layer: HDF5DataLayer, count: int = 2) -> list[list[Any]]:
     return [list(layer) for _ in range(count)]
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize(
-    ("sizes", "chunk_size", "trailing", "runs"),
+    ("sizes", "chunk_size", "trailing", "way"),
     [
-        ([23, 0, 18, 9], 5, (), False),
-        ([23, 0, 18, 9], 16, (2,), False),
-        ([23, 0, 18, 9], 16, (2,), True),
-        ([23, 0, 18, 9], 10_000, (), True),
-        ([700, 300], 400, (), False),
-        ([700, 300], 400, (), True),
+        ([23, 0, 18, 9], 5, (), "concatenate"),
+        ([23, 0, 18, 9], 16, (2,), "concatenate"),
+        ([23, 0, 18, 9], 16, (2,), "windows"),
+        ([23, 0, 18, 9], 10_000, (), "windows"),
+        ([700, 300], 400, (), "concatenate"),
+        ([700, 300], 400, (), "windows"),
     ],
 )
 def test_the_fused_pad_gives_pads_batches_exactly_once(
@@ -83,13 +90,13 @@ def test_the_fused_pad_gives_pads_batches_exactly_once(
     sizes: list[int],
     chunk_size: int,
     trailing: tuple[int, ...],
-    runs: bool,
+    way: str,
 ) -> None:
     """Values, padding, cut rows, empty rows, batches across chunk boundaries, with a
     transformer after the Pad: every batch equal to the Pad's, every sample once per epoch,
-    the rows padded by one ``np.concatenate`` or (``runs``: from any number of rows) as runs."""
-    if runs:
-        monkeypatch.setattr(asynchdf5._ragged, "_RUNS_ROWS", 1)
+    the rows padded (from any number of rows) by one ``np.concatenate`` or by copies
+    ``length`` values long and a mask (windows)."""
+    use_way(monkeypatch, way)
     files = files_of(tmp_path, sizes, trailing)
     n = sum(sizes)
     with HDF5DataLayer(
@@ -176,14 +183,13 @@ def test_the_fused_path_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         np.testing.assert_array_equal(b["tok"], np.array(want))
 
 
-@pytest.mark.parametrize("runs", [False, True])
+@pytest.mark.parametrize("way", ["concatenate", "windows"])
 def test_a_mapped_ragged_top_is_padded_from_its_mapped_heap(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runs: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way: str
 ) -> None:
     """One contiguous file: its heap mapped (``ragged-mmap``), the rows padded straight out of
     it, the Pad's batches; a lease broken before a copy is a ReadError naming top and rows."""
-    if runs:
-        monkeypatch.setattr(asynchdf5._ragged, "_RUNS_ROWS", 1)
+    use_way(monkeypatch, way)
     (path,) = files_of(tmp_path, [500])
     kw: dict[str, Any] = dict(tops=("tok", "label"), batch_size=10, shuffle=True, seed=2)
     pad = [("tok", T.Pad(-1, length=LENGTH))]
@@ -271,9 +277,9 @@ def test_a_pad_that_is_not_fused_still_pads_or_fails_as_before(tmp_path: Path) -
 def test_to_padded_of_many_rows_equals_padding_row_by_row(
     rows: int, length: int | None, trailing: tuple[int, ...], dtype: type | None
 ) -> None:
-    """Hundreds of rows (one concatenate) and over a thousand (runs) pad as row by row when
-    the dtype is kept, as a slice per row does when it is not: the values cut at ``length``,
-    then the pad value; empty rows all pad."""
+    """Hundreds of rows and over a thousand (more than one block of masks) pad as row by row,
+    whether the dtype is kept or cast: the values cut at ``length``, then the pad value;
+    empty rows all pad."""
     rng = np.random.default_rng(5)
     lengths = rng.integers(0, 120, rows)
     lengths[::17] = 0

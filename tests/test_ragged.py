@@ -18,11 +18,13 @@ from typing import Any, cast
 
 import h5py
 import numpy as np
+import numpy.typing as npt
 import pytest
 import scipy.sparse
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import asynchdf5
 from asynchdf5 import (
     CacheBudgetWarning,
     ConfigurationError,
@@ -32,7 +34,7 @@ from asynchdf5 import (
     Stream,
 )
 from asynchdf5 import transforms as T
-from asynchdf5._ragged import _csr_kind, csr_batch
+from asynchdf5._ragged import _csr_kind, _pad_windows, csr_batch, pad_rows, padded_rows
 from asynchdf5._ragged_tops import RaggedInfo
 
 from ._files import check_exactly_once, check_message
@@ -155,6 +157,123 @@ def test_to_padded_equals_padding_row_by_row(
         want[i, :k] = r[i][:k]
     np.testing.assert_array_equal(x, want)
     assert n.dtype == np.int64 and n.tolist() == [min(k, size) for k in lengths]
+
+
+#: The dtypes the padding property runs over: the widths padded as bits (1, 2, 4, 8 bytes:
+#: ints, floats, bool, complex64, datetimes) and others padded by a masked copy (3-byte strings,
+#: complex128).
+PAD_DTYPES = ["i1", "u2", "i4", "i8", "f4", "f8", "?", "c8", "M8[s]", "S3", "c16", ">i4"]
+
+
+def pad_row_by_row(
+    values: np.ndarray, starts: np.ndarray, cut: np.ndarray, size: int, pad: Any, dtype: Any
+) -> np.ndarray:
+    """What padding is: each row's values up to its cut, then ``pad``, a row at a time."""
+    want = np.full((len(starts), size, *values.shape[1:]), pad, dtype)
+    for i, (a, k) in enumerate(zip(starts.tolist(), cut.tolist(), strict=True)):
+        want[i, :k] = values[a : a + k]
+    return want
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(0, 40), max_size=10),
+    length=st.none() | st.integers(0, 50),
+    trailing=st.sampled_from([(), (2,), (3, 1)]),
+    dtype=st.sampled_from(PAD_DTYPES),
+    cast=st.booleans(),
+    pad=st.sampled_from([0, 1, 3, 99]),
+    seed=st.integers(0, 2**16),
+)
+def test_to_padded_and_padded_rows_equal_padding_row_by_row(
+    lengths: list[int],
+    length: int | None,
+    trailing: tuple[int, ...],
+    dtype: str,
+    cast: bool,
+    pad: int,
+    seed: int,
+) -> None:
+    """The one-pass padding (every row copied ``size`` values long, what follows its cut
+    masked) equals padding row by row for every dtype, trailing shape, pad value, cut and
+    empty or zero rows, from random values (a value from a wrong place shows); and
+    :func:`padded_rows` does so from rows taken in any order (a shuffled batch's)."""
+    rng = np.random.default_rng(seed)
+    total = sum(lengths)
+    values = rng.integers(-100, 100, (total, *trailing)).astype(dtype)
+    to = np.float64 if cast and np.dtype(dtype).kind in "iuf" else None
+    r = Ragged(values, np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
+    size = max(lengths, default=0) if length is None else length
+    x, n = r.to_padded(pad=pad, length=length, dtype=to)
+    cut = np.minimum(r.lengths, size)
+    want = pad_row_by_row(values, r.offsets[:-1], cut, size, pad, to or values.dtype)
+    assert x.dtype == want.dtype and x.shape == want.shape
+    np.testing.assert_array_equal(x, want)
+    assert n.dtype == np.int64 and n.tolist() == cut.tolist()
+    order = rng.permutation(len(lengths))
+    starts = r.offsets[:-1][order]
+    fill = np.full((), pad, values.dtype)
+    want = pad_row_by_row(values, starts, cut[order], size, pad, fill.dtype)
+    np.testing.assert_array_equal(padded_rows(values, starts, cut[order], size, fill), want)
+    # The padded gather's kernel, into an array that held other values, by both its ways.
+    for windows in (False, True):
+        out = np.full_like(want, b"zz") if want.dtype.kind == "S" else np.ones_like(want)
+        if windows:
+            _pad_windows(values, starts, cut[order], out, fill)
+        else:
+            pad_rows(values, starts, cut[order], out, pad)
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("pad", [0, -5])
+def test_padding_in_blocks_of_rows(monkeypatch: pytest.MonkeyPatch, pad: int) -> None:
+    """Rows padded a few at a time (masks of 64 bytes at most): every block's rows, from
+    rows taken in any order, by to_padded, padded_rows and the padded gather's kernel."""
+    monkeypatch.setattr(asynchdf5._ragged, "_MASK_BYTES", 64)
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 30, 101)
+    values = rng.integers(-1000, 1000, (int(lengths.sum()), 2)).astype(np.int16)
+    r = Ragged(values, np.concatenate([[0], np.cumsum(lengths)]))
+    for size in (None, 7):
+        x, cut = r.to_padded(pad, size)
+        n = x.shape[1]
+        np.testing.assert_array_equal(
+            x, pad_row_by_row(values, r.offsets[:-1], cut, n, pad, values.dtype)
+        )
+        order = rng.permutation(len(r))
+        starts, c = r.offsets[:-1][order], cut[order]
+        want = pad_row_by_row(values, starts, c, n, pad, values.dtype)
+        fill = np.full((), pad, values.dtype)
+        np.testing.assert_array_equal(padded_rows(values, starts, c, n, fill), want)
+        out = np.ones_like(want)
+        pad_rows(values, starts, c, out, pad)  # over _WINDOW_ROWS rows: by windows
+        np.testing.assert_array_equal(out, want)
+
+
+def test_to_padded_of_one_huge_row_nan_neighbours_and_strided_values() -> None:
+    """One row far longer than the others pads them all to its length; values past the cuts
+    that do not cast (NaN to an integer) are not cast; values that are a strided view pad as
+    their copy does."""
+    fill = np.full((), -1, np.int32)
+    rows: list[npt.ArrayLike] = [np.arange(5000.0), [1.0], [5.0, np.nan], np.array([], np.float64)]
+    r = Ragged.from_rows(rows)
+    x, n = r.to_padded(pad=-1, length=1, dtype=np.int32)  # the NaN is cut off, not cast
+    assert n.tolist() == [1, 1, 1, 0] and x.tolist() == [[0], [1], [5], [-1]]
+    # Rows taken from among others (a gather's): the NaN after row 0 is in no row taken.
+    got = padded_rows(np.array([1.0, np.nan, 2.0]), np.array([0, 2]), np.array([1, 1]), 2, fill)
+    assert got.tolist() == [[1, -1], [2, -1]]
+    x, n = r.to_padded(pad=7)
+    assert x.shape == (4, 5000) and n.tolist() == [5000, 1, 2, 0]
+    np.testing.assert_array_equal(x[0], np.arange(5000.0))
+    assert x[1, 0] == 1 and (x[1, 1:] == 7).all() and (x[3] == 7).all()
+    wide = np.arange(40).reshape(20, 2)
+    s = Ragged(wide[:, 1], np.array([0, 4, 20]))  # values a strided view
+    np.testing.assert_array_equal(
+        s.to_padded(pad=0)[0], Ragged(wide[:, 1].copy(), s.offsets).to_padded()[0]
+    )
+    none = Ragged(np.empty((0, 3), np.float32), np.zeros(1, np.int64))
+    x, n = none.to_padded(length=4)
+    assert x.shape == (0, 4, 3) and x.dtype == np.float32 and n.shape == (0,)
 
 
 def test_pad_and_densify_transformers() -> None:
