@@ -29,11 +29,13 @@ __all__ = [
     "RELEASE_ITEMS",
     "RUN_BYTES",
     "ScatteredValues",
+    "Stored",
     "copy_all",
     "copy_from",
     "copy_runs",
     "row_bytes",
     "stage_blocks",
+    "value_windows",
 ]
 
 #: Runs of at least this many bytes on average are copied a slice each.
@@ -218,7 +220,7 @@ def stage_blocks(nbytes: int) -> int:
     return max(RELEASE_ITEMS, STAGE_BYTES // max(1, nbytes))
 
 
-def _blocks(a: np.ndarray, size: int, rb: int) -> np.ndarray:
+def value_windows(a: np.ndarray, size: int, rb: int) -> np.ndarray:
     """``a`` (C-contiguous) as one item per value: the ``size`` values from it on, as bytes
     (the items overlap; there are ``size - 1`` fewer than values)."""
     view: np.ndarray = np.ndarray((len(a) - size + 1,), np.dtype(f"V{size * rb}"), a, 0, (rb,))
@@ -233,7 +235,7 @@ def _copy_blocks(
     blocks) at a time."""
     if rb == 0:  # values of no bytes (a trailing shape with a 0)
         return
-    src, out = _blocks(source, size, rb), _blocks(dest, size, rb)
+    src, out = value_windows(source, size, rb), value_windows(dest, size, rb)
     step = stage_blocks(size * rb)
     for a in range(0, len(s_at), step):
         b = a + step

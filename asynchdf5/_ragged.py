@@ -25,10 +25,10 @@ import numpy.typing as npt
 from ._blocks import (
     RELEASE_ITEMS,
     ScatteredValues,
-    _blocks,
     copy_from,
     copy_runs,
     row_bytes,
+    value_windows,
 )
 from ._errors import ConfigurationError
 
@@ -184,7 +184,7 @@ def _fill_past(out: np.ndarray, cut: np.ndarray, fill: np.ndarray) -> None:
         return
     gone = np.zeros(2 * size, bool)
     gone[size:] = True  # the places past a row's cut
-    masks = _blocks(gone, size, 1)
+    masks = value_windows(gone, size, 1)
     for a in range(0, n, step):
         m = masks[size - cut[a : a + step]].view(bool).reshape(-1, size, *[1] * len(trailing))
         np.copyto(out[a : a + step], fill, where=m)
@@ -208,7 +208,7 @@ def _make_keep_windows(size: int, bits: np.dtype[Any], trailing: tuple[int, ...]
     keep = np.zeros((2 * size, *trailing), bits)
     keep[:size] = ~keep[:size]  # all ones: the places kept
     keep.flags.writeable = False
-    return _blocks(keep, size, row_bytes(keep))
+    return value_windows(keep, size, row_bytes(keep))
 
 
 _kept_keep_windows = functools.lru_cache(maxsize=8)(_make_keep_windows)
@@ -227,11 +227,11 @@ def _windows_at(values: np.ndarray, starts: np.ndarray, size: int, rb: int) -> n
     total = len(values)
     last = total - size  # the last start with size values after it
     if last >= 0 and int(starts.max()) <= last:
-        rows: np.ndarray = _blocks(values, size, rb)[starts]
+        rows: np.ndarray = value_windows(values, size, rb)[starts]
         return rows
     over = np.flatnonzero(starts > last)
     if last >= 0 and len(over) <= _END_ROWS:
-        got: np.ndarray = _blocks(values, size, rb)[np.minimum(starts, last)]
+        got: np.ndarray = value_windows(values, size, rb)[np.minimum(starts, last)]
         typed = got.view(values.dtype).reshape(len(starts), size, *values.shape[1:])
         for i in over.tolist():
             a = int(starts[i])
@@ -242,10 +242,10 @@ def _windows_at(values: np.ndarray, starts: np.ndarray, size: int, rb: int) -> n
     end = np.zeros((total - s0 + size, *values.shape[1:]), values.dtype)
     end[: total - s0] = values[s0:]
     if last < 0:  # every start
-        rows = _blocks(end, size, rb)[starts - s0]
+        rows = value_windows(end, size, rb)[starts - s0]
         return rows
-    got = _blocks(values, size, rb)[np.minimum(starts, last)]
-    got[over] = _blocks(end, size, rb)[starts[over] - s0]
+    got = value_windows(values, size, rb)[np.minimum(starts, last)]
+    got[over] = value_windows(end, size, rb)[starts[over] - s0]
     return got
 
 
