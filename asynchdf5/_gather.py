@@ -420,5 +420,6 @@ def _pad_pieces(
         dest = out[at : at + b - a]
         at += b - a
         guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
+        mapped = isinstance(chunk, LoadedChunk) and chunk.verify is not None
         with guarded(guard, name, chunk.indices[a:b]):
-            pad_rows(_heap(chunk.arrays[key]), starts, cut, dest, pad)
+            pad_rows(_heap(chunk.arrays[key]), starts, cut, dest, pad, exact=mapped)

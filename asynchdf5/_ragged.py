@@ -47,20 +47,23 @@ def pad_rows(
     cut: np.ndarray,
     out: np.ndarray,
     pad: Any,
+    exact: bool = False,
 ) -> None:
     """Write ``values[starts[i] : starts[i] + cut[i]]`` and then ``pad`` up to its end into
     each row ``out[i]`` (``out``: ``(rows, length, *trailing)``, ``cut[i] <= length``),
     whatever ``out`` held before. ``starts`` and ``cut`` are int64; the kernel of the layer's
-    padded gather (into the batch's array, from a chunk's heap).
+    padded gather (into the batch's array, from a chunk's heap). ``exact``: read no value but
+    the rows' (a mapped file's: its pages outside the rows were not made ready, and a read
+    there could fault on an I/O error where making them ready raises a named error).
 
     Where ``out`` has the values' dtype (and is C-contiguous), many rows of an array go as
     :func:`padded_rows` makes them, a block of rows at a time (each row copied ``size``
-    values long, what follows its cut masked: no Python step per row), fewer as one
-    ``np.concatenate`` into ``out`` of each row's values and padding (views: one C loop
-    copies them all). Values that are no one array (a mapped heap in chunks:
-    :class:`~._blocks.ScatteredValues`) go as runs of values and runs of padding
-    (:func:`~._blocks.copy_runs`). Else a slice of values (cast to ``out``'s dtype) and one
-    of padding per row."""
+    values long, what follows its cut masked: no Python step per row; the values after a row
+    are read too, so not where ``exact``), fewer as one ``np.concatenate`` into ``out`` of
+    each row's values and padding (views: one C loop copies them all). Values that are no one
+    array (a mapped heap in chunks: :class:`~._blocks.ScatteredValues`), and many rows where
+    ``exact``, go as runs of values and runs of padding (:func:`~._blocks.copy_runs`). Else a
+    slice of values (cast to ``out``'s dtype) and one of padding per row."""
     n, size = out.shape[0], out.shape[1]
     if out.dtype != values.dtype or not out.flags.c_contiguous or values.dtype.hasobject:
         for row, a, k in zip(out, starts.tolist(), cut.tolist(), strict=True):
@@ -68,12 +71,14 @@ def pad_rows(
             if k < size:
                 row[k:] = pad
         return
-    if isinstance(values, np.ndarray) and n >= _WINDOW_ROWS:
+    many = isinstance(values, np.ndarray) and n >= _WINDOW_ROWS
+    if many and not exact:
+        assert isinstance(values, np.ndarray)
         _pad_windows(values, starts, cut, out, np.full((), pad, out.dtype))
         return
     flat = out.reshape(n * size, *out.shape[2:])
     fill = np.full((size, *out.shape[2:]), pad, out.dtype)  # the padding's source
-    if not isinstance(values, np.ndarray):
+    if many or not isinstance(values, np.ndarray):
         at = np.arange(n, dtype=np.int64) * size
         copy_from(values, flat, starts, at, cut)
         copy_runs([fill], [flat], np.zeros(n, np.int64), at + cut, size - cut)

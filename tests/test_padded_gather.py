@@ -4,6 +4,10 @@ the padding kernel (``pad_rows``) pads many rows as it pads a few."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,7 @@ from asynchdf5._read._lease import Lease
 from asynchdf5._transform import fused_pads
 
 from ._files import check_exactly_once, check_message
+from ._helpers import ROOT, run_python
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -294,3 +299,78 @@ def test_to_padded_of_many_rows_equals_padding_row_by_row(
     assert x.dtype == (values.dtype if dtype is None else np.dtype(dtype))
     np.testing.assert_array_equal(x, want)
     np.testing.assert_array_equal(n, np.minimum(lengths, size))
+
+
+#: Pads 64 rows of 4 int32 values that end where a page no process may read begins (the
+#: values array goes on into it, as a mapped heap goes on into pages not made ready), to 16.
+_GUARD_PAGE = """
+import ctypes, mmap, sys
+import numpy as np
+from asynchdf5._ragged import pad_rows
+
+page = mmap.PAGESIZE
+m = mmap.mmap(-1, 2 * page)
+values = np.frombuffer(m, np.int32)
+values[:] = np.arange(len(values))
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+address = values.__array_interface__["data"][0]
+assert libc.mprotect(address + page, page, 0) == 0  # PROT_NONE: a read there is a SIGSEGV
+n = page // 4
+starts = np.arange(n - 4 * 64, n, 4, dtype=np.int64)
+cut = np.full(64, 4, np.int64)
+out = np.empty((64, 16), np.int32)
+pad_rows(values, starts, cut, out, -1, exact=sys.argv[1] == "exact")
+want = np.full((64, 16), -1, np.int32)
+want[:, :4] = starts[:, None] + np.arange(4)
+assert (out == want).all()
+print("padded")
+"""
+
+
+def test_padding_many_rows_exactly_reads_no_value_past_them(tmp_path: Path) -> None:
+    """``pad_rows(..., exact=True)`` (what the padded gather asks for a mapped file's heap,
+    whose pages past the batch's rows were not made ready) reads only the rows' values: rows
+    that end where an unreadable page begins are padded; padding by windows reads past them
+    (it is what the test's page stands for: there, an I/O error would fault, not raise)."""
+    script = tmp_path / "guard.py"
+    script.write_text(_GUARD_PAGE)
+    assert run_python([script, "exact"], timeout=60).strip() == "padded"
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    by_windows = subprocess.run(
+        [sys.executable, str(script), "windows"],
+        capture_output=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert by_windows.returncode == -signal.SIGSEGV, by_windows
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_a_mapped_heap_is_padded_exactly_and_a_copied_one_by_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mmap: bool
+) -> None:
+    """The padded gather pads a mapped heap's rows reading nothing past them
+    (:func:`test_padding_many_rows_exactly_reads_no_value_past_them`), a cache slot's by
+    windows (its memory is the layer's own), and the batches are the Pad's either way."""
+    use_way(monkeypatch, "windows")
+    asked: list[bool] = []
+    pad_rows = asynchdf5._ragged.pad_rows
+
+    def spy(values: Any, starts: Any, cut: Any, out: Any, pad: Any, exact: bool = False) -> None:
+        asked.append(exact)
+        pad_rows(values, starts, cut, out, pad, exact=exact)
+
+    monkeypatch.setattr(asynchdf5._gather, "pad_rows", spy)
+    (path,) = files_of(tmp_path, [500])
+    pad = [("tok", T.Pad(-1, length=LENGTH))]
+    kw: dict[str, Any] = dict(tops=("tok", "label"), batch_size=10, shuffle=True, seed=2)
+    with HDF5DataLayer(path, transformers=pad, mmap=mmap, **kw) as layer:
+        assert layer.stats.read_paths["tok"] == ("ragged-mmap" if mmap else "ragged-pread")
+        batches = list(layer)
+    check_exactly_once([b.indices for b in batches], 500)
+    for b in batches:
+        want = [padded_row(g, -1) for g in b.indices.tolist()]
+        np.testing.assert_array_equal(b["tok"], np.array(want))
+    assert asked and set(asked) == {mmap}
