@@ -200,7 +200,7 @@ _KEPT_MASK_BYTES = 2**20
 
 
 def _keep_windows(size: int, bits: np.dtype[Any], trailing: tuple[int, ...]) -> np.ndarray:
-    """The windows (:func:`~._blocks._blocks`: item ``j`` is the ``size`` values from ``j``)
+    """The windows (:func:`~._blocks.value_windows`: item ``j`` is the ``size`` values from ``j``)
     over ``size`` values of all ones then ``size`` zeros, in unsigned ``bits`` of ``trailing``
     shape: row ``i``'s mask of the places kept is item ``size - cut[i]``. Small ones are kept
     for the next batches (a ``Pad`` pads every batch to one length), read only."""
