@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -67,12 +67,14 @@ from .._priority import background
 from .._ragged_tops import INDICES, heap_keys
 from .._sources import Source
 from .._sources._local import LocalFile
-from .._specs import Rows
 from .._stats import ReadStats
 from .._thread_call import release_whole
 from ._lease import Lease, Leases
 from ._maps import ChunkHeap, Libc, MappedTop, Spliced, get_libc, supported
 from ._spans import merged, uncovered
+
+if TYPE_CHECKING:  # annotations only: _specs is a stage above the readers
+    from .._specs import Rows
 
 __all__ = ["MappedReader", "default_keep_bytes", "supported"]
 

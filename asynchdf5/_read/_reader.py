@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.to_thread
@@ -39,12 +39,14 @@ from .._plan import ChunkPlan
 from .._priority import background
 from .._ragged_tops import heap_keys
 from .._sources import ByteRange, Source, Streaming
-from .._specs import Rows
 from .._stats import ReadStats
 from .._thread_call import release_whole
 from ._chunked import Need, chunk_reads
 from ._spans import merged, uncovered
 from ._steps import H5pyRead, VlenRead, byte_view, direct_ranges, swapper, window_reads
+
+if TYPE_CHECKING:  # annotations only: _specs is a stage above the readers
+    from .._specs import Rows
 
 __all__ = ["HDF5Reader", "Reader", "fill_threads"]
 
