@@ -764,6 +764,16 @@ def test_a_member_of_a_csr_group_is_not_a_top(tmp_path: Path) -> None:
         check_message(err.value, repr(member), "member of the CSR group 'X'", "tops=('X'")
 
 
+def test_a_member_of_a_ragged_group_is_named_as_such(tmp_path: Path) -> None:
+    """A ragged group (no `indices`) is not called a CSR matrix in the member's refusal."""
+    path = write_ragged(tmp_path / "r.h5", 0, 6)
+    for member in ("tok/data", "tok/indptr"):
+        with pytest.raises(SchemaError) as err:
+            HDF5DataLayer(path, tops=(member, "label"), batch_size=1).__enter__()
+        check_message(err.value, repr(member), "member of the ragged group 'tok'", "tops=('tok'")
+        assert "CSR" not in str(err.value)
+
+
 def test_process_refuses_ragged_tops(tmp_path: Path) -> None:
     files = write_files(tmp_path, [6])
     layer = HDF5DataLayer(files, tops=("tok", "label"), batch_size=2, process=True)
