@@ -9,6 +9,7 @@ The ragged groups are checked here with h5py; reading them with the layer needs
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -262,3 +263,19 @@ def test_pack_turns_variable_length_datasets_into_ragged_groups(
     assert status == 0, err
     with h5py.File(tmp_path / "rows" / "train-00000.h5") as f:
         assert f["label"].shape == (30,)
+
+
+def test_packing_variable_length_datasets_without_pyarrow_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without pyarrow (no `pack` extra), packing an HDF5 file's variable-length tops says
+    that it is they which need it, not a CSV or Parquet table the user never gave."""
+    p = tmp_path / "v.h5"
+    with h5py.File(p, "w") as f:
+        d = f.create_dataset("tokens", (2,), dtype=h5py.vlen_dtype(np.int32))
+        d[0], d[1] = np.arange(3, dtype=np.int32), np.arange(1, dtype=np.int32)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    status, _, err = run_main(["pack", p, tmp_path / "out", "--tops", "tokens"], capsys)
+    assert status == 1
+    assert "packing variable-length datasets (as ragged groups) needs pyarrow" in err, err
+    assert "CSV" not in err

@@ -232,14 +232,14 @@ def npz_input(paths: Sequence[Path]) -> ArrayInput:
 # --- tables ------------------------------------------------------------------------------------
 
 
-def _pyarrow() -> Any:
-    """pyarrow (no type information: imported as a module object)."""
+def _pyarrow(packing: str = "a CSV or Parquet table") -> Any:
+    """pyarrow (no type information: imported as a module object); where it is missing, a
+    PackError that says what needs it (``packing``, the input as the user knows it)."""
     try:
         return importlib.import_module("pyarrow")
     except ImportError as exc:
         raise PackError(
-            "packing a CSV or Parquet table needs pyarrow: "
-            'pip install ".[pack]" in the asynchdf5 checkout'
+            f'packing {packing} needs pyarrow: pip install ".[pack]" in the asynchdf5 checkout'
         ) from exc
 
 

@@ -300,7 +300,7 @@ def pack_vlen(
     """Pack HDF5 files whose ``--tops`` include h5py variable-length numeric datasets: those
     as ragged groups (``data`` + ``indptr``, read as contiguous ranges instead of one heap
     object per row), the others as rows (read into memory)."""
-    pa = _pyarrow()
+    pa = _pyarrow("variable-length datasets (as ragged groups)")
     if args.compression != "none":
         raise PackError(
             "--compression does not apply to variable-length tops: ragged tops are written "
