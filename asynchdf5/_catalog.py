@@ -58,6 +58,7 @@ __all__ = [
     "describe_top",
     "field_dtype",
     "find_top",
+    "group_top_words",
     "missing_top",
     "physical",
     "refuse_external_links",
@@ -275,6 +276,13 @@ def _group_top(obj: object) -> str | None:
 
 
 _GROUP_WORDS = {"categorical": "categorical", "sparse": "sparse CSR", "ragged": "ragged"}
+
+
+def group_top_words(obj: object) -> str | None:
+    """What a group is read as when named as a top, in words (``"sparse CSR"``, ``"ragged"``,
+    ``"categorical"``); None for a group of no such form, or anything else."""
+    form = _group_top(obj)
+    return None if form is None else _GROUP_WORDS[form]
 
 
 def _group_tops(h5: h5py.File) -> list[tuple[str, str]]:

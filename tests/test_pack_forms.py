@@ -279,3 +279,31 @@ def test_packing_variable_length_datasets_without_pyarrow_says_so(
     assert status == 1
     assert "packing variable-length datasets (as ragged groups) needs pyarrow" in err, err
     assert "CSV" not in err
+
+
+@pytest.mark.parametrize("tops", [("tok", "label"), ("vl", "tok"), ("X", "label"), ("c", "label")])
+def test_pack_names_a_group_top_by_its_form(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tops: tuple[str, ...]
+) -> None:
+    """A ragged, sparse or categorical group in --tops is refused by its form (the layer reads
+    it as it is), not as "a Group, not a dataset" or "no dataset", beside rows or vlen tops."""
+    p = tmp_path / "g.h5"
+    with h5py.File(p, "w") as f:
+        f["label"] = np.arange(2)
+        vl = f.create_dataset("vl", (2,), dtype=h5py.vlen_dtype(np.int32))
+        vl[0], vl[1] = np.arange(2, dtype=np.int32), np.arange(1, dtype=np.int32)
+        t = f.create_group("tok")
+        t["data"], t["indptr"] = np.arange(3), np.array([0, 1, 3])
+        x = f.create_group("X")
+        x.attrs["shape"] = (2, 3)
+        x["data"], x["indices"], x["indptr"] = np.ones(2), np.array([0, 2]), np.array([0, 1, 2])
+        c = f.create_group("c")
+        c["codes"], c["categories"] = np.array([0, 1], np.int8), np.array([b"a", b"b"])
+    if "vl" in tops:
+        pytest.importorskip("pyarrow")
+    status, _, err = run_main(["pack", p, tmp_path / "out", "--tops", *tops], capsys)
+    group = next(t for t in tops if t in ("tok", "X", "c"))
+    words = {"tok": "a ragged group", "X": "a sparse CSR group", "c": "a categorical group"}
+    assert status == 1
+    assert f"top {group!r} is {words[group]}, which the layer reads as it is" in err, err
+    assert "leave it out of --tops" in err
