@@ -218,7 +218,8 @@ def _group_form(where: str, top: str, group: h5py.Group) -> RaggedForm:
         raise SchemaError(
             f"{where}: top {top!r} is a CSC sparse matrix (columns compressed): its rows are "
             "not contiguous, so it cannot be read row by row; store it as CSR (AnnData: "
-            "`adata.X = adata.X.tocsr()` before writing; scipy: `.tocsr()`)"
+            "`adata.X = adata.X.tocsr()` before writing; scipy: `.tocsr()`), or let "
+            "`asynchdf5 pack FILE OUT_DIR` rewrite the file with it as CSR"
         )
     names = set(group.keys())
     if "data" not in names or "indptr" not in names:
