@@ -217,6 +217,12 @@ def test_inspect_windows_and_variable_length(
     assert "tokens: windows: windows of 1025 elements every 1024" in text
     status, text, _ = run_main(["inspect", p, "--tops", "tokens", "vl"], capsys)
     assert "tokens: rows: a 1-D stream of integers: Windows(top, length, stride)" in text
+    # Beside a top of as many rows (an image's label, an AnnData obs column) it is a column of
+    # the samples, not a stream: no Windows note there.
+    with h5py.File(p, "a") as f:
+        f["data"] = np.zeros((5000, 2), np.float32)
+    status, beside, _ = run_main(["inspect", p, "--tops", "data", "tokens"], capsys)
+    assert status == 0 and "  tokens: rows\n" in beside and "1-D stream" not in beside, beside
     assert "vl: variable-length: an h5py variable-length dataset" in text
     assert "vl: h5py fallback (h5py)" in text
     status, _, err = run_main(["inspect", p, "--windows", "tokens:x"], capsys)
