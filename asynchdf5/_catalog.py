@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import difflib
 import math
 import posixpath
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from ._catalog_cache import CatalogCache, Described
 from ._errors import DataLayerError, SchemaError, SourceError
 from ._layout import ChunkIndex, Extent, Layout, ReadPath, describe
 from ._ragged_tops import (
+    CSR_MEMBERS,
     RaggedForm,
     RaggedInfo,
     RaggedParts,
@@ -56,6 +58,7 @@ __all__ = [
     "describe_top",
     "field_dtype",
     "find_top",
+    "group_top_words",
     "missing_top",
     "physical",
     "refuse_external_links",
@@ -241,11 +244,15 @@ class Catalog:
 
 def _datasets(h5: h5py.File) -> list[str]:
     """Every dataset of the file, in groups too, by path; a compound dataset with its fields
-    (each a top of its own: :func:`compound_field`)."""
+    (each a top of its own: :func:`compound_field`). The members of a ragged or sparse group
+    are left out: they are refused as tops (the group is named instead)."""
     found: list[str] = []
 
     def visit(name: str, obj: object) -> None:
         if isinstance(obj, h5py.Dataset):
+            parent, _, leaf = name.rpartition("/")
+            if leaf in CSR_MEMBERS and _group_top(h5.get(parent or "/")) in ("ragged", "sparse"):
+                return
             names = obj.dtype.names
             found.append("/" + name + (f" (fields {', '.join(names)})" if names else ""))
 
@@ -253,15 +260,70 @@ def _datasets(h5: h5py.File) -> list[str]:
     return found
 
 
+def _group_top(obj: object) -> str | None:
+    """What a group named as a top is read as, by its members alone (the form's checks come
+    when it is opened): ``"categorical"``, ``"sparse"`` (CSR), ``"ragged"``; None for any
+    other object."""
+    if not isinstance(obj, h5py.Group):
+        return None
+    keys = set(obj.keys())
+    said = _text(obj.attrs.get(ENCODING_ATTR))
+    if said == "categorical" or (said is None and keys == {"codes", "categories"}):
+        return "categorical"
+    if {"data", "indptr"} <= keys:
+        return "sparse" if "indices" in keys else "ragged"
+    return None
+
+
+_GROUP_WORDS = {"categorical": "categorical", "sparse": "sparse CSR", "ragged": "ragged"}
+
+
+def group_top_words(obj: object) -> str | None:
+    """What a group is read as when named as a top, in words (``"sparse CSR"``, ``"ragged"``,
+    ``"categorical"``); None for a group of no such form, or anything else."""
+    form = _group_top(obj)
+    return None if form is None else _GROUP_WORDS[form]
+
+
+def _group_tops(h5: h5py.File) -> list[tuple[str, str]]:
+    """The groups of the file a layer reads as tops: their paths and forms, in words."""
+    found: list[tuple[str, str]] = []
+
+    def visit(name: str, obj: object) -> None:
+        form = _group_top(obj)
+        if form is not None:
+            found.append(("/" + name, _GROUP_WORDS[form]))
+
+    h5.visititems(visit)
+    return found
+
+
+def _listed(paths: list[str]) -> str:
+    out = ", ".join(paths[:_LIST_AT_MOST])
+    if len(paths) > _LIST_AT_MOST:
+        out += f", ... ({len(paths)} in all)"
+    return out
+
+
 def missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
-    """The error for a top that file ``name`` does not hold, listing the datasets it does."""
-    have = _datasets(h5)
-    listed = ", ".join(repr(d) for d in have[:_LIST_AT_MOST])
-    if len(have) > _LIST_AT_MOST:
-        listed += f", ... ({len(have)} in all)"
+    """The error for a top that file ``name`` does not hold: the closest name it does hold
+    (a typo, or a letter's case), then the groups read as tops (sparse, ragged, categorical:
+    an AnnData file's ``X`` and ``obs`` columns) and the datasets."""
+    groups, have = _group_tops(h5), _datasets(h5)
+    names = [path.lstrip("/") for path, _ in groups] + [
+        d.split(" (fields ", 1)[0].lstrip("/") for d in have
+    ]
+    by_lower = {n.lower(): n for n in reversed(names)}
+    close = difflib.get_close_matches(top.strip("/").lower(), list(by_lower), n=1, cutoff=0.6)
+    hint = f" Did you mean {by_lower[close[0]]!r}?" if close else ""
+    parts = []
+    if groups:
+        parts.append(f"the groups read as tops {_listed([f'{p!r} ({w})' for p, w in groups])}")
+    if have:
+        parts.append(f"the datasets {_listed([repr(d) for d in have])}")
     return SchemaError(
-        f"{name}: top {top!r} is missing (no such dataset in the file); the file has "
-        + (f"the datasets {listed}" if have else "no datasets")
+        f"{name}: top {top!r} is missing (no such dataset or group in the file).{hint} The "
+        "file has " + (", and ".join(parts) if parts else "no datasets")
     )
 
 

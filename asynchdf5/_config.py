@@ -14,6 +14,7 @@ pass-through, and the table in ``docs/properties.md`` (:func:`write_property_tab
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import logging
 import os
@@ -626,7 +627,9 @@ class LayerConfig:
             properties = {k: v for k, v in properties.items() if k != "backend"}
         for name in properties:
             if name not in takes:
-                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+                close = difflib.get_close_matches(name, list(takes), n=1, cutoff=0.75)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}{hint}")
         v: dict[str, Any] = {}
         for name, (_, prop) in HDF5_PROPERTIES.items():
             if name not in properties and prop.default is REQUIRED:

@@ -218,7 +218,8 @@ def _group_form(where: str, top: str, group: h5py.Group) -> RaggedForm:
         raise SchemaError(
             f"{where}: top {top!r} is a CSC sparse matrix (columns compressed): its rows are "
             "not contiguous, so it cannot be read row by row; store it as CSR (AnnData: "
-            "`adata.X = adata.X.tocsr()` before writing; scipy: `.tocsr()`)"
+            "`adata.X = adata.X.tocsr()` before writing; scipy: `.tocsr()`), or let "
+            "`asynchdf5 pack FILE OUT_DIR` rewrite the file with it as CSR"
         )
     names = set(group.keys())
     if "data" not in names or "indptr" not in names:
@@ -319,10 +320,13 @@ def member_of_csr(where: str, h5: h5py.File, top: str) -> None:
         group = h5.get(parent)
     except (KeyError, OSError, TypeError):
         return
-    if isinstance(group, h5py.Group) and {"data", "indptr"} <= set(group.keys()):
+    members = set(group.keys()) if isinstance(group, h5py.Group) else set()
+    if {"data", "indptr"} <= members:
+        # A group without `indices` is a ragged top, not a sparse matrix: say which it is.
+        kind = "CSR group" if "indices" in members else "ragged group"
         raise SchemaError(
-            f"{where}: top {top!r} is the {leaf!r} member of the CSR group {parent!r}, whose "
-            f"rows are cut from it by 'indptr'; name the group as the top: "
+            f"{where}: top {top!r} is the {leaf!r} member of the {kind} {parent!r}, whose "
+            f"rows are cut from 'data' by 'indptr'; name the group as the top: "
             f"tops=({posixpath.normpath(parent).lstrip('/')!r}, ...)"
         )
 

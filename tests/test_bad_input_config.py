@@ -205,3 +205,40 @@ async def test_a_missing_top_lists_the_datasets_the_file_has(tmp_path: Path) -> 
     layer = AsyncHDF5DataLayer([path], batch_size=2, tops=("images/train", "label"))
     err = await open_must_fail(layer, SchemaError)
     check_message(err, path, "'label'", "'/images/train'", "'/meta/labels'")
+
+
+def _anndata_like(path: Path) -> Path:
+    """An AnnData-like file: a CSR group `X`, a categorical `obs/cell_type`, a ragged `tok`."""
+    with h5py.File(path, "w") as f:
+        x = f.create_group("X")
+        x.attrs["encoding-type"] = "csr_matrix"
+        x.attrs["shape"] = (2, 3)
+        x["data"], x["indices"], x["indptr"] = np.ones(2), np.array([0, 2]), np.array([0, 1, 2])
+        c = f.create_group("obs/cell_type")
+        c.attrs["encoding-type"] = "categorical"
+        c["codes"], c["categories"] = np.array([0, 1], np.int8), np.array([b"a", b"b"])
+        t = f.create_group("tok")
+        t["data"], t["indptr"] = np.arange(3), np.array([0, 1, 3])
+    return path
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("top", "meant"), [("x", "X"), ("obs/celltype", "obs/cell_type")])
+async def test_a_missing_top_names_the_groups_read_as_tops_and_the_closest(
+    tmp_path: Path, top: str, meant: str
+) -> None:
+    """A user of AnnData files names groups (`X`, `obs/cell_type`): the message lists them with
+    their forms, leaves out the members refused as tops (`/X/data`), and points at a typo's
+    closest name."""
+    path = _anndata_like(tmp_path / "cells.h5ad")
+    err = await open_must_fail(AsyncHDF5DataLayer([path], batch_size=1, tops=(top,)), SchemaError)
+    check_message(
+        err,
+        repr(top),
+        f"Did you mean {meant!r}?",
+        "'/X' (sparse CSR)",
+        "'/obs/cell_type' (categorical)",
+        "'/tok' (ragged)",
+        "'/obs/cell_type/codes'",
+    )
+    assert "/X/data" not in str(err) and "/tok/indptr" not in str(err)

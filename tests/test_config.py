@@ -82,6 +82,13 @@ def test_a_keyword_that_is_no_property_is_a_type_error(tmp_path: Path) -> None:
         MemoryDataLayer({"x": np.arange(10)})  # type: ignore[call-arg]
 
 
+@pytest.mark.parametrize(("typo", "meant"), [("shufle", "shuffle"), ("batchsize", "batch_size")])
+def test_a_misspelt_property_names_the_closest(tmp_path: Path, typo: str, meant: str) -> None:
+    with pytest.raises(TypeError, match=f"'{typo}'; did you mean '{meant}'\\?"):
+        kwargs: dict[str, Any] = {typo: True}
+        AsyncHDF5DataLayer([tmp_path / "a.h5"], batch_size=8, **kwargs)
+
+
 def test_a_property_of_one_subsystem_is_named_in_few_modules() -> None:
     """Defined once (``_config.py``), taken by the HDF5 layer's constructor, used by its
     subsystem: a property of one subsystem spelled in more modules is a second definition."""

@@ -9,6 +9,7 @@ The ragged groups are checked here with h5py; reading them with the layer needs
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,6 +217,12 @@ def test_inspect_windows_and_variable_length(
     assert "tokens: windows: windows of 1025 elements every 1024" in text
     status, text, _ = run_main(["inspect", p, "--tops", "tokens", "vl"], capsys)
     assert "tokens: rows: a 1-D stream of integers: Windows(top, length, stride)" in text
+    # Beside a top of as many rows (an image's label, an AnnData obs column) it is a column of
+    # the samples, not a stream: no Windows note there.
+    with h5py.File(p, "a") as f:
+        f["data"] = np.zeros((5000, 2), np.float32)
+    status, beside, _ = run_main(["inspect", p, "--tops", "data", "tokens"], capsys)
+    assert status == 0 and "  tokens: rows\n" in beside and "1-D stream" not in beside, beside
     assert "vl: variable-length: an h5py variable-length dataset" in text
     assert "vl: h5py fallback (h5py)" in text
     status, _, err = run_main(["inspect", p, "--windows", "tokens:x"], capsys)
@@ -262,3 +269,47 @@ def test_pack_turns_variable_length_datasets_into_ragged_groups(
     assert status == 0, err
     with h5py.File(tmp_path / "rows" / "train-00000.h5") as f:
         assert f["label"].shape == (30,)
+
+
+def test_packing_variable_length_datasets_without_pyarrow_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without pyarrow (no `pack` extra), packing an HDF5 file's variable-length tops says
+    that it is they which need it, not a CSV or Parquet table the user never gave."""
+    p = tmp_path / "v.h5"
+    with h5py.File(p, "w") as f:
+        d = f.create_dataset("tokens", (2,), dtype=h5py.vlen_dtype(np.int32))
+        d[0], d[1] = np.arange(3, dtype=np.int32), np.arange(1, dtype=np.int32)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    status, _, err = run_main(["pack", p, tmp_path / "out", "--tops", "tokens"], capsys)
+    assert status == 1
+    assert "packing variable-length datasets (as ragged groups) needs pyarrow" in err, err
+    assert "CSV" not in err
+
+
+@pytest.mark.parametrize("tops", [("tok", "label"), ("vl", "tok"), ("X", "label"), ("c", "label")])
+def test_pack_names_a_group_top_by_its_form(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tops: tuple[str, ...]
+) -> None:
+    """A ragged, sparse or categorical group in --tops is refused by its form (the layer reads
+    it as it is), not as "a Group, not a dataset" or "no dataset", beside rows or vlen tops."""
+    p = tmp_path / "g.h5"
+    with h5py.File(p, "w") as f:
+        f["label"] = np.arange(2)
+        vl = f.create_dataset("vl", (2,), dtype=h5py.vlen_dtype(np.int32))
+        vl[0], vl[1] = np.arange(2, dtype=np.int32), np.arange(1, dtype=np.int32)
+        t = f.create_group("tok")
+        t["data"], t["indptr"] = np.arange(3), np.array([0, 1, 3])
+        x = f.create_group("X")
+        x.attrs["shape"] = (2, 3)
+        x["data"], x["indices"], x["indptr"] = np.ones(2), np.array([0, 2]), np.array([0, 1, 2])
+        c = f.create_group("c")
+        c["codes"], c["categories"] = np.array([0, 1], np.int8), np.array([b"a", b"b"])
+    if "vl" in tops:
+        pytest.importorskip("pyarrow")
+    status, _, err = run_main(["pack", p, tmp_path / "out", "--tops", *tops], capsys)
+    group = next(t for t in tops if t in ("tok", "X", "c"))
+    words = {"tok": "a ragged group", "X": "a sparse CSR group", "c": "a categorical group"}
+    assert status == 1
+    assert f"top {group!r} is {words[group]}, which the layer reads as it is" in err, err
+    assert "leave it out of --tops" in err

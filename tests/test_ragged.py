@@ -742,7 +742,7 @@ def _bad(tmp_path: Path, kind: str) -> tuple[Path, str]:
     return path, {
         "decreasing": "decreases at row 1",
         "short": "ends at 3",
-        "csc": "CSC",
+        "csc": "CSC sparse matrix (columns compressed)",
         "no_shape": "no 'shape' attribute",
     }[kind]
 
@@ -753,6 +753,8 @@ def test_bad_groups_are_named_errors_at_open(tmp_path: Path, kind: str) -> None:
     with pytest.raises(SchemaError) as err:
         HDF5DataLayer(path, tops=("X",), batch_size=1).__enter__()
     check_message(err.value, f"{kind}.h5", "'X'", words)
+    if kind == "csc":  # the route that converts a file without anndata at hand
+        check_message(err.value, "asynchdf5 pack FILE OUT_DIR", "as CSR")
 
 
 def test_a_member_of_a_csr_group_is_not_a_top(tmp_path: Path) -> None:
@@ -762,6 +764,16 @@ def test_a_member_of_a_csr_group_is_not_a_top(tmp_path: Path) -> None:
         with pytest.raises(SchemaError) as err:
             HDF5DataLayer(path, tops=(member,), batch_size=1).__enter__()
         check_message(err.value, repr(member), "member of the CSR group 'X'", "tops=('X'")
+
+
+def test_a_member_of_a_ragged_group_is_named_as_such(tmp_path: Path) -> None:
+    """A ragged group (no `indices`) is not called a CSR matrix in the member's refusal."""
+    path = write_ragged(tmp_path / "r.h5", 0, 6)
+    for member in ("tok/data", "tok/indptr"):
+        with pytest.raises(SchemaError) as err:
+            HDF5DataLayer(path, tops=(member, "label"), batch_size=1).__enter__()
+        check_message(err.value, repr(member), "member of the ragged group 'tok'", "tops=('tok'")
+        assert "CSR" not in str(err.value)
 
 
 def test_process_refuses_ragged_tops(tmp_path: Path) -> None:

@@ -302,14 +302,16 @@ def _form(file_name: str, h5: Any, name: str) -> tuple[str, str, str, int | None
             None,
         )
     if isinstance(obj, h5py.Dataset) and obj.ndim == 1 and obj.dtype.kind in "iu":
-        return (
-            "rows",
-            "a 1-D stream of integers: Windows(top, length, stride) cuts fixed-length samples "
-            "from it (a language model's tokens)",
-            name,
-            None,
-        )
+        return "rows", _STREAM_NOTE, name, None
     return "rows", "", name, None
+
+
+#: The note on a 1-D dataset of integers that `Windows` could cut (:func:`_tops` keeps it only
+#: where no other top of the file has its rows).
+_STREAM_NOTE = (
+    "a 1-D stream of integers: Windows(top, length, stride) cuts fixed-length samples from it "
+    "(a language model's tokens)"
+)
 
 
 def _describe_top(
@@ -365,6 +367,13 @@ def _tops(source: Source, file: Any, entry: str, tops: Sequence[str], report: Fi
             report.tops.append(TopReport(name, error=str(exc)))
         except (OSError, KeyError, ValueError) as exc:  # h5py on a damaged file
             report.tops.append(TopReport(name, error=f"{entry}: top {name!r}: {exc}"))
+    # A 1-D integer top with as many rows as another top is a column of the samples (labels,
+    # an AnnData obs column), not a token stream: pointing Windows out there misleads.
+    for t in report.tops:
+        if t.form_note == _STREAM_NOTE and any(
+            o is not t and o.error is None and o.rows == t.rows for o in report.tops
+        ):
+            t.form_note = ""
 
 
 def analyze(

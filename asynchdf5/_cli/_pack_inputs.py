@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import DataLayerError
-from .._catalog import find_top
+from .._catalog import find_top, group_top_words
 from .._sources import is_hdf5_file, resolve_source
 from ._pack_write import PackError, TopSpec, temporary_prefix
 
@@ -232,14 +232,14 @@ def npz_input(paths: Sequence[Path]) -> ArrayInput:
 # --- tables ------------------------------------------------------------------------------------
 
 
-def _pyarrow() -> Any:
-    """pyarrow (no type information: imported as a module object)."""
+def _pyarrow(packing: str = "a CSV or Parquet table") -> Any:
+    """pyarrow (no type information: imported as a module object); where it is missing, a
+    PackError that says what needs it (``packing``, the input as the user knows it)."""
     try:
         return importlib.import_module("pyarrow")
     except ImportError as exc:
         raise PackError(
-            "packing a CSV or Parquet table needs pyarrow: "
-            'pip install ".[pack]" in the asynchdf5 checkout'
+            f'packing {packing} needs pyarrow: pip install ".[pack]" in the asynchdf5 checkout'
         ) from exc
 
 
@@ -377,9 +377,25 @@ class _Field:
         return np.asarray(self._fields[sel])
 
 
+def refuse_group_top(entry: str, f: h5py.File, top: str) -> None:
+    """PackError for a ``--tops`` entry that is a group the layer reads as a top (ragged,
+    sparse CSR, categorical): pack repacks datasets, and the layer reads such a group as it
+    is, so the user is told that rather than that no such dataset exists."""
+    form = group_top_words(f.get(top))
+    if form is not None:
+        raise PackError(
+            f"{entry}: top {top!r} is a {form} group, which the layer reads as it is (name it "
+            "in the layer's tops); pack repacks datasets only (as rows, and variable-length "
+            "ones as ragged groups): leave it out of --tops"
+        )
+
+
 def _hdf5_top(entry: str, f: h5py.File, top: str) -> Any:
     """Top ``top`` of ``f`` as rows, checked as the layer checks it (so a top missing lists
-    every dataset of the file, in groups too, and a compound dataset's fields)."""
+    every dataset of the file, in groups too, and a compound dataset's fields). A group the
+    layer reads as a top (ragged, sparse, categorical) is refused by its form: pack repacks
+    datasets, and the layer reads such a group as it is."""
+    refuse_group_top(entry, f, top)
     try:
         found = find_top(entry, f, top)
     except DataLayerError as exc:

@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import __version__
 from .._catalog import ENCODING_ATTR, SHUFFLED_ATTR
-from ._pack_inputs import _pyarrow, _read_table
+from ._pack_inputs import _pyarrow, _read_table, refuse_group_top
 from ._pack_write import PackError, commit_text, temporary_prefix
 from ._util import mib, plural
 
@@ -270,6 +270,7 @@ def vlen_tops(paths: Sequence[Path], tops: Sequence[str]) -> bool:
 
 
 def _hdf5_column(pa: Any, entry: str, f: h5py.File, top: str) -> Any:
+    refuse_group_top(entry, f, top)
     d = f.get(top)
     if not isinstance(d, h5py.Dataset):
         raise PackError(f"{entry}: no dataset {top!r} (choose the tops with --tops)")
@@ -300,7 +301,7 @@ def pack_vlen(
     """Pack HDF5 files whose ``--tops`` include h5py variable-length numeric datasets: those
     as ragged groups (``data`` + ``indptr``, read as contiguous ranges instead of one heap
     object per row), the others as rows (read into memory)."""
-    pa = _pyarrow()
+    pa = _pyarrow("variable-length datasets (as ragged groups)")
     if args.compression != "none":
         raise PackError(
             "--compression does not apply to variable-length tops: ragged tops are written "
