@@ -1930,3 +1930,68 @@ def test_inspect_says_whether_the_default_maps_and_why(
     t0 = time.monotonic()  # the lease was given back: a writer opens the file at once
     subprocess.run([sys.executable, "-c", f"open({str(plain)!r}, 'r+b')"], check=True, timeout=40)
     assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the reader is the same on both
+async def test_unmapping_spares_the_folios_of_the_chunks_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41: a shuffled chunk of small blocks has pages in nearly every 2 MiB folio of the
+    file, and the kernel maps a whole folio for any of its pages. Unmapping the rest of such a
+    folio while a chunk in flight still has a page in it only made the next chunk map it again
+    (thousands of ``MADV_DONTNEED`` and as many re-mappings an epoch): no page is unmapped in a
+    2 MiB block of the file (aligned in the file) that a live chunk's rows lie in (that pages
+    outside them still are: ``test_pages_of_chunks_done_with_are_unmapped_unless_kept``)."""
+    monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    path = _big(tmp_path / "big.h5", 2**21)  # 16 MiB a top: 8 blocks of 2 MiB
+    fold = 2 * 2**20
+    bad: list[tuple[str, int, int]] = []
+    drop = mapped.MappedReader._drop_done
+
+    def checked(self: mapped.MappedReader) -> None:
+        live = list(self._live)
+        calls: list[tuple[int, int]] = []
+        madvise = self._libc.madvise
+
+        def record(address: int, length: int, advice: int) -> int:
+            if advice == mapped._DONTNEED:
+                calls.append((address, length))
+            return madvise(address, length, advice)
+
+        self._libc.madvise = record  # type: ignore[method-assign]
+        try:
+            drop(self)
+        finally:
+            del self._libc.madvise
+        for t in self._tops:
+            base = t.offset - t.skip  # the file offset of the mapping's first byte
+            blocks = {
+                k
+                for a, b in live
+                if (r := t.local(a, b))
+                for k in range(
+                    (base + t.skip + r[0] * t.row_bytes) // fold,
+                    (base + t.skip + r[1] * t.row_bytes - 1) // fold + 1,
+                )
+            }
+            for address, length in calls:
+                if not t.address <= address < t.address + t.end:
+                    continue
+                lo = base + address - t.address
+                hits = set(range(lo // fold, (lo + length - 1) // fold + 1)) & blocks
+                if hits:
+                    bad.append((t.name, lo, length))
+
+    monkeypatch.setattr(mapped.MappedReader, "_drop_done", checked)
+    with anyio.fail_after(60):
+        async with AsyncHDF5DataLayer(
+            path, batch_size=2**12, chunk_size=2**18, block_size=2**11, shuffle=True, seed=0,
+            mmap=True,
+        ) as layer:  # fmt: skip
+            assert layer.stats.read_paths == {"data": "mmap", "label": "mmap"}
+            n = 0
+            async for b in layer:
+                np.testing.assert_array_equal(b["data"], b.indices * 10)
+                n += len(b.indices)
+    assert n == 2**21
+    assert not bad, bad[:5]

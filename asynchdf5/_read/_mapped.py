@@ -21,9 +21,11 @@ then, and ``read_notes`` says so): a ``SIGBUS``, where the copying reader would 
 
 Memory: a chunk's pages stay mapped while its batches are cut and gathered; once the pipeline is
 done with the chunk, their mappings are dropped (``MADV_DONTNEED``: the pages stay in the page
-cache; only this process's mapping of them goes), except the pages a chunk in flight still uses.
-So the mapped pages stay within the chunks in flight, as the copying reader's slots do, and are
-never the process's own memory: the kernel can take them back at any time.
+cache; only this process's mapping of them goes), except in the 2 MiB blocks of the file that a
+chunk in flight still has pages in (the kernel maps a whole folio of the page cache, up to 2 MiB,
+for any page of it: :meth:`MappedReader._drop_done`). So the mapped pages stay within the blocks
+of the chunks in flight, and are never the process's own memory: the kernel can take them back
+at any time.
 
 Applies to local files whose tops are stored contiguously, uncompressed, in this machine's byte
 order, up to a bound on their number (:func:`._choice.refusal` says why not otherwise, and the
@@ -314,18 +316,30 @@ class MappedReader:
                 ) from exc
 
     def _drop_done(self) -> None:
-        """Once a chunk was given back: unmap every page but those of the live chunks.
+        """Once a chunk was given back: unmap every page but those of the blocks of
+        :data:`._maps.FOLIO_BYTES` that the live chunks' pages lie in.
 
         Every page, not only the chunk's: mapping a page maps the cached pages around it too
-        (the kernel's fault-around, 64 KiB), which may belong to chunks given back before. A page
-        that a later chunk needs is mapped again when that chunk is made ready."""
+        (the kernel's fault-around, 64 KiB, or the whole folio of the page cache that holds it,
+        up to 2 MiB), which may belong to chunks given back before. Not the rest of a live
+        chunk's blocks: the kernel maps them again with the chunk's next page (a shuffled
+        chunk's rows lie in nearly every block of the file), so unmapping them would only be
+        done again with every chunk, for no memory given back. A page that a later chunk needs
+        is mapped again when that chunk is made ready."""
         with self._lock:
             given_back, self._given_back = self._given_back, False
             live = list(self._live)
         if not given_back:
             return
         for t in self._tops:
-            used = merged([p for a, b in live if (rows := t.local(a, b)) for p in t.pages(*rows)])
+            used = merged(
+                [
+                    t.folios(lo, hi)
+                    for a, b in live
+                    if (rows := t.local(a, b))
+                    for lo, hi in t.pages(*rows)
+                ]
+            )
             for x, y in uncovered(used, 0, t.end):
                 self._libc.madvise(t.address + x, y - x, _DONTNEED)
 
