@@ -1930,3 +1930,175 @@ def test_inspect_says_whether_the_default_maps_and_why(
     t0 = time.monotonic()  # the lease was given back: a writer opens the file at once
     subprocess.run([sys.executable, "-c", f"open({str(plain)!r}, 'r+b')"], check=True, timeout=40)
     assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the reader is the same on both
+async def test_unmapping_spares_the_folios_of_the_chunks_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41: a shuffled chunk of small blocks has pages in nearly every 2 MiB folio of the
+    file, and the kernel maps a whole folio for any of its pages. Unmapping the rest of such a
+    folio while a chunk in flight still has a page in it only made the next chunk map it again
+    (thousands of ``MADV_DONTNEED`` and as many re-mappings an epoch): no page is unmapped in a
+    2 MiB block of the file (aligned in the file) that a live chunk's rows lie in (that pages
+    outside them still are: ``test_pages_of_chunks_done_with_are_unmapped_unless_kept``)."""
+    monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    path = _big(tmp_path / "big.h5", 2**21)  # 16 MiB a top: 8 blocks of 2 MiB
+    fold = 2 * 2**20
+    bad: list[tuple[str, int, int]] = []
+    drop = mapped.MappedReader._drop_done
+
+    def checked(self: mapped.MappedReader) -> None:
+        live = list(self._live)
+        calls: list[tuple[int, int]] = []
+        madvise = self._libc.madvise
+
+        def record(address: int, length: int, advice: int) -> int:
+            if advice == mapped._DONTNEED:
+                calls.append((address, length))
+            return madvise(address, length, advice)
+
+        self._libc.madvise = record  # type: ignore[method-assign]
+        try:
+            drop(self)
+        finally:
+            del self._libc.madvise
+        for t in self._tops:
+            base = t.offset - t.skip  # the file offset of the mapping's first byte
+            blocks = {
+                k
+                for a, b in live
+                if (r := t.local(a, b))
+                for k in range(
+                    (base + t.skip + r[0] * t.row_bytes) // fold,
+                    (base + t.skip + r[1] * t.row_bytes - 1) // fold + 1,
+                )
+            }
+            for address, length in calls:
+                if not t.address <= address < t.address + t.end:
+                    continue
+                lo = base + address - t.address
+                hits = set(range(lo // fold, (lo + length - 1) // fold + 1)) & blocks
+                if hits:
+                    bad.append((t.name, lo, length))
+
+    monkeypatch.setattr(mapped.MappedReader, "_drop_done", checked)
+    with anyio.fail_after(60):
+        async with AsyncHDF5DataLayer(
+            path, batch_size=2**12, chunk_size=2**18, block_size=2**11, shuffle=True, seed=0,
+            mmap=True,
+        ) as layer:  # fmt: skip
+            assert layer.stats.read_paths == {"data": "mmap", "label": "mmap"}
+            n = 0
+            async for b in layer:
+                np.testing.assert_array_equal(b["data"], b.indices * 10)
+                n += len(b.indices)
+    assert n == 2**21
+    assert not bad, bad[:5]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gaps_are_what_no_span_covers(seed: int) -> None:
+    """:func:`._spans.gaps` (the pages the mapped reader unmaps) agrees with
+    :func:`._spans.uncovered` of the merged spans, on spans that overlap, touch, nest, stick
+    out of the range asked about, or are none."""
+    from asynchdf5._read._spans import gaps, merged, uncovered
+
+    rng = np.random.default_rng(seed)
+    for n in (0, 1, 2, 5, 40):
+        lo = rng.integers(-10, 200, n)
+        hi = lo + rng.integers(0, 30, n)
+        for a, b in ((0, 190), (20, 60), (50, 50)):
+            want = uncovered(merged(list(zip(lo.tolist(), hi.tolist(), strict=True))), a, b)
+            want = [(x, y) for x, y in want if x < y]
+            assert gaps(lo, hi, a, b) == want, (lo, hi, a, b)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the reader is the same on both
+async def test_a_page_that_cannot_be_populated_is_a_read_error_naming_its_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk error while a chunk is made ready (``MADV_POPULATE_READ`` answering EIO, faked:
+    the chunks after the first, whose pages are populated in spans bridging several of its
+    row ranges) is a ReadError naming the file, the top and rows of the chunk, before any of
+    its batches."""
+    import errno
+
+    monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    path = write_h5(tmp_path / "one.h5", 0, N)
+    calls: list[int] = []
+    madvise = maps.Libc.madvise
+
+    def failing(self: maps.Libc, address: int, length: int, advice: int) -> int:
+        if advice == mapped._POPULATE_READ:
+            calls.append(length)
+            if len(calls) > 2:
+                return errno.EIO
+        return madvise(self, address, length, advice)
+
+    monkeypatch.setattr(maps.Libc, "madvise", failing)
+    seen = set()
+    with anyio.fail_after(30), pytest.raises(ReadError) as info:
+        async with AsyncHDF5DataLayer(
+            path, batch_size=64, chunk_size=1000, block_size=100, shuffle=True, seed=0, mmap=True
+        ) as layer:
+            assert layer.stats.read_paths["data"] == "mmap"
+            async for b in layer:
+                seen.update(b.indices.tolist())
+    check_message(info.value, path, "read failed", os.strerror(errno.EIO), "top '", "rows ")
+    assert len(seen) < N
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the reader is the same on both
+async def test_small_rows_close_together_are_populated_in_one_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41: a shuffled chunk of 256 blocks of 256 one-byte labels lies spread over the
+    label's 1 MiB with gaps far under 64 KiB: its pages are populated in one call (it was a
+    call per run of pages, dozens a chunk, thousands an epoch), and every row still arrives
+    right, exactly once."""
+    monkeypatch.setattr(mapped, "default_keep_bytes", lambda: 0)
+    n = 2**20
+    path = tmp_path / "small.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("data", data=np.arange(n, dtype=np.int64))
+        f.create_dataset("label", data=(np.arange(n) % 251).astype(np.uint8))
+    readers: list[Any] = []
+    init = mapped.MappedReader.__init__
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        readers.append(self)
+
+    calls: list[int] = []  # populate calls on the label's mapping, per chunk
+    madvise = maps.Libc.madvise
+
+    def counted(self: maps.Libc, address: int, length: int, advice: int) -> int:
+        if advice == mapped._POPULATE_READ and readers:
+            label = next(t for t in readers[0]._tops if t.name == "label")
+            if label.address <= address < label.address + label.end:
+                calls[-1] += 1
+        return madvise(self, address, length, advice)
+
+    prepare = mapped.MappedReader._prepare
+
+    def per_chunk(self: Any, ranges: list[tuple[int, int]]) -> int:
+        calls.append(0)
+        return prepare(self, ranges)
+
+    monkeypatch.setattr(mapped.MappedReader, "__init__", recorded)
+    monkeypatch.setattr(maps.Libc, "madvise", counted)
+    monkeypatch.setattr(mapped.MappedReader, "_prepare", per_chunk)
+    seen = np.zeros(n, np.int64)
+    with anyio.fail_after(60):
+        async with AsyncHDF5DataLayer(
+            path, batch_size=2**12, chunk_size=2**16, block_size=2**8, shuffle=True, seed=0,
+            mmap=True,
+        ) as layer:  # fmt: skip
+            assert layer.stats.read_paths == {"data": "mmap", "label": "mmap"}
+            async for b in layer:
+                np.testing.assert_array_equal(b["data"], b.indices)
+                np.testing.assert_array_equal(b["label"], b.indices % 251)
+                np.add.at(seen, b.indices, 1)
+    assert (seen == 1).all()
+    assert len(calls) >= 16 and max(calls) == 1, calls

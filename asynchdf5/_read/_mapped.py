@@ -21,9 +21,11 @@ then, and ``read_notes`` says so): a ``SIGBUS``, where the copying reader would 
 
 Memory: a chunk's pages stay mapped while its batches are cut and gathered; once the pipeline is
 done with the chunk, their mappings are dropped (``MADV_DONTNEED``: the pages stay in the page
-cache; only this process's mapping of them goes), except the pages a chunk in flight still uses.
-So the mapped pages stay within the chunks in flight, as the copying reader's slots do, and are
-never the process's own memory: the kernel can take them back at any time.
+cache; only this process's mapping of them goes), except in the 2 MiB blocks of the file that a
+chunk in flight still has pages in (the kernel maps a whole folio of the page cache, up to 2 MiB,
+for any page of it: :meth:`MappedReader._drop_done`). So the mapped pages stay within the blocks
+of the chunks in flight, and are never the process's own memory: the kernel can take them back
+at any time.
 
 Applies to local files whose tops are stored contiguously, uncompressed, in this machine's byte
 order, up to a bound on their number (:func:`._choice.refusal` says why not otherwise, and the
@@ -71,7 +73,7 @@ from .._stats import ReadStats
 from .._thread_call import release_whole
 from ._lease import Lease, Leases
 from ._maps import ChunkHeap, Libc, MappedTop, Spliced, get_libc, supported
-from ._spans import merged, uncovered
+from ._spans import gaps, merged, uncovered
 
 if TYPE_CHECKING:  # annotations only: _specs is a stage above the readers
     from .._specs import Rows
@@ -177,6 +179,9 @@ class MappedReader:
         #: the last drop (the next read drops the mappings, on the reader's thread).
         self._mapped: list[tuple[int, int]] = []
         self._live: collections.Counter[tuple[int, int]] = collections.Counter()
+        #: Each live row range's blocks of pages (:meth:`_blocks`), kept while it is live: a
+        #: range stays live over several drops, and finding its pages costs more than the drop.
+        self._blocks_of: dict[tuple[int, int], list[np.ndarray]] = {}
         self._given_back = False
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
@@ -275,23 +280,36 @@ class MappedReader:
         return sum(t.nbytes(*rows) for a, b in todo for t in self._tops if (rows := t.local(a, b)))
 
     def _populate(self, ranges: list[tuple[int, int]]) -> None:
-        """Read the rows ahead and map their pages (blocking); ReadError if a page cannot be."""
-        pieces = [(t, rows) for a, b in ranges for t in self._tops if (rows := t.local(a, b))]
-        for t, (a, b) in pieces:  # every read queued first: the disk sees them all at once
-            for lo, hi in t.spans(a, b):
+        """Read the rows ahead and map their pages (blocking); ReadError if a page cannot be.
+
+        Per top, the pages of all ``ranges`` at once, with gaps of less than :data:`BRIDGE`
+        between them populated too (:func:`_bridged`): one call for many small rows (a label's
+        8 bytes) close together, rather than one a row range."""
+        work = []
+        for t in self._tops:
+            own = [(a, b, rows) for a, b in ranges if (rows := t.local(a, b))]
+            pages = [p for _, _, rows in own for p in t.pages(*rows)]
+            work.append((t, own, _bridged(pages)))  # no pages: ragged rows holding no values
+        for t, _, spans in work:  # every read queued first: the disk sees them all at once
+            base = t.offset - t.skip  # the file offset of the mapping's first byte
+            for lo, hi in spans:
                 with contextlib.suppress(OSError):  # advice only
-                    os.posix_fadvise(t.file.fd, t.offset + lo, hi - lo, os.POSIX_FADV_WILLNEED)
-        for t, (a, b) in pieces:  # no pages: a ragged top's rows holding no values
-            populate = (
-                self._libc.madvise(t.address + lo, hi - lo, _POPULATE_READ)
-                for lo, hi in t.pages(a, b)
-            )
-            err = next((e for e in populate if e), 0)  # stops at the first that failed
-            if err:
-                a, b = t.start + a, t.start + b  # global rows, as everywhere in messages
-                self._check_files([(a, b)])  # a file that changed is the cause to report
+                    os.posix_fadvise(t.file.fd, base + lo, hi - lo, os.POSIX_FADV_WILLNEED)
+        for t, own, spans in work:
+            for lo, hi in spans:
+                err = self._libc.madvise(t.address + lo, hi - lo, _POPULATE_READ)
+                if not err:
+                    continue
+                # The row ranges with pages in the span that failed, as global rows.
+                failed = [
+                    (t.start + r[0], t.start + r[1])
+                    for _, _, r in own
+                    if any(x < hi and lo < y for x, y in t.pages(*r))
+                ]
+                self._check_files(failed)  # a file that changed is the cause to report
                 raise ReadError(
-                    f"{t.file.name}: top {t.name!r}, rows {a}:{b}: read failed: {os.strerror(err)}"
+                    f"{t.file.name}: top {t.name!r}, {_rows_words(failed)}: read failed: "
+                    f"{os.strerror(err)}"
                 )
 
     def _check_files(self, ranges: list[tuple[int, int]]) -> None:
@@ -316,20 +334,40 @@ class MappedReader:
                 ) from exc
 
     def _drop_done(self) -> None:
-        """Once a chunk was given back: unmap every page but those of the live chunks.
+        """Once a chunk was given back: unmap every page but those of the blocks of
+        :data:`._maps.FOLIO_BYTES` that the live chunks' pages lie in.
 
         Every page, not only the chunk's: mapping a page maps the cached pages around it too
-        (the kernel's fault-around, 64 KiB), which may belong to chunks given back before. A page
-        that a later chunk needs is mapped again when that chunk is made ready."""
+        (the kernel's fault-around, 64 KiB, or the whole folio of the page cache that holds it,
+        up to 2 MiB), which may belong to chunks given back before. Not the rest of a live
+        chunk's blocks: the kernel maps them again with the chunk's next page (a shuffled
+        chunk's rows lie in nearly every block of the file), so unmapping them would only be
+        done again with every chunk, for no memory given back. A page that a later chunk needs
+        is mapped again when that chunk is made ready."""
         with self._lock:
             given_back, self._given_back = self._given_back, False
             live = list(self._live)
         if not given_back:
             return
-        for t in self._tops:
-            used = merged([p for a, b in live if (rows := t.local(a, b)) for p in t.pages(*rows)])
-            for x, y in uncovered(used, 0, t.end):
+        known, self._blocks_of = self._blocks_of, {}
+        for r in live:
+            self._blocks_of[r] = known.get(r) or self._blocks(*r)
+        per_range = self._blocks_of.values()
+        for i, t in enumerate(self._tops):
+            spans = [b[i] for b in per_range]
+            used = np.concatenate(spans) if spans else np.empty((0, 2), np.int64)
+            for x, y in gaps(used[:, 0], used[:, 1], 0, t.end):
                 self._libc.madvise(t.address + x, y - x, _DONTNEED)
+
+    def _blocks(self, a: int, b: int) -> list[np.ndarray]:
+        """Per top (in :attr:`_tops`' order), the blocks of pages that global rows ``a:b`` lie
+        in (:meth:`._maps.MappedTop.folios`), as an array of ``(start, stop)`` rows."""
+        out = []
+        for t in self._tops:
+            rows = t.local(a, b)
+            blocks = [t.folios(lo, hi) for lo, hi in t.pages(*rows)] if rows else []
+            out.append(np.array(blocks, np.int64).reshape(-1, 2))
+        return out
 
     def _close_maps(self) -> None:
         for t in self._tops:
@@ -367,6 +405,24 @@ def default_keep_bytes() -> int:
     process may use (the machine's, or its container's limit). A larger one cannot stay in the
     page cache anyway; its chunks are unmapped after use."""
     return memory_bytes() // 2
+
+
+#: Pages of a chunk's rows this close (or closer) are populated with the pages between them, in
+#: one call: the fault-around the kernel maps with any page (64 KiB), far less than it reads
+#: ahead from the disk, and one call costs more than mapping that many cached pages.
+BRIDGE = 64 * 1024
+
+
+def _bridged(pages: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``pages`` (page-aligned spans) merged, with gaps of at most :data:`BRIDGE` between them
+    filled."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(pages):
+        if out and lo <= out[-1][1] + BRIDGE:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def _rows_words(ranges: list[tuple[int, int]]) -> str:

@@ -31,11 +31,17 @@ if TYPE_CHECKING:
     from .._specs import Rows
 
 __all__ = [
-    "ChunkHeap", "ChunkRows", "Libc", "MappedTop", "Spliced", "get_libc", "run_starts", "supported",
+    "FOLIO_BYTES", "ChunkHeap", "ChunkRows", "Libc", "MappedTop", "Spliced", "get_libc",
+    "run_starts", "supported",
 ]  # fmt: skip
 
 _PAGE = mmap.PAGESIZE
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+#: The largest block of a file's page cache the kernel maps at once for one page asked for:
+#: a folio of the page cache (Linux 6.x holds a file's cached pages in folios of up to 2 MiB,
+#: a PMD's span on x86-64 and arm64 with 4 KiB pages, aligned in the file to their size), all
+#: of whose pages a fault or ``MADV_POPULATE_READ`` maps.
+FOLIO_BYTES = 2 * 2**20
 
 
 class Libc:
@@ -265,6 +271,15 @@ class MappedTop:
             lo, hi = lo + self.skip, hi + self.skip
             out.append((lo - lo % _PAGE, -(-hi // _PAGE) * _PAGE))
         return merged(out)
+
+    def folios(self, lo: int, hi: int) -> tuple[int, int]:
+        """Mapping offsets ``lo:hi`` (from :attr:`address`) widened to the blocks of
+        :data:`FOLIO_BYTES` of the file they lie in (aligned in the file, not in the mapping),
+        within the mapping."""
+        base = self.offset - self.skip  # the file offset of the mapping's first byte
+        lo = (base + lo) // FOLIO_BYTES * FOLIO_BYTES - base
+        hi = -(-(base + hi) // FOLIO_BYTES) * FOLIO_BYTES - base
+        return max(0, lo), min(self.end, hi)
 
     @property
     def end(self) -> int:

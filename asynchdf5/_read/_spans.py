@@ -6,7 +6,9 @@ from __future__ import annotations
 import bisect
 import math
 
-__all__ = ["merged", "uncovered"]
+import numpy as np
+
+__all__ = ["gaps", "merged", "uncovered"]
 
 
 def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -38,3 +40,20 @@ def uncovered(spans: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, i
     if pos < b:
         out.append((pos, b))
     return out
+
+
+def gaps(lo: np.ndarray, hi: np.ndarray, a: int, b: int) -> list[tuple[int, int]]:
+    """The parts of ``a:b`` that no span ``lo[i]:hi[i]`` covers (spans in any order, overlapping
+    or not): :func:`uncovered` of the :func:`merged` spans, for many spans at once."""
+    lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+    if len(lo) == 0:
+        return [(a, b)] if a < b else []
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], np.maximum.accumulate(hi[order])  # hi: the furthest reach so far
+    new = np.flatnonzero(lo[1:] > hi[:-1]) + 1  # where a span starts past all before it
+    starts = np.r_[a, hi[new - 1], hi[-1]]  # a gap starts where a merged span ends ...
+    stops = np.r_[lo[0], lo[new], b]  # ... and stops where the next one starts
+    np.clip(starts, a, b, out=starts)
+    np.clip(stops, a, b, out=stops)
+    keep = starts < stops
+    return list(zip(starts[keep].tolist(), stops[keep].tolist(), strict=True))
