@@ -402,19 +402,25 @@ class Ragged:
         return f"Ragged({len(self)} rows, {len(self.values)} values of {self.values.dtype}{shape})"
 
 
-def sparse_module(top: str) -> ModuleType:
-    """``scipy.sparse`` (the ``sparse`` extra), which sparse-matrix top ``top``'s batches are
-    made of, imported now: the layer calls it at open (blocking: its first import takes a
-    fraction of a second), so that no batch waits for the import and a missing or broken scipy
-    is a :class:`~asynchdf5.ConfigurationError` naming the top before any batch."""
+#: What a user does when scipy cannot be imported (:func:`sparse_module`).
+_SCIPY_FIX = (
+    "install the 'sparse' extra (pip install \".[sparse]\" in the asynchdf5 checkout), or add "
+    "scipy to the environment"
+)
+
+
+def sparse_module(top: str, module: str = "scipy.sparse", fix: str = _SCIPY_FIX) -> ModuleType:
+    """``module`` (``scipy.sparse``, the ``sparse`` extra; the device's ``cupyx.scipy.sparse``),
+    which sparse-matrix top ``top``'s batches are made of, imported now: the layer calls it at
+    open (blocking: a first import takes a fraction of a second), so that no batch waits for the
+    import and a missing or broken one is a :class:`~asynchdf5.ConfigurationError` naming the
+    top before any batch, saying what to do (``fix``)."""
     try:
-        return importlib.import_module("scipy.sparse")
+        return importlib.import_module(module)
     except Exception as exc:  # ImportError, or a broken install failing in its own way
         raise ConfigurationError(
-            f"top {top!r} is a sparse matrix (a CSR group), whose batches are scipy.sparse "
-            f"arrays, and scipy cannot be imported ({type(exc).__name__}: {exc}): install the "
-            "'sparse' extra (pip install \".[sparse]\" in the asynchdf5 checkout), or add "
-            "scipy to the environment"
+            f"top {top!r} is a sparse matrix (a CSR group), whose batches are {module} "
+            f"matrices, and {module} cannot be imported ({type(exc).__name__}: {exc}): {fix}"
         ) from exc
 
 

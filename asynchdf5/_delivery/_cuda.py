@@ -26,7 +26,6 @@ CuPy is imported inside functions only, so importing asynchdf5 never imports it.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import threading
 import time
 import weakref
@@ -39,9 +38,9 @@ import numpy as np
 
 from .._batch import Batch
 from .._catalog import TopInfo
-from .._errors import ConfigurationError, DeviceError, SchemaError
+from .._errors import DeviceError, SchemaError
 from .._gather import gather_ragged, gather_split
-from .._ragged import Ragged
+from .._ragged import Ragged, sparse_module
 from .._ragged_tops import RaggedInfo
 from .._specs import GroupSpec, Piece
 from .._stats import GatherStats
@@ -412,16 +411,10 @@ class CudaDelivery:
 
     def _sparse(self, top: str) -> Any:
         """``cupyx.scipy.sparse``, imported at open for sparse-matrix top ``top``
-        (:meth:`check`: no batch waits for the import; a :class:`~asynchdf5.ConfigurationError`
-        naming the top where it cannot be imported)."""
-        try:
-            return importlib.import_module("cupyx.scipy.sparse")
-        except Exception as exc:  # ImportError, or a broken install failing in its own way
-            raise ConfigurationError(
-                f"top {top!r} is a sparse matrix (a CSR group), whose batches on the device are "
-                f"cupyx.scipy.sparse matrices, and cupyx.scipy.sparse cannot be imported "
-                f"({type(exc).__name__}: {exc}): check the CuPy install, or use device=None"
-            ) from exc
+        (:meth:`check`: no batch waits for the import; a named error where it cannot be)."""
+        return sparse_module(
+            top, "cupyx.scipy.sparse", "check the CuPy install, or use device=None"
+        )
 
     def abandon(self, staging: Iterable[np.ndarray]) -> None:
         """The batch being gathered or finished failed: its ``staging`` buffers go back (no
