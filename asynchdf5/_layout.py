@@ -6,6 +6,8 @@ path only when every byte of it is accounted for:
 * ``pread``: data stored contiguously as exactly the numpy dtype's bytes (in either byte order):
   in the file itself, in the target file of an external link, or in external raw files (each
   checked to exist and to hold the bytes: HDF5 would read zeros in place of missing ones).
+  A dataset of no rows (shape ``(0, ...)``: a ragged or sparse top's heap of no values) is
+  ``pread`` with no extent, or ``chunks`` with no chunk, whatever HDF5 allocated: nothing to read.
 * ``chunks``: chunked, every chunk written (its place taken from HDF5's own chunk index at open,
   never computed), with no filters or a filter pipeline that :mod:`._codecs` decodes (fletcher32
   verified). Chunks may split the samples: a *band* (every chunk of one run of rows) then holds
@@ -320,6 +322,8 @@ def describe(source: Source, file: StoredFile, dset: h5py.Dataset, top: str) -> 
             if not exact:
                 return _h5py(storage, file, dset, "stored type needs conversion", depends=files)
             return Layout("pread", storage, swap=swap, extents=extents)
+        if nrows == 0:  # shape (0, ...): no bytes to read, none to account for
+            return Layout("pread", "contiguous", swap=swap)
         offset = dset.id.get_offset()
         if offset is None or nbytes == 0:  # never written: HDF5 supplies the fill value
             return _h5py("contiguous", file, dset, "not allocated (fill values)")
@@ -350,7 +354,8 @@ def describe(source: Source, file: StoredFile, dset: h5py.Dataset, top: str) -> 
             note = "cannot tell whether partial edge chunks are filtered (libhdf5 not found)"
             return _h5py(storage, file, dset, note, filters=filters)
         raw_partial = bool(opts & _DONT_FILTER_PARTIAL_CHUNKS)
-    index = _chunk_index(file, dset, shape, chunks, len(filters), raw_partial) if nrows else None
+    # Shape (0, ...): no chunk in the extent, so an empty index (nothing to read).
+    index = _chunk_index(file, dset, shape, chunks, len(filters), raw_partial)
     if index is None:
         note = "chunks not all written (fill values)"
         return _h5py(storage, file, dset, note, filters=filters)

@@ -1405,6 +1405,119 @@ def test_an_anndata_sparse_h5ad_is_mapped_and_gives_the_copying_readers_batches(
                 np.testing.assert_array_equal(np.diff(a["X"].indptr), a["obs/nnz"])
 
 
+def _no_values(path: Path, storage: str, n: int = 300, start: int = 0) -> Path:
+    """``tok`` (ragged) and ``X`` (sparse, 11 columns) whose heaps hold no values (shape
+    ``(0,)``, ``indptr`` all zeros), beside ``label`` and ``len`` (zeros), rows numbered from
+    ``start``: the heaps ``chunked`` (``maxshape=(None,)``, as h5py and anndata make them), or
+    ``contiguous`` (never allocated); ``anndata``: ``X`` written by the ``anndata`` package."""
+    from .test_ragged import write_ragged
+
+    write_ragged(path, start, n, lengths=np.zeros(n, np.int64))
+    kw: dict[str, Any] = {} if storage == "contiguous" else dict(chunks=True, maxshape=(None,))
+    with h5py.File(path, "r+") as f:
+        if storage != "contiguous":
+            del f["tok/data"]
+            f["tok"].create_dataset("data", (0,), np.int64, **kw)
+        if storage != "anndata":
+            g = f.create_group("X")
+            g.create_dataset("data", (0,), np.float32, **kw)
+            g.create_dataset("indices", (0,), np.int32, **kw)
+            g["indptr"] = np.zeros(n + 1, np.int64)
+            g.attrs["shape"] = (n, 11)
+            g.attrs["encoding-type"] = "csr_matrix"
+    if storage == "anndata":
+        anndata = pytest.importorskip("anndata")
+        import scipy.sparse
+
+        x = anndata.AnnData(X=scipy.sparse.csr_matrix((n, 11), dtype=np.float32))
+        x.write_h5ad(path.with_suffix(".h5ad"))
+        with h5py.File(path.with_suffix(".h5ad")) as src, h5py.File(path, "r+") as f:
+            assert src["X/data"].shape == (0,) and src["X/data"].chunks is not None
+            src.copy(src["X"], f, "X")
+    with h5py.File(path) as f:
+        for key in ("tok/data", "X/data", "X/indices"):
+            assert f[key].shape == (0,) and (f[key].chunks is None) == (storage == "contiguous")
+    return path
+
+
+def _no_values_epochs(
+    paths: list[Path], n: int, caplog: pytest.LogCaptureFixture, **kw: Any
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Two epochs of ``_no_values``' tops (and ``_ragged``'s, where a file has values), each
+    sample once an epoch with its own rows, and no warning: the read paths and notes."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "asynchdf5"):
+        with HDF5DataLayer(
+            paths, tops=("tok", "X", "label", "len"), batch_size=64, seed=5, chunk_size=100, **kw
+        ) as layer:
+            for epoch in range(2):
+                got = list(layer)
+                _once(got, n, epoch)
+                for b in got:
+                    np.testing.assert_array_equal(b["label"], b.indices)
+                    np.testing.assert_array_equal(b["tok"].lengths, b["len"])
+                    np.testing.assert_array_equal(np.diff(b["X"].indptr), b["len"])
+                    assert b["X"].shape == (len(b.indices), 11)
+                    for i, g in enumerate(b.indices.tolist()):
+                        assert (b["tok"][i] == g).all()
+            paths_, notes = dict(layer.stats.read_paths), dict(layer.stats.read_notes)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == [], warned
+    return paths_, notes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("storage", ["chunked", "contiguous", "anndata"])
+def test_heaps_of_no_values_are_mapped_with_no_read_and_no_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str],
+    storage: str,
+) -> None:  # fmt: skip
+    """A ragged and a sparse top whose heaps hold no values (a shard of an ``.h5ad`` with no
+    non-zero counts): nothing of them is read, so no h5py path, no warning and no fill-value
+    note; mapped by default as a heap of values is (kept between epochs or not), and every
+    sample once an epoch with its empty rows, mapped or copied, shuffled or not (they were read
+    through h5py and copied)."""
+    from asynchdf5._cli import main
+
+    path = _no_values(tmp_path / "z.h5", storage)
+    fast = "chunks" if storage != "contiguous" else "pread"
+    for shuffle in (False, True):
+        paths, notes = _no_values_epochs([path], 300, caplog, shuffle=shuffle, mmap=False)
+        assert paths == {"tok": f"ragged-{fast}", "X": f"sparse-{fast}", "label": "pread",
+                         "len": "pread"}, notes  # fmt: skip
+        assert notes == {}, notes  # no fill value, no h5py read
+        with pytest.MonkeyPatch.context() as mp:
+            if shuffle:  # mapped pages dropped after each chunk, as a data set not kept
+                mp.setattr(mapped, "default_keep_bytes", lambda: 0)
+            paths, notes = _no_values_epochs([path], 300, caplog, shuffle=shuffle)
+        assert paths == {"tok": "ragged-mmap", "X": "sparse-mmap", "label": "mmap",
+                         "len": "mmap"}, notes  # fmt: skip
+        assert all(note.startswith("mapped: ") for note in notes.values()), notes
+    status = main(["inspect", str(path), "--tops", "X", "tok", "--json"])
+    said = json.loads(capsys.readouterr().out)["mmap"]
+    assert status == 0 and said.startswith("mapped: "), said
+    assert mappings(path, collect=True) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("storage", ["chunked", "contiguous"])
+def test_a_heap_of_no_values_beside_a_file_with_values(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, storage: str
+) -> None:
+    """Two files, one whose heaps hold no values and one whose heaps hold some: copied (a
+    ragged top in several files), every sample once an epoch with its own rows, and the empty
+    heaps read through no h5py path, with no warning (they were)."""
+    empty = _no_values(tmp_path / "a.h5", storage, n=200)
+    full = _ragged(tmp_path / "b.h5", start=200, n=400)
+    for shuffle in (False, True):
+        for mmap in (False, "auto"):
+            paths, notes = _no_values_epochs([empty, full], 600, caplog, shuffle=shuffle, mmap=mmap)
+            assert not any("h5py" in p for p in paths.values()), paths
+            assert not any("fill values" in note for note in notes.values()), notes
+            if mmap == "auto":
+                assert notes["tok"].startswith("copied: ") and "in 2 files" in notes["tok"]
+
+
 @pytest.mark.parametrize("case", ["gzip", "unwritten"])
 async def test_a_heap_in_chunks_it_cannot_map_is_copied_and_says_what_it_needs(
     tmp_path: Path, case: str

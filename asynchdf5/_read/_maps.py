@@ -199,6 +199,11 @@ class MappedTop:
             self.length = length = self.skip + end
             first, delta = _segments(self.chunk_at, self.chunk_rows, self.row_bytes)
             self.seg_first, self.seg_delta = first.tolist(), delta.tolist()
+        self.array: np.ndarray | ChunkRows | ChunkHeap | None
+        if length == 0:  # a heap of no values: nothing to map (a zero-length mmap fails)
+            self.address = 0
+            self.array = np.empty((0, *shape), dtype)
+            return
         try:
             self.address = libc.map(file.fd, length, offset - self.skip)
         except OSError as exc:
@@ -210,7 +215,6 @@ class MappedTop:
         # Not at interpreter exit: a daemon gather thread may still be reading the mapping then.
         finalizer.atexit = False
         whole.flags.writeable = False  # mapped read-only: a write would be a SIGSEGV
-        self.array: np.ndarray | ChunkRows | ChunkHeap | None
         if self.chunk_at is not None and heap is not None:
             self.array = ChunkHeap(
                 whole, self.skip + self.chunk_at, self.chunk_rows, items, dtype, shape
