@@ -98,6 +98,9 @@ def test_unrelated_datasets_grouped_by_rows_and_capped(
     status, text, _ = run_main(["inspect", path], capsys)
     assert status == 0 and "tops with 50 rows: ids, images" in text
     assert "7 tops not described below: --tops names them" in text
+    assert "tops with 7 rows" not in text  # the text lists the 8 largest sets, counts the rest
+    assert f"... {SHOWN + 5 - 7} other row counts ({SHOWN + 5 - 7} tops; --json lists them)" in text
+    assert len(text.splitlines()) < 80
     assert "HDF5DataLayer(" in text and "tops=('ids', 'images'), batch_size=256)" in text
 
 

@@ -158,7 +158,7 @@ class Offer:
 
 
 #: How many offered tops the table describes, and the sets list by name (the rest counted).
-SHOWN = 24
+SHOWN = 12
 
 
 @dataclass
@@ -658,6 +658,8 @@ def render(report: Report) -> str:
 
 #: How many tops a line of the offered sets names (the rest counted).
 _SET_AT_MOST = 12
+#: How many of the offered sets (row counts) the text lists (the rest counted).
+_SETS_AT_MOST = 8
 
 
 def _render_offer(report: Report, found: Offer) -> list[str]:
@@ -670,11 +672,15 @@ def _render_offer(report: Report, found: Offer) -> list[str]:
         f"others): it offers {plural(count, 'top')}, by row count (only tops of one row count "
         "are one layer's tops):",
     ]
-    for rows, names in found.sets:
+    for rows, names in found.sets[:_SETS_AT_MOST]:
         named = [n + (f" ({forms[n]})" if forms.get(n, "rows") != "rows" else "") for n in names]
         more = len(named) - _SET_AT_MOST
         listed = ", ".join(named[:_SET_AT_MOST]) + (f", ... ({more} more)" if more > 0 else "")
         out.append(f"  tops with {plural(rows, 'row')}: {listed}")
+    rest = found.sets[_SETS_AT_MOST:]
+    if rest:
+        tops = plural(sum(len(names) for _, names in rest), "top")
+        out.append(f"  ... {plural(len(rest), 'other row count')} ({tops}; --json lists them)")
     if found.more:
         out.append(f"  ({plural(found.more, 'top')} not described below: --tops names them)")
     if found.refused:
