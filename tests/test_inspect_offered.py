@@ -84,24 +84,26 @@ def test_unrelated_datasets_grouped_by_rows_and_capped(
     with h5py.File(path, "w") as f:
         f["images"] = np.zeros((50, 4, 4), np.uint8)
         f["ids"] = np.arange(50)
+        f["tok/data"] = np.arange(100)  # a ragged group of 50 rows: a top, its members not
+        f["tok/indptr"] = np.arange(0, 101, 2)
         f["meta/scale"] = 3.0  # a scalar: no rows
         for i in range(SHOWN + 5):  # many small tables of other lengths
             f[f"tables/t{i:02d}"] = np.ones(7 + i)
     status, doc = inspect_json(capsys, path)
     assert status == 0 and doc["ok"], doc["problems"]
     offered = doc["offered"]
-    assert offered["sets"][0] == {"rows": 50, "tops": ["ids", "images"]}
+    assert offered["sets"][0] == {"rows": 50, "tops": ["ids", "images", "tok"]}
     assert len(offered["sets"]) == 1 + SHOWN + 5
-    assert offered["more"] == 2 + 5  # the table describes SHOWN tops in all
+    assert offered["more"] == 3 + 5  # the table describes SHOWN tops in all
     assert len(doc["files"][0]["tops"]) == SHOWN
-    assert doc["read_paths"] == {"ids": "pread", "images": "pread"}
+    assert doc["read_paths"] == {"ids": "pread", "images": "pread", "tok": "ragged-pread"}
     status, text, _ = run_main(["inspect", path], capsys)
-    assert status == 0 and "tops with 50 rows: ids, images" in text
-    assert "7 tops not described below: --tops names them" in text
+    assert status == 0 and "tops with 50 rows: ids, images, tok (ragged)" in text
+    assert "8 tops not described below: --tops names them" in text
     assert "tops with 7 rows" not in text  # the text lists the 8 largest sets, counts the rest
     assert f"... {SHOWN + 5 - 7} other row counts ({SHOWN + 5 - 7} tops; --json lists them)" in text
     assert len(text.splitlines()) < 80
-    assert "HDF5DataLayer(" in text and "tops=('ids', 'images'), batch_size=256)" in text
+    assert "HDF5DataLayer(" in text and "tops=('ids', 'images', 'tok'), batch_size=256)" in text
 
 
 def test_default_tops_and_named_tops_unchanged(
