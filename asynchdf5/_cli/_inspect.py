@@ -5,6 +5,8 @@ the layer's own layout code (:func:`asynchdf5._catalog.describe_top`, which the 
 so the read path shown is the one the layer takes; then it builds the catalog exactly as the
 layer does (:func:`asynchdf5._catalog.build_catalog`), so a source the layer would refuse is
 reported with the layer's own message. :mod:`._bench` reuses the analysis for its layout hints.
+Without ``--tops``, a file that lacks the default tops is shown with what it offers as tops
+(:func:`offer`), grouped by row count, the largest set analysed as above.
 """
 
 from __future__ import annotations
