@@ -60,6 +60,7 @@ __all__ = [
     "find_top",
     "group_top_words",
     "missing_top",
+    "offered_tops",
     "physical",
     "refuse_external_links",
     "same_categories",
@@ -293,6 +294,25 @@ def _group_tops(h5: h5py.File) -> list[tuple[str, str]]:
         form = _group_top(obj)
         if form is not None:
             found.append(("/" + name, _GROUP_WORDS[form]))
+
+    h5.visititems(visit)
+    return found
+
+
+def offered_tops(h5: h5py.File) -> list[tuple[str, str | None]]:
+    """What the file offers as tops, by path (no leading ``/``), in the file's order: each
+    group a layer reads as a top with its form in words, and each dataset of one or more
+    dimensions outside such a group (form None): a member of one is refused as a top."""
+    found: list[tuple[str, str | None]] = []
+
+    def visit(name: str, obj: object) -> None:
+        words = group_top_words(obj)
+        if words is not None:
+            found.append((name, words))
+        elif isinstance(obj, h5py.Dataset) and obj.shape:
+            parent = name.rpartition("/")[0]
+            if group_top_words(h5.get(parent or "/")) is None:
+                found.append((name, None))
 
     h5.visititems(visit)
     return found

@@ -51,7 +51,7 @@ TOP_KEYS = {
 }  # fmt: skip
 DOC_KEYS = {
     "format", "source", "tops", "ok", "samples", "sample_bytes", "sample_bytes_vary", "bytes",
-    "read_paths", "mmap", "files", "hints", "problems",
+    "read_paths", "mmap", "files", "hints", "problems", "offered",
 }  # fmt: skip
 
 

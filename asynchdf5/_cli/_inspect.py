@@ -5,6 +5,8 @@ the layer's own layout code (:func:`asynchdf5._catalog.describe_top`, which the 
 so the read path shown is the one the layer takes; then it builds the catalog exactly as the
 layer does (:func:`asynchdf5._catalog.build_catalog`), so a source the layer would refuse is
 reported with the layer's own message. :mod:`._bench` reuses the analysis for its layout hints.
+Without ``--tops``, a file that lacks the default tops is shown with what it offers as tops
+(:func:`offer`), grouped by row count, the largest set analysed as above.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .._catalog import (
     categorical,
     describe_top,
     find_top,
+    offered_tops,
     physical,
     refuse_external_links,
 )
@@ -40,10 +43,12 @@ from ._util import mib, plural, table, write_json
 
 __all__ = [
     "FileReport",
+    "Offer",
     "Report",
     "TopReport",
     "add_parser",
     "analyze",
+    "offer",
     "render",
 ]
 
@@ -124,6 +129,41 @@ class FileReport:
 
 
 @dataclass
+class Offer:
+    """What a file that lacks the default tops offers as tops, grouped by row count: only tops
+    of one row count can be one layer's tops. ``sets`` go largest first (rows x columns: an
+    AnnData file's ``X`` and ``obs`` columns before ``var``'s); the report's tops are the
+    first set's, and its first file's table shows the other offered tops up to :data:`SHOWN`."""
+
+    path: str
+    source: str | list[str]
+    sets: list[tuple[int, list[str]]] = field(default_factory=list)
+    #: Offered tops not described in the table (beyond :data:`SHOWN`): how many.
+    more: int = 0
+    #: Objects that looked like tops but that the layer refuses: name and why.
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+    def layer_line(self) -> str:
+        """The line a user pastes to open the largest set (a batch size of their choosing)."""
+        tops = [repr(t) for t in self.sets[0][1]] if self.sets else []
+        shown = ", ".join(tops) + ("," if len(tops) == 1 else "")
+        return f"HDF5DataLayer({self.source!r}, tops=({shown}), batch_size=256)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "sets": [{"rows": rows, "tops": tops} for rows, tops in self.sets],
+            "more": self.more,
+            "refused": [{"name": name, "error": why} for name, why in self.refused],
+            "layer": self.layer_line(),
+        }
+
+
+#: How many offered tops the table describes, and the sets list by name (the rest counted).
+SHOWN = 12
+
+
+@dataclass
 class Report:
     """A source, file by file and top by top, with the layer's verdict."""
 
@@ -142,6 +182,8 @@ class Report:
     #: on average (its values' bytes over the samples, and a row's offset), and ``varying``.
     sample_bytes: int | None = None
     varying: bool = False
+    #: When inspect chose the tops itself (the file lacks the default ones): what it offers.
+    offered: Offer | None = None
 
     @property
     def ok(self) -> bool:
@@ -173,6 +215,7 @@ class Report:
             "files": [f.to_json() for f in self.files],
             "hints": self.hints(),
             "problems": self.problems,
+            "offered": None if self.offered is None else self.offered.to_json(),
         }
 
 
@@ -429,6 +472,98 @@ def analyze(
     return report
 
 
+def _extent(file_name: str, h5: Any, name: str, words: str | None) -> tuple[int, int]:
+    """Rows and columns (values per row) of an offered top, from its metadata alone."""
+    obj = h5[name]
+    if words == "categorical":
+        coded = categorical(file_name, h5, name)
+        return (0, 0) if coded is None else (int(h5[coded[0]].shape[0]), 1)
+    if words is not None:  # sparse CSR or ragged: data + indptr
+        rows = max(0, int(obj["indptr"].shape[0]) - 1)
+        shape = obj.attrs.get("shape")
+        if words != "ragged" and shape is not None and len(shape) == 2:
+            return rows, int(shape[1])
+        return rows, int(obj["data"].shape[0]) // max(rows, 1)
+    return int(obj.shape[0]), math.prod(int(n) for n in obj.shape[1:])
+
+
+def offer(
+    source: str | Sequence[str], *, storage_options: dict[str, Any] | None = None
+) -> Report | None:
+    """When the source's first file lacks a default top (an AnnData file, a file of unrelated
+    datasets): the report of the largest set of tops it offers (:class:`Offer`), with the
+    other offered tops described beside it. None when the file has the default tops, offers
+    none, or cannot be opened: :func:`analyze` then reports why, in the layer's words.
+
+    Blocking (h5py): call it outside an event loop.
+    """
+    try:
+        entries = resolve_source(source, storage_options=storage_options)
+    except DataLayerError:
+        return None
+    if not entries:
+        return None
+    files = open_source(entries[:1], storage_options=storage_options)
+    try:
+        file = files.open(entries[0])
+        with file.pinned():
+            h5 = file.h5py_file()
+            if all(t in h5 for t in DEFAULT_TOPS):
+                return None
+            shown = source if isinstance(source, str) else list(source)
+            found = Offer(entries[0], shown)
+            extents: dict[str, tuple[int, int]] = {}
+            for name, words in offered_tops(h5):
+                try:
+                    extents[name] = _extent(file.name, h5, name, words)
+                except (DataLayerError, OSError, KeyError, ValueError, TypeError) as exc:
+                    found.refused.append((name, str(exc)))
+            described = _offered(files, file, entries[0], extents, found)
+    except DataLayerError:
+        return None
+    finally:
+        files.close()
+    if not found.sets:
+        return None
+    report = analyze(source, found.sets[0][1], storage_options=storage_options)
+    report.offered = found
+    if report.files and report.files[0].error is None:
+        report.files[0].tops += [t for t in described if t.name not in found.sets[0][1]]
+    return report
+
+
+def _offered(
+    source: Source, file: Any, entry: str, extents: dict[str, tuple[int, int]], found: Offer
+) -> list[TopReport]:
+    """Group the offered tops by rows into ``found.sets``, largest first, describing each
+    (every one of the largest set, the others up to :data:`SHOWN`); a top the layer refuses
+    leaves its set for ``found.refused``. The descriptions, in the sets' order."""
+    by_rows: dict[int, list[str]] = {}
+    for name, (rows, _) in extents.items():
+        if rows > 0:
+            by_rows.setdefault(rows, []).append(name)
+    ranked = sorted(by_rows.items(), key=lambda s: -s[0] * sum(extents[n][1] for n in s[1]))
+    described: list[TopReport] = []
+    for rows, names in ranked:
+        kept = []
+        for name in names:
+            if found.sets and len(described) >= SHOWN:
+                found.more += 1
+                kept.append(name)
+                continue
+            report = FileReport(entry)
+            _tops(source, file, entry, [name], report)
+            t = report.tops[0]
+            if t.error is not None:
+                found.refused.append((name, t.error))
+                continue
+            described.append(t)
+            kept.append(name)
+        if kept:
+            found.sets.append((rows, kept))
+    return described
+
+
 # --- output ------------------------------------------------------------------------------------
 
 
@@ -453,12 +588,14 @@ def render(report: Report) -> str:
             f"({mib(report.samples * report.sample_bytes)})"
         )
     out.append(head + f"; tops {', '.join(report.tops)}")
+    if report.offered is not None:
+        out += _render_offer(report, report.offered)
     for f in report.files:
         out.append("")
         if f.error is not None:
             out.append(f"{f.path}: {f.error}")
             continue
-        samples = f.samples
+        samples = f.samples if report.offered is None else report.samples  # the set's
         out.append(f"{f.path}: " + ("-" if samples is None else plural(samples, "sample")))
         rows = []
         for t in f.tops:
@@ -521,6 +658,42 @@ def render(report: Report) -> str:
     return "\n".join(out)
 
 
+#: How many tops a line of the offered sets names (the rest counted).
+_SET_AT_MOST = 12
+#: How many of the offered sets (row counts) the text lists (the rest counted).
+_SETS_AT_MOST = 8
+
+
+def _render_offer(report: Report, found: Offer) -> list[str]:
+    """The tops a file without the default ones offers, by row count, and the layer's line."""
+    forms = {t.name: t.form for f in report.files[:1] for t in f.tops if t.form}
+    count = sum(len(names) for _, names in found.sets)
+    out = [
+        "",
+        f"{found.path} has no top {' or '.join(DEFAULT_TOPS)} (inspect's default; --tops names "
+        f"others): it offers {plural(count, 'top')}, by row count (only tops of one row count "
+        "are one layer's tops):",
+    ]
+    for rows, names in found.sets[:_SETS_AT_MOST]:
+        named = [n + (f" ({forms[n]})" if forms.get(n, "rows") != "rows" else "") for n in names]
+        more = len(named) - _SET_AT_MOST
+        listed = ", ".join(named[:_SET_AT_MOST]) + (f", ... ({more} more)" if more > 0 else "")
+        out.append(f"  tops with {plural(rows, 'row')}: {listed}")
+    rest = found.sets[_SETS_AT_MOST:]
+    if rest:
+        tops = plural(sum(len(names) for _, names in rest), "top")
+        out.append(f"  ... {plural(len(rest), 'other row count')} ({tops}; --json lists them)")
+    if found.more:
+        out.append(f"  ({plural(found.more, 'top')} not described below: --tops names them)")
+    if found.refused:
+        names = [name for name, _ in found.refused]
+        more = len(names) - _SET_AT_MOST
+        listed = ", ".join(names[:_SET_AT_MOST]) + (f", ... ({more} more)" if more > 0 else "")
+        out.append(f"  refused as tops (--tops NAME says why): {listed}")
+    out += ["the largest set, inspected below, opens as:", f"  {found.layer_line()}"]
+    return out
+
+
 # --- command line ------------------------------------------------------------------------------
 
 
@@ -546,9 +719,10 @@ def add_parser(commands: Any) -> None:
     p.add_argument(
         "--tops",
         nargs="+",
-        default=list(DEFAULT_TOPS),
         metavar="TOP",
-        help="the datasets to read, as the layer's `tops` (default: %(default)s)",
+        help="the datasets to read, as the layer's `tops` (default: "
+        f"{' '.join(DEFAULT_TOPS)}; where the file has no such top, what it offers as tops, "
+        "grouped by row count, the largest set inspected)",
     )
     p.add_argument(
         "--windows",
@@ -585,10 +759,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"asynchdf5 inspect: error: {exc}", file=sys.stderr)
         return 2
     named = {str(w) for w in cut}
-    tops = [*cut, *(t for t in args.tops if t not in named)]
-    if args.windows and args.tops == list(DEFAULT_TOPS):
+    given: list[str] = list(DEFAULT_TOPS) if args.tops is None else args.tops
+    tops = [*cut, *(t for t in given if t not in named)]
+    if args.windows and args.tops is None:
         tops = list(cut)  # --windows alone names the tops
-    report = analyze(source, tops)
+    offered = offer(source) if args.tops is None and not args.windows else None
+    report = analyze(source, tops) if offered is None else offered
     if args.json:
         write_json(report.to_json())
     else:
