@@ -286,19 +286,6 @@ def group_top_words(obj: object) -> str | None:
     return None if form is None else _GROUP_WORDS[form]
 
 
-def _group_tops(h5: h5py.File) -> list[tuple[str, str]]:
-    """The groups of the file a layer reads as tops: their paths and forms, in words."""
-    found: list[tuple[str, str]] = []
-
-    def visit(name: str, obj: object) -> None:
-        form = _group_top(obj)
-        if form is not None:
-            found.append(("/" + name, _GROUP_WORDS[form]))
-
-    h5.visititems(visit)
-    return found
-
-
 def offered_tops(h5: h5py.File) -> list[tuple[str, str | None]]:
     """What the file offers as tops, by path (no leading ``/``), in the file's order: each
     group a layer reads as a top with its form in words, and each dataset of one or more
@@ -329,7 +316,8 @@ def missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
     """The error for a top that file ``name`` does not hold: the closest name it does hold
     (a typo, or a letter's case), then the groups read as tops (sparse, ragged, categorical:
     an AnnData file's ``X`` and ``obs`` columns) and the datasets."""
-    groups, have = _group_tops(h5), _datasets(h5)
+    groups = [("/" + path, words) for path, words in offered_tops(h5) if words is not None]
+    have = _datasets(h5)
     names = [path.lstrip("/") for path, _ in groups] + [
         d.split(" (fields ", 1)[0].lstrip("/") for d in have
     ]
