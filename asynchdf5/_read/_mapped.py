@@ -285,13 +285,13 @@ class MappedReader:
         """Read the rows ahead and map their pages (blocking); ReadError if a page cannot be.
 
         Per top, the pages of all ``ranges`` at once, with gaps of less than :data:`BRIDGE`
-        between them populated too (:func:`_bridged`): one call for many small rows (a label's
+        between them populated too (:func:`._spans.merged`): one call for many small rows (a label's
         8 bytes) close together, rather than one a row range."""
         work = []
         for t in self._tops:
             own = [(a, b, rows) for a, b in ranges if (rows := t.local(a, b))]
             pages = [p for _, _, rows in own for p in t.pages(*rows)]
-            work.append((t, own, _bridged(pages)))  # no pages: ragged rows holding no values
+            work.append((t, own, merged(pages, BRIDGE)))  # no pages: ragged rows holding no values
         for t, _, spans in work:  # every read queued first: the disk sees them all at once
             base = t.offset - t.skip  # the file offset of the mapping's first byte
             for lo, hi in spans:
@@ -413,18 +413,6 @@ def default_keep_bytes() -> int:
 #: one call: the fault-around the kernel maps with any page (64 KiB), far less than it reads
 #: ahead from the disk, and one call costs more than mapping that many cached pages.
 BRIDGE = 64 * 1024
-
-
-def _bridged(pages: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``pages`` (page-aligned spans) merged, with gaps of at most :data:`BRIDGE` between them
-    filled."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(pages):
-        if out and lo <= out[-1][1] + BRIDGE:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
 
 
 def _rows_words(ranges: list[tuple[int, int]]) -> str:

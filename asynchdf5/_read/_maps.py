@@ -241,18 +241,13 @@ class MappedTop:
         g1 = bisect.bisect_right(first, b - 1) - 1
         if g0 == g1:  # within one run of chunks back to back
             return [(delta[g0] + a * rb, delta[g0] + b * rb)]
-        if g1 - g0 < 64:
-            pieces = sorted(
-                (delta[g] + max(a, first[g]) * rb, delta[g] + min(b, first[g + 1]) * rb)
-                for g in range(g0, g1 + 1)
+        if g1 - g0 < 64:  # runs back to back in the file: one span
+            return merged(
+                [
+                    (delta[g] + max(a, first[g]) * rb, delta[g] + min(b, first[g + 1]) * rb)
+                    for g in range(g0, g1 + 1)
+                ]
             )
-            out = [pieces[0]]
-            for lo, hi in pieces[1:]:  # runs back to back in the file: one span
-                if lo == out[-1][1]:
-                    out[-1] = (out[-1][0], hi)
-                else:
-                    out.append((lo, hi))
-            return out
         f, d = np.asarray(first, np.int64), np.asarray(delta, np.int64)
         g = np.arange(g0, g1 + 1, dtype=np.int64)
         lo = d[g] + np.maximum(a, f[g]) * rb

@@ -11,11 +11,12 @@ import numpy as np
 __all__ = ["gaps", "merged", "uncovered"]
 
 
-def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``spans`` sorted and merged into disjoint intervals."""
+def merged(spans: list[tuple[int, int]], bridge: int = 0) -> list[tuple[int, int]]:
+    """``spans`` sorted and merged into disjoint intervals, those at most ``bridge`` apart
+    joined with what lies between them."""
     out: list[tuple[int, int]] = []
     for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
+        if out and s <= out[-1][1] + bridge:
             out[-1] = (out[-1][0], max(out[-1][1], e))
         else:
             out.append((s, e))
