@@ -13,7 +13,7 @@ smallest block are copied value by value, by one index over their values; long r
 (:data:`RUN_BYTES` on average) a slice each, where a Python step costs less than the bytes.
 
 Values that are no one array (:class:`ScatteredValues`: a mapped heap stored in chunks) copy
-their own runs; :func:`copy_from` copies runs out of either.
+their own runs; :func:`copy_all` copies runs out of either.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ __all__ = [
     "ScatteredValues",
     "Stored",
     "copy_all",
-    "copy_from",
     "copy_runs",
     "row_bytes",
     "stage_blocks",
@@ -113,20 +112,6 @@ def copy_all(
         assert not isinstance(first, np.ndarray)
         rest = [s for s, _ in others if not isinstance(s, np.ndarray)]
         first.copy_many(rest, [d for _, d in others], start, at, count)
-
-
-def copy_from(
-    values: np.ndarray | ScatteredValues,
-    dest: np.ndarray,
-    start: np.ndarray,
-    at: np.ndarray,
-    count: np.ndarray,
-) -> None:
-    """:func:`copy_runs` of one source, an array or :class:`ScatteredValues`."""
-    if isinstance(values, np.ndarray):
-        copy_runs([values], [dest], start, at, count)
-    else:
-        values.copy_into(dest, start, at, count)
 
 
 def row_bytes(a: np.ndarray) -> int:

@@ -30,7 +30,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ._blocks import RUN_BYTES, ScatteredValues, copy_all, copy_runs, row_bytes
+from ._blocks import RUN_BYTES, ScatteredValues, copy_all, row_bytes
 from ._errors import ReadError
 from ._ragged import pad_rows
 from ._ragged_tops import heap_keys, is_heap
@@ -361,17 +361,14 @@ def _copy_spans(
     chunked = len(arrays) < len(heaps)  # stored in chunks: the heaps copy their runs themselves
     if not chunked and len(dests[0]) * max(map(row_bytes, arrays)) >= RUN_BYTES * len(first):
         runs = list(zip(first.tolist(), last.tolist(), strict=True))
-        for heap, dest in zip(heaps, dests, strict=True):
+        for heap, dest in zip(arrays, dests, strict=True):
             # One C loop copies every run: the Python work is a view per run.
             np.concatenate([heap[a:b] for a, b in runs], axis=0, out=dest)
         return
     count = last - first
     at = np.zeros(len(count), np.int64)
     np.cumsum(count[:-1], out=at[1:])
-    if chunked:
-        copy_all(heaps, dests, first, at, count)
-    else:
-        copy_runs(arrays, dests, first, at, count)
+    copy_all(heaps, dests, first, at, count)
 
 
 def gather_padded(

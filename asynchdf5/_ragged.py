@@ -25,7 +25,7 @@ import numpy.typing as npt
 from ._blocks import (
     RELEASE_ITEMS,
     ScatteredValues,
-    copy_from,
+    copy_all,
     copy_runs,
     row_bytes,
     value_windows,
@@ -80,7 +80,7 @@ def pad_rows(
     fill = np.full((size, *out.shape[2:]), pad, out.dtype)  # the padding's source
     if many or not isinstance(values, np.ndarray):
         at = np.arange(n, dtype=np.int64) * size
-        copy_from(values, flat, starts, at, cut)
+        copy_all([values], [flat], starts, at, cut)
         copy_runs([fill], [flat], np.zeros(n, np.int64), at + cut, size - cut)
         return
     parts = []
