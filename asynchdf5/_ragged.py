@@ -390,9 +390,8 @@ class Ragged:
         cut = np.minimum(lengths, size) if size < longest else lengths
         fill = np.full((), pad, self.values.dtype if dtype is None else np.dtype(dtype))
         if fill.dtype.hasobject or self.values.dtype.hasobject:  # references: a row at a time
-            out = np.full((n, size, *self.values.shape[1:]), fill, fill.dtype)
-            for row, a, k in zip(out, self.offsets.tolist(), cut.tolist(), strict=False):
-                row[:k] = self.values[a : a + k]
+            out = np.empty((n, size, *self.values.shape[1:]), fill.dtype)
+            pad_rows(self.values, self.offsets[:-1], cut, out, fill)
             return out, cut
         return padded_rows(self.values, self.offsets[:-1], cut, size, fill), cut
 
