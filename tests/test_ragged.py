@@ -1124,3 +1124,16 @@ def test_gather_ragged_on_a_helper_equals_one_thread(sparse: bool) -> None:
             for s, e in c.arrays["X"][c.order[a:b]]  # type: ignore[union-attr,index]
         ]
         np.testing.assert_array_equal(out, np.concatenate(want))
+
+
+def test_to_padded_of_python_objects_pads_each_row() -> None:
+    """Rows of Python objects, or numbers padded into an object array, are padded a row at a
+    time (references are copied as references, not as bytes)."""
+    words = Ragged(np.array(["a", "b", "c", "d"], object), np.array([0, 3, 3, 4]))
+    x, lengths = words.to_padded(pad="-")
+    assert x.dtype == object and x.tolist() == [["a", "b", "c"], ["-"] * 3, ["d", "-", "-"]]
+    assert lengths.tolist() == [3, 0, 1]
+    x, _ = Ragged(np.arange(5), np.array([0, 2, 5])).to_padded(pad=None, length=2, dtype=object)
+    assert x.tolist() == [[0, 1], [2, 3]]
+    x, _ = Ragged(np.arange(5), np.array([0, 2, 5])).to_padded(pad=None, dtype=object)
+    assert x.tolist() == [[0, 1, None], [2, 3, 4]]
