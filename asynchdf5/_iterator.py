@@ -101,6 +101,10 @@ class EpochIterator:
             return []
         return [first, *self.consumer.ready_now(self, limit - 1)]
 
+    async def _fail(self) -> None:
+        """On the loop: a batch could not be handed over (see :meth:`Consumer.fail`)."""
+        self.consumer.fail(self)
+
     def _bridged(self, portal: BlockingPortal) -> Iterator[Batch]:
         """This iteration in a ``for`` loop: each batch is handed over (and counted for
         ``state_dict()``) in the loop's thread as the loop takes it."""
@@ -120,7 +124,7 @@ class EpochIterator:
                     try:
                         consumer.deliver(self, batch, step)  # counts once the loop has it
                     except BaseException:
-                        portal.call(consumer.fail, self)
+                        call_or_cancel(portal, self._fail)
                         raise
                     t0 = time.perf_counter()
                     yield batch
@@ -131,4 +135,4 @@ class EpochIterator:
                 consumer.stepped(stepped)
             if not self.done:  # left early (break) or failed in the loop's body
                 with contextlib.suppress(Exception):  # the bridge may be gone already
-                    portal.call(self.aclose)
+                    call_or_cancel(portal, self.aclose)

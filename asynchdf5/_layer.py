@@ -36,7 +36,7 @@ from ._planner import Planner, check_part
 from ._priority import nice_steps
 from ._shape import DataShape
 from ._stats import LayerStats, Stats
-from ._sync import Bridge
+from ._sync import Bridge, interrupts_held
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -62,7 +62,7 @@ class LayerBase:
         )
         #: Opened with ``with``: the bridge to the background event loop, and the opening
         #: entered there through its portal (None otherwise).
-        self._sync: tuple[Bridge, contextlib.AbstractContextManager[None]] | None = None
+        self._sync: Bridge | None = None
         # What the latest opening's reader said of each top (kept after the close, for stats).
         self._read_paths: Mapping[str, str] = {}
         self._read_notes: Mapping[str, str] = {}
@@ -287,15 +287,18 @@ class LayerBase:
             raise StateError("the layer is already open")
         # The layer enters its own opening through the bridge's portal: the bridge is handed
         # none of the layer's code, so control goes down once (on failure its loop stops).
-        bridge = Bridge()
+        # Ctrl-C is held back but at the waits: wherever it comes, the layer holds the bridge
+        # and closes it (``with`` calls no ``__exit__`` when ``__enter__`` raises).
         try:
-            entered = bridge.portal.wrap_async_context_manager(self._opened(bridge.portal))
-            entered.__enter__()
+            with interrupts_held():
+                Bridge(self._opened, keep=self._keep)
         except BaseException:
-            bridge.stop(cancel=True)
+            self.close()
             raise
-        self._sync = (bridge, entered)
         return self
+
+    def _keep(self, bridge: Bridge) -> None:
+        self._sync = bridge
 
     def __exit__(
         self,
@@ -307,18 +310,13 @@ class LayerBase:
 
     def close(self) -> None:
         """Stop the pipeline and its event loop thread; release everything (idempotent)."""
-        opened, self._sync = self._sync, None
-        if opened is None:
-            return
-        bridge, entered = opened
-        # A KeyboardInterrupt during the close cuts the graceful part short (what still runs
-        # on the loop is cancelled) but never the request to stop the loop.
-        closed = False
-        try:
-            entered.__exit__(None, None, None)
-            closed = True
-        finally:
-            bridge.stop(cancel=not closed)
+        with interrupts_held():  # raised at the close's waits only: the bridge is let go of
+            bridge = self._sync
+            if bridge is not None:
+                try:
+                    bridge.close()
+                finally:
+                    self._sync = None
 
     # --- iterating ----------------------------------------------------------------------------
 

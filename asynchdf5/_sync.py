@@ -14,25 +14,39 @@ stops the loop, and control goes one way.
 
 Ctrl-C never leaves the bridge's thread running with nobody to stop it: closing asks the loop to
 stop with ``KeyboardInterrupt`` held back until the request is queued (a second Ctrl-C during
-the close cannot split it), and waits for the thread only once it was asked.
+the close cannot split it), and waits for the thread only once it was asked. Nor does it leave
+the loop blocked: the caller waits for the loop with Ctrl-C held back (:func:`_wait`), since a
+``KeyboardInterrupt`` raised in a wait can leave the lock of the future waited on held (raised
+as ``threading.Condition.__enter__`` returns), and the loop, setting that future, blocked on it
+for ever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import signal
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import CancelledError, Future
+from contextlib import AbstractAsyncContextManager
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
-__all__ = ["BRIDGE_BATCHES", "Bridge", "LoopPortal", "call_or_cancel", "interrupts_held"]
+__all__ = [
+    "BRIDGE_BATCHES",
+    "Bridge",
+    "EnteredOnLoop",
+    "LoopPortal",
+    "call_or_cancel",
+    "interrupts_held",
+    "raise_held",
+]
 
 T = TypeVar("T")
 
@@ -53,6 +67,17 @@ class LoopPortal(BlockingPortal):
         self.loop = asyncio.get_running_loop()
         #: The loop's context: each call's task starts in a copy of it.
         self.context = contextvars.copy_context()
+        #: The tasks of the calls across the bridge that have not ended (held here: the loop
+        #: holds its tasks only weakly; cancelled by ``stop(cancel=True)``).
+        self.calls: set[asyncio.Task[Any]] = set()
+
+    async def stop(self, cancel: bool = False) -> None:
+        """anyio's ``stop``, which cancels the calls' tasks too if ``cancel`` (they are not in
+        the portal's task group); the loop waits for them as it ends."""
+        if cancel:
+            for task in self.calls:
+                task.cancel()
+        await super().stop(cancel)
 
 
 class Bridge:
@@ -63,7 +88,15 @@ class Bridge:
     request is made with Ctrl-C held back, and the wait comes only after it.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        manager: Callable[[BlockingPortal], AbstractAsyncContextManager[Any]] | None = None,
+        *,
+        keep: Callable[[Bridge], object] | None = None,
+    ) -> None:
+        """Start the loop and, with ``manager``, enter ``manager(portal)`` there (its error, if
+        entering fails, is raised here, the loop stopped; :meth:`close` leaves it). ``keep``
+        is handed the bridge before anything starts: its owner holds it whatever comes next."""
         started: Future[LoopPortal] = Future()
 
         async def serve() -> None:
@@ -79,38 +112,76 @@ class Bridge:
                     started.set_exception(exc)
 
         self._thread = threading.Thread(target=run, name="asynchdf5-asyncio-bridge", daemon=True)
-        portal = None
-        try:
-            with interrupts_held():  # the thread is started and serving, or this raises
+        self._entered: EnteredOnLoop | None = None
+        self._serving = False  # the loop is started (and not stopped yet)
+        with interrupts_held():
+            if keep is not None:
+                keep(self)
+            try:
                 self._thread.start()
-                portal = started.result()
-        except BaseException:  # a Ctrl-C held back meanwhile: nobody else could stop the loop
-            if portal is not None:
-                self.portal = portal
+                self.portal = started.result()  # not cut short: the loop serves, or it failed
+                self._serving = True
+                if manager is not None:
+                    entered = EnteredOnLoop(self.portal, manager(self.portal))
+                    entered.enter()
+                    self._entered = entered
+                raise_held()  # a Ctrl-C that came meanwhile: raised where the loop stops for it
+            except BaseException:  # nobody else could stop the loop
                 self.stop(cancel=True)
-            raise
-        self.portal = portal
+                raise
+
+    def close(self) -> None:
+        """Leave what was entered, then stop the loop (once: a second close does nothing). A
+        Ctrl-C during the close cuts the leaving short (what still runs on the loop is
+        cancelled) but never the stop."""
+        with interrupts_held():
+            entered, self._entered = self._entered, None
+            left = False
+            try:
+                if entered is not None:
+                    entered.exit()
+                left = True
+            finally:
+                self.stop(cancel=not left)
 
     def stop(self, *, cancel: bool) -> None:
-        """Ask the loop to stop (cancelling what still runs there if ``cancel``), then wait.
+        """Ask the loop to stop (cancelling what still runs there if ``cancel``), then wait for
+        its thread (a Ctrl-C ends the wait: the loop is ending, nothing needs another one)."""
+        with interrupts_held():
+            self._entered = None  # a stopped loop has left everything
+            if not self._serving:
+                return
+            self._serving = False
+            with contextlib.suppress(RuntimeError):  # RuntimeError: stopped already
+                self.portal.call(self.portal.stop, cancel)
+            while self._thread.is_alive():
+                raise_held()
+                self._thread.join(POLL_S)
 
-        The request is queued before any ``KeyboardInterrupt`` can leave; the wait is for a loop
-        that is ending, so a Ctrl-C during it leaves nothing that needs another one.
-        """
-        with interrupts_held(), contextlib.suppress(RuntimeError):  # RuntimeError: stopped
-            self.portal.call(self.portal.stop, cancel)
-        self._thread.join()
+
+#: The Ctrl-Cs held back by the outermost :func:`interrupts_held` block now running in the main
+#: thread (None: none runs), and SIGINT's handler before it.
+_held: list[int] | None = None
+_handler: Callable[[int, FrameType | None], Any] | None = None
 
 
 @contextlib.contextmanager
 def interrupts_held() -> Iterator[None]:
-    """Hold back SIGINT in the block and deliver it (to the handler it had) once it ends.
+    """Hold back SIGINT in the block and deliver it (to the handler it had) once it ends, or at
+    a :func:`raise_held` in it. Blocks nest (the outermost one holds and delivers).
 
+    A ``KeyboardInterrupt`` raised at any instruction can leave a lock held by this thread (as
+    ``threading.Condition.__enter__`` returns, say), or an object made and not yet owned; held
+    back, it is raised only at the places that call :func:`raise_held`, which hold nothing.
     Only the main thread receives SIGINT, and only a handler written in Python can be held:
-    elsewhere this does nothing. The block must be short; the loop it talks to never blocks.
+    elsewhere this does nothing.
     """
+    global _held, _handler
+    if threading.current_thread() is not threading.main_thread() or _held is not None:
+        yield
+        return
     previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+    if not callable(previous):
         yield
         return
     held: list[int] = []
@@ -119,12 +190,41 @@ def interrupts_held() -> Iterator[None]:
         held.append(signum)
 
     signal.signal(signal.SIGINT, hold)
+    _held, _handler = held, previous
     try:
         yield
     finally:
+        _held = _handler = None
         signal.signal(signal.SIGINT, previous)
         if held:
             signal.raise_signal(signal.SIGINT)
+
+
+def raise_held() -> None:
+    """Hand the Ctrl-Cs held back so far to SIGINT's handler now (which raises
+    ``KeyboardInterrupt``, unless it is the user's own): a wait in an :func:`interrupts_held`
+    block calls this, where an interrupt is safe and must not wait for the block's end."""
+    held, handler = _held, _handler
+    if held and handler is not None and threading.current_thread() is threading.main_thread():
+        held.clear()
+        handler(signal.SIGINT, None)
+
+
+#: How often a wait for the loop looks whether a Ctrl-C was held back meanwhile (the most a
+#: Ctrl-C waits before it is raised).
+POLL_S = 0.05
+
+
+def _wait(future: Future[T]) -> T:
+    """``future``'s outcome, waited for with Ctrl-C held back; one that comes meanwhile is
+    raised here (:func:`raise_held`; if SIGINT's handler does not raise, the wait goes on). A
+    ``KeyboardInterrupt`` raised inside the wait itself could leave the future's lock held by
+    this thread, and the loop blocked for ever as it sets the outcome."""
+    with interrupts_held():
+        while True:
+            raise_held()
+            if concurrent.futures.wait((future,), POLL_S).done:
+                return future.result()
 
 
 #: How long an interrupted call across the bridge may take to end once cancelled (it ends at
@@ -146,6 +246,7 @@ class _Call(Generic[T]):
         self.result: Future[T] = Future()
         self.ended = threading.Event()
         self._loop, self._context, self._fn, self._args = portal.loop, portal.context, fn, args
+        self._calls = portal.calls
         self._task: asyncio.Task[T] | None = None
 
     def start(self) -> None:
@@ -154,9 +255,11 @@ class _Call(Generic[T]):
             self.ended.set()
             return
         self._task = self._loop.create_task(self._fn(*self._args))
+        self._calls.add(self._task)
         self._task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[T]) -> None:
+        self._calls.discard(task)
         self.ended.set()  # first: a caller that has the outcome never waits for this
         if task.cancelled():
             self.result.set_exception(CancelledError())
@@ -194,14 +297,60 @@ def call_or_cancel(
     make that one fail) once the caller has moved on. ``portal`` is a :class:`Bridge`'s."""
     assert isinstance(portal, LoopPortal), "a layer's portal is its bridge's"
     call = _Call(portal, fn, args)
+    # Held from the hand-off: an interrupt there would leave it unknown whether the loop has
+    # the call (it is raised in the wait, which cancels the call).
+    with interrupts_held():
+        _hand_to_loop(call)
+        return _outcome_or_cancel(call, call.result)
+
+
+def _outcome_or_cancel(call: _Call[Any], future: Future[T]) -> T:
+    """``future``'s outcome (set by ``call``'s task); when the wait is interrupted (or fails),
+    ``call`` is cancelled and has ended before the interrupt goes on."""
     try:
-        # Held while the call is handed to the loop: an interrupt there would leave it unknown
-        # whether the loop has it.
-        with interrupts_held():
-            _hand_to_loop(call)
-        return call.result.result()
+        return _wait(future)
     except BaseException:
-        call.cancel()
         with interrupts_held():
+            call.cancel()
             call.ended.wait(CANCEL_WAIT_S)
         raise
+
+
+class EnteredOnLoop:
+    """An async context manager entered, and later exited, by one task of a bridge's loop (as
+    anyio's ``BlockingPortal.wrap_async_context_manager``, whose waits :func:`_wait` replaces).
+
+    :meth:`enter` waits until the task is inside the block, :meth:`exit` tells it to leave and
+    waits until it has; either, interrupted, cancels the task and waits for it to end first.
+    """
+
+    def __init__(self, portal: BlockingPortal, manager: AbstractAsyncContextManager[Any]) -> None:
+        assert isinstance(portal, LoopPortal), "a layer's portal is its bridge's"
+        self._entered: Future[None] = Future()
+        self._leave: asyncio.Event | None = None  # made on the loop, by the task
+        self._call = _Call(portal, self._hold, (manager,))
+
+    async def _hold(self, manager: AbstractAsyncContextManager[Any]) -> None:
+        leave = self._leave = asyncio.Event()
+        try:
+            async with manager:
+                self._entered.set_result(None)
+                await leave.wait()
+        except BaseException as exc:
+            if not self._entered.done():  # entering failed: :meth:`enter` raises it
+                self._entered.set_exception(exc)
+            raise
+
+    def enter(self) -> None:
+        """Enter the block on the loop (its error, if entering fails, is raised here)."""
+        with interrupts_held():
+            _hand_to_loop(self._call)
+            _outcome_or_cancel(self._call, self._entered)
+
+    def exit(self) -> None:
+        """Leave the block on the loop (its error, if leaving fails, is raised here)."""
+        with interrupts_held():
+            leave = self._leave
+            assert leave is not None, "entered first"
+            self._call._loop.call_soon_threadsafe(leave.set)
+            _outcome_or_cancel(self._call, self._call.result)

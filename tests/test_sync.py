@@ -8,6 +8,9 @@ its deadline.
 
 from __future__ import annotations
 
+import asyncio
+import dis
+import itertools
 import os
 import signal
 import subprocess
@@ -18,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import anyio
@@ -26,7 +30,7 @@ import pytest
 from anyio.from_thread import BlockingPortal
 
 from asynchdf5 import HDF5DataLayer, MemoryDataLayer, _sync
-from asynchdf5._sync import Bridge, call_or_cancel, interrupts_held
+from asynchdf5._sync import Bridge, EnteredOnLoop, call_or_cancel, interrupts_held
 
 from ._files import N, check_epoch, write_source
 from ._helpers import examples
@@ -84,13 +88,21 @@ def test_a_ctrl_c_at_the_worst_moment_of_the_close_still_ends_the_loop(
     call that stops the loop). The close raises it, and the loop's thread still ends."""
     armed = False
     real: Callable[..., Any] = BlockingPortal.call
+    real_exit = EnteredOnLoop.exit
 
     def call(portal: BlockingPortal, func: Callable[..., Any], *args: Any) -> Any:
         nonlocal armed
-        if armed and (during == "the graceful close" or func == portal.stop):
+        if armed and during == "the stop request" and func == portal.stop:
             armed = False
             signal.raise_signal(signal.SIGINT)
         return real(portal, func, *args)
+
+    def exit(entered: EnteredOnLoop) -> None:
+        nonlocal armed
+        if armed and during == "the graceful close":
+            armed = False
+            signal.raise_signal(signal.SIGINT)
+        real_exit(entered)
 
     before = snapshot()
     layer = MemoryDataLayer({"x": np.arange(1000)}, batch_size=10)
@@ -101,9 +113,134 @@ def test_a_ctrl_c_at_the_worst_moment_of_the_close_still_ends_the_loop(
                 next(batches)
             batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
             monkeypatch.setattr(BlockingPortal, "call", call)
+            monkeypatch.setattr(EnteredOnLoop, "exit", exit)
             armed = True
     assert not armed
     assert_released(before, strict=False)
+
+
+async def _plus_one(x: int) -> int:
+    await anyio.sleep(0)
+    return x + 1
+
+
+#: The files of the code a trip across the bridge runs in the caller's thread.
+_TRIP_FILES = tuple(
+    os.path.join(*parts)
+    for parts in [
+        ("asynchdf5", "_sync.py"),
+        ("asynchdf5", "_layer.py"),
+        ("", "threading.py"),
+        ("concurrent", "futures", "_base.py"),
+        ("asyncio", "base_events.py"),
+        ("", "contextlib.py"),
+        ("", "signal.py"),
+    ]
+)
+
+
+#: Where the interpreter runs signal handlers: as a function starts, at a jump back, and once a
+#: call has returned (CPython checks for pending calls there, and nowhere else).
+_CHECKS = {"RESUME", "JUMP_BACKWARD", "JUMP_ABSOLUTE"}
+_CALLS = {"CALL", "CALL_KW", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_FUNCTION_EX", "CALL_METHOD"}
+
+
+def _sweep(trip: Callable[[], object], after: Callable[[int], None]) -> int:
+    """Run ``trip`` with SIGINT raised at each place in turn where its code in this thread
+    could take one (one place a run, ``after(n)`` after run ``n``) until a run ends before its
+    n-th place: how many there were."""
+    for n in itertools.count(1):
+        reached = 0
+        ran: dict[FrameType, str] = {}  # each frame's last instruction
+        place = ""
+
+        def trace(
+            frame: FrameType, event: str, arg: Any, n: int = n, ran: dict[FrameType, str] = ran
+        ) -> Any:
+            nonlocal reached, place
+            if not frame.f_code.co_filename.endswith(_TRIP_FILES):
+                return None  # not the trip's (a weakref's callback, say, run by the GC)
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                before, ran[frame] = ran.get(frame), dis.opname[frame.f_code.co_code[frame.f_lasti]]
+                if before is None or before in _CALLS or ran[frame] in _CHECKS:
+                    reached += 1
+                    if reached == n:
+                        place = f"{frame.f_code.co_name} line {frame.f_lineno} ({ran[frame]})"
+                        signal.raise_signal(signal.SIGINT)
+            return trace
+
+        sys.settrace(trace)
+        try:
+            trip()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        try:
+            after(n)
+        except AssertionError as exc:
+            raise AssertionError(f"SIGINT at {place}: {exc}") from None
+        if reached < n:
+            return n
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_at_any_instruction_of_a_call_across_the_bridge_leaves_the_loop_serving() -> None:
+    """SIGINT raised before each instruction in turn of the caller's side of a ``for`` loop's
+    trip across the bridge: whatever it cut short, the loop is not left blocked. A
+    ``KeyboardInterrupt`` raised as ``threading.Condition.__enter__`` returned left the lock of
+    the future waited on held by the caller, and the loop, setting that future, blocked on it
+    for ever (the double Ctrl-C trials' rare hang)."""
+    bridge = Bridge()
+    blocked = False
+
+    def serves(n: int) -> None:
+        nonlocal blocked
+        future = asyncio.run_coroutine_threadsafe(_plus_one(1), bridge.portal.loop)
+        try:
+            future.result(timeout=10)
+        except TimeoutError:
+            blocked = True
+            pytest.fail(f"the loop is blocked after SIGINT at instruction {n}")
+
+    try:
+        assert _sweep(lambda: call_or_cancel(bridge.portal, _plus_one, 1), serves) > 100
+    finally:
+        if not blocked:  # a blocked loop never stops: its daemon thread is left behind
+            bridge.stop(cancel=True)
+
+
+@pytest.mark.timeout(240)
+def test_a_ctrl_c_at_any_instruction_of_a_with_block_leaves_the_layer_closed() -> None:
+    """The same for what ``with layer:`` does across the bridge (start the loop and open the
+    layer there, then close it and stop the loop): wherever the interrupt lands, the layer is
+    closed once the ``with`` is over and its loop's thread has ended, or (an interrupt as
+    ``__exit__`` starts, before any of its code) the layer still holds its bridge, and
+    ``close()`` ends it; nothing is left behind. An interrupt as ``Bridge()`` returned left
+    its loop running, the layer not holding it."""
+    layer = MemoryDataLayer({"x": np.arange(100)}, batch_size=10)
+
+    def trip() -> None:
+        with layer:
+            pass
+
+    def closed(n: int) -> None:
+        if layer._sync is not None:
+            layer.close()
+        deadline = time.monotonic() + 10
+        while _bridge_threads() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not _bridge_threads(), f"the loop's thread runs on after SIGINT at place {n}"
+
+    before = snapshot()
+    assert _sweep(trip, closed) > 100
+    assert_released(before, strict=False)
+
+
+def _bridge_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "asynchdf5-asyncio-bridge"]
 
 
 @pytest.mark.timeout(60)
