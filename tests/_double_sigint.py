@@ -8,16 +8,20 @@ child opens ``HDF5DataLayer(SOURCE)`` with ``with``, says it is ready, and strea
 ``for``; it runs at module level, so an uncaught
 ``KeyboardInterrupt`` ends it as it ends any script (threads joined, then killed by SIGINT). The
 parent sends it two SIGINTs a random 0.2-8 ms apart at a random moment of the loop, waits up to
-``DEADLINE`` seconds, and prints one line per trial: ``ok``, ``hung`` or ``status N``.
+``DEADLINE`` seconds, and prints one line per trial: ``ok``, ``hung`` or ``status N``. A child
+that hung has its threads' stacks written to stderr (faulthandler, on SIGUSR1) before it is
+killed: what a failing run shows.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
 import select
 import signal
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -37,7 +41,7 @@ def _wait(pid: int, deadline: float) -> int | None:
         time.sleep(0.005)
 
 
-def _parent(pid: int, ready: int, rng: random.Random) -> str:
+def _parent(pid: int, ready: int, rng: random.Random, stacks: str) -> str:
     status = None
     try:
         if not select.select([ready], [], [], DEADLINE)[0] or os.read(ready, 1) != b"r":
@@ -48,6 +52,10 @@ def _parent(pid: int, ready: int, rng: random.Random) -> str:
         os.kill(pid, signal.SIGINT)
         status = _wait(pid, time.monotonic() + DEADLINE)
         if status is None:
+            os.kill(pid, signal.SIGUSR1)  # the child's stacks, into ``stacks``
+            time.sleep(1.0)
+            with open(stacks) as f:
+                print(f"a hung trial's threads:\n{f.read()}", file=sys.stderr, flush=True)
             return "hung"
         if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT:
             return "ok"  # as an uncaught KeyboardInterrupt ends a script
@@ -62,16 +70,21 @@ def _parent(pid: int, ready: int, rng: random.Random) -> str:
 if __name__ == "__main__":
     source, trials, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
+    # Open for the script's life (the children write to it as they hang): no ``with`` here.
+    stacks = tempfile.NamedTemporaryFile("w", prefix="double-sigint-", suffix=".txt")  # noqa: SIM115
     for _ in range(trials):
         ready, tell = os.pipe()
+        stacks.truncate(0)
         pid = os.fork()
         if pid == 0:
             os.close(ready)
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the tracebacks of the interrupts
+            faulthandler.register(signal.SIGUSR1, file=stacks.file, all_threads=True)
             break
         os.close(tell)
-        print(_parent(pid, ready, rng), flush=True)
+        print(_parent(pid, ready, rng, stacks.name), flush=True)
     else:
+        stacks.close()
         sys.exit(0)
     # The child (the loop above was left by `break`).
     process = sys.argv[4:5] == ["process"]  # the pipeline in a helper process (process=True)

@@ -49,7 +49,7 @@ def test_a_double_ctrl_c_always_exits(tmp_path: Path) -> None:
     source = write_source(tmp_path)[0]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-    def runner(i: int) -> list[str]:
+    def runner(i: int) -> tuple[list[str], str]:
         args = [source, TRIALS // RUNNERS, i]
         out = subprocess.run(
             [sys.executable, str(ROOT / "tests" / "_double_sigint.py"), *map(str, args)],
@@ -60,12 +60,13 @@ def test_a_double_ctrl_c_always_exits(tmp_path: Path) -> None:
             check=False,
         )
         assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout.split()
+        return out.stdout.split(), out.stderr
 
     with ThreadPoolExecutor(RUNNERS) as pool:
-        outcomes = Counter(o for lines in pool.map(runner, range(RUNNERS)) for o in lines)
+        runs = list(pool.map(runner, range(RUNNERS)))
+    outcomes = Counter(o for lines, _ in runs for o in lines)
     assert sum(outcomes.values()) == TRIALS
-    assert set(outcomes) <= {"ok"}, outcomes
+    assert set(outcomes) <= {"ok"}, (outcomes, "".join(err for _, err in runs)[-6000:])
 
 
 def test_an_interrupt_held_back_comes_once_the_block_ends() -> None:
