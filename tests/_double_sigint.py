@@ -70,21 +70,22 @@ def _parent(pid: int, ready: int, rng: random.Random, stacks: str) -> str:
 if __name__ == "__main__":
     source, trials, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
-    # Open for the script's life (the children write to it as they hang): no ``with`` here.
-    stacks = tempfile.NamedTemporaryFile("w", prefix="double-sigint-", suffix=".txt")  # noqa: SIM115
+    stacks_fd, stacks = tempfile.mkstemp(prefix="double-sigint-", suffix=".txt")
     for _ in range(trials):
         ready, tell = os.pipe()
-        stacks.truncate(0)
+        os.ftruncate(stacks_fd, 0)
+        os.lseek(stacks_fd, 0, os.SEEK_SET)
         pid = os.fork()
         if pid == 0:
             os.close(ready)
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the tracebacks of the interrupts
-            faulthandler.register(signal.SIGUSR1, file=stacks.file, all_threads=True)
+            faulthandler.register(signal.SIGUSR1, file=stacks_fd, all_threads=True)
             break
         os.close(tell)
-        print(_parent(pid, ready, rng, stacks.name), flush=True)
+        print(_parent(pid, ready, rng, stacks), flush=True)
     else:
-        stacks.close()
+        os.close(stacks_fd)
+        os.unlink(stacks)
         sys.exit(0)
     # The child (the loop above was left by `break`).
     process = sys.argv[4:5] == ["process"]  # the pipeline in a helper process (process=True)
