@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import h5py
@@ -1159,6 +1159,25 @@ async def test_a_ragged_top_in_several_files_is_copied_and_says_why(tmp_path: Pa
     )
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mmap", ["auto", False])
+def test_the_sources_verdict_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mmap: Literal["auto", False]
+) -> None:
+    """Whether the source is mapped, and why, is one line of the log at open, not repeated in
+    each top's line."""
+    write_h5(tmp_path / "a.h5", 0, 50)
+    with caplog.at_level(logging.INFO, "asynchdf5"):
+        with HDF5DataLayer(tmp_path / "a.h5", batch_size=16, mmap=mmap) as layer:
+            for _ in layer:
+                pass
+            verdict = layer.stats.read_notes.get("data", "copied: mmap=False")
+    assert verdict.startswith("mapped: " if mmap else "copied: "), verdict
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(verdict in line for line in lines) == 1, lines
+    assert sum(line.startswith("top ") for line in lines) == 2, lines  # data's and label's
+
+
 def _once(epoch_batches: list[Any], n: int, epoch: int) -> None:
     """Batches of epoch ``epoch``, every sample of ``n`` in them exactly once."""
     assert {b.epoch for b in epoch_batches} == {epoch}
@@ -1302,11 +1321,15 @@ async def test_ragged_and_sparse_heaps_in_chunks_are_mapped_and_give_the_copying
         delta = offsets - np.arange(len(offsets)) * HEAP_CHUNK * heaps["tok/data"].itemsize
         assert (delta[0:-5:6] == delta[2:-3:6]).all() and (delta[0:-5:6] != delta[1:-4:6]).all()
     served, copied, stats = await _mapped_beside_copied(path, shuffle, "ragged-chunks")
-    note = stats.read_notes["tok"]
+    # Each top's note: the source's verdict, and what is said of that top only.
+    tail = "a row's values copied from the mapped chunks as one span within a run, cut where a "
+    tail += "run ends"
+    note, x = stats.read_notes["tok"], stats.read_notes["X"]
     assert note.startswith("mapped: ") and "top 'tok': data chunked (" in note, note
-    assert "top 'X': data chunked (" in note and " and indices chunked (" in note, note
-    assert note.endswith("a row's values copied from the mapped chunks as one span within a run, "
-                         "cut where a run ends"), note  # fmt: skip
+    assert "top 'X'" not in note and note.endswith(tail), note
+    assert "top 'X': data chunked (" in x and " and indices chunked (" in x, x
+    assert "top 'tok'" not in x and x.endswith(tail), x
+    assert stats.read_notes["label"] == note.split("; ")[0]  # the verdict alone
     with h5py.File(path) as f:
         size = sum(f[k].nbytes for k in (*HEAPS, "label", "len"))
     if kept:

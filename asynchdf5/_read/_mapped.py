@@ -98,14 +98,14 @@ class MappedReader:
         catalog: Catalog,
         source: Source,
         leases: Sequence[Lease | str],
-        note: str,
+        notes: Mapping[str, str],
         *,
         keep_bytes: int | None = None,
     ) -> None:
         """Serve ``catalog``'s files mapped, each guarded by its entry of ``leases`` (in the
         order of the files with rows; taken over: closed with the reader) or, where none was
-        granted, not (the entry says why); ``note`` is each top's read note
-        (:func:`._choice.choose`)."""
+        granted, not (the entry says why); ``notes``: each top's read note
+        (:meth:`._choice.Choice.note_of`)."""
         libc = get_libc()
         assert libc is not None
         self._libc = libc
@@ -117,7 +117,7 @@ class MappedReader:
             name: "mmap" if t.ragged is None else f"{t.ragged.kind}-mmap"
             for name, t in catalog.tops.items()
         }
-        self.read_notes: Mapping[str, str] = {t: note for t in catalog.tops}
+        self.read_notes: Mapping[str, str] = dict(notes)
         infos = [f for f in catalog.files if f.nrows > 0]
         self._tops: list[MappedTop] = []
         #: The files' read leases (taken before they are mapped): nobody truncates a file
