@@ -1573,12 +1573,12 @@ async def test_a_heap_in_chunks_it_cannot_map_is_copied_and_says_what_it_needs(
     if case == "gzip":
         assert stats.read_paths["tok"] == "ragged-chunks"
         assert stats.read_notes["tok"] == (
-            f"copied: top 'tok/data' is stored chunked (64,), filtered: {needs}"
+            f"copied: top 'tok' (its data) is stored chunked (64,), filtered: {needs}"
         )
     else:
         assert stats.read_paths["tok"] == "ragged-h5py"
         assert stats.read_notes["tok"].endswith(
-            f"copied: top 'tok/data' is read through h5py (chunks not all written (fill "
+            f"copied: top 'tok' (its data) is read through h5py (chunks not all written (fill "
             f"values)): {needs}"
         ), stats.read_notes["tok"]
 

@@ -181,9 +181,9 @@ def refusal(catalog: Catalog) -> str | None:
             if parts is None:
                 row_bytes = catalog.tops[top].row_bytes
                 if layout.path == "chunks":
-                    why = _unmappable_chunks(where, top, layout, info, row_bytes)
+                    why = _unmappable_chunks(where, f"top {top!r}", layout, info, row_bytes)
                 else:
-                    why = _unmappable(where, top, layout, info, row_bytes * info.nrows)
+                    why = _unmappable(where, f"top {top!r}", layout, info, row_bytes * info.nrows)
                 if why is not None:
                     return why
                 continue
@@ -205,7 +205,7 @@ def refusal(catalog: Catalog) -> str | None:
             for (member, heap), width in zip(heaps, widths, strict=True):
                 if heap is None:
                     continue
-                name = f"{top}/{member}"
+                name = f"top {top!r} (its {member})"  # a member is no top of its own
                 if heap.path == "chunks":
                     why = _unmappable_chunks(where, name, heap, info, width, n, "values")
                 else:
@@ -230,25 +230,25 @@ _HEAP_NEEDS = _needs("values")
 
 
 def _unmappable(
-    where: str, top: str, layout: Layout, info: FileInfo, size: int, needs: str = _FIXED_NEEDS
+    where: str, what: str, layout: Layout, info: FileInfo, size: int, needs: str = _FIXED_NEEDS
 ) -> str | None:
-    """Why ``top``'s ``layout`` in file ``info`` cannot be mapped as the ``size`` bytes of its
-    data (None: it can). ``needs``: the storage it is mapped from, said when it is not stored
-    so."""
+    """Why ``what`` (``top 'name'``, or a ragged top's heap: ``top 'name' (its data)``),
+    stored as ``layout`` in file ``info``, cannot be mapped as the ``size`` bytes of its data
+    (None: it can). ``needs``: the storage it is mapped from, said when it is not stored so."""
     if layout.path != "pread" or len(layout.extents) != 1:
         how = f"stored {layout.storage}"
         if layout.note:
             how = f"read through h5py ({layout.note})"
-        return f"{where}top {top!r} is {how}: mapping needs {needs}"
+        return f"{where}{what} is {how}: mapping needs {needs}"
     if layout.swap:
-        return f"{where}top {top!r} is stored in the other byte order"
+        return f"{where}{what} is stored in the other byte order"
     (ext,) = layout.extents
     if not isinstance(ext.file, LocalFile):
-        return f"{where}top {top!r} is not in a local file"
+        return f"{where}{what} is not in a local file"
     if ext.file is not info.file:  # one lease guards one file
-        return f"{where}top {top!r} is stored in another file ({ext.file.name}): an external link"
+        return f"{where}{what} is stored in another file ({ext.file.name}): an external link"
     if size == 0 or ext.start != 0 or ext.size != size:
-        return f"{where}top {top!r}: its stored bytes do not hold exactly its rows"
+        return f"{where}{what}: its stored bytes do not hold exactly its rows"
     return None
 
 
@@ -266,21 +266,22 @@ MAIN_PHASE = 7 / 8
 
 def _unmappable_chunks(
     where: str,
-    top: str,
+    what: str,
     layout: Layout,
     info: FileInfo,
     row_bytes: int,
     nrows: int | None = None,
     unit: str = "samples",
 ) -> str | None:
-    """Why ``top``, stored chunked (``layout``) in file ``info``, cannot be mapped as ``nrows``
-    rows of ``row_bytes`` (None: the file's rows; it can): a fixed top's samples, or a ragged
-    top's heap's values (``unit``). Only chunks whose bytes are exactly whole rows, as stored:
-    a row is then at its chunk's offset plus its place in the chunk, never a guess."""
+    """Why ``what`` (as :func:`_unmappable`'s), stored chunked (``layout``) in file ``info``,
+    cannot be mapped as ``nrows`` rows of ``row_bytes`` (None: the file's rows; it can): a
+    fixed top's samples, or a ragged top's heap's values (``unit``). Only chunks whose bytes
+    are exactly whole rows, as stored: a row is then at its chunk's offset plus its place in
+    the chunk, never a guess."""
     index = layout.chunks
     assert index is not None
     nrows = info.nrows if nrows is None else nrows
-    name = f"{where}top {top!r} is stored {layout.storage}"
+    name = f"{where}{what} is stored {layout.storage}"
     if layout.filters:
         return f"{name}, filtered: mapping needs {_needs(unit)}"
     if index.band != 1 or index.splits_samples:
@@ -288,14 +289,14 @@ def _unmappable_chunks(
         what = f"wider than its {unit} (padded)" if index.band == 1 else f"that split its {unit}"
         return f"{name}, chunks {what}: mapping needs chunks of whole {unit}"
     if layout.swap:
-        return f"{where}top {top!r} is stored in the other byte order"
+        return f"{where}{what} is stored in the other byte order"
     if not isinstance(index.file, LocalFile):
-        return f"{where}top {top!r} is not in a local file"
+        return f"{where}{what} is not in a local file"
     if index.file is not info.file:  # one lease guards one file
-        return f"{where}top {top!r} is stored in another file ({index.file.name}): an external link"
+        return f"{where}{what} is stored in another file ({index.file.name}): an external link"
     whole = index.rows * row_bytes
     if row_bytes == 0 or len(index.offsets) * index.rows < nrows or (index.sizes != whole).any():
-        return f"{where}top {top!r}: its stored chunks do not hold exactly its rows"
+        return f"{where}{what}: its stored chunks do not hold exactly its rows"
     return None
 
 
