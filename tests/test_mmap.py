@@ -1178,6 +1178,36 @@ def test_the_sources_verdict_is_logged_once(
     assert sum(line.startswith("top ") for line in lines) == 2, lines  # data's and label's
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mmap", ["auto", False])
+def test_rows_of_no_bytes_are_read_as_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mmap: Literal["auto", False]
+) -> None:
+    """A top of shape (n, 0) (HDF5 never allocates its storage) has nothing to read: served
+    beside the others, mapped or copied, without h5py and without keeping the source from
+    being mapped (before: read through h5py as "not allocated", with a warning, and the whole
+    source copied)."""
+    paths = []
+    for k, (start, n) in enumerate([(0, 70), (70, 45)]):
+        paths.append(tmp_path / f"z{k}.h5")
+        with h5py.File(paths[-1], "w") as f:
+            f["label"] = np.arange(start, start + n)
+            f["none"] = np.zeros((n, 0), np.float32)
+    with caplog.at_level(logging.INFO, "asynchdf5"):
+        with HDF5DataLayer(
+            paths, tops=("none", "label"), batch_size=16, shuffle=True, mmap=mmap
+        ) as layer:
+            seen = []
+            for b in layer:
+                assert b["none"].shape == (len(b.indices), 0) and b["none"].dtype == np.float32
+                np.testing.assert_array_equal(b["label"], b.indices)
+                seen.append(b.indices)
+            paths_ = layer.stats.read_paths
+    check_exactly_once(seen, 115)
+    assert paths_ == dict.fromkeys(("none", "label"), "mmap" if mmap else "pread"), paths_
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def _once(epoch_batches: list[Any], n: int, epoch: int) -> None:
     """Batches of epoch ``epoch``, every sample of ``n`` in them exactly once."""
     assert {b.epoch for b in epoch_batches} == {epoch}

@@ -235,6 +235,8 @@ def _unmappable(
     """Why ``what`` (``top 'name'``, or a ragged top's heap: ``top 'name' (its data)``),
     stored as ``layout`` in file ``info``, cannot be mapped as the ``size`` bytes of its data
     (None: it can). ``needs``: the storage it is mapped from, said when it is not stored so."""
+    if size == 0 and layout.path == "pread" and not layout.extents:  # rows of no bytes
+        return None
     if layout.path != "pread" or len(layout.extents) != 1:
         how = f"stored {layout.storage}"
         if layout.note:

@@ -199,9 +199,11 @@ class MappedReader:
         """Map top ``top`` of file ``info`` stored as ``layout`` (or its heap ``heap``, as
         :class:`._maps.MappedTop` takes it, stored so): its one extent, or its stored chunks of
         whole rows (values), from the first to the end of the last (:func:`._choice.refusal`
-        checked them; a heap that ``indptr`` gives no values is not mapped at all)."""
+        checked them; a heap that ``indptr`` gives no values, or rows of no bytes, are not mapped
+        at all)."""
         index = layout.chunks
-        if heap is not None and int(heap[3][-1]) == 0:  # a heap of no values: nothing mapped
+        nothing = heap is not None and int(heap[3][-1]) == 0  # a heap of no values
+        if nothing or (index is None and not layout.extents):  # or rows of no bytes: not mapped
             file, offset, chunks = info.file, 0, None
         elif index is None:
             (ext,) = layout.extents
