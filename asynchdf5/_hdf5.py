@@ -244,7 +244,8 @@ class HDF5Layer(LayerBase):
             reader: Reader
             if choice.mapped:  # no slots: rows served in place
                 leases, choice.leases = choice.leases, []  # the reader's now
-                reader = MappedReader(catalog, files, leases, choice.note)
+                notes = {top: choice.note_of(top) for top in catalog.tops}
+                reader = MappedReader(catalog, files, leases, notes)
             elif shape.resident:
                 whole = allocate_slots(catalog.tops, shape.n_samples, count=1)[0].arrays
                 reader = HDF5Reader(catalog, files, resident=whole, read_threads=fill_threads())
@@ -265,6 +266,8 @@ class HDF5Layer(LayerBase):
                     read_threads=8 if streaming == "scattered" else 2,
                     streaming=streaming,
                 )
+            # What each top's note says of it alone (the source's verdict is logged once).
+            own = dict(choice.about if choice.mapped else reader.read_notes)
             if isinstance(reader, HDF5Reader) and choice.note != "copied: mmap=False":
                 notes = dict(reader.read_notes)
                 for top in catalog.tops:
@@ -300,7 +303,7 @@ class HDF5Layer(LayerBase):
         elif not choice.mapped:
             _log.info("not mapped: %s", choice.note)
         for top, path in reader.read_paths.items():
-            note = reader.read_notes.get(top)
+            note = own.get(top)
             if "chunks" in path:
                 note = f"deflate decoder: {deflate_backend()}" + (f"; {note}" if note else "")
             _log.info("top %r is read by %s%s", top, path, f" ({note})" if note else "")

@@ -322,7 +322,7 @@ def describe(source: Source, file: StoredFile, dset: h5py.Dataset, top: str) -> 
             if not exact:
                 return _h5py(storage, file, dset, "stored type needs conversion", depends=files)
             return Layout("pread", storage, swap=swap, extents=extents)
-        if nrows == 0:  # shape (0, ...): no bytes to read, none to account for
+        if nbytes == 0:  # shape (0, ...) or rows of no bytes: none to read, none to account for
             return Layout("pread", "contiguous", swap=swap)
         offset = dset.id.get_offset()
         if offset is None or nbytes == 0:  # never written: HDF5 supplies the fill value

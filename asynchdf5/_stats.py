@@ -143,8 +143,10 @@ class LayerStats:
     ``"pread"`` (stored bytes read straight into the cache, outside h5py's lock),
     ``"chunks"`` (raw chunks read and decoded by a pool of threads, outside h5py's lock),
     ``"h5py"`` (h5py reads it, holding its lock; the reason is in ``read_notes``) or ``"mmap"``
-    (served from the mapped file, no cache). Unless ``mmap=False``, ``read_notes`` says whether
-    the source is mapped and why: ``"mapped: ..."`` or ``"copied: why"``.
+    (served from the mapped file, no cache). Unless ``mmap=False``, ``read_notes`` says under
+    each top whether the source is mapped and why, ``"mapped: ..."`` or ``"copied: why"``,
+    followed by what concerns that top alone (a note about one top is not repeated under the
+    others).
     ``consumer_wait_seconds`` is the time ``async for`` waited for a batch. With a ``device``,
     ``device_bytes`` (held now), ``device_bytes_in_use``, ``device_bytes_peak`` and
     ``pinned_bytes`` report the device stage's memory (all 0 without one). ``read_retries``

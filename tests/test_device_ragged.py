@@ -199,6 +199,18 @@ async def test_fake_ragged_and_dense_tops_reach_the_device(
 
 
 @pytest.mark.anyio
+async def test_fake_device_batch_keys_follow_the_tops_order(
+    tmp_path: Path, fake_cupy: FakeCupy
+) -> None:
+    tops = ("len", "tok", "label")  # a ragged top between fixed ones
+    async with AsyncHDF5DataLayer(
+        write_ragged(tmp_path, [N]), tops=tops, batch_size=8, device="cuda"
+    ) as layer:
+        for keys in await _epoch(layer, lambda b: list(b)):
+            assert keys == list(tops)
+
+
+@pytest.mark.anyio
 async def test_fake_sparse_top_is_a_cupy_csr_matrix(tmp_path: Path, fake_cupy: FakeCupy) -> None:
     await check_sparse(tmp_path, FakeCsrMatrix, _get)
 

@@ -119,3 +119,52 @@ def test_default_tops_and_named_tops_unchanged(
     # --tops naming a missing top still fails, with the layer's message.
     status, doc = inspect_json(capsys, tmp_path / "a.h5", "--tops", "nope")
     assert status == 1 and doc["offered"] is None and "'nope' is missing" in doc["problems"][0]
+
+
+# --- bench takes the same offer ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_bench_without_tops_benches_the_offered_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``asynchdf5 bench cells.h5ad``: the tops inspect offers (one definition: ``report_on``),
+    said in its output; the in-RAM ceiling skipped for the sparse X and served for a
+    categorical top's codes; the raw read counts a sparse top's indices."""
+    path = tmp_path / "cells.h5ad"
+    write_h5ad(path)
+    status, out, err = run_main(["bench", path, "--json", "--batch-size", 32], capsys)
+    assert status == 0, (out, err)
+    doc = json.loads(out)
+    tops = ["X", "obs/cell_type", "obs/n_counts"]
+    assert doc["properties"]["tops"] == tops and doc["offered"]["sets"][0]["tops"] == tops
+    assert doc["samples"] == 200 and all(e["samples"] == 200 for e in doc["layer"]["epochs"])
+    assert doc["in_ram"] is None and "X: ragged or sparse" in doc["in_ram_skipped"]
+    assert not any(h.startswith("var/") for h in doc["hints"])  # only the benched tops'
+    with h5py.File(path) as f:  # values, column indices and the obs columns, at least
+        x = f["X"]
+        assert doc["stored_bytes"] >= x["data"].nbytes + x["indices"].nbytes
+        # A sample's bytes: its values and indices on average, its offset, and the columns.
+        nnz = x["data"].shape[0]
+        per_value = x["data"].dtype.itemsize + x["indices"].dtype.itemsize
+        assert doc["sample_bytes"] == round(nnz * per_value / 200 + 8 + 1 + 8)
+    status, text, _ = run_main(["bench", path, "--batch-size", 32, "--no-raw-read"], capsys)
+    assert status == 0 and "benched the largest set of tops it offers" in text
+    assert doc["offered"]["layer"] in text
+
+    # Named tops, a categorical among them: the in-RAM ceiling gathers its codes.
+    args = ["bench", path, "--json", "--tops", "obs/cell_type", "obs/n_counts"]
+    status, out, err = run_main(args, capsys)
+    assert status == 0, (out, err)
+    doc = json.loads(out)
+    assert doc["offered"] is None and doc["in_ram"]["samples"] == 200
+
+
+def test_bench_without_tops_on_a_file_that_offers_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "scalar.h5"
+    with h5py.File(path, "w") as f:
+        f["scale"] = 3.0
+    status, out, _ = run_main(["bench", path], capsys)
+    assert status == 1 and "'data' is missing" in out and "FAILED" in out

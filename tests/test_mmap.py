@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import h5py
@@ -1159,6 +1159,55 @@ async def test_a_ragged_top_in_several_files_is_copied_and_says_why(tmp_path: Pa
     )
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mmap", ["auto", False])
+def test_the_sources_verdict_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mmap: Literal["auto", False]
+) -> None:
+    """Whether the source is mapped, and why, is one line of the log at open, not repeated in
+    each top's line."""
+    write_h5(tmp_path / "a.h5", 0, 50)
+    with caplog.at_level(logging.INFO, "asynchdf5"):
+        with HDF5DataLayer(tmp_path / "a.h5", batch_size=16, mmap=mmap) as layer:
+            for _ in layer:
+                pass
+            verdict = layer.stats.read_notes.get("data", "copied: mmap=False")
+    assert verdict.startswith("mapped: " if mmap else "copied: "), verdict
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(verdict in line for line in lines) == 1, lines
+    assert sum(line.startswith("top ") for line in lines) == 2, lines  # data's and label's
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mmap", ["auto", False])
+def test_rows_of_no_bytes_are_read_as_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mmap: Literal["auto", False]
+) -> None:
+    """A top of shape (n, 0) (HDF5 never allocates its storage) has nothing to read: served
+    beside the others, mapped or copied, without h5py and without keeping the source from
+    being mapped (before: read through h5py as "not allocated", with a warning, and the whole
+    source copied)."""
+    paths = []
+    for k, (start, n) in enumerate([(0, 70), (70, 45)]):
+        paths.append(tmp_path / f"z{k}.h5")
+        with h5py.File(paths[-1], "w") as f:
+            f["label"] = np.arange(start, start + n)
+            f["none"] = np.zeros((n, 0), np.float32)
+    with caplog.at_level(logging.INFO, "asynchdf5"):
+        with HDF5DataLayer(
+            paths, tops=("none", "label"), batch_size=16, shuffle=True, mmap=mmap
+        ) as layer:
+            seen = []
+            for b in layer:
+                assert b["none"].shape == (len(b.indices), 0) and b["none"].dtype == np.float32
+                np.testing.assert_array_equal(b["label"], b.indices)
+                seen.append(b.indices)
+            paths_ = layer.stats.read_paths
+    check_exactly_once(seen, 115)
+    assert paths_ == dict.fromkeys(("none", "label"), "mmap" if mmap else "pread"), paths_
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def _once(epoch_batches: list[Any], n: int, epoch: int) -> None:
     """Batches of epoch ``epoch``, every sample of ``n`` in them exactly once."""
     assert {b.epoch for b in epoch_batches} == {epoch}
@@ -1302,11 +1351,15 @@ async def test_ragged_and_sparse_heaps_in_chunks_are_mapped_and_give_the_copying
         delta = offsets - np.arange(len(offsets)) * HEAP_CHUNK * heaps["tok/data"].itemsize
         assert (delta[0:-5:6] == delta[2:-3:6]).all() and (delta[0:-5:6] != delta[1:-4:6]).all()
     served, copied, stats = await _mapped_beside_copied(path, shuffle, "ragged-chunks")
-    note = stats.read_notes["tok"]
+    # Each top's note: the source's verdict, and what is said of that top only.
+    tail = "a row's values copied from the mapped chunks as one span within a run, cut where a "
+    tail += "run ends"
+    note, x = stats.read_notes["tok"], stats.read_notes["X"]
     assert note.startswith("mapped: ") and "top 'tok': data chunked (" in note, note
-    assert "top 'X': data chunked (" in note and " and indices chunked (" in note, note
-    assert note.endswith("a row's values copied from the mapped chunks as one span within a run, "
-                         "cut where a run ends"), note  # fmt: skip
+    assert "top 'X'" not in note and note.endswith(tail), note
+    assert "top 'X': data chunked (" in x and " and indices chunked (" in x, x
+    assert "top 'tok'" not in x and x.endswith(tail), x
+    assert stats.read_notes["label"] == note.split("; ")[0]  # the verdict alone
     with h5py.File(path) as f:
         size = sum(f[k].nbytes for k in (*HEAPS, "label", "len"))
     if kept:
@@ -1550,12 +1603,12 @@ async def test_a_heap_in_chunks_it_cannot_map_is_copied_and_says_what_it_needs(
     if case == "gzip":
         assert stats.read_paths["tok"] == "ragged-chunks"
         assert stats.read_notes["tok"] == (
-            f"copied: top 'tok/data' is stored chunked (64,), filtered: {needs}"
+            f"copied: top 'tok' (its data) is stored chunked (64,), filtered: {needs}"
         )
     else:
         assert stats.read_paths["tok"] == "ragged-h5py"
         assert stats.read_notes["tok"].endswith(
-            f"copied: top 'tok/data' is read through h5py (chunks not all written (fill "
+            f"copied: top 'tok' (its data) is read through h5py (chunks not all written (fill "
             f"values)): {needs}"
         ), stats.read_notes["tok"]
 

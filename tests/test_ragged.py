@@ -12,7 +12,7 @@ import itertools
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -1137,3 +1137,51 @@ def test_to_padded_of_python_objects_pads_each_row() -> None:
     assert x.tolist() == [[0, 1], [2, 3]]
     x, _ = Ragged(np.arange(5), np.array([0, 2, 5])).to_padded(pad=None, dtype=object)
     assert x.tolist() == [[0, 1, None], [2, 3, 4]]
+
+
+# --- a batch's keys ------------------------------------------------------------------------------
+
+
+def test_batch_keys_follow_the_tops_order(tmp_path: Path) -> None:
+    """A batch's keys are the tops in the order given, ragged ones among fixed ones, on every
+    route: sync, async, ``stream()``, a fused Pad, the torch dataset (in a worker too), and
+    ``process=True`` (fixed tops: it refuses ragged ones)."""
+    import anyio
+
+    files = write_files(tmp_path, [9, 4])
+    tops = ("len", "tok", "label")
+
+    def check(keys: Iterable[str], want: Sequence[str] = tops) -> None:
+        assert list(keys) == list(want)
+
+    with HDF5DataLayer(files, tops=tops, batch_size=4, shuffle=True) as layer:
+        for b in layer:
+            check(b)
+        for b in itertools.islice(layer.stream(), 5):
+            check(b)
+    padded = [("tok", T.Pad(0))]
+    with HDF5DataLayer(files, tops=tops, batch_size=4, transformers=padded) as layer:
+        for b in layer:
+            check(b)
+
+    async def run_async() -> None:
+        with anyio.fail_after(30):
+            async with asynchdf5.AsyncHDF5DataLayer(files, tops=tops, batch_size=4) as layer:
+                async for b in layer:
+                    check(b)
+
+    anyio.run(run_async)
+    fixed = ("len", "label")  # not in the files' nor the alphabet's order
+    with HDF5DataLayer(files, tops=fixed, batch_size=4, process=True) as layer:
+        for b in layer:
+            check(b, fixed)
+
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from asynchdf5.torch import HDF5IterableDataset
+
+    for workers in (0, 1):
+        with HDF5IterableDataset(files, tops=tops, batch_size=4) as ds:
+            for d in DataLoader(ds, batch_size=None, num_workers=workers):
+                check(d)

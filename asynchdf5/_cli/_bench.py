@@ -32,7 +32,7 @@ from .._catalog import Catalog, build_catalog
 from .._config import DEFAULT_TOPS
 from .._machine import memory_bytes
 from .._sources import is_url, open_source
-from ._inspect import Report, analyze, render
+from ._inspect import Report, render, report_on
 from ._limits import Rate, in_ram, raw_read, stored_ranges
 from ._util import mib, plural, positive, progress_bar, size_in_bytes, table, write_json
 
@@ -44,10 +44,10 @@ FORMAT = "asynchdf5.bench/1"
 # --- the layer ---------------------------------------------------------------------------------
 
 
-def _properties(args: argparse.Namespace) -> dict[str, Any]:
+def _properties(args: argparse.Namespace, tops: Sequence[str]) -> dict[str, Any]:
     return {
         "batch_size": args.batch_size,
-        "tops": tuple(args.tops),
+        "tops": tuple(tops),
         "shuffle": args.shuffle,
         "seed": args.seed,
         "chunk_size": args.chunk_size,
@@ -100,7 +100,8 @@ def _catalog(report: Report) -> tuple[Catalog, list[tuple[str, int, int]]]:
 def bench(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     """Every measurement, as the JSON document (raises DataLayerError: the files changed)."""
     catalog, ranges = _catalog(report)
-    n, row_bytes = catalog.n_samples, catalog.row_bytes
+    # A ragged or sparse top's values count, on average (as inspect's sample bytes).
+    n, row_bytes = catalog.n_samples, catalog.mean_row_bytes
     stored = sum(size for _, _, size in ranges)
     doc: dict[str, Any] = {
         "format": FORMAT,
@@ -110,8 +111,15 @@ def bench(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "sample_bytes": row_bytes,
         "bytes": n * row_bytes,
         "stored_bytes": stored,
-        "properties": {**_properties(args), "tops": list(args.tops), "backend": args.backend},
+        "properties": {
+            **_properties(args, report.tops),
+            "tops": list(report.tops),
+            "backend": args.backend,
+        },
         "read_paths": report.read_paths,
+        # Without --tops, on a file that lacks the default tops: what it offers (the largest
+        # set benched).
+        "offered": None if report.offered is None else report.offered.to_json(),
     }
     remote = any(is_url(e) for e in report.entries)
     raw: Rate | None = None
@@ -122,7 +130,7 @@ def bench(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     rates, opened, stats = anyio.run(
         layer_epochs,
         report.entries,
-        _properties(args),
+        _properties(args, report.tops),
         args.epochs,
         row_bytes,
         backend=args.backend,
@@ -137,10 +145,16 @@ def bench(args: argparse.Namespace, report: Report) -> dict[str, Any]:
     }
     ram: Rate | None = None
     budget = int(args.ram_fraction * memory_bytes())
+    ragged = [t.name for t in catalog.tops.values() if t.ragged is not None]
     if not args.in_ram:
         doc["in_ram_skipped"] = "--no-in-ram"
     elif remote:
         doc["in_ram_skipped"] = "remote source"
+    elif ragged:
+        doc["in_ram_skipped"] = (
+            f"{', '.join(ragged)}: ragged or sparse, where the in-RAM ceiling gathers rows of "
+            "one shape"
+        )
     elif n * row_bytes > budget:
         doc["in_ram_skipped"] = (
             f"{mib(n * row_bytes)} of samples is more than --ram-fraction {args.ram_fraction} "
@@ -165,7 +179,7 @@ def bench(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "chunks_read": stats.chunks_read,
         "bytes_read": stats.bytes_read,
     }
-    doc["hints"] = report.hints()
+    doc["hints"] = report.hints(report.tops)
     doc["layout_is_bottleneck"] = bool(doc["hints"]) and stats.bottleneck().startswith("reading")
     return doc
 
@@ -194,6 +208,14 @@ def render_bench(doc: dict[str, Any]) -> str:
         f"properties: {props}",
         "",
     ]
+    if doc["offered"] is not None:  # the tops were chosen here: say which, and how to choose
+        found = doc["offered"]
+        out[-1:-1] = [
+            f"{found['path']} has no top {' or '.join(DEFAULT_TOPS)} (the default; --tops "
+            f"names others): benched the largest set of tops it offers, as "
+            f"`asynchdf5 inspect {doc['source']}` lists them:",
+            f"  {found['layer']}",
+        ]
     raw = doc["raw_read"]
     rows = [_row(f"layer, epoch {e['epoch']}", e, raw) for e in doc["layer"]["epochs"]]
     rows.append(_row("raw read (preadv, 1 thread)", raw, raw))
@@ -251,7 +273,13 @@ def add_parser(commands: Any) -> None:
     )
     p.add_argument("source", nargs="+", metavar="SOURCE", help="a source list file or HDF5 files")
     p.add_argument("--batch-size", type=positive, default=256, help="(default: %(default)s)")
-    p.add_argument("--tops", nargs="+", default=list(DEFAULT_TOPS), metavar="TOP")
+    p.add_argument(
+        "--tops",
+        nargs="+",
+        metavar="TOP",
+        help=f"(default: {' '.join(DEFAULT_TOPS)}; where the file has no such top, the largest "
+        "set of tops it offers, as `asynchdf5 inspect SOURCE` shows)",
+    )
     p.add_argument(
         "--shuffle", action=argparse.BooleanOptionalAction, default=True, help="(default: on)"
     )
@@ -294,7 +322,7 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sources: list[str] = args.source
-    report = analyze(sources[0] if len(sources) == 1 else sources, args.tops)
+    report = report_on(sources[0] if len(sources) == 1 else sources, args.tops)
     if not report.ok:  # what inspect says, and nothing measured
         if args.json:
             write_json({"format": FORMAT, "ok": False, "inspect": report.to_json()})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,7 @@ __all__ = [
     "analyze",
     "offer",
     "render",
+    "report_on",
 ]
 
 #: The JSON document's format name and version (bumped when a field changes meaning).
@@ -189,11 +190,14 @@ class Report:
     def ok(self) -> bool:
         return not self.problems
 
-    def hints(self) -> list[str]:
-        """Each distinct hint, prefixed by its top, in order."""
+    def hints(self, tops: Collection[str] | None = None) -> list[str]:
+        """Each distinct hint, prefixed by its top, in order (only ``tops``' when given: an
+        offered report also describes tops beside its set)."""
         seen: dict[str, None] = {}
         for f in self.files:
             for t in f.tops:
+                if tops is not None and t.name not in tops:
+                    continue
                 for h in t.hints:
                     seen.setdefault(f"{t.name}: {h}", None)
         return list(seen)
@@ -532,6 +536,25 @@ def offer(
     return report
 
 
+def report_on(
+    source: str | Sequence[str],
+    tops: Sequence[str] | None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> Report:
+    """The report on ``tops``; without them (None), on the default tops, or, where the
+    source's first file lacks those, on the largest set of tops it offers (:func:`offer`):
+    every command that takes a source and defaults its tops chooses them here.
+
+    Blocking (h5py): call it outside an event loop.
+    """
+    if tops is None:
+        offered = offer(source, storage_options=storage_options)
+        if offered is not None:
+            return offered
+    return analyze(source, DEFAULT_TOPS if tops is None else tops, storage_options=storage_options)
+
+
 def _offered(
     source: Source, file: Any, entry: str, extents: dict[str, tuple[int, int]], found: Offer
 ) -> list[TopReport]:
@@ -759,12 +782,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"asynchdf5 inspect: error: {exc}", file=sys.stderr)
         return 2
     named = {str(w) for w in cut}
-    given: list[str] = list(DEFAULT_TOPS) if args.tops is None else args.tops
-    tops = [*cut, *(t for t in given if t not in named)]
-    if args.windows and args.tops is None:
+    tops: list[str] | None = None  # the defaults, or what the file offers
+    if args.tops is not None:
+        tops = [*cut, *(t for t in args.tops if t not in named)]
+    elif cut:
         tops = list(cut)  # --windows alone names the tops
-    offered = offer(source) if args.tops is None and not args.windows else None
-    report = analyze(source, tops) if offered is None else offered
+    report = report_on(source, tops)
     if args.json:
         write_json(report.to_json())
     else:

@@ -17,7 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .._catalog import Catalog, build_catalog
+from .._catalog import Catalog, build_catalog, categorical
 from .._layout import Layout
 from .._sources import LocalSource
 
@@ -94,7 +94,10 @@ def _ranges(layout: Layout) -> list[tuple[str, int, int]]:
 
 def stored_ranges(catalog: Catalog) -> list[tuple[str, int, int]]:
     """The tops' stored bytes, in file order, adjacent ranges merged."""
-    found = sorted(r for f in catalog.files for lay in f.layouts.values() for r in _ranges(lay))
+    layouts = [lay for f in catalog.files for lay in f.layouts.values()]
+    # A sparse top's column indices are read beside its values (``layouts`` has its values').
+    layouts += [p.indices for f in catalog.files for p in f.ragged.values() if p.indices]
+    found = sorted(r for lay in layouts for r in _ranges(lay))
     merged: list[tuple[str, int, int]] = []
     for name, offset, size in found:
         if merged and merged[-1][0] == name and merged[-1][1] + merged[-1][2] >= offset:
@@ -178,7 +181,9 @@ def gather_epoch(
 
 
 def in_ram(catalog: Catalog, batch_size: int, seed: int) -> Rate:
-    """Every top in memory, then one epoch served by :func:`gather_epoch` (blocking)."""
+    """Every top in memory (a categorical top's codes), then one epoch served by
+    :func:`gather_epoch` (blocking). Fixed-shape tops only: a ragged or sparse top's rows are
+    not rows of one array."""
     n = catalog.n_samples
     start = time.perf_counter()
     arrays = {t.name: np.empty((n, *t.sample_shape), t.dtype) for t in catalog.tops.values()}
@@ -187,7 +192,9 @@ def in_ram(catalog: Catalog, batch_size: int, seed: int) -> Rate:
             continue
         with h5py.File(f.name, "r") as h5:
             for name, a in arrays.items():
-                h5[name].read_direct(a, dest_sel=np.s_[f.start : f.start + f.nrows])
+                coded = categorical(f.name, h5, name) if name in f.categories else None
+                dset = h5[name if coded is None else coded[0]]
+                dset.read_direct(a, dest_sel=np.s_[f.start : f.start + f.nrows])
     load = time.perf_counter() - start
     first: list[float] = []
 

@@ -230,10 +230,14 @@ class CudaDelivery:
                         staging[t.name] = self.alloc((size, *t.sample_shape), t.dtype)
                 indices = np.empty(size, np.int64)
                 gather_split(pieces, staging, indices, helper)
-                gathered: dict[str, Any] = dict(staging)
-                for t in tops:
-                    if t.ragged is not None:
-                        gathered[t.name] = self._gather_ragged(pieces, t, size, heaps)
+                ragged = {
+                    t.name: self._gather_ragged(pieces, t, size, heaps)
+                    for t in tops
+                    if t.ragged is not None
+                }
+                gathered: dict[str, Any] = {  # in the tops' order, whatever their kind
+                    t.name: staging[t.name] if t.ragged is None else ragged[t.name] for t in tops
+                }
                 t1 = time.perf_counter()
                 host = (
                     gathered

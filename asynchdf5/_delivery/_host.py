@@ -224,7 +224,7 @@ class HostDelivery:
         #: Where batch buffers come from (None: NumPy); set before a run starts.
         self.batch_memory: BatchMemory | None = None
         self._ragged: dict[str, TopInfo] = {}
-        #: The ragged tops gathered padded (not in ``_ragged``), every ragged top in the tops'
+        #: The ragged tops gathered padded (not in ``_ragged``), every top in the tops'
         #: order, and the chain left to run on the batches (set by start()).
         self._padded: dict[str, Pad] = {}
         self._order: list[str] = []
@@ -272,7 +272,7 @@ class HostDelivery:
         dense = {k: t.dtype for k, t in ragged.items() if t.ragged and not t.ragged.sparse}
         self._padded, self._chain = fused_pads(self.transformers, dense)
         self._ragged = {k: t for k, t in ragged.items() if k not in self._padded}
-        self._order = list(ragged)
+        self._order = list(tops)  # a batch's keys: the tops' order, whatever their kind
         if ragged and (self._heaps is None or self._shape != shape):
             self._heaps = HeapBuffers(
                 depth * sum(2 if t.ragged.sparse else 1 for t in ragged.values() if t.ragged)
@@ -336,17 +336,22 @@ class HostDelivery:
         transforming = 0.0  # only the transformers' own calls: cutting batches is gathering
         for i, (size, epoch) in enumerate(zip(group.sizes, group.epochs, strict=True)):
             end = at + size
-            data: dict[str, Any] = (
+            fixed = (
                 {k: v[at:end] for k, v in arrays.items()}
                 if each is None
                 else {top: arrays[internal][at:end] for top, internal in each[i].items()}
             )
-            for name in self._order:  # in the tops' order
+            data: dict[str, Any] = {}
+            # In the tops' order; a stream of its own tops (:mod:`.._schemas`): in its order.
+            for name in self._order if each is None else (*each[i], *self._order):
                 if name in padded:
                     data[name] = padded[name][at:end]
-                else:
+                elif name in ragged:
                     t, offsets, heaps = ragged[name]
                     data[name] = ragged_batch(t, offsets, heaps, at, end)
+                elif name in fixed:
+                    data[name] = fixed.pop(name)
+            data.update(fixed)
             rows = indices[at:end]
             at = end
             if transformers:

@@ -181,9 +181,9 @@ def refusal(catalog: Catalog) -> str | None:
             if parts is None:
                 row_bytes = catalog.tops[top].row_bytes
                 if layout.path == "chunks":
-                    why = _unmappable_chunks(where, top, layout, info, row_bytes)
+                    why = _unmappable_chunks(where, f"top {top!r}", layout, info, row_bytes)
                 else:
-                    why = _unmappable(where, top, layout, info, row_bytes * info.nrows)
+                    why = _unmappable(where, f"top {top!r}", layout, info, row_bytes * info.nrows)
                 if why is not None:
                     return why
                 continue
@@ -205,7 +205,7 @@ def refusal(catalog: Catalog) -> str | None:
             for (member, heap), width in zip(heaps, widths, strict=True):
                 if heap is None:
                     continue
-                name = f"{top}/{member}"
+                name = f"top {top!r} (its {member})"  # a member is no top of its own
                 if heap.path == "chunks":
                     why = _unmappable_chunks(where, name, heap, info, width, n, "values")
                 else:
@@ -230,25 +230,27 @@ _HEAP_NEEDS = _needs("values")
 
 
 def _unmappable(
-    where: str, top: str, layout: Layout, info: FileInfo, size: int, needs: str = _FIXED_NEEDS
+    where: str, what: str, layout: Layout, info: FileInfo, size: int, needs: str = _FIXED_NEEDS
 ) -> str | None:
-    """Why ``top``'s ``layout`` in file ``info`` cannot be mapped as the ``size`` bytes of its
-    data (None: it can). ``needs``: the storage it is mapped from, said when it is not stored
-    so."""
+    """Why ``what`` (``top 'name'``, or a ragged top's heap: ``top 'name' (its data)``),
+    stored as ``layout`` in file ``info``, cannot be mapped as the ``size`` bytes of its data
+    (None: it can). ``needs``: the storage it is mapped from, said when it is not stored so."""
+    if size == 0 and layout.path == "pread" and not layout.extents:  # rows of no bytes
+        return None
     if layout.path != "pread" or len(layout.extents) != 1:
         how = f"stored {layout.storage}"
         if layout.note:
             how = f"read through h5py ({layout.note})"
-        return f"{where}top {top!r} is {how}: mapping needs {needs}"
+        return f"{where}{what} is {how}: mapping needs {needs}"
     if layout.swap:
-        return f"{where}top {top!r} is stored in the other byte order"
+        return f"{where}{what} is stored in the other byte order"
     (ext,) = layout.extents
     if not isinstance(ext.file, LocalFile):
-        return f"{where}top {top!r} is not in a local file"
+        return f"{where}{what} is not in a local file"
     if ext.file is not info.file:  # one lease guards one file
-        return f"{where}top {top!r} is stored in another file ({ext.file.name}): an external link"
+        return f"{where}{what} is stored in another file ({ext.file.name}): an external link"
     if size == 0 or ext.start != 0 or ext.size != size:
-        return f"{where}top {top!r}: its stored bytes do not hold exactly its rows"
+        return f"{where}{what}: its stored bytes do not hold exactly its rows"
     return None
 
 
@@ -266,21 +268,22 @@ MAIN_PHASE = 7 / 8
 
 def _unmappable_chunks(
     where: str,
-    top: str,
+    what: str,
     layout: Layout,
     info: FileInfo,
     row_bytes: int,
     nrows: int | None = None,
     unit: str = "samples",
 ) -> str | None:
-    """Why ``top``, stored chunked (``layout``) in file ``info``, cannot be mapped as ``nrows``
-    rows of ``row_bytes`` (None: the file's rows; it can): a fixed top's samples, or a ragged
-    top's heap's values (``unit``). Only chunks whose bytes are exactly whole rows, as stored:
-    a row is then at its chunk's offset plus its place in the chunk, never a guess."""
+    """Why ``what`` (as :func:`_unmappable`'s), stored chunked (``layout``) in file ``info``,
+    cannot be mapped as ``nrows`` rows of ``row_bytes`` (None: the file's rows; it can): a
+    fixed top's samples, or a ragged top's heap's values (``unit``). Only chunks whose bytes
+    are exactly whole rows, as stored: a row is then at its chunk's offset plus its place in
+    the chunk, never a guess."""
     index = layout.chunks
     assert index is not None
     nrows = info.nrows if nrows is None else nrows
-    name = f"{where}top {top!r} is stored {layout.storage}"
+    name = f"{where}{what} is stored {layout.storage}"
     if layout.filters:
         return f"{name}, filtered: mapping needs {_needs(unit)}"
     if index.band != 1 or index.splits_samples:
@@ -288,20 +291,20 @@ def _unmappable_chunks(
         what = f"wider than its {unit} (padded)" if index.band == 1 else f"that split its {unit}"
         return f"{name}, chunks {what}: mapping needs chunks of whole {unit}"
     if layout.swap:
-        return f"{where}top {top!r} is stored in the other byte order"
+        return f"{where}{what} is stored in the other byte order"
     if not isinstance(index.file, LocalFile):
-        return f"{where}top {top!r} is not in a local file"
+        return f"{where}{what} is not in a local file"
     if index.file is not info.file:  # one lease guards one file
-        return f"{where}top {top!r} is stored in another file ({index.file.name}): an external link"
+        return f"{where}{what} is stored in another file ({index.file.name}): an external link"
     whole = index.rows * row_bytes
     if row_bytes == 0 or len(index.offsets) * index.rows < nrows or (index.sizes != whole).any():
-        return f"{where}top {top!r}: its stored chunks do not hold exactly its rows"
+        return f"{where}{what}: its stored chunks do not hold exactly its rows"
     return None
 
 
-def scattered(catalog: Catalog) -> str | None:
+def scattered(catalog: Catalog) -> tuple[str, str] | None:
     """Where a chunked top of a mappable source has its chunks at many phases (none holding
-    :data:`MAIN_PHASE` of them), what that is, for a note (None: nowhere)."""
+    :data:`MAIN_PHASE` of them): the top and what that is, for a note (None: nowhere)."""
     files = [f for f in catalog.files if f.nrows > 0]
     for info in files:
         for top, layout in info.layouts.items():
@@ -313,7 +316,7 @@ def scattered(catalog: Catalog) -> str | None:
             if counts.max() < MAIN_PHASE * len(index.offsets):
                 where = f"{info.name}: " if len(files) > 1 else ""
                 share = counts.max() / len(index.offsets)
-                return (
+                return top, (
                     f"{where}top {top!r} is stored {layout.storage}, its chunks at {len(counts)} "
                     f"different offsets modulo its row's {row_bytes} bytes (the most at one: "
                     f"{share:.0%} of them; the chunk index or other data lies between runs of "
@@ -322,12 +325,12 @@ def scattered(catalog: Catalog) -> str | None:
     return None
 
 
-def chunked_heaps(catalog: Catalog) -> str | None:
+def chunked_heaps(catalog: Catalog) -> dict[str, str]:
     """How the heaps of a mappable source's ragged and sparse tops that are stored in chunks are
-    read when mapped, for a note (None: none is stored so). A row's values lie in one run of
-    values; the chunks holding them are one span of the file where they are back to back in it
-    (:class:`._maps.ChunkHeap`)."""
-    said = []
+    read when mapped, for a note, by top (none stored so: empty). A row's values lie in one run
+    of values; the chunks holding them are one span of the file where they are back to back in
+    it (:class:`._maps.ChunkHeap`)."""
+    said: dict[str, list[str]] = {}
     for info in catalog.files:
         if info.nrows == 0:
             continue
@@ -347,20 +350,22 @@ def chunked_heaps(catalog: Catalog) -> str | None:
                 # Mapped (refusal found none), its chunks are stored whole: a size each.
                 n = int(run_starts(index.offsets[:, 0], int(index.sizes[0, 0])).sum())
                 runs.append(f"{member} chunked ({index.rows},) in {n} run{'s' * (n != 1)}")
-            said.append(f"top {top!r}: {' and '.join(runs)} of chunks back to back in the file")
-    if not said:
-        return None
-    return (
-        f"{'; '.join(said)}: a row's values copied from the mapped chunks as one span within a "
-        "run, cut where a run ends"
-    )
+            said.setdefault(top, []).append(
+                f"top {top!r}: {' and '.join(runs)} of chunks back to back in the file"
+            )
+    return {
+        top: f"{'; '.join(runs)}: a row's values copied from the mapped chunks as one span "
+        "within a run, cut where a run ends"
+        for top, runs in said.items()
+    }
 
 
 @dataclass
 class Choice:
     """How a source is served: ``leases`` (one per file with rows) is set when it is mapped
     (each lease taken, or why none was: only with ``mmap=True``); ``note`` says how and why, in
-    one line."""
+    one line; :meth:`note_of` only what concerns one top (each cause said once, under the tops
+    it is a cause for)."""
 
     mapped: bool
     note: str
@@ -370,6 +375,14 @@ class Choice:
     #: Mapped as ``mmap=True`` asked, where that reads slowly (a data set larger than the
     #: memory the process may use): why, for a warning; None otherwise.
     slow: str | None = None
+    #: What ``note`` says of a single top only (how the mapped reader serves it), by top; the
+    #: rest of ``note``, said of the whole source: ``common`` (None: all of ``note``).
+    about: dict[str, str] = field(default_factory=dict)
+    common: str | None = None
+
+    def note_of(self, top: str) -> str:
+        """``note`` as it concerns ``top``: what it says of the source, and of ``top`` only."""
+        return "; ".join(filter(None, (self.common or self.note, self.about.get(top))))
 
     def close(self) -> None:
         """Give back the leases taken (the source will not be mapped after all)."""
@@ -437,7 +450,7 @@ def _choose(
         if spread is not None and resident:
             return Choice(
                 False,
-                f"copied: {spread}: held resident, a row is one copy from memory; mapped, its "
+                f"copied: {spread[1]}: held resident, a row is one copy from memory; mapped, its "
                 "rows would be gathered phase by phase, two copies a row",
             )
         for file in files:
@@ -468,16 +481,18 @@ def _choose(
     else:
         choice.note = f"mapped: {_fs_name(files[0])}, read lease held"
     if spread is not None:
-        choice.note += f"; {spread}: its rows gathered phase by phase, two copies a row"
-    heaps = chunked_heaps(catalog)
-    if heaps is not None:
-        choice.note += f"; {heaps}"
+        top, what = spread
+        choice.about[top] = f"{what}: its rows gathered phase by phase, two copies a row"
+    for top, how in chunked_heaps(catalog).items():
+        choice.about[top] = "; ".join(filter(None, (choice.about.get(top), how)))
+    choice.common = choice.note
     if larger is not None:  # only with mmap=True: "auto" copies it
         choice.slow = (
             f"{larger}: mapped, every batch faults its rows in from the disk a few pages at a "
             'time, at random; mmap="auto" streams it in large reads'
         )
-        choice.note += f"; {larger}"
+        choice.common += f"; {larger}"
+    choice.note = "; ".join([choice.note, *choice.about.values(), *filter(None, [larger])])
     return choice
 
 

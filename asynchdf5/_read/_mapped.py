@@ -98,14 +98,14 @@ class MappedReader:
         catalog: Catalog,
         source: Source,
         leases: Sequence[Lease | str],
-        note: str,
+        notes: Mapping[str, str],
         *,
         keep_bytes: int | None = None,
     ) -> None:
         """Serve ``catalog``'s files mapped, each guarded by its entry of ``leases`` (in the
         order of the files with rows; taken over: closed with the reader) or, where none was
-        granted, not (the entry says why); ``note`` is each top's read note
-        (:func:`._choice.choose`)."""
+        granted, not (the entry says why); ``notes``: each top's read note
+        (:meth:`._choice.Choice.note_of`)."""
         libc = get_libc()
         assert libc is not None
         self._libc = libc
@@ -117,7 +117,7 @@ class MappedReader:
             name: "mmap" if t.ragged is None else f"{t.ragged.kind}-mmap"
             for name, t in catalog.tops.items()
         }
-        self.read_notes: Mapping[str, str] = {t: note for t in catalog.tops}
+        self.read_notes: Mapping[str, str] = dict(notes)
         infos = [f for f in catalog.files if f.nrows > 0]
         self._tops: list[MappedTop] = []
         #: The files' read leases (taken before they are mapped): nobody truncates a file
@@ -199,9 +199,11 @@ class MappedReader:
         """Map top ``top`` of file ``info`` stored as ``layout`` (or its heap ``heap``, as
         :class:`._maps.MappedTop` takes it, stored so): its one extent, or its stored chunks of
         whole rows (values), from the first to the end of the last (:func:`._choice.refusal`
-        checked them; a heap that ``indptr`` gives no values is not mapped at all)."""
+        checked them; a heap that ``indptr`` gives no values, or rows of no bytes, are not mapped
+        at all)."""
         index = layout.chunks
-        if heap is not None and int(heap[3][-1]) == 0:  # a heap of no values: nothing mapped
+        nothing = heap is not None and int(heap[3][-1]) == 0  # a heap of no values
+        if nothing or (index is None and not layout.extents):  # or rows of no bytes: not mapped
             file, offset, chunks = info.file, 0, None
         elif index is None:
             (ext,) = layout.extents
