@@ -540,9 +540,12 @@ def _out_of_core(rec: Recorder, size: dict[str, int], folder: Path, work: Path) 
                 imports = _ANN_IMPORTS if reader == "annloader" else _IMPORTS
                 job_r = {**job, "reader": reader, "imports": imports}
                 name = f"{reader}-ooc"
+                kills = group.oom_kills() or 0
                 r, error = cgroups.run_child("benchmarks.ragged", job_r, work, name, group)
                 if error is not None:
-                    rec.note(f"{what} {reader} ({label}): {error}")
+                    killed = (group.oom_kills() or 0) - kills
+                    why = f"killed for memory ({killed} OOM kill)" if killed > 0 else "failed"
+                    rec.note(f"{what} {reader} ({label}): {why}: {error.strip()[-300:]}")
                     continue
                 _record(rec, what, reader, label, r, rates, firsts, laters)
             if "gzip" in what:  # warm, no cgroup: the chunks are held in memory
