@@ -543,12 +543,15 @@ def _out_of_core(rec: Recorder, size: dict[str, int], folder: Path, work: Path) 
                 imports = _ANN_IMPORTS if reader == "annloader" else _IMPORTS
                 job_r = {**job, "reader": reader, "imports": imports}
                 name = f"{reader}-ooc"
-                kills = group.oom_kills() or 0
-                r, error = cgroups.run_child("benchmarks.ragged", job_r, work, name, group)
-                if error is not None:
+                for attempt in (1, 2):  # AnnLoader on the gzip file is killed now and then
+                    kills = group.oom_kills() or 0
+                    r, error = cgroups.run_child("benchmarks.ragged", job_r, work, name, group)
                     killed = (group.oom_kills() or 0) - kills
-                    why = f"killed for memory ({killed} OOM kill)" if killed > 0 else "failed"
-                    rec.note(f"{what} {reader} ({label}): {why}: {error.strip()[-300:]}")
+                    if error is None or killed <= 0:
+                        break
+                    rec.note(f"{what} {reader} ({label}): killed for memory (try {attempt})")
+                if error is not None:
+                    rec.note(f"{what} {reader} ({label}): failed: {error.strip()[-300:]}")
                     continue
                 if reader == "stored":
                     rec.note(f"{what}: stored bytes read in {r['seconds']:.3f} s")
