@@ -257,8 +257,10 @@ class HDF5Layer(LayerBase):
                 # (Source.fetch); scattered reads wait on the disk, not the CPU: more in flight.
                 # Chunks that are long stretches (unshuffled, or data packed shuffled) are read
                 # in order, with the kernel's read-ahead, whatever the order of the chunks.
+                # The data's bytes: a ragged top's values (its rows' spans are all a slot's
+                # row holds of it), so a sparse matrix larger than memory streams as one.
                 streaming: Streaming | None = None
-                if 0 < memory < shape.n_samples * shape.row_bytes:
+                if 0 < memory < catalog.n_samples * catalog.mean_row_bytes:
                     streaming = "in order" if shape.stretches else "scattered"
                 reader = HDF5Reader(
                     catalog,

@@ -38,6 +38,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -221,27 +222,44 @@ def decode(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
 
 
 def decode_loop(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | None:
-    """The tight decode limit: the chunks :func:`decode` decodes, by one thread per core, each
-    looping over its share (every ``threads``-th chunk) into a buffer of its own, reused; no
-    task, lookup or allocation per chunk. The same calls as the reader's
-    (:func:`_decode_chunk`). Also the CPU seconds the threads spent (their own clocks), which
-    says what a chunk's decode costs at least; None for an unfiltered layout."""
+    """The tight decode limit: the chunks :func:`decode` decodes, by :func:`loop_decode`. Also
+    the CPU seconds the threads spent (their own clocks), which says what a chunk's decode costs
+    at least; None for an unfiltered layout."""
     held = _held_chunks(paths, most_bytes)
     if held is None:
         return None
     decoder, row_bytes, raws = held
     threads = os.cpu_count() or 1
+    seconds, cpu = loop_decode([(decoder, raw, mask) for raw, mask in raws], threads)
+    return _limit(decoder, row_bytes, len(raws), seconds, threads, cpu)
+
+
+def loop_decode(chunks: Sequence[tuple[Any, bytearray, int]], threads: int) -> tuple[float, float]:
+    """Stored chunks (their decoder, bytes and filter mask), already in memory, decoded by
+    ``threads`` threads, each looping over its share (every ``threads``-th chunk) into a buffer
+    of its own, reused; no task, lookup or allocation per chunk, and the same calls as the
+    reader's (:func:`_decode_chunk`): the fastest decode of these chunks this machine does, the
+    decode limit a layer is held to (the ``ragged`` benchmark's too).
+
+    Returns
+    -------
+    tuple
+        The wall seconds, and the CPU seconds the threads spent (their own clocks).
+    """
     start = threading.Barrier(threads + 1)
     cpu = [0.0] * threads
     errors: list[BaseException] = []
 
     def loop(k: int) -> None:
-        out = np.empty(decoder.chunk_bytes, np.uint8)
-        mine = raws[k::threads]
+        outs: dict[int, np.ndarray] = {}  # a buffer per chunk size (one per decoder, mostly)
+        mine = chunks[k::threads]
         start.wait()
         c0 = time.thread_time()
         try:
-            for raw, mask in mine:
+            for decoder, raw, mask in mine:
+                out = outs.get(decoder.chunk_bytes)
+                if out is None:
+                    out = outs[decoder.chunk_bytes] = np.empty(decoder.chunk_bytes, np.uint8)
                 _decode_chunk(decoder, raw, mask, out)
         except BaseException as exc:  # re-raised by the caller
             errors.append(exc)
@@ -257,7 +275,7 @@ def decode_loop(paths: list[str], n: int, most_bytes: int) -> dict[str, Any] | N
     seconds = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    return _limit(decoder, row_bytes, len(raws), seconds, threads, sum(cpu))
+    return seconds, sum(cpu)
 
 
 def _raw_chunks(index: Any, most_bytes: int) -> list[tuple[bytearray, int]]:

@@ -11,6 +11,7 @@ runs without one.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -189,8 +190,12 @@ def run_child(
 
 
 def child(job_file: str, readers: Mapping[str, Callable[[Any], Any]]) -> None:
-    """The child side of :func:`run_child`: join the job's group, run its reader, write the JSON."""
+    """The child side of :func:`run_child`: import the modules the job names in ``imports``
+    (their memory stays charged where the child started: a small limit caps the reader's data,
+    not its interpreter), join the job's group, run its reader, write the JSON."""
     job = json.loads(Path(job_file).read_text())
+    for module in job.get("imports", ()):
+        importlib.import_module(module)
     if job.get("cgroup_procs"):
         join(job["cgroup_procs"])
     Path(job["result"]).write_text(json.dumps(readers[job["reader"]](job)))

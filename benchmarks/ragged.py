@@ -28,6 +28,15 @@ and 1,024 token rows (to the longest row, and cut to 512) against ``np.copyto`` 
 by the layer (``transforms.Pad`` at the head of the chain, gathered padded) against the same
 epochs of ``Ragged`` batches the loop pads with ``to_padded(0, 512)``.
 
+Out of core (:func:`_out_of_core`): a count matrix as single-cell data has one (20,000 genes,
+about 1,000 non-zeros a cell, counts; :func:`counts_matrix`), written by anndata twice, as is and
+with ``compression="gzip"``, the uncompressed file 3.4x the memory the reader may use: each
+reader in a child in a 128 MiB memory cgroup (its modules imported before it joins), the file
+evicted before it starts, so that every epoch streams the file. Readers: the stored bytes read
+front to back (the read limit), the layer (epoch 1 and epochs 2+ alone), ``AnnLoader``; for the
+gzip file also its decode limit (the ``layouts`` benchmark's: its chunks decoded from memory by
+one loop per core).
+
 Ratios are taken within one run, reader against reader, in the same conditions: each ratio to
 the raw read beside the ratio of its limits (NumPy resident, fixed rows) to it.
 """
@@ -48,13 +57,20 @@ from benchmarks import cgroups, page_cache
 from benchmarks.report import Recorder
 
 LIMIT_MIB = 512
+#: The memory limit of the out-of-core count matrices: the full size's files are 3.4x it
+#: (uncompressed) and 1.0x it gzipped (3.4x decoded).
+OOC_LIMIT_MIB = 128
 SLAB = 64 * 2**20
 
 
 def _sizes(quick: bool) -> dict[str, int]:
-    if quick:
-        return {"docs": 2_000, "cells": 2_000, "genes": 200, "epochs": 1, "timeout": 120}
-    return {"docs": 200_000, "cells": 100_000, "genes": 2_000, "epochs": 2, "timeout": 900}
+    if quick:  # the counts files are smaller than the limit: the run proves the code only
+        return {"docs": 2_000, "cells": 2_000, "genes": 200, "epochs": 1, "timeout": 120,
+                "counts_cells": 1_000, "counts_genes": 400, "ooc_limit_mib": OOC_LIMIT_MIB,
+                "ooc_epochs": 2, "ooc_cap_s": 1}  # fmt: skip
+    return {"docs": 200_000, "cells": 100_000, "genes": 2_000, "epochs": 2, "timeout": 900,
+            "counts_cells": 50_000, "counts_genes": 20_000, "ooc_limit_mib": OOC_LIMIT_MIB,
+            "ooc_epochs": 3, "ooc_cap_s": 10}  # fmt: skip
 
 
 def write_tokens(path: Path, n: int, seed: int = 0) -> Path:
@@ -96,6 +112,48 @@ def write_cells(path: Path, cells: int, genes: int, seed: int = 0) -> Path | str
     obs.index = obs.index.astype(str)
     tmp = path.with_name("tmp-" + path.name)
     anndata.AnnData(X=x, obs=obs).write_h5ad(tmp)
+    tmp.rename(path)
+    return path
+
+
+def counts_matrix(cells: int, genes: int, density: float = 0.05, seed: int = 0) -> Any:
+    """A count matrix as single-cell data has one (``scipy.sparse.csr_matrix``, float32 values,
+    int32 column indices sorted in each row): each cell's number of detected genes drawn around
+    ``density`` of them (log-normal), its columns by geometric gaps (distinct, in order), its
+    counts 1 + Poisson(1) (mostly ones and twos, as UMI counts are)."""
+    import scipy.sparse
+
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(genes * density), 0.5, cells), 1, genes)
+    draws = np.ceil(lengths * 1.3 + 8).astype(np.int64)  # enough gaps to pass the last gene
+    cols = np.cumsum(rng.geometric(np.repeat(lengths / genes, draws)))
+    ends = np.cumsum(draws)
+    cols -= np.repeat(np.concatenate(([0], cols[ends[:-1] - 1])), draws) + 1  # from 0 per row
+    keep = cols < genes
+    rows = np.repeat(np.arange(cells), draws)[keep]
+    indptr = np.zeros(cells + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=cells), out=indptr[1:])
+    indices = cols[keep].astype(np.int32)
+    data = (1 + rng.poisson(1.0, len(indices))).astype(np.float32)
+    return scipy.sparse.csr_matrix((data, indices, indptr), shape=(cells, genes))
+
+
+def write_counts(path: Path, cells: int, genes: int, compression: str | None = None) -> Path | str:
+    """:func:`counts_matrix` as a sparse ``.h5ad`` written by anndata (``compression="gzip"``:
+    ``adata.write_h5ad(path, compression="gzip")``, ``X/data`` and ``X/indices`` in gzip
+    chunks), with an ``obs`` column; or why it cannot be."""
+    if path.exists():
+        return path
+    try:
+        import anndata
+        import pandas as pd
+    except ImportError as exc:
+        return f"anndata not installed ({exc})"
+    x = counts_matrix(cells, genes)
+    obs = pd.DataFrame({"n_counts": np.asarray(x.sum(axis=1)).ravel()})
+    obs.index = obs.index.astype(str)
+    tmp = path.with_name("tmp-" + path.name)
+    anndata.AnnData(X=x, obs=obs).write_h5ad(tmp, compression=compression)
     tmp.rename(path)
     return path
 
@@ -145,6 +203,54 @@ def _raw(job: dict[str, Any]) -> dict[str, Any]:
                 moved += (b - a) * d.dtype.itemsize
     s = time.perf_counter() - t0
     return {"seconds": s, "bytes": moved, "rows": job["rows"]}
+
+
+def _stored(job: dict[str, Any]) -> dict[str, Any]:
+    """The tops' stored bytes (a sparse top's values and column indices, compressed where they
+    are), front to back with ``os.preadv`` into one reused buffer: the read limit of the same
+    bytes, as ``asynchdf5 bench`` reads them (:func:`asynchdf5._cli._limits.raw_read`)."""
+    from asynchdf5._cli._limits import raw_read, stored_ranges_of
+
+    ranges = stored_ranges_of([job["path"]], job["tops"])
+    rate = raw_read(ranges, job["rows"])
+    return {"seconds": rate.seconds, "bytes": rate.bytes, "rows": job["rows"]}
+
+
+def _decode(job: dict[str, Any]) -> dict[str, Any]:
+    """The decode limit of the tops' filtered chunks (the ``layouts`` benchmark's,
+    :func:`benchmarks._layouts_child.loop_decode`): every stored chunk of every filtered
+    dataset the tops read (a sparse top's ``data`` and ``indices``), read into memory first,
+    then decoded by one loop per core; its rate in rows of the file a second."""
+    from asynchdf5._catalog import build_catalog
+    from asynchdf5._codecs import ChunkDecoder
+    from asynchdf5._sources import LocalSource
+    from benchmarks._layouts_child import _raw_chunks, loop_decode
+
+    source = LocalSource()
+    try:
+        catalog = build_catalog(source, [job["path"]], tuple(job["tops"]))
+        chunks: list[tuple[Any, bytearray, int]] = []
+        for f in catalog.files:
+            layouts = [(lay, catalog.tops[t].dtype) for t, lay in f.layouts.items()]
+            for t, parts in f.ragged.items():
+                index_dtype = catalog.tops[t].ragged.index_dtype  # type: ignore[union-attr]
+                if parts.indices is not None and index_dtype is not None:
+                    layouts.append((parts.indices, index_dtype))
+            for layout, dtype in layouts:
+                index = layout.chunks
+                if layout.path != "chunks" or index is None or not layout.filters:
+                    continue
+                itemsize = dtype.itemsize
+                size = itemsize * int(np.prod(index.shape))
+                decoder = ChunkDecoder(layout.filters, itemsize, size, index.shape)
+                chunks += [(decoder, r, m) for r, m in _raw_chunks(index, 2**62)]
+    finally:
+        source.close()
+    threads = os.cpu_count() or 1
+    seconds, cpu = loop_decode(chunks, threads)
+    decoded = sum(d.chunk_bytes for d, _, _ in chunks)
+    return {"seconds": seconds, "bytes": decoded, "rows": job["rows"], "cpu_s": cpu,
+            "chunks": len(chunks), "threads": threads}  # fmt: skip
 
 
 def _layer(job: dict[str, Any]) -> dict[str, Any]:
@@ -248,6 +354,8 @@ READERS = {
         {**job, "path": job["fixed"], "tops": [job["top"], "label"], "shuffle": True}
     ),
     "annloader": _annloader,
+    "stored": _stored,
+    "decode": _decode,
 }
 
 
@@ -353,6 +461,139 @@ def _padded_epochs(rec: Recorder, tokens: Path, work: Path, size: dict[str, int]
     )
 
 
+def _record(
+    rec: Recorder,
+    what: str,
+    reader: str,
+    label: str,
+    r: dict[str, Any],
+    rates: dict[str, float],
+    firsts: dict[str, float],
+    laters: dict[str, float],
+) -> None:
+    """One reader's figures (samples/s; epoch 1 and epochs 2+ alone where it ran more than one
+    epoch; the bytes it moved a second), its rates kept in ``rates``, ``firsts``, ``laters``."""
+    if "read_paths" in r:
+        rec.note(f"{what} {reader} read paths: {r['read_paths']}")
+    if "way" in r:
+        ways = ", ".join(f"{k} {v:.3f} s" for k, v in r["ways_s"].items())
+        rec.note(f"{what} NumPy resident ({label}): {ways}")
+    rates[reader] = r["rows"] / r["seconds"]
+    rec.figure(f"{what}, {reader}, {label}", rates[reader], "samples/s")
+    epochs = r.get("epoch_s", ())
+    if len(epochs) > 1:  # the first epoch alone (it maps and reads), the rest
+        per_epoch = r["rows"] / len(epochs)
+        firsts[reader] = per_epoch / epochs[0]
+        laters[reader] = per_epoch * (len(epochs) - 1) / sum(epochs[1:])
+        rec.figure(f"{what}, {reader}, {label}, epoch 1", firsts[reader], "samples/s")
+        rec.figure(f"{what}, {reader}, {label}, epochs 2+", laters[reader], "samples/s")
+    if r["bytes"]:
+        rec.figure(f"{what}, {reader}, {label}, values", r["bytes"] / r["seconds"] / 2**20, "MiB/s")
+
+
+#: Imported by the out-of-core children before they join the memory cgroup (their memory is
+#: not the data's): each reader's modules.
+_IMPORTS = ["h5py", "scipy.sparse", "asynchdf5", "asynchdf5._cli._limits"]
+_ANN_IMPORTS = [*_IMPORTS, "anndata", "torch", "anndata.experimental.pytorch"]
+
+
+def _out_of_core(rec: Recorder, size: dict[str, int], folder: Path, work: Path) -> None:
+    """Sparse ``.h5ad`` count matrices larger than the memory the reader may use (the case
+    single-cell users have: every epoch streams the file), uncompressed and as anndata writes
+    them with ``compression="gzip"``: each reader in a child in a memory cgroup of
+    ``ooc_limit_mib``, the file evicted from the page cache before it starts. Readers: the
+    stored bytes read front to back (the read limit, both files; before and after the others,
+    the faster kept), the layer (shuffled, epoch 1 and epochs 2+ alone) and ``AnnLoader`` over
+    the backed file (capped at ``ooc_cap_s``); for the gzip file also the decode limit (its
+    chunks decoded from memory by one loop per core, outside the cgroup: it holds them all)."""
+    cells, genes, limit = size["counts_cells"], size["counts_genes"], size["ooc_limit_mib"]
+    files: dict[str, Path] = {}
+    for what, compression in (("cells out of core", None), ("cells gzip out of core", "gzip")):
+        suffix = f"-{compression}" if compression else ""
+        made = write_counts(folder / f"counts-{cells}x{genes}{suffix}.h5ad", cells, genes,
+                            compression)  # fmt: skip
+        if isinstance(made, str):
+            rec.note(f"{what}: {made}")
+            return
+        files[what] = made
+    group = cgroups.make(f"asynchdf5-ragged-ooc-{os.getpid()}", limit * 2**20)
+    if isinstance(group, str):
+        rec.note(f"out of core: no {limit} MiB cgroup: {group}")
+        return
+    label = f"{limit} MiB cgroup, cold"
+    tops = ["X", "obs/n_counts"]
+    try:
+        for what, path in files.items():
+            mib = path.stat().st_size / 2**20
+            rec.figure(f"{what}: file ÷ memory limit", mib / limit, "ratio")
+            job = {
+                "path": str(path), "top": "X", "tops": tops, "batch": 256, "rows": cells,
+                "epochs": size["ooc_epochs"], "timeout": size["timeout"],
+                "cap_s": size["ooc_cap_s"],
+            }  # fmt: skip
+            rates: dict[str, float] = {}
+            firsts: dict[str, float] = {}
+            laters: dict[str, float] = {}
+            # The read limit before and after the others (the faster counts: a virtual disk's
+            # rate varies from one read of the file to the next).
+            readers = ["stored", "layer", "annloader", "stored"]
+            best_stored: dict[str, Any] | None = None
+            for reader in readers:
+                page_cache.evict(path)
+                imports = _ANN_IMPORTS if reader == "annloader" else _IMPORTS
+                job_r = {**job, "reader": reader, "imports": imports}
+                name = f"{reader}-ooc"
+                for attempt in (1, 2):  # AnnLoader on the gzip file is killed now and then
+                    kills = group.oom_kills() or 0
+                    r, error = cgroups.run_child("benchmarks.ragged", job_r, work, name, group)
+                    killed = (group.oom_kills() or 0) - kills
+                    if error is None or killed <= 0:
+                        break
+                    rec.note(f"{what} {reader} ({label}): killed for memory (try {attempt})")
+                if error is not None:
+                    rec.note(f"{what} {reader} ({label}): failed: {error.strip()[-300:]}")
+                    continue
+                if reader == "stored":
+                    rec.note(f"{what}: stored bytes read in {r['seconds']:.3f} s")
+                    if best_stored is None or r["seconds"] < best_stored["seconds"]:
+                        best_stored = r
+                    continue
+                _record(rec, what, reader, label, r, rates, firsts, laters)
+            if best_stored is not None:
+                _record(rec, what, "stored", label, best_stored, rates, firsts, laters)
+            if "gzip" in what:  # warm, no cgroup: the chunks are held in memory
+                page_cache.warm(path)
+                r, error = cgroups.run_child(
+                    "benchmarks.ragged", {**job, "reader": "decode"}, work, "decode", None
+                )
+                if error is not None:
+                    rec.note(f"{what} decode limit: {error}")
+                else:
+                    rec.note(
+                        f"{what}: decode limit: {r['chunks']} chunks, {r['threads']} threads, "
+                        f"{r['cpu_s']:.2f} s CPU in {r['seconds']:.2f} s"
+                    )
+                    _record(rec, what, "decode", "from memory", r, rates, firsts, laters)
+            for when, layer in (("epoch 1", firsts), ("epochs 2+", laters)):
+                rec.ratio(
+                    f"{what}: asynchdf5 {when} ÷ raw read of the stored bytes, {label}",
+                    layer.get("layer"), rates.get("stored"),
+                )  # fmt: skip
+                rec.ratio(
+                    f"{what}: asynchdf5 {when} ÷ decode limit, {label}",
+                    layer.get("layer"), rates.get("decode"),
+                )  # fmt: skip
+                rec.ratio(
+                    f"{what}: asynchdf5 {when} ÷ AnnLoader (backed), {label}",
+                    layer.get("layer"), rates.get("annloader"),
+                )  # fmt: skip
+        peak = group.peak_bytes()
+        if peak:
+            rec.note(f"out of core: the {limit} MiB cgroup's peak {peak / 2**20:.0f} MiB")
+    finally:
+        group.remove()
+
+
 def bench(rec: Recorder) -> None:
     size = _sizes(rec.quick)
     folder = rec.data_dir / "ragged"
@@ -416,7 +657,6 @@ def bench(rec: Recorder) -> None:
                     rates: dict[str, float] = {}
                     firsts: dict[str, float] = {}  # epoch 1 alone, and epochs 2+ alone
                     laters: dict[str, float] = {}
-                    byte_rates: dict[str, float] = {}
                     for reader in readers:
                         name = f"{reader}-{what}-{'cg' if group else 'warm'}"
                         order = str(work / f"order-{what}-{label}.npy")
@@ -425,33 +665,7 @@ def bench(rec: Recorder) -> None:
                         if error is not None:
                             rec.note(f"{what} {reader} ({label}): {error}")
                             continue
-                        rows_s = r["rows"] / r["seconds"]
-                        if r["bytes"]:
-                            byte_rates[reader] = r["bytes"] / r["seconds"]
-                        if "read_paths" in r:
-                            rec.note(f"{what} {reader} read paths: {r['read_paths']}")
-                        if "way" in r:
-                            ways = ", ".join(f"{k} {v:.3f} s" for k, v in r["ways_s"].items())
-                            rec.note(f"{what} NumPy resident ({label}): {ways}")
-                        rates[reader] = rows_s
-                        rec.figure(f"{what}, {reader}, {label}", rows_s, "samples/s")
-                        epochs = r.get("epoch_s", ())
-                        if len(epochs) > 1:  # the first epoch alone (it maps and reads), the rest
-                            per_epoch = r["rows"] / len(epochs)
-                            firsts[reader] = per_epoch / epochs[0]
-                            laters[reader] = per_epoch * (len(epochs) - 1) / sum(epochs[1:])
-                            rec.figure(
-                                f"{what}, {reader}, {label}, epoch 1", firsts[reader], "samples/s"
-                            )
-                            rec.figure(
-                                f"{what}, {reader}, {label}, epochs 2+", laters[reader], "samples/s"
-                            )
-                        if reader in byte_rates:
-                            rec.figure(
-                                f"{what}, {reader}, {label}, values",
-                                byte_rates[reader] / 2**20,
-                                "MiB/s",
-                            )
+                        _record(rec, what, reader, label, r, rates, firsts, laters)
                     rec.ratio(
                         f"{what}: asynchdf5 ÷ raw read, {label}",
                         rates.get("layer"),
@@ -502,6 +716,7 @@ def bench(rec: Recorder) -> None:
                         rates.get("layer"),
                         rates.get("annloader"),
                     )
+        _out_of_core(rec, size, folder, work)
     finally:
         for p in work.iterdir():
             p.unlink()

@@ -119,7 +119,8 @@ BENCHMARKS: dict[str, Benchmark] = {
             "ragged",
             "benchmarks.ragged:bench",
             "ragged and sparse rows against a raw read of their bytes; a sparse .h5ad "
-            "against AnnLoader; warm and in a 512 MiB cgroup",
+            "against AnnLoader; warm and in a 512 MiB cgroup; a sparse .h5ad (and gzipped) "
+            "out of core",
         ),
         Benchmark(
             "layouts",

@@ -245,6 +245,30 @@ def test_inspect_ragged_top_speaks_of_values_and_average_sample_bytes(
 # --- bench -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kw", [{}, {"chunks": (50,), "compression": "gzip"}])
+def test_stored_ranges_of_a_sparse_top_hold_its_values_and_column_indices(
+    tmp_path: Path, kw: dict[str, Any]
+) -> None:
+    """The raw read's ranges (``asynchdf5 bench`` and the benchmarks) hold every stored byte of
+    a sparse top: its column indices besides its values, contiguous or chunked and filtered."""
+    from asynchdf5._cli._limits import read_ranges, stored_ranges_of
+
+    rng = np.random.default_rng(0)
+    indptr = np.concatenate(([0], np.cumsum(rng.integers(0, 9, 300))))
+    path = tmp_path / "cells.h5"
+    with h5py.File(path, "w") as f:
+        g = f.create_group("X")
+        g.create_dataset("data", data=rng.random(indptr[-1], np.float32), **kw)
+        g.create_dataset("indices", data=rng.integers(0, 40, indptr[-1], np.int32), **kw)
+        g["indptr"] = indptr
+        g.attrs["shape"], g.attrs["encoding-type"] = (300, 40), "csr_matrix"
+        f["label"] = np.arange(300)
+        stored = sum(f[n].id.get_storage_size() for n in ("X/data", "X/indices", "label"))
+    ranges = stored_ranges_of([str(path)], ["X", "label"])
+    assert sum(size for _, _, size in ranges) == stored
+    assert read_ranges(ranges, memoryview(bytearray(4096)))[0] == stored
+
+
 @pytest.mark.timeout(60)
 def test_bench_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source, _ = write_source(tmp_path)

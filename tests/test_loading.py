@@ -188,6 +188,59 @@ async def test_data_larger_than_memory_is_read_around_the_page_cache(
             assert {_direct.DONTNEED} == set(calls)
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+async def test_a_sparse_top_larger_than_memory_streams_by_its_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool
+) -> None:
+    """Whether data outgrows memory is a question of its bytes: a sparse top's values and
+    column indices, not the spans a slot keeps of its rows (16 bytes a row). A CSR matrix whose
+    values exceed the memory the process may use streams (read around the page cache, more reads
+    in flight where shuffled) though its spans fit many times over; one that fits does not; the
+    epochs are exact and every row holds its own values either way."""
+    rng = np.random.default_rng(0)
+    rows, cols = 400, 64
+    lengths = rng.integers(10, 30, rows)
+    indptr = np.concatenate(([0], np.cumsum(lengths)))
+    indices = np.concatenate([np.sort(rng.choice(cols, k, replace=False)) for k in lengths])
+    path = tmp_path / "cells.h5"
+    with h5py.File(path, "w") as f:
+        g = f.create_group("X")
+        g["data"] = np.repeat(np.arange(rows, dtype=np.float32), lengths)  # row i holds i's
+        g["indices"], g["indptr"] = indices.astype(np.int32), indptr
+        g.attrs["shape"], g.attrs["encoding-type"] = (rows, cols), "csr_matrix"
+        f["label"] = np.arange(rows)
+    values_bytes = int(indptr[-1]) * 8 + rows * 8  # values, column indices, labels
+    made: list[str | None] = []
+    real_init = HDF5Reader.__init__
+
+    def init(reader: HDF5Reader, *args: Any, **kw: Any) -> None:
+        real_init(reader, *args, **kw)
+        made.append(reader.streaming)
+
+    monkeypatch.setattr(HDF5Reader, "__init__", init)
+    for memory in (values_bytes // 2, 4 * values_bytes):  # spans and labels: 24 bytes a row
+        monkeypatch.setattr(asynchdf5._hdf5, "memory_bytes", lambda memory=memory: memory)
+        layer = AsyncHDF5DataLayer(
+            str(path), tops=("X", "label"), batch_size=16, shuffle=shuffle, seed=1,
+            chunk_size=100, block_size=10, mmap=False,
+        )  # fmt: skip
+        async with layer:
+            for _ in range(2):
+                with anyio.fail_after(30):
+                    batches = [b async for b in layer]
+                ids = np.concatenate([b.indices for b in batches])
+                assert sorted(ids.tolist()) == list(range(rows))
+                for b in batches:
+                    x = b["X"]
+                    assert (b["label"] == b.indices).all()
+                    np.testing.assert_array_equal(x.data, np.repeat(b.indices, lengths[b.indices]))
+                    np.testing.assert_array_equal(
+                        x.indices,
+                        np.concatenate([indices[indptr[i] : indptr[i + 1]] for i in b.indices]),
+                    )
+    assert made == ["scattered" if shuffle else "in order", None]
+
+
 async def test_a_file_truncated_under_direct_reads_is_a_read_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

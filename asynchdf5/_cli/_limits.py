@@ -17,7 +17,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .._catalog import Catalog, build_catalog, categorical
+from .._catalog import Catalog, FileInfo, build_catalog, categorical
 from .._layout import Layout
 from .._sources import LocalSource
 
@@ -92,12 +92,19 @@ def _ranges(layout: Layout) -> list[tuple[str, int, int]]:
     return [] if offset is None else [(file.name, int(offset), size)]
 
 
+def _stored_layouts(file: FileInfo) -> list[Layout]:
+    """The layouts of every dataset the file's tops read rows from: each top's, and a sparse
+    top's ``indices`` beside its ``data`` (a sparse top's layout is its ``data``'s; its column
+    indices are as many bytes again, read with them)."""
+    found = list(file.layouts.values())
+    found += [parts.indices for parts in file.ragged.values() if parts.indices is not None]
+    return found
+
+
 def stored_ranges(catalog: Catalog) -> list[tuple[str, int, int]]:
-    """The tops' stored bytes, in file order, adjacent ranges merged."""
-    layouts = [lay for f in catalog.files for lay in f.layouts.values()]
-    # A sparse top's column indices are read beside its values (``layouts`` has its values').
-    layouts += [p.indices for f in catalog.files for p in f.ragged.values() if p.indices]
-    found = sorted(r for lay in layouts for r in _ranges(lay))
+    """The tops' stored bytes (a sparse top's values and column indices), in file order,
+    adjacent ranges merged."""
+    found = sorted(r for f in catalog.files for lay in _stored_layouts(f) for r in _ranges(lay))
     merged: list[tuple[str, int, int]] = []
     for name, offset, size in found:
         if merged and merged[-1][0] == name and merged[-1][1] + merged[-1][2] >= offset:
