@@ -2273,3 +2273,38 @@ async def test_sparse_rows_of_unsorted_repeated_columns_in_chunks_anywhere_are_h
             assert x.has_canonical_format == made.has_canonical_format
             np.testing.assert_array_equal(x.toarray(), made.toarray())
     assert any(not b["X"].has_sorted_indices for got in served for b in got)  # the case made
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+async def test_shards_of_no_rows_stored_chunked_among_files_are_skipped(
+    tmp_path: Path, mmap: bool
+) -> None:
+    """Shards of no rows first, between and last, their tops chunked (resizable, as a writer
+    that appends makes them: an empty chunk index, read as chunks of no chunk) or contiguous
+    and never written, beside shards of rows in chunks: mapped or copied, every sample once an
+    epoch, each batch's rows the ones written and its label the same samples'."""
+    names, start = [], 0
+    for i, n in enumerate([0, 700, 0, 0, 313, 0]):
+        with h5py.File(tmp_path / f"s{i}.h5", "w") as f:
+            for name, arr in rows(start, n).items():  # check_batch's rows
+                if n or i % 2:
+                    chunks = (8, *arr.shape[1:])
+                    f.create_dataset(name, data=arr, chunks=chunks, maxshape=(None, *chunks[1:]))
+                else:
+                    f.create_dataset(name, arr.shape, arr.dtype)
+        names.append(f"s{i}.h5")
+        start += n
+    (tmp_path / "list.txt").write_text("\n".join(names) + "\n")
+    with h5py.File(tmp_path / "s1.h5") as f:  # what the writer made of the shards
+        assert f["data"].chunks == (8, 2)
+    with h5py.File(tmp_path / "s3.h5") as f:
+        assert f["data"].chunks == (8, 2) and f["data"].shape == (0, 2)
+    kw: dict[str, Any] = dict(shuffle=True, seed=2, chunk_size=256)
+    before = await asnapshot()
+    with anyio.fail_after(60):
+        served, stats = await batches(tmp_path / "list.txt", mmap=mmap, **kw)
+    await aassert_released(before)
+    paths = {"data": "mmap", "label": "mmap"} if mmap else {"data": "chunks", "label": "chunks"}
+    assert stats.read_paths == paths
+    for epoch, got in enumerate(served):
+        check_epoch(got, start, 64, epoch)  # each batch's rows and labels: its samples'
