@@ -2268,3 +2268,96 @@ async def test_small_rows_close_together_are_populated_in_one_call(
                 np.add.at(seen, b.indices, 1)
     assert (seen == 1).all()
     assert len(calls) >= 16 and max(calls) == 1, calls
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+async def test_sparse_rows_of_unsorted_repeated_columns_in_chunks_anywhere_are_h5pys(
+    tmp_path: Path, mmap: bool
+) -> None:
+    """A CSR group whose rows hold their column indices unsorted and repeated (scipy allows
+    both: a matrix not in canonical form), empty rows first and last, ``data`` and ``indices``
+    in chunks of different sizes written in a shuffled order (no chunk where the one before it
+    ends), int32 indices (batches made without scipy's constructor): mapped or copied, two
+    shuffled epochs, every sample once, each batch's rows h5py's, value for value in their
+    stored order, the ``label`` of the same samples, and the matrix scipy's constructor makes
+    of the same arrays (its canonical flags worked out, not assumed; duplicates summed)."""
+    import scipy.sparse
+
+    rng = np.random.default_rng(11)
+    n, cols = 600, 40
+    lengths = rng.integers(0, 25, n)
+    lengths[:4] = lengths[-5:] = 0
+    indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    total = int(indptr[-1])
+    data = rng.standard_normal(total).astype(np.float32)
+    indices = rng.integers(0, cols, total).astype(np.int32)  # unsorted, repeated within rows
+    path = tmp_path / "x.h5"
+    with h5py.File(path, "w") as f:
+        f["label"] = np.arange(n)
+        g = f.create_group("X")
+        g.attrs["shape"] = (n, cols)
+        g["indptr"] = indptr
+        for name, values, size in (("data", data, 29), ("indices", indices, 17)):
+            d = g.create_dataset(name, values.shape, values.dtype, chunks=(size,))
+            for k in rng.permutation(-(-total // size)).tolist():
+                d[k * size : (k + 1) * size] = values[k * size : (k + 1) * size]
+    kw: dict[str, Any] = dict(tops=("X", "label"), shuffle=True, seed=3, chunk_size=256)
+    before = await asnapshot()
+    with anyio.fail_after(60):
+        served, stats = await batches(path, mmap=mmap, **kw)
+    await aassert_released(before)
+    assert stats.read_paths["X"] == ("sparse-mmap" if mmap else "sparse-chunks")
+    for got in served:
+        check_exactly_once([b.indices for b in got], n)
+        assert all(b.size == 64 for b in got[:-1])
+        for b in got:
+            x, rows = b["X"], b.indices.tolist()
+            np.testing.assert_array_equal(b["label"], b.indices)
+            assert x.shape == (len(rows), cols) and x.indptr.dtype == x.indices.dtype == np.int32
+            np.testing.assert_array_equal(np.diff(x.indptr), lengths[b.indices])
+            pick = np.concatenate([np.arange(indptr[r], indptr[r + 1]) for r in rows])
+            np.testing.assert_array_equal(x.data, data[pick])
+            np.testing.assert_array_equal(x.indices, indices[pick])
+            made = scipy.sparse.csr_array(
+                (x.data.copy(), x.indices.copy(), x.indptr.copy()), shape=x.shape
+            )
+            assert x.has_sorted_indices == made.has_sorted_indices
+            assert x.has_canonical_format == made.has_canonical_format
+            np.testing.assert_array_equal(x.toarray(), made.toarray())
+    assert any(not b["X"].has_sorted_indices for got in served for b in got)  # the case made
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+async def test_shards_of_no_rows_stored_chunked_among_files_are_skipped(
+    tmp_path: Path, mmap: bool
+) -> None:
+    """Shards of no rows first, between and last, their tops chunked (resizable, as a writer
+    that appends makes them: an empty chunk index, read as chunks of no chunk) or contiguous
+    and never written, beside shards of rows in chunks: mapped or copied, every sample once an
+    epoch, each batch's rows the ones written and its label the same samples'."""
+    names, start = [], 0
+    for i, n in enumerate([0, 700, 0, 0, 313, 0]):
+        with h5py.File(tmp_path / f"s{i}.h5", "w") as f:
+            for name, arr in rows(start, n).items():  # check_batch's rows
+                if n or i % 2:
+                    chunks = (8, *arr.shape[1:])
+                    f.create_dataset(name, data=arr, chunks=chunks, maxshape=(None, *chunks[1:]))
+                else:
+                    f.create_dataset(name, arr.shape, arr.dtype)
+        names.append(f"s{i}.h5")
+        start += n
+    (tmp_path / "list.txt").write_text("\n".join(names) + "\n")
+    with h5py.File(tmp_path / "s1.h5") as f:  # what the writer made of the shards
+        assert f["data"].chunks == (8, 2)
+    with h5py.File(tmp_path / "s3.h5") as f:
+        assert f["data"].chunks == (8, 2) and f["data"].shape == (0, 2)
+    kw: dict[str, Any] = dict(shuffle=True, seed=2, chunk_size=256)
+    before = await asnapshot()
+    with anyio.fail_after(60):
+        served, stats = await batches(tmp_path / "list.txt", mmap=mmap, **kw)
+    await aassert_released(before)
+    paths = {"data": "mmap", "label": "mmap"} if mmap else {"data": "chunks", "label": "chunks"}
+    assert stats.read_paths == paths
+    for epoch, got in enumerate(served):
+        check_epoch(got, start, 64, epoch)  # each batch's rows and labels: its samples'
