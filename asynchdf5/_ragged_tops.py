@@ -142,10 +142,11 @@ class RaggedInfo:
         worst = self.heap_rows(rows)
         if rows <= 0 or rows >= n:
             return worst
-        total = int(self.ring[-1])
+        ring, total = self.ring, int(self.ring[-1])
         # Windows of `rows` rows from every row, those past the end wrapping to the start.
-        ends = np.concatenate([self.ring[rows:], self.ring[1:rows] + total])
-        window = int(np.max(ends - self.ring[:n]))
+        window = int(np.max(ring[rows:] - ring[: n + 1 - rows]))
+        if rows > 1:
+            window = max(window, int(np.max(ring[1:rows] + total - ring[n + 1 - rows : n])))
         drawn = rows * self.mean_values + 4.0 * self.spread * rows**0.5
         return min(worst, max(window, int(np.ceil(drawn))))
 
