@@ -156,6 +156,14 @@ class ChunkLoader:
                             if shared.one:  # its heaps hold this chunk's values: grown if not
                                 old = fit_heaps(shared.slot, self.reader.tops, chunk.ranges)
                                 if old:
+                                    _log.debug(
+                                        "epoch %d chunk %d: its values outgrew cache slot %d's "
+                                        "heaps: grown to %d bytes",
+                                        chunk.epoch,
+                                        chunk.index,
+                                        shared.slot.index,
+                                        shared.slot.nbytes,
+                                    )
                                     await anyio.to_thread.run_sync(free_arrays, old)
                         region = shared.take(chunk.rows)
                     load = _Load()
