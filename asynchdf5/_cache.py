@@ -8,7 +8,7 @@ slot holds is fixed before, by :mod:`._sizing` (the cache fitted to the memory b
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +17,7 @@ from ._catalog import TopInfo
 from ._pages import free_arrays
 from ._ragged_tops import heap_keys
 
-__all__ = ["N_SLOTS", "Slot", "allocate_slots", "free_slots"]
+__all__ = ["N_SLOTS", "Slot", "allocate_slots", "fit_heaps", "free_slots"]
 
 #: Slots: one being served while the next is read.
 N_SLOTS = 2
@@ -51,8 +51,9 @@ def allocate_slots(tops: Mapping[str, TopInfo], rows: int, count: int = N_SLOTS)
     """Allocate the cache slots once; they are reused for every chunk of every epoch.
 
     A ragged top has its spans (``(rows, 2)`` int64) under its name and its heaps under
-    :func:`~._ragged_tops.heap_keys`, each sized for the ``rows`` longest rows of the data
-    (:meth:`~._ragged_tops.RaggedInfo.heap_rows`): no chunk of ``rows`` rows overflows them.
+    :func:`~._ragged_tops.heap_keys`, each sized for the values chunks of ``rows`` rows hold
+    (:meth:`~._ragged_tops.RaggedInfo.slot_values`); a chunk that holds more grows them
+    before it is read (:func:`fit_heaps`).
     """
     slots = []
     for i in range(count):
@@ -63,15 +64,49 @@ def allocate_slots(tops: Mapping[str, TopInfo], rows: int, count: int = N_SLOTS)
                 arrays[t.name] = raw.view(t.dtype).reshape(rows, *t.sample_shape)
                 continue
             arrays[t.name] = _anonymous(rows * 16).view(np.int64).reshape(rows, 2)
-            values = t.ragged.heap_rows(rows)
-            kinds = [(t.dtype, t.sample_shape)]
-            if t.ragged.index_dtype is not None:
-                kinds.append((t.ragged.index_dtype, ()))
-            for key, (dtype, shape) in zip(heap_keys(t.name, t.ragged.sparse), kinds, strict=True):
-                n = values * dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-                arrays[key] = _anonymous(n).view(dtype).reshape(values, *shape)
+            arrays.update(_heaps(t, t.ragged.slot_values(rows)))
         slots.append(Slot(i, arrays))
     return slots
+
+
+def _heaps(top: TopInfo, values: int) -> dict[str, np.ndarray]:
+    """A ragged top's heaps (:func:`~._ragged_tops.heap_keys`) of ``values`` values each."""
+    assert top.ragged is not None
+    kinds = [(top.dtype, top.sample_shape)]
+    if top.ragged.index_dtype is not None:
+        kinds.append((top.ragged.index_dtype, ()))
+    arrays = {}
+    for key, (dtype, shape) in zip(heap_keys(top.name, top.ragged.sparse), kinds, strict=True):
+        n = values * dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        arrays[key] = _anonymous(n).view(dtype).reshape(values, *shape)
+    return arrays
+
+
+def fit_heaps(
+    slot: Slot, tops: Mapping[str, TopInfo], ranges: Sequence[tuple[int, int]]
+) -> list[np.ndarray]:
+    """Make ``slot``'s heaps hold the values of a chunk of the global rows ``ranges``
+    (a free slot, before the chunk is read into it): a heap too small for them is replaced by
+    one of exactly their size, which the slot keeps for the chunks after it.
+
+    The heaps are sized for the chunks the order makes (:meth:`~._ragged_tops.RaggedInfo.
+    slot_values`), not for the longest rows: a chunk drawn with more values than that (blocks
+    of long rows together) is rare, and grows the cache past its budget by what it holds more,
+    rather than every chunk being shrunk for it. Returns the heaps replaced, for the caller to
+    give back (:func:`~._pages.free_arrays`, off the event loop)."""
+    old: list[np.ndarray] = []
+    for t in tops.values():
+        if t.ragged is None:
+            continue
+        keys = heap_keys(t.name, t.ragged.sparse)
+        if keys[0] not in slot.arrays:  # another stream's variant: not in this slot
+            continue
+        need = t.ragged.chunk_values(ranges)
+        if need <= len(slot.arrays[keys[0]]):
+            continue
+        old += [slot.arrays[k] for k in keys]
+        slot.arrays.update(_heaps(t, need))
+    return old
 
 
 def free_slots(slots: Iterable[Slot]) -> None:

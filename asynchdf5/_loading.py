@@ -27,8 +27,9 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from anyio.streams.memory import MemoryObjectSendStream
 
-from ._cache import Slot
+from ._cache import Slot, fit_heaps
 from ._gather import check_rows
+from ._pages import free_arrays
 from ._plan import ChunkPlan, EpochPlan
 from ._ragged_tops import is_heap
 from ._read import Reader
@@ -152,6 +153,18 @@ class ChunkLoader:
                             shared = None
                         if shared is None:
                             shared = _Shared(await free_recv.receive(), free_send)
+                            if shared.one:  # its heaps hold this chunk's values: grown if not
+                                old = fit_heaps(shared.slot, self.reader.tops, chunk.ranges)
+                                if old:
+                                    _log.debug(
+                                        "epoch %d chunk %d: its values outgrew cache slot %d's "
+                                        "heaps: grown to %d bytes",
+                                        chunk.epoch,
+                                        chunk.index,
+                                        shared.slot.index,
+                                        shared.slot.nbytes,
+                                    )
+                                    await anyio.to_thread.run_sync(free_arrays, old)
                         region = shared.take(chunk.rows)
                     load = _Load()
                     await work.send((load, plan, chunk, region))
@@ -285,22 +298,23 @@ class _Shared:
     free slots once the launcher has closed it (the next chunk did not fit) and every chunk read
     into it has been released. Used on the event loop's thread only.
 
-    A slot with ragged tops' heaps (:mod:`._ragged_tops`) holds one chunk: how many values a
-    chunk has is known only once it is read, and each heap is bounded for one chunk."""
+    A slot with ragged tops' heaps (:mod:`._ragged_tops`) holds one chunk (:attr:`one`): its
+    heaps are sized for one chunk, and grown for one that holds more (:func:`~._cache.fit_heaps`,
+    while the slot is free)."""
 
-    __slots__ = ("_capacity", "_closed", "_free", "_one", "_used", "_users", "slot")
+    __slots__ = ("_capacity", "_closed", "_free", "_used", "_users", "one", "slot")
 
     def __init__(self, slot: Slot, free: MemoryObjectSendStream[Slot]) -> None:
         self.slot = slot
         self._free = free
         self._capacity = min((len(a) for k, a in slot.arrays.items() if not is_heap(k)), default=0)
-        self._one = any(is_heap(k) for k in slot.arrays)
+        self.one = any(is_heap(k) for k in slot.arrays)
         self._used = 0
         self._users = 0
         self._closed = False
 
     def fits(self, rows: int) -> bool:
-        if self._one and self._used:
+        if self.one and self._used:
             return False
         return self._used + rows <= self._capacity
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -86,7 +87,12 @@ class RaggedInfo:
 
     ``largest[k]``: the values held by the ``k`` longest rows together (prefix sums of the row
     lengths sorted longest first). No chunk of ``k`` rows holds more, whichever rows the order
-    puts in it: a slot whose heap holds ``largest[k]`` values never overflows.
+    puts in it: the bound of a batch's values (:meth:`heap_rows`).
+
+    ``ring``: the values before each global row (prefix sums of the row lengths in global order,
+    a file without the top counting none), and ``spread`` the rows' lengths' standard
+    deviation: what a cache slot's heap is sized by (:meth:`slot_values`), the values the
+    chunks of ``k`` rows the order makes hold, rather than the ``k`` longest rows.
     """
 
     kind: Kind
@@ -94,6 +100,8 @@ class RaggedInfo:
     index_dtype: np.dtype[Any] | None = None
     vlen: bool = False
     largest: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    ring: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    spread: float = 0.0
 
     @property
     def sparse(self) -> bool:
@@ -116,8 +124,38 @@ class RaggedInfo:
         return np.dtype(np.int64)
 
     def heap_rows(self, rows: int) -> int:
-        """Values a heap needs for a chunk of ``rows`` rows."""
+        """Values ``rows`` rows hold at most, whichever they are (the ``rows`` longest)."""
         return int(self.largest[min(rows, len(self.largest) - 1)])
+
+    def slot_values(self, rows: int) -> int:
+        """Values a cache slot's heap is sized for, for chunks of ``rows`` rows: the most that
+        ``rows`` contiguous rows hold (a chunk of one stretch, on the ring of a shuffled
+        epoch's rotation too), or what a chunk drawn from all over the data holds, its mean
+        and four standard deviations (``rows`` lengths summed), whichever is more; never more
+        than the ``rows`` longest rows hold (:meth:`heap_rows`).
+
+        A bound of the chunks the order makes, not of every set of rows: a chunk that holds
+        more (blocks of long rows drawn together) grows its slot's heap when it is read
+        (:func:`~._cache.fit_heaps`), so that the chunks, sized in bytes by what they hold, are
+        not shrunk for rows no chunk holds."""
+        n = len(self.ring) - 1
+        worst = self.heap_rows(rows)
+        if rows <= 0 or rows >= n:
+            return worst
+        ring, total = self.ring, int(self.ring[-1])
+        # Windows of `rows` rows from every row, those past the end wrapping to the start.
+        window = int(np.max(ring[rows:] - ring[: n + 1 - rows]))
+        if rows > 1:
+            window = max(window, int(np.max(ring[1:rows] + total - ring[n + 1 - rows : n])))
+        drawn = rows * self.mean_values + 4.0 * self.spread * rows**0.5
+        return min(worst, max(window, int(np.ceil(drawn))))
+
+    def chunk_values(self, ranges: Sequence[tuple[int, int]]) -> int:
+        """Values the rows of global ``ranges`` hold (a chunk's, from :attr:`ring`)."""
+        if not ranges:
+            return 0
+        bounds = np.asarray(ranges, np.int64)
+        return int(np.sum(self.ring[bounds[:, 1]] - self.ring[bounds[:, 0]]))
 
     @property
     def mean_values(self) -> float:

@@ -343,7 +343,7 @@ def heap_bytes(tops: Mapping[str, TopInfo]) -> Callable[[int], int] | None:
         return None
 
     def of(rows: int) -> int:
-        return sum(t.ragged.heap_rows(rows) * t.value_bytes for t in ragged if t.ragged)
+        return sum(t.ragged.slot_values(rows) * t.value_bytes for t in ragged if t.ragged)
 
     return of
 
@@ -432,7 +432,8 @@ def _size_ragged(
     rows: int | None,
 ) -> CachePlan:
     """:func:`size_cache` with ragged tops: a slot of ``r`` rows takes
-    ``r * row_bytes + heaps(r)`` bytes (``heaps`` grows with ``r``: the largest rows first)."""
+    ``r * row_bytes + heaps(r)`` bytes (``heaps`` grows with ``r``: the values chunks of ``r``
+    rows hold, :meth:`~._ragged_tops.RaggedInfo.slot_values`)."""
     share = shard_share(n, batch_size, 0, world_size)[1]
     budget = cache_bytes if cache_bytes is not None else default_cache_bytes(held=world_size == 1)
 
@@ -445,15 +446,16 @@ def _size_ragged(
         what = f"cache_bytes={budget}" if cache_bytes is not None else _default_words(budget)
         raise ConfigurationError(
             f"{what} cannot hold what the pipeline needs: {N_SLOTS} cache slots of a batch "
-            f"each, and a batch of the {batch_rows} longest rows of the ragged tops takes "
-            f"{slot(batch_rows)} bytes ({need} bytes in all); raise cache_bytes (where the "
+            f"each, and {batch_rows} rows of the ragged tops take up to {slot(batch_rows)} "
+            f"bytes where their longest rows lie together ({need} bytes in all); raise "
+            "cache_bytes (where the "
             "memory allows it) or lower batch_size"
         )
     want = min(chunk_size, max(1, share))
     if rows is not None:
         if N_SLOTS * slot(rows) > budget:
             raise ConfigurationError(
-                f"the saved run cached chunks of {rows} samples, whose longest rows take "
+                f"the saved run cached chunks of {rows} samples, whose rows take "
                 f"{slot(rows)} bytes; cache_bytes={budget} cannot hold {N_SLOTS} of them: "
                 "raise cache_bytes"
             )

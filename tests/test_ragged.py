@@ -516,6 +516,129 @@ def test_a_row_larger_than_the_budget_is_a_named_error_at_open(tmp_path: Path) -
     check_message(err.value, "cache_bytes=200000", "longest rows", "ragged")
 
 
+def test_chunks_are_sized_by_the_values_they_hold_not_the_longest_rows(tmp_path: Path) -> None:
+    """Rows of 0 to 100 values: a chunk of k rows holds about 50 k values, the k longest rows
+    about 100 k. The slots are sized for the first (the longest rows gave 276-row chunks in
+    this budget), and every row is still its sample's, each once, in two shuffled epochs."""
+    n = 1000
+    lens = ((np.arange(n) * 7919) % 101).astype(np.int64)
+    path = write_ragged(tmp_path / "r.h5", 0, n, lengths=lens)
+    layer = HDF5DataLayer(
+        path,
+        tops=("tok", "label", "len"),
+        batch_size=8,
+        shuffle=True,
+        chunk_size=n,
+        cache_bytes=400_000,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheBudgetWarning)
+        layer.__enter__()
+    try:
+        rows = layer.stats.chunk_rows
+        longest = int(np.sort(lens)[::-1][:rows].sum())
+        assert 2 * (rows * 32 + longest * 8) > 400_000  # not sized by the longest rows
+        assert rows >= 400
+        for _ in range(2):
+            check_exactly_once([epoch_of(layer)], n)
+    finally:
+        layer.__exit__(None, None, None)
+
+
+def test_slot_values_bound_every_stretch_and_never_pass_the_longest_rows() -> None:
+    """A slot's heap holds any ``k`` contiguous rows (on the ring: a shuffled epoch's rotation
+    wraps) and no more than the ``k`` longest rows; empty rows hold nothing."""
+    rng = np.random.default_rng(0)
+    for lens in (
+        rng.integers(0, 50, 300),
+        np.zeros(20, np.int64),
+        np.r_[np.zeros(30, np.int64), 10_000, np.ones(30, np.int64)],
+        np.sort(rng.integers(0, 1000, 200)),
+    ):
+        ring = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=ring[1:])
+        largest = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(np.sort(lens)[::-1], out=largest[1:])
+        info = RaggedInfo("ragged", largest=largest, ring=ring, spread=float(np.std(lens)))
+        twice = np.r_[lens, lens]
+        for k in (1, 2, 7, len(lens) - 1, len(lens), len(lens) + 5):
+            bound = info.slot_values(k)
+            assert bound <= info.heap_rows(k)
+            stretches = [twice[a : a + min(k, len(lens))].sum() for a in range(len(lens))]
+            assert bound >= max(stretches)
+            assert info.chunk_values([(0, min(k, len(lens)))]) == lens[:k].sum()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_chunk_holding_more_values_than_its_slot_grows_the_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shuffle: bool
+) -> None:
+    """Slots sized for one value (as if every chunk held fewer than the data's do): each
+    chunk grows its slot's heaps before it is read into them (one huge row, empty rows, a
+    ragged and a sparse-like top), and every row is still its sample's, each once."""
+    lens = lengths_of(0, 60, longest=9)
+    lens[25] = 20_000  # one huge row, empty rows around it
+    files = [
+        write_ragged(tmp_path / "a.h5", 0, 40, lengths=lens[:40]),
+        write_ragged(tmp_path / "b.h5", 40, 20, lengths=lens[40:]),
+    ]
+    monkeypatch.setattr(RaggedInfo, "slot_values", lambda self, rows: 1)
+    grown: list[int] = []
+    fit = asynchdf5._loading.fit_heaps  # type: ignore[attr-defined]
+
+    def counting(*args: Any) -> Any:
+        old = fit(*args)
+        grown.append(len(old))
+        return old
+
+    monkeypatch.setattr(asynchdf5._loading, "fit_heaps", counting)
+    with HDF5DataLayer(
+        files, tops=("tok", "label", "len"), batch_size=4, shuffle=shuffle, chunk_size=16
+    ) as layer:
+        for _ in range(2):
+            check_exactly_once([epoch_of(layer)], 60)
+    assert sum(grown) > 0 and 0 in grown  # grown, then kept for the chunks after
+
+
+def test_a_state_saved_with_chunks_sized_by_the_longest_rows_resumes_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state saved where slots were sized by the longest rows (smaller chunks, another
+    order) resumes that run's order exactly: its chunks are adopted from the state."""
+    n = 300
+    lens = ((np.arange(n) * 7919) % 41).astype(np.int64)
+    path = write_ragged(tmp_path / "r.h5", 0, n, lengths=lens)
+    kw: dict[str, Any] = {
+        "tops": ("tok", "label", "len"),
+        "batch_size": 5,
+        "shuffle": True,
+        "seed": 3,
+        "chunk_size": n,
+        "cache_bytes": 80_000,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheBudgetWarning)
+        with monkeypatch.context() as old:
+            old.setattr(RaggedInfo, "slot_values", RaggedInfo.heap_rows)
+            with HDF5DataLayer(path, **kw) as layer:
+                saved_rows = layer.stats.chunk_rows
+                whole = [b.indices.tolist() for b in layer]
+            with HDF5DataLayer(path, **kw) as layer:
+                it = iter(layer)
+                head = [next(it).indices.tolist() for _ in range(7)]
+                state = layer.state_dict()
+        with HDF5DataLayer(path, **kw) as layer:
+            assert layer.stats.chunk_rows > saved_rows  # this run's own chunks: larger
+        resumed = HDF5DataLayer(path, **kw)
+        resumed.load_state_dict(state)
+        with resumed:
+            tail = []
+            for b in resumed:
+                check_rows(b)
+                tail.append(b.indices.tolist())
+    assert head + tail == whole
+
+
 # --- sparse matrices ----------------------------------------------------------------------------
 
 
