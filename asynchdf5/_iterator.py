@@ -59,7 +59,8 @@ class EpochIterator:
         return self
 
     async def __anext__(self) -> Batch:
-        raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
+        if not self.bridged:  # a for loop's: raised in its thread, never on the bridge's loop
+            raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
         consumer = self.consumer
         try:
             batch = consumer.next_ready(self)  # a ready batch, without a trip through the loop

@@ -35,6 +35,7 @@ from asynchdf5._sync import Bridge, EnteredOnLoop, call_or_cancel, interrupts_he
 from ._files import N, check_epoch, write_source
 from ._helpers import examples
 from ._leaks import assert_released, snapshot
+from .test_process import _no_helper_left
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNERS = 4  # trial runners side by side: a busy machine is where it hung
@@ -298,6 +299,44 @@ def test_a_ctrl_c_at_any_place_of_a_for_step_leaves_the_layer_serving_whole_epoc
         assert _sweep(trip, whole, _STEP_FILES) > 20
     assert layer._sync is None
     assert_released(before, strict=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_at_any_place_of_a_for_step_of_a_helper_process_leaves_it_serving(
+    tmp_path: Path,
+) -> None:
+    """The same with ``process=True``, where a batch dropped gives its slot back to the helper
+    (a finalizer that keeps a Ctrl-C for the loop): SIGINT at each place in turn of two steps
+    (the first batch dropped as the second comes), the second batch dropped, and a ``break``;
+    the next ``for`` serves whole epochs, and the layer closes with no helper process left."""
+    source = write_source(tmp_path)[0]
+    layer = HDF5DataLayer(source, batch_size=10, process=True)
+
+    def trip() -> None:
+        batches = iter(layer)
+        batch = next(batches)
+        batch = next(batches)  # the first one dropped: its slot goes back
+        del batch
+        batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
+
+    def whole(_: int) -> None:
+        batches = [b for b in layer]
+        check_epoch(batches, N, 10, batches[0].epoch)
+        assert layer.epoch == batches[0].epoch + 1
+
+    before = snapshot()
+    with layer:
+        # Not weakref.py: a Ctrl-C in weakref.finalize's own frames, before the finalizer's
+        # ``try``, leaves it as any finalizer does ("Exception ignored in"), and is lost.
+        files = (*_STEP_FILES, *(os.path.join("asynchdf5", "_process", f) for f in _PROCESS))
+        assert _sweep(trip, whole, files) > 20
+    assert layer._sync is None
+    _no_helper_left()
+    assert_released(before, strict=False)
+
+
+#: The helper process's modules that run in the layer's process.
+_PROCESS = ("_runs.py", "_wire.py")
 
 
 def _bridge_threads() -> list[threading.Thread]:
