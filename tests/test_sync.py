@@ -160,22 +160,28 @@ def _sweep(
     ends before its n-th place: how many there were."""
     for n in itertools.count(1):
         reached = 0
-        ran: dict[FrameType, str] = {}  # each frame's last instruction
+        # Each running frame's last instruction, by the frame's id: holding the frames would
+        # keep their locals (a generator, say) alive after they end, as no run without the
+        # tracer does.
+        ran: dict[int, str] = {}
         place = ""
 
         def trace(
-            frame: FrameType, event: str, arg: Any, n: int = n, ran: dict[FrameType, str] = ran
+            frame: FrameType, event: str, arg: Any, n: int = n, ran: dict[int, str] = ran
         ) -> Any:
             nonlocal reached, place
             if not frame.f_code.co_filename.endswith(files):
                 return None  # not the trip's (a weakref's callback, say, run by the GC)
             frame.f_trace_opcodes = True
-            if event == "opcode":
-                before, ran[frame] = ran.get(frame), dis.opname[frame.f_code.co_code[frame.f_lasti]]
-                if before is None or before in _CALLS or ran[frame] in _CHECKS:
+            key = id(frame)
+            if event == "call":  # a frame starts, or a generator resumes
+                ran.pop(key, None)
+            elif event == "opcode":
+                before, ran[key] = ran.get(key), dis.opname[frame.f_code.co_code[frame.f_lasti]]
+                if before is None or before in _CALLS or ran[key] in _CHECKS:
                     reached += 1
                     if reached == n:
-                        place = f"{frame.f_code.co_name} line {frame.f_lineno} ({ran[frame]})"
+                        place = f"{frame.f_code.co_name} line {frame.f_lineno} ({ran[key]})"
                         signal.raise_signal(signal.SIGINT)
             return trace
 
@@ -283,11 +289,17 @@ def test_a_ctrl_c_at_any_place_of_a_for_step_leaves_the_layer_serving_whole_epoc
     n, size = 40, 4
     layer = MemoryDataLayer(_rows(n), batch_size=size)
 
+    last: list[BaseException] = []  # kept, as a notebook keeps the last traceback
+
     def trip() -> None:
-        batches = iter(layer)
-        next(batches)
-        next(batches)
-        batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
+        try:
+            batches = iter(layer)
+            next(batches)
+            next(batches)
+            batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
+        except KeyboardInterrupt as exc:
+            last[:] = [exc]
+            raise
 
     def whole(_: int) -> None:
         batches = [b for b in layer]
@@ -312,12 +324,18 @@ def test_a_ctrl_c_at_any_place_of_a_for_step_of_a_helper_process_leaves_it_servi
     source = write_source(tmp_path)[0]
     layer = HDF5DataLayer(source, batch_size=10, process=True)
 
+    last: list[BaseException] = []  # kept, as a notebook keeps the last traceback
+
     def trip() -> None:
-        batches = iter(layer)
-        batch = next(batches)
-        batch = next(batches)  # the first one dropped: its slot goes back
-        del batch
-        batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
+        try:
+            batches = iter(layer)
+            batch = next(batches)
+            batch = next(batches)  # the first one dropped: its slot goes back
+            del batch
+            batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
+        except KeyboardInterrupt as exc:
+            last[:] = [exc]
+            raise
 
     def whole(_: int) -> None:
         batches = [b for b in layer]
