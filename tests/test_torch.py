@@ -720,7 +720,10 @@ def test_gpu_batches_are_cuda_tensors(cupy_gpu: Any, torch_cuda: Any, source: Pa
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <generator object EpochIterator._bridged"
+    ":pytest.PytestUnraisableExceptionWarning"
+)
 def test_a_ctrl_c_at_any_place_of_a_dataloader_step_leaves_the_dataset_serving() -> None:
     """SIGINT at each place in turn of the caller's side of a DataLoader (``num_workers=0``)
     opening the dataset's layer, taking two batches and being dropped (a ``break``): the next
