@@ -6,8 +6,10 @@ are written here only, from what the consumer answers."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Generator, Iterator
 
 from anyio.from_thread import BlockingPortal
 
@@ -46,6 +48,8 @@ class EpochIterator:
         self.done = False
         #: The consumer's opening this iterator serves (None: not started).
         self.opening: int | None = None
+        # The generator of the ``for`` loop that drives it (bridged only).
+        self._driver: weakref.ReferenceType[Generator[Batch, None, None]] | None = None
 
     def __repr__(self) -> str:
         state = "done" if self.done else "open"
@@ -55,7 +59,8 @@ class EpochIterator:
         return self
 
     async def __anext__(self) -> Batch:
-        raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
+        if not self.bridged:  # a for loop's: raised in its thread, never on the bridge's loop
+            raise_kept_interrupt()  # a Ctrl-C that came while a batch was let go of
         consumer = self.consumer
         try:
             batch = consumer.next_ready(self)  # a ready batch, without a trip through the loop
@@ -89,7 +94,20 @@ class EpochIterator:
         opening's portal (:mod:`._sync`) and are handed over in the loop's thread."""
         portal = self.consumer.portal()
         self.bridged = True
-        return self._bridged(portal)
+        driver = self._bridged(portal)
+        self._driver = weakref.ref(driver)
+        return driver
+
+    @property
+    def abandoned(self) -> bool:
+        """The ``for`` loop's generator is over (or gone) and this iteration was not closed: a
+        Ctrl-C can land anywhere in the generator's ``finally``, before its close. The
+        iteration is over all the same (the place no longer takes it for live)."""
+        driver = self._driver
+        if driver is None:
+            return False
+        generator = driver()
+        return generator is None or inspect.getgeneratorstate(generator) == inspect.GEN_CLOSED
 
     async def _next_group(self, limit: int) -> list[Batch]:
         """On the loop: the next batch and up to ``limit - 1`` more that are ready now; ``[]``
@@ -105,7 +123,7 @@ class EpochIterator:
         """On the loop: a batch could not be handed over (see :meth:`Consumer.fail`)."""
         self.consumer.fail(self)
 
-    def _bridged(self, portal: BlockingPortal) -> Iterator[Batch]:
+    def _bridged(self, portal: BlockingPortal) -> Generator[Batch, None, None]:
         """This iteration in a ``for`` loop: each batch is handed over (and counted for
         ``state_dict()``) in the loop's thread as the loop takes it."""
         consumer = self.consumer

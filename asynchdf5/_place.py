@@ -44,9 +44,9 @@ class Place:
         self.samples = 0
 
     def live(self) -> EpochIterator | None:
-        """The live iterator, if any."""
+        """The live iterator, if any (not one whose ``for`` loop ended without closing it)."""
         it = self._live() if self._live is not None else None
-        return None if it is None or it.done else it
+        return None if it is None or it.done or it.abandoned else it
 
     def settle(self) -> None:
         """The previous consumer left early: the epoch it was in is over."""

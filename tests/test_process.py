@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -565,3 +566,37 @@ async def test_a_native_cancel_while_a_batch_is_uploaded_waits_for_the_upload(
             await users[0]
     assert events[:2] == ["uploaded", "delivery closed"], events
     _no_helper_left()
+
+
+async def test_a_batch_dropped_where_its_reader_holds_its_lock_never_blocks(source: Path) -> None:
+    """The garbage collector runs a batch's finalizer (the slot given back) at any allocation,
+    in any thread: also in one inside a section of the reader that holds its lock (found by
+    the Ctrl-C sweep in tests/test_sync.py: a batch of a traceback's cycle collected inside
+    ``ProcessReader._batch``). The old finalizer waited for that lock, and the thread (the
+    bridge's loop) blocked for ever. Now the slot comes back at the next ask: the epoch goes on
+    whole."""
+    with anyio.fail_after(DEADLINE):
+        async with AsyncHDF5DataLayer(source, batch_size=10, process=True) as layer:
+            opened = layer._consumer.opened
+            assert opened is not None
+            lock = opened.reader._lock  # type: ignore[union-attr]  # the ProcessReader's
+            got: list[Any] = []
+            held: list[Any] = []
+            async for batch in layer:
+                got.append((batch.indices.copy(), batch["label"].copy(), batch.epoch))
+                if not held:
+                    held.append(batch)
+                    del batch
+
+                    def drop() -> None:
+                        with lock:  # where the GC could run the finalizer
+                            held.clear()
+
+                    dropper = threading.Thread(target=drop, daemon=True)
+                    dropper.start()
+                    dropper.join(DEADLINE)
+                    assert not dropper.is_alive(), "the finalizer blocked on the reader's lock"
+    for indices, labels, epoch in got:
+        np.testing.assert_array_equal(labels, indices)
+        assert epoch == 0
+    check_exactly_once([i for i, _, _ in got], N)

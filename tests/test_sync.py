@@ -35,6 +35,7 @@ from asynchdf5._sync import Bridge, EnteredOnLoop, call_or_cancel, interrupts_he
 from ._files import N, check_epoch, write_source
 from ._helpers import examples
 from ._leaks import assert_released, snapshot
+from .test_process import _no_helper_left
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNERS = 4  # trial runners side by side: a busy machine is where it hung
@@ -130,6 +131,9 @@ _TRIP_FILES = tuple(
     os.path.join(*parts)
     for parts in [
         ("asynchdf5", "_sync.py"),
+        ("", "threading.py"),
+        ("concurrent", "futures", "_base.py"),
+        ("", "signal.py"),
         ("asynchdf5", "_layer.py"),
         ("", "threading.py"),
         ("concurrent", "futures", "_base.py"),
@@ -146,28 +150,38 @@ _CHECKS = {"RESUME", "JUMP_BACKWARD", "JUMP_ABSOLUTE"}
 _CALLS = {"CALL", "CALL_KW", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_FUNCTION_EX", "CALL_METHOD"}
 
 
-def _sweep(trip: Callable[[], object], after: Callable[[int], None]) -> int:
+def _sweep(
+    trip: Callable[[], object],
+    after: Callable[[int], None],
+    files: tuple[str, ...] = _TRIP_FILES,
+) -> int:
     """Run ``trip`` with SIGINT raised at each place in turn where its code in this thread
-    could take one (one place a run, ``after(n)`` after run ``n``) until a run ends before its
-    n-th place: how many there were."""
+    could take one (in ``files``: one place a run, ``after(n)`` after run ``n``) until a run
+    ends before its n-th place: how many there were."""
     for n in itertools.count(1):
         reached = 0
-        ran: dict[FrameType, str] = {}  # each frame's last instruction
+        # Each running frame's last instruction, by the frame's id: holding the frames would
+        # keep their locals (a generator, say) alive after they end, as no run without the
+        # tracer does.
+        ran: dict[int, str] = {}
         place = ""
 
         def trace(
-            frame: FrameType, event: str, arg: Any, n: int = n, ran: dict[FrameType, str] = ran
+            frame: FrameType, event: str, arg: Any, n: int = n, ran: dict[int, str] = ran
         ) -> Any:
             nonlocal reached, place
-            if not frame.f_code.co_filename.endswith(_TRIP_FILES):
+            if not frame.f_code.co_filename.endswith(files):
                 return None  # not the trip's (a weakref's callback, say, run by the GC)
             frame.f_trace_opcodes = True
-            if event == "opcode":
-                before, ran[frame] = ran.get(frame), dis.opname[frame.f_code.co_code[frame.f_lasti]]
-                if before is None or before in _CALLS or ran[frame] in _CHECKS:
+            key = id(frame)
+            if event == "call":  # a frame starts, or a generator resumes
+                ran.pop(key, None)
+            elif event == "opcode":
+                before, ran[key] = ran.get(key), dis.opname[frame.f_code.co_code[frame.f_lasti]]
+                if before is None or before in _CALLS or ran[key] in _CHECKS:
                     reached += 1
                     if reached == n:
-                        place = f"{frame.f_code.co_name} line {frame.f_lineno} ({ran[frame]})"
+                        place = f"{frame.f_code.co_name} line {frame.f_lineno} ({ran[key]})"
                         signal.raise_signal(signal.SIGINT)
             return trace
 
@@ -180,8 +194,8 @@ def _sweep(trip: Callable[[], object], after: Callable[[int], None]) -> int:
             sys.settrace(None)
         try:
             after(n)
-        except AssertionError as exc:
-            raise AssertionError(f"SIGINT at {place}: {exc}") from None
+        except Exception as exc:
+            raise AssertionError(f"SIGINT at {place} (place {n}): {exc!r}") from None
         if reached < n:
             return n
     raise AssertionError("unreachable")
@@ -238,6 +252,114 @@ def test_a_ctrl_c_at_any_instruction_of_a_with_block_leaves_the_layer_closed() -
     before = snapshot()
     assert _sweep(trip, closed) > 100
     assert_released(before, strict=False)
+
+
+def _rows(n: int) -> dict[str, np.ndarray]:
+    """In memory, the rows of ``tests._files``' sources (that ``check_epoch`` checks)."""
+    i = np.arange(n, dtype=np.int64)
+    return {"data": np.stack([i * 10, i * 10 + 1], axis=1), "label": i}
+
+
+#: The files of the code one step of a ``for`` loop, and leaving it, run in the caller's thread
+#: (the bridge's own are swept above; here only its entry points).
+_STEP_FILES = tuple(
+    os.path.join(*parts)
+    for parts in [
+        ("asynchdf5", "_iterator.py"),
+        ("asynchdf5", "_sync.py"),
+        ("", "threading.py"),
+        ("concurrent", "futures", "_base.py"),
+        ("", "signal.py"),
+        ("asynchdf5", "_consumer.py"),
+        ("asynchdf5", "_place.py"),
+        ("asynchdf5", "_delivery", "__init__.py"),
+        ("asynchdf5", "_delivery", "_host.py"),
+        ("asynchdf5", "_process", "_parent.py"),
+        ("", "contextlib.py"),
+    ]
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_at_any_place_of_a_for_step_leaves_the_layer_serving_whole_epochs() -> None:
+    """SIGINT raised at each place in turn of the caller's side of two steps of a ``for`` loop
+    and of leaving it early (the batch handed over, the trip across the bridge, the close of
+    the iteration): wherever it lands, the next ``for`` on the open layer serves whole epochs,
+    and the layer closes with nothing left."""
+    n, size = 40, 4
+    layer = MemoryDataLayer(_rows(n), batch_size=size)
+
+    last: list[BaseException] = []  # kept, as a notebook keeps the last traceback
+
+    def trip() -> None:
+        try:
+            batches = iter(layer)
+            next(batches)
+            next(batches)
+            batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
+        except KeyboardInterrupt as exc:
+            last[:] = [exc]
+            raise
+
+    def whole(_: int) -> None:
+        batches = [b for b in layer]
+        check_epoch(batches, n, size, batches[0].epoch)
+        assert layer.epoch == batches[0].epoch + 1
+
+    before = snapshot()
+    with layer:
+        assert _sweep(trip, whole, _STEP_FILES) > 20
+    assert layer._sync is None
+    assert_released(before, strict=False)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <finalize object:pytest.PytestUnraisableExceptionWarning"
+)
+def test_a_ctrl_c_at_any_place_of_a_for_step_of_a_helper_process_leaves_it_serving(
+    tmp_path: Path,
+) -> None:
+    """The same with ``process=True``, where a batch dropped gives its slot back to the helper
+    (a finalizer that keeps a Ctrl-C for the loop): SIGINT at each place in turn of two steps
+    (the first batch dropped as the second comes), the second batch dropped, and a ``break``;
+    the next ``for`` serves whole epochs, and the layer closes with no helper process left.
+    (A Ctrl-C at the finalizer's very start, before its ``try``, is printed as "Exception
+    ignored" and lost, as in any finalizer: allowed; the GC decides whether a run meets it.)"""
+    source = write_source(tmp_path)[0]
+    layer = HDF5DataLayer(source, batch_size=10, process=True)
+
+    last: list[BaseException] = []  # kept, as a notebook keeps the last traceback
+
+    def trip() -> None:
+        try:
+            batches = iter(layer)
+            batch = next(batches)
+            batch = next(batches)  # the first one dropped: its slot goes back
+            del batch
+            batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
+        except KeyboardInterrupt as exc:
+            last[:] = [exc]
+            raise
+
+    def whole(_: int) -> None:
+        batches = [b for b in layer]
+        check_epoch(batches, N, 10, batches[0].epoch)
+        assert layer.epoch == batches[0].epoch + 1
+
+    before = snapshot()
+    with layer:
+        # Not weakref.py: a Ctrl-C in weakref.finalize's own frames, before the finalizer's
+        # ``try``, leaves it as any finalizer does ("Exception ignored in"), and is lost.
+        files = (*_STEP_FILES, *(os.path.join("asynchdf5", "_process", f) for f in _PROCESS))
+        assert _sweep(trip, whole, files) > 20
+    assert layer._sync is None
+    _no_helper_left()
+    assert_released(before, strict=False)
+
+
+#: The helper process's modules that run in the layer's process.
+_PROCESS = ("_runs.py", "_wire.py")
 
 
 def _bridge_threads() -> list[threading.Thread]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 import pickle
 import subprocess
 import sys
@@ -32,8 +33,9 @@ from asynchdf5 import ConfigurationError, StateError
 from asynchdf5.torch import HDF5IterableDataset, MemoryIterableDataset
 
 from ._fake_cupy import FakeCupy
-from ._files import rows, write_source
+from ._files import check_exactly_once, rows, write_source
 from ._leaks import assert_released, snapshot
+from .test_sync import _sweep
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -715,3 +717,42 @@ def test_gpu_batches_are_cuda_tensors(cupy_gpu: Any, torch_cuda: Any, source: Pa
         assert db["data"].is_cuda and db["label"].is_cuda and not db["indices"].is_cuda
         for key in hb:
             assert torch.equal(db[key].cpu(), hb[key])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <generator object EpochIterator._bridged"
+    ":pytest.PytestUnraisableExceptionWarning"
+)
+def test_a_ctrl_c_at_any_place_of_a_dataloader_step_leaves_the_dataset_serving() -> None:
+    """SIGINT at each place in turn of the caller's side of a DataLoader (``num_workers=0``)
+    opening the dataset's layer, taking two batches and being dropped (a ``break``): the next
+    epoch through the loader is whole, and the dataset closes with nothing left. (A Ctrl-C in
+    the ``finally`` of the layer's ``for`` generator, which the drop closes from its
+    finalizer, is printed as "Exception ignored" and lost, as in any finalizer: allowed.)
+    An interrupt as the layer's opening returned left it open without the dataset knowing:
+    the next epoch's opening failed ("already open"), and close() left its threads running."""
+    n, size = 40, 4
+    ds = MemoryIterableDataset(rows(0, n), batch_size=size, indices=True)
+    loader = DataLoader(ds, batch_size=None)
+
+    def trip() -> None:
+        batches = iter(loader)
+        next(batches)
+        next(batches)
+        del batches  # what a break does: the epoch is left
+
+    def whole(_: int) -> None:
+        seen = [b["indices"].numpy() for b in loader]
+        assert all(len(i) == size for i in seen)
+        check_exactly_once(seen, n)
+        ds.close()  # the next trip opens the layer again
+
+    before = snapshot()
+    files = tuple(
+        os.path.join("asynchdf5", *parts)
+        for parts in [("torch", "_dataset.py"), ("_iterator.py",), ("_layer.py",), ("_sync.py",)]
+    )
+    assert _sweep(trip, whole, files) > 20
+    ds.close()
+    assert_released(before, strict=False)

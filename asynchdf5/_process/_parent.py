@@ -41,6 +41,7 @@ from .._catalog import TopInfo
 from .._errors import ReadError
 from .._gathering import EpochEnd, Failure, Item
 from .._stats import GatherStats, Stats
+from .._sync import interrupts_held
 from .._thread_call import release_whole, run_sync_whole
 from ._errors import rebuild
 from ._runs import RemoteRun, Uploader
@@ -250,13 +251,23 @@ class ProcessReader:
         """The last view of the batch in ``slot`` is gone (in whichever thread dropped it): the
         helper gets the slot back now, not at the consumer's next ask, so it fills the ring
         while the consumer works on the batches it took. A finalizer: a Ctrl-C that lands here
-        is kept for the loop (:func:`raise_kept_interrupt`), never printed and dropped."""
+        is kept for the loop (:func:`raise_kept_interrupt`), never printed and dropped.
+
+        The garbage collector can run it in any thread at any allocation, also inside a block
+        of this reader's that holds the lock: so it never waits for the lock (when the lock is
+        busy, :meth:`_give_back` frees the slot at the consumer's next ask), and holds Ctrl-C
+        back from the lock's taking to its release."""
         try:
-            with self._lock:
-                if slot in self._out and not self._closed:
-                    self._out.discard(slot)
-                    with contextlib.suppress(OSError):
-                        send(self._sock, ("free", (slot,)))
+            with interrupts_held():
+                if not self._lock.acquire(blocking=False):
+                    return
+                try:
+                    if slot in self._out and not self._closed:
+                        self._out.discard(slot)
+                        with contextlib.suppress(OSError):
+                            send(self._sock, ("free", (slot,)))
+                finally:
+                    self._lock.release()
         except KeyboardInterrupt:
             _KEPT.append(KeyboardInterrupt())
 

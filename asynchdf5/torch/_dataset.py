@@ -374,8 +374,15 @@ class LayerDataset(IterableDataset[Tensors]):
             layer.set_epoch(int(values[self._slot]))  # the main process called set_epoch
             self._generation = int(values[0])
         if not self._opened:
-            layer.__enter__()
+            # Marked first: a Ctrl-C as the opening returns would leave an open layer that
+            # close() does not close (and the next iteration's opening failing).
             self._opened = True
+            try:
+                layer.__enter__()
+            except BaseException:  # the layer closed itself, unless this came as it returned
+                layer.close()
+                self._opened = False
+                raise
         self._live = weakref.ref(epoch)
         return iter(layer)
 
