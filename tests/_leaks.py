@@ -17,6 +17,7 @@ from pathlib import Path
 
 import anyio
 import h5py
+import psutil
 
 import asynchdf5
 
@@ -113,3 +114,20 @@ async def aassert_released(before: Snapshot) -> None:
             break
         await anyio.sleep(0.01)
     assert not problems, problems
+
+
+def helper_processes() -> list[psutil.Process]:
+    """This process's ``process=True`` helper processes still alive."""
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "asynchdf5._serve" in " ".join(p.cmdline() if p.is_running() else [])
+    ]
+
+
+def no_helper_left() -> None:
+    """Wait (10 s at most) until no helper process of this process is alive; fail if one is."""
+    deadline = time.monotonic() + 10
+    while helper_processes() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not helper_processes()

@@ -36,26 +36,10 @@ from asynchdf5 import (
 from ._fake_cupy import FakeArray, FakeCupy
 from ._files import N, check_epoch, check_exactly_once, write_source
 from ._gpu_data import host_copy
-from ._leaks import aassert_released, asnapshot
+from ._leaks import aassert_released, asnapshot, helper_processes, no_helper_left
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 DEADLINE = 30
-
-
-def _helpers() -> list[psutil.Process]:
-    """This process's helper processes still alive."""
-    return [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if "asynchdf5._serve" in " ".join(p.cmdline() if p.is_running() else [])
-    ]
-
-
-def _no_helper_left() -> None:
-    deadline = time.monotonic() + 10
-    while _helpers() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not _helpers()
 
 
 def _shm() -> set[str]:
@@ -109,7 +93,7 @@ async def test_same_batches_as_in_process_exactly_once_and_aligned(source: Path)
                 assert set(stats.read_paths) == {"data", "label"}
         del got, b  # a batch keeps its slot's mapping (and descriptor) until it goes
         await aassert_released(before)
-    _no_helper_left()
+    no_helper_left()
     assert _shm() <= shm  # nothing named in /dev/shm
 
 
@@ -192,7 +176,7 @@ async def test_errors_come_back_with_their_type(source: Path, tmp_path: Path) ->
     with pytest.raises(type(_in_process_error(missing.paths)), match=r"nope\.h5"):
         async with missing:
             pass
-    _no_helper_left()
+    no_helper_left()
 
 
 def _in_process_error(paths: list[str]) -> BaseException:
@@ -218,7 +202,7 @@ async def test_break_cancel_and_close_leave_nothing(source: Path) -> None:
                     await anyio.sleep(0.01)
             check_epoch([b async for b in layer], N, 4, 3)
         await aassert_released(before)
-    _no_helper_left()
+    no_helper_left()
     assert _shm() <= shm
 
 
@@ -227,7 +211,7 @@ def test_sync_facade(source: Path) -> None:
         for epoch in range(2):
             check_epoch(list(layer), N, 9, epoch)
         assert layer.stats.batches > 0
-    _no_helper_left()
+    no_helper_left()
 
 
 def test_an_unpicklable_transformer_is_named_at_construction(source: Path) -> None:
@@ -281,12 +265,12 @@ def test_the_helper_exits_when_the_layer_process_is_killed(source: Path, tmp_pat
 
 def test_a_helper_that_dies_is_a_read_error(source: Path) -> None:
     with HDF5DataLayer(source, batch_size=4, process=True) as layer:
-        (helper,) = _helpers()
+        (helper,) = helper_processes()
         helper.kill()
         with pytest.raises(ReadError, match="helper process"):
             for _ in layer:
                 time.sleep(0.01)
-    _no_helper_left()
+    no_helper_left()
 
 
 #: The environment variable that marks the processes one test started, and their helpers.
@@ -355,7 +339,7 @@ def test_torch_adapter_with_num_workers_0(source: Path) -> None:
         for _ in range(2):
             labels = [b["label"].numpy().copy() for b in loader]
             check_exactly_once(labels, N)
-    _no_helper_left()
+    no_helper_left()
 
 
 async def test_device_batches_are_uploaded_in_the_layers_process(
@@ -383,7 +367,7 @@ async def test_device_batches_are_uploaded_in_the_layers_process(
                         np.testing.assert_array_equal(host_copy(b["data"]), host_copy(w["data"]))
                         np.testing.assert_array_equal(host_copy(b["label"]), b.indices)
                     assert layer.epoch == epoch + 1
-    _no_helper_left()
+    no_helper_left()
 
 
 def test_a_script_without_a_main_guard_is_refused_not_repeated(
@@ -519,7 +503,7 @@ async def test_a_native_cancel_while_the_helper_starts_leaves_no_helper(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    _no_helper_left()
+    no_helper_left()
 
 
 async def test_a_native_cancel_while_a_batch_is_uploaded_waits_for_the_upload(
@@ -565,7 +549,7 @@ async def test_a_native_cancel_while_a_batch_is_uploaded_waits_for_the_upload(
         with pytest.raises(asyncio.CancelledError):
             await users[0]
     assert events[:2] == ["uploaded", "delivery closed"], events
-    _no_helper_left()
+    no_helper_left()
 
 
 async def test_a_batch_dropped_where_its_reader_holds_its_lock_never_blocks(source: Path) -> None:

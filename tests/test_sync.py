@@ -9,8 +9,6 @@ its deadline.
 from __future__ import annotations
 
 import asyncio
-import dis
-import itertools
 import os
 import signal
 import subprocess
@@ -21,7 +19,6 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import anyio
@@ -34,8 +31,8 @@ from asynchdf5._sync import Bridge, EnteredOnLoop, call_or_cancel, interrupts_he
 
 from ._files import N, check_epoch, write_source
 from ._helpers import examples
-from ._leaks import assert_released, snapshot
-from .test_process import _no_helper_left
+from ._interrupts import sweep
+from ._leaks import assert_released, no_helper_left, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNERS = 4  # trial runners side by side: a busy machine is where it hung
@@ -126,81 +123,6 @@ async def _plus_one(x: int) -> int:
     return x + 1
 
 
-#: The files of the code a trip across the bridge runs in the caller's thread.
-_TRIP_FILES = tuple(
-    os.path.join(*parts)
-    for parts in [
-        ("asynchdf5", "_sync.py"),
-        ("", "threading.py"),
-        ("concurrent", "futures", "_base.py"),
-        ("", "signal.py"),
-        ("asynchdf5", "_layer.py"),
-        ("", "threading.py"),
-        ("concurrent", "futures", "_base.py"),
-        ("asyncio", "base_events.py"),
-        ("", "contextlib.py"),
-        ("", "signal.py"),
-    ]
-)
-
-
-#: Where the interpreter runs signal handlers: as a function starts, at a jump back, and once a
-#: call has returned (CPython checks for pending calls there, and nowhere else).
-_CHECKS = {"RESUME", "JUMP_BACKWARD", "JUMP_ABSOLUTE"}
-_CALLS = {"CALL", "CALL_KW", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_FUNCTION_EX", "CALL_METHOD"}
-
-
-def _sweep(
-    trip: Callable[[], object],
-    after: Callable[[int], None],
-    files: tuple[str, ...] = _TRIP_FILES,
-) -> int:
-    """Run ``trip`` with SIGINT raised at each place in turn where its code in this thread
-    could take one (in ``files``: one place a run, ``after(n)`` after run ``n``) until a run
-    ends before its n-th place: how many there were."""
-    for n in itertools.count(1):
-        reached = 0
-        # Each running frame's last instruction, by the frame's id: holding the frames would
-        # keep their locals (a generator, say) alive after they end, as no run without the
-        # tracer does.
-        ran: dict[int, str] = {}
-        place = ""
-
-        def trace(
-            frame: FrameType, event: str, arg: Any, n: int = n, ran: dict[int, str] = ran
-        ) -> Any:
-            nonlocal reached, place
-            if not frame.f_code.co_filename.endswith(files):
-                return None  # not the trip's (a weakref's callback, say, run by the GC)
-            frame.f_trace_opcodes = True
-            key = id(frame)
-            if event == "call":  # a frame starts, or a generator resumes
-                ran.pop(key, None)
-            elif event == "opcode":
-                before, ran[key] = ran.get(key), dis.opname[frame.f_code.co_code[frame.f_lasti]]
-                if before is None or before in _CALLS or ran[key] in _CHECKS:
-                    reached += 1
-                    if reached == n:
-                        place = f"{frame.f_code.co_name} line {frame.f_lineno} ({ran[key]})"
-                        signal.raise_signal(signal.SIGINT)
-            return trace
-
-        sys.settrace(trace)
-        try:
-            trip()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
-        try:
-            after(n)
-        except Exception as exc:
-            raise AssertionError(f"SIGINT at {place} (place {n}): {exc!r}") from None
-        if reached < n:
-            return n
-    raise AssertionError("unreachable")
-
-
 @pytest.mark.timeout(120)
 def test_a_ctrl_c_at_any_instruction_of_a_call_across_the_bridge_leaves_the_loop_serving() -> None:
     """SIGINT raised before each instruction in turn of the caller's side of a ``for`` loop's
@@ -221,7 +143,7 @@ def test_a_ctrl_c_at_any_instruction_of_a_call_across_the_bridge_leaves_the_loop
             pytest.fail(f"the loop is blocked after SIGINT at instruction {n}")
 
     try:
-        assert _sweep(lambda: call_or_cancel(bridge.portal, _plus_one, 1), serves) > 100
+        assert sweep(lambda: call_or_cancel(bridge.portal, _plus_one, 1), serves) > 100
     finally:
         if not blocked:  # a blocked loop never stops: its daemon thread is left behind
             bridge.stop(cancel=True)
@@ -250,7 +172,7 @@ def test_a_ctrl_c_at_any_instruction_of_a_with_block_leaves_the_layer_closed() -
         assert not _bridge_threads(), f"the loop's thread runs on after SIGINT at place {n}"
 
     before = snapshot()
-    assert _sweep(trip, closed) > 100
+    assert sweep(trip, closed) > 100
     assert_released(before, strict=False)
 
 
@@ -308,7 +230,7 @@ def test_a_ctrl_c_at_any_place_of_a_for_step_leaves_the_layer_serving_whole_epoc
 
     before = snapshot()
     with layer:
-        assert _sweep(trip, whole, _STEP_FILES) > 20
+        assert sweep(trip, whole, _STEP_FILES) > 20
     assert layer._sync is None
     assert_released(before, strict=False)
 
@@ -352,9 +274,9 @@ def test_a_ctrl_c_at_any_place_of_a_for_step_of_a_helper_process_leaves_it_servi
         # Not weakref.py: a Ctrl-C in weakref.finalize's own frames, before the finalizer's
         # ``try``, leaves it as any finalizer does ("Exception ignored in"), and is lost.
         files = (*_STEP_FILES, *(os.path.join("asynchdf5", "_process", f) for f in _PROCESS))
-        assert _sweep(trip, whole, files) > 20
+        assert sweep(trip, whole, files) > 20
     assert layer._sync is None
-    _no_helper_left()
+    no_helper_left()
     assert_released(before, strict=False)
 
 

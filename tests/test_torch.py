@@ -34,8 +34,8 @@ from asynchdf5.torch import HDF5IterableDataset, MemoryIterableDataset
 
 from ._fake_cupy import FakeCupy
 from ._files import check_exactly_once, rows, write_source
+from ._interrupts import sweep
 from ._leaks import assert_released, snapshot
-from .test_sync import _sweep
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -753,6 +753,6 @@ def test_a_ctrl_c_at_any_place_of_a_dataloader_step_leaves_the_dataset_serving()
         os.path.join("asynchdf5", *parts)
         for parts in [("torch", "_dataset.py"), ("_iterator.py",), ("_layer.py",), ("_sync.py",)]
     )
-    assert _sweep(trip, whole, files) > 20
+    assert sweep(trip, whole, files) > 20
     ds.close()
     assert_released(before, strict=False)
