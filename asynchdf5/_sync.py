@@ -76,7 +76,8 @@ class LoopPortal(BlockingPortal):
         the portal's task group); the loop waits for them as it ends."""
         if cancel:
             for task in self.calls:
-                task.cancel()
+                if task is not asyncio.current_task():  # this stop may be a call of its own
+                    task.cancel()
         await super().stop(cancel)
 
 
@@ -152,8 +153,11 @@ class Bridge:
             if not self._serving:
                 return
             self._serving = False
-            with contextlib.suppress(RuntimeError):  # RuntimeError: stopped already
-                self.portal.call(self.portal.stop, cancel)
+            # Queued, not waited for: a loop that is stuck (blocked by a call that never
+            # returns) would hold the wait, and Ctrl-C, for ever; the thread's end is waited
+            # for below, a Ctrl-C ending that wait.
+            with contextlib.suppress(RuntimeError):  # RuntimeError: the loop has ended
+                _hand_to_loop(_Call(self.portal, self.portal.stop, (cancel,)))
             while self._thread.is_alive():
                 raise_held()
                 self._thread.join(POLL_S)

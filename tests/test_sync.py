@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -86,15 +85,15 @@ def test_a_ctrl_c_at_the_worst_moment_of_the_close_still_ends_the_loop(
     the bridge, before the call is queued (the first call: telling the layer to close; or the
     call that stops the loop). The close raises it, and the loop's thread still ends."""
     armed = False
-    real: Callable[..., Any] = BlockingPortal.call
+    real_hand = _sync._hand_to_loop
     real_exit = EnteredOnLoop.exit
 
-    def call(portal: BlockingPortal, func: Callable[..., Any], *args: Any) -> Any:
+    def hand_to_loop(call: Any) -> None:
         nonlocal armed
-        if armed and during == "the stop request" and func == portal.stop:
+        if armed and during == "the stop request" and call._fn.__name__ == "stop":
             armed = False
             signal.raise_signal(signal.SIGINT)
-        return real(portal, func, *args)
+        real_hand(call)
 
     def exit(entered: EnteredOnLoop) -> None:
         nonlocal armed
@@ -111,7 +110,7 @@ def test_a_ctrl_c_at_the_worst_moment_of_the_close_still_ends_the_loop(
             for _ in range(3):
                 next(batches)
             batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
-            monkeypatch.setattr(BlockingPortal, "call", call)
+            monkeypatch.setattr(_sync, "_hand_to_loop", hand_to_loop)
             monkeypatch.setattr(EnteredOnLoop, "exit", exit)
             armed = True
     assert not armed
@@ -286,6 +285,30 @@ _PROCESS = ("_runs.py", "_wire.py")
 
 def _bridge_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "asynchdf5-asyncio-bridge"]
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_ends_the_wait_for_a_loop_that_is_stuck() -> None:
+    """A loop blocked by a call that never returns cannot stop: the request to stop is queued,
+    and a Ctrl-C ends the wait for it (the thread, a daemon, is left to the interpreter's
+    exit). The stop used to wait for the loop to answer, with Ctrl-C held back: for ever."""
+    bridge = Bridge()
+    gate = threading.Event()
+    bridge.portal.loop.call_soon_threadsafe(gate.wait)  # the loop is stuck until the gate opens
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    # The deadline: past it the gate opens, and the wait ends without the Ctrl-C's help.
+    watchdog = threading.Timer(10, gate.set)
+    watchdog.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bridge.stop(cancel=True)
+        assert not gate.is_set(), "the wait for the stuck loop outlived its deadline"
+        assert bridge._thread.is_alive()  # still stuck: the wait ended for the Ctrl-C
+    finally:
+        watchdog.cancel()
+        gate.set()
+        bridge._thread.join(10)
+    assert not bridge._thread.is_alive()  # once free, the loop took the request and stopped
 
 
 @pytest.mark.timeout(60)
