@@ -185,9 +185,10 @@ def default_block_rows(
     less than ``MIN_BLOCK_BYTES`` (so a small ``chunk_size`` does not make tiny blocks).
 
     ``stored_rows``: the rows of the largest stored chunk that is decoded whole (the raw-chunk
-    path). A block shorter than a few of them would decode each several times over (every
-    block decodes the stored chunks it touches whole), so blocks span at least
-    ``STORED_CHUNKS_PER_BLOCK`` of them, as long as a chunk keeps ``MIN_BLOCKS_PER_CHUNK``.
+    path), weighed by its top's share of a sample's bytes (:func:`stored_rows`). A block
+    shorter than a few of them would decode each several times over (every block decodes the
+    stored chunks it touches whole), so blocks span at least ``STORED_CHUNKS_PER_BLOCK`` of
+    them, as long as a chunk keeps ``MIN_BLOCKS_PER_CHUNK``.
 
     ``request_bytes``: the bytes one read request of the files should move at least (remote
     objects: a whole request, see :attr:`~._sources.StoredFile.request_bytes`). Each block is at
@@ -264,13 +265,24 @@ def request_bytes(catalog: Catalog) -> int:
 
 
 def stored_rows(catalog: Catalog) -> int:
-    """Rows of the largest stored chunk that the reader decodes whole (0: none)."""
+    """Rows of the whole sample that hold as many bytes as the largest stored chunk the reader
+    decodes whole (0: none).
+
+    A stored chunk is weighed by its top's share of a sample's bytes (ragged values counted on
+    average): the order's heuristics keep blocks and lanes a few stored chunks long so that no
+    chunk is decoded many times over, and that cost is the chunk's bytes. A narrow column
+    gzipped in long chunks (an AnnData ``obs`` column: thousands of rows of a few bytes) costs
+    little to decode again; counted in its own rows, it made blocks of tens of thousands of
+    samples, and a small cache's chunks then drew from one place of the data set.
+    """
+    row_bytes = catalog.mean_row_bytes
     return max(
         (
-            layout.chunks.rows
+            -(-layout.chunks.rows * min(catalog.tops[name].row_bytes, row_bytes) // row_bytes)
             for f in catalog.files
             for name, layout in f.layouts.items()
             if layout.chunks is not None
+            and name in catalog.tops
             and name not in f.ragged  # a ragged top's stored chunks hold values, not rows
             # Unfiltered whole-sample chunks are read row by row, as contiguous data is.
             and (layout.filters or layout.chunks.splits_samples)
