@@ -391,14 +391,19 @@ def test_exact_resume_mid_epoch(tmp_path: Path) -> None:
         it = iter(layer)
         head = [next(it).indices.tolist() for _ in range(4)]
         state = layer.state_dict()
-    resumed = HDF5DataLayer(files, **kw)
+    assert head + _resumed(files, kw, state) == whole
+
+
+def _resumed(source: Any, kw: dict[str, Any], state: dict[str, Any]) -> list[list[int]]:
+    """The rest of the epoch a new layer serves from ``state`` (each batch's rows checked)."""
+    resumed = HDF5DataLayer(source, **kw)
     resumed.load_state_dict(state)
     with resumed:
         tail = []
         for b in resumed:
             check_rows(b)
             tail.append(b.indices.tolist())
-    assert head + tail == whole
+    return tail
 
 
 def test_stream_and_transformers(tmp_path: Path) -> None:
@@ -629,13 +634,7 @@ def test_a_state_saved_with_chunks_sized_by_the_longest_rows_resumes_exactly(
                 state = layer.state_dict()
         with HDF5DataLayer(path, **kw) as layer:
             assert layer.stats.chunk_rows > saved_rows  # this run's own chunks: larger
-        resumed = HDF5DataLayer(path, **kw)
-        resumed.load_state_dict(state)
-        with resumed:
-            tail = []
-            for b in resumed:
-                check_rows(b)
-                tail.append(b.indices.tolist())
+        tail = _resumed(path, kw, state)
     assert head + tail == whole
 
 

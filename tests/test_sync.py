@@ -9,6 +9,7 @@ its deadline.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -211,25 +212,10 @@ def test_a_ctrl_c_at_any_place_of_a_for_step_leaves_the_layer_serving_whole_epoc
     layer = MemoryDataLayer(_rows(n), batch_size=size)
 
     last: list[BaseException] = []  # kept, as a notebook keeps the last traceback
-
-    def trip() -> None:
-        try:
-            batches = iter(layer)
-            next(batches)
-            next(batches)
-            batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
-        except KeyboardInterrupt as exc:
-            last[:] = [exc]
-            raise
-
-    def whole(_: int) -> None:
-        batches = [b for b in layer]
-        check_epoch(batches, n, size, batches[0].epoch)
-        assert layer.epoch == batches[0].epoch + 1
-
     before = snapshot()
     with layer:
-        assert sweep(trip, whole, _STEP_FILES) > 20
+        trip = functools.partial(_two_steps_then_leave, layer, last)
+        assert sweep(trip, lambda _: _serves_an_epoch(layer, n, size), _STEP_FILES) > 20
     assert layer._sync is None
     assert_released(before, strict=False)
 
@@ -251,32 +237,40 @@ def test_a_ctrl_c_at_any_place_of_a_for_step_of_a_helper_process_leaves_it_servi
     layer = HDF5DataLayer(source, batch_size=10, process=True)
 
     last: list[BaseException] = []  # kept, as a notebook keeps the last traceback
-
-    def trip() -> None:
-        try:
-            batches = iter(layer)
-            batch = next(batches)
-            batch = next(batches)  # the first one dropped: its slot goes back
-            del batch
-            batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
-        except KeyboardInterrupt as exc:
-            last[:] = [exc]
-            raise
-
-    def whole(_: int) -> None:
-        batches = [b for b in layer]
-        check_epoch(batches, N, 10, batches[0].epoch)
-        assert layer.epoch == batches[0].epoch + 1
-
+    trip = functools.partial(_two_steps_then_leave, layer, last)
     before = snapshot()
     with layer:
         # Not weakref.py: a Ctrl-C in weakref.finalize's own frames, before the finalizer's
         # ``try``, leaves it as any finalizer does ("Exception ignored in"), and is lost.
         files = (*_STEP_FILES, *(os.path.join("asynchdf5", "_process", f) for f in _PROCESS))
-        assert sweep(trip, whole, files) > 20
+        assert sweep(trip, lambda _: _serves_an_epoch(layer, N, 10), files) > 20
     assert layer._sync is None
     no_helper_left()
     assert_released(before, strict=False)
+
+
+def _two_steps_then_leave(
+    layer: HDF5DataLayer | MemoryDataLayer, last: list[BaseException]
+) -> None:
+    """Two steps of a ``for`` loop (the first batch dropped as the second comes: with
+    ``process=True`` its slot goes back), the second dropped, then the loop left; a
+    ``KeyboardInterrupt`` is kept in ``last``, as a notebook keeps the last traceback."""
+    try:
+        batches = iter(layer)
+        batch = next(batches)
+        batch = next(batches)
+        del batch
+        batches.close()  # type: ignore[attr-defined]  # a generator: left now, not at GC
+    except KeyboardInterrupt as exc:
+        last[:] = [exc]
+        raise
+
+
+def _serves_an_epoch(layer: HDF5DataLayer | MemoryDataLayer, n: int, size: int) -> None:
+    """The open layer's next ``for`` serves one whole epoch, and counts it."""
+    batches = [b for b in layer]
+    check_epoch(batches, n, size, batches[0].epoch)
+    assert layer.epoch == batches[0].epoch + 1
 
 
 #: The helper process's modules that run in the layer's process.
