@@ -29,6 +29,7 @@ from ._config import LayerConfig
 from ._consumer import Consumer
 from ._delivery import BatchMemory, Delivery, HostDelivery, make_delivery
 from ._errors import ConfigurationError, StateError
+from ._interrupts import interrupts_held
 from ._iterator import EpochIterator
 from ._opened import Opened
 from ._plan import EpochPlan
@@ -36,7 +37,7 @@ from ._planner import Planner, check_part
 from ._priority import nice_steps
 from ._shape import DataShape
 from ._stats import LayerStats, Stats
-from ._sync import Bridge, interrupts_held
+from ._sync import Bridge
 
 if sys.version_info >= (3, 11):
     from typing import Self

@@ -27,7 +27,8 @@ import pytest
 from anyio.from_thread import BlockingPortal
 
 from asynchdf5 import HDF5DataLayer, MemoryDataLayer, _sync
-from asynchdf5._sync import Bridge, EnteredOnLoop, call_or_cancel, interrupts_held
+from asynchdf5._interrupts import interrupts_held
+from asynchdf5._sync import Bridge, EnteredOnLoop, call_or_cancel
 
 from ._files import N, check_epoch, write_source
 from ._helpers import examples

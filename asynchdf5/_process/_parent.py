@@ -40,8 +40,8 @@ from .._batch import Batch
 from .._catalog import TopInfo
 from .._errors import ReadError
 from .._gathering import EpochEnd, Failure, Item
+from .._interrupts import interrupts_held
 from .._stats import GatherStats, Stats
-from .._sync import interrupts_held
 from .._thread_call import release_whole, run_sync_whole
 from ._errors import rebuild
 from ._runs import RemoteRun, Uploader
