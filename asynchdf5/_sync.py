@@ -174,8 +174,11 @@ def _wait(future: Future[T]) -> T:
     with interrupts_held():
         while True:
             raise_held()
-            if concurrent.futures.wait((future,), POLL_S).done:
-                return future.result()
+            try:
+                return future.result(POLL_S)
+            except concurrent.futures.TimeoutError:
+                if future.done():  # the call's own TimeoutError, not the poll's
+                    raise
 
 
 #: How long an interrupted call across the bridge may take to end once cancelled (it ends at

@@ -421,6 +421,9 @@ def test_a_call_across_the_bridge_returns_raises_and_is_cancelled_whole() -> Non
         async def fails() -> None:
             raise ValueError("from the loop")
 
+        async def times_out() -> None:  # the poll's own exception: raised, not waited on
+            raise TimeoutError("from the loop")
+
         async def waits() -> None:
             ran.append("waits")
             try:
@@ -431,6 +434,8 @@ def test_a_call_across_the_bridge_returns_raises_and_is_cancelled_whole() -> Non
         assert call_or_cancel(portal, value, 1) == 2
         with pytest.raises(ValueError, match="from the loop"):
             call_or_cancel(portal, fails)
+        with pytest.raises(TimeoutError, match="from the loop"):
+            call_or_cancel(portal, times_out)
 
         gate = threading.Event()
         portal.loop.call_soon_threadsafe(gate.wait)  # the loop is busy until the gate opens
