@@ -18,20 +18,25 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-__all__ = ["CALLS", "CHECKS", "TRIP_FILES", "sweep"]
+__all__ = ["CALLS", "CHECKS", "TRIP_FILES", "sweep", "traced"]
+
+
+def traced(*paths: str) -> tuple[str, ...]:
+    """The files a sweep traces, each named by its path's last parts (``/``-separated, as a
+    frame's file name ends)."""
+    return tuple(os.path.join(*path.split("/")) for path in paths)
+
 
 #: The files of the code a trip across the bridge runs in the caller's thread.
-TRIP_FILES = tuple(
-    os.path.join(*parts)
-    for parts in [
-        ("asynchdf5", "_sync.py"),
-        ("asynchdf5", "_layer.py"),
-        ("", "threading.py"),
-        ("concurrent", "futures", "_base.py"),
-        ("asyncio", "base_events.py"),
-        ("", "contextlib.py"),
-        ("", "signal.py"),
-    ]
+TRIP_FILES = traced(
+    "asynchdf5/_sync.py",
+    "asynchdf5/_interrupts.py",
+    "asynchdf5/_layer.py",
+    "threading.py",
+    "concurrent/futures/_base.py",
+    "asyncio/base_events.py",
+    "contextlib.py",
+    "signal.py",
 )
 
 

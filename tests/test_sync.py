@@ -32,7 +32,7 @@ from asynchdf5._sync import Bridge, EnteredOnLoop, call_or_cancel
 
 from ._files import N, check_epoch, write_source
 from ._helpers import examples
-from ._interrupts import sweep
+from ._interrupts import sweep, traced
 from ._leaks import assert_released, no_helper_left, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,21 +185,19 @@ def _rows(n: int) -> dict[str, np.ndarray]:
 
 #: The files of the code one step of a ``for`` loop, and leaving it, run in the caller's thread
 #: (the bridge's own are swept above; here only its entry points).
-_STEP_FILES = tuple(
-    os.path.join(*parts)
-    for parts in [
-        ("asynchdf5", "_iterator.py"),
-        ("asynchdf5", "_sync.py"),
-        ("", "threading.py"),
-        ("concurrent", "futures", "_base.py"),
-        ("", "signal.py"),
-        ("asynchdf5", "_consumer.py"),
-        ("asynchdf5", "_place.py"),
-        ("asynchdf5", "_delivery", "__init__.py"),
-        ("asynchdf5", "_delivery", "_host.py"),
-        ("asynchdf5", "_process", "_parent.py"),
-        ("", "contextlib.py"),
-    ]
+_STEP_FILES = traced(
+    "asynchdf5/_iterator.py",
+    "asynchdf5/_sync.py",
+    "asynchdf5/_interrupts.py",
+    "threading.py",
+    "concurrent/futures/_base.py",
+    "signal.py",
+    "asynchdf5/_consumer.py",
+    "asynchdf5/_place.py",
+    "asynchdf5/_delivery/__init__.py",
+    "asynchdf5/_delivery/_host.py",
+    "asynchdf5/_process/_parent.py",
+    "contextlib.py",
 )
 
 
@@ -243,7 +241,7 @@ def test_a_ctrl_c_at_any_place_of_a_for_step_of_a_helper_process_leaves_it_servi
     with layer:
         # Not weakref.py: a Ctrl-C in weakref.finalize's own frames, before the finalizer's
         # ``try``, leaves it as any finalizer does ("Exception ignored in"), and is lost.
-        files = (*_STEP_FILES, *(os.path.join("asynchdf5", "_process", f) for f in _PROCESS))
+        files = (*_STEP_FILES, *traced(*(f"asynchdf5/_process/{f}" for f in _PROCESS)))
         assert sweep(trip, lambda _: _serves_an_epoch(layer, N, 10), files) > 20
     assert layer._sync is None
     no_helper_left()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import os
 import pickle
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from asynchdf5.torch import HDF5IterableDataset, MemoryIterableDataset
 
 from ._fake_cupy import FakeCupy
 from ._files import check_exactly_once, rows, write_source
-from ._interrupts import sweep
+from ._interrupts import sweep, traced
 from ._leaks import assert_released, snapshot
 
 pytestmark = [
@@ -749,9 +748,12 @@ def test_a_ctrl_c_at_any_place_of_a_dataloader_step_leaves_the_dataset_serving()
         ds.close()  # the next trip opens the layer again
 
     before = snapshot()
-    files = tuple(
-        os.path.join("asynchdf5", *parts)
-        for parts in [("torch", "_dataset.py"), ("_iterator.py",), ("_layer.py",), ("_sync.py",)]
+    files = traced(
+        "asynchdf5/torch/_dataset.py",
+        "asynchdf5/_iterator.py",
+        "asynchdf5/_layer.py",
+        "asynchdf5/_sync.py",
+        "asynchdf5/_interrupts.py",
     )
     assert sweep(trip, whole, files) > 20
     ds.close()
