@@ -460,8 +460,7 @@ def _size_ragged(
             f"{what} cannot hold what the pipeline needs: {N_SLOTS} cache slots of a batch "
             f"each, and {batch_rows} rows of the ragged tops take up to {slot(batch_rows)} "
             f"bytes where their longest rows lie together ({need} bytes in all); raise "
-            "cache_bytes (where the "
-            "memory allows it) or lower batch_size"
+            "cache_bytes (where the memory allows it) or lower batch_size"
         )
     want = min(chunk_size, max(1, share))
     if rows is not None:

@@ -288,8 +288,8 @@ def _unmappable_chunks(
         return f"{name}, filtered: mapping needs {_needs(unit)}"
     if index.band != 1 or index.splits_samples:
         # One chunk a run of rows, yet not the samples' shape: wider, padded past each sample.
-        what = f"wider than its {unit} (padded)" if index.band == 1 else f"that split its {unit}"
-        return f"{name}, chunks {what}: mapping needs chunks of whole {unit}"
+        how = f"wider than its {unit} (padded)" if index.band == 1 else f"that split its {unit}"
+        return f"{name}, chunks {how}: mapping needs chunks of whole {unit}"
     if layout.swap:
         return f"{where}{what} is stored in the other byte order"
     if not isinstance(index.file, LocalFile):

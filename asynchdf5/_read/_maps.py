@@ -200,8 +200,8 @@ class MappedTop:
             first, delta = _segments(self.chunk_at, self.chunk_rows, self.row_bytes)
             self.seg_first, self.seg_delta = first.tolist(), delta.tolist()
         self.array: np.ndarray | ChunkRows | ChunkHeap | None
-        if length == 0:  # a heap of no values, or rows of no bytes: nothing to map (a
-            self.address = 0  # zero-length mmap fails)
+        if length == 0:  # a heap of no values, or rows of no bytes: nothing to map
+            self.address = 0  # (a zero-length mmap fails)
             self.array = np.empty((items, *shape), dtype)
             return
         try:
