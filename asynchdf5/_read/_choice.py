@@ -363,26 +363,30 @@ def chunked_heaps(catalog: Catalog) -> dict[str, str]:
 @dataclass
 class Choice:
     """How a source is served: ``leases`` (one per file with rows) is set when it is mapped
-    (each lease taken, or why none was: only with ``mmap=True``); ``note`` says how and why, in
-    one line; :meth:`note_of` only what concerns one top (each cause said once, under the tops
-    it is a cause for)."""
+    (each lease taken, or why none was: only with ``mmap=True``); ``common`` says how and why,
+    of the whole source, and ``about`` what concerns a single top only; :attr:`note` says it
+    all in one line, :meth:`note_of` only what concerns one top (each cause said once, under
+    the tops it is a cause for)."""
 
     mapped: bool
-    note: str
+    common: str
     leases: list[Lease | str] = field(default_factory=list)
     #: The property asked for mapping (``mmap=True``) and did not get it: worth a warning.
     refused: bool = False
     #: Mapped as ``mmap=True`` asked, where that reads slowly (a data set larger than the
     #: memory the process may use): why, for a warning; None otherwise.
     slow: str | None = None
-    #: What ``note`` says of a single top only (how the mapped reader serves it), by top; the
-    #: rest of ``note``, said of the whole source: ``common`` (None: all of ``note``).
+    #: What is said of a single top only (how the mapped reader serves it), by top.
     about: dict[str, str] = field(default_factory=dict)
-    common: str | None = None
+
+    @property
+    def note(self) -> str:
+        """How the source is served and why, in one line: ``common``, then ``about``."""
+        return "; ".join([self.common, *self.about.values()])
 
     def note_of(self, top: str) -> str:
-        """``note`` as it concerns ``top``: what it says of the source, and of ``top`` only."""
-        return "; ".join(filter(None, (self.common or self.note, self.about.get(top))))
+        """:attr:`note` as it concerns ``top``: what it says of the source, and of ``top``."""
+        return "; ".join(filter(None, (self.common, self.about.get(top))))
 
     def close(self) -> None:
         """Give back the leases taken (the source will not be mapped after all)."""
@@ -474,25 +478,23 @@ def _choose(
     if unguarded:
         file, why = unguarded[0]
         more = f" (and {len(unguarded) - 1} more)" if len(unguarded) > 1 else ""
-        choice.note = f"mapped, not guarded by a lease: {why}{of(file)}{more}"
+        choice.common = f"mapped, not guarded by a lease: {why}{of(file)}{more}"
     elif many:
         kinds = ", ".join(sorted({_fs_name(f) for f in files}))
-        choice.note = f"mapped: {len(files)} files on {kinds}, read leases held"
+        choice.common = f"mapped: {len(files)} files on {kinds}, read leases held"
     else:
-        choice.note = f"mapped: {_fs_name(files[0])}, read lease held"
+        choice.common = f"mapped: {_fs_name(files[0])}, read lease held"
     if spread is not None:
         top, what = spread
         choice.about[top] = f"{what}: its rows gathered phase by phase, two copies a row"
     for top, how in chunked_heaps(catalog).items():
         choice.about[top] = "; ".join(filter(None, (choice.about.get(top), how)))
-    choice.common = choice.note
     if larger is not None:  # only with mmap=True: "auto" copies it
         choice.slow = (
             f"{larger}: mapped, every batch faults its rows in from the disk a few pages at a "
             'time, at random; mmap="auto" streams it in large reads'
         )
         choice.common += f"; {larger}"
-    choice.note = "; ".join([choice.note, *choice.about.values(), *filter(None, [larger])])
     return choice
 
 
