@@ -819,6 +819,43 @@ def test_a_gzipped_sparse_top_decodes_each_stored_chunk_about_once_an_epoch(
             assert per_epoch <= 1.5 * stored, (per_epoch, stored)
 
 
+@pytest.mark.parametrize(
+    ("kw", "want"),
+    [
+        ({"chunks": (2_000,), "compression": "gzip"}, 20),  # 2,000 values, 100 a row
+        ({"chunks": (2_000,)}, 0),  # unfiltered chunks of whole values: read in place
+        ({}, 0),  # contiguous
+    ],
+    ids=["gzip", "unfiltered", "contiguous"],
+)
+def test_value_rows_are_the_rows_a_decoded_chunk_of_values_spans(
+    tmp_path: Path, kw: dict[str, Any], want: int
+) -> None:
+    """A sparse top's stored chunks that are decoded whole count for the rows their values
+    span on average, weighed by the top's share of a sample's bytes (here nearly all of it,
+    beside a label); chunks read in place, and contiguous values, count for none."""
+    from asynchdf5._catalog import build_catalog
+    from asynchdf5._sizing import value_rows
+    from asynchdf5._sources import LocalSource
+
+    m = scipy.sparse.random(1_000, 400, density=0.25, format="csr", random_state=5)
+    m = scipy.sparse.csr_array(m.astype(np.float32))
+    path = tmp_path / "m.h5"
+    with h5py.File(path, "w") as f:
+        g = f.create_group("X")
+        for name in ("data", "indices"):
+            g.create_dataset(name, data=getattr(m, name), **kw)
+        g["indptr"] = m.indptr
+        g.attrs["shape"], g.attrs["encoding-type"] = m.shape, "csr_matrix"
+        f["label"] = np.arange(1_000)
+    source = LocalSource()
+    try:
+        catalog = build_catalog(source, [str(path)], ("X", "label"))
+    finally:
+        source.close()
+    assert value_rows(catalog) == want
+
+
 @pytest.mark.parametrize("stored", [np.int64, np.uint32])
 def test_sparse_indices_beyond_int32_make_int64_batches(tmp_path: Path, stored: type) -> None:
     """Indices stored in a dtype int32 cannot hold give int64 ``indices`` and ``indptr``."""
