@@ -304,14 +304,14 @@ def stored_rows(catalog: Catalog) -> int:
 
 
 def value_rows(catalog: Catalog) -> int:
-    """Rows of the whole sample that hold as many bytes as the largest stored chunk of a ragged
-    top's values (or a sparse top's column indices) the reader decodes whole (0: none).
+    """The rows the largest stored chunk of a ragged top's values (or of a sparse top's column
+    indices) that the reader decodes whole spans, weighed as :func:`stored_rows` weighs a stored
+    chunk of rows (0: none).
 
-    A chunk of values spans the rows that hold them, on average its values over the top's
-    mean values a row (no more than its file's rows), and is weighed as :func:`stored_rows`
-    weighs a chunk of rows, by its top's share of a sample's bytes: AnnData's gzipped
-    ``X/data`` and ``X/indices`` (chunks of tens of thousands of values, a few dozen cells)
-    span about as many rows as they hold whole samples.
+    Such a chunk holds values, not rows: it spans its values over the top's mean values a row
+    (no more than its file's rows), and decoding it again costs its top's share of a sample's
+    bytes. AnnData's gzipped ``X/data`` and ``X/indices`` of 20,000 genes: chunks of 27,683
+    values, about 25 cells. Unfiltered chunks of whole values are read in place: none.
     """
     row_bytes = catalog.mean_row_bytes
     most = 0
