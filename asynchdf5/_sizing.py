@@ -15,6 +15,7 @@ here, once, then reaches the planner once.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -227,10 +228,19 @@ def order_of(
     stored_rows: int = 0,
     request_bytes: int = 0,
     stored_shuffled: bool = False,
+    value_rows: int = 0,
 ) -> Order:
     """The blocks, first read and lanes of a layer with ``config`` over rows of ``row_bytes``,
     cached in chunks of ``chunk_rows`` (``stored_rows``, ``request_bytes``: see
     :func:`default_block_rows`). A ``block_size`` given is the order asked for: no lanes.
+
+    ``value_rows``: the rows a ragged top's stored chunk of values spans, weighed as
+    ``stored_rows`` is (:func:`value_rows`). Its blocks and first read span a few of them, as
+    they do stored chunks of rows; its lane parts too, but only as long as a chunk keeps
+    ``MIN_PLACES`` lanes: a chunk at a part's edge is decoded by both parts (twice), but fewer
+    places mix class-sorted data worse, and that is the promise (a sparse ``.h5ad``'s value
+    chunks of a few dozen rows were cut by lane parts of 256 KiB, about one chunk: each chunk
+    decoded twice an epoch).
 
     ``stored_shuffled``: every file says its samples were written in a random order
     (``pack --shuffle``): any stretch of rows is already a random draw of the data set, so
@@ -240,21 +250,23 @@ def order_of(
     ``block_size`` is given: the order asked for).
     """
     c = config
+    stored = max(stored_rows, value_rows)
     block = None
     if c.shuffle:
-        block = c.block_size or default_block_rows(
-            row_bytes, c.chunk_size, stored_rows, request_bytes
-        )
-    first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored_rows, request_bytes)
+        block = c.block_size or default_block_rows(row_bytes, c.chunk_size, stored, request_bytes)
+    first, lanes = first_read(c.batch_size, row_bytes, c.shuffle, stored, request_bytes)
     if c.shuffle and stored_shuffled and c.block_size is None:
         first = first_read(c.batch_size, row_bytes, False)[0]  # one stretch: no lanes to round
         return Order(c.chunk_size, first, 1, 1, None, None)
+    # The lanes' stored chunks: a ragged top's as far as MIN_PLACES parts of a chunk allow.
+    keeps = chunk_rows // (MIN_PLACES * STORED_CHUNKS_PER_BLOCK)
+    laned_rows = max(stored_rows, min(value_rows, keeps))
     laned = (
-        chunk_lanes(chunk_rows, block, row_bytes, stored_rows, request_bytes)
+        chunk_lanes(chunk_rows, block, row_bytes, laned_rows, request_bytes)
         if c.block_size is None
         else 1
     )
-    why = mixing_warning(chunk_rows, block, laned, row_bytes, stored_rows, request_bytes)
+    why = mixing_warning(chunk_rows, block, laned, row_bytes, laned_rows, request_bytes)
     top = RAMP_TOP_LANES if c.shuffle else None
     return Order(block, first, lanes, laned, top, why)
 
@@ -283,12 +295,42 @@ def stored_rows(catalog: Catalog) -> int:
             for name, layout in f.layouts.items()
             if layout.chunks is not None
             and name in catalog.tops
-            and name not in f.ragged  # a ragged top's stored chunks hold values, not rows
+            and name not in f.ragged  # a ragged top's stored chunks hold values: value_rows
             # Unfiltered whole-sample chunks are read row by row, as contiguous data is.
             and (layout.filters or layout.chunks.splits_samples)
         ),
         default=0,
     )
+
+
+def value_rows(catalog: Catalog) -> int:
+    """The rows the largest stored chunk of a ragged top's values (or of a sparse top's column
+    indices) that the reader decodes whole spans, weighed as :func:`stored_rows` weighs a stored
+    chunk of rows (0: none).
+
+    Such a chunk holds values, not rows: it spans its values over the top's mean values a row
+    (no more than its file's rows), and decoding it again costs its top's share of a sample's
+    bytes. AnnData's gzipped ``X/data`` and ``X/indices`` of 20,000 genes: chunks of 27,683
+    values, about 25 cells. Unfiltered chunks of whole values are read in place: none.
+    """
+    row_bytes = catalog.mean_row_bytes
+    most = 0
+    for f in catalog.files:
+        for name, parts in f.ragged.items():
+            top = catalog.tops.get(name)
+            if top is None or top.ragged is None or top.ragged.mean_values <= 0:
+                continue
+            share = min(top.mean_row_bytes, row_bytes) / row_bytes
+            for values in (parts.data, parts.indices):
+                if values is None or values.chunks is None:
+                    continue
+                index = values.chunks
+                # Unfiltered chunks of whole values are read in place, as contiguous data is.
+                if not (values.filters or index.splits_samples):
+                    continue
+                spans = min(index.rows / top.ragged.mean_values, f.nrows)
+                most = max(most, math.ceil(spans * share))
+    return most
 
 
 def stored_shuffled(catalog: Catalog) -> bool:
@@ -557,6 +599,7 @@ def shape_of(
             stored,
             request,
             stored_shuffled(catalog),
+            value_rows(catalog),
         )
         block, first = order.block_rows, order.first_rows
         lanes, laned, top = order.ramp_lanes, order.chunk_lanes, order.ramp_top_lanes

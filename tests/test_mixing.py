@@ -20,7 +20,7 @@ import pytest
 
 from asynchdf5 import AsyncHDF5DataLayer, CacheBudgetWarning, HDF5DataLayer
 from asynchdf5._catalog import SHUFFLED_ATTR
-from asynchdf5._config import LayerConfig
+from asynchdf5._config import MIN_PLACES, LayerConfig
 from asynchdf5._plan import plan_epoch
 from asynchdf5._sizing import chunk_lanes, default_block_rows, first_read, order_of, size_cache
 from asynchdf5._walk import growing_ramp, ramp_sizes
@@ -302,6 +302,44 @@ def test_the_ramp_of_a_large_streaming_epoch_mixes(stored_rows: int) -> None:
         order = np.concatenate([c.served_indices(c.order()) for c in plan.chunks])
         assert np.array_equal(np.sort(order), np.arange(n))
         assert window_entropies(order, n).min() >= PROMISE, epoch
+
+
+@pytest.mark.parametrize("chunk_rows", [2206, 600, 20_000])
+def test_value_chunks_lengthen_lane_parts_while_a_chunk_keeps_its_places(chunk_rows: int) -> None:
+    """The ragged benchmark's gzipped sparse ``.h5ad`` out of core, as the layer plans it:
+    50,000 cells of 9,083 bytes, ``X``'s stored chunks of 27,683 values spanning 25 cells
+    (``value_rows``), an ``obs`` column's 2. Lane parts span a few of them (a stored chunk at a
+    part's edge is decoded by both parts) while a chunk keeps MIN_PLACES lanes: in chunks of
+    2,206 cells (its 128 MiB cgroup) 36 lanes of 61 cells instead of 78 of 28 (1.9 decodes a
+    stored chunk an epoch); never fewer lanes than without them, nor a warning more. Every
+    window of an epoch mixes to the promise where no warning says otherwise."""
+    n, row_bytes = 50_000, 9083
+    config = LayerConfig.parse({"batch_size": BATCH, "shuffle": True, "seed": 1})
+    plain = order_of(config, row_bytes, chunk_rows, 2)
+    order_ = order_of(config, row_bytes, chunk_rows, 2, value_rows=25)
+    assert order_.block_rows == plain.block_rows
+    assert order_.chunk_lanes >= min(plain.chunk_lanes, MIN_PLACES)
+    assert order_.warning is None or plain.warning is not None
+    if chunk_rows == 2206:
+        assert (plain.chunk_lanes, order_.chunk_lanes) == (78, MIN_PLACES)
+    for epoch in range(2):
+        plan = plan_epoch(
+            n,
+            epoch=epoch,
+            batch_size=BATCH,
+            chunk_size=chunk_rows,
+            shuffle=True,
+            seed=1,
+            first_rows=order_.first_rows,
+            block_size=order_.block_rows,
+            ramp_lanes=order_.ramp_lanes,
+            chunk_lanes=order_.chunk_lanes,
+            ramp_top_lanes=order_.ramp_top_lanes,
+        )
+        order = np.concatenate([c.served_indices(c.order()) for c in plan.chunks])
+        assert np.array_equal(np.sort(order), np.arange(n))
+        if order_.warning is None:
+            assert window_entropies(order, n).min() >= PROMISE, epoch
 
 
 @pytest.mark.parametrize("epoch", range(2))

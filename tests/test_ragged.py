@@ -7,6 +7,7 @@ shape, rows of ``g``), so each check ties values, lengths and ``batch.indices`` 
 
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import sys
@@ -748,6 +749,111 @@ def test_anndata_sparse_batches_equal_scipy_rows_with_int32_indices(tmp_path: Pa
                 seen += b.indices.tolist()
         check_exactly_once([seen[:70]], 70)
         check_exactly_once([seen[70:]], 70)
+
+
+@pytest.mark.timeout(60)
+def test_a_gzipped_sparse_top_decodes_each_stored_chunk_about_once_an_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sparse top gzipped in stored chunks of values (as AnnData stores ``X``), read shuffled
+    through a small cache, is laned in parts of a few of its stored chunks where a chunk keeps
+    MIN_PLACES lanes, as fixed rows in stored chunks are: its chunks were taken for no rows, the
+    lane parts stayed at the floor, about a stored chunk long, and each chunk at a part's edge
+    was decoded again (1.8 decodes a stored chunk an epoch here; AnnData's ``X`` of 20,000
+    genes out of core: 1.9). The floor scaled down with the stored chunks (16 KiB: 20 rows), so
+    that a small file is cut as the large one was. Every row as scipy cuts it, every sample
+    once an epoch."""
+    from asynchdf5 import _sizing
+    from asynchdf5._codecs import ChunkDecoder
+    from asynchdf5._config import MIN_PLACES
+
+    monkeypatch.setattr(_sizing, "MIN_LANE_BYTES", 16 * 2**10)
+    n = 30_000  # 100 values a row: a stored chunk of 2,000 values holds 20 rows' values
+    m = scipy.sparse.random(n, 400, density=0.25, format="csr", random_state=4, dtype=np.float32)
+    m = scipy.sparse.csr_array(m)
+    path = tmp_path / "gz.h5"
+    with h5py.File(path, "w") as f:
+        g = f.create_group("X")
+        for name in ("data", "indices"):
+            g.create_dataset(name, data=getattr(m, name), chunks=(2_000,), compression="gzip")
+        g["indptr"] = m.indptr
+        g.attrs["shape"], g.attrs["encoding-type"] = m.shape, "csr_matrix"
+        stored = sum(g[name].id.get_num_chunks() for name in ("data", "indices"))
+    decoded: collections.deque[None] = collections.deque()  # appended to by decoding threads
+    elements, decode_into = ChunkDecoder.elements, ChunkDecoder.decode_into
+
+    def counted(self: ChunkDecoder, *args: Any) -> Any:
+        decoded.append(None)
+        return elements(self, *args)
+
+    def counted_into(self: ChunkDecoder, *args: Any) -> bool:  # or decoded in place
+        done = decode_into(self, *args)
+        if done:
+            decoded.append(None)
+        return done
+
+    monkeypatch.setattr(ChunkDecoder, "elements", counted)
+    monkeypatch.setattr(ChunkDecoder, "decode_into", counted_into)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheBudgetWarning)  # the small cache is the case
+        layer = HDF5DataLayer(
+            path, tops=("X",), batch_size=256, shuffle=True, seed=2, cache_bytes=8 * 2**20
+        )
+        with layer:
+            assert layer.stats.read_paths["X"] == "sparse-chunks"
+            plan = layer._planner.plan(0)
+            assert len(plan.chunks) > 4 and not layer.stats.resident
+            assert min(len(c.ranges) for c in plan.chunks) >= MIN_PLACES  # the mix is kept
+            for _ in range(3):
+                seen = []
+                for b in layer:
+                    x, want = b["X"], m[b.indices]
+                    np.testing.assert_array_equal(x.indptr, want.indptr)
+                    np.testing.assert_array_equal(x.indices, want.indices)
+                    np.testing.assert_array_equal(x.data, want.data)
+                    seen.append(b.indices.copy())
+                check_exactly_once(seen, n)
+            # Decodes an epoch's worth of chunks read (the reader reads the next epoch's first
+            # chunks while this one's are served; one may be partly decoded now).
+            per_epoch = len(decoded) * len(plan.chunks) / layer.stats.chunks_read
+            assert per_epoch <= 1.5 * stored, (per_epoch, stored)
+
+
+@pytest.mark.parametrize(
+    ("kw", "want"),
+    [
+        ({"chunks": (2_000,), "compression": "gzip"}, 20),  # 2,000 values, 100 a row
+        ({"chunks": (2_000,)}, 0),  # unfiltered chunks of whole values: read in place
+        ({}, 0),  # contiguous
+    ],
+    ids=["gzip", "unfiltered", "contiguous"],
+)
+def test_value_rows_are_the_rows_a_decoded_chunk_of_values_spans(
+    tmp_path: Path, kw: dict[str, Any], want: int
+) -> None:
+    """A sparse top's stored chunks that are decoded whole count for the rows their values
+    span on average, weighed by the top's share of a sample's bytes (here nearly all of it,
+    beside a label); chunks read in place, and contiguous values, count for none."""
+    from asynchdf5._catalog import build_catalog
+    from asynchdf5._sizing import value_rows
+    from asynchdf5._sources import LocalSource
+
+    m = scipy.sparse.random(1_000, 400, density=0.25, format="csr", random_state=5)
+    m = scipy.sparse.csr_array(m.astype(np.float32))
+    path = tmp_path / "m.h5"
+    with h5py.File(path, "w") as f:
+        g = f.create_group("X")
+        for name in ("data", "indices"):
+            g.create_dataset(name, data=getattr(m, name), **kw)
+        g["indptr"] = m.indptr
+        g.attrs["shape"], g.attrs["encoding-type"] = m.shape, "csr_matrix"
+        f["label"] = np.arange(1_000)
+    source = LocalSource()
+    try:
+        catalog = build_catalog(source, [str(path)], ("X", "label"))
+    finally:
+        source.close()
+    assert value_rows(catalog) == want
 
 
 @pytest.mark.parametrize("stored", [np.int64, np.uint32])
