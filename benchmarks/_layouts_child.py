@@ -28,7 +28,8 @@ is touched (one value of each sample summed) so that no lazy path is flattered.
   chunks, each place faulted in first, as the layer does): the least a resident data set's
   first epoch costs, beside its reads and its gather.
 - ``layer``: a fresh :class:`asynchdf5.AsyncHDF5DataLayer` (shuffled, batch 256, default
-  properties), epochs 1 and 2, and the time from its construction to the first batch.
+  properties), epochs 1 and 2, the time from its construction to the first batch, and whether
+  it held the data set resident (its epoch 2 then gathers from memory, reading nothing).
 """
 
 from __future__ import annotations
@@ -358,6 +359,7 @@ def layer(source: str, n: int) -> dict[str, Any]:
                 start = t0 if not epochs else t  # epoch 1 from construction: opening included
                 epochs.append(n / (time.perf_counter() - start))
             out["epochs"] = epochs
+            out["resident"] = lay.stats.resident
             out["read_paths"] = dict(lay.stats.read_paths)
             out["bottleneck"] = lay.stats.bottleneck()
 

@@ -18,8 +18,12 @@ and 2 with its first batch), warm (page cache filled first) and in a memory cgro
 ``limit`` MiB with the files evicted before each reader (cold); one child per mode, the
 readers alternating ``rounds`` times. Figures are the best round of each reader, and
 the layer's ratios to the raw reads, to h5py and (filtered) to the decode limit; epoch 2 ÷ the
-raw read says what the shuffled gather alone reaches, a bound on epoch 1 too. Timings depend on
-the machine's load: compare the ratios of one run.
+raw read says what the shuffled gather alone reaches, a bound on epoch 1 too. An unfiltered
+data set copied into memory (resident, not mapped): its epoch 1 is also divided by the read
+into fresh memory and its epoch 2 (the gather alone) one after the other: where each keeps every
+core busy, the least a first epoch that both reads and gathers every row can take; where cores
+are left over they overlap, and that ratio flatters the layer. Timings depend on the machine's
+load: compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -222,6 +226,26 @@ def bench(rec: Recorder) -> None:
                     fresh_threads,
                 )  # fmt: skip
                 rec.ratio(f"{what}: layer epoch 2 ÷ raw read", epoch2, raw)
+                # A resident first epoch both reads every row into fresh memory and gathers it
+                # into batches (its epoch 2 alone): where each fills every core, their times add.
+                # Unfiltered (a decode would bound it first), copied into memory, not mapped.
+                resident = (
+                    bool(runs["layer"])
+                    and not runs.get("decode")
+                    and all(
+                        r.get("resident") and "mmap" not in r["read_paths"].values()
+                        for r in runs["layer"]
+                    )
+                )
+                floor = (
+                    1 / (1 / fresh_threads + 1 / epoch2)
+                    if resident and fresh_threads and epoch2
+                    else None
+                )
+                rec.ratio(
+                    f"{what}: layer epoch 1 ÷ (raw read into fresh memory, {fill} threads, then "
+                    "epoch 2's gather)", epoch1, floor,
+                )  # fmt: skip
                 rec.ratio(f"{what}: layer epoch 1 ÷ h5py in order", epoch1, h5)
                 rec.ratio(f"{what}: layer epoch 1 ÷ decode limit", epoch1, dec)
                 rec.ratio(f"{what}: layer epoch 1 ÷ decode limit, one loop per core", epoch1, loop)
