@@ -13,6 +13,7 @@ import pytest
 
 from asynchdf5 import HDF5DataLayer, SchemaError
 
+from ._files import check_message
 from ._helpers import run_main
 
 N = 120
@@ -117,3 +118,50 @@ def test_pack_names_the_datasets_that_sit_in_groups(
     assert status == 1
     assert "'/layers/counts'" in err and "'/obsm/X_pca'" in err, err
     assert "--tops" in err
+
+
+def _pandas_table(path: Path, n: int, **to_hdf: object) -> Path:
+    """A pandas table as ``to_hdf(format="table")`` writes it: the data in ``t/table`` and,
+    beside it, PyTables' index of the index column (``t/_i_table``, arrays of 131,072 rows)."""
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("tables")
+    df = pd.DataFrame({"a": np.arange(n, dtype=np.float64), "b": np.arange(n) % 5})
+    df["note"] = [f"n{i}" for i in range(n)]
+    df.to_hdf(path, key="t", format="table", **to_hdf)
+    with h5py.File(path) as f:
+        assert "t/_i_table" in f  # what crowded out the data before
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_inspect_offers_a_pandas_tables_fields_not_its_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`asynchdf5 inspect frame.h5` (no --tops): the table's fields are the offered tops, and
+    PyTables' index arrays (the largest datasets of the file) are none."""
+    path = _pandas_table(tmp_path / "frame.h5", 300)
+    status, text, err = run_main(["inspect", "--json", path], capsys)
+    assert status == 0, err
+    offered = json.loads(text)["offered"]
+    fields = ["t/table/index", "t/table/values_block_0", "t/table/values_block_1"]
+    assert offered["sets"][0] == {"rows": 300, "tops": fields}
+    refused = [r["name"] for r in offered["refused"]]
+    assert "t/table/values_block_2" in refused  # strings
+    named = [t for s in offered["sets"] for t in s["tops"]] + refused
+    assert not [t for t in named if "_i_table" in t], named
+
+
+def test_a_missing_pandas_column_says_where_pandas_keeps_it(tmp_path: Path) -> None:
+    """A column named as a field: the message says how pandas stores columns (blocks, or a
+    field per column with data_columns=True), lists the table's fields rather than PyTables'
+    index arrays, and a field's typo gets its closest field."""
+    path = _pandas_table(tmp_path / "frame.h5", 50)
+    with pytest.raises(SchemaError) as err:
+        _open(path, tops=("t/table/a",))
+    check_message(err.value, "values_block_0", "data_columns=True", "'/t/table (fields index")
+    assert "_i_table" not in str(err.value)
+    path = _pandas_table(tmp_path / "columns.h5", 50, data_columns=True)
+    with pytest.raises(SchemaError) as err:
+        _open(path, tops=("t/table/A",))
+    check_message(err.value, "Did you mean 't/table/a'?")
+    assert "data_columns" not in str(err.value) and "_i_table" not in str(err.value)

@@ -26,6 +26,7 @@ from .._catalog import (
     FoundTop,
     build_catalog,
     categorical,
+    compound_field,
     describe_top,
     find_top,
     offered_tops,
@@ -478,6 +479,10 @@ def analyze(
 
 def _extent(file_name: str, h5: Any, name: str, words: str | None) -> tuple[int, int]:
     """Rows and columns (values per row) of an offered top, from its metadata alone."""
+    field = compound_field(h5, name)
+    if field is not None:  # a field of a compound dataset (a pandas table's column block)
+        dset, field_name = field
+        return int(dset.shape[0]), math.prod(dset.dtype.fields[field_name][0].shape)
     obj = h5[name]
     if words == "categorical":
         coded = categorical(file_name, h5, name)
