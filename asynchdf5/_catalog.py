@@ -33,6 +33,8 @@ from ._ragged_tops import (
     RaggedInfo,
     RaggedParts,
     find_form,
+    group_top,
+    group_top_words,
     kind_words,
     member_of_csr,
 )
@@ -287,37 +289,12 @@ def _datasets(h5: h5py.File) -> list[tuple[str, tuple[str, ...]]]:
     def visit(name: str, obj: object) -> None:
         if isinstance(obj, h5py.Dataset):
             parent, _, leaf = name.rpartition("/")
-            if leaf in CSR_MEMBERS and _group_top(h5.get(parent or "/")) in ("ragged", "sparse"):
+            if leaf in CSR_MEMBERS and group_top(h5.get(parent or "/")) in ("ragged", "sparse"):
                 return
             found.append(("/" + name, tuple(obj.dtype.names or ())))
 
     _visit_data(h5, visit)
     return found
-
-
-def _group_top(obj: object) -> str | None:
-    """What a group named as a top is read as, by its members alone (the form's checks come
-    when it is opened): ``"categorical"``, ``"sparse"`` (CSR), ``"ragged"``; None for any
-    other object."""
-    if not isinstance(obj, h5py.Group):
-        return None
-    keys = set(obj.keys())
-    said = _text(obj.attrs.get(ENCODING_ATTR))
-    if said == "categorical" or (said is None and keys == {"codes", "categories"}):
-        return "categorical"
-    if {"data", "indptr"} <= keys:
-        return "sparse" if "indices" in keys else "ragged"
-    return None
-
-
-_GROUP_WORDS = {"categorical": "categorical", "sparse": "sparse CSR", "ragged": "ragged"}
-
-
-def group_top_words(obj: object) -> str | None:
-    """What a group is read as when named as a top, in words (``"sparse CSR"``, ``"ragged"``,
-    ``"categorical"``); None for a group of no such form, or anything else."""
-    form = _group_top(obj)
-    return None if form is None else _GROUP_WORDS[form]
 
 
 def offered_tops(h5: h5py.File) -> list[tuple[str, str | None]]:
