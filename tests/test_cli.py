@@ -299,6 +299,29 @@ def test_bench_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_bench_skips_the_raw_read_of_a_variable_length_top(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An h5py variable-length top's stored bytes are its rows' references (16 bytes a row):
+    a raw read of them, and a ratio to it, would not measure its values (in HDF5's heap)."""
+    path = tmp_path / "vlen.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("tokens", (50,), dtype=h5py.vlen_dtype(np.int32))
+        for i in range(50):
+            d[i] = np.arange(100 + i, dtype=np.int32)
+        f["label"] = np.arange(50)
+    status, out, err = run_main(["bench", path, "--json", "--tops", "tokens", "label"], capsys)
+    assert status == 0, err
+    doc = json.loads(out)
+    assert doc["raw_read"] is None and doc["ratios"]["layer_to_raw_read"] is None
+    assert doc["heap_tops"] == ["tokens"] and "HDF5's heap" in doc["raw_read_skipped"]
+    assert doc["layer"]["epochs"][0]["samples"] == 50
+    status, out, err = run_main(["bench", path, "--tops", "tokens", "label"], capsys)
+    assert status == 0, err
+    assert "stored, besides the heap of tokens" in out and "raw read skipped: tokens" in out
+
+
+@pytest.mark.timeout(60)
 def test_bench_text_with_a_slow_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source, _ = write_source(tmp_path, layout="gzip-split")
     status, out, err = run_main(
