@@ -244,7 +244,8 @@ def _top(source: Source, file: Any, name: str) -> TopReport:
             name=name,
             rows=int(dset.shape[0]),
             dtype=str(base),
-            stored_bytes=int(dset.id.get_storage_size()),
+            # Its stored bytes are its rows' references (the values lie in HDF5's heap, of a
+            # size h5py does not tell); its bytes come from the lengths the catalog reads.
             storage="variable-length (heap)",
             read_path="h5py",
             reason="each row is an object of HDF5's heap: only h5py reads it, row by row",
@@ -462,6 +463,11 @@ def analyze(
         report.samples = catalog.n_samples
         report.varying = any(t.ragged is not None for t in catalog.tops.values())
         report.sample_bytes = catalog.mean_row_bytes if report.varying else catalog.row_bytes
+        for f, info in zip(report.files, catalog.files, strict=True):
+            for t in f.tops:
+                parts = info.ragged.get(t.name)
+                if t.form == "variable-length" and parts is not None:
+                    t.bytes = int(parts.indptr[-1]) * catalog.tops[t.name].dtype.itemsize
         # Resident as the layer's default properties would cache it (its read_notes say
         # how the layer, with the user's cache_bytes, streams and ranks, does).
         n, heaps = catalog.n_samples, heap_bytes(catalog.tops)
