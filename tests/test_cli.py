@@ -322,6 +322,40 @@ def test_bench_skips_the_raw_read_of_a_variable_length_top(
 
 
 @pytest.mark.timeout(60)
+def test_bench_cuts_windows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A language model's token stream is benched as the windows it trains on (as inspect
+    takes them), not as single tokens; the in-RAM ceiling gathers the same windows."""
+    path = tmp_path / "tokens.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"] = np.arange(20_000, dtype=np.uint16)
+    from asynchdf5._cli import _limits
+
+    gathered: list[np.ndarray] = []
+
+    def gather(arrays: list[np.ndarray], *args: Any) -> None:
+        gathered.extend(np.array(a) for a in arrays)
+        real_gather(arrays, *args)
+
+    real_gather = _limits.gather_epoch
+    monkeypatch.setattr(_limits, "gather_epoch", gather)
+    args = ["bench", path, "--json", "--windows", "tokens:1025:1024", "--batch-size", 8]
+    status, out, err = run_main(args, capsys)
+    assert status == 0, err
+    doc = json.loads(out)
+    n = (20_000 - 1025) // 1024 + 1
+    assert doc["samples"] == n and doc["sample_bytes"] == 1025 * 2
+    assert doc["layer"]["epochs"][0]["samples"] == n and doc["in_ram"]["samples"] == n
+    assert doc["raw_read"]["bytes"] == 40_000
+    (windows,) = gathered  # window r is stream[r * 1024 : r * 1024 + 1025]
+    assert windows.shape == (n, 1025)
+    np.testing.assert_array_equal(windows, np.arange(n)[:, None] * 1024 + np.arange(1025))
+    status, _, err = run_main(["bench", path, "--windows", "tokens:x"], capsys)
+    assert status == 2 and "TOP:LENGTH" in err
+
+
+@pytest.mark.timeout(60)
 def test_bench_text_with_a_slow_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source, _ = write_source(tmp_path, layout="gzip-split")
     status, out, err = run_main(

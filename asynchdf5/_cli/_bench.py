@@ -32,7 +32,7 @@ from .._catalog import Catalog, build_catalog
 from .._config import DEFAULT_TOPS
 from .._machine import memory_bytes
 from .._sources import is_url, open_source
-from ._inspect import Report, render, report_on
+from ._inspect import Report, add_windows_argument, named_tops, render, report_on
 from ._limits import Rate, in_ram, raw_read, stored_ranges
 from ._util import mib, plural, positive, progress_bar, size_in_bytes, table, write_json
 
@@ -292,6 +292,7 @@ def add_parser(commands: Any) -> None:
         help=f"(default: {' '.join(DEFAULT_TOPS)}; where the file has no such top, the largest "
         "set of tops it offers, as `asynchdf5 inspect SOURCE` shows)",
     )
+    add_windows_argument(p)
     p.add_argument(
         "--shuffle", action=argparse.BooleanOptionalAction, default=True, help="(default: on)"
     )
@@ -334,7 +335,12 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sources: list[str] = args.source
-    report = report_on(sources[0] if len(sources) == 1 else sources, args.tops)
+    try:
+        tops = named_tops(args)
+    except argparse.ArgumentTypeError as exc:
+        print(f"asynchdf5 bench: error: {exc}", file=sys.stderr)
+        return 2
+    report = report_on(sources[0] if len(sources) == 1 else sources, tops)
     if not report.ok:  # what inspect says, and nothing measured
         if args.json:
             write_json({"format": FORMAT, "ok": False, "inspect": report.to_json()})

@@ -758,6 +758,13 @@ def add_parser(commands: Any) -> None:
         f"{' '.join(DEFAULT_TOPS)}; where the file has no such top, what it offers as tops, "
         "grouped by row count, the largest set inspected)",
     )
+    add_windows_argument(p)
+    p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    p.set_defaults(run=run)
+
+
+def add_windows_argument(p: argparse.ArgumentParser) -> None:
+    """``--windows TOP:LENGTH[:STRIDE]...``, read back by :func:`named_tops`."""
     p.add_argument(
         "--windows",
         nargs="+",
@@ -766,8 +773,17 @@ def add_parser(commands: Any) -> None:
         help="tops cut into fixed-length windows from a 1-D dataset, as the layer's "
         "Windows(TOP, LENGTH, STRIDE) (stride: LENGTH unless given)",
     )
-    p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
-    p.set_defaults(run=run)
+
+
+def named_tops(args: argparse.Namespace) -> list[str] | None:
+    """The tops ``--tops`` and ``--windows`` name (the windows first; ``--windows`` alone names
+    them all), or None where neither is given: the defaults, or what the file offers. Raises
+    ``argparse.ArgumentTypeError`` for a ``--windows`` that is not ``TOP:LENGTH[:STRIDE]``."""
+    cut = [windows_top(w) for w in args.windows]
+    named = {str(w) for w in cut}
+    if args.tops is not None:
+        return [*cut, *(t for t in args.tops if t not in named)]
+    return list(cut) if cut else None
 
 
 def windows_top(text: str) -> Windows:
@@ -788,16 +804,10 @@ def run(args: argparse.Namespace) -> int:
     sources: list[str] = args.source
     source: str | list[str] = sources[0] if len(sources) == 1 else sources
     try:
-        cut = [windows_top(w) for w in args.windows]
+        tops = named_tops(args)
     except argparse.ArgumentTypeError as exc:
         print(f"asynchdf5 inspect: error: {exc}", file=sys.stderr)
         return 2
-    named = {str(w) for w in cut}
-    tops: list[str] | None = None  # the defaults, or what the file offers
-    if args.tops is not None:
-        tops = [*cut, *(t for t in args.tops if t not in named)]
-    elif cut:
-        tops = list(cut)  # --windows alone names the tops
     report = report_on(source, tops)
     if args.json:
         write_json(report.to_json())
