@@ -165,3 +165,30 @@ def test_a_missing_pandas_column_says_where_pandas_keeps_it(tmp_path: Path) -> N
         _open(path, tops=("t/table/A",))
     check_message(err.value, "Did you mean 't/table/a'?")
     assert "data_columns" not in str(err.value) and "_i_table" not in str(err.value)
+
+
+@pytest.mark.timeout(60)
+def test_bench_reads_fields_into_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench's in-RAM ceiling loads a field as the layer reads it (it opened the field's path
+    as a dataset, and `bench frame.h5` of a pandas table crashed with a KeyError)."""
+    from asynchdf5._cli import _limits
+
+    loaded: list[np.ndarray] = []
+    real_gather = _limits.gather_epoch
+
+    def gather(arrays: list[np.ndarray], *args: object) -> None:
+        loaded.extend(np.array(a) for a in arrays)
+        real_gather(arrays, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_limits, "gather_epoch", gather)
+    source = _compound_file(tmp_path / "c.h5")
+    tops = ("g/table/index", "g/table/values", "g/table/code")
+    status, text, err = run_main(["bench", source, "--json", "--tops", *tops], capsys)
+    assert status == 0, err
+    assert json.loads(text)["in_ram"]["samples"] == N
+    index, values, code = loaded
+    np.testing.assert_array_equal(index, np.arange(N))
+    np.testing.assert_array_equal(values, np.arange(N)[:, None] * 10 + np.arange(3))
+    np.testing.assert_array_equal(code, np.arange(N) % 7)

@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .._catalog import Catalog, FileInfo, build_catalog, categorical
+from .._catalog import Catalog, FileInfo, build_catalog, categorical, compound_field
 from .._layout import Layout
 from .._sources import LocalSource
 
@@ -189,9 +189,10 @@ def gather_epoch(
 
 
 def in_ram(catalog: Catalog, batch_size: int, seed: int) -> Rate:
-    """Every top in memory (a categorical top's codes; a Windows top's windows, as the layer's
-    cache holds them), then one epoch served by :func:`gather_epoch` (blocking). Fixed-shape
-    tops only: a ragged or sparse top's rows are not rows of one array."""
+    """Every top in memory (a categorical top's codes, a compound field's values, a Windows
+    top's windows as the layer's cache holds them), then one epoch served by
+    :func:`gather_epoch` (blocking). Fixed-shape tops only: a ragged or sparse top's rows are
+    not rows of one array."""
     n = catalog.n_samples
     start = time.perf_counter()
     arrays = {t.name: np.empty((n, *t.sample_shape), t.dtype) for t in catalog.tops.values()}
@@ -206,6 +207,11 @@ def in_ram(catalog: Catalog, batch_size: int, seed: int) -> Rate:
                     stream = h5[name][: (f.nrows - 1) * stride + length]
                     windows = sliding_window_view(stream, length)[::stride]
                     a[f.start : f.start + f.nrows] = windows
+                    continue
+                field = compound_field(h5, name)
+                if field is not None:  # a field of a compound dataset (a pandas column)
+                    table, field_name = field
+                    a[f.start : f.start + f.nrows] = table.fields(field_name)[()]
                     continue
                 coded = categorical(f.name, h5, name) if name in f.categories else None
                 dset = h5[name if coded is None else coded[0]]
