@@ -5,6 +5,7 @@ and a top that is missing is answered with every dataset of the file, in groups 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import h5py
@@ -192,3 +193,18 @@ def test_bench_reads_fields_into_memory(
     np.testing.assert_array_equal(index, np.arange(N))
     np.testing.assert_array_equal(values, np.arange(N)[:, None] * 10 + np.arange(3))
     np.testing.assert_array_equal(code, np.arange(N) % 7)
+
+
+def test_each_h5py_warning_speaks_of_its_own_top(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One warning per top read through h5py, each with that top's reason alone: they quoted
+    the source's verdict on another top ("copied: top 'g/table/index' ...") under every one."""
+    source = _compound_file(tmp_path / "c.h5")
+    with caplog.at_level(logging.WARNING, logger="asynchdf5"):
+        _open(source, tops=("g/table/index", "g/table/code"))
+    warned = [r.getMessage() for r in caplog.records if "is read through h5py" in r.getMessage()]
+    assert len(warned) == 2, warned
+    for top, text in zip(("g/table/index", "g/table/code"), warned, strict=True):
+        assert text.startswith(f"top {top!r} is read through h5py"), text
+        assert "(a field of a compound dataset)" in text and "copied:" not in text, text
