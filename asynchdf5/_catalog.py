@@ -820,9 +820,17 @@ def _describe_file(
                 )
                 + ": every other top needs one row per window (row r is window r's sample)"
             )
+        genes = [t for t in rows if t.lstrip("/").split("/", 1)[0] in ("var", "varm")]
+        anndata = h5 is not None and _text(h5.attrs.get(ENCODING_ATTR)) == "anndata"
         raise SchemaError(
             f"{file.name}: the tops have different row counts ({detail}); row r of every "
             "top must be the same sample"
+            + (
+                f" ({', '.join(map(repr, genes))}: in an AnnData file, var and varm hold a row "
+                "per gene, a column of X; obs, obsm, layers and X a row per cell)"
+                if anndata and genes
+                else ""
+            )
         )
     if cached is not None:
         shuffled = cached.shuffled
