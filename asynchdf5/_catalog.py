@@ -17,7 +17,7 @@ import dataclasses
 import difflib
 import math
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,8 @@ from ._ragged_tops import (
     RaggedInfo,
     RaggedParts,
     find_form,
+    group_top,
+    group_top_words,
     kind_words,
     member_of_csr,
 )
@@ -253,53 +255,54 @@ class Catalog:
 # --- checks ------------------------------------------------------------------------------------
 
 
-def _datasets(h5: h5py.File) -> list[str]:
-    """Every dataset of the file, in groups too, by path; a compound dataset with its fields
+def _pytables_index(obj: object) -> bool:
+    """Whether ``obj`` is PyTables' index of a table's columns (a group ``_i_<table>`` whose
+    ``CLASS`` attribute is ``TINDEX``, as pandas' ``to_hdf(format="table")`` writes beside
+    ``table``): its arrays are sorted copies of a column and bookkeeping, never samples."""
+    return isinstance(obj, h5py.Group) and _text(obj.attrs.get("CLASS")) == "TINDEX"
+
+
+def _visit_data(h5: h5py.File, visit: Callable[[str, object], None]) -> None:
+    """``h5.visititems(visit)`` (every object, in groups too, by path without the leading
+    ``/``, parents first), leaving out PyTables' column indexes (:func:`_pytables_index`): a
+    pandas table's file would otherwise list dozens of them before its data."""
+    skipped: list[str] = []
+
+    def each(name: str, obj: object) -> None:
+        if any(name.startswith(s) for s in skipped):
+            return
+        if _pytables_index(obj):
+            skipped.append(name + "/")
+            return
+        visit(name, obj)
+
+    h5.visititems(each)
+
+
+def _datasets(h5: h5py.File) -> list[tuple[str, tuple[str, ...]]]:
+    """Every dataset of the file, in groups too, by path, with the fields of a compound one
     (each a top of its own: :func:`compound_field`). The members of a ragged or sparse group
-    are left out: they are refused as tops (the group is named instead)."""
-    found: list[str] = []
+    are left out: they are refused as tops (the group is named instead); so are PyTables'
+    column indexes (:func:`_visit_data`)."""
+    found: list[tuple[str, tuple[str, ...]]] = []
 
     def visit(name: str, obj: object) -> None:
         if isinstance(obj, h5py.Dataset):
             parent, _, leaf = name.rpartition("/")
-            if leaf in CSR_MEMBERS and _group_top(h5.get(parent or "/")) in ("ragged", "sparse"):
+            if leaf in CSR_MEMBERS and group_top(h5.get(parent or "/")) in ("ragged", "sparse"):
                 return
-            names = obj.dtype.names
-            found.append("/" + name + (f" (fields {', '.join(names)})" if names else ""))
+            found.append(("/" + name, tuple(obj.dtype.names or ())))
 
-    h5.visititems(visit)
+    _visit_data(h5, visit)
     return found
-
-
-def _group_top(obj: object) -> str | None:
-    """What a group named as a top is read as, by its members alone (the form's checks come
-    when it is opened): ``"categorical"``, ``"sparse"`` (CSR), ``"ragged"``; None for any
-    other object."""
-    if not isinstance(obj, h5py.Group):
-        return None
-    keys = set(obj.keys())
-    said = _text(obj.attrs.get(ENCODING_ATTR))
-    if said == "categorical" or (said is None and keys == {"codes", "categories"}):
-        return "categorical"
-    if {"data", "indptr"} <= keys:
-        return "sparse" if "indices" in keys else "ragged"
-    return None
-
-
-_GROUP_WORDS = {"categorical": "categorical", "sparse": "sparse CSR", "ragged": "ragged"}
-
-
-def group_top_words(obj: object) -> str | None:
-    """What a group is read as when named as a top, in words (``"sparse CSR"``, ``"ragged"``,
-    ``"categorical"``); None for a group of no such form, or anything else."""
-    form = _group_top(obj)
-    return None if form is None else _GROUP_WORDS[form]
 
 
 def offered_tops(h5: h5py.File) -> list[tuple[str, str | None]]:
     """What the file offers as tops, by path (no leading ``/``), in the file's order: each
     group a layer reads as a top with its form in words, and each dataset of one or more
-    dimensions outside such a group (form None): a member of one is refused as a top."""
+    dimensions outside such a group (form None): a member of one is refused as a top. A
+    compound dataset offers its fields instead (``t/table/index``: a pandas table's columns);
+    PyTables' column indexes are no tops (:func:`_visit_data`)."""
     found: list[tuple[str, str | None]] = []
 
     def visit(name: str, obj: object) -> None:
@@ -309,9 +312,11 @@ def offered_tops(h5: h5py.File) -> list[tuple[str, str | None]]:
         elif isinstance(obj, h5py.Dataset) and obj.shape:
             parent = name.rpartition("/")[0]
             if group_top_words(h5.get(parent or "/")) is None:
-                found.append((name, None))
+                # A compound dataset (a pandas table) is refused as a top; its fields are tops.
+                fields = obj.dtype.names or ()
+                found.extend([(f"{name}/{f}", None) for f in fields] or [(name, None)])
 
-    h5.visititems(visit)
+    _visit_data(h5, visit)
     return found
 
 
@@ -327,13 +332,22 @@ def missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
     (a typo, or a letter's case), then the groups read as tops (sparse, ragged, categorical:
     an AnnData file's ``X`` and ``obs`` columns) and the datasets."""
     groups = [("/" + path, words) for path, words in offered_tops(h5) if words is not None]
-    have = _datasets(h5)
-    names = [path.lstrip("/") for path, _ in groups] + [
-        d.split(" (fields ", 1)[0].lstrip("/") for d in have
-    ]
+    found = _datasets(h5)
+    have = [path + (f" (fields {', '.join(fields)})" if fields else "") for path, fields in found]
+    # A field is named as a top by its dataset's path and its name (a pandas column's).
+    names = [path.lstrip("/") for path, _ in groups]
+    for path, fields in found:
+        names += [path.lstrip("/"), *(f"{path.lstrip('/')}/{f}" for f in fields)]
     by_lower = {n.lower(): n for n in reversed(names)}
     close = difflib.get_close_matches(top.strip("/").lower(), list(by_lower), n=1, cutoff=0.6)
     hint = f" Did you mean {by_lower[close[0]]!r}?" if close else ""
+    if _in_pandas_blocks(h5, top):
+        hint += (
+            " pandas stores a table's columns of one dtype together, as the fields "
+            "values_block_0, values_block_1, ... of its 'table' dataset; "
+            '`df.to_hdf(path, key=..., format="table", data_columns=True)` stores each column '
+            "as a field named by it."
+        )
     parts = []
     if groups:
         parts.append(f"the groups read as tops {_listed([f'{p!r} ({w})' for p, w in groups])}")
@@ -343,6 +357,21 @@ def missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
         f"{name}: top {top!r} is missing (no such dataset or group in the file).{hint} The "
         "file has " + (", and ".join(parts) if parts else "no datasets")
     )
+
+
+def _in_pandas_blocks(h5: h5py.File, top: str) -> bool:
+    """Whether ``top`` names a field that a pandas table (``to_hdf(format="table")``, whose
+    group says ``pandas_type="frame_table"``) does not have: a column's name, where pandas
+    kept the column in a ``values_block_N`` field."""
+    parent = top.strip("/").rpartition("/")[0]
+    try:
+        table = h5.get(parent) if parent else None
+    except (KeyError, OSError, TypeError, ValueError):
+        return False
+    if not isinstance(table, h5py.Dataset) or not table.dtype.names:
+        return False
+    blocks = any(f.startswith("values_block_") for f in table.dtype.names)
+    return blocks and _text(table.parent.attrs.get("pandas_type")) == "frame_table"
 
 
 def compound_field(h5: h5py.File, top: str) -> tuple[h5py.Dataset, str] | None:
@@ -791,9 +820,17 @@ def _describe_file(
                 )
                 + ": every other top needs one row per window (row r is window r's sample)"
             )
+        genes = [t for t in rows if t.lstrip("/").split("/", 1)[0] in ("var", "varm")]
+        anndata = h5 is not None and _text(h5.attrs.get(ENCODING_ATTR)) == "anndata"
         raise SchemaError(
             f"{file.name}: the tops have different row counts ({detail}); row r of every "
             "top must be the same sample"
+            + (
+                f" ({', '.join(map(repr, genes))}: in an AnnData file, var and varm hold a row "
+                "per gene, a column of X; obs, obsm, layers and X a row per cell)"
+                if anndata and genes
+                else ""
+            )
         )
     if cached is not None:
         shuffled = cached.shuffled

@@ -314,7 +314,7 @@ class HDF5Layer(LayerBase):
                     "top %r is read through h5py, which holds its process-wide lock and decodes "
                     "on one thread (%s); `asynchdf5 inspect` says why and how to repack it",
                     top,
-                    reader.read_notes.get(top, "see read_notes"),
+                    own.get(top) or "see read_notes",
                 )
         return await Opened.enter(
             reader, slots, shape, slot_rows=rows, delivery=self._delivery, portal=portal, at=at

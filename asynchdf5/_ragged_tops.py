@@ -45,6 +45,8 @@ __all__ = [
     "RaggedInfo",
     "RaggedParts",
     "find_form",
+    "group_top",
+    "group_top_words",
     "heap_keys",
     "is_heap",
     "kind_words",
@@ -207,6 +209,62 @@ _ROUTE = (
 )
 
 
+def group_top(obj: object) -> str | None:
+    """What a group named as a top is read as, by its members alone (the form's checks come
+    when it is opened): ``"categorical"``, ``"sparse"`` (CSR), ``"ragged"``; None for any
+    other object."""
+    if not isinstance(obj, h5py.Group):
+        return None
+    keys = set(obj.keys())
+    said = _attr_text(obj, "encoding-type")
+    if said == "categorical" or (not said and keys == {"codes", "categories"}):
+        return "categorical"
+    if {"data", "indptr"} <= keys:
+        return "sparse" if "indices" in keys else "ragged"
+    return None
+
+
+_GROUP_WORDS = {"categorical": "categorical", "sparse": "sparse CSR", "ragged": "ragged"}
+
+
+def group_top_words(obj: object) -> str | None:
+    """What a group is read as when named as a top, in words (``"sparse CSR"``, ``"ragged"``,
+    ``"categorical"``); None for a group of no such form, or anything else."""
+    form = group_top(obj)
+    return None if form is None else _GROUP_WORDS[form]
+
+
+def _numbers(dt: np.dtype[Any]) -> bool:
+    """Whether a dataset or field of dtype ``dt`` holds numbers (a sub-array's base counts)."""
+    return dt.base.kind in "biufc"
+
+
+def _member_tops(top: str, group: h5py.Group, at_most: int = 12) -> list[str]:
+    """The members of ``group`` that are tops, in words: groups of a top's form, datasets of
+    numbers (of one or more dimensions) and a compound dataset's fields of numbers (an AnnData
+    ``obs`` or ``obsm``, a pandas table's group). Strings and other groups are left out."""
+    found: list[str] = []
+    for key in group:
+        try:
+            member = group.get(key)
+        except (KeyError, OSError, TypeError, ValueError):  # a dangling or external link
+            continue
+        path = f"{top.rstrip('/')}/{key}"
+        words = group_top_words(member)
+        if words is not None:
+            found.append(f"{path!r} ({words})")
+        elif isinstance(member, h5py.Dataset) and member.ndim:
+            fields = member.dtype.fields
+            if fields is not None:
+                found += [repr(f"{path}/{f}") for f, (dt, *_) in fields.items() if _numbers(dt)]
+            elif (base := h5py.check_vlen_dtype(member.dtype)) is not None:
+                if _numbers(np.dtype(base)):
+                    found.append(f"{path!r} (ragged)")
+            elif _numbers(member.dtype):
+                found.append(repr(path))
+    return found if len(found) <= at_most else [*found[:at_most], f"... ({len(found)} in all)"]
+
+
 def _attr_text(obj: Any, name: str) -> str:
     value = obj.attrs.get(name)
     if isinstance(value, bytes):
@@ -263,9 +321,11 @@ def _group_form(where: str, top: str, group: h5py.Group) -> RaggedForm:
     if "data" not in names or "indptr" not in names:
         have = ", ".join(sorted(names)) or "nothing"
         kind = f" (encoding-type {encoding!r})" if encoding else ""
+        members = _member_tops(top, group)
+        tops = f". Its members that are tops: {', '.join(members)}" if members else ""
         raise SchemaError(
             f"{where}: top {top!r} is a group{kind} holding {have}, which is neither form a "
-            f"group top may take: {_ROUTE}"
+            f"group top may take: {_ROUTE}{tops}"
         )
     data = group["data"]
     if not isinstance(data, h5py.Dataset) or data.shape is None or len(data.shape) == 0:

@@ -223,6 +223,24 @@ def _anndata_like(path: Path) -> Path:
 
 
 @pytest.mark.anyio
+async def test_a_per_gene_column_beside_cells_says_so(tmp_path: Path) -> None:
+    """`var/...` beside `X` in an AnnData file: the row counts differ because var has a row
+    per gene; the message says so (and only for an AnnData file)."""
+    path = _anndata_like(tmp_path / "cells.h5ad")
+    with h5py.File(path, "a") as f:
+        f.attrs["encoding-type"] = "anndata"
+        f["var/mean"] = np.zeros(3)
+    layer = AsyncHDF5DataLayer([path], batch_size=1, tops=("X", "var/mean"))
+    err = await open_must_fail(layer, SchemaError)
+    check_message(err, "different row counts", "'var/mean': in an AnnData file", "row per gene")
+    with h5py.File(path, "a") as f:
+        del f.attrs["encoding-type"]
+    layer = AsyncHDF5DataLayer([path], batch_size=1, tops=("X", "var/mean"))
+    err = await open_must_fail(layer, SchemaError)
+    assert "different row counts" in str(err) and "AnnData" not in str(err)
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize(("top", "meant"), [("x", "X"), ("obs/celltype", "obs/cell_type")])
 async def test_a_missing_top_names_the_groups_read_as_tops_and_the_closest(
     tmp_path: Path, top: str, meant: str

@@ -299,6 +299,63 @@ def test_bench_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_bench_skips_the_raw_read_of_a_variable_length_top(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An h5py variable-length top's stored bytes are its rows' references (16 bytes a row):
+    a raw read of them, and a ratio to it, would not measure its values (in HDF5's heap)."""
+    path = tmp_path / "vlen.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("tokens", (50,), dtype=h5py.vlen_dtype(np.int32))
+        for i in range(50):
+            d[i] = np.arange(100 + i, dtype=np.int32)
+        f["label"] = np.arange(50)
+    status, out, err = run_main(["bench", path, "--json", "--tops", "tokens", "label"], capsys)
+    assert status == 0, err
+    doc = json.loads(out)
+    assert doc["raw_read"] is None and doc["ratios"]["layer_to_raw_read"] is None
+    assert doc["heap_tops"] == ["tokens"] and "HDF5's heap" in doc["raw_read_skipped"]
+    assert doc["layer"]["epochs"][0]["samples"] == 50
+    status, out, err = run_main(["bench", path, "--tops", "tokens", "label"], capsys)
+    assert status == 0, err
+    assert "stored, besides the heap of tokens" in out and "raw read skipped: tokens" in out
+
+
+@pytest.mark.timeout(60)
+def test_bench_cuts_windows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A language model's token stream is benched as the windows it trains on (as inspect
+    takes them), not as single tokens; the in-RAM ceiling gathers the same windows."""
+    path = tmp_path / "tokens.h5"
+    with h5py.File(path, "w") as f:
+        f["tokens"] = np.arange(20_000, dtype=np.uint16)
+    from asynchdf5._cli import _limits
+
+    gathered: list[np.ndarray] = []
+
+    def gather(arrays: list[np.ndarray], *args: Any) -> None:
+        gathered.extend(np.array(a) for a in arrays)
+        real_gather(arrays, *args)
+
+    real_gather = _limits.gather_epoch
+    monkeypatch.setattr(_limits, "gather_epoch", gather)
+    args = ["bench", path, "--json", "--windows", "tokens:1025:1024", "--batch-size", 8]
+    status, out, err = run_main(args, capsys)
+    assert status == 0, err
+    doc = json.loads(out)
+    n = (20_000 - 1025) // 1024 + 1
+    assert doc["samples"] == n and doc["sample_bytes"] == 1025 * 2
+    assert doc["layer"]["epochs"][0]["samples"] == n and doc["in_ram"]["samples"] == n
+    assert doc["raw_read"]["bytes"] == 40_000
+    (windows,) = gathered  # window r is stream[r * 1024 : r * 1024 + 1025]
+    assert windows.shape == (n, 1025)
+    np.testing.assert_array_equal(windows, np.arange(n)[:, None] * 1024 + np.arange(1025))
+    status, _, err = run_main(["bench", path, "--windows", "tokens:x"], capsys)
+    assert status == 2 and "TOP:LENGTH" in err
+
+
+@pytest.mark.timeout(60)
 def test_bench_text_with_a_slow_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source, _ = write_source(tmp_path, layout="gzip-split")
     status, out, err = run_main(

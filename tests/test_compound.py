@@ -5,6 +5,7 @@ and a top that is missing is answered with every dataset of the file, in groups 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import h5py
@@ -13,6 +14,7 @@ import pytest
 
 from asynchdf5 import HDF5DataLayer, SchemaError
 
+from ._files import check_message
 from ._helpers import run_main
 
 N = 120
@@ -117,3 +119,92 @@ def test_pack_names_the_datasets_that_sit_in_groups(
     assert status == 1
     assert "'/layers/counts'" in err and "'/obsm/X_pca'" in err, err
     assert "--tops" in err
+
+
+def _pandas_table(path: Path, n: int, **to_hdf: object) -> Path:
+    """A pandas table as ``to_hdf(format="table")`` writes it: the data in ``t/table`` and,
+    beside it, PyTables' index of the index column (``t/_i_table``, arrays of 131,072 rows)."""
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("tables")
+    df = pd.DataFrame({"a": np.arange(n, dtype=np.float64), "b": np.arange(n) % 5})
+    df["note"] = [f"n{i}" for i in range(n)]
+    df.to_hdf(path, key="t", format="table", **to_hdf)
+    with h5py.File(path) as f:
+        assert "t/_i_table" in f  # what crowded out the data before
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_inspect_offers_a_pandas_tables_fields_not_its_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`asynchdf5 inspect frame.h5` (no --tops): the table's fields are the offered tops, and
+    PyTables' index arrays (the largest datasets of the file) are none."""
+    path = _pandas_table(tmp_path / "frame.h5", 300)
+    status, text, err = run_main(["inspect", "--json", path], capsys)
+    assert status == 0, err
+    offered = json.loads(text)["offered"]
+    fields = ["t/table/index", "t/table/values_block_0", "t/table/values_block_1"]
+    assert offered["sets"][0] == {"rows": 300, "tops": fields}
+    refused = [r["name"] for r in offered["refused"]]
+    assert "t/table/values_block_2" in refused  # strings
+    named = [t for s in offered["sets"] for t in s["tops"]] + refused
+    assert not [t for t in named if "_i_table" in t], named
+
+
+def test_a_missing_pandas_column_says_where_pandas_keeps_it(tmp_path: Path) -> None:
+    """A column named as a field: the message says how pandas stores columns (blocks, or a
+    field per column with data_columns=True), lists the table's fields rather than PyTables'
+    index arrays, and a field's typo gets its closest field."""
+    path = _pandas_table(tmp_path / "frame.h5", 50)
+    with pytest.raises(SchemaError) as err:
+        _open(path, tops=("t/table/a",))
+    check_message(err.value, "values_block_0", "data_columns=True", "'/t/table (fields index")
+    assert "_i_table" not in str(err.value)
+    path = _pandas_table(tmp_path / "columns.h5", 50, data_columns=True)
+    with pytest.raises(SchemaError) as err:
+        _open(path, tops=("t/table/A",))
+    check_message(err.value, "Did you mean 't/table/a'?")
+    assert "data_columns" not in str(err.value) and "_i_table" not in str(err.value)
+
+
+@pytest.mark.timeout(60)
+def test_bench_reads_fields_into_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench's in-RAM ceiling loads a field as the layer reads it (it opened the field's path
+    as a dataset, and `bench frame.h5` of a pandas table crashed with a KeyError)."""
+    from asynchdf5._cli import _limits
+
+    loaded: list[np.ndarray] = []
+    real_gather = _limits.gather_epoch
+
+    def gather(arrays: list[np.ndarray], *args: object) -> None:
+        loaded.extend(np.array(a) for a in arrays)
+        real_gather(arrays, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_limits, "gather_epoch", gather)
+    source = _compound_file(tmp_path / "c.h5")
+    tops = ("g/table/index", "g/table/values", "g/table/code")
+    status, text, err = run_main(["bench", source, "--json", "--tops", *tops], capsys)
+    assert status == 0, err
+    assert json.loads(text)["in_ram"]["samples"] == N
+    index, values, code = loaded
+    np.testing.assert_array_equal(index, np.arange(N))
+    np.testing.assert_array_equal(values, np.arange(N)[:, None] * 10 + np.arange(3))
+    np.testing.assert_array_equal(code, np.arange(N) % 7)
+
+
+def test_each_h5py_warning_speaks_of_its_own_top(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One warning per top read through h5py, each with that top's reason alone: they quoted
+    the source's verdict on another top ("copied: top 'g/table/index' ...") under every one."""
+    source = _compound_file(tmp_path / "c.h5")
+    with caplog.at_level(logging.WARNING, logger="asynchdf5"):
+        _open(source, tops=("g/table/index", "g/table/code"))
+    warned = [r.getMessage() for r in caplog.records if "is read through h5py" in r.getMessage()]
+    assert len(warned) == 2, warned
+    for top, text in zip(("g/table/index", "g/table/code"), warned, strict=True):
+        assert text.startswith(f"top {top!r} is read through h5py"), text
+        assert "(a field of a compound dataset)" in text and "copied:" not in text, text

@@ -9,6 +9,7 @@ The ragged groups are checked here with h5py; reading them with the layer needs
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import warnings
 from collections.abc import Iterator
@@ -233,6 +234,21 @@ def test_inspect_windows_and_variable_length(
 
 
 @pytest.mark.timeout(60)
+def test_inspect_counts_a_variable_length_tops_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bytes of an h5py variable-length top are its values' (not 0), and its stored bytes,
+    which h5py gives only for the rows' references (the values lie in HDF5's heap), none."""
+    p = tmp_path / "f.h5"
+    with h5py.File(p, "w") as f:
+        vl = f.create_dataset("vl", (3,), dtype=h5py.vlen_dtype(np.int32))
+        vl[0], vl[1], vl[2] = np.arange(1000), [3], []
+    status, text, err = run_main(["inspect", p, "--json", "--tops", "vl"], capsys)
+    assert status == 0, err
+    (top,) = json.loads(text)["files"][0]["tops"]
+    assert top["bytes"] == 1001 * 4 and top["stored_bytes"] is None
+
+
 def test_pack_turns_variable_length_datasets_into_ragged_groups(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

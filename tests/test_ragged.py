@@ -985,6 +985,32 @@ def test_bad_groups_are_named_errors_at_open(tmp_path: Path, kind: str) -> None:
         check_message(err.value, "asynchdf5 pack FILE OUT_DIR", "as CSR")
 
 
+def test_a_group_of_no_form_names_its_members_that_are_tops(tmp_path: Path) -> None:
+    """AnnData's `obs` (a dataframe group) and a pandas table's group, named as tops: the
+    refusal names the members a user can name instead (strings and index groups left out)."""
+    path = tmp_path / "frame.h5"
+    with h5py.File(path, "w") as f:
+        obs = f.create_group("obs")
+        obs.attrs["encoding-type"] = "dataframe"
+        obs["_index"] = np.array([b"c0", b"c1", b"c2"], dtype=h5py.string_dtype())
+        obs["n_genes"] = np.arange(3)
+        kind = obs.create_group("cell_type")
+        kind.attrs["encoding-type"] = "categorical"
+        kind["codes"], kind["categories"] = np.array([0, 1, 0], np.int8), np.array([b"a", b"b"])
+        rec = np.zeros(3, [("index", "<i8"), ("values_block_0", "<f8", (2,)), ("s", "S2")])
+        f.create_dataset("df/table", data=rec)
+        f.create_group("df/_i_table")
+    for top, members in (
+        ("obs", "'obs/cell_type' (categorical), 'obs/n_genes'"),
+        ("df", "'df/table/index', 'df/table/values_block_0'"),
+    ):
+        with pytest.raises(SchemaError) as err:
+            HDF5DataLayer(path, tops=(top,), batch_size=1).__enter__()
+        check_message(err.value, repr(top), "neither form", f"Its members that are tops: {members}")
+        assert "_index" not in str(err.value).split("tops:")[-1]
+        assert "'df/table/s'" not in str(err.value) and "_i_table'" not in str(err.value)
+
+
 def test_a_member_of_a_csr_group_is_not_a_top(tmp_path: Path) -> None:
     m = scipy.sparse.random(10, 4, density=0.5, format="csr", random_state=2)
     path = write_csr(tmp_path / "m.h5", scipy.sparse.csr_array(m))

@@ -32,7 +32,7 @@ from .._catalog import Catalog, build_catalog
 from .._config import DEFAULT_TOPS
 from .._machine import memory_bytes
 from .._sources import is_url, open_source
-from ._inspect import Report, render, report_on
+from ._inspect import Report, add_windows_argument, named_tops, render, report_on
 from ._limits import Rate, in_ram, raw_read, stored_ranges
 from ._util import mib, plural, positive, progress_bar, size_in_bytes, table, write_json
 
@@ -122,11 +122,22 @@ def bench(args: argparse.Namespace, report: Report) -> dict[str, Any]:
         "offered": None if report.offered is None else report.offered.to_json(),
     }
     remote = any(is_url(e) for e in report.entries)
+    # A variable-length dataset's stored bytes are its rows' references: its values lie in
+    # HDF5's heap, where no raw read of the dataset reaches (nor a ratio to one means much).
+    heaps = [t.name for t in catalog.tops.values() if t.ragged is not None and t.ragged.vlen]
+    doc["heap_tops"] = heaps
     raw: Rate | None = None
-    if args.raw_read and not remote:
+    if args.raw_read and not remote and not heaps:
         raw = raw_read(ranges, n)
     doc["raw_read"] = raw and raw.to_json()
-    doc["raw_read_skipped"] = None if raw else "remote source" if remote else "--no-raw-read"
+    skipped = None if raw else "remote source" if remote else "--no-raw-read"
+    if heaps and not raw and not remote and args.raw_read:
+        skipped = (
+            f"{', '.join(heaps)}: variable-length, whose values lie in HDF5's heap, outside the "
+            "dataset's stored bytes (its rows' references); `asynchdf5 pack` rewrites it as a "
+            "ragged group, which a raw read measures"
+        )
+    doc["raw_read_skipped"] = skipped
     rates, opened, stats = anyio.run(
         layer_epochs,
         report.entries,
@@ -204,7 +215,8 @@ def render_bench(doc: dict[str, Any]) -> str:
     out = [
         f"bench {doc['source']}: {plural(doc['files'], 'file')}, "
         f"{plural(doc['samples'], 'sample')} of {doc['sample_bytes']:,} bytes "
-        f"({mib(doc['bytes'])}; {mib(doc['stored_bytes'])} stored)",
+        f"({mib(doc['bytes'])}; {mib(doc['stored_bytes'])} stored"
+        + (f", besides the heap of {', '.join(doc['heap_tops'])})" if doc["heap_tops"] else ")"),
         f"properties: {props}",
         "",
     ]
@@ -280,6 +292,7 @@ def add_parser(commands: Any) -> None:
         help=f"(default: {' '.join(DEFAULT_TOPS)}; where the file has no such top, the largest "
         "set of tops it offers, as `asynchdf5 inspect SOURCE` shows)",
     )
+    add_windows_argument(p)
     p.add_argument(
         "--shuffle", action=argparse.BooleanOptionalAction, default=True, help="(default: on)"
     )
@@ -322,7 +335,12 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sources: list[str] = args.source
-    report = report_on(sources[0] if len(sources) == 1 else sources, args.tops)
+    try:
+        tops = named_tops(args)
+    except argparse.ArgumentTypeError as exc:
+        print(f"asynchdf5 bench: error: {exc}", file=sys.stderr)
+        return 2
+    report = report_on(sources[0] if len(sources) == 1 else sources, tops)
     if not report.ok:  # what inspect says, and nothing measured
         if args.json:
             write_json({"format": FORMAT, "ok": False, "inspect": report.to_json()})

@@ -26,6 +26,7 @@ from .._catalog import (
     FoundTop,
     build_catalog,
     categorical,
+    compound_field,
     describe_top,
     find_top,
     offered_tops,
@@ -243,7 +244,8 @@ def _top(source: Source, file: Any, name: str) -> TopReport:
             name=name,
             rows=int(dset.shape[0]),
             dtype=str(base),
-            stored_bytes=int(dset.id.get_storage_size()),
+            # Its stored bytes are its rows' references (the values lie in HDF5's heap, of a
+            # size h5py does not tell); its bytes come from the lengths the catalog reads.
             storage="variable-length (heap)",
             read_path="h5py",
             reason="each row is an object of HDF5's heap: only h5py reads it, row by row",
@@ -461,6 +463,11 @@ def analyze(
         report.samples = catalog.n_samples
         report.varying = any(t.ragged is not None for t in catalog.tops.values())
         report.sample_bytes = catalog.mean_row_bytes if report.varying else catalog.row_bytes
+        for f, info in zip(report.files, catalog.files, strict=True):
+            for t in f.tops:
+                parts = info.ragged.get(t.name)
+                if t.form == "variable-length" and parts is not None:
+                    t.bytes = int(parts.indptr[-1]) * catalog.tops[t.name].dtype.itemsize
         # Resident as the layer's default properties would cache it (its read_notes say
         # how the layer, with the user's cache_bytes, streams and ranks, does).
         n, heaps = catalog.n_samples, heap_bytes(catalog.tops)
@@ -478,6 +485,10 @@ def analyze(
 
 def _extent(file_name: str, h5: Any, name: str, words: str | None) -> tuple[int, int]:
     """Rows and columns (values per row) of an offered top, from its metadata alone."""
+    field = compound_field(h5, name)
+    if field is not None:  # a field of a compound dataset (a pandas table's column block)
+        dset, field_name = field
+        return int(dset.shape[0]), math.prod(dset.dtype.fields[field_name][0].shape)
     obj = h5[name]
     if words == "categorical":
         coded = categorical(file_name, h5, name)
@@ -747,6 +758,13 @@ def add_parser(commands: Any) -> None:
         f"{' '.join(DEFAULT_TOPS)}; where the file has no such top, what it offers as tops, "
         "grouped by row count, the largest set inspected)",
     )
+    add_windows_argument(p)
+    p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    p.set_defaults(run=run)
+
+
+def add_windows_argument(p: argparse.ArgumentParser) -> None:
+    """``--windows TOP:LENGTH[:STRIDE]...``, read back by :func:`named_tops`."""
     p.add_argument(
         "--windows",
         nargs="+",
@@ -755,8 +773,17 @@ def add_parser(commands: Any) -> None:
         help="tops cut into fixed-length windows from a 1-D dataset, as the layer's "
         "Windows(TOP, LENGTH, STRIDE) (stride: LENGTH unless given)",
     )
-    p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
-    p.set_defaults(run=run)
+
+
+def named_tops(args: argparse.Namespace) -> list[str] | None:
+    """The tops ``--tops`` and ``--windows`` name (the windows first; ``--windows`` alone names
+    them all), or None where neither is given: the defaults, or what the file offers. Raises
+    ``argparse.ArgumentTypeError`` for a ``--windows`` that is not ``TOP:LENGTH[:STRIDE]``."""
+    cut = [windows_top(w) for w in args.windows]
+    named = {str(w) for w in cut}
+    if args.tops is not None:
+        return [*cut, *(t for t in args.tops if t not in named)]
+    return list(cut) if cut else None
 
 
 def windows_top(text: str) -> Windows:
@@ -777,16 +804,10 @@ def run(args: argparse.Namespace) -> int:
     sources: list[str] = args.source
     source: str | list[str] = sources[0] if len(sources) == 1 else sources
     try:
-        cut = [windows_top(w) for w in args.windows]
+        tops = named_tops(args)
     except argparse.ArgumentTypeError as exc:
         print(f"asynchdf5 inspect: error: {exc}", file=sys.stderr)
         return 2
-    named = {str(w) for w in cut}
-    tops: list[str] | None = None  # the defaults, or what the file offers
-    if args.tops is not None:
-        tops = [*cut, *(t for t in args.tops if t not in named)]
-    elif cut:
-        tops = list(cut)  # --windows alone names the tops
     report = report_on(source, tops)
     if args.json:
         write_json(report.to_json())

@@ -16,8 +16,9 @@ from typing import Any
 
 import h5py
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
-from .._catalog import Catalog, FileInfo, build_catalog, categorical
+from .._catalog import Catalog, FileInfo, build_catalog, categorical, compound_field
 from .._layout import Layout
 from .._sources import LocalSource
 
@@ -188,7 +189,8 @@ def gather_epoch(
 
 
 def in_ram(catalog: Catalog, batch_size: int, seed: int) -> Rate:
-    """Every top in memory (a categorical top's codes), then one epoch served by
+    """Every top in memory (a categorical top's codes, a compound field's values, a Windows
+    top's windows as the layer's cache holds them), then one epoch served by
     :func:`gather_epoch` (blocking). Fixed-shape tops only: a ragged or sparse top's rows are
     not rows of one array."""
     n = catalog.n_samples
@@ -199,6 +201,18 @@ def in_ram(catalog: Catalog, batch_size: int, seed: int) -> Rate:
             continue
         with h5py.File(f.name, "r") as h5:
             for name, a in arrays.items():
+                cut = catalog.tops[name].windows
+                if cut is not None:  # window r is stream[r * stride : r * stride + length]
+                    length, stride = cut
+                    stream = h5[name][: (f.nrows - 1) * stride + length]
+                    windows = sliding_window_view(stream, length)[::stride]
+                    a[f.start : f.start + f.nrows] = windows
+                    continue
+                field = compound_field(h5, name)
+                if field is not None:  # a field of a compound dataset (a pandas column)
+                    table, field_name = field
+                    a[f.start : f.start + f.nrows] = table.fields(field_name)[()]
+                    continue
                 coded = categorical(f.name, h5, name) if name in f.categories else None
                 dset = h5[name if coded is None else coded[0]]
                 dset.read_direct(a, dest_sel=np.s_[f.start : f.start + f.nrows])
