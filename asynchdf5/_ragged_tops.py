@@ -63,6 +63,10 @@ INDICES = "\0indices"
 
 Kind = Literal["ragged", "sparse"]
 
+#: Rows of ``indptr`` checked or measured at a time: no array of a row's size is made at open
+#: besides ``indptr`` itself.
+_BLOCK_ROWS = 1 << 20
+
 
 def heap_keys(top: str, sparse: bool) -> tuple[str, ...]:
     """The internal names of ``top``'s heaps: its values, and a sparse top's column indices."""
@@ -113,13 +117,18 @@ class RowLengths:
         self.total = int(self._bases[-1])
         # The one file that holds every row: its indptr answers `before` as is.
         self._one = self._indptr[0] if len(files) == 1 else None
-        lengths = [np.diff(ip) for ip in self._indptr if ip is not None]
+        held_by = [ip for ip in self._indptr if ip is not None]
         #: Rows of the files that hold the top (the ones the longest rows are drawn from).
-        self.n_held = sum(len(x) for x in lengths)
-        every = lengths[0] if len(lengths) == 1 else np.concatenate(lengths or [np.zeros(0)])
-        #: The rows' lengths' standard deviation (of the files that hold the top).
-        self.spread = float(np.std(every)) if self.n_held else 0.0
-        self._sizes, self._counts, self._held = _by_length(lengths, self.n_held)
+        self.n_held = sum(len(ip) - 1 for ip in held_by)
+        sizes, counts = _histogram(held_by, self.n_held)
+        #: The rows' lengths' standard deviation (of the files that hold the top), from the
+        #: histogram: np.std's answer but for its rounding (its sum of squares is another).
+        self.spread = 0.0
+        if self.n_held:
+            deviations = (sizes - self.total / self.n_held) ** 2
+            self.spread = float(np.sqrt(np.dot(deviations, counts) / self.n_held))
+        # Longest first: each distinct length, and the rows and values down to it.
+        self._sizes, self._counts, self._held = sizes, np.cumsum(counts), np.cumsum(sizes * counts)
 
     def longest(self, k: int) -> int:
         """Values the ``k`` longest rows hold together (all rows: ``k`` past their number)."""
@@ -189,25 +198,33 @@ class RowLengths:
         return best
 
 
-def _by_length(lengths: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rows' distinct lengths, longest first, with the rows (cumulative) and the values
-    (cumulative) down to each: the sorted lengths' prefix sums, one entry per distinct
-    length. A histogram where the lengths are no larger than about the rows' number (no sort),
-    else the distinct lengths sorted."""
-    longest = max((int(x.max()) for x in lengths if len(x)), default=-1)
-    if longest < 0:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
-    if longest <= 2 * n + 2**16:
-        counts = np.zeros(longest + 1, np.int64)
-        for x in lengths:
-            counts += np.bincount(x, minlength=longest + 1)
-        sizes = np.flatnonzero(counts)[::-1].astype(np.int64)
-        counts = counts[sizes]
-    else:
-        sizes, counts = np.unique(np.concatenate(lengths), return_counts=True)
-        sizes, counts = sizes[::-1].astype(np.int64), counts[::-1].astype(np.int64)
-    return sizes, np.cumsum(counts), np.cumsum(sizes * counts)
+def _histogram(indptrs: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' distinct lengths, longest first, and how many rows have each: one pass over
+    ``indptrs`` in blocks of :data:`_BLOCK_ROWS` rows. Lengths up to about ``n`` are counted in
+    a histogram (no sort); the few longer ones (there are fewer than the values over ``n``)
+    are sorted."""
+    limit = 2 * n + 2**16
+    counts = np.zeros(0, np.int64)
+    beyond = []
+    buf = np.empty(min(n, _BLOCK_ROWS), np.int64)
+    for ip in indptrs:
+        for a in range(0, len(ip) - 1, _BLOCK_ROWS):
+            b = min(len(ip) - 1, a + _BLOCK_ROWS)
+            x = np.subtract(ip[a + 1 : b + 1], ip[a:b], out=buf[: b - a])
+            if int(x.max()) > limit:
+                beyond.append(x[x > limit])
+                x = x[x <= limit]
+            block = np.bincount(x)
+            if len(block) > len(counts):
+                counts = np.r_[counts, np.zeros(len(block) - len(counts), np.int64)]
+            counts[: len(block)] += block
+    sizes = np.flatnonzero(counts)[::-1].astype(np.int64)
+    counts = counts[sizes]
+    if beyond:
+        long, many = np.unique(np.concatenate(beyond), return_counts=True)
+        sizes = np.r_[long[::-1].astype(np.int64), sizes]
+        counts = np.r_[many[::-1].astype(np.int64), counts]
+    return sizes, counts
 
 
 @dataclass(frozen=True, eq=False)
@@ -361,10 +378,11 @@ def _indptr(where: str, top: str, dset: Any, n_values: int) -> np.ndarray:
         raise SchemaError(f"{where}: top {top!r}: 'indptr' is empty; it needs rows + 1 entries")
     if indptr[0] != 0:
         raise SchemaError(f"{where}: top {top!r}: 'indptr' starts at {int(indptr[0])}, not 0")
-    if len(indptr) > 1:
-        down = np.flatnonzero(indptr[1:] < indptr[:-1])
+    for a in range(0, len(indptr) - 1, _BLOCK_ROWS):  # in blocks: no array of a row's size
+        b = min(len(indptr) - 1, a + _BLOCK_ROWS)
+        down = np.flatnonzero(indptr[a + 1 : b + 1] < indptr[a:b])
         if len(down):
-            i = int(down[0])
+            i = a + int(down[0])
             raise SchemaError(
                 f"{where}: top {top!r}: 'indptr' decreases at row {i} "
                 f"({int(indptr[i])} then {int(indptr[i + 1])}); it must never decrease"

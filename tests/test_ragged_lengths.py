@@ -7,13 +7,19 @@ arrays are built here only, as the reference.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import asynchdf5._ragged_tops
+from asynchdf5 import HDF5DataLayer, SchemaError
 from asynchdf5._ragged_tops import RaggedInfo, RowLengths
+
+from ._files import check_message
 
 Piece = tuple[int, np.ndarray | None]  # a file: its rows, its indptr (None: not the top's)
 
@@ -82,7 +88,9 @@ def check_equal(files: Sequence[np.ndarray | int], ks: Sequence[int] | None = No
     info = RaggedInfo("ragged", lengths=lengths)
     n = lengths.n
     assert n == len(ref.ring) - 1 and lengths.total == int(ref.ring[-1])
-    assert lengths.spread == ref.spread and info.mean_values == ref.mean_values()
+    # The spread, from a histogram, is np.std's but for rounding; the slot sizes are the same.
+    assert lengths.spread == pytest.approx(ref.spread, rel=1e-12, abs=1e-12)
+    assert info.mean_values == ref.mean_values()
     every = range(0, n + 3) if ks is None else ks
     for k in every:
         assert info.heap_rows(k) == ref.heap_rows(k), k
@@ -122,7 +130,11 @@ rng0 = np.random.default_rng(41)
         pytest.param([], id="no-file"),
     ],
 )
-def test_the_summary_answers_as_the_whole_arrays_did(files: list[np.ndarray | int]) -> None:
+@pytest.mark.parametrize("block", [3, 1 << 20])  # rows whose lengths are taken at a time
+def test_the_summary_answers_as_the_whole_arrays_did(
+    files: list[np.ndarray | int], block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(asynchdf5._ragged_tops, "_BLOCK_ROWS", block)
     check_equal(files)
 
 
@@ -149,3 +161,24 @@ def test_rows_larger_than_a_chunks_budget_and_long_stretches() -> None:
 )
 def test_random_files_answer_as_the_whole_arrays_did(files: list[np.ndarray | int]) -> None:
     check_equal(files)
+
+
+@pytest.mark.parametrize("at", [0, 2, 3, 7, 8])  # in the first block, at a block's edge, later
+def test_indptr_checked_in_blocks_names_the_first_decrease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: int
+) -> None:
+    """``indptr`` is checked a few rows at a time: the first row where it decreases is named,
+    whichever block it falls in (blocks of 3 rows here)."""
+    monkeypatch.setattr(asynchdf5._ragged_tops, "_BLOCK_ROWS", 3)
+    indptr = np.arange(11, dtype=np.int64) * 2
+    indptr[at + 1] = indptr[at] - 1
+    indptr[at + 2 :] += 10  # later rows rise again; a later decrease is not the first
+    indptr[-1] = 40
+    path = tmp_path / "down.h5"
+    with h5py.File(path, "w") as f:
+        f["tok/data"] = np.zeros(40, np.int32)
+        f["tok/indptr"] = indptr
+        f["label"] = np.arange(10)
+    with pytest.raises(SchemaError) as err:
+        HDF5DataLayer(path, tops=("tok", "label"), batch_size=2).__enter__()
+    check_message(err.value, "down.h5", "'tok'", f"decreases at row {at} ")
