@@ -66,6 +66,8 @@ Kind = Literal["ragged", "sparse"]
 #: Rows of ``indptr`` checked or measured at a time: no array of a row's size is made at open
 #: besides ``indptr`` itself.
 _BLOCK_ROWS = 1 << 20
+#: Blocks of starts whose stretches are bounded at a time (:meth:`RowLengths.most_in_stretch`).
+_PIECE = 1 << 16
 
 
 def heap_keys(top: str, sparse: bool) -> tuple[str, ...]:
@@ -177,16 +179,22 @@ class RowLengths:
         ``above``) is dropped, and the others halved, each half's first stretch counted."""
         n = self.n
         size = 1 << min(12, max(0, (k // 16).bit_length() - 1))  # blocks of <= k/16 starts
-        starts = np.arange(0, n, size, dtype=np.int64)
-        best = int(np.max(self._on_ring(starts + k) - self._on_ring(starts)))
-        while size > 1:
+        best, kept = -1, []
+        # Every block's first stretch and bound, a piece of blocks at a time (no array of so
+        # many blocks at once); a block is dropped against the best found so far, which only
+        # grows: what it is dropped against is never more than the final best.
+        for first in range(0, n, size * _PIECE):
+            starts = np.arange(first, min(n, first + size * _PIECE), size, dtype=np.int64)
+            at = self._on_ring(starts)
+            best = max(best, int(np.max(self._on_ring(starts + k) - at)))
+            if size == 1:
+                continue
             if enough is not None and best >= enough:
                 return best
-            last = np.minimum(starts + size, n) - 1
-            bound = self._on_ring(last + k) - self._on_ring(starts)
-            starts = starts[bound > max(best, above)]
-            if not len(starts):
-                return best
+            bound = self._on_ring(np.minimum(starts + size, n) - 1 + k) - at
+            kept.append(starts[bound > max(best, above)])
+        starts = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+        while size > 1 and len(starts):
             size //= 2
             halves = starts + size
             halves = halves[halves < n]
@@ -195,6 +203,10 @@ class RowLengths:
             both = np.empty(len(starts) + len(halves), np.int64)  # in order, interleaved
             both[0::2], both[1::2] = starts, halves
             starts = both
+            if size == 1 or (enough is not None and best >= enough):
+                break
+            bound = self._on_ring(np.minimum(starts + size, n) - 1 + k) - self._on_ring(starts)
+            starts = starts[bound > max(best, above)]
         return best
 
 

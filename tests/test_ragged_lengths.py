@@ -91,7 +91,15 @@ def check_equal(files: Sequence[np.ndarray | int], ks: Sequence[int] | None = No
     # The spread, from a histogram, is np.std's but for rounding; the slot sizes are the same.
     assert lengths.spread == pytest.approx(ref.spread, rel=1e-12, abs=1e-12)
     assert info.mean_values == ref.mean_values()
-    every = range(0, n + 3) if ks is None else ks
+    every = (
+        ks
+        if ks is not None
+        else range(n + 3)
+        if n <= 400
+        else sorted(
+            {*range(40), *range(n - 40, n + 3), *np.linspace(40, n - 40, 60).astype(int).tolist()}
+        )
+    )
     for k in every:
         assert info.heap_rows(k) == ref.heap_rows(k), k
         assert info.slot_values(k) == ref.slot_values(k), k
@@ -130,15 +138,19 @@ rng0 = np.random.default_rng(41)
         pytest.param([], id="no-file"),
     ],
 )
-@pytest.mark.parametrize("block", [3, 1 << 20])  # rows whose lengths are taken at a time
+@pytest.mark.parametrize("small", [True, False])  # rows and blocks of starts taken at a time
 def test_the_summary_answers_as_the_whole_arrays_did(
-    files: list[np.ndarray | int], block: int, monkeypatch: pytest.MonkeyPatch
+    files: list[np.ndarray | int], small: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(asynchdf5._ragged_tops, "_BLOCK_ROWS", block)
+    if small:
+        monkeypatch.setattr(asynchdf5._ragged_tops, "_BLOCK_ROWS", 3)
+        monkeypatch.setattr(asynchdf5._ragged_tops, "_PIECE", 2)
     check_equal(files)
 
 
-def test_rows_larger_than_a_chunks_budget_and_long_stretches() -> None:
+def test_rows_larger_than_a_chunks_budget_and_long_stretches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Chunks of many rows over a long top, and rows much longer than a chunk holds: the
     block search (blocks of up to 4096 starts, halved) gives the whole arrays' answer."""
     rng = np.random.default_rng(7)
@@ -147,6 +159,8 @@ def test_rows_larger_than_a_chunks_budget_and_long_stretches() -> None:
     lens[120_000:120_500] = 64  # a stretch of long rows: the most is there
     check_equal([lens[:70_000], 1_000, lens[70_000:]], ks=[1, 2, 255, 256, 4_097, 65_536, 150_000])
     check_equal([lens], ks=[3, 1_000, 100_003, 199_999])
+    monkeypatch.setattr(asynchdf5._ragged_tops, "_PIECE", 64)  # many pieces of blocks
+    check_equal([lens], ks=[40, 100_003])
 
 
 @settings(max_examples=80, deadline=None)
