@@ -32,6 +32,7 @@ from ._ragged_tops import (
     RaggedForm,
     RaggedInfo,
     RaggedParts,
+    RowLengths,
     find_form,
     group_top,
     group_top_words,
@@ -168,26 +169,21 @@ class Catalog:
         self._bound_ragged()
 
     def _bound_ragged(self) -> None:
-        """Each ragged top's heap bounds over every file (:attr:`RaggedInfo.largest`,
-        :attr:`RaggedInfo.ring`, :attr:`RaggedInfo.spread`), and where
-        each file's values start among all of them (:meth:`values_base`)."""
+        """Each ragged top's rows' lengths over every file (:class:`RowLengths`, from the
+        files' ``indptr``, in global order), and where each file's values start among all of
+        them (:meth:`values_base`)."""
         for name, t in list(self.tops.items()):
             if t.ragged is None:
                 continue
-            lengths = [f.ragged[name].lengths for f in self.files if name in f.ragged]
-            every = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-            largest = np.zeros(len(every) + 1, np.int64)
-            np.cumsum(np.sort(every)[::-1], out=largest[1:])
             # In global order: a file without the top (another stream's) gives its rows none.
-            rows = [
-                f.ragged[name].lengths if name in f.ragged else np.zeros(f.nrows, np.int64)
+            pieces = [
+                (len(p.indptr) - 1, p.indptr)
+                if (p := f.ragged.get(name)) is not None
+                else (f.nrows, None)
                 for f in self.files
             ]
-            ring = np.zeros(sum(len(r) for r in rows) + 1, np.int64)
-            if len(ring) > 1:
-                np.cumsum(np.concatenate(rows), out=ring[1:])
-            spread = float(np.std(every)) if len(every) else 0.0
-            info = dataclasses.replace(t.ragged, largest=largest, ring=ring, spread=spread)
+            lengths = RowLengths(pieces)
+            info = dataclasses.replace(t.ragged, lengths=lengths)
             self.tops[name] = dataclasses.replace(t, ragged=info)
             base = 0
             for f in self.files:

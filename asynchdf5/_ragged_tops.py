@@ -44,6 +44,7 @@ __all__ = [
     "RaggedForm",
     "RaggedInfo",
     "RaggedParts",
+    "RowLengths",
     "find_form",
     "group_top",
     "group_top_words",
@@ -64,6 +65,12 @@ INDICES = "\0indices"
 
 Kind = Literal["ragged", "sparse"]
 
+#: Rows of ``indptr`` checked or measured at a time: no array of a row's size is made at open
+#: besides ``indptr`` itself.
+_BLOCK_ROWS = 1 << 20
+#: Blocks of starts whose stretches are bounded at a time (:meth:`RowLengths.most_in_stretch`).
+_PIECE = 1 << 16
+
 
 def heap_keys(top: str, sparse: bool) -> tuple[str, ...]:
     """The internal names of ``top``'s heaps: its values, and a sparse top's column indices."""
@@ -82,28 +89,173 @@ def is_heap(name: str) -> bool:
     return "\0" in name
 
 
+class RowLengths:
+    """The lengths of a ragged top's rows over every file, summarised for sizing the cache:
+    each question is answered without a pass over the rows, however many times it is asked
+    (the cache sizing's search asks ~20 times at open).
+
+    Built once per layer from each file's ``indptr`` in global order (a file without the top,
+    another stream's, ``None``: its rows hold no values). It keeps those ``indptr`` arrays,
+    which the catalog holds anyway (no copy), and a histogram of the lengths (one entry per
+    distinct length): no array of a row's size of its own.
+
+    - :meth:`longest`: the values the ``k`` longest rows hold (O(log distinct lengths));
+    - :meth:`before`: the values before global rows (the prefix sums in global order, read off
+      the files' ``indptr``);
+    - :meth:`most_in_stretch`: the most values ``k`` contiguous rows hold on the ring of all
+      rows (a shuffled epoch's rotation wraps), found by bounding blocks of starts and
+      halving only the blocks that may still hold it.
+    """
+
+    def __init__(self, files: Sequence[tuple[int, np.ndarray | None]] = ()) -> None:
+        self._indptr = [ip for _, ip in files]
+        nrows = np.array([n for n, _ in files], np.int64)
+        self._starts = np.zeros(len(files) + 1, np.int64)
+        np.cumsum(nrows, out=self._starts[1:])
+        held = [0 if ip is None else int(ip[-1]) for ip in self._indptr]
+        self._bases = np.zeros(len(files) + 1, np.int64)
+        np.cumsum(held, out=self._bases[1:])
+        #: Rows over all files (those without the top count, holding nothing).
+        self.n = int(self._starts[-1])
+        #: Values over all rows.
+        self.total = int(self._bases[-1])
+        # The one file that holds every row: its indptr answers `before` as is.
+        self._one = self._indptr[0] if len(files) == 1 else None
+        held_by = [ip for ip in self._indptr if ip is not None]
+        #: Rows of the files that hold the top (the ones the longest rows are drawn from).
+        self.n_held = sum(len(ip) - 1 for ip in held_by)
+        sizes, counts = _histogram(held_by, self.n_held)
+        #: The rows' lengths' standard deviation (of the files that hold the top), from the
+        #: histogram: np.std's answer but for its rounding (its sum of squares is another).
+        self.spread = 0.0
+        if self.n_held:
+            deviations = (sizes - self.total / self.n_held) ** 2
+            self.spread = float(np.sqrt(np.dot(deviations, counts) / self.n_held))
+        # Longest first: each distinct length, and the rows and values down to it.
+        self._sizes, self._counts, self._held = sizes, np.cumsum(counts), np.cumsum(sizes * counts)
+
+    def longest(self, k: int) -> int:
+        """Values the ``k`` longest rows hold together (all rows: ``k`` past their number)."""
+        k = min(k, self.n_held)
+        if k <= 0:
+            return 0
+        g = int(np.searchsorted(self._counts, k))  # the first length group reaching k rows
+        before = int(self._counts[g - 1]) if g else 0
+        held = int(self._held[g - 1]) if g else 0
+        return held + (k - before) * int(self._sizes[g])
+
+    def before(self, rows: np.ndarray) -> np.ndarray:
+        """Values before each of the global ``rows`` (``0 <= rows <= n``), int64."""
+        rows = np.asarray(rows, np.int64)
+        if not self._indptr:
+            return np.zeros(rows.shape, np.int64)
+        if self._one is not None:
+            return np.asarray(self._one[rows], np.int64)
+        f = np.clip(np.searchsorted(self._starts, rows, side="right") - 1, 0, len(self._indptr) - 1)
+        out = self._bases[f]  # a new array; a file without the top: its base throughout
+        order = np.argsort(f, kind="stable")
+        ordered = f[order]
+        cuts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+        for group in np.split(order, cuts) if len(order) else ():
+            ip = self._indptr[int(f[group[0]])]
+            if ip is not None:
+                file = int(f[group[0]])
+                out[group] += ip[rows[group] - self._starts[file]]
+        return out
+
+    def _on_ring(self, rows: np.ndarray) -> np.ndarray:
+        """:meth:`before` on the ring: rows ``n..2n`` are the first ones again, after all."""
+        wrap = rows > self.n
+        out = self.before(np.where(wrap, rows - self.n, rows))
+        out[wrap] += self.total
+        return out
+
+    def most_in_stretch(self, k: int, above: int = -1, enough: int | None = None) -> int:
+        """The most values ``k`` contiguous rows hold (``0 < k < n``) on the ring.
+
+        Exact where it matters to a caller that takes ``min(enough, max(result, above))``:
+        a stretch that holds no more than ``above`` is not looked for, and the search stops at
+        one that holds ``enough``. Starts are taken in blocks: the rows from a block's first
+        start to its last start's end bound every stretch that starts in it (lengths are never
+        negative), so a block whose bound is no more than the best stretch found (or
+        ``above``) is dropped, and the others halved, each half's first stretch counted."""
+        n = self.n
+        size = 1 << min(12, max(0, (k // 16).bit_length() - 1))  # blocks of <= k/16 starts
+        best, kept = -1, []
+        # Every block's first stretch and bound, a piece of blocks at a time (no array of so
+        # many blocks at once); a block is dropped against the best found so far, which only
+        # grows: what it is dropped against is never more than the final best.
+        for first in range(0, n, size * _PIECE):
+            starts = np.arange(first, min(n, first + size * _PIECE), size, dtype=np.int64)
+            at = self._on_ring(starts)
+            best = max(best, int(np.max(self._on_ring(starts + k) - at)))
+            if size == 1:
+                continue
+            if enough is not None and best >= enough:
+                return best
+            bound = self._on_ring(np.minimum(starts + size, n) - 1 + k) - at
+            kept.append(starts[bound > max(best, above)])
+        starts = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+        while size > 1 and len(starts):
+            size //= 2
+            halves = starts + size
+            halves = halves[halves < n]
+            if len(halves):
+                best = max(best, int(np.max(self._on_ring(halves + k) - self._on_ring(halves))))
+            both = np.empty(len(starts) + len(halves), np.int64)  # in order, interleaved
+            both[0::2], both[1::2] = starts, halves
+            starts = both
+            if size == 1 or (enough is not None and best >= enough):
+                break
+            bound = self._on_ring(np.minimum(starts + size, n) - 1 + k) - self._on_ring(starts)
+            starts = starts[bound > max(best, above)]
+        return best
+
+
+def _histogram(indptrs: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' distinct lengths, longest first, and how many rows have each: one pass over
+    ``indptrs`` in blocks of :data:`_BLOCK_ROWS` rows. Lengths up to about ``n`` are counted in
+    a histogram (no sort); the few longer ones (there are fewer than the values over ``n``)
+    are sorted."""
+    limit = 2 * n + 2**16
+    counts = np.zeros(0, np.int64)
+    beyond = []
+    buf = np.empty(min(n, _BLOCK_ROWS), np.int64)
+    for ip in indptrs:
+        for a in range(0, len(ip) - 1, _BLOCK_ROWS):
+            b = min(len(ip) - 1, a + _BLOCK_ROWS)
+            x = np.subtract(ip[a + 1 : b + 1], ip[a:b], out=buf[: b - a])
+            if int(x.max()) > limit:
+                beyond.append(x[x > limit])
+                x = x[x <= limit]
+            block = np.bincount(x)
+            if len(block) > len(counts):
+                counts = np.r_[counts, np.zeros(len(block) - len(counts), np.int64)]
+            counts[: len(block)] += block
+    sizes = np.flatnonzero(counts)[::-1].astype(np.int64)
+    counts = counts[sizes]
+    if beyond:
+        long, many = np.unique(np.concatenate(beyond), return_counts=True)
+        sizes = np.r_[long[::-1].astype(np.int64), sizes]
+        counts = np.r_[many[::-1].astype(np.int64), counts]
+    return sizes, counts
+
+
 @dataclass(frozen=True, eq=False)
 class RaggedInfo:
     """What every file of a ragged top shares: its kind, a sparse top's columns and index
-    dtype, and (over all files, set by the catalog) the bound on a slot's heap.
-
-    ``largest[k]``: the values held by the ``k`` longest rows together (prefix sums of the row
-    lengths sorted longest first). No chunk of ``k`` rows holds more, whichever rows the order
-    puts in it: the bound of a batch's values (:meth:`heap_rows`).
-
-    ``ring``: the values before each global row (prefix sums of the row lengths in global order,
-    a file without the top counting none), and ``spread`` the rows' lengths' standard
-    deviation: what a cache slot's heap is sized by (:meth:`slot_values`), the values the
-    chunks of ``k`` rows the order makes hold, rather than the ``k`` longest rows.
+    dtype, and (over all files, set by the catalog) its rows' lengths (:class:`RowLengths`):
+    what a batch's values (:meth:`heap_rows`) and a cache slot's heap (:meth:`slot_values`)
+    are bounded by, and what a chunk of rows holds (:meth:`chunk_values`).
     """
 
     kind: Kind
     n_cols: int = 0
     index_dtype: np.dtype[Any] | None = None
     vlen: bool = False
-    largest: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
-    ring: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
-    spread: float = 0.0
+    lengths: RowLengths = field(default_factory=RowLengths)
+    #: :meth:`slot_values` asked before, by rows (the cache sizing asks the same ones again).
+    _slots: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def sparse(self) -> bool:
@@ -113,21 +265,21 @@ class RaggedInfo:
     def batch_index_dtype(self) -> np.dtype[Any]:
         """A sparse top's batches' ``indices`` and ``indptr`` dtype, the one scipy keeps as is:
         int32 where the stored indices fit int32 (AnnData's are int32) and so do the columns and
-        every non-zero of the top (:attr:`largest`), else int64. scipy upcasts both arrays to a
-        common dtype; int32 offsets over int32 indices make it copy neither."""
+        every non-zero of the top (:attr:`RowLengths.total`), else int64. scipy upcasts both
+        arrays to a common dtype; int32 offsets over int32 indices make it copy neither."""
         limit = np.iinfo(np.int32).max
         if (
             self.index_dtype is not None
             and np.can_cast(self.index_dtype, np.int32)
             and self.n_cols <= limit
-            and int(self.largest[-1]) <= limit
+            and self.lengths.total <= limit
         ):
             return np.dtype(np.int32)
         return np.dtype(np.int64)
 
     def heap_rows(self, rows: int) -> int:
         """Values ``rows`` rows hold at most, whichever they are (the ``rows`` longest)."""
-        return int(self.largest[min(rows, len(self.largest) - 1)])
+        return self.lengths.longest(rows)
 
     def slot_values(self, rows: int) -> int:
         """Values a cache slot's heap is sized for, for chunks of ``rows`` rows: the most that
@@ -140,30 +292,34 @@ class RaggedInfo:
         more (blocks of long rows drawn together) grows its slot's heap when it is read
         (:func:`~._cache.fit_heaps`), so that the chunks, sized in bytes by what they hold, are
         not shrunk for rows no chunk holds."""
-        n = len(self.ring) - 1
+        known = self._slots.get(rows)
+        if known is None:
+            known = self._slots[rows] = self._slot_values(rows)
+        return known
+
+    def _slot_values(self, rows: int) -> int:
         worst = self.heap_rows(rows)
-        if rows <= 0 or rows >= n:
+        if rows <= 0 or rows >= self.lengths.n:
             return worst
-        ring, total = self.ring, int(self.ring[-1])
-        # Windows of `rows` rows from every row, those past the end wrapping to the start.
-        window = int(np.max(ring[rows:] - ring[: n + 1 - rows]))
-        if rows > 1:
-            window = max(window, int(np.max(ring[1:rows] + total - ring[n + 1 - rows : n])))
-        drawn = rows * self.mean_values + 4.0 * self.spread * rows**0.5
-        return min(worst, max(window, int(np.ceil(drawn))))
+        drawn = rows * self.mean_values + 4.0 * self.lengths.spread * rows**0.5
+        floor = int(np.ceil(drawn))
+        if floor >= worst:  # the stretches cannot change the answer
+            return worst
+        window = self.lengths.most_in_stretch(rows, above=floor, enough=worst)
+        return min(worst, max(window, floor))
 
     def chunk_values(self, ranges: Sequence[tuple[int, int]]) -> int:
-        """Values the rows of global ``ranges`` hold (a chunk's, from :attr:`ring`)."""
+        """Values the rows of global ``ranges`` hold (a chunk's, from :meth:`RowLengths.before`)."""
         if not ranges:
             return 0
         bounds = np.asarray(ranges, np.int64)
-        return int(np.sum(self.ring[bounds[:, 1]] - self.ring[bounds[:, 0]]))
+        return int(np.sum(self.lengths.before(bounds[:, 1]) - self.lengths.before(bounds[:, 0])))
 
     @property
     def mean_values(self) -> float:
         """Values per row, on average (the batches' size in bytes, for grouping them)."""
-        n = len(self.largest) - 1
-        return float(self.largest[-1]) / n if n else 0.0
+        n = self.lengths.n_held
+        return float(self.lengths.total) / n if n else 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -292,10 +448,11 @@ def _indptr(where: str, top: str, dset: Any, n_values: int) -> np.ndarray:
         raise SchemaError(f"{where}: top {top!r}: 'indptr' is empty; it needs rows + 1 entries")
     if indptr[0] != 0:
         raise SchemaError(f"{where}: top {top!r}: 'indptr' starts at {int(indptr[0])}, not 0")
-    if len(indptr) > 1:
-        down = np.flatnonzero(indptr[1:] < indptr[:-1])
+    for a in range(0, len(indptr) - 1, _BLOCK_ROWS):  # in blocks: no array of a row's size
+        b = min(len(indptr) - 1, a + _BLOCK_ROWS)
+        down = np.flatnonzero(indptr[a + 1 : b + 1] < indptr[a:b])
         if len(down):
-            i = int(down[0])
+            i = a + int(down[0])
             raise SchemaError(
                 f"{where}: top {top!r}: 'indptr' decreases at row {i} "
                 f"({int(indptr[i])} then {int(indptr[i + 1])}); it must never decrease"

@@ -1146,6 +1146,19 @@ async def test_ragged_and_sparse_tops_are_mapped_and_give_the_copying_readers_ba
     assert mappings(path, collect=True) == []
 
 
+def test_a_mapped_ragged_tops_spans_are_indptr_seen_two_entries_a_row() -> None:
+    """The mapped reader's spans of a ragged top (start, stop of each row in its heap) are a
+    read-only view of ``indptr``, not a copy of 16 bytes a row; its rows are those a stacked
+    copy had, taken by fancy index as the gather takes them."""
+    ip = np.array([0, 3, 3, 7, 12], np.int64)
+    spans = mapped._spans_of(ip)
+    assert np.shares_memory(spans, ip) and not spans.flags.writeable
+    assert np.array_equal(spans, np.stack([ip[:-1], ip[1:]], axis=1))
+    assert spans[np.array([3, 0, 1])].tolist() == [[7, 12], [0, 3], [3, 3]]
+    assert spans[1:3].tolist() == [[3, 3], [3, 7]]
+    assert mapped._spans_of(np.zeros(1, np.int64)).shape == (0, 2)
+
+
 async def test_a_ragged_top_in_several_files_is_copied_and_says_why(tmp_path: Path) -> None:
     for i, (start, n) in enumerate([(0, 3000), (3000, N - 3000)]):
         _ragged(tmp_path / f"part{i}.h5", start, n)

@@ -36,7 +36,7 @@ from asynchdf5 import (
 )
 from asynchdf5 import transforms as T
 from asynchdf5._ragged import _csr_kind, _pad_windows, csr_batch, pad_rows, padded_rows
-from asynchdf5._ragged_tops import RaggedInfo
+from asynchdf5._ragged_tops import RaggedInfo, RowLengths
 
 from ._files import check_exactly_once, check_message
 from ._helpers import run_python
@@ -563,9 +563,7 @@ def test_slot_values_bound_every_stretch_and_never_pass_the_longest_rows() -> No
     ):
         ring = np.zeros(len(lens) + 1, np.int64)
         np.cumsum(lens, out=ring[1:])
-        largest = np.zeros(len(lens) + 1, np.int64)
-        np.cumsum(np.sort(lens)[::-1], out=largest[1:])
-        info = RaggedInfo("ragged", largest=largest, ring=ring, spread=float(np.std(lens)))
+        info = RaggedInfo("ragged", lengths=RowLengths([(len(lens), ring)]))
         twice = np.r_[lens, lens]
         for k in (1, 2, 7, len(lens) - 1, len(lens), len(lens) + 5):
             bound = info.slot_values(k)
@@ -938,12 +936,12 @@ def test_sparse_batch_falls_back_on_a_scipy_it_does_not_know(
 
 def test_sparse_batch_index_dtype_bounds() -> None:
     """int32 only while the columns and every non-zero of the top fit it."""
-    big = np.array([0, 2**31], np.int64)
+    big = RowLengths([(1, np.array([0, 2**31], np.int64))])
     i32 = np.dtype(np.int32)
     assert RaggedInfo("sparse", 10, i32).batch_index_dtype == np.int32
     assert RaggedInfo("sparse", 10, np.dtype(np.int16)).batch_index_dtype == np.int32
     assert RaggedInfo("sparse", 2**31, i32).batch_index_dtype == np.int64
-    assert RaggedInfo("sparse", 10, i32, largest=big).batch_index_dtype == np.int64
+    assert RaggedInfo("sparse", 10, i32, lengths=big).batch_index_dtype == np.int64
     assert RaggedInfo("sparse", 10, np.dtype(np.int64)).batch_index_dtype == np.int64
 
 

@@ -149,8 +149,7 @@ class MappedReader:
                         shape = () if key.endswith(INDICES) else top.sample_shape
                         heap = (key, dtype, shape, stored.indptr)
                         self._tops.append(self._map(libc, top, info, layout, heap))
-                    ip = stored.indptr
-                    self._spans[name] = np.stack([ip[:-1], ip[1:]], axis=1)
+                    self._spans[name] = _spans_of(stored.indptr)
         except BaseException:
             self._close_maps()
             if self.guard is not None:
@@ -425,3 +424,13 @@ def _rows_words(ranges: list[tuple[int, int]]) -> str:
         return f"rows {a}:{b}"
     n = sum(b - a for a, b in ranges)
     return f"{n} rows in {min(a for a, _ in ranges)}:{max(b for _, b in ranges)}"
+
+
+def _spans_of(indptr: np.ndarray) -> np.ndarray:
+    """The spans of a ragged top's rows, ``(rows, 2)``: row ``i``'s is ``indptr[i:i + 2]``, a
+    read-only view of ``indptr`` whose rows overlap (no copy: 16 bytes a row saved; the gather
+    takes its rows' spans by fancy index, a copy)."""
+    step = indptr.strides[0]
+    return np.lib.stride_tricks.as_strided(
+        indptr, (len(indptr) - 1, 2), (step, step), writeable=False
+    )
