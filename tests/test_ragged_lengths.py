@@ -177,6 +177,30 @@ def test_random_files_answer_as_the_whole_arrays_did(files: list[np.ndarray | in
     check_equal(files)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.lists(st.integers(0, 300), max_size=40).map(lambda x: np.array(x, np.int64)),
+            st.integers(0, 20),
+        ),
+        max_size=4,
+    ),
+    st.sampled_from([1, 2, 3, 5]),
+    st.sampled_from([1, 2, 3]),
+)
+def test_random_files_in_small_blocks_answer_as_the_whole_arrays_did(
+    files: list[np.ndarray | int], block_rows: int, piece: int
+) -> None:
+    """As above, with ``indptr`` measured and stretches bounded a few rows and blocks at a
+    time: the blocks' edges fall anywhere among files of any size (the fixed cases above take
+    one block size each)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(asynchdf5._ragged_tops, "_BLOCK_ROWS", block_rows)
+        mp.setattr(asynchdf5._ragged_tops, "_PIECE", piece)
+        check_equal(files)
+
+
 @pytest.mark.parametrize("at", [0, 2, 3, 7, 8])  # in the first block, at a block's edge, later
 def test_indptr_checked_in_blocks_names_the_first_decrease(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: int
