@@ -265,14 +265,16 @@ async def test_every_window_of_a_streaming_epoch_mixes(
         assert window_entropies(order, n).min() >= PROMISE, epoch
 
 
-def plan_as_the_layer(n: int, epoch: int, order_: Any, **extra: Any) -> Any:
-    """Epoch ``epoch`` of ``n`` rows in chunks of 2**20, shuffled with seed 1, in the order
-    ``order_`` (:func:`order_of`) sizes, as the layer plans it."""
+def plan_as_the_layer(
+    n: int, epoch: int, order_: Any, chunk_size: int = 2**20, **extra: Any
+) -> Any:
+    """Epoch ``epoch`` of ``n`` rows in chunks of ``chunk_size``, shuffled with seed 1, in the
+    order ``order_`` (:func:`order_of`) sizes, as the layer plans it."""
     return plan_epoch(
         n,
         epoch=epoch,
         batch_size=BATCH,
-        chunk_size=2**20,
+        chunk_size=chunk_size,
         shuffle=True,
         seed=1,
         first_rows=order_.first_rows,
@@ -323,19 +325,7 @@ def test_value_chunks_lengthen_lane_parts_while_a_chunk_keeps_its_places(chunk_r
     if chunk_rows == 2206:
         assert (plain.chunk_lanes, order_.chunk_lanes) == (78, MIN_PLACES)
     for epoch in range(2):
-        plan = plan_epoch(
-            n,
-            epoch=epoch,
-            batch_size=BATCH,
-            chunk_size=chunk_rows,
-            shuffle=True,
-            seed=1,
-            first_rows=order_.first_rows,
-            block_size=order_.block_rows,
-            ramp_lanes=order_.ramp_lanes,
-            chunk_lanes=order_.chunk_lanes,
-            ramp_top_lanes=order_.ramp_top_lanes,
-        )
+        plan = plan_as_the_layer(n, epoch, order_, chunk_rows)
         order = np.concatenate([c.served_indices(c.order()) for c in plan.chunks])
         assert np.array_equal(np.sort(order), np.arange(n))
         if order_.warning is None:

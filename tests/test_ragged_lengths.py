@@ -163,29 +163,22 @@ def test_rows_larger_than_a_chunks_budget_and_long_stretches(
     check_equal([lens], ks=[40, 100_003])
 
 
+def random_files(rows: int) -> st.SearchStrategy[list[np.ndarray | int]]:
+    """Up to 4 files, each its rows' lengths (up to ``rows`` rows of 0-300 values) or a number
+    of rows of a file without the top."""
+    lengths = st.lists(st.integers(0, 300), max_size=rows).map(lambda x: np.array(x, np.int64))
+    return st.lists(st.one_of(lengths, st.integers(0, 20)), max_size=4)
+
+
 @settings(max_examples=80, deadline=None)
-@given(
-    st.lists(
-        st.one_of(
-            st.lists(st.integers(0, 300), max_size=60).map(lambda x: np.array(x, np.int64)),
-            st.integers(0, 20),
-        ),
-        max_size=4,
-    )
-)
+@given(random_files(60))
 def test_random_files_answer_as_the_whole_arrays_did(files: list[np.ndarray | int]) -> None:
     check_equal(files)
 
 
 @settings(max_examples=30, deadline=None)
 @given(
-    st.lists(
-        st.one_of(
-            st.lists(st.integers(0, 300), max_size=40).map(lambda x: np.array(x, np.int64)),
-            st.integers(0, 20),
-        ),
-        max_size=4,
-    ),
+    random_files(40),
     st.sampled_from([1, 2, 3, 5]),
     st.sampled_from([1, 2, 3]),
 )
