@@ -214,10 +214,10 @@ class RowLengths:
 
 def _histogram(indptrs: Sequence[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
     """The rows' distinct lengths, longest first, and how many rows have each: one pass over
-    ``indptrs`` in blocks of :data:`_BLOCK_ROWS` rows. Lengths up to about ``n`` are counted in
-    a histogram (no sort); the few longer ones (there are fewer than the values over ``n``)
-    are sorted."""
-    limit = 2 * n + 2**16
+    ``indptrs`` in blocks of :data:`_BLOCK_ROWS` rows. Lengths up to about ``n`` (and no more
+    than :data:`_BLOCK_ROWS`: no array of a row's size) are counted in a histogram (no sort);
+    the few longer ones (fewer than the values over that limit) are sorted."""
+    limit = min(2 * n + 2**16, _BLOCK_ROWS)
     counts = np.zeros(0, np.int64)
     beyond = []
     buf = np.empty(min(n, _BLOCK_ROWS), np.int64)
