@@ -165,13 +165,14 @@ class Catalog:
         # Files with rows only: 0-row files contribute nothing to the global index.
         self._nonempty = [f for f in self.files if f.nrows > 0]
         self._starts = [f.start for f in self._nonempty]
-        self._bases: dict[tuple[int, str], int] = {}
+        #: Each file's place in :attr:`files` (the order its ragged tops' lengths are kept in).
+        self._index = {id(f): i for i, f in enumerate(self.files)}
         self._bound_ragged()
 
     def _bound_ragged(self) -> None:
         """Each ragged top's rows' lengths over every file (:class:`RowLengths`, from the
-        files' ``indptr``, in global order), and where each file's values start among all of
-        them (:meth:`values_base`)."""
+        files' ``indptr``, in global order): they also say where each file's values start
+        among all of them (:meth:`values_base`)."""
         for name, t in list(self.tops.items()):
             if t.ragged is None:
                 continue
@@ -185,17 +186,13 @@ class Catalog:
             lengths = RowLengths(pieces)
             info = dataclasses.replace(t.ragged, lengths=lengths)
             self.tops[name] = dataclasses.replace(t, ragged=info)
-            base = 0
-            for f in self.files:
-                parts = f.ragged.get(name)
-                if parts is not None:
-                    self._bases[(id(f), name)] = base
-                    base += int(parts.indptr[-1])
 
     def values_base(self, file: FileInfo, top: str) -> int:
         """Where ragged top ``top``'s values of ``file`` start among the values of every file
         (a resident heap holds them all in that order)."""
-        return self._bases[(id(file), top)]
+        ragged = self.tops[top].ragged
+        assert ragged is not None
+        return ragged.lengths.file_base(self._index[id(file)])
 
     @property
     def row_bytes(self) -> int:

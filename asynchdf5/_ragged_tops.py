@@ -100,6 +100,7 @@ class RowLengths:
     distinct length): no array of a row's size of its own.
 
     - :meth:`longest`: the values the ``k`` longest rows hold (O(log distinct lengths));
+    - :meth:`file_base`: the values the files before a file hold;
     - :meth:`before`: the values before global rows (the prefix sums in global order, read off
       the files' ``indptr``);
     - :meth:`most_in_stretch`: the most values ``k`` contiguous rows hold on the ring of all
@@ -133,6 +134,11 @@ class RowLengths:
             self.spread = float(np.sqrt(np.dot(deviations, counts) / self.n_held))
         # Longest first: each distinct length, and the rows and values down to it.
         self._sizes, self._counts, self._held = sizes, np.cumsum(counts), np.cumsum(sizes * counts)
+
+    def file_base(self, file: int) -> int:
+        """Values the files before file ``file`` (in global order) hold: where its values start
+        among all of them."""
+        return int(self._bases[file])
 
     def longest(self, k: int) -> int:
         """Values the ``k`` longest rows hold together (all rows: ``k`` past their number)."""
