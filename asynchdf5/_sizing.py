@@ -290,7 +290,7 @@ def stored_rows(catalog: Catalog) -> int:
     row_bytes = catalog.mean_row_bytes
     return max(
         (
-            -(-layout.chunks.rows * min(catalog.tops[name].row_bytes, row_bytes) // row_bytes)
+            _weighed(layout.chunks.rows, catalog.tops[name], row_bytes)
             for f in catalog.files
             for name, layout in f.layouts.items()
             if layout.chunks is not None
@@ -320,7 +320,6 @@ def value_rows(catalog: Catalog) -> int:
             top = catalog.tops.get(name)
             if top is None or top.ragged is None or top.ragged.mean_values <= 0:
                 continue
-            share = min(top.mean_row_bytes, row_bytes) / row_bytes
             for values in (parts.data, parts.indices):
                 if values is None or values.chunks is None:
                     continue
@@ -329,8 +328,16 @@ def value_rows(catalog: Catalog) -> int:
                 if not (values.filters or index.splits_samples):
                     continue
                 spans = min(index.rows / top.ragged.mean_values, f.nrows)
-                most = max(most, math.ceil(spans * share))
+                most = max(most, _weighed(spans, top, row_bytes))
     return most
+
+
+def _weighed(rows: float, top: TopInfo, row_bytes: int) -> int:
+    """Rows of the whole sample (``row_bytes`` on average) that hold as many bytes as ``rows``
+    rows of ``top`` (its bytes a row on average: a ragged top's values count), rounded up: a
+    stored chunk's weight (:func:`stored_rows`, :func:`value_rows`). Multiplied before it is
+    divided, so that whole numbers (a top of fixed rows) give the exact ceiling."""
+    return math.ceil(rows * min(top.mean_row_bytes, row_bytes) / row_bytes)
 
 
 def stored_shuffled(catalog: Catalog) -> bool:
