@@ -404,14 +404,16 @@ def _numbers(dt: np.dtype[Any]) -> bool:
 def _member_tops(top: str, group: h5py.Group, at_most: int = 12) -> list[str]:
     """The members of ``group`` that are tops, in words: groups of a top's form, datasets of
     numbers (of one or more dimensions) and a compound dataset's fields of numbers (an AnnData
-    ``obs`` or ``obsm``, a pandas table's group). Strings and other groups are left out."""
+    ``obs`` or ``obsm``, a pandas table's group). Strings and other groups are left out. Each
+    is named as ``tops`` takes it, however ``top`` was written (``"/obs"``, ``"obs/"``)."""
     found: list[str] = []
+    named = posixpath.normpath(top).strip("/")
     for key in group:
         try:
             member = group.get(key)
         except (KeyError, OSError, TypeError, ValueError):  # a dangling or external link
             continue
-        path = f"{top.rstrip('/')}/{key}"
+        path = f"{named}/{key}" if named else key
         words = group_top_words(member)
         if words is not None:
             found.append(f"{path!r} ({words})")

@@ -998,9 +998,14 @@ def test_a_group_of_no_form_names_its_members_that_are_tops(tmp_path: Path) -> N
         rec = np.zeros(3, [("index", "<i8"), ("values_block_0", "<f8", (2,)), ("s", "S2")])
         f.create_dataset("df/table", data=rec)
         f.create_group("df/_i_table")
+    obs = "'obs/cell_type' (categorical), 'obs/n_genes'"
     for top, members in (
-        ("obs", "'obs/cell_type' (categorical), 'obs/n_genes'"),
+        ("obs", obs),
+        ("/obs", obs),  # the members named as tops take them, whatever slashes the top has
+        ("obs/", obs),
+        ("//obs//", obs),
         ("df", "'df/table/index', 'df/table/values_block_0'"),
+        ("/df", "'df/table/index', 'df/table/values_block_0'"),
     ):
         with pytest.raises(SchemaError) as err:
             HDF5DataLayer(path, tops=(top,), batch_size=1).__enter__()
