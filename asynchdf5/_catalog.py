@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import math
 import posixpath
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -333,14 +334,10 @@ def missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
         names += [path.lstrip("/"), *(f"{path.lstrip('/')}/{f}" for f in fields)]
     by_lower = {n.lower(): n for n in reversed(names)}
     close = difflib.get_close_matches(top.strip("/").lower(), list(by_lower), n=1, cutoff=0.6)
-    hint = f" Did you mean {by_lower[close[0]]!r}?" if close else ""
-    if _in_pandas_blocks(h5, top):
-        hint += (
-            " pandas stores a table's columns of one dtype together, as the fields "
-            "values_block_0, values_block_1, ... of its 'table' dataset; "
-            '`df.to_hdf(path, key=..., format="table", data_columns=True)` stores each column '
-            "as a field named by it."
-        )
+    meant, pandas = _pandas_column(h5, top)
+    if meant is None and close:
+        meant = by_lower[close[0]]
+    hint = (f" Did you mean {meant!r}?" if meant else "") + pandas
     parts = []
     if groups:
         parts.append(f"the groups read as tops {_listed([f'{p!r} ({w})' for p, w in groups])}")
@@ -352,19 +349,68 @@ def missing_top(name: str, h5: h5py.File, top: str) -> SchemaError:
     )
 
 
-def _in_pandas_blocks(h5: h5py.File, top: str) -> bool:
-    """Whether ``top`` names a field that a pandas table (``to_hdf(format="table")``, whose
-    group says ``pandas_type="frame_table"``) does not have: a column's name, where pandas
-    kept the column in a ``values_block_N`` field."""
-    parent = top.strip("/").rpartition("/")[0]
+_DATA_COLUMNS = (
+    '`df.to_hdf(path, key=..., format="table", data_columns=True)` stores each column as a '
+    "field named by it."
+)
+_PANDAS_BLOCKS = (
+    " pandas stores a table's columns of one dtype together, as the fields values_block_0, "
+    f"values_block_1, ... of its 'table' dataset; {_DATA_COLUMNS}"
+)
+# What PyTables writes for a list of column names (a ``values_block_N_kind`` attribute): a
+# protocol-0 pickle of the list, read here as text only (never unpickled).
+_PICKLED_NAMES = re.compile(r"\(lp0\n((?:V[^\n]*\np\d+\na)*)\.")
+_PICKLED_NAME = re.compile(r"V([^\n]*)\np\d+\na")
+
+
+def _pandas_table(h5: h5py.File, path: str) -> h5py.Dataset | None:
+    """The table dataset of the pandas table (``to_hdf(format="table")``, whose group says
+    ``pandas_type="frame_table"``) that ``path`` names: the group, or its ``table``."""
     try:
-        table = h5.get(parent) if parent else None
+        obj = h5.get(path) if path else None
+        if isinstance(obj, h5py.Group):
+            obj = obj.get("table")
     except (KeyError, OSError, TypeError, ValueError):
-        return False
-    if not isinstance(table, h5py.Dataset) or not table.dtype.names:
-        return False
-    blocks = any(f.startswith("values_block_") for f in table.dtype.names)
-    return blocks and _text(table.parent.attrs.get("pandas_type")) == "frame_table"
+        return None
+    if not isinstance(obj, h5py.Dataset) or not obj.dtype.names:
+        return None
+    return obj if _text(obj.parent.attrs.get("pandas_type")) == "frame_table" else None
+
+
+def _block_of(table: h5py.Dataset, column: str) -> tuple[str, int] | None:
+    """The ``values_block_N`` field of ``table`` that holds pandas column ``column``, and its
+    place among the block's columns (from the field's ``_kind`` attribute); None if unknown."""
+    for name in table.dtype.names or ():
+        said = table.attrs.get(f"{name}_kind") if name.startswith("values_block_") else None
+        if not isinstance(said, bytes | str):
+            continue
+        text = said.decode(errors="replace") if isinstance(said, bytes) else said
+        whole = _PICKLED_NAMES.fullmatch(text)
+        names = _PICKLED_NAME.findall(whole.group(1)) if whole else []
+        if column in names:
+            return name, names.index(column)
+    return None
+
+
+def _pandas_column(h5: h5py.File, top: str) -> tuple[str | None, str]:
+    """For a missing ``top`` that names a column of a pandas table (``df/price`` or
+    ``df/table/price``): the top that holds the column (its field, or the block of columns
+    pandas kept it in; None if unknown), and what to say of pandas' blocks ("" if nothing)."""
+    parent, _, column = top.strip("/").rpartition("/")
+    table = _pandas_table(h5, parent)
+    if table is None:
+        return None, ""
+    names = table.dtype.names or ()
+    where = table.name.lstrip("/")
+    if column in names:  # a data column, named without its table
+        return f"{where}/{column}", ""
+    block = _block_of(table, column)
+    if block is not None:
+        return f"{where}/{block[0]}", (
+            f" pandas keeps column {column!r} there, as its column {block[1]}, with the other "
+            f"columns of its dtype; {_DATA_COLUMNS}"
+        )
+    return None, _PANDAS_BLOCKS if any(n.startswith("values_block_") for n in names) else ""
 
 
 def compound_field(h5: h5py.File, top: str) -> tuple[h5py.Dataset, str] | None:

@@ -168,6 +168,29 @@ def test_a_missing_pandas_column_says_where_pandas_keeps_it(tmp_path: Path) -> N
     assert "data_columns" not in str(err.value) and "_i_table" not in str(err.value)
 
 
+def test_a_pandas_column_named_without_its_table_gets_the_field_that_holds_it(
+    tmp_path: Path,
+) -> None:
+    """``t/a`` for a column of the pandas table ``t``: a data column is the field
+    ``t/table/a`` (too short a name for the closest-name match to find), and a column kept in
+    a block of columns of its dtype is named with the block and its place there."""
+    path = _pandas_table(tmp_path / "columns.h5", 50, data_columns=["a"])
+    with pytest.raises(SchemaError) as err:
+        _open(path, tops=("t/a",))
+    check_message(err.value, "Did you mean 't/table/a'?")
+    assert "values_block" not in str(err.value).split("The file has")[0]
+    path = _pandas_table(tmp_path / "blocks.h5", 50)
+    for top in ("t/b", "/t/table/b"):
+        with pytest.raises(SchemaError) as err:
+            _open(path, tops=(top,))
+        check_message(
+            err.value,
+            "Did you mean 't/table/values_block_1'?",
+            "column 'b' there, as its column 0",
+            "data_columns=True",
+        )
+
+
 @pytest.mark.timeout(60)
 def test_bench_reads_fields_into_memory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
