@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ import numpy as np
 from .. import __version__
 from .._catalog import ENCODING_ATTR, SHUFFLED_ATTR
 from ._pack_inputs import _pyarrow, _read_table, refuse_group_top
-from ._pack_write import PackError, commit_text, temporary_prefix
+from ._pack_write import PackError, commit_file, commit_text, temporary_prefix
 from ._util import mib, plural
 
 __all__ = [
@@ -241,7 +240,7 @@ def _pack_table(
                 tmp = out / f"{temporary_prefix()}{final.name}"
                 sub = table.take(pa.array(order[a : a + per_file]))
                 _write_table_file(pa, sub, columns, categories, tmp, attrs)
-                _commit(tmp, final)
+                commit_file(tmp, final)
                 files.append(final.name)
             commit_text(out / f"{name}.txt", "\n".join(files) + "\n")
             written.append(f"{name} {plural(len(order), 'sample')} in {plural(len(files), 'file')}")
@@ -326,16 +325,6 @@ def pack_vlen(
 # --- .h5ad -------------------------------------------------------------------------------------
 
 
-def _commit(tmp: Path, final: Path) -> None:
-    """``tmp`` complete on disk, then renamed to ``final``."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-
-
 def _enc(obj: Any) -> object:
     said = obj.attrs.get(ENCODING_ATTR)
     return said.decode() if isinstance(said, bytes) else said
@@ -416,7 +405,7 @@ def pack_h5ad(args: argparse.Namespace, out: Path) -> int:
                     dst.attrs["packed_by"] = f"asynchdf5 {__version__} pack"
             except OSError as exc:
                 raise PackError(f"{path}: cannot rewrite it: {exc}") from exc
-            _commit(tmp, final)
+            commit_file(tmp, final)
             names.append(final.name)
             print(f"{path} -> {final} ({mib(final.stat().st_size)})", flush=True)
     finally:

@@ -141,16 +141,22 @@ def _fsync_dir(folder: Path) -> None:
         _fsync(folder)
 
 
+def commit_file(tmp: Path, final: Path) -> None:
+    """Move the written file ``tmp`` to ``final`` atomically: its bytes on disk first, then the
+    rename, then the folder's entry on disk (a crash leaves the old name or the whole file)."""
+    _fsync(tmp)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
 def commit_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically (temporary name, then rename)."""
     tmp = path.with_name(f"{temporary_prefix()}{path.name}.tmp")
     try:
         tmp.write_text(text, encoding="utf-8")
-        _fsync(tmp)
-        os.replace(tmp, path)
+        commit_file(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
 
 
 class FileWriter:
@@ -276,9 +282,7 @@ class FileWriter:
         elif self._h5 is not None:
             self._h5.close()
         self._h5 = None
-        _fsync(self.tmp)
-        os.replace(self.tmp, final)
-        _fsync_dir(final.parent)
+        commit_file(self.tmp, final)
         return self.written
 
     def discard(self) -> None:
