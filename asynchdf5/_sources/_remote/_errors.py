@@ -125,6 +125,20 @@ def status_of(exc: BaseException) -> tuple[str | None, int | None]:
     )
 
 
+def s3_missing(exc: BaseException, bucket: str) -> str:
+    """What S3 said is missing (``exc``, about an object of ``bucket``), for a message: the
+    object, or its bucket (whatever the client, s3fs's or obstore's)."""
+    if status_of(exc)[0] == "NoSuchBucket":
+        return f"does not exist (there is no bucket {bucket!r})"
+    return "does not exist"
+
+
+def s3_empty_range(exc: BaseException) -> bool:
+    """Whether S3 refused a ranged GET of an object's first bytes because it has none
+    (``InvalidRange``): its size and version then come from a HEAD."""
+    return status_of(exc)[0] == "InvalidRange"
+
+
 def classify(exc: BaseException) -> str:
     """``"missing"``, ``"denied"``, ``"changed"``, ``"transient"`` or ``"other"``."""
     code, status = status_of(exc)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._errors import Changed, status_of
+from ._errors import Changed, s3_empty_range, s3_missing
 from ._transfer import Transfer
 
 if TYPE_CHECKING:
@@ -263,7 +263,7 @@ class ObstoreS3:
         try:
             data, meta = await self._get(url, 0, n, None)
         except StoreError as exc:
-            if status_of(exc)[0] != "InvalidRange":
+            if not s3_empty_range(exc):
                 raise
             size, version = await self.head(url)  # an empty object
             return size, version, b""
@@ -292,9 +292,7 @@ class ObstoreS3:
         return len(view)
 
     def missing_what(self, url: str, exc: BaseException) -> str:
-        if status_of(exc)[0] == "NoSuchBucket":
-            return f"does not exist (there is no bucket {self._split(url)[0]!r})"
-        return "does not exist"
+        return s3_missing(exc, self._split(url)[0])
 
     async def close(self) -> None:
         self._buckets.clear()  # their clients and connections go with them

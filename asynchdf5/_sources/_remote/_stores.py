@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
-from ._errors import Changed, status_of
+from ._errors import Changed, s3_empty_range, s3_missing
 
 T = TypeVar("T")
 
@@ -189,7 +189,7 @@ class S3Store:
         try:
             resp = await s3.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{n - 1}", **kw)
         except Exception as exc:
-            if status_of(exc)[0] != "InvalidRange":
+            if not s3_empty_range(exc):
                 raise
             size, version = await self.head(url)  # an empty object
             return size, version, b""
@@ -249,9 +249,7 @@ class S3Store:
         return n
 
     def missing_what(self, url: str, exc: BaseException) -> str:
-        if status_of(exc)[0] == "NoSuchBucket":
-            return f"does not exist (there is no bucket {self._split(url)[0]!r})"
-        return "does not exist"
+        return s3_missing(exc, self._split(url)[0])
 
     async def close(self) -> None:
         creator = getattr(self.fs, "_s3creator", None)
