@@ -1,16 +1,7 @@
 """Bad inputs, part 4 (the sync facade: the same errors, and its event loop thread is gone
 after ``with``): each raises the right error, names what is wrong, leaks nothing.
 
-Every error is checked for its class *and* for a message that names the file, the top, the rows
-or the transformer involved. Configuration errors are raised at construction; source and schema
-errors at the first call that needs the files (``len()``, ...) or when the layer is opened,
-before any batch; read and transform errors from the ``async for`` (or ``for``) that was
-waiting, after only complete, correct batches. After leaving ``async with`` (or ``with``) no
-task, busy thread or file descriptor of ours may be left behind.
-
-The data (``_files``; the ``source`` fixture: a list file naming three files, 300 samples) make
-alignment checkable from the batch alone: row ``i`` has ``label == i`` and ``data == [10 * i,
-10 * i + 1]``.
+What every part checks, and the data they read: part 1, ``test_bad_input_sources``.
 """
 
 from __future__ import annotations
