@@ -1,6 +1,6 @@
 """Helpers that tests of several modules share and that are not data: collecting an epoch (up
-to the error that ends it), the examples a property test draws, the command line run
-in-process, and a layer that must fail to open."""
+to the error that ends it), the examples a property test draws (and how a whole-pipeline one
+is bounded), the command line run in-process, and a layer that must fail to open."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import anyio
 import pytest
+from hypothesis import HealthCheck, settings
 
 from asynchdf5 import AsyncHDF5DataLayer, Batch, DataLayerError
 from asynchdf5._cli import main
@@ -23,12 +24,36 @@ from ._leaks import aassert_released, asnapshot
 DEADLINE = 30
 
 E = TypeVar("E", bound=DataLayerError)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def examples(default: int) -> int:
     """The examples a property test draws: ``default`` (a few dozen) in the normal run, and
     ``ASYNCHDF5_STRESS_EXAMPLES`` where that is set (``nox -s stress``: thousands)."""
     return int(os.environ.get("ASYNCHDF5_STRESS_EXAMPLES", default))
+
+
+#: Seconds one example of a whole-pipeline property test may take (each test bounds its
+#: examples with it): generous for a loaded CI machine, and far below "forever".
+EXAMPLE_DEADLINE = float(os.environ.get("ASYNCHDF5_EXAMPLE_DEADLINE", "30"))
+
+
+def pipeline_examples(n: int) -> Callable[[F], F]:
+    """Mark a property test of the whole pipeline: ``n`` examples, none with hypothesis'
+    deadline or pytest-timeout's (the test bounds each example by :data:`EXAMPLE_DEADLINE`
+    instead: the examples add up), and without the health checks that a function-scoped
+    fixture and slow examples trip."""
+
+    def mark(test: F) -> F:
+        drawn = settings(
+            max_examples=n,
+            deadline=None,
+            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+        )(test)
+        timed: F = pytest.mark.timeout(0)(drawn)
+        return timed
+
+    return mark
 
 
 async def epoch_until_error(

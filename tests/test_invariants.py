@@ -23,7 +23,6 @@ The normal test run draws a few dozen examples per backend; ``nox -s stress`` dr
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ import anyio
 import h5py
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import asynchdf5._read._mapped
@@ -44,14 +43,12 @@ from asynchdf5 import AsyncHDF5DataLayer, Batch, CacheBudgetWarning, MemoryDataL
 from asynchdf5._plan import shard_share
 
 from ._files import ROW_BYTES, ramp, split_refused
-from ._helpers import examples
+from ._helpers import EXAMPLE_DEADLINE, examples, pipeline_examples
 
 pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]  # the event loop matters
 
 #: Examples per backend in the normal run, and in ``nox -s stress``.
 EXAMPLES = examples(30)
-#: Seconds one example may take. Generous (a loaded CI machine), and far below "forever".
-DEADLINE = float(os.environ.get("ASYNCHDF5_EXAMPLE_DEADLINE", "30"))
 SAMPLE_SHAPE = (2,)  # with an int64 label: rows of ROW_BYTES
 
 
@@ -254,17 +251,12 @@ async def check_case(case: Case) -> None:
             np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.timeout(0)  # bounded per example by DEADLINE instead
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@pipeline_examples(EXAMPLES)
 @given(case=cases())
 async def test_whole_pipeline_never_hangs_and_yields_each_sample_once(case: Case) -> None:
     if refused(case):
         return
-    with anyio.fail_after(DEADLINE):
+    with anyio.fail_after(EXAMPLE_DEADLINE):
         await check_case(case)
 
 
@@ -298,5 +290,5 @@ async def test_known_hangs(
         block_size=None,
         stream_batches=3 * sum(sizes) // batch_size,
     )
-    with anyio.fail_after(DEADLINE):
+    with anyio.fail_after(EXAMPLE_DEADLINE):
         await check_case(case)

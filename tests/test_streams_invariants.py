@@ -22,7 +22,6 @@ The normal run draws a few dozen examples; ``nox -s stress`` more
 
 from __future__ import annotations
 
-import os
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -32,19 +31,18 @@ import anyio
 import h5py
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from asynchdf5 import AsyncHDF5DataLayer, CacheBudgetWarning, Stream
 from asynchdf5._streams import StreamSpec, stream_counts
 
 from ._files import ROW_BYTES, ramp, rows, split_refused
-from ._helpers import examples
+from ._helpers import EXAMPLE_DEADLINE, examples, pipeline_examples
 
 pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]  # the event loop matters
 
 EXAMPLES = max(10, examples(100) // 4)
-DEADLINE = float(os.environ.get("ASYNCHDF5_EXAMPLE_DEADLINE", "30"))
 
 
 @dataclass(frozen=True)
@@ -248,30 +246,20 @@ async def check_case(case: Case) -> None:
             assert times.min() >= low and times.max() <= low + 1, (s, times.min(), times.max())
 
 
-@pytest.mark.timeout(0)  # bounded per example by DEADLINE instead
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@pipeline_examples(EXAMPLES)
 @given(case=cases())
 async def test_mixed_streams_never_hang_and_give_exact_counts(case: Case) -> None:
     if refused(case):
         return
-    with anyio.fail_after(DEADLINE):
+    with anyio.fail_after(EXAMPLE_DEADLINE):
         await check_case(case)
 
 
-@pytest.mark.timeout(0)
-@settings(
-    max_examples=EXAMPLES // 2,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@pipeline_examples(EXAMPLES // 2)
 @given(case=cases(schemas=True))
 async def test_per_stream_batches_keep_each_streams_schema(case: Case) -> None:
     """Streams of different schemas, always (the test above draws them now and then)."""
     if refused(case):
         return
-    with anyio.fail_after(DEADLINE):
+    with anyio.fail_after(EXAMPLE_DEADLINE):
         await check_case(case)
