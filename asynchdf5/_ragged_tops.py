@@ -546,12 +546,27 @@ def _vlen_form(where: str, top: str, dset: h5py.Dataset, base: Any) -> RaggedFor
             f"{where}: top {top!r} is a variable-length dataset of shape {dset.shape}; only "
             "1-D ones (one row per sample) are supported"
         )
-    # The rows' lengths are known only from the rows: read once, here, through h5py.
-    rows = dset[()]
-    lengths = np.fromiter((len(r) for r in rows), np.int64, count=len(rows))
-    indptr = np.zeros(len(rows) + 1, np.int64)
-    np.cumsum(lengths, out=indptr[1:])
+    # The rows' lengths are known only from the rows: read once, here, through h5py, a block
+    # at a time, so that a data set larger than memory opens in bounded memory.
+    n = len(dset)
+    indptr = np.zeros(n + 1, np.int64)
+    at, step = 0, _VLEN_FIRST_ROWS
+    while at < n:
+        rows = dset[at : at + step]
+        lengths = np.fromiter((len(r) for r in rows), np.int64, count=len(rows))
+        np.cumsum(lengths, out=indptr[at + 1 : at + 1 + len(rows)])
+        indptr[at + 1 : at + 1 + len(rows)] += indptr[at]
+        at += len(rows)
+        held = int(lengths.sum()) * dtype.itemsize
+        step = max(1, min(_VLEN_MOST_ROWS, step * _VLEN_BLOCK_BYTES // max(held, 1)))
     return RaggedForm("ragged", indptr, dtype, (), vlen=dset)
+
+
+#: Reading a variable-length dataset's lengths at open: rows of the first block, then as many as
+#: hold about :data:`_VLEN_BLOCK_BYTES` of values (at most :data:`_VLEN_MOST_ROWS`).
+_VLEN_FIRST_ROWS = 256
+_VLEN_BLOCK_BYTES = 4 << 20
+_VLEN_MOST_ROWS = 1 << 16
 
 
 def find_form(where: str, h5: h5py.File, top: str) -> RaggedForm | None:

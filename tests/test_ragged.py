@@ -463,6 +463,47 @@ def test_vlen_numeric_dataset(tmp_path: Path) -> None:
         check_exactly_once([epoch_of(layer)], 23)
 
 
+def test_vlen_lengths_span_blocks(tmp_path: Path) -> None:
+    """A variable-length dataset's lengths are read at open a block of rows at a time: rows on
+    both sides of the blocks' edges (256, then more) keep their own values."""
+    path = write_ragged(tmp_path / "v.h5", 0, 700, longest=40, vlen=True)
+    with HDF5DataLayer(path, tops=("tok", "label", "len"), batch_size=64, shuffle=True) as layer:
+        seen = []
+        for batch in layer:
+            check_rows(batch)
+            seen += batch.indices.tolist()
+        check_exactly_once([seen], 700)
+
+
+_VLEN_OPEN = """
+import sys
+from asynchdf5 import HDF5DataLayer
+
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from the resident size now
+before = kib("VmRSS:")
+with HDF5DataLayer(sys.argv[1], tops=("tok",), batch_size=4, cache_bytes=1 << 20):
+    print((kib("VmHWM:") - before) * 1024)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_vlen_dataset_opens_in_bounded_memory(tmp_path: Path) -> None:
+    """Opening a variable-length top reads its rows' lengths without holding every row at
+    once: 48 MiB of rows open within 32 MiB more memory (reading them whole took 48+)."""
+    path = tmp_path / "v.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("tok", (3072,), dtype=h5py.vlen_dtype(np.int32))
+        d[...] = [np.full(4096, i, np.int32) for i in range(3072)]
+    grew = int(run_python(["-c", _VLEN_OPEN, path], timeout=50))
+    assert grew < 32 << 20, f"opening grew the process by {grew >> 20} MiB"
+
+
 def test_vlen_strings_are_refused_with_the_route(tmp_path: Path) -> None:
     path = tmp_path / "s.h5"
     with h5py.File(path, "w") as f:
