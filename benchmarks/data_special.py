@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from benchmarks.config import IMAGE_SHAPE
+from benchmarks.data import synced_into_place
 from benchmarks.internals import SHUFFLED_ATTR
 
 __all__ = [
@@ -66,18 +67,8 @@ def class_sorted_images(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bo
             data[a:b] = rng.integers(0, 256, (b - a, *IMAGE_SHAPE), dtype=np.uint8)
             label[a:b] = np.arange(a, b, dtype=np.int64) * 10 // n
         f.attrs[OOC_PARAMS_ATTR] = params
-    _synced_into_place(tmp, path)
+    synced_into_place(tmp, path)
     return path, False
-
-
-def _synced_into_place(tmp: Path, path: Path) -> None:
-    """Sync the written file ``tmp`` (dirty pages cannot be evicted) and rename it to ``path``."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def shuffled_images(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bool]:
@@ -108,7 +99,7 @@ def shuffled_images(data_dir: Path, n: int, seed: int = 0) -> tuple[Path, bool]:
         f.attrs[SHUFFLED_ATTR] = True
         f.attrs[OOC_PARAMS_ATTR] = params
     del rows
-    _synced_into_place(tmp, path)
+    synced_into_place(tmp, path)
     return path, False
 
 
