@@ -3,9 +3,10 @@ batch crosses the shared memory as its arrays, and this process gets the same
 :class:`~asynchdf5.Ragged` and scipy CSR batches as the in-process layer, batch by batch.
 
 Every file here says which sample a row is: row ``g`` of the ragged tops ``tok`` and ``seq``
-holds ``length(g)`` values all equal to ``g`` (empty rows among them, and one row of
-:data:`LONG_VALUES`), and row ``g`` of the sparse tops ``X`` and ``Y`` holds ``g % 4`` values
-``g + 1`` in columns 0, 2, 4 (empty rows too); one file holds no rows at all.
+holds ``length(g)`` values all equal to ``g`` (``seq``'s of trailing shape ``(2,)``; empty rows
+among them, and one row of :data:`LONG_VALUES`), and row ``g`` of the sparse tops ``X`` and
+``Y`` holds ``g % 4`` values ``g + 1`` in columns 0, 2, 4 (empty rows too); one file holds no
+rows at all.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def write_files(folder: Path) -> list[Path]:
         path = folder / f"m{k}.h5"
         with h5py.File(path, "w") as f:
             f["label"], f["len"] = g, lens
-            for name in ("tok", "seq"):  # a ragged group: data + indptr
+            for name, trailing in (("tok", ()), ("seq", (2,))):  # ragged groups: data + indptr
                 grp = f.create_group(name)
-                grp["data"], grp["indptr"] = np.repeat(g, lens), indptr
+                values = np.repeat(g, lens).reshape(-1, *[1] * len(trailing))
+                grp["data"], grp["indptr"] = values * np.ones(trailing, np.int64), indptr
             for name in ("X", "Y"):  # a CSR group as AnnData writes one
                 grp = f.create_group(name)
                 grp["data"] = m.data
@@ -225,7 +227,10 @@ def test_resume_mid_epoch_and_transformers(tmp_path: Path) -> None:
         assert tok.shape == (len(g), 6)
         for i, k in enumerate(tok_lengths(g).tolist()):
             assert (tok[i, : min(k, 6)] == g[i]).all() and (tok[i, min(k, 6) :] == -1).all()
-        np.testing.assert_array_equal(b["seq"].values, 2 * np.repeat(g, tok_lengths(g)))
+        seq = b["seq"]  # rows of a trailing shape
+        assert seq.values.shape == (int(tok_lengths(g).sum()), 2)
+        rows = np.repeat(g, tok_lengths(g))[:, None] * np.ones(2, np.int64)
+        np.testing.assert_array_equal(seq.values, 2 * rows)
         np.testing.assert_array_equal(b["X"], dense_rows(g))
         np.testing.assert_array_equal(b["Y"].toarray(), 2 * dense_rows(g))
     check_exactly_once([b.indices for b in got], N)
