@@ -12,6 +12,7 @@ rows at all.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import scipy.sparse
 
 from asynchdf5 import AsyncHDF5DataLayer, HDF5DataLayer, Ragged
 from asynchdf5 import transforms as T
+from asynchdf5._ragged_tops import RaggedInfo, RowLengths
 
 from ._fake_cupy import FakeArray, FakeCsrMatrix, FakeCupy
 from ._files import check_exactly_once
@@ -320,6 +322,24 @@ async def test_device_uploads_the_helpers_ragged_and_sparse_batches(
         np.testing.assert_array_equal(m.toarray(), dense_rows(g))
     check_exactly_once([b["indices"] for b in got], N)
     no_helper_left()
+
+
+def test_what_the_layers_process_keeps_of_a_ragged_top() -> None:
+    """``RaggedInfo.for_batches(rows)``, which the helper sends: a few bytes whatever the rows,
+    the kind, columns and index dtypes kept (the batches' index dtype the whole top's, not one
+    row's), and the heap bound of any batch of up to ``rows`` rows (a device's staging)."""
+    lens = np.array([5, 0, 9, 2, 2**31 - 3, 1], np.int64)  # int64 batches: the non-zeros
+    indptr = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(lens, out=indptr[1:])
+    info = RaggedInfo("sparse", 11, np.dtype(np.int32), lengths=RowLengths([(len(lens), indptr)]))
+    kept = pickle.loads(pickle.dumps(info.for_batches(3)))
+    assert len(pickle.dumps(kept)) < 2000
+    assert (kept.kind, kept.n_cols, kept.index_dtype, kept.sparse) == ("sparse", 11, np.int32, True)
+    for rows in (1, 2, 3):
+        assert kept.heap_rows(rows) == info.heap_rows(3) == 2**31 - 3 + 9 + 5
+    one = pickle.loads(pickle.dumps(info.for_batches(1)))  # its bound alone fits int32
+    assert one.heap_rows(1) == 2**31 - 3
+    assert info.batch_index_dtype == one.batch_index_dtype == np.int64
 
 
 def test_a_batch_no_shared_memory_carries_is_a_transform_error(tmp_path: Path) -> None:
