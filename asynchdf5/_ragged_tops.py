@@ -33,14 +33,13 @@ from typing import Any, Literal
 import h5py
 import numpy as np
 
-from ._errors import ConfigurationError, SchemaError
+from ._errors import SchemaError
 from ._layout import Layout
 
 __all__ = [
     "CSR_MEMBERS",
     "HEAP",
     "INDICES",
-    "RAGGED_PATHS",
     "RaggedForm",
     "RaggedInfo",
     "RaggedParts",
@@ -52,7 +51,6 @@ __all__ = [
     "is_heap",
     "kind_words",
     "member_of_csr",
-    "refuse_ragged",
 ]
 
 #: The members of a stored CSR group (scipy, AnnData, h5sparse).
@@ -276,6 +274,19 @@ class RaggedInfo:
         ):
             return np.dtype(np.int32)
         return np.dtype(np.int64)
+
+    def for_batches(self, rows: int) -> RaggedInfo:
+        """What a ``process=True`` layer's own process keeps of this top, sent by its helper
+        process (which holds the files' ``indptr``), in a few bytes: the kind, the columns and
+        index dtypes (:attr:`batch_index_dtype` as here), and lengths of one row holding the
+        values ``rows`` rows hold at most, so that :meth:`heap_rows` answers, for any batch of
+        up to ``rows`` rows, the bound a device's staging is sized by. Nothing else of its
+        lengths is known there (nothing else is asked there)."""
+        bound = self.heap_rows(rows)
+        one = RowLengths([(1, np.array([0, bound], np.int64))])
+        info = RaggedInfo(self.kind, self.n_cols, self.index_dtype, self.vlen, one)
+        vars(info)["batch_index_dtype"] = self.batch_index_dtype  # the whole top's, not one row's
+        return info
 
     def heap_rows(self, rows: int) -> int:
         """Values ``rows`` rows hold at most, whichever they are (the ``rows`` longest)."""
@@ -598,20 +609,4 @@ def member_of_csr(where: str, h5: h5py.File, top: str) -> None:
             f"{where}: top {top!r} is the {leaf!r} member of the {kind} {parent!r}, whose "
             f"rows are cut from 'data' by 'indptr'; name the group as the top: "
             f"tops=({posixpath.normpath(parent).lstrip('/')!r}, ...)"
-        )
-
-
-#: The read paths a ragged top's are named by (:meth:`~._catalog.Catalog.read_paths`).
-RAGGED_PATHS = ("ragged-", "sparse-", "vlen-")
-
-
-def refuse_ragged(read_paths: dict[str, str]) -> None:
-    """:class:`~._errors.ConfigurationError` for ragged tops in a ``process=True`` helper: its
-    shared-memory slots carry one array per top, of fixed rows."""
-    ragged = [t for t, p in read_paths.items() if p.startswith(RAGGED_PATHS)]
-    if ragged:
-        raise ConfigurationError(
-            f"top(s) {', '.join(map(repr, ragged))} have rows of varying length: process=True "
-            "does not carry ragged or sparse tops yet (its shared-memory slots hold fixed rows); "
-            "leave out process=True"
         )

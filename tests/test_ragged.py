@@ -1069,14 +1069,6 @@ def test_a_member_of_a_ragged_group_is_named_as_such(tmp_path: Path) -> None:
         assert "CSR" not in str(err.value)
 
 
-def test_process_refuses_ragged_tops(tmp_path: Path) -> None:
-    files = write_files(tmp_path, [6])
-    layer = HDF5DataLayer(files, tops=("tok", "label"), batch_size=2, process=True)
-    with pytest.raises(ConfigurationError) as err:
-        layer.__enter__()
-    check_message(err.value, "'tok'", "process=True")
-
-
 # --- the whole pipeline, property-style ---------------------------------------------------------
 
 
@@ -1438,7 +1430,7 @@ def test_to_padded_of_python_objects_pads_each_row() -> None:
 def test_batch_keys_follow_the_tops_order(tmp_path: Path) -> None:
     """A batch's keys are the tops in the order given, ragged ones among fixed ones, on every
     route: sync, async, ``stream()``, a fused Pad, the torch dataset (in a worker too), and
-    ``process=True`` (fixed tops: it refuses ragged ones)."""
+    ``process=True`` (in another order; tests/test_process_ragged.py has the rest of it)."""
     import anyio
 
     files = write_files(tmp_path, [9, 4])
@@ -1464,10 +1456,11 @@ def test_batch_keys_follow_the_tops_order(tmp_path: Path) -> None:
                     check(b)
 
     anyio.run(run_async)
-    fixed = ("len", "label")  # not in the files' nor the alphabet's order
-    with HDF5DataLayer(files, tops=fixed, batch_size=4, process=True) as layer:
+    other = ("label", "tok", "len")  # not in the files' nor the alphabet's order
+    with HDF5DataLayer(files, tops=other, batch_size=4, process=True) as layer:
         for b in layer:
-            check(b, fixed)
+            check(b, other)
+            check_rows(b)
 
     pytest.importorskip("torch")
     from torch.utils.data import DataLoader
