@@ -183,7 +183,8 @@ class Catalog:
                 for f in self.files
             ]
             lengths = RowLengths(pieces)
-            info = dataclasses.replace(t.ragged, lengths=lengths)
+            names = tuple(f.name for f in self.files)
+            info = dataclasses.replace(t.ragged, lengths=lengths, files=names)
             self.tops[name] = dataclasses.replace(t, ragged=info)
             base = 0
             for f in self.files:

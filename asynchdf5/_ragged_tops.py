@@ -33,7 +33,7 @@ from typing import Any, Literal
 import h5py
 import numpy as np
 
-from ._errors import ConfigurationError, SchemaError
+from ._errors import ConfigurationError, ReadError, SchemaError
 from ._layout import Layout
 
 __all__ = [
@@ -117,6 +117,8 @@ class RowLengths:
         np.cumsum(held, out=self._bases[1:])
         #: Rows over all files (those without the top count, holding nothing).
         self.n = int(self._starts[-1])
+        #: Each file's first global row (and, last, ``n``).
+        self.starts = self._starts
         #: Values over all rows.
         self.total = int(self._bases[-1])
         # The one file that holds every row: its indptr answers `before` as is.
@@ -254,6 +256,8 @@ class RaggedInfo:
     index_dtype: np.dtype[Any] | None = None
     vlen: bool = False
     lengths: RowLengths = field(default_factory=RowLengths)
+    #: The files' names in global order (set by the catalog with ``lengths``): where a row is.
+    files: tuple[str, ...] = ()
     #: :meth:`slot_values` asked before, by rows (the cache sizing asks the same ones again).
     _slots: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
@@ -314,6 +318,32 @@ class RaggedInfo:
             return 0
         bounds = np.asarray(ranges, np.int64)
         return int(np.sum(self.lengths.before(bounds[:, 1]) - self.lengths.before(bounds[:, 0])))
+
+    def check_columns(
+        self, top: str, indices: np.ndarray, offsets: np.ndarray, rows: np.ndarray
+    ) -> None:
+        """:class:`~._errors.ReadError` unless every column index of a sparse top's gathered
+        rows (``indices``, cut by ``offsets``; ``rows`` their global indices) lies in
+        ``0:n_cols``. The stored ``indices`` are values, not read at open: one out of range
+        makes a matrix that scipy's ``toarray`` (and cuSPARSE, torch) writes outside of, so
+        each batch's are checked before it is made (one pass over them, unsigned: a negative
+        index is a huge one)."""
+        if not len(indices):
+            return
+        unsigned = indices.view(np.dtype(f"u{indices.dtype.itemsize}"))
+        if int(unsigned.max()) < self.n_cols:
+            return
+        at = int(np.argmax(unsigned >= self.n_cols))
+        row = int(rows[int(np.searchsorted(offsets, at, side="right")) - 1])
+        starts = self.lengths.starts
+        f = int(np.searchsorted(starts, row, side="right")) - 1
+        where = f"{self.files[f]}: " if 0 <= f < len(self.files) else ""
+        raise ReadError(
+            f"{where}top {top!r}, row {row - int(starts[f]) if f >= 0 else row} (global index "
+            f"{row}): column index {int(indices[at])} is outside the sparse matrix's "
+            f"{self.n_cols} columns (its 'shape' attribute): the file's 'indices' or 'shape' "
+            "is wrong"
+        )
 
     @property
     def mean_values(self) -> float:

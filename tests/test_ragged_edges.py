@@ -1,0 +1,304 @@
+"""Ragged and sparse tops at their edges, through the whole pipeline (issue 41's guarantees).
+
+What tests/test_ragged.py checks on middling files, here on the files a user may really have:
+rows that vary wildly (one huge row on one shard, files of empty rows only, a file of zero
+rows), ``indptr`` of every integer width, values spread over many compressed stored chunks,
+elastic resume and weighted streams with ragged and sparse tops side by side, files AnnData
+wrote, and files tampered with where the open-time checks cannot see (a column index of a
+sparse matrix out of range): a named error before any wrong batch, never a batch.
+
+Row ``g`` (global index) of ``tok`` holds ``len[g]`` values all equal to ``g``; row ``g`` of
+the sparse top ``X`` is row ``g`` of the dense top ``dense``: each batch says whether it is
+right from its own arrays.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import h5py
+import numpy as np
+import pytest
+import scipy.sparse
+
+from asynchdf5 import (
+    AsyncHDF5DataLayer,
+    HDF5DataLayer,
+    ReadError,
+    SchemaError,
+    Stream,
+)
+from asynchdf5._delivery._cuda import CudaDelivery
+
+from ._fake_cupy import FakeCupy
+from ._files import check_exactly_once, check_message
+from .test_ragged import check_rows, lengths_of
+
+pytestmark = pytest.mark.timeout(60)
+
+TOPS = ("tok", "X", "dense", "label", "len")
+COLS = 6
+
+
+def write_both(
+    path: Path,
+    start: int,
+    lens: np.ndarray,
+    *,
+    ipdtype: Any = np.int64,
+    x_lens: np.ndarray | None = None,
+    **datasets: Any,
+) -> Path:
+    """A file of ``len(lens)`` samples from global row ``start``: the ragged ``tok`` (an
+    ``indptr`` of ``ipdtype``), the sparse ``X`` (``x_lens`` non-zeros a row, by default as
+    many as ``tok``'s values up to ``COLS``, of values ``g + column / 10``) and its ``dense``
+    rows, ``label`` and ``len``."""
+    n = len(lens)
+    g = np.arange(start, start + n, dtype=np.int64)
+    x_lens = np.minimum(lens, COLS) if x_lens is None else x_lens
+    cols = np.concatenate([np.arange(k, dtype=np.int32) for k in x_lens] or [np.zeros(0, np.int32)])
+    vals = (np.repeat(g, x_lens) + cols / 10).astype(np.float32)
+    m = scipy.sparse.csr_array(
+        (vals, cols, np.r_[0, np.cumsum(x_lens)].astype(ipdtype)), shape=(n, COLS)
+    )
+    with h5py.File(path, "w") as f:
+        f["label"], f["len"] = g, lens
+        t = f.create_group("tok")
+        t.create_dataset("data", data=np.repeat(g, lens), **datasets)
+        t["indptr"] = np.r_[0, np.cumsum(lens)].astype(ipdtype)
+        x = f.create_group("X")
+        x.create_dataset("data", data=m.data, **datasets)
+        x.create_dataset("indices", data=m.indices, **datasets)
+        x["indptr"] = np.r_[0, np.cumsum(x_lens)].astype(ipdtype)
+        x.attrs["shape"], x.attrs["encoding-type"] = m.shape, "csr_matrix"
+        f["dense"] = m.toarray()
+    return path
+
+
+def write_all(folder: Path, lens: Sequence[np.ndarray], **kw: Any) -> list[Path]:
+    out, start = [], 0
+    for k, part in enumerate(lens):
+        out.append(write_both(folder / f"f{k}.h5", start, np.asarray(part, np.int64), **kw))
+        start += len(part)
+    return out
+
+
+def check_both(batch: Any) -> list[int]:
+    """The ragged rows are their samples' (:func:`check_rows`), and so are the sparse ones."""
+    check_rows(batch)
+    x = batch["X"]
+    assert isinstance(x, scipy.sparse.csr_array) and x.shape == (len(batch.indices), COLS)
+    np.testing.assert_array_equal(x.toarray(), batch["dense"])
+    return list(batch.indices.tolist())
+
+
+# --- sizes at their edges -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_files_of_empty_rows_and_of_zero_rows_beside_others(tmp_path: Path, shuffle: bool) -> None:
+    """A file whose rows are all empty (no values at all), a file of zero rows and a file of
+    one row, beside ordinary ones: every sample once an epoch, each row its own."""
+    parts = [np.zeros(9, np.int64), np.zeros(0, np.int64), lengths_of(9, 14), np.array([3])]
+    files = write_all(tmp_path, parts)
+    with HDF5DataLayer(files, tops=TOPS, batch_size=4, shuffle=shuffle, chunk_size=6) as layer:
+        for _ in range(2):
+            check_exactly_once([[i for b in layer for i in check_both(b)]], 24)
+    (tmp_path / "alone").mkdir()
+    alone = write_all(tmp_path / "alone", [np.zeros(7, np.int64)])
+    with HDF5DataLayer(alone, tops=TOPS, batch_size=3, shuffle=shuffle) as layer:
+        seen = []
+        for b in layer:
+            seen += check_both(b)
+            padded, lengths = b["tok"].to_padded()
+            assert padded.shape == (len(b.indices), 0) and not lengths.any()
+        check_exactly_once([seen], 7)
+
+
+def test_shards_have_equal_batch_counts_with_one_huge_row_on_one(tmp_path: Path) -> None:
+    """One row holds more values than all the others together, on one shard: the shards
+    still have equal batch counts and together cover the epoch, each sample once."""
+    lens = lengths_of(0, 40, longest=5)
+    lens[7] = 30_000
+    files = write_all(tmp_path, [lens[:25], lens[25:]])
+    counts, seen = [], []
+    for rank in range(3):
+        with HDF5DataLayer(
+            files, tops=TOPS, batch_size=4, shuffle=True, seed=1, rank=rank, world_size=3
+        ) as layer:
+            batches = [check_both(b) for b in layer]
+        counts.append(len(batches))
+        seen += [i for b in batches for i in b]
+    assert len(set(counts)) == 1, counts
+    assert len(seen) == len(set(seen)) and set(seen) <= set(range(40)) and 7 in seen
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int16, np.uint64])
+def test_indptr_of_every_integer_width(tmp_path: Path, dtype: Any) -> None:
+    """``indptr`` of int32 (AnnData's), unsigned or narrow integers reads as int64 does."""
+    files = write_all(tmp_path, [lengths_of(0, 17), lengths_of(17, 11)], ipdtype=dtype)
+    with HDF5DataLayer(files, tops=TOPS, batch_size=5, shuffle=True, chunk_size=7) as layer:
+        check_exactly_once([[i for b in layer for i in check_both(b)]], 28)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_rows_across_many_stored_chunks_of_gzipped_values(tmp_path: Path, mmap: bool) -> None:
+    """Rows of up to 60 values in gzipped stored chunks of 7: most rows cross several chunks,
+    and a chunk holds the ends of several rows; shuffled through small cache chunks."""
+    lens = lengths_of(0, 50, longest=60)
+    path = write_both(tmp_path / "gz.h5", 0, lens, compression="gzip", chunks=(7,))
+    with HDF5DataLayer(
+        path, tops=TOPS, batch_size=6, shuffle=True, chunk_size=9, mmap=mmap
+    ) as layer:
+        assert layer.stats.read_paths["tok"] == "ragged-chunks"
+        assert layer.stats.read_paths["X"] == "sparse-chunks"
+        for _ in range(2):
+            check_exactly_once([[i for b in layer for i in check_both(b)]], 50)
+
+
+# --- resume, streams, stream() ------------------------------------------------------------------
+
+
+def test_elastic_resume_from_two_ranks_to_three(tmp_path: Path) -> None:
+    """A state saved by both ranks of a 2-rank run (ragged and sparse tops, a huge row, empty
+    rows), loaded on 3 ranks: the rest of the epoch is every sample not yet yielded, once,
+    with equal batch counts, each row its own."""
+    lens = lengths_of(0, 61, longest=9)
+    lens[40] = 5_000
+    files = write_all(tmp_path, [lens[:33], lens[33:]])
+    kw: dict[str, Any] = {"tops": TOPS, "batch_size": 4, "shuffle": True, "seed": 7}
+    kw["chunk_size"] = 10
+    before, states = [], []
+    for rank in range(2):
+        with HDF5DataLayer(files, rank=rank, world_size=2, **kw) as layer:
+            it = iter(layer)
+            before += [i for _ in range(3) for i in check_both(next(it))]
+            states.append(layer.state_dict())
+    after, counts = [], []
+    for rank in range(3):
+        resumed = HDF5DataLayer(files, rank=rank, world_size=3, **kw)
+        resumed.load_state_dict(states[rank % 2])
+        with resumed:
+            batches = [check_both(b) for b in resumed]
+        counts.append(len(batches))
+        after += [i for b in batches for i in b]
+    assert len(set(counts)) == 1, counts
+    check_exactly_once([before, after], 61)
+
+
+def test_a_ragged_and_sparse_top_in_weighted_streams(tmp_path: Path) -> None:
+    """Stream ``a`` upsampled (20 of its 12 samples an epoch), ``b`` downsampled (5 of 9):
+    each stream gives its count, ``a`` every sample at least once an epoch, ``b`` each of its
+    samples once in its walk's first pass, every row its own."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = write_all(tmp_path / "a", [lengths_of(0, 12)])
+    b = [write_both(tmp_path / "b" / "f.h5", 12, lengths_of(12, 9))]
+    with HDF5DataLayer(
+        {"a": Stream(a, choose=20), "b": Stream(b, choose=5)},
+        tops=TOPS,
+        batch_size=5,
+        shuffle=True,
+        seed=2,
+        chunk_size=6,
+    ) as layer:
+        walked: list[int] = []
+        for _ in range(2):
+            seen = [i for batch in layer for i in check_both(batch)]
+            from_a = [i for i in seen if i < 12]
+            from_b = [i for i in seen if i >= 12]
+            assert len(from_a) == 20 and set(from_a) == set(range(12))
+            assert len(from_b) == 5
+            walked += from_b
+    # b's walk goes on across epochs (docs/mixing.md): 5 of its first pass, then the 4 left
+    # of it beside one of the next pass.
+    assert len(set(walked[:5])) == 5 and set(walked) == set(range(12, 21))
+
+
+def test_stream_with_a_sparse_top(tmp_path: Path) -> None:
+    """`stream()` over ragged and sparse tops: full batches across epoch boundaries, each row
+    its own, every sample once per epoch of samples."""
+    files = write_all(tmp_path, [lengths_of(0, 13), lengths_of(13, 8)])
+    with HDF5DataLayer(files, tops=TOPS, batch_size=7, shuffle=True, chunk_size=9) as layer:
+        got = [check_both(b) for b in itertools.islice(layer.stream(), 9)]  # 63 = 3 x 21
+    assert all(len(b) == 7 for b in got)
+    flat = [i for b in got for i in b]
+    for k in range(3):
+        check_exactly_once([flat[21 * k : 21 * (k + 1)]], 21)
+
+
+# --- tampered files: named errors, never a wrong batch ------------------------------------------
+
+
+def _tamper_columns(path: Path, kind: str, row: int) -> None:
+    """Make ``X`` of ``path`` out of range at its row ``row`` (which holds values): a column
+    index past the last column or negative, or a ``shape`` with fewer columns than stored."""
+    with h5py.File(path, "a") as f:
+        x = f["X"]
+        if kind == "narrow":
+            x.attrs["shape"] = (x.attrs["shape"][0], 1)
+            return
+        at = int(x["indptr"][row])
+        x["indices"][at] = COLS + 3 if kind == "past" else -1
+
+
+@pytest.mark.parametrize("kind", ["past", "negative", "narrow"])
+@pytest.mark.parametrize("where", ["mapped", "copied", "second file"])
+def test_a_column_index_out_of_range_is_a_read_error_before_its_batch(
+    tmp_path: Path, kind: str, where: str
+) -> None:
+    """Column indices are values, not checked at open: one out of range made a matrix that
+    scipy's ``toarray`` wrote outside of (the heap corrupted, the process aborted). The batch
+    that holds it is a ReadError naming the file, the top and the row, on every read path; the
+    batches before it are right."""
+    lens = np.full(30, 3, np.int64)
+    if where == "second file":
+        files = write_all(tmp_path, [lens[:18], lens[18:]])
+        bad, row, g = files[1], 4, 22
+    else:
+        files = write_all(tmp_path, [lens])
+        bad, row, g = files[0], 13, 13
+    _tamper_columns(bad, kind, row)
+    if kind == "narrow" and where == "second file":  # unlike the first: refused at open
+        with pytest.raises(SchemaError) as refused:
+            HDF5DataLayer(files, tops=TOPS, batch_size=4).__enter__()
+        check_message(refused.value, bad.name, "top 'X'", "sparse of 1 columns", "6 columns")
+        return
+    if kind == "narrow":
+        row, g = 0, g - row  # every row of the file is out of range: its first is named
+    layer = HDF5DataLayer(files, tops=TOPS, batch_size=4, chunk_size=8, mmap=where == "mapped")
+    good = []
+    with layer, pytest.raises(ReadError) as err:
+        for b in layer:
+            x = b["X"]
+            assert int(x.indices.max()) < COLS and int(x.indices.min()) >= 0  # never given
+            good += check_both(b)
+    path = "sparse-mmap" if where == "mapped" else "sparse-pread"
+    assert layer.stats.read_paths["X"] == path
+    check_message(err.value, bad.name, "top 'X'", f"row {row} ", f"global index {g})", "column")
+    assert g not in good and len(good) >= 4 * (g // 4) - 8
+
+
+@pytest.mark.anyio
+async def test_a_column_index_out_of_range_never_reaches_the_device(
+    tmp_path: Path, fake_cupy: FakeCupy
+) -> None:
+    """With ``device=``, the batch that holds it is the same ReadError, raised before its
+    upload, and its staging is given back."""
+    files = write_all(tmp_path, [np.full(20, 2, np.int64)])
+    _tamper_columns(files[0], "past", 9)
+    layer = AsyncHDF5DataLayer(files, tops=("X", "label"), batch_size=4, device="cuda")
+    async with layer:
+        with anyio.fail_after(30), pytest.raises(ReadError) as err:
+            async for b in layer:
+                assert 9 not in b["label"].tolist()
+        check_message(err.value, "f0.h5", "top 'X'", "row 9 ", "column index 9 ")
+        stage = layer._delivery
+        assert isinstance(stage, CudaDelivery) and stage._gpu is not None
+        with anyio.fail_after(10):
+            while stage._gpu.staging._lent:
+                await anyio.sleep(0.005)
