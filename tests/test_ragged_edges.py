@@ -302,3 +302,30 @@ async def test_a_column_index_out_of_range_never_reaches_the_device(
         with anyio.fail_after(10):
             while stage._gpu.staging._lent:
                 await anyio.sleep(0.005)
+
+
+@pytest.mark.parametrize("encoding", ["group", "before 0.8"])
+@pytest.mark.parametrize("code", [2, 100, -2])
+def test_a_code_past_the_categories_is_a_named_error_at_open(
+    tmp_path: Path, encoding: str, code: int
+) -> None:
+    """A categorical column with a code that names no category (2 of 2 names): refused at
+    open, naming file, top and row, in a later file too; -1 (missing) is a code."""
+    good, bad = tmp_path / "good.h5", tmp_path / "bad.h5"
+    for path, codes in ((good, [0, 1, -1, 1]), (bad, [1, 0, 1, 0, 0, code, 1])):
+        with h5py.File(path, "w") as f:
+            names = np.array([b"a", b"b"])
+            if encoding == "group":
+                g = f.create_group("obs/kind")
+                g.attrs["encoding-type"] = "categorical"
+                g["codes"], g["categories"] = np.array(codes, np.int8), names
+            else:
+                ref = f.create_dataset("obs/__categories/kind", data=names).ref
+                f.create_dataset("obs/kind", data=np.array(codes, np.int8)).attrs["categories"] = (
+                    ref
+                )
+    with HDF5DataLayer(good, tops=("obs/kind",), batch_size=2) as layer:
+        assert [c for b in layer for c in b["obs/kind"].tolist()] == [0, 1, -1, 1]
+    with pytest.raises(SchemaError) as err:
+        HDF5DataLayer([good, bad], tops=("obs/kind",), batch_size=2).__enter__()
+    check_message(err.value, "bad.h5", "'obs/kind'", f"code {code} at row 5", "2 categories")
