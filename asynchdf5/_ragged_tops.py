@@ -542,9 +542,15 @@ def _group_form(where: str, top: str, group: h5py.Group) -> RaggedForm:
     shape = group.attrs.get("shape")
     if shape is None:
         shape = group.attrs.get("h5sparse_shape")
-    if shape is None or len(np.atleast_1d(shape)) != 2:
+    if shape is None:
         raise SchemaError(
             f"{where}: top {top!r} has 'data', 'indices' and 'indptr' but no 'shape' attribute "
+            "(rows, columns): the number of columns of its sparse matrix is unknown"
+        )
+    if len(np.atleast_1d(shape)) != 2 or np.asarray(shape).dtype.kind not in "iu":
+        raise SchemaError(
+            f"{where}: top {top!r}: its 'shape' attribute is "
+            f"{tuple(np.atleast_1d(shape).tolist())}, not two integers "
             "(rows, columns): the number of columns of its sparse matrix is unknown"
         )
     n_rows, n_cols = (int(s) for s in np.atleast_1d(shape))

@@ -329,3 +329,61 @@ def test_a_code_past_the_categories_is_a_named_error_at_open(
     with pytest.raises(SchemaError) as err:
         HDF5DataLayer([good, bad], tops=("obs/kind",), batch_size=2).__enter__()
     check_message(err.value, "bad.h5", "'obs/kind'", f"code {code} at row 5", "2 categories")
+
+
+def _tamper(path: Path, kind: str) -> None:
+    """Break ``tok`` or ``X`` of ``path`` (a file of 12 rows of 3 values) the way ``kind`` says."""
+    with h5py.File(path, "a") as f:
+        top = f["X"] if kind.startswith("X ") else f["tok"]
+        ip = top["indptr"][()]
+        if kind == "decreasing":
+            ip[6] = ip[5] - 1
+        elif kind == "past data":
+            ip[-1] += 2
+        elif kind == "short of data":
+            ip[-1] -= 1
+            ip[-2] -= 1
+        elif kind == "from 1":
+            ip += 1
+        elif kind == "X data and indices":
+            del top["indices"]
+            top["indices"] = np.zeros(len(top["data"]) - 1, np.int32)
+            return
+        elif kind == "X no shape":
+            del top.attrs["shape"]
+            return
+        elif kind == "X shape of 3":
+            top.attrs["shape"] = (12, COLS, 1)
+            return
+        elif kind == "X shape of rows":
+            top.attrs["shape"] = (13, COLS)
+            return
+        del top["indptr"]
+        top["indptr"] = ip
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("decreasing", "'indptr' decreases at row 5"),
+        ("past data", "'indptr' ends at 38, but 'data' holds 36 values"),
+        ("short of data", "'indptr' ends at 35, but 'data' holds 36 values"),
+        ("from 1", "'indptr' starts at 1, not 0"),
+        ("X data and indices", "'indices' must be a 1-D integer dataset as long as 'data'"),
+        ("X no shape", "no 'shape' attribute"),
+        ("X shape of 3", "its 'shape' attribute is (12, 6, 1), not two integers"),
+        ("X shape of rows", "its 'shape' says 13 rows, 'indptr' has 12"),
+    ],
+)
+def test_a_later_file_tampered_with_is_a_named_error_at_open(
+    tmp_path: Path, kind: str, words: str
+) -> None:
+    """The third of three files broken mid-way: refused at open, naming it and the top, so no
+    batch of the first two is served before the epoch meets it."""
+    files = write_all(tmp_path, [np.full(12, 3, np.int64)] * 3)
+    _tamper(files[2], kind)
+    layer = HDF5DataLayer(files, tops=TOPS, batch_size=4, shuffle=True)
+    with pytest.raises(SchemaError) as err:
+        layer.__enter__()
+    top = "'X'" if kind.startswith("X ") else "'tok'"
+    check_message(err.value, "f2.h5", f"top {top}", words)
