@@ -498,10 +498,12 @@ def _indptr(where: str, top: str, dset: Any, n_values: int) -> np.ndarray:
 def _group_form(where: str, top: str, group: h5py.Group) -> RaggedForm:
     encoding = _attr_text(group, "encoding-type")
     if encoding == "csc_matrix" or _attr_text(group, "h5sparse_format") == "csc":
+        field, _, key = top.strip("/").partition("/")
+        held = f"adata.{field}[{key!r}]" if key and "/" not in key else "adata.X"
         raise SchemaError(
             f"{where}: top {top!r} is a CSC sparse matrix (columns compressed): its rows are "
-            "not contiguous, so it cannot be read row by row; store it as CSR (AnnData: "
-            "`adata.X = adata.X.tocsr()` before writing; scipy: `.tocsr()`), or let "
+            f"not contiguous, so it cannot be read row by row; store it as CSR (AnnData: "
+            f"`{held} = {held}.tocsr()` before writing; scipy: `.tocsr()`), or let "
             "`asynchdf5 pack FILE OUT_DIR` rewrite the file with it as CSR"
         )
     names = set(group.keys())

@@ -387,3 +387,50 @@ def test_a_later_file_tampered_with_is_a_named_error_at_open(
         layer.__enter__()
     top = "'X'" if kind.startswith("X ") else "'tok'"
     check_message(err.value, "f2.h5", f"top {top}", words)
+
+
+# --- files the anndata package wrote ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_anndata_csr_categorical_and_compressed(tmp_path: Path, compression: str | None) -> None:
+    """An .h5ad file as anndata writes it (gzipped too, in its own stored chunks): the sparse
+    X, a categorical obs column with a missing value and a number column, each row its cell,
+    each cell once an epoch."""
+    anndata = pytest.importorskip("anndata")
+    import pandas as pd
+
+    n = 90
+    m = scipy.sparse.random(n, 7, density=0.3, format="csr", random_state=4, dtype=np.float32)
+    kinds = pd.Categorical(["b", "a", None, "c", "a", "b"] * 15)
+    obs = pd.DataFrame({"kind": kinds, "i": np.arange(n)}, index=[f"c{i}" for i in range(n)])
+    path = tmp_path / "cells.h5ad"
+    anndata.AnnData(X=m, obs=obs).write_h5ad(path, compression=compression)
+    dense, codes = m.toarray(), kinds.codes
+    tops = ("X", "obs/kind", "obs/i")
+    with HDF5DataLayer(path, tops=tops, batch_size=8, shuffle=True, chunk_size=20) as layer:
+        assert layer.categories["obs/kind"] == ("a", "b", "c")
+        paths = {"sparse-chunks"} if compression else {"sparse-mmap", "sparse-pread"}
+        assert layer.stats.read_paths["X"] in paths
+        for _ in range(2):
+            seen = []
+            for b in layer:
+                np.testing.assert_array_equal(b["obs/i"], b.indices)
+                np.testing.assert_array_equal(b["X"].toarray(), dense[b.indices])
+                np.testing.assert_array_equal(b["obs/kind"], codes[b.indices])
+                seen += b.indices.tolist()
+            check_exactly_once([seen], n)
+
+
+def test_anndata_csc_x_and_layers_are_refused_with_the_route(tmp_path: Path) -> None:
+    """A CSC X (common: many tools write one) and a CSC layer, as anndata writes them: a
+    SchemaError at open naming the top and the ways to CSR, never rows read as columns."""
+    anndata = pytest.importorskip("anndata")
+    m = scipy.sparse.random(20, 5, density=0.4, format="csc", random_state=1, dtype=np.float32)
+    path = tmp_path / "csc.h5ad"
+    anndata.AnnData(X=m, layers={"counts": m.copy()}).write_h5ad(path)
+    for top, held in (("X", "adata.X"), ("layers/counts", "adata.layers['counts']")):
+        with pytest.raises(SchemaError) as err:
+            HDF5DataLayer(path, tops=(top,), batch_size=4).__enter__()
+        check_message(err.value, "csc.h5ad", repr(top), "CSC", "asynchdf5 pack")
+        check_message(err.value, f"`{held} = {held}.tocsr()`")
