@@ -27,6 +27,7 @@ import scipy.sparse
 
 from asynchdf5 import (
     AsyncHDF5DataLayer,
+    ConfigurationError,
     HDF5DataLayer,
     ReadError,
     SchemaError,
@@ -51,19 +52,23 @@ def write_both(
     *,
     ipdtype: Any = np.int64,
     x_lens: np.ndarray | None = None,
+    cols: int = COLS,
     **datasets: Any,
 ) -> Path:
     """A file of ``len(lens)`` samples from global row ``start``: the ragged ``tok`` (an
     ``indptr`` of ``ipdtype``), the sparse ``X`` (``x_lens`` non-zeros a row, by default as
-    many as ``tok``'s values up to ``COLS``, of values ``g + column / 10``) and its ``dense``
-    rows, ``label`` and ``len``."""
+    many as ``tok``'s values up to ``cols``, of values ``g + column / 10``; ``cols`` columns)
+    and its ``dense`` rows, ``label`` and ``len``."""
     n = len(lens)
     g = np.arange(start, start + n, dtype=np.int64)
-    x_lens = np.minimum(lens, COLS) if x_lens is None else x_lens
-    cols = np.concatenate([np.arange(k, dtype=np.int32) for k in x_lens] or [np.zeros(0, np.int32)])
-    vals = (np.repeat(g, x_lens) + cols / 10).astype(np.float32)
+    x_lens = np.minimum(lens, cols) if x_lens is None else x_lens
+    assert int(np.max(x_lens, initial=0)) <= cols
+    columns = np.concatenate(
+        [np.arange(k, dtype=np.int32) for k in x_lens] or [np.zeros(0, np.int32)]
+    )
+    vals = (np.repeat(g, x_lens) + columns / 10).astype(np.float32)
     m = scipy.sparse.csr_array(
-        (vals, cols, np.r_[0, np.cumsum(x_lens)].astype(ipdtype)), shape=(n, COLS)
+        (vals, columns, np.r_[0, np.cumsum(x_lens)].astype(ipdtype)), shape=(n, cols)
     )
     with h5py.File(path, "w") as f:
         f["label"], f["len"] = g, lens
@@ -434,3 +439,22 @@ def test_anndata_csc_x_and_layers_are_refused_with_the_route(tmp_path: Path) -> 
             HDF5DataLayer(path, tops=(top,), batch_size=4).__enter__()
         check_message(err.value, "csc.h5ad", repr(top), "CSC", "asynchdf5 pack")
         check_message(err.value, f"`{held} = {held}.tocsr()`")
+
+
+@pytest.mark.parametrize("top", ["tok", "X", "vlen"])
+def test_a_row_larger_than_the_budget_is_a_named_error_at_open(tmp_path: Path, top: str) -> None:
+    """docs/sequences.md: a row longer than a batch's share of ``cache_bytes`` is a
+    ConfigurationError at open naming the budget, for a sparse row and a variable-length one
+    as for a ragged one (tests/test_ragged.py), never an overflowed slot."""
+    lens = np.full(10, 2, np.int64)
+    lens[3] = 40_000
+    path = write_both(tmp_path / "big.h5", 0, lens, x_lens=lens, cols=40_000)
+    if top == "vlen":
+        with h5py.File(path, "a") as f:
+            d = f.create_dataset("vlen", (10,), dtype=h5py.vlen_dtype(np.int64))
+            for i, n in enumerate(lens):
+                d[i] = np.full(n, i)
+    layer = HDF5DataLayer(path, tops=(top, "label"), batch_size=2, cache_bytes=150_000)
+    with pytest.raises(ConfigurationError) as err:
+        layer.__enter__()
+    check_message(err.value, "cache_bytes=150000", "longest rows")
