@@ -24,6 +24,8 @@ import h5py
 import numpy as np
 import pytest
 import scipy.sparse
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asynchdf5 import (
     AsyncHDF5DataLayer,
@@ -37,6 +39,8 @@ from asynchdf5._delivery._cuda import CudaDelivery
 
 from ._fake_cupy import FakeCupy
 from ._files import check_exactly_once, check_message
+from ._helpers import examples
+from .test_faults import rewrite_in_place
 from .test_ragged import check_rows, lengths_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,12 +57,14 @@ def write_both(
     ipdtype: Any = np.int64,
     x_lens: np.ndarray | None = None,
     cols: int = COLS,
+    vlen: bool = False,
     **datasets: Any,
 ) -> Path:
     """A file of ``len(lens)`` samples from global row ``start``: the ragged ``tok`` (an
     ``indptr`` of ``ipdtype``), the sparse ``X`` (``x_lens`` non-zeros a row, by default as
     many as ``tok``'s values up to ``cols``, of values ``g + column / 10``; ``cols`` columns)
-    and its ``dense`` rows, ``label`` and ``len``."""
+    and its ``dense`` rows, ``label`` and ``len``; ``vlen``: ``tok``'s rows again as the h5py
+    variable-length dataset ``vl``."""
     n = len(lens)
     g = np.arange(start, start + n, dtype=np.int64)
     x_lens = np.minimum(lens, cols) if x_lens is None else x_lens
@@ -81,6 +87,10 @@ def write_both(
         x["indptr"] = np.r_[0, np.cumsum(x_lens)].astype(ipdtype)
         x.attrs["shape"], x.attrs["encoding-type"] = m.shape, "csr_matrix"
         f["dense"] = m.toarray()
+        if vlen:
+            d = f.create_dataset("vl", (n,), dtype=h5py.vlen_dtype(np.int64))
+            for i in range(n):
+                d[i] = np.full(lens[i], g[i])
     return path
 
 
@@ -95,6 +105,8 @@ def write_all(folder: Path, lens: Sequence[np.ndarray], **kw: Any) -> list[Path]
 def check_both(batch: Any) -> list[int]:
     """The ragged rows are their samples' (:func:`check_rows`), and so are the sparse ones."""
     check_rows(batch)
+    if "vl" in batch:
+        check_rows(batch, top="vl")
     x = batch["X"]
     assert isinstance(x, scipy.sparse.csr_array) and x.shape == (len(batch.indices), COLS)
     np.testing.assert_array_equal(x.toarray(), batch["dense"])
@@ -104,18 +116,21 @@ def check_both(batch: Any) -> list[int]:
 # --- sizes at their edges -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_files_of_empty_rows_and_of_zero_rows_beside_others(tmp_path: Path, shuffle: bool) -> None:
+@pytest.mark.parametrize(("shuffle", "vlen"), [(False, False), (True, False), (True, True)])
+def test_files_of_empty_rows_and_of_zero_rows_beside_others(
+    tmp_path: Path, shuffle: bool, vlen: bool
+) -> None:
     """A file whose rows are all empty (no values at all), a file of zero rows and a file of
     one row, beside ordinary ones: every sample once an epoch, each row its own."""
     parts = [np.zeros(9, np.int64), np.zeros(0, np.int64), lengths_of(9, 14), np.array([3])]
-    files = write_all(tmp_path, parts)
-    with HDF5DataLayer(files, tops=TOPS, batch_size=4, shuffle=shuffle, chunk_size=6) as layer:
+    files = write_all(tmp_path, parts, vlen=vlen)
+    tops = (*TOPS, "vl") if vlen else TOPS
+    with HDF5DataLayer(files, tops=tops, batch_size=4, shuffle=shuffle, chunk_size=6) as layer:
         for _ in range(2):
             check_exactly_once([[i for b in layer for i in check_both(b)]], 24)
     (tmp_path / "alone").mkdir()
-    alone = write_all(tmp_path / "alone", [np.zeros(7, np.int64)])
-    with HDF5DataLayer(alone, tops=TOPS, batch_size=3, shuffle=shuffle) as layer:
+    alone = write_all(tmp_path / "alone", [np.zeros(7, np.int64)], vlen=vlen)
+    with HDF5DataLayer(alone, tops=tops, batch_size=3, shuffle=shuffle) as layer:
         seen = []
         for b in layer:
             seen += check_both(b)
@@ -168,14 +183,16 @@ def test_rows_across_many_stored_chunks_of_gzipped_values(tmp_path: Path, mmap: 
 # --- resume, streams, stream() ------------------------------------------------------------------
 
 
-def test_elastic_resume_from_two_ranks_to_three(tmp_path: Path) -> None:
+@pytest.mark.parametrize("vlen", [False, True])
+def test_elastic_resume_from_two_ranks_to_three(tmp_path: Path, vlen: bool) -> None:
     """A state saved by both ranks of a 2-rank run (ragged and sparse tops, a huge row, empty
     rows), loaded on 3 ranks: the rest of the epoch is every sample not yet yielded, once,
     with equal batch counts, each row its own."""
     lens = lengths_of(0, 61, longest=9)
     lens[40] = 5_000
-    files = write_all(tmp_path, [lens[:33], lens[33:]])
-    kw: dict[str, Any] = {"tops": TOPS, "batch_size": 4, "shuffle": True, "seed": 7}
+    files = write_all(tmp_path, [lens[:33], lens[33:]], vlen=vlen)
+    tops = (*TOPS, "vl") if vlen else TOPS
+    kw: dict[str, Any] = {"tops": tops, "batch_size": 4, "shuffle": True, "seed": 7}
     kw["chunk_size"] = 10
     before, states = [], []
     for rank in range(2):
@@ -458,3 +475,92 @@ def test_a_row_larger_than_the_budget_is_a_named_error_at_open(tmp_path: Path, t
     with pytest.raises(ConfigurationError) as err:
         layer.__enter__()
     check_message(err.value, "cache_bytes=150000", "longest rows")
+
+
+@pytest.mark.parametrize("top", ["tok", "X"])
+def test_a_file_rewritten_mid_epoch_is_a_read_error_not_a_batch(tmp_path: Path, top: str) -> None:
+    """The second file's bytes rewritten in place (size and mtime kept) after the first batch,
+    before its rows are read: the epoch ends with a ReadError naming it, and every batch served
+    before holds its own rows."""
+    files = write_all(tmp_path, [lengths_of(0, 40, 30), lengths_of(40, 40, 30)])
+    layer = HDF5DataLayer(
+        files, tops=(top, "dense", "label", "len"), batch_size=4, chunk_size=8, mmap=False
+    )
+    served = 0
+    with layer, pytest.raises(ReadError) as err:
+        for b in layer:
+            if top == "tok":
+                check_rows(b)
+            else:
+                np.testing.assert_array_equal(b["X"].toarray(), b["dense"])
+            np.testing.assert_array_equal(b["label"], b.indices)
+            served += 1
+            if served == 1:
+                rewrite_in_place(files[1])
+    assert served < 20  # none of the second file's
+    check_message(err.value, "f1.h5", "top '")
+
+
+@settings(
+    max_examples=examples(6),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    sizes=st.lists(st.integers(0, 25), min_size=1, max_size=3).filter(lambda s: sum(s) >= 12),
+    old=st.integers(1, 3),
+    new=st.integers(1, 4),
+    stop=st.integers(0, 3),
+    batch_size=st.integers(1, 4),
+    huge=st.sampled_from([0, 3_000]),
+)
+def test_property_elastic_resume_of_ragged_and_sparse_tops(
+    tmp_path_factory: pytest.TempPathFactory,
+    sizes: list[int],
+    old: int,
+    new: int,
+    stop: int,
+    batch_size: int,
+    huge: int,
+) -> None:
+    """Files of rows of every length (one huge, maybe), all ranks of an ``old``-rank run
+    stopped after ``stop`` batches, the rest of the epoch on ``new`` ranks: every sample
+    exactly once over both, equal batch counts on the new ranks, every row its own."""
+    n = sum(sizes)
+    lens = lengths_of(0, n, longest=9)
+    lens[n // 2] += huge
+    cuts = np.cumsum([0, *sizes])
+    files = write_all(
+        tmp_path_factory.mktemp("el"), [lens[a:b] for a, b in itertools.pairwise(cuts)]
+    )
+    kw: dict[str, Any] = {"tops": TOPS, "batch_size": batch_size, "shuffle": True, "seed": 3}
+    kw["chunk_size"] = batch_size + 5
+    before, states = [], []
+    for rank in range(old):
+        layer = HDF5DataLayer(files, rank=rank, world_size=old, **kw)
+        try:
+            layer.__enter__()
+        except ConfigurationError as exc:  # the old run itself cannot split the epoch
+            assert "cannot be split" in str(exc) and rank == 0
+            return
+        try:
+            it = iter(layer)
+            before += [i for _ in range(min(stop, len(layer))) for i in check_both(next(it))]
+            states.append(layer.state_dict())
+        finally:
+            layer.__exit__(None, None, None)
+    after, counts = [], []
+    for rank in range(new):
+        resumed = HDF5DataLayer(files, rank=rank, world_size=new, **kw)
+        resumed.load_state_dict(states[-1])
+        try:
+            with resumed:
+                batches = [check_both(b) for b in resumed]
+        except ConfigurationError as exc:  # too few samples left for equal counts: all refuse
+            assert "cannot be split" in str(exc) or "fewer than world_size" in str(exc)
+            assert rank == 0 or not counts
+            return
+        counts.append(len(batches))
+        after += [i for b in batches for i in b]
+    assert len(set(counts)) == 1, counts
+    check_exactly_once([before, after], n)
