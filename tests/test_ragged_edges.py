@@ -549,7 +549,8 @@ def test_property_elastic_resume_of_ragged_and_sparse_tops(
             states.append(layer.state_dict())
         finally:
             layer.__exit__(None, None, None)
-    after, counts = [], []
+    after: list[int] = []
+    counts: list[int] = []
     for rank in range(new):
         resumed = HDF5DataLayer(files, rank=rank, world_size=new, **kw)
         resumed.load_state_dict(states[-1])
