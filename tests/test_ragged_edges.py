@@ -160,9 +160,17 @@ def test_shards_have_equal_batch_counts_with_one_huge_row_on_one(tmp_path: Path)
 @pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int16, np.uint64])
 def test_indptr_of_every_integer_width(tmp_path: Path, dtype: Any) -> None:
     """``indptr`` of int32 (AnnData's), unsigned or narrow integers reads as int64 does."""
-    files = write_all(tmp_path, [lengths_of(0, 17), lengths_of(17, 11)], ipdtype=dtype)
+    lens = [lengths_of(0, 17), lengths_of(17, 11)]
+    files = write_all(tmp_path, lens, ipdtype=dtype)
     with HDF5DataLayer(files, tops=TOPS, batch_size=5, shuffle=True, chunk_size=7) as layer:
         check_exactly_once([[i for b in layer for i in check_both(b)]], 28)
+        # Stats count what was read: every value of tok (int64), every non-zero of X (float32
+        # and int32) and the fixed rows, at least once; the samples and batches served.
+        values = int(sum(p.sum() for p in lens))
+        non_zeros = int(sum(np.minimum(p, COLS).sum() for p in lens))
+        fixed = 28 * (COLS * 4 + 8 + 8)
+        assert layer.stats.bytes_read >= 8 * values + 8 * non_zeros + fixed
+        assert layer.stats.samples == 28 and layer.stats.batches == 6
 
 
 @pytest.mark.parametrize("mmap", [False, True])
@@ -565,3 +573,28 @@ def test_property_elastic_resume_of_ragged_and_sparse_tops(
         after += [i for b in batches for i in b]
     assert len(set(counts)) == 1, counts
     check_exactly_once([before, after], n)
+
+
+@pytest.mark.parametrize("ragged", ["padded", "nested"])
+def test_torch_batches_of_empty_rows_only(tmp_path: Path, ragged: str) -> None:
+    """The torch adapter over a file whose rows are all empty: a (rows, 0) padded tensor with
+    zero lengths, or a jagged tensor of empty rows; a sparse CSR tensor of no non-zeros."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from asynchdf5.torch import HDF5IterableDataset
+
+    files = write_all(tmp_path, [np.zeros(6, np.int64)])
+    rows = []
+    with HDF5IterableDataset(files, tops=TOPS, batch_size=4, ragged=ragged) as ds:
+        for b in DataLoader(ds, batch_size=None):
+            n = len(b["label"])
+            if ragged == "padded":
+                padded, lengths = b["tok"]
+                assert padded.shape == (n, 0) and lengths.tolist() == [0] * n
+            else:
+                assert b["tok"].is_nested and [len(r) for r in b["tok"].unbind()] == [0] * n
+            assert b["X"].layout == torch.sparse_csr and b["X"].shape == (n, COLS)
+            assert torch.equal(b["X"].to_dense(), b["dense"]) and not b["dense"].any()
+            rows += b["label"].tolist()
+    assert rows == list(range(6))
