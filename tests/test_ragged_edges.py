@@ -598,3 +598,26 @@ def test_torch_batches_of_empty_rows_only(tmp_path: Path, ragged: str) -> None:
             assert torch.equal(b["X"].to_dense(), b["dense"]) and not b["dense"].any()
             rows += b["label"].tolist()
     assert rows == list(range(6))
+
+
+@pytest.mark.parametrize(
+    ("member", "words"), [("tok/data", "'tok', its 'data'"), ("X/indices", "'X', its 'indices'")]
+)
+def test_a_corrupt_stored_chunk_of_values_is_a_read_error_naming_the_member(
+    tmp_path: Path, member: str, words: str
+) -> None:
+    """A stored chunk of a ragged top's values (or a sparse top's column indices) that fails
+    its Fletcher-32 checksum: the epoch ends with a ReadError naming the file, the top and the
+    member whose rows (values, not samples) the chunk holds; every batch before is right."""
+    path = write_both(tmp_path / "f.h5", 0, lengths_of(0, 40, 30), fletcher32=True, chunks=(16,))
+    with h5py.File(path) as f:
+        info = f[member].id.get_chunk_info(3)
+    with open(path, "r+b") as raw:
+        raw.seek(info.byte_offset + 5)
+        raw.write(b"\xff\xff")
+    layer = HDF5DataLayer(path, tops=TOPS, batch_size=4, chunk_size=8)
+    with layer, pytest.raises(ReadError) as err:
+        for b in layer:
+            check_both(b)
+    assert layer.stats.read_paths["X"] == "sparse-chunks"
+    check_message(err.value, "f.h5", f"top {words}, rows 48:", "stored chunk 3", "checksum")
