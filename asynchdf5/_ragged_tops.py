@@ -549,7 +549,8 @@ def _group_form(where: str, top: str, group: h5py.Group) -> RaggedForm:
             f"{where}: top {top!r} has 'data', 'indices' and 'indptr' but no 'shape' attribute "
             "(rows, columns): the number of columns of its sparse matrix is unknown"
         )
-    if len(np.atleast_1d(shape)) != 2 or np.asarray(shape).dtype.kind not in "iu":
+    dims = np.atleast_1d(shape)
+    if len(dims) != 2 or dims.dtype.kind not in "iuf" or (dims != np.floor(dims)).any():
         raise SchemaError(
             f"{where}: top {top!r}: its 'shape' attribute is "
             f"{tuple(np.atleast_1d(shape).tolist())}, not two integers "

@@ -621,3 +621,18 @@ def test_a_corrupt_stored_chunk_of_values_is_a_read_error_naming_the_member(
             check_both(b)
     assert layer.stats.read_paths["X"] == "sparse-chunks"
     check_message(err.value, "f.h5", f"top {words}, rows 48:", "stored chunk 3", "checksum")
+
+
+def test_a_shape_of_whole_floats_is_read_and_of_text_is_refused(tmp_path: Path) -> None:
+    """A ``shape`` written as floats (some writers do) names its columns as integers would;
+    one written as text is refused as not two integers, not as missing."""
+    path = write_both(tmp_path / "f.h5", 0, lengths_of(0, 10))
+    with h5py.File(path, "a") as f:
+        f["X"].attrs["shape"] = np.array([10.0, COLS])
+    with HDF5DataLayer(path, tops=TOPS, batch_size=4) as layer:
+        check_exactly_once([[i for b in layer for i in check_both(b)]], 10)
+    with h5py.File(path, "a") as f:
+        f["X"].attrs["shape"] = "(10, 6)"
+    with pytest.raises(SchemaError) as err:
+        HDF5DataLayer(path, tops=TOPS, batch_size=4).__enter__()
+    check_message(err.value, "f.h5", "top 'X'", "its 'shape' attribute is ('(10, 6)',)")
