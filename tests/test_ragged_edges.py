@@ -636,3 +636,22 @@ def test_a_shape_of_whole_floats_is_read_and_of_text_is_refused(tmp_path: Path) 
     with pytest.raises(SchemaError) as err:
         HDF5DataLayer(path, tops=TOPS, batch_size=4).__enter__()
     check_message(err.value, "f.h5", "top 'X'", "its 'shape' attribute is ('(10, 6)',)")
+
+
+def test_a_stream_of_ragged_and_sparse_tops_resumes_exactly(tmp_path: Path) -> None:
+    """`stream()` stopped past an epoch's end and saved: a new layer loaded from the state goes
+    on with exactly the batches the first would have given, rows checked."""
+    files = write_all(tmp_path, [lengths_of(0, 13), lengths_of(13, 8)])
+    kw: dict[str, Any] = {"tops": TOPS, "batch_size": 4, "shuffle": True, "seed": 5}
+    kw["chunk_size"] = 6
+    with HDF5DataLayer(files, **kw) as layer:
+        whole = [check_both(b) for b in itertools.islice(layer.stream(), 12)]
+    with HDF5DataLayer(files, **kw) as layer:
+        stream = iter(layer.stream())
+        head = [check_both(next(stream)) for _ in range(7)]  # 28 rows: past the first epoch
+        state = layer.state_dict()
+    resumed = HDF5DataLayer(files, **kw)
+    resumed.load_state_dict(state)
+    with resumed:
+        tail = [check_both(b) for b in itertools.islice(resumed.stream(), 5)]
+    assert head + tail == whole
