@@ -139,22 +139,39 @@ def test_files_of_empty_rows_and_of_zero_rows_beside_others(
         check_exactly_once([seen], 7)
 
 
-def test_shards_have_equal_batch_counts_with_one_huge_row_on_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shards_have_equal_batch_counts_with_one_huge_row_on_one(
+    tmp_path: Path, drop_last: bool
+) -> None:
     """One row holds more values than all the others together, on one shard: the shards
-    still have equal batch counts and together cover the epoch, each sample once."""
+    still have equal batch counts and together cover the epoch, each sample once (with
+    ``drop_last``, full batches, 36 of the 40 samples)."""
     lens = lengths_of(0, 40, longest=5)
     lens[7] = 30_000
     files = write_all(tmp_path, [lens[:25], lens[25:]])
     counts, seen = [], []
     for rank in range(3):
         with HDF5DataLayer(
-            files, tops=TOPS, batch_size=4, shuffle=True, seed=1, rank=rank, world_size=3
+            files,
+            tops=TOPS,
+            batch_size=4,
+            shuffle=True,
+            seed=1,
+            rank=rank,
+            world_size=3,
+            drop_last=drop_last,
         ) as layer:
             batches = [check_both(b) for b in layer]
         counts.append(len(batches))
         seen += [i for b in batches for i in b]
+        if drop_last:
+            assert all(len(b) == 4 for b in batches)
     assert len(set(counts)) == 1, counts
-    assert len(seen) == len(set(seen)) and set(seen) <= set(range(40)) and 7 in seen
+    assert len(seen) == len(set(seen)) and set(seen) <= set(range(40))
+    if drop_last:
+        assert len(seen) == 36
+    else:
+        check_exactly_once([seen], 40)  # the huge row among them
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int16, np.uint64])
