@@ -31,6 +31,8 @@ from asynchdf5 import (
     AsyncHDF5DataLayer,
     ConfigurationError,
     HDF5DataLayer,
+    MemoryDataLayer,
+    Ragged,
     ReadError,
     SchemaError,
     Stream,
@@ -694,3 +696,18 @@ def test_exact_resume_mid_epoch_of_sparse_and_vlen_tops(tmp_path: Path) -> None:
         tail = [check_both(b) for b in resumed]
     assert head + tail == whole
     check_exactly_once([[i for b in whole for i in b]], 33)
+
+
+@pytest.mark.parametrize("kind", ["Ragged", "csr_matrix", "list"])
+def test_memory_layer_refuses_rows_of_varying_length_by_name(kind: str) -> None:
+    """MemoryDataLayer serves arrays of fixed rows: a Ragged, a sparse matrix or rows of
+    unequal lengths are a SchemaError naming the top and the ways that work (it was NumPy's
+    ValueError about an inhomogeneous shape, or "a 0-d array" for a sparse matrix)."""
+    value = {
+        "Ragged": Ragged(np.arange(6), np.array([0, 2, 6])),
+        "csr_matrix": scipy.sparse.csr_matrix(np.eye(2)),
+        "list": [[1, 2], [3]],
+    }[kind]
+    with pytest.raises(SchemaError) as err:
+        MemoryDataLayer({"tok": value, "label": np.arange(2)}, batch_size=1)
+    check_message(err.value, "data['tok']", "varying length", kind, "HDF5DataLayer")
