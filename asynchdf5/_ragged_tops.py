@@ -331,9 +331,12 @@ class RaggedInfo:
         if not len(indices):
             return
         unsigned = indices.view(np.dtype(f"u{indices.dtype.itemsize}"))
-        if int(unsigned.max()) < self.n_cols:
+        # Past the signed maximum, a negative index seen unsigned may be below n_cols.
+        signed = indices.dtype.kind == "i" and self.n_cols > np.iinfo(indices.dtype).max
+        if int(unsigned.max()) < self.n_cols and not (signed and int(indices.min()) < 0):
             return
-        at = int(np.argmax(unsigned >= self.n_cols))
+        bad = (unsigned >= self.n_cols) | (indices < 0) if signed else unsigned >= self.n_cols
+        at = int(np.argmax(bad))
         row = int(rows[int(np.searchsorted(offsets, at, side="right")) - 1])
         starts = self.lengths.starts
         f = int(np.searchsorted(starts, row, side="right")) - 1

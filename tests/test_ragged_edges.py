@@ -14,6 +14,7 @@ right from its own arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ from asynchdf5 import (
     Stream,
 )
 from asynchdf5._delivery._cuda import CudaDelivery
+from asynchdf5._ragged_tops import RaggedInfo, RowLengths
 
 from ._fake_cupy import FakeCupy
 from ._files import check_exactly_once, check_message
@@ -711,3 +713,15 @@ def test_memory_layer_refuses_rows_of_varying_length_by_name(kind: str) -> None:
     with pytest.raises(SchemaError) as err:
         MemoryDataLayer({"tok": value, "label": np.arange(2)}, batch_size=1)
     check_message(err.value, "data['tok']", "varying length", kind, "HDF5DataLayer")
+
+
+def test_column_check_of_narrow_indices_under_very_many_columns() -> None:
+    """int8 column indices under 1,000 columns: a negative index, which seen unsigned is
+    below the columns, is still found; indices in range pass."""
+    info = RaggedInfo("sparse", 1_000, np.dtype(np.int8), files=("f.h5",))
+    info = dataclasses.replace(info, lengths=RowLengths([(3, np.array([0, 1, 2, 3]))]))
+    offsets = np.array([0, 1, 2, 3])
+    info.check_columns("X", np.array([5, 100, 127], np.int8), offsets, np.arange(3))
+    with pytest.raises(ReadError) as err:
+        info.check_columns("X", np.array([5, -3, 1], np.int8), offsets, np.arange(3))
+    check_message(err.value, "f.h5: top 'X', row 1 ", "column index -3", "1000 columns")
