@@ -1242,13 +1242,18 @@ def test_copy_spans_in_order(longest: int, trailing: tuple[int, ...], dtype: typ
     ):
         span = np.stack([ip[rows], ip[rows + 1]], axis=1)
         length = span[:, 1] - span[:, 0]
-        dest = np.zeros((int(length.sum()), *trailing), heap.dtype)
-        dest2 = np.zeros(int(length.sum()), np.int32)
-        _copy_spans([heap, other], span, length, [dest, dest2])
+        total = int(length.sum())
+        # The spans' places from 7 on: values before and after them stay as they were.
+        places = np.concatenate(([0], np.cumsum(length))) + 7
+        dest = np.full((total + 9, *trailing), 99, heap.dtype)
+        dest2 = np.full(total + 9, -1, np.int32)
+        _copy_spans([heap, other], span, places, [dest, dest2])
         want = np.concatenate([heap[ip[r] : ip[r + 1]] for r in rows])
-        np.testing.assert_array_equal(dest, want)
+        np.testing.assert_array_equal(dest[7 : 7 + total], want)
+        assert (dest[:7] == 99).all() and (dest[7 + total :] == 99).all()
         want2 = np.concatenate([other[ip[r] : ip[r + 1]] for r in rows])
-        np.testing.assert_array_equal(dest2, want2)
+        np.testing.assert_array_equal(dest2[7 : 7 + total], want2)
+        assert (dest2[:7] == -1).all() and (dest2[7 + total :] == -1).all()
 
 
 def test_a_transformer_may_keep_the_top_ragged_and_batches_print(tmp_path: Path) -> None:
