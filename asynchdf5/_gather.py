@@ -113,7 +113,12 @@ def piece_spans(chunk: LoadedChunk | Carry, a: int, b: int, name: str) -> np.nda
         rows = chunk.indices[a:b]
     else:
         rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
-    return _array(chunk.arrays[name])[rows]
+    spans = _array(chunk.arrays[name])
+    if isinstance(rows, slice):
+        return spans[rows]
+    # ``np.take`` along the first axis: the same rows as ``spans[rows]`` (bounds checked,
+    # negative rows wrapped), without the general fancy index's cost on a 2-D array.
+    return np.take(spans, rows, axis=0)
 
 
 def gather_split(
