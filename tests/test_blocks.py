@@ -147,7 +147,7 @@ def test_runs_of_every_class_from_sources_with_starts_of_their_own() -> None:
     at = np.zeros(len(count), np.int64)
     np.cumsum(count[:-1] + 2, out=at[1:])  # gaps of 2 values between the runs
     values = 20_000
-    sources = [
+    sources: list[np.ndarray] = [
         rng.integers(0, 2**31, values).astype(np.int32),
         rng.integers(0, 2**62, (values, 2)).astype(np.int64),
         rng.integers(0, 2**15, values).astype(np.int16),
