@@ -116,9 +116,20 @@ def piece_spans(chunk: LoadedChunk | Carry, a: int, b: int, name: str) -> np.nda
     spans = _array(chunk.arrays[name])
     if isinstance(rows, slice):
         return spans[rows]
-    # ``np.take`` along the first axis: the same rows as ``spans[rows]`` (bounds checked,
-    # negative rows wrapped), without the general fancy index's cost on a 2-D array.
-    return np.take(spans, rows, axis=0)
+    # ``np.take``: the same rows as ``spans[rows]`` (bounds checked, negative rows wrapped),
+    # without the general fancy index's cost on a 2-D array; but it first copies a source that
+    # is not contiguous whole. A mapped top's spans are a view of ``indptr`` (row i's are
+    # ``indptr[i:i + 2]``), whose two columns are contiguous: each column taken on its own.
+    if spans.flags.c_contiguous:
+        return np.take(spans, rows, axis=0)
+    starts, stops = spans[:, 0], spans[:, 1]
+    if not (starts.flags.c_contiguous and stops.flags.c_contiguous):
+        taken: np.ndarray = spans[rows]
+        return taken
+    out = np.empty((len(rows), 2), spans.dtype)
+    out[:, 0] = starts.take(rows)
+    out[:, 1] = stops.take(rows)
+    return out
 
 
 def gather_split(
