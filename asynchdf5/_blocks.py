@@ -18,6 +18,7 @@ their own runs; :func:`copy_all` copies runs out of either.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -139,11 +140,6 @@ def copy_runs(
     copied that many values at a time (a mapped heap in chunks is copied as bytes, runs of
     whole values: :class:`~._read._maps.ChunkHeap`)."""
     starts = [start] * len(sources) if isinstance(start, np.ndarray) else list(start)
-    keep = count > 0
-    if not keep.all():
-        at, count = at[keep], count[keep]
-        kept = {id(s): s[keep] for s in starts}  # a start shared stays shared
-        starts = [kept[id(s)] for s in starts]
     sizes = [row_bytes(a) for a in sources]
     rb = max(sizes)  # the blocks' sizes count values: of the widest source's
     if len(count) == 0 or rb == 0:
@@ -154,48 +150,61 @@ def copy_runs(
             for a, b, n in zip(s.tolist(), at.tolist(), count.tolist(), strict=True):
                 dest[b : b + n] = source[a : a + n]
         return
-    jobs = list(zip(sources, dests, sizes, starts, strict=True))
-    left = np.ones(len(count), bool)
-    for size in sorted({b // rb for b in BLOCK_BYTES if b >= 2 * rb}, reverse=True):
-        here = left & (count >= size)  # the runs this size copies: whole blocks and a last one
-        if not here.any():
-            continue
-        left &= ~here
-        m = count[here]
-        k = -(-m // size)
-        ends = np.cumsum(k)
-        place = np.arange(int(ends[-1]), dtype=np.int64) * size
-        place -= np.repeat((ends - k) * size, k)
-        place[ends - 1] = m - size  # each run's last block ends at the run's end
-        d_at = np.repeat(at[here], k) + place
-        _copy_each(jobs, here, k, place, d_at, size)
-    if left.any():  # runs shorter than the smallest block: value by value (grain by grain)
-        m = count[left] // grain
-        ends = np.cumsum(m)
-        place = np.arange(int(ends[-1]), dtype=np.int64)
-        place -= np.repeat(ends - m, m)
-        if grain != 1:
-            place *= grain  # each grain's place in its run
-        d_at = place + np.repeat(at[left], m)
-        _copy_each(jobs, left, m, place, d_at, grain)
+    # Each run's class, once: 0 (shorter than the smallest block: copied grain by grain) or i,
+    # in blocks of ``blocks[i - 1]`` values (the largest it holds).
+    blocks = _block_values(rb)
+    group = np.searchsorted(blocks, count, side="right")
+    held = np.bincount(group, minlength=len(blocks) + 1).tolist()
+    if held[0]:  # runs of no values are among the short ones: dropped (they copy nothing)
+        keep = count > 0
+        if not keep.all():
+            at, count, group = at[keep], count[keep], group[keep]
+            kept = {id(s): s[keep] for s in starts}  # a start shared stays shared
+            starts = [kept[id(s)] for s in starts]
+            held[0] -= len(keep) - len(count)
+    present = [c for c, n in enumerate(held) if n]
+    if not present:
+        return
+    # Every block of every run placed at once, the runs ordered by class (each class's blocks
+    # then a slice of them): a run of ``count`` values goes in ``k`` blocks of its class's
+    # ``size``, at ``size`` apart, its last one ending at the run's end.
+    size_of = (grain, *blocks.tolist())
+    sz: int | np.ndarray
+    if len(present) == 1:
+        sz = size_of[present[0]]
+    else:
+        order = np.argsort(group, kind="stable")
+        at, count = at[order], count[order]
+        moved = {id(s): s[order] for s in starts}  # a start shared stays shared
+        starts = [moved[id(s)] for s in starts]
+        sz = np.repeat(np.array([size_of[c] for c in present]), [held[c] for c in present])
+    k = -(-count // sz)
+    ends = np.cumsum(k)
+    place = np.arange(int(ends[-1]), dtype=np.int64)
+    place -= np.repeat(ends - k, k)  # each block's number in its run
+    place *= sz if isinstance(sz, int) else np.repeat(sz, k)
+    place[ends - 1] = count - sz
+    d_at = np.repeat(at, k) + place
+    s_ats: dict[int, np.ndarray] = {}  # where the blocks start, once per start array
+    for s in starts:
+        if id(s) not in s_ats:
+            s_ats[id(s)] = np.repeat(s, k) + place
+    run = lo = 0
+    for c in present:
+        run += held[c]
+        hi = int(ends[run - 1])
+        for source, dest, width, s in zip(sources, dests, sizes, starts, strict=True):
+            _copy_blocks(source, dest, s_ats[id(s)][lo:hi], d_at[lo:hi], size_of[c], width)
+        lo = hi
 
 
-def _copy_each(
-    jobs: Sequence[tuple[np.ndarray, np.ndarray, int, np.ndarray]],
-    runs: np.ndarray,
-    k: np.ndarray,
-    place: np.ndarray,
-    d_at: np.ndarray,
-    size: int,
-) -> None:
-    """Copy blocks of ``size`` values of the ``runs`` (a mask) from each job's source (its
-    ``(source, dest, row bytes, start)``), ``k`` blocks a run, each at ``place`` in its run:
-    where the runs start is worked out once for the sources that share their starts."""
-    s_at, made = place, None
-    for source, dest, width, start in jobs:
-        if start is not made:
-            s_at, made = np.repeat(start[runs], k) + place, start
-        _copy_blocks(source, dest, s_at, d_at, size, width)
+@functools.cache
+def _block_values(rb: int) -> np.ndarray:
+    """The block sizes (values of ``rb`` bytes) runs are copied in, smallest first: those of
+    :data:`BLOCK_BYTES` of at least two values."""
+    blocks = np.array(sorted({b // rb for b in BLOCK_BYTES if b >= 2 * rb}), np.int64)
+    blocks.flags.writeable = False  # shared by every call
+    return blocks
 
 
 def stage_blocks(nbytes: int) -> int:

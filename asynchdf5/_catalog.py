@@ -185,7 +185,8 @@ class Catalog:
                 for f in self.files
             ]
             lengths = RowLengths(pieces)
-            info = dataclasses.replace(t.ragged, lengths=lengths)
+            names = tuple(f.name for f in self.files)
+            info = dataclasses.replace(t.ragged, lengths=lengths, files=names)
             self.tops[name] = dataclasses.replace(t, ragged=info)
 
     def values_base(self, file: FileInfo, top: str) -> int:
@@ -507,7 +508,9 @@ def categorical(name: str, h5: h5py.File, top: str) -> tuple[str, tuple[Any, ...
             ) from exc
         if not isinstance(names, h5py.Dataset):
             raise SchemaError(f"{name}: top {top!r}: its `categories` attribute is not a dataset")
-        return top, _names(name, top, names)
+        found = _names(name, top, names)
+        _codes_in_range(name, top, obj, len(found))
+        return top, found
     if not isinstance(obj, h5py.Group):
         return None
     said = _text(obj.attrs.get(ENCODING_ATTR))
@@ -520,7 +523,31 @@ def categorical(name: str, h5: h5py.File, top: str) -> tuple[str, tuple[Any, ...
             f"{name}: top {top!r} is a categorical group, but does not hold the datasets "
             f"'codes' and 'categories' (it holds {sorted(keys)})"
         )
-    return f"{top.rstrip('/')}/codes", _names(name, top, names)
+    found = _names(name, top, names)
+    _codes_in_range(name, top, codes, len(found))
+    return f"{top.rstrip('/')}/codes", found
+
+
+#: Codes checked at a time (:func:`_codes_in_range`): no array of the column's size at open.
+_CODE_ROWS = 1 << 20
+
+
+def _codes_in_range(name: str, top: str, codes: h5py.Dataset, n: int) -> None:
+    """SchemaError unless every integer code is ``-1`` (a missing value, as pandas and AnnData
+    write it) or names one of the ``n`` categories: a code past them would name none, or
+    another column's, in the user's lookup or an embedding. Read once, at open, a block at a
+    time (a code is a byte or two a row; ``indptr`` of a ragged top costs eight). Blocking."""
+    if codes.dtype.kind not in "iu" or codes.ndim != 1:
+        return  # not codes: the dataset checks say what it is
+    for a in range(0, codes.shape[0], _CODE_ROWS):
+        block = np.asarray(codes[a : a + _CODE_ROWS])
+        bad = np.flatnonzero((block < -1) | (block >= n))
+        if len(bad):
+            r = a + int(bad[0])
+            raise SchemaError(
+                f"{name}: top {top!r}: code {int(block[bad[0]])} at row {r} names none of its "
+                f"{n} categories (a code is 0 to {n - 1}, or -1 for a missing value)"
+            )
 
 
 def _names(name: str, top: str, names: h5py.Dataset) -> tuple[Any, ...]:

@@ -113,7 +113,23 @@ def piece_spans(chunk: LoadedChunk | Carry, a: int, b: int, name: str) -> np.nda
         rows = chunk.indices[a:b]
     else:
         rows = slice(a, b) if chunk.order is None else chunk.order[a:b]
-    return _array(chunk.arrays[name])[rows]
+    spans = _array(chunk.arrays[name])
+    if isinstance(rows, slice):
+        return spans[rows]
+    # ``np.take``: the same rows as ``spans[rows]`` (bounds checked, negative rows wrapped),
+    # without the general fancy index's cost on a 2-D array; but it first copies a source that
+    # is not contiguous whole. A mapped top's spans are a view of ``indptr`` (row i's are
+    # ``indptr[i:i + 2]``), whose two columns are contiguous: each column taken on its own.
+    if spans.flags.c_contiguous:
+        return np.take(spans, rows, axis=0)
+    starts, stops = spans[:, 0], spans[:, 1]
+    if not (starts.flags.c_contiguous and stops.flags.c_contiguous):
+        taken: np.ndarray = spans[rows]
+        return taken
+    out = np.empty((len(rows), 2), spans.dtype)
+    out[:, 0] = starts.take(rows)
+    out[:, 1] = stops.take(rows)
+    return out
 
 
 def gather_split(
@@ -275,12 +291,18 @@ def gather_ragged(
     make = empty if empty is not None else np.empty
     keys = heap_keys(name, sparse)
     jobs: list[_SpanJob] = []
+    rows = 0
     for chunk, a, b in pieces:
         span = piece_spans(chunk, a, b, name)
-        jobs.append((chunk, a, span, span[:, 1] - span[:, 0]))
-    offsets = np.zeros(sum(len(j[2]) for j in jobs) + 1, np.int64)
-    if len(offsets) > 1:
-        np.cumsum(np.concatenate([j[3] for j in jobs]), out=offsets[1:])
+        jobs.append((chunk, a, span, rows))
+        rows += len(span)
+    # The offsets are the call's own array (a caller may keep them, or size buffers from them):
+    # each row's length written in place, then summed in place.
+    offsets = np.empty(rows + 1, np.int64)
+    offsets[0] = 0
+    for _, _, span, row in jobs:
+        np.subtract(span[:, 1], span[:, 0], out=offsets[row + 1 : row + 1 + len(span)])
+    np.cumsum(offsets[1:], out=offsets[1:])
     total = int(offsets[-1])
     first = pieces[0][0].arrays if pieces else None
     outs = []
@@ -289,13 +311,13 @@ def gather_ragged(
         outs.append(make((total, *heap.shape[1:]), heap.dtype))
     nbytes = sum(row_bytes(out) for out in outs) * total
     if helper is None or nbytes < PARALLEL_BYTES:
-        _copy_jobs(jobs, name, keys, outs, offsets, 0)
+        _copy_jobs(jobs, name, keys, outs, offsets)
         return offsets, outs
     # The row that starts the second half of the values, and the jobs on either side of it.
     cut = int(np.searchsorted(offsets, total // 2, side="right")) - 1
-    head, tail, row = [], [], 0
+    head, tail = [], []
     for job in jobs:
-        chunk, a, span, length = job
+        chunk, a, span, row = job
         n = len(span)
         if row + n <= cut:
             head.append(job)
@@ -303,20 +325,19 @@ def gather_ragged(
             tail.append(job)
         else:
             k = cut - row
-            head.append((chunk, a, span[:k], length[:k]))
-            tail.append((chunk, a + k, span[k:], length[k:]))
-        row += n
+            head.append((chunk, a, span[:k], row))
+            tail.append((chunk, a + k, span[k:], cut))
     on_two_threads(
         helper,
-        functools.partial(_copy_jobs, head, name, keys, outs, offsets, 0),
-        functools.partial(_copy_jobs, tail, name, keys, outs, offsets, cut),
+        functools.partial(_copy_jobs, head, name, keys, outs, offsets),
+        functools.partial(_copy_jobs, tail, name, keys, outs, offsets),
     )
     return offsets, outs
 
 
 #: One piece's rows of a ragged top, to copy: its chunk, the first row's place in the chunk's
-#: serving order, the rows' spans in the chunk's heaps and their lengths.
-_SpanJob = tuple["LoadedChunk | Carry", int, np.ndarray, np.ndarray]
+#: serving order, the rows' spans in the chunk's heaps, and the first row's row in the batch.
+_SpanJob = tuple["LoadedChunk | Carry", int, np.ndarray, int]
 
 
 def _copy_jobs(
@@ -325,50 +346,57 @@ def _copy_jobs(
     keys: Sequence[str],
     outs: Sequence[np.ndarray],
     offsets: np.ndarray,
-    row: int,
 ) -> None:
-    """Copy the rows of ``jobs``, the first of them row ``row`` of the batch, to their places
-    in ``outs`` (from ``offsets``), each chunk's under its guard."""
-    for chunk, a, span, length in jobs:
-        lo, hi = int(offsets[row]), int(offsets[row + len(span)])
+    """Copy the rows of ``jobs`` to their places in ``outs`` (from ``offsets``), each chunk's
+    under its guard."""
+    for chunk, a, span, row in jobs:
         heaps = [_heap(chunk.arrays[key]) for key in keys]
-        dests = [out[lo:hi] for out in outs]
-        row += len(span)
+        places = offsets[row : row + len(span) + 1]
         guard = chunk.guard if isinstance(chunk, LoadedChunk) else None
+        if guard is None:
+            _copy_spans(heaps, span, places, outs)
+            continue
         with guarded(guard, name, chunk.indices[a : a + len(span)]):
-            _copy_spans(heaps, span, length, dests)
+            _copy_spans(heaps, span, places, outs)
 
 
 def _copy_spans(
     heaps: Sequence[np.ndarray | ScatteredValues],
     span: np.ndarray,
-    length: np.ndarray,
+    places: np.ndarray,
     dests: Sequence[np.ndarray],
 ) -> None:
-    """Copy ``heap[start:stop]`` of each span, in order, into each heap's ``dest`` (exactly
-    their sum): a sparse top's values and column indices share the spans, and the work that
-    depends on them alone. Spans that continue each other are merged into runs first (an
-    unshuffled chunk's rows are one run); long runs are copied a slice each, by one C loop,
-    short ones in blocks (:func:`~._blocks.copy_runs`). A heap in a mapped file's chunks copies
-    the runs itself, each cut where its chunks are not back to back in the file."""
-    if len(dests[0]) == 0:
+    """Copy ``heap[start:stop]`` of each span to ``dest[places[i]:places[i + 1]]``, for each
+    heap and its ``dest`` (``places``: one more than the spans, each span's place in the dests
+    and the end of the last): a sparse top's values and column indices share the spans, and the
+    work that depends on them alone. Spans that continue each other are merged into runs first
+    (an unshuffled chunk's rows are one run), only when some do; long runs are copied a slice
+    each, by one C loop, short ones in blocks (:func:`~._blocks.copy_runs`). A heap in a mapped
+    file's chunks copies the runs itself, each cut where its chunks are not back to back in the
+    file."""
+    n = len(span)
+    lo, hi = int(places[0]), int(places[-1])
+    if n == 0 or hi == lo:
         return
     starts, stops = span[:, 0], span[:, 1]
-    breaks = np.flatnonzero(starts[1:] != stops[:-1]) + 1
-    first = starts[np.concatenate(([0], breaks))]
-    last = stops[np.concatenate((breaks - 1, [len(span) - 1]))]
+    at = places[:-1]
+    joined = starts[1:] == stops[:-1]
+    if joined.any():
+        heads = np.flatnonzero(~joined) + 1  # the spans that start a run, but the first
+        first = starts[np.concatenate(([0], heads))]
+        last = stops[np.concatenate((heads - 1, [n - 1]))]
+        at = at[np.concatenate(([0], heads))]
+    else:
+        first, last = starts, stops
     arrays = [h for h in heaps if isinstance(h, np.ndarray)]
     chunked = len(arrays) < len(heaps)  # stored in chunks: the heaps copy their runs themselves
-    if not chunked and len(dests[0]) * max(map(row_bytes, arrays)) >= RUN_BYTES * len(first):
+    if not chunked and (hi - lo) * max(map(row_bytes, arrays)) >= RUN_BYTES * len(first):
         runs = list(zip(first.tolist(), last.tolist(), strict=True))
         for heap, dest in zip(arrays, dests, strict=True):
             # One C loop copies every run: the Python work is a view per run.
-            np.concatenate([heap[a:b] for a, b in runs], axis=0, out=dest)
+            np.concatenate([heap[a:b] for a, b in runs], axis=0, out=dest[lo:hi])
         return
-    count = last - first
-    at = np.zeros(len(count), np.int64)
-    np.cumsum(count[:-1], out=at[1:])
-    copy_all(heaps, dests, first, at, count)
+    copy_all(heaps, dests, first, at, last - first)
 
 
 def gather_padded(

@@ -19,6 +19,7 @@ from ._errors import ConfigurationError, SchemaError
 from ._layer import LayerBase
 from ._opened import Opened
 from ._plan import ChunkPlan
+from ._ragged import Ragged
 from ._shape import DataShape
 from ._sizing import held_rows
 from ._stats import ReadStats
@@ -70,7 +71,7 @@ class MemoryDataLayer(LayerBase):
     def __init__(self, data: Mapping[str, Any], **properties: Unpack[Properties]) -> None:
         if not isinstance(data, Mapping) or not data:
             raise ConfigurationError("data must be a non-empty mapping of top name to array")
-        arrays = {str(k): np.asarray(v) for k, v in data.items()}
+        arrays = {str(k): _fixed_rows(str(k), v) for k, v in data.items()}
         config = LayerConfig.parse(
             {"tops": tuple(arrays), **properties} if properties.get("tops") is None else properties,
             hdf5=False,
@@ -116,6 +117,27 @@ class MemoryDataLayer(LayerBase):
         return await Opened.enter(
             reader, None, shape, slot_rows=rows, delivery=self._delivery, portal=portal, at=at
         )
+
+
+def _fixed_rows(name: str, value: Any) -> np.ndarray:
+    """``value`` as an array of fixed rows; a :class:`~asynchdf5.Ragged`, a sparse matrix or
+    rows of unequal lengths are a SchemaError saying what works (the in-memory layer serves
+    arrays in place: it has no heap of values and ``indptr`` to cut rows of varying length
+    from), not NumPy's error about an inhomogeneous shape, nor a 0-d array of an object."""
+    sparse = hasattr(value, "indptr") and hasattr(value, "tocsr")
+    try:
+        array = None if sparse or isinstance(value, Ragged) else np.asarray(value)
+    except ValueError:  # a sequence of rows of unequal lengths
+        array = None
+    if array is None:
+        raise SchemaError(
+            f"data[{name!r}] has rows of varying length ({type(value).__name__}); "
+            "MemoryDataLayer serves arrays of fixed rows: pad them (Ragged.to_padded, or "
+            "`.toarray()` of a sparse matrix), or write them to an HDF5 file as a ragged group "
+            "('data' + 'indptr', docs/sequences.md) or a CSR group (docs/sparse.md) and read it "
+            "with HDF5DataLayer"
+        )
+    return array
 
 
 def _check_arrays(arrays: Mapping[str, np.ndarray], tops: Sequence[str]) -> int:

@@ -32,7 +32,15 @@ from ._blocks import (
 )
 from ._errors import ConfigurationError
 
-__all__ = ["Ragged", "check_dense", "csr_batch", "pad_rows", "padded_rows", "sparse_module"]
+__all__ = [
+    "CSR_KINDS",
+    "Ragged",
+    "check_dense",
+    "csr_batch",
+    "pad_rows",
+    "padded_rows",
+    "sparse_module",
+]
 
 
 #: From this many rows on, :func:`pad_rows` pads the rows of an array as :func:`padded_rows`
@@ -423,18 +431,26 @@ def sparse_module(top: str, module: str = "scipy.sparse", fix: str = _SCIPY_FIX)
         ) from exc
 
 
-def csr_batch(values: np.ndarray, indices: np.ndarray, offsets: np.ndarray, n_cols: int) -> Any:
-    """A :class:`scipy.sparse.csr_array` of ``len(offsets) - 1`` rows and ``n_cols`` columns
-    over the given arrays, not copies of them, where ``indices`` and ``offsets`` share one
-    integer dtype that holds ``n_cols`` (scipy converts both to a common one otherwise). scipy
-    was imported at open (:func:`sparse_module`).
+def csr_batch(
+    values: np.ndarray,
+    indices: np.ndarray,
+    offsets: np.ndarray,
+    n_cols: int,
+    kind: str = "csr_array",
+) -> Any:
+    """A :class:`scipy.sparse.csr_array` (or the scipy CSR class ``kind`` names: a batch that
+    crossed from ``process=True``'s helper is rebuilt as the class it was) of
+    ``len(offsets) - 1`` rows and ``n_cols`` columns over the given arrays, not copies of them,
+    where ``indices`` and ``offsets`` share one integer dtype that holds ``n_cols`` (scipy
+    converts both to a common one otherwise). scipy was imported at open
+    (:func:`sparse_module`).
 
     The arrays are the layer's own, CSR by construction (1-D, as many values as indices,
     offsets from 0 to their end, never decreasing): where they are int32 (AnnData's indices)
     and scipy's constructor is one whose matrices this module knows (:func:`_csr_kind`), the
     matrix is made as the constructor would make it, without its checks, which cost more than
     gathering a batch's bytes; else by the constructor."""
-    cls, fixed = _csr_kind()
+    cls, fixed = _csr_kind(kind)
     shape = (len(offsets) - 1, n_cols)
     data, index = _own_base(values), _own_base(indices)
     if fixed is None or index.dtype != np.int32 or offsets.dtype != np.int32 or data.ndim != 1:
@@ -449,15 +465,22 @@ def csr_batch(values: np.ndarray, indices: np.ndarray, offsets: np.ndarray, n_co
 _CSR_ATTRIBUTES = frozenset({"_shape", "maxprint", "data", "indices", "indptr"})
 
 
+#: The scipy classes a CSR batch may be (:func:`csr_batch`'s ``kind``).
+CSR_KINDS = ("csr_array", "csr_matrix")
+
+
 @functools.cache
-def _csr_kind() -> tuple[Any, dict[str, Any] | None]:
-    """``scipy.sparse.csr_array``, and the attributes that its constructor gives every matrix
-    alike (those not of the arrays or the shape), where a matrix it makes of int32 arrays holds
-    exactly :data:`_CSR_ATTRIBUTES` and keeps the arrays given; None where it holds other ones
-    (another scipy): :func:`csr_batch` then calls the constructor."""
+def _csr_kind(kind: str = "csr_array") -> tuple[Any, dict[str, Any] | None]:
+    """``scipy.sparse.csr_array`` (or ``kind``, one of :data:`CSR_KINDS`), and the attributes
+    that its constructor gives every matrix alike (those not of the arrays or the shape), where
+    a matrix it makes of int32 arrays holds exactly :data:`_CSR_ATTRIBUTES` and keeps the
+    arrays given; None where it holds other ones (another scipy): :func:`csr_batch` then calls
+    the constructor."""
     import scipy.sparse
 
-    cls = scipy.sparse.csr_array
+    if kind not in CSR_KINDS:
+        raise ValueError(f"not a CSR class of scipy.sparse: {kind!r}")
+    cls = getattr(scipy.sparse, kind)
     arrays = (np.ones(2, np.float32), np.array([0, 1], np.int32), np.array([0, 1, 2], np.int32))
     probe = cls(arrays, shape=(2, 2), copy=False)
     own = vars(probe)

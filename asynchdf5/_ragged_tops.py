@@ -33,14 +33,13 @@ from typing import Any, Literal
 import h5py
 import numpy as np
 
-from ._errors import ConfigurationError, SchemaError
+from ._errors import ConfigurationError, ReadError, SchemaError
 from ._layout import Layout
 
 __all__ = [
     "CSR_MEMBERS",
     "HEAP",
     "INDICES",
-    "RAGGED_PATHS",
     "RaggedForm",
     "RaggedInfo",
     "RaggedParts",
@@ -52,7 +51,6 @@ __all__ = [
     "is_heap",
     "kind_words",
     "member_of_csr",
-    "refuse_ragged",
 ]
 
 #: The members of a stored CSR group (scipy, AnnData, h5sparse).
@@ -118,6 +116,8 @@ class RowLengths:
         np.cumsum(held, out=self._bases[1:])
         #: Rows over all files (those without the top count, holding nothing).
         self.n = int(self._starts[-1])
+        #: Each file's first global row (and, last, ``n``).
+        self.starts = self._starts
         #: Values over all rows.
         self.total = int(self._bases[-1])
         # The one file that holds every row: its indptr answers `before` as is.
@@ -260,6 +260,8 @@ class RaggedInfo:
     index_dtype: np.dtype[Any] | None = None
     vlen: bool = False
     lengths: RowLengths = field(default_factory=RowLengths)
+    #: The files' names in global order (set by the catalog with ``lengths``): where a row is.
+    files: tuple[str, ...] = ()
     #: :meth:`slot_values` asked before, by rows (the cache sizing asks the same ones again).
     _slots: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
@@ -282,6 +284,19 @@ class RaggedInfo:
         ):
             return np.dtype(np.int32)
         return np.dtype(np.int64)
+
+    def for_batches(self, rows: int) -> RaggedInfo:
+        """What a ``process=True`` layer's own process keeps of this top, sent by its helper
+        process (which holds the files' ``indptr``), in a few bytes: the kind, the columns and
+        index dtypes (:attr:`batch_index_dtype` as here), and lengths of one row holding the
+        values ``rows`` rows hold at most, so that :meth:`heap_rows` answers, for any batch of
+        up to ``rows`` rows, the bound a device's staging is sized by. Nothing else of its
+        lengths is known there (nothing else is asked there)."""
+        bound = self.heap_rows(rows)
+        one = RowLengths([(1, np.array([0, bound], np.int64))])
+        info = RaggedInfo(self.kind, self.n_cols, self.index_dtype, self.vlen, one)
+        vars(info)["batch_index_dtype"] = self.batch_index_dtype  # the whole top's, not one row's
+        return info
 
     def heap_rows(self, rows: int) -> int:
         """Values ``rows`` rows hold at most, whichever they are (the ``rows`` longest)."""
@@ -320,6 +335,35 @@ class RaggedInfo:
             return 0
         bounds = np.asarray(ranges, np.int64)
         return int(np.sum(self.lengths.before(bounds[:, 1]) - self.lengths.before(bounds[:, 0])))
+
+    def check_columns(
+        self, top: str, indices: np.ndarray, offsets: np.ndarray, rows: np.ndarray
+    ) -> None:
+        """:class:`~._errors.ReadError` unless every column index of a sparse top's gathered
+        rows (``indices``, cut by ``offsets``; ``rows`` their global indices) lies in
+        ``0:n_cols``. The stored ``indices`` are values, not read at open: one out of range
+        makes a matrix that scipy's ``toarray`` (and cuSPARSE, torch) writes outside of, so
+        each batch's are checked before it is made (one pass over them, unsigned: a negative
+        index is a huge one)."""
+        if not len(indices):
+            return
+        unsigned = indices.view(np.dtype(f"u{indices.dtype.itemsize}"))
+        # Past the signed maximum, a negative index seen unsigned may be below n_cols.
+        signed = indices.dtype.kind == "i" and self.n_cols > np.iinfo(indices.dtype).max
+        if int(unsigned.max()) < self.n_cols and not (signed and int(indices.min()) < 0):
+            return
+        bad = (unsigned >= self.n_cols) | (indices < 0) if signed else unsigned >= self.n_cols
+        at = int(np.argmax(bad))
+        row = int(rows[int(np.searchsorted(offsets, at, side="right")) - 1])
+        starts = self.lengths.starts
+        f = int(np.searchsorted(starts, row, side="right")) - 1
+        where = f"{self.files[f]}: " if 0 <= f < len(self.files) else ""
+        raise ReadError(
+            f"{where}top {top!r}, row {row - int(starts[f]) if f >= 0 else row} (global index "
+            f"{row}): column index {int(indices[at])} is outside the sparse matrix's "
+            f"{self.n_cols} columns (its 'shape' attribute): the file's 'indices' or 'shape' "
+            "is wrong"
+        )
 
     @property
     def mean_values(self) -> float:
@@ -476,10 +520,12 @@ def _indptr(where: str, top: str, dset: Any, n_values: int) -> np.ndarray:
 def _group_form(where: str, top: str, group: h5py.Group) -> RaggedForm:
     encoding = _attr_text(group, "encoding-type")
     if encoding == "csc_matrix" or _attr_text(group, "h5sparse_format") == "csc":
+        field, _, key = top.strip("/").partition("/")
+        held = f"adata.{field}[{key!r}]" if key and "/" not in key else "adata.X"
         raise SchemaError(
             f"{where}: top {top!r} is a CSC sparse matrix (columns compressed): its rows are "
-            "not contiguous, so it cannot be read row by row; store it as CSR (AnnData: "
-            "`adata.X = adata.X.tocsr()` before writing; scipy: `.tocsr()`), or let "
+            f"not contiguous, so it cannot be read row by row; store it as CSR (AnnData: "
+            f"`{held} = {held}.tocsr()` before writing; scipy: `.tocsr()`), or let "
             "`asynchdf5 pack FILE OUT_DIR` rewrite the file with it as CSR"
         )
     names = set(group.keys())
@@ -520,9 +566,16 @@ def _group_form(where: str, top: str, group: h5py.Group) -> RaggedForm:
     shape = group.attrs.get("shape")
     if shape is None:
         shape = group.attrs.get("h5sparse_shape")
-    if shape is None or len(np.atleast_1d(shape)) != 2:
+    if shape is None:
         raise SchemaError(
             f"{where}: top {top!r} has 'data', 'indices' and 'indptr' but no 'shape' attribute "
+            "(rows, columns): the number of columns of its sparse matrix is unknown"
+        )
+    dims = np.atleast_1d(shape)
+    if len(dims) != 2 or dims.dtype.kind not in "iuf" or (dims != np.floor(dims)).any():
+        raise SchemaError(
+            f"{where}: top {top!r}: its 'shape' attribute is "
+            f"{tuple(np.atleast_1d(shape).tolist())}, not two integers "
             "(rows, columns): the number of columns of its sparse matrix is unknown"
         )
     n_rows, n_cols = (int(s) for s in np.atleast_1d(shape))
@@ -606,20 +659,4 @@ def member_of_csr(where: str, h5: h5py.File, top: str) -> None:
             f"{where}: top {top!r} is the {leaf!r} member of the {kind} {parent!r}, whose "
             f"rows are cut from 'data' by 'indptr'; name the group as the top: "
             f"tops=({posixpath.normpath(parent).lstrip('/')!r}, ...)"
-        )
-
-
-#: The read paths a ragged top's are named by (:meth:`~._catalog.Catalog.read_paths`).
-RAGGED_PATHS = ("ragged-", "sparse-", "vlen-")
-
-
-def refuse_ragged(read_paths: dict[str, str]) -> None:
-    """:class:`~._errors.ConfigurationError` for ragged tops in a ``process=True`` helper: its
-    shared-memory slots carry one array per top, of fixed rows."""
-    ragged = [t for t, p in read_paths.items() if p.startswith(RAGGED_PATHS)]
-    if ragged:
-        raise ConfigurationError(
-            f"top(s) {', '.join(map(repr, ragged))} have rows of varying length: process=True "
-            "does not carry ragged or sparse tops yet (its shared-memory slots hold fixed rows); "
-            "leave out process=True"
         )

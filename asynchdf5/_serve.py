@@ -25,10 +25,8 @@ import time
 from typing import Any
 
 import anyio
-import numpy as np
 
 from ._batch import Batch
-from ._errors import TransformError
 from ._hdf5 import AsyncHDF5DataLayer
 from ._process import (
     IMPORTING_MAIN,
@@ -36,12 +34,13 @@ from ._process import (
     Segment,
     error_blob,
     needed,
+    parts_of,
     ring_slots,
     stats_of,
     write_batch,
 )
 from ._process import recv as _recv
-from ._ragged_tops import refuse_ragged
+from ._ragged_tops import RaggedInfo
 
 __all__ = ["main"]
 
@@ -154,15 +153,7 @@ class Helper:
         while not self.free:
             self.freed = anyio.Event()
             await self.freed.wait()
-        data = {}
-        for top, value in batch.items():
-            a = np.ascontiguousarray(value)
-            if a.dtype.hasobject:
-                raise TransformError(
-                    f"top {top!r}: a batch of dtype object cannot go through shared memory "
-                    "(process=True): return numeric arrays from the transformers"
-                )
-            data[top] = a
+        data = {top: parts_of(top, value) for top, value in batch.items()}
         slot = self.free.popleft()
         size = needed(data, batch.size)
         segment, fd = self.segments[slot], None
@@ -182,6 +173,19 @@ class Helper:
         if force or now - self.stats_at >= STATS_EVERY_S:
             self.stats_at = now
             await self.send(("stats", stats_of(self.layer.stats)))
+
+
+def _ragged_tops(layer: AsyncHDF5DataLayer) -> dict[str, RaggedInfo]:
+    """What the layer's process keeps of each ragged or sparse top (to check its delivery at
+    open and upload its batches to a device: :meth:`RaggedInfo.for_batches`)."""
+    opened = layer._consumer.opened
+    assert opened is not None
+    rows = layer.config.batch_size
+    return {
+        name: t.ragged.for_batches(rows)
+        for name, t in opened.reader.tops.items()
+        if t.ragged is not None
+    }
 
 
 async def _watch_parent(scope: anyio.CancelScope) -> None:
@@ -207,11 +211,12 @@ async def _serve(
         if state is not None:
             layer.load_state_dict(state)
         async with layer:
-            refuse_ragged(layer.stats.read_paths)
             opened = True
             helper = Helper(sock, layer)
             stats = layer.stats
-            await helper.send(("open", layer._data_shape(), stats.read_paths, stats.read_notes))
+            ragged = _ragged_tops(layer)
+            shape = layer._data_shape()
+            await helper.send(("open", shape, stats.read_paths, stats.read_notes, ragged))
             await helper.serve()
     except Exception as exc:
         if opened:

@@ -134,3 +134,30 @@ def test_runs_out_of_values_stored_in_chunks_anywhere_are_their_values(seed: int
             np.testing.assert_array_equal(got, want)
         a = int(rng.integers(0, n))
         np.testing.assert_array_equal(heaps[0][a:], values[a:])
+
+
+def test_runs_of_every_class_from_sources_with_starts_of_their_own() -> None:
+    """Runs of every block class and shorter ones (runs of no values among them), in a random
+    order, copied from two sources of different widths, each from starts of its own, and from a
+    third sharing the first one's starts: every run of every source lands in its place (the
+    runs are regrouped by class, each source's starts with them)."""
+    rng = np.random.default_rng(11)
+    lengths = [0, 1, 3, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1023, 1024, 1025, 3000]
+    count = rng.permutation(np.repeat(np.array(lengths, np.int64), 5))
+    at = np.zeros(len(count), np.int64)
+    np.cumsum(count[:-1] + 2, out=at[1:])  # gaps of 2 values between the runs
+    values = 20_000
+    sources: list[np.ndarray] = [
+        rng.integers(0, 2**31, values).astype(np.int32),
+        rng.integers(0, 2**62, (values, 2)).astype(np.int64),
+        rng.integers(0, 2**15, values).astype(np.int16),
+    ]
+    first, second = (rng.integers(0, values - count + 1) for _ in range(2))
+    dests = [np.full((int(at[-1] + count[-1] + 2), *s.shape[1:]), -1, s.dtype) for s in sources]
+    wants = [d.copy() for d in dests]
+    for source, want, start in zip(sources, wants, (first, second, first), strict=True):
+        for a, b, k in zip(start.tolist(), at.tolist(), count.tolist(), strict=True):
+            want[b : b + k] = source[a : a + k]
+    copy_runs(sources, dests, [first, second, first], at, count)
+    for dest, want in zip(dests, wants, strict=True):
+        np.testing.assert_array_equal(dest, want)

@@ -1074,14 +1074,6 @@ def test_a_member_of_a_ragged_group_is_named_as_such(tmp_path: Path) -> None:
         assert "CSR" not in str(err.value)
 
 
-def test_process_refuses_ragged_tops(tmp_path: Path) -> None:
-    files = write_files(tmp_path, [6])
-    layer = HDF5DataLayer(files, tops=("tok", "label"), batch_size=2, process=True)
-    with pytest.raises(ConfigurationError) as err:
-        layer.__enter__()
-    check_message(err.value, "'tok'", "process=True")
-
-
 # --- the whole pipeline, property-style ---------------------------------------------------------
 
 
@@ -1288,13 +1280,18 @@ def test_copy_spans_in_order(longest: int, trailing: tuple[int, ...], dtype: typ
     ):
         span = np.stack([ip[rows], ip[rows + 1]], axis=1)
         length = span[:, 1] - span[:, 0]
-        dest = np.zeros((int(length.sum()), *trailing), heap.dtype)
-        dest2 = np.zeros(int(length.sum()), np.int32)
-        _copy_spans([heap, other], span, length, [dest, dest2])
+        total = int(length.sum())
+        # The spans' places from 7 on: values before and after them stay as they were.
+        places = np.concatenate(([0], np.cumsum(length))) + 7
+        dest = np.full((total + 9, *trailing), 99, heap.dtype)
+        dest2 = np.full(total + 9, -1, np.int32)
+        _copy_spans([heap, other], span, places, [dest, dest2])
         want = np.concatenate([heap[ip[r] : ip[r + 1]] for r in rows])
-        np.testing.assert_array_equal(dest, want)
+        np.testing.assert_array_equal(dest[7 : 7 + total], want)
+        assert (dest[:7] == 99).all() and (dest[7 + total :] == 99).all()
         want2 = np.concatenate([other[ip[r] : ip[r + 1]] for r in rows])
-        np.testing.assert_array_equal(dest2, want2)
+        np.testing.assert_array_equal(dest2[7 : 7 + total], want2)
+        assert (dest2[:7] == -1).all() and (dest2[7 + total :] == -1).all()
 
 
 def test_a_transformer_may_keep_the_top_ragged_and_batches_print(tmp_path: Path) -> None:
@@ -1443,7 +1440,7 @@ def test_to_padded_of_python_objects_pads_each_row() -> None:
 def test_batch_keys_follow_the_tops_order(tmp_path: Path) -> None:
     """A batch's keys are the tops in the order given, ragged ones among fixed ones, on every
     route: sync, async, ``stream()``, a fused Pad, the torch dataset (in a worker too), and
-    ``process=True`` (fixed tops: it refuses ragged ones)."""
+    ``process=True`` (in another order; tests/test_process_ragged.py has the rest of it)."""
     import anyio
 
     files = write_files(tmp_path, [9, 4])
@@ -1469,10 +1466,11 @@ def test_batch_keys_follow_the_tops_order(tmp_path: Path) -> None:
                     check(b)
 
     anyio.run(run_async)
-    fixed = ("len", "label")  # not in the files' nor the alphabet's order
-    with HDF5DataLayer(files, tops=fixed, batch_size=4, process=True) as layer:
+    other = ("label", "tok", "len")  # not in the files' nor the alphabet's order
+    with HDF5DataLayer(files, tops=other, batch_size=4, process=True) as layer:
         for b in layer:
-            check(b, fixed)
+            check(b, other)
+            check_rows(b)
 
     pytest.importorskip("torch")
     from torch.utils.data import DataLoader
@@ -1483,3 +1481,87 @@ def test_batch_keys_follow_the_tops_order(tmp_path: Path) -> None:
         with HDF5IterableDataset(files, tops=tops, batch_size=4) as ds:
             for d in DataLoader(ds, batch_size=None, num_workers=workers):
                 check(d)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_gather_ragged_of_every_kind_of_piece_into_reused_buffers(sparse: bool) -> None:
+    """Pieces of every kind in one gather: a carry, a shuffled chunk, a chunk in slot order
+    (rows that continue each other), rows at global indices whose spans are a view of
+    ``indptr`` (a mapped top's), a piece of no rows; rows of no values among them. Gathered
+    twice into buffers that are reused (dirty) and the second gather smaller: every row of
+    every heap is its own, and the offsets are the call's own array, not the buffers'."""
+    from asynchdf5._gather import gather_ragged
+    from asynchdf5._ragged_tops import heap_keys
+    from asynchdf5._specs import Carry, LoadedChunk, Piece
+
+    rng = np.random.default_rng(5 + int(sparse))
+    keys = heap_keys("X", sparse)
+
+    def heaps_of(lens: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        ip = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=ip[1:])
+        arrays: dict[str, np.ndarray] = {
+            keys[0]: rng.integers(0, 2**31, int(ip[-1])).astype(np.int32)
+        }
+        if sparse:
+            arrays[keys[1]] = rng.random(int(ip[-1]), np.float32)
+        return ip, arrays
+
+    def lengths(n: int) -> np.ndarray:
+        lens = rng.integers(0, 300, n)
+        lens[rng.integers(0, n, n // 5)] = 0  # rows of no values
+        return lens
+
+    chunks: list[LoadedChunk | Carry] = []
+    for kind in ("carry", "shuffled", "slot order", "mapped"):
+        ip, arrays = heaps_of(lengths(120))
+        spans = np.stack([ip[:-1], ip[1:]], axis=1)
+        if kind == "mapped":  # spans a strided view of indptr, rows at global indices
+            spans = np.lib.stride_tricks.as_strided(ip, (120, 2), (8, 8), writeable=False)
+        arrays["X"] = spans
+        indices = rng.permutation(120)
+        if kind == "carry":
+            chunks.append(Carry(arrays, indices))
+        else:
+            order = None if kind == "slot order" else rng.permutation(120)
+            chunks.append(
+                LoadedChunk(
+                    cast(Any, None),
+                    order,
+                    arrays,
+                    indices if kind == "mapped" else np.arange(120),
+                    rows_are_global=kind == "mapped",
+                )
+            )
+    pool = [np.empty(2**20, np.uint8) for _ in keys]  # a buffer per heap, reused
+    calls = itertools.count()
+
+    def empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        buf = pool[next(calls) % len(keys)]
+        buf[:] = 0xAB  # what an earlier batch left there
+        return buf[: int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+
+    def rows_of(chunk: LoadedChunk | Carry, a: int, b: int) -> np.ndarray:
+        if isinstance(chunk, Carry):
+            return np.arange(a, b)
+        if chunk.rows_are_global:
+            return chunk.indices[a:b]
+        return np.arange(a, b) if chunk.order is None else chunk.order[a:b]
+
+    for pieces in (
+        [(c, 10, 110) for c in chunks] + [(chunks[1], 5, 5)],
+        [(chunks[3], 0, 40), (chunks[0], 60, 60), (chunks[2], 3, 50), (chunks[1], 90, 120)],
+    ):
+        typed: list[Piece] = list(pieces)
+        offsets, outs = gather_ragged(typed, "X", sparse, empty)
+        assert not any(np.shares_memory(offsets, buf) for buf in pool)
+        taken = [np.asarray(c.arrays["X"])[rows_of(c, a, b)] for c, a, b in pieces]
+        lens = np.concatenate([s[:, 1] - s[:, 0] for s in taken])
+        np.testing.assert_array_equal(offsets, np.concatenate(([0], np.cumsum(lens))))
+        for k, out in zip(keys, outs, strict=True):
+            want = [
+                np.asarray(c.arrays[k])[s:e]
+                for (c, _, _), span in zip(pieces, taken, strict=True)
+                for s, e in span.tolist()
+            ]
+            np.testing.assert_array_equal(out, np.concatenate(want))

@@ -359,3 +359,29 @@ def test_entries_remember_their_line_through_copies_and_pickles(tmp_path: Path) 
     # Resolved again as a sequence (as the torch adapter's workers do): still the list's lines.
     again = resolve_source(entries)
     assert [getattr(e, "where", None) for e in again] == ["train.txt, line 2", "train.txt, line 3"]
+
+
+def test_raw_buffers_hand_out_the_smallest_kept_buffer_that_fits() -> None:
+    """Kept buffers go back out smallest first among those that hold the bytes asked for (a new
+    one when none does), each once, and no more bytes are kept than ``keep``."""
+    raws = _local.RawBuffers(keep=110)
+    kept = [bytearray(n) for n in (40, 10, 30, 10, 20)]
+    for buf in kept:
+        raws.give(buf)
+    raws.give(bytearray(1))  # past ``keep``: not kept
+
+    def taken(size: int) -> int | None:  # which kept buffer a take hands out (None: a new one)
+        buf = raws.take(size)
+        assert len(buf) >= size
+        return next((i for i, k in enumerate(kept) if k is buf), None)
+
+    assert taken(25) == 2  # 30 is the smallest of 30 and 40
+    assert taken(10) == 1  # the first of the two 10s given
+    assert taken(10) == 3
+    assert taken(41) is None  # none holds 41
+    assert taken(0) == 4
+    assert taken(1) == 0
+    assert taken(1) is None  # every kept one handed out once
+    raws.give(kept[0])
+    raws.clear()
+    assert taken(1) is None

@@ -235,6 +235,9 @@ class CudaDelivery:
                     for t in tops
                     if t.ragged is not None
                 }
+                for name, got in ragged.items():
+                    if got.info.sparse:
+                        got.info.check_columns(name, got.heaps[1], got.offsets, indices)
                 gathered: dict[str, Any] = {  # in the tops' order, whatever their kind
                     t.name: staging[t.name] if t.ragged is None else ragged[t.name] for t in tops
                 }

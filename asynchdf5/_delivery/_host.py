@@ -328,6 +328,9 @@ class HostDelivery:
             for name, t in self._ragged.items()
             if t.ragged is not None
         }
+        for name, (t, offsets, heaps) in ragged.items():
+            if t.ragged is not None and t.ragged.sparse:
+                t.ragged.check_columns(name, heaps[1], offsets, indices)
         each = group.batch_tops()
         out: list[Batch] = []
         error: Exception | None = None

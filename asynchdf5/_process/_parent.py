@@ -14,8 +14,9 @@ mode), and the run's mode. The helper loads it into its own layer and iterates f
 batches of a run replaced since are dropped on arrival (their slots go back
 at once), so only the current run's batches are handed over.
 
-Slots: a batch handed over is a set of views of one slot, which goes back to the helper once
-nothing refers to them any more (as host batch buffers are reused, see
+Slots: a batch handed over is a set of views of one slot (a ragged top's
+:class:`~asynchdf5.Ragged` and a sparse top's CSR matrix over views of it too), which goes back
+to the helper once nothing refers to them any more (as host batch buffers are reused, see
 :class:`~asynchdf5._delivery.BatchBuffers`). The consumer may keep batches: when it holds all
 but one slot, the next batch is copied out of its slot, so the helper always has one to fill.
 """
@@ -136,14 +137,14 @@ class ProcessReader:
             message = await reader._next()
             if message[0] == "failed":
                 raise rebuild(message[1])
-            _, shape, reader.read_paths, reader.read_notes = message
+            _, shape, reader.read_paths, reader.read_notes, ragged = message
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await reader.aclose()
             raise
         reader.n_samples = shape.n_samples
-        reader.tops = {
-            name: TopInfo(name, np.dtype(dtype), tuple(sample))
+        reader.tops = {  # a ragged top's: its values' (RaggedInfo.for_batches)
+            name: TopInfo(name, np.dtype(dtype), tuple(sample), ragged=ragged.get(name))
             for name, dtype, sample in shape.tops
         }
         if device is not None:
@@ -239,11 +240,9 @@ class ProcessReader:
             return None
         self._pending = None
         release = None if copy else functools.partial(self._released, slot)
-        data, indices = segment.views(layout, release)
+        # copy: the consumer keeps every other slot: a copy, so that the helper has one to fill.
+        data, indices = segment.views(layout, release, copy=copy)
         if copy:
-            # The consumer keeps every other slot: copy, so that the helper has one to fill.
-            data = {k: np.array(v) for k, v in data.items()}
-            indices = indices.copy()
             self._free(slot, now=True)
         return Batch(data, indices, epoch)
 

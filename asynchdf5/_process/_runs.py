@@ -15,10 +15,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import anyio
+import numpy as np
 
 from .._batch import Batch
 from .._catalog import TopInfo
 from .._gathering import Failure, Item
+from .._ragged_tops import heap_keys
 from .._specs import Carry, GroupSpec
 from .._stats import GatherStats
 from .._thread_call import run_sync_whole
@@ -44,6 +46,8 @@ class Uploader:
     def __init__(self, delivery: Delivery, tops: Mapping[str, TopInfo], rows: int, depth: int):
         self.delivery = delivery
         self.stats = GatherStats()  # the layer's process's own part, added to the helper's
+        #: The ragged tops (name -> whether sparse): carried as a chunk holds them.
+        self._ragged = {k: t.ragged.sparse for k, t in tops.items() if t.ragged is not None}
         delivery.start(tops, rows, depth)
 
     def upload(self, items: list[Item]) -> list[Item]:
@@ -53,7 +57,7 @@ class Uploader:
             if not isinstance(item, Batch):
                 out.append(item)
                 continue
-            carried = Carry(dict(item), item.indices)
+            carried = Carry(self._carried(item), item.indices)
             group = GroupSpec([(carried, 0, item.size)], [item.size], [item.epoch])
             made, error = self.delivery.make(group, self.stats, None)
             out += made
@@ -61,6 +65,23 @@ class Uploader:
                 out.append(Failure(error))
                 break
         return out
+
+    def _carried(self, batch: Batch) -> dict[str, np.ndarray]:
+        """``batch``'s arrays as a :class:`~.._specs.Carry` holds them, for the delivery to
+        gather from: a ragged top's (a Ragged, a sparse top's CSR matrix) as its rows' spans
+        (int64 ``(rows, 2)``) over its heaps (values, and column indices), as a cache slot
+        holds it (:func:`~.._ragged_tops.heap_keys`)."""
+        arrays = dict(batch)
+        for name, sparse in self._ragged.items():
+            value = arrays[name]
+            if sparse:
+                offsets, heaps = value.indptr, [value.data, value.indices]
+            else:
+                offsets, heaps = value.offsets, [value.values]
+            offsets = np.asarray(offsets, np.int64)
+            arrays[name] = np.stack([offsets[:-1], offsets[1:]], axis=1)
+            arrays.update(zip(heap_keys(name, sparse), heaps, strict=True))
+        return arrays
 
 
 class RemoteRun(RunBase):

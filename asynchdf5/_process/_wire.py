@@ -7,6 +7,13 @@ and unlinked at once), created by the helper, mapped by both sides, and passed t
 a file descriptor with the message that first uses it. Nothing has a name in ``/dev/shm``, so a
 process that is killed leaves nothing behind: the memory goes when the last mapping does. The
 helper's stats go as one message of plain values (:func:`stats_of`).
+
+A top's batch crosses as one or more arrays (its *parts*, :func:`parts_of`) and the *form* that
+rebuilds it from them on the layer's side (:func:`value_of`): a NumPy array is one part; a
+ragged top's :class:`~asynchdf5.Ragged` its values and offsets; a sparse top's scipy CSR matrix
+its data, indices and indptr (with its class and shape). A batch's size varies with its rows'
+lengths: each batch says how many bytes its slot needs (:func:`needed`), and the helper makes
+a larger slot where one does not fit.
 """
 
 from __future__ import annotations
@@ -21,25 +28,30 @@ import socket
 import sys
 import tempfile
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from .._errors import TransformError
 from .._pages import MAP_FAILED, libc_mmap
+from .._ragged import CSR_KINDS, Ragged, csr_batch
 
 __all__ = [
     "ALIGN",
     "MAX_MESSAGE",
     "Layout",
+    "Parts",
     "Segment",
     "needed",
+    "parts_of",
     "recv",
     "refcounts_are_reliable",
     "ring_slots",
     "send",
     "socket_pair",
     "stats_of",
+    "value_of",
     "write_batch",
 ]
 
@@ -48,9 +60,14 @@ ALIGN = 64
 #: The largest control message (a saved state can hold an elastic resume's chain).
 MAX_MESSAGE = 1 << 20
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
-#: Where each top's array and the indices lie in a slot: ``((top, offset, dtype, shape), ...)``
-#: and the indices' offset; the rows are the first dimension of every shape.
-Layout = tuple[tuple[tuple[str, int, str, tuple[int, ...]], ...], int]
+#: A top's batch as it crosses (:func:`parts_of`): its form (``"array"``, ``"ragged"``, or
+#: the scipy CSR class's name), its arrays (C-contiguous), and a matrix's shape (else None).
+Parts = tuple[str, tuple[np.ndarray, ...], tuple[int, int] | None]
+#: One array of a slot: where it starts, its dtype and shape.
+_Part = tuple[int, str, tuple[int, ...]]
+#: Where each top's parts and the indices lie in a slot: ``((top, form, (part, ...), matrix
+#: shape), ...)``, the indices' offset and the batch's rows.
+Layout = tuple[tuple[tuple[str, str, tuple[_Part, ...], tuple[int, int] | None], ...], int, int]
 
 
 def ring_slots(prefetch: int) -> int:
@@ -153,47 +170,93 @@ class Segment:
             raise
 
     def views(
-        self, layout: Layout, release: Callable[[], None] | None = None
-    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The arrays of a batch written with ``layout``. ``release``: called once the last of
-        them (and of every view made from them) is gone; they view one array of their own,
-        which holds :attr:`owner` as long as it lives."""
-        tops, at = layout
-        rows = tops[-1][3][0] if tops else 0
+        self, layout: Layout, release: Callable[[], None] | None = None, *, copy: bool = False
+    ) -> tuple[dict[str, Any], np.ndarray]:
+        """The values of a batch written with ``layout`` (:func:`value_of`), and its indices.
+        ``release``: called once the last of them (and of every view made from them: a Ragged,
+        a CSR matrix, a tensor sharing their memory) is gone; their arrays view one array of
+        their own, which holds :attr:`owner` as long as it lives. ``copy``: the values are
+        made of copies of the slot's arrays instead (nothing of them refers to the slot)."""
+        tops, at, rows = layout
         end = at + 8 * rows
         region = self.owner
         if release is not None:
             region = np.frombuffer(self.owner.data[:end], np.uint8)
             weakref.finalize(region, release).atexit = False
         out = {}
-        for name, offset, dtype, shape in tops:
-            dt = np.dtype(dtype)
-            n = math.prod(shape) * dt.itemsize
-            out[name] = region[offset : offset + n].view(dt).reshape(shape)
+        for name, form, parts, matrix in tops:
+            arrays = []
+            for offset, dtype, shape in parts:
+                dt = np.dtype(dtype)
+                n = math.prod(shape) * dt.itemsize
+                a = region[offset : offset + n].view(dt).reshape(shape)
+                arrays.append(a.copy() if copy else a)
+            out[name] = value_of(form, arrays, matrix)
         indices = region[at:end].view(np.int64)
-        return out, indices
+        return out, indices.copy() if copy else indices
 
 
 def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def needed(data: Mapping[str, np.ndarray], rows: int) -> int:
-    """The bytes a slot needs for a batch of these arrays."""
-    return sum(_up(a.nbytes) for a in data.values()) + 8 * rows
+def parts_of(top: str, value: Any) -> Parts:
+    """Top ``top``'s batch ``value`` as it crosses (:data:`Parts`): a :class:`~asynchdf5.Ragged`
+    (its values and int64 offsets), a scipy CSR matrix (its data, indices and indptr, as they
+    are), or anything NumPy makes an array of. :class:`~asynchdf5.TransformError` for what
+    holds Python objects (a transformer's output: the layer's own batches never do), which no
+    shared memory can carry."""
+    matrix: tuple[int, int] | None = None
+    arrays: tuple[Any, ...]
+    if isinstance(value, Ragged):
+        form, arrays = "ragged", (value.values, value.offsets)
+    elif type(value).__module__.startswith("scipy.sparse") and type(value).__name__ in CSR_KINDS:
+        form, arrays = type(value).__name__, (value.data, value.indices, value.indptr)
+        matrix = (int(value.shape[0]), int(value.shape[1]))
+    else:
+        form, arrays = "array", (value,)
+    out = tuple(np.ascontiguousarray(a) for a in arrays)
+    if any(a.dtype.hasobject for a in out):
+        raise TransformError(
+            f"top {top!r}: a batch of {type(value).__name__} of dtype object (Python objects) "
+            "cannot go through shared memory (process=True): return numeric arrays, an "
+            "asynchdf5.Ragged or a scipy CSR matrix from the transformers"
+        )
+    return form, out, matrix
 
 
-def write_batch(segment: Segment, data: Mapping[str, np.ndarray], indices: np.ndarray) -> Layout:
-    """Copy a batch into ``segment`` (which must hold :func:`needed` bytes); its layout."""
+def value_of(form: str, arrays: Sequence[np.ndarray], matrix: tuple[int, int] | None) -> Any:
+    """The batch value :func:`parts_of` took apart, over ``arrays`` (not copies): the same
+    type, dtypes and shapes."""
+    if form == "array":
+        return arrays[0]
+    if form == "ragged":
+        return Ragged._trusted(arrays[0], arrays[1])
+    assert matrix is not None
+    data, indices, indptr = arrays
+    return csr_batch(data, indices, indptr, matrix[1], form)
+
+
+def needed(data: Mapping[str, Parts], rows: int) -> int:
+    """The bytes a slot needs for a batch of these parts (:func:`parts_of`)."""
+    return sum(_up(a.nbytes) for _, arrays, _ in data.values() for a in arrays) + 8 * rows
+
+
+def write_batch(segment: Segment, data: Mapping[str, Parts], indices: np.ndarray) -> Layout:
+    """Copy a batch (each top's :func:`parts_of`) into ``segment`` (which must hold
+    :func:`needed` bytes); its layout."""
     tops = []
     at = 0
-    for name, a in data.items():
-        view = segment.owner[at : at + a.nbytes].view(a.dtype).reshape(a.shape)
-        np.copyto(view, a, casting="no")
-        tops.append((name, at, a.dtype.str, tuple(a.shape)))
-        at += _up(a.nbytes)
+    for name, (form, arrays, matrix) in data.items():
+        parts = []
+        for a in arrays:
+            view = segment.owner[at : at + a.nbytes].view(a.dtype).reshape(a.shape)
+            np.copyto(view, a, casting="no")
+            parts.append((at, a.dtype.str, tuple(a.shape)))
+            at += _up(a.nbytes)
+        tops.append((name, form, tuple(parts), matrix))
     segment.owner[at : at + indices.nbytes].view(np.int64)[:] = indices
-    return tuple(tops), at
+    return tuple(tops), at, len(indices)
 
 
 def refcounts_are_reliable() -> bool:

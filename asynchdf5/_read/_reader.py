@@ -250,6 +250,8 @@ class HDF5Reader:
         spans = arrays[top]
         heaps = [arrays[k] for k in heap_keys(top, info.ragged.sparse)]
         chunked: dict[int, tuple[Layout, int, list[Need]]] = {}
+        # The member each chunked layout holds: its chunks' rows are values of it, not samples.
+        members: dict[int, str] = {}
         at = 0
         for seg in segments:
             parts = seg.file.ragged.get(top)
@@ -271,17 +273,20 @@ class HDF5Reader:
                 about = f"top {top!r}, rows {r0}:{r1} (values {e0}:{e1})"
                 if parts.vlen is not None:
                     h5reads.append(VlenRead(parts.vlen, r0, r1, heaps[0][at : at + e1 - e0], about))
-                for layout, heap in zip((parts.data, parts.indices), heaps, strict=False):
+                pairs = zip((parts.data, parts.indices), heaps, ("data", "indices"), strict=False)
+                for layout, heap, member in pairs:
                     if layout is not None:
+                        members[id(layout)] = member
                         dest = heap[at : at + e1 - e0]
                         self._plan_rows(layout, e0, e1, dest, about, chunked, ranges, h5reads)
                         if layout.swap:
                             after.append(swapper(dest))
             at += e1 - e0
-        for layout, itemsize, needs in chunked.values():
+        for key, (layout, itemsize, needs) in chunked.items():
             decoder = self._decoder(layout, itemsize)
+            about = f"top {top!r}, its {members.get(key, 'data')!r}"
             ranges += chunk_reads(
-                layout, needs, decoder, f"top {top!r}", piece, fresh=self.resident is not None
+                layout, needs, decoder, about, piece, fresh=self.resident is not None
             )
 
     def _plan_rows(

@@ -13,6 +13,7 @@ for others, it is opened again by name and must match its fingerprint, else ``Re
 
 from __future__ import annotations
 
+import bisect
 import errno
 import math
 import os
@@ -61,7 +62,10 @@ class RawBuffers:
 
     def __init__(self, keep: int = KEEP_RAW_BYTES) -> None:
         self.keep = keep
+        # Kept buffers by size, smallest first, and their sizes: a take is a bisection, not a
+        # scan of every kept buffer (hundreds of small chunks' buffers fit ``keep``).
         self._free: list[bytearray] = []
+        self._sizes: list[int] = []
         self._held = 0  # bytes in ``_free``
         self._lock = threading.Lock()
 
@@ -69,24 +73,28 @@ class RawBuffers:
         """A buffer of at least ``size`` bytes (contents undefined): the smallest kept one that
         holds them, else a new one."""
         with self._lock:
-            fits = [i for i, buf in enumerate(self._free) if len(buf) >= size]
-            if fits:
-                buf = self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+            i = bisect.bisect_left(self._sizes, size)
+            if i < len(self._sizes):
+                del self._sizes[i]
+                buf = self._free.pop(i)
                 self._held -= len(buf)
                 return buf
         return bytearray(size)
 
     def give(self, buf: bytearray) -> None:
         """Hand ``buf`` back: no view of it may be used after this."""
+        n = len(buf)
         with self._lock:
-            if self._held + len(buf) <= self.keep:
-                self._free.append(buf)
-                self._held += len(buf)
+            if self._held + n <= self.keep:
+                i = bisect.bisect_right(self._sizes, n)
+                self._sizes.insert(i, n)
+                self._free.insert(i, buf)
+                self._held += n
 
     def clear(self) -> None:
         """Drop every kept buffer."""
         with self._lock:
-            self._free, self._held = [], 0
+            self._free, self._sizes, self._held = [], [], 0
 
 
 class LocalSource:

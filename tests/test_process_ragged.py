@@ -1,0 +1,359 @@
+"""``process=True`` over ragged and sparse tops (issue 41): the helper process gathers them, each
+batch crosses the shared memory as its arrays, and this process gets the same
+:class:`~asynchdf5.Ragged` and scipy CSR batches as the in-process layer, batch by batch.
+
+Every file here says which sample a row is: row ``g`` of the ragged tops ``tok`` and ``seq``
+holds ``length(g)`` values all equal to ``g`` (``seq``'s of trailing shape ``(2,)``; empty rows
+among them, and one row of :data:`LONG_VALUES`), and row ``g`` of the sparse tops ``X`` and
+``Y`` holds ``g % 4`` values ``g + 1`` in columns 0, 2, 4 (empty rows too); one file holds no
+rows at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import h5py
+import numpy as np
+import pytest
+import scipy.sparse
+
+from asynchdf5 import AsyncHDF5DataLayer, HDF5DataLayer, Ragged
+from asynchdf5 import transforms as T
+from asynchdf5._ragged_tops import RaggedInfo, RowLengths
+
+from ._fake_cupy import FakeArray, FakeCsrMatrix, FakeCupy
+from ._files import check_exactly_once
+from ._gpu_data import host_copy
+from ._leaks import aassert_released, asnapshot, no_helper_left
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
+DEADLINE = 60
+SIZES = (23, 0, 38)  # a file of no rows among them
+N = sum(SIZES)
+COLS = 9
+LONG_ROW, LONG_VALUES = 5, 3000  # a row far longer than the others (0 to 7 values)
+TOPS = ("tok", "X", "label", "len")
+#: Small chunks and a short ring (4 slots): batches kept by the consumer soon hold all but one
+#: slot, so later ones are copied out of theirs.
+KW: dict[str, Any] = {"batch_size": 4, "shuffle": True, "seed": 7, "chunk_size": 16, "prefetch": 2}
+
+
+def tok_lengths(g: np.ndarray) -> np.ndarray:
+    lens = ((g * 7919) % 8).astype(np.int64)
+    lens[g == LONG_ROW] = LONG_VALUES
+    return lens
+
+
+def dense_rows(g: np.ndarray) -> np.ndarray:
+    """The sparse tops' rows ``g``, dense."""
+    out = np.zeros((len(g), COLS), np.float32)
+    for i, k in enumerate(g.tolist()):
+        out[i, [0, 2, 4][: k % 4]] = k + 1
+    return out
+
+
+def write_files(folder: Path) -> list[Path]:
+    paths, start = [], 0
+    for k, n in enumerate(SIZES):
+        g = np.arange(start, start + n, dtype=np.int64)
+        lens = tok_lengths(g)
+        indptr = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=indptr[1:])
+        m = scipy.sparse.csr_array(dense_rows(g))
+        path = folder / f"m{k}.h5"
+        with h5py.File(path, "w") as f:
+            f["label"], f["len"] = g, lens
+            for name, trailing in (("tok", ()), ("seq", (2,))):  # ragged groups: data + indptr
+                grp = f.create_group(name)
+                values = np.repeat(g, lens).reshape(-1, *[1] * len(trailing))
+                grp["data"], grp["indptr"] = values * np.ones(trailing, np.int64), indptr
+            for name in ("X", "Y"):  # a CSR group as AnnData writes one
+                grp = f.create_group(name)
+                grp["data"] = m.data
+                grp["indices"] = m.indices.astype(np.int32)
+                grp["indptr"] = m.indptr.astype(np.int64)
+                grp.attrs["encoding-type"], grp.attrs["shape"] = "csr_matrix", (n, COLS)
+        paths.append(path)
+        start += n
+    return paths
+
+
+def check_batch(b: Any, x: str = "X") -> None:
+    """``tok`` and sparse ``x`` hold the rows of ``b.indices``, aligned with ``label``, ``len``."""
+    g = b.indices
+    np.testing.assert_array_equal(b["label"], g)
+    tok = b["tok"]
+    assert isinstance(tok, Ragged) and tok.offsets.dtype == np.int64
+    np.testing.assert_array_equal(tok.lengths, b["len"])
+    np.testing.assert_array_equal(tok.lengths, tok_lengths(g))
+    np.testing.assert_array_equal(tok.values, np.repeat(g, tok.lengths))
+    m = b[x]
+    assert type(m) is scipy.sparse.csr_array and m.shape == (len(g), COLS)
+    np.testing.assert_array_equal(m.toarray(), dense_rows(g))
+
+
+def check_same(got: Any, want: Any) -> None:
+    """Two batches are the same: keys in order, indices, and each top's value (its type, its
+    arrays' dtypes and shapes, their values)."""
+    assert list(got) == list(want)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    assert got.epoch == want.epoch
+    for top in want:
+        g, w = got[top], want[top]
+        assert type(g) is type(w), top
+        if isinstance(w, Ragged):
+            pairs = [(g.values, w.values), (g.offsets, w.offsets)]
+        elif scipy.sparse.issparse(w):
+            assert g.shape == w.shape
+            pairs = [(g.data, w.data), (g.indices, w.indices), (g.indptr, w.indptr)]
+        else:
+            pairs = [(g, w)]
+        for a, b in pairs:
+            assert a.dtype == b.dtype and a.shape == b.shape, top
+            np.testing.assert_array_equal(a, b)
+
+
+def _copied(b: Any) -> bool:
+    """Whether batch ``b`` was copied out of its slot (its arrays own their memory)."""
+    return b["label"].base is None
+
+
+async def test_ragged_and_sparse_tops_as_in_process(tmp_path: Path) -> None:
+    """Two epochs and a stream over ragged, sparse and fixed tops: the in-process layer's
+    batches, every sample once an epoch, the rows of every top from the same samples. Batches
+    kept across two epochs (past the ring: later ones copied out of their slots, for real) stay
+    right while the helper writes many more; once let go of, their slots come back (the stream's
+    batches are views of slots again, none copied); nothing is left behind."""
+    files = write_files(tmp_path)
+    before = await asnapshot()
+    with anyio.fail_after(DEADLINE):
+        async with AsyncHDF5DataLayer(files, tops=TOPS, process=True, **KW) as layer:
+            async with AsyncHDF5DataLayer(files, tops=TOPS, **KW) as ref:
+                kept = []
+                for epoch in range(2):
+                    got = [b async for b in layer]  # every batch held
+                    want = [b async for b in ref]
+                    check_exactly_once([b.indices for b in got], N)
+                    for b, w in zip(got, want, strict=True):
+                        check_batch(b)
+                        check_same(b, w)
+                    assert layer.epoch == epoch + 1
+                    kept += got
+                copies = [b for b in kept if _copied(b)]
+                assert copies and len(copies) < len(kept)  # both ways of handing one over
+                for b in copies:  # a real copy: nothing of it in a slot the helper reuses
+                    assert b["tok"].values.base is None and b["tok"].offsets.base is None
+                for b in kept:  # unchanged, the helper having written many batches since
+                    check_batch(b)
+                n_kept = len(kept)
+                del kept, got, want, copies, b, w
+                seen = 0
+                async with _zip(layer.stream(), ref.stream()) as pairs:
+                    async for b, w in pairs:
+                        check_batch(b)
+                        check_same(b, w)
+                        assert not _copied(b)  # every slot came back: a view of one
+                        seen += b.size
+                        if seen >= 2 * N:
+                            break
+                assert layer.epoch >= 3
+                stats = layer.stats
+                assert stats.read_paths["tok"].startswith("ragged-")
+                assert stats.read_paths["X"].startswith("sparse-")
+                assert stats.bytes_read > 0 and stats.batches == n_kept + seen // 4
+        del b, w
+        await aassert_released(before)
+    no_helper_left()
+
+
+@contextlib.asynccontextmanager
+async def _zip(a: Any, b: Any) -> AsyncIterator[AsyncGenerator[tuple[Any, Any]]]:
+    """The pairs of two async iterators, both closed at the end."""
+
+    async def pairs() -> AsyncGenerator[tuple[Any, Any]]:
+        async for x in a:
+            yield x, await b.__anext__()
+
+    gen = pairs()
+    try:
+        yield gen
+    finally:
+        await gen.aclose()
+        await a.aclose()
+        await b.aclose()
+
+
+def test_resume_mid_epoch_and_transformers(tmp_path: Path) -> None:
+    """A state saved mid-epoch and loaded into a new layer: the rest of the epoch is the
+    in-process layer's. Transformers run in the helper on the ragged and sparse tops (a fused
+    ``Pad`` that cuts the long row, ``Densify``, a user transformer returning a Ragged, one
+    returning a ``csr_matrix``) and their batches are the in-process layer's: a CSR batch keeps
+    its class."""
+    files = write_files(tmp_path)
+    tops = ("tok", "seq", "X", "Y", "label", "len")
+    kw: dict[str, Any] = dict(
+        tops=tops,
+        transformers=[
+            ("tok", T.Pad(-1, length=6)),
+            ("seq", Twice()),
+            ("X", T.Densify()),
+            ("Y", AsMatrix()),
+        ],
+        **KW,
+    )
+    with HDF5DataLayer(files, **kw) as ref:
+        want = list(ref)
+    with HDF5DataLayer(files, process=True, **kw) as layer:
+        head = []
+        for b in layer:
+            head.append(b)
+            if len(head) == 5:
+                state = layer.state_dict()  # mid-epoch: the next batch is the 6th
+                break
+    with HDF5DataLayer(files, process=True, **kw) as again:  # a new helper, from the state
+        again.load_state_dict(state)
+        rest = list(again)
+        assert again.epoch == 1
+    got = head + rest
+    assert len(got) == len(want)
+    for b, w in zip(got, want, strict=True):
+        check_same(b, w)
+        assert type(b["Y"]) is scipy.sparse.csr_matrix
+        tok, g = b["tok"], b.indices
+        assert tok.shape == (len(g), 6)
+        for i, k in enumerate(tok_lengths(g).tolist()):
+            assert (tok[i, : min(k, 6)] == g[i]).all() and (tok[i, min(k, 6) :] == -1).all()
+        seq = b["seq"]  # rows of a trailing shape
+        assert seq.values.shape == (int(tok_lengths(g).sum()), 2)
+        rows = np.repeat(g, tok_lengths(g))[:, None] * np.ones(2, np.int64)
+        np.testing.assert_array_equal(seq.values, 2 * rows)
+        np.testing.assert_array_equal(b["X"], dense_rows(g))
+        np.testing.assert_array_equal(b["Y"].toarray(), 2 * dense_rows(g))
+    check_exactly_once([b.indices for b in got], N)
+    no_helper_left()
+
+
+class Twice:
+    """A user transformer on a ragged top: a new Ragged of twice the values (picklable)."""
+
+    def __call__(self, r: Ragged) -> Ragged:
+        return Ragged(r.values * 2, r.offsets)
+
+
+class AsMatrix:
+    """A user transformer on a sparse top: twice the matrix, as a ``scipy.sparse.csr_matrix``."""
+
+    def __call__(self, m: Any) -> Any:
+        return scipy.sparse.csr_matrix(m * 2)
+
+
+def test_torch_adapter_padded_and_csr(tmp_path: Path) -> None:
+    """The torch dataset over ``process=True``: a ragged top (transformed in the helper) as a
+    padded tensor and its lengths, a sparse top as a ``torch.sparse_csr_tensor``."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from asynchdf5.torch import HDF5IterableDataset
+
+    files = write_files(tmp_path)
+    kw = dict(KW, transformers=[("tok", Twice())])
+    with HDF5IterableDataset(files, tops=TOPS, process=True, ragged="padded", **kw) as ds:
+        seen = []
+        for d in DataLoader(ds, batch_size=None, num_workers=0):
+            g = d["label"].numpy()
+            padded, lengths = d["tok"]
+            lens = tok_lengths(g)
+            np.testing.assert_array_equal(lengths.numpy(), lens)
+            assert padded.shape == (len(g), int(lens.max()))
+            for i, k in enumerate(lens.tolist()):
+                assert (padded[i, :k] == 2 * g[i]).all() and (padded[i, k:] == 0).all()
+            x = d["X"]
+            assert x.layout == torch.sparse_csr
+            np.testing.assert_array_equal(x.to_dense().numpy(), dense_rows(g))
+            seen.append(g)
+        check_exactly_once(seen, N)
+    no_helper_left()
+
+
+async def test_device_uploads_the_helpers_ragged_and_sparse_batches(
+    tmp_path: Path, fake_cupy: FakeCupy
+) -> None:
+    """``device=`` with ``process=True``: the helper gathers host batches, this process
+    uploads them: a Ragged of device arrays and a device CSR matrix, as the in-process device
+    layer's, batch by batch."""
+    files = write_files(tmp_path)
+    kw: dict[str, Any] = dict(tops=("tok", "X", "label"), device="cuda", **KW)
+
+    def host(b: Any) -> dict[str, Any]:
+        tok, x = b["tok"], b["X"]
+        assert isinstance(tok, Ragged) and isinstance(tok.values, FakeArray)
+        assert isinstance(x, FakeCsrMatrix)
+        return {
+            "indices": np.array(b.indices),
+            "values": host_copy(tok.values),
+            "offsets": host_copy(tok.offsets),
+            "data": host_copy(x.data),
+            "columns": host_copy(x.indices),
+            "indptr": host_copy(x.indptr),
+            "label": host_copy(b["label"]),
+        }
+
+    with anyio.fail_after(DEADLINE):
+        async with AsyncHDF5DataLayer(files, process=True, **kw) as layer:
+            got = [host(b) async for b in layer]
+        async with AsyncHDF5DataLayer(files, **kw) as ref:
+            want = [host(b) async for b in ref]
+    assert len(got) == len(want)
+    for b, w in zip(got, want, strict=True):
+        for key, a in w.items():
+            assert b[key].dtype == a.dtype, key
+            np.testing.assert_array_equal(b[key], a)
+        g = b["indices"]
+        np.testing.assert_array_equal(b["label"], g)
+        np.testing.assert_array_equal(np.diff(b["offsets"]), tok_lengths(g))
+        np.testing.assert_array_equal(b["values"], np.repeat(g, tok_lengths(g)))
+        m = scipy.sparse.csr_array((b["data"], b["columns"], b["indptr"]), shape=(len(g), COLS))
+        np.testing.assert_array_equal(m.toarray(), dense_rows(g))
+    check_exactly_once([b["indices"] for b in got], N)
+    no_helper_left()
+
+
+def test_what_the_layers_process_keeps_of_a_ragged_top() -> None:
+    """``RaggedInfo.for_batches(rows)``, which the helper sends: a few bytes whatever the rows,
+    the kind, columns and index dtypes kept (the batches' index dtype the whole top's, not one
+    row's), and the heap bound of any batch of up to ``rows`` rows (a device's staging)."""
+    lens = np.array([5, 0, 9, 2, 2**31 - 3, 1], np.int64)  # int64 batches: the non-zeros
+    indptr = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(lens, out=indptr[1:])
+    info = RaggedInfo("sparse", 11, np.dtype(np.int32), lengths=RowLengths([(len(lens), indptr)]))
+    kept = pickle.loads(pickle.dumps(info.for_batches(3)))
+    assert len(pickle.dumps(kept)) < 2000
+    assert (kept.kind, kept.n_cols, kept.index_dtype, kept.sparse) == ("sparse", 11, np.int32, True)
+    for rows in (1, 2, 3):
+        assert kept.heap_rows(rows) == info.heap_rows(3) == 2**31 - 3 + 9 + 5
+    one = pickle.loads(pickle.dumps(info.for_batches(1)))  # its bound alone fits int32
+    assert one.heap_rows(1) == 2**31 - 3
+    assert info.batch_index_dtype == one.batch_index_dtype == np.int64
+
+
+def test_a_batch_no_shared_memory_carries_is_a_transform_error(tmp_path: Path) -> None:
+    """A transformer's output of another sparse format: a TransformError naming the top."""
+    from asynchdf5 import TransformError
+
+    files = write_files(tmp_path)
+    layer = HDF5DataLayer(files, tops=TOPS, transformers=[("X", ToCsc())], process=True, **KW)
+    with layer, pytest.raises(TransformError, match=r"top 'X'.*csc_array.*process=True"):
+        for _ in layer:
+            pass
+    no_helper_left()
+
+
+class ToCsc:
+    def __call__(self, m: Any) -> Any:
+        return scipy.sparse.csc_array(m)
