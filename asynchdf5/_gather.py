@@ -119,14 +119,16 @@ def piece_spans(chunk: LoadedChunk | Carry, a: int, b: int, name: str) -> np.nda
     # ``np.take``: the same rows as ``spans[rows]`` (bounds checked, negative rows wrapped),
     # without the general fancy index's cost on a 2-D array; but it first copies a source that
     # is not contiguous whole. A mapped top's spans are a view of ``indptr`` (row i's are
-    # ``indptr[i:i + 2]``), whose two columns are contiguous: each column taken on its own.
+    # ``indptr[i:i + 2]``), whose two columns are contiguous: each column taken on its own,
+    # into int64 as every gather's runs are (an int32 indptr's too: a mapped heap's byte places
+    # pass 2**31 long before its values do). Slots' and carries' spans are int64 already.
     if spans.flags.c_contiguous:
         return np.take(spans, rows, axis=0)
     starts, stops = spans[:, 0], spans[:, 1]
     if not (starts.flags.c_contiguous and stops.flags.c_contiguous):
-        taken: np.ndarray = spans[rows]
+        taken: np.ndarray = spans[rows].astype(np.int64, copy=False)
         return taken
-    out = np.empty((len(rows), 2), spans.dtype)
+    out = np.empty((len(rows), 2), np.int64)
     out[:, 0] = starts.take(rows)
     out[:, 1] = stops.take(rows)
     return out

@@ -11,15 +11,17 @@ Three stored forms are tops whose rows vary in length (:func:`find_form`):
 - an **h5py variable-length numeric dataset** (``h5py.vlen_dtype(np.int32)``): the same rows,
   whose values HDF5 keeps in a heap only h5py can read.
 
-Whatever the form, the catalog keeps each file's ``indptr`` in memory (8 bytes a row, read at
-open), so that a chunk's rows are one contiguous range of ``data`` (and ``indices``) found
-without a read, and read in one piece by the fast paths as any dataset's rows are. Anything
-else about such a group (a member missing, ``indptr`` decreasing or not ending at
-``len(data)``, a CSC matrix, a string heap) is a :class:`SchemaError` at open, never a batch.
+Whatever the form, the catalog keeps each file's ``indptr`` in memory (read at open, as stored
+when int32 or int64: 4 or 8 bytes a row), so that a chunk's rows are one contiguous range of
+``data`` (and ``indices``) found without a read, and read in one piece by the fast paths as any
+dataset's rows are. Anything else about such a group (a member missing, ``indptr`` decreasing
+or not ending at ``len(data)``, a CSC matrix, a string heap) is a :class:`SchemaError` at open,
+never a batch.
 
 Inside the pipeline a ragged top is two things per cache slot (:func:`heap_keys`): its *spans*
-(an int64 ``(rows, 2)`` array: where each row's values start and stop in the slot's heap) and
-its *heaps* (the values, and a sparse top's column indices, one contiguous array each).
+(an int64 ``(rows, 2)`` array: where each row's values start and stop in the slot's heap; in
+place, a view of the file's ``indptr``, taken in int64 by the gather) and its *heaps* (the
+values, and a sparse top's column indices, one contiguous array each).
 """
 
 from __future__ import annotations
@@ -374,7 +376,7 @@ class RaggedInfo:
 
 @dataclass(frozen=True, eq=False)
 class RaggedParts:
-    """A ragged top in one file: ``indptr`` (int64, rows + 1, from 0) and where the values
+    """A ragged top in one file: ``indptr`` (int32 or int64, rows + 1, from 0) and where the values
     (and a sparse top's indices) are: the layouts of ``data`` and ``indices``, or the
     variable-length dataset that h5py reads (``vlen``)."""
 
@@ -490,12 +492,20 @@ def _numeric(where: str, top: str, what: str, dt: np.dtype[Any]) -> np.dtype[Any
     return native
 
 
+#: The dtypes an ``indptr`` is kept in as read (native order); others are read as int64.
+_KEPT_INDPTR = (np.dtype(np.int32), np.dtype(np.int64))
+
+
 def _indptr(where: str, top: str, dset: Any, n_values: int) -> np.ndarray:
     """``indptr`` read whole and checked: 1-D integers from 0, never decreasing, ending at the
-    number of values. Blocking (h5py)."""
+    number of values. An int32 one (AnnData's, scipy's below 2**31 values) is kept as it is,
+    4 bytes a row: its values are a file's own, and sums over files are made in int64 by those
+    who make them. Blocking (h5py)."""
     if not isinstance(dset, h5py.Dataset) or dset.ndim != 1 or dset.dtype.kind not in "iu":
         raise SchemaError(f"{where}: top {top!r}: 'indptr' must be a 1-D integer dataset")
-    indptr = np.asarray(dset[()], dtype=np.int64)
+    indptr: np.ndarray = dset[()]
+    if indptr.dtype not in _KEPT_INDPTR:  # int32 and int64 are kept as stored: no copy
+        indptr = indptr.astype(np.int64)
     if len(indptr) == 0:
         raise SchemaError(f"{where}: top {top!r}: 'indptr' is empty; it needs rows + 1 entries")
     if indptr[0] != 0:

@@ -59,9 +59,11 @@ def write_ragged(
     longest: int = 7,
     lengths: np.ndarray | None = None,
     vlen: bool = False,
+    indptr_dtype: type[np.signedinteger[Any]] = np.int64,
 ) -> Path:
     """A file of ``n`` samples from global row ``start``: ``tok`` (ragged: ``data`` +
-    ``indptr``, or an h5py vlen dataset), ``label`` (the global index) and ``len``."""
+    ``indptr`` of ``indptr_dtype``, or an h5py vlen dataset), ``label`` (the global index) and
+    ``len``."""
     lens = lengths_of(start, n, longest) if lengths is None else lengths
     g = np.arange(start, start + n, dtype=np.int64)
     with h5py.File(path, "w") as f:
@@ -77,7 +79,7 @@ def write_ragged(
             grp["data"] = data.reshape(-1, *([1] * len(trailing))) * np.ones(trailing, np.int64)
             indptr = np.zeros(n + 1, np.int64)
             np.cumsum(lens, out=indptr[1:])
-            grp["indptr"] = indptr
+            grp["indptr"] = indptr.astype(indptr_dtype)
     return path
 
 
@@ -318,6 +320,75 @@ def test_exactly_once_with_empty_rows_and_zero_row_file(
         assert layer.stats.bytes_read >= 8 * int(sum(lengths_of(0, 50)))
     if shuffle:
         assert firsts[0] != firsts[1]  # a new order per epoch
+
+
+@pytest.mark.parametrize(
+    ("files", "mmap", "path"),
+    [
+        (1, True, "ragged-mmap"),  # spans a view of the file's indptr, widened per batch
+        (3, False, "ragged-pread"),  # spans written from each file's indptr and values base
+    ],
+)
+@pytest.mark.parametrize("chunk_size", [8, 10_000], ids=["streaming", "resident"])
+def test_an_int32_indptr_is_kept_as_stored(
+    tmp_path: Path, files: int, mmap: bool, path: str, chunk_size: int
+) -> None:
+    """AnnData's and scipy's int32 ``indptr`` is kept at open as it is (4 bytes a row, not an
+    int64 copy of 8), and every reader gives the same rows from it as from an int64 one."""
+    sizes = [23, 18, 9][:files] if files > 1 else [50]
+    paths = write_files(tmp_path, sizes, indptr_dtype=np.int32)
+    kw: dict[str, Any] = dict(tops=("tok", "label", "len"), batch_size=4, chunk_size=chunk_size)
+    from asynchdf5._catalog import build_catalog
+    from asynchdf5._sources import LocalSource
+
+    source = LocalSource()
+    try:
+        catalog = build_catalog(source, [str(p) for p in paths], ("tok",))
+    finally:
+        source.close()
+    kept = [f.ragged["tok"].indptr for f in catalog.files]
+    assert [ip.dtype for ip in kept] == [np.dtype(np.int32)] * files
+    with HDF5DataLayer(paths, shuffle=True, seed=3, mmap=mmap, **kw) as layer:
+        assert layer.stats.read_paths["tok"] == path
+        assert layer.stats.resident == (chunk_size > sum(sizes))
+        for _ in range(2):
+            check_exactly_once([epoch_of(layer)], sum(sizes))
+
+
+def test_spans_in_place_of_an_int32_indptr_reach_the_gather_in_int64() -> None:
+    """The mapped reader's spans are a view of the file's indptr, int32 too (one row's, a
+    contiguous view, copied): the gather takes each piece's spans in int64 (its runs'
+    arithmetic, in bytes, passes 2**31 long before the values do)."""
+    from asynchdf5._gather import piece_spans
+    from asynchdf5._read._mapped import _spans_of
+    from asynchdf5._specs import LoadedChunk
+
+    for indptr in (np.array([0, 2, 2, 5, 9], np.int32), np.array([0, 3], np.int32)):
+        spans = _spans_of(indptr)
+        n = len(indptr) - 1
+        if n > 1:  # no copy at open
+            assert spans.dtype == np.int32 and np.shares_memory(spans, indptr)
+        rows = np.arange(n)[::-1].copy()  # mapped rows are taken at their global indices
+        chunk = LoadedChunk(cast(Any, None), None, {"tok": spans}, rows, rows_are_global=True)
+        got = piece_spans(chunk, 0, n, "tok")
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, np.c_[indptr[:-1], indptr[1:]][rows])
+
+
+def test_int32_indptrs_are_summed_in_int64() -> None:
+    """Files whose int32 ``indptr`` each hold nearly 2**31 values: the values before a row, a
+    file's values base and the longest rows are counted past 2**31 (int64), not wrapped."""
+    most = np.iinfo(np.int32).max
+    one = np.array([0, most - 1, most], np.int32)  # a row of most - 1 values, one of 1
+    lengths = RowLengths([(2, one), (3, None), (2, one.copy())])
+    assert lengths.total == 2 * most
+    assert lengths.file_base(2) == most
+    np.testing.assert_array_equal(
+        lengths.before(np.array([0, 1, 2, 5, 6, 7])),
+        [0, most - 1, most, most, 2 * most - 1, 2 * most],
+    )
+    assert lengths.longest(2) == 2 * (most - 1)
+    assert lengths.most_in_stretch(3) == 2 * most - 1  # rows 6, 0 and 1 on the ring
 
 
 def test_trailing_shape_and_chunked_compressed_data(tmp_path: Path) -> None:

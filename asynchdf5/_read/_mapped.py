@@ -428,8 +428,11 @@ def _rows_words(ranges: list[tuple[int, int]]) -> str:
 
 def _spans_of(indptr: np.ndarray) -> np.ndarray:
     """The spans of a ragged top's rows, ``(rows, 2)``: row ``i``'s is ``indptr[i:i + 2]``, a
-    read-only view of ``indptr`` whose rows overlap (no copy: 16 bytes a row saved; the gather
-    takes its rows' spans by fancy index, a copy)."""
+    read-only view of ``indptr`` whose rows overlap, in its dtype (no copy: 16 bytes a row
+    saved; the gather takes its rows' spans by fancy index, a copy in int64). Of no row or one,
+    int64: such a view would be C-contiguous, and the gather takes those as a slot's spans."""
+    if len(indptr) <= 2:
+        indptr = indptr.astype(np.int64)
     step = indptr.strides[0]
     return np.lib.stride_tricks.as_strided(
         indptr, (len(indptr) - 1, 2), (step, step), writeable=False

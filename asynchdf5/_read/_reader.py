@@ -267,8 +267,9 @@ class HDF5Reader:
                     f"the cache slot's {len(heaps[0]) - at} left"
                 )
             span = spans[seg.out_start : seg.out_start + (r1 - r0)]
-            np.add(ip[r0:r1], at - e0, out=span[:, 0])
-            np.add(ip[r0 + 1 : r1 + 1], at - e0, out=span[:, 1])
+            # In int64: an int32 indptr's values are its file's, ``at`` counts all files'.
+            np.add(ip[r0:r1], at - e0, out=span[:, 0], dtype=np.int64)
+            np.add(ip[r0 + 1 : r1 + 1], at - e0, out=span[:, 1], dtype=np.int64)
             if e1 > e0:
                 about = f"top {top!r}, rows {r0}:{r1} (values {e0}:{e1})"
                 if parts.vlen is not None:
