@@ -35,7 +35,7 @@ from typing import Any, Literal
 import h5py
 import numpy as np
 
-from ._errors import ConfigurationError, ReadError, SchemaError
+from ._errors import ReadError, SchemaError
 from ._layout import Layout
 
 __all__ = [
