@@ -385,12 +385,21 @@ def _block_of(table: h5py.Dataset, column: str) -> tuple[str, int] | None:
         said = table.attrs.get(f"{name}_kind") if name.startswith("values_block_") else None
         if not isinstance(said, bytes | str):
             continue
-        text = said.decode(errors="replace") if isinstance(said, bytes) else said
+        # Byte for byte: a name's characters past ASCII are escaped the pickle's way.
+        text = said.decode("latin-1") if isinstance(said, bytes) else said
         whole = _PICKLED_NAMES.fullmatch(text)
-        names = _PICKLED_NAME.findall(whole.group(1)) if whole else []
+        names = [_unescaped(n) for n in _PICKLED_NAME.findall(whole.group(1))] if whole else []
         if column in names:
             return name, names.index(column)
     return None
+
+
+def _unescaped(name: str) -> str:
+    """A name as a protocol-0 pickle writes it (raw-unicode-escape), as text."""
+    try:
+        return name.encode("latin-1").decode("raw_unicode_escape")
+    except UnicodeError:
+        return name
 
 
 def _pandas_column(h5: h5py.File, top: str) -> tuple[str | None, str]:

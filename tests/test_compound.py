@@ -189,6 +189,17 @@ def test_a_pandas_column_named_without_its_table_gets_the_field_that_holds_it(
             "column 'b' there, as its column 0",
             "data_columns=True",
         )
+    # Names past ASCII (and a backslash) are escaped in PyTables' record of the block's columns.
+    pd = pytest.importorskip("pandas")
+    path = tmp_path / "names.h5"
+    df = pd.DataFrame({"prix_é": np.arange(5.0), "a\\b": np.ones(5), "数量": np.arange(5)})
+    df.to_hdf(path, key="t", format="table")
+    for column, block, at in (("prix_é", 0, 0), ("a\\b", 0, 1), ("数量", 1, 0)):
+        with pytest.raises(SchemaError) as err:
+            _open(path, tops=(f"t/{column}",))
+        check_message(
+            err.value, f"'t/table/values_block_{block}'", f"{column!r} there, as its column {at}"
+        )
 
 
 @pytest.mark.timeout(60)
