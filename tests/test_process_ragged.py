@@ -12,6 +12,7 @@ rows at all.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
@@ -357,3 +358,59 @@ def test_a_batch_no_shared_memory_carries_is_a_transform_error(tmp_path: Path) -
 class ToCsc:
     def __call__(self, m: Any) -> Any:
         return scipy.sparse.csc_array(m)
+
+
+def test_a_control_message_of_any_size_crosses() -> None:
+    """A control message longer than the socket carries as one (its send buffer: 208 KiB by
+    default on Linux; and longer than :data:`MAX_MESSAGE`, the receiver's buffer) arrives
+    whole, with the descriptor sent beside it; a short one as before; nothing left open."""
+    from asynchdf5._process._wire import MAX_MESSAGE, recv, send, socket_pair
+
+    ours, theirs = socket_pair()
+    r, w = os.pipe()
+    buf = bytearray(MAX_MESSAGE)
+    try:
+        fds = _fd_count()
+        long = ("open", "x" * (2 << 20), list(range(1000)))
+        send(ours, long, w)
+        got, fd = recv(theirs, buf, block=True)
+        assert got == long and fd is not None
+        os.write(fd, b"!")  # the pipe's own write end
+        os.close(fd)
+        assert os.read(r, 1) == b"!"
+        send(ours, ("free", (1, 2)))
+        assert recv(theirs, buf, block=True) == (("free", (1, 2)), None)
+        assert _fd_count() == fds
+    finally:
+        for s in (ours, theirs):
+            s.close()
+        os.close(r)
+        os.close(w)
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_layer_of_many_ragged_tops(tmp_path: Path) -> None:
+    """So many ragged and fixed tops that the helper's messages (the tops it found at open,
+    each batch's layout) are longer than the socket carries as one: the in-process layer's
+    batches, not a helper gone for a message too long."""
+    n, tops = 6, 900
+    names = [f"a_ragged_top_of_a_longish_name_{k:04d}" for k in range(tops)]
+    path = tmp_path / "many.h5"
+    with h5py.File(path, "w") as f:
+        f["label"] = np.arange(n)
+        for k, name in enumerate(names):
+            grp = f.create_group(name)
+            grp["data"] = np.arange(2 * n, dtype=np.int32) + k
+            grp["indptr"] = np.arange(0, 2 * n + 1, 2, dtype=np.int64)
+    kw: dict[str, Any] = dict(tops=(*names, "label"), batch_size=2, shuffle=True, seed=1)
+    with HDF5DataLayer(path, **kw) as ref:
+        want = list(ref)
+    with HDF5DataLayer(path, process=True, **kw) as layer:
+        got = list(layer)
+    assert len(got) == len(want) == n // 2
+    for b, w in zip(got, want, strict=True):
+        check_same(b, w)
+    no_helper_left()
