@@ -414,3 +414,76 @@ def test_a_layer_of_many_ragged_tops(tmp_path: Path) -> None:
     for b, w in zip(got, want, strict=True):
         check_same(b, w)
     no_helper_left()
+
+
+def _columns(g: np.ndarray) -> np.ndarray:
+    """The sparse tops' column indices of rows ``g``, concatenated."""
+    return np.concatenate([[0, 2, 4][: k % 4] for k in g.tolist()] + [[]]).astype(np.int32)
+
+
+def _kept_parts(b: Any) -> list[tuple[str, Any, np.ndarray]]:
+    """Parts of batch ``b`` a consumer may keep alone, each as a view of its slot (or a tensor
+    over one), with the values it must keep holding: a Ragged's values, a row of it, its
+    offsets, a CSR matrix's column indices and values, and torch tensors over them (from
+    ``torch.from_numpy`` and the torch adapter's jagged and CSR forms)."""
+    torch = pytest.importorskip("torch")
+    from asynchdf5.torch._dataset import as_torch
+
+    g = np.array(b.indices)
+    tok, x = b["tok"], b["X"]
+    lens = tok_lengths(g)
+    i = int(np.argmax(lens))  # the batch's longest row (the long one, where it is there)
+    values = np.repeat(g, lens)
+    assert values.size == 0 or np.shares_memory(tok.values, tok.values.base)  # a view
+    return [
+        ("values", tok.values, values),
+        ("row", tok[i], np.full(lens[i], g[i])),
+        ("offsets", tok.offsets, np.r_[0, np.cumsum(lens)]),
+        ("indices", x.indices, _columns(g)),
+        ("data", x.data, np.repeat(g + 1, g % 4).astype(np.float32)),
+        ("from_numpy", torch.from_numpy(tok.values), values),
+        ("nested", as_torch(tok, "nested"), values),
+        ("sparse_csr", as_torch(x), np.repeat(g + 1, g % 4).astype(np.float32)),
+    ]
+
+
+def _host(kept: Any) -> np.ndarray:
+    """A kept part's values, as NumPy (a jagged or CSR tensor's through its ``values()``)."""
+    if isinstance(kept, np.ndarray):
+        return kept
+    if kept.is_nested or kept.is_sparse_csr:
+        kept = kept.values()
+    return np.asarray(kept.numpy())
+
+
+def test_a_part_kept_alone_keeps_its_slot_while_others_are_reused(tmp_path: Path) -> None:
+    """A consumer keeps one part of a batch alone (see :func:`_kept_parts`) and lets go of the
+    rest: its slot stays the consumer's as long as the part lives, while the helper fills the
+    other slots over and over (every batch a view of a slot, none copied; the long row makes
+    slots grow meanwhile), so the part's values stay right; once it goes, its slot comes
+    back. Two parts are kept at a time, of batches far apart, and one past the layer's end."""
+    files = write_files(tmp_path)
+    kw = dict(KW, prefetch=5)  # 5 slots: two kept, the one handed over, two for the helper
+    lives = 25  # batches a part outlives its own by (the helper writes 5 slots over 5 times)
+    kept: list[tuple[int, str, Any, np.ndarray]] = []
+    picked, checked = 0, []
+    with HDF5DataLayer(files, tops=TOPS, process=True, **kw) as layer:
+        for j, b in enumerate(layer.stream()):
+            assert not _copied(b), j  # a view of a slot: the kept parts hold two at most
+            check_batch(b)
+            for born, name, part, want in kept:
+                np.testing.assert_array_equal(_host(part), want, err_msg=f"{name} of {born}")
+            if kept and j - kept[0][0] >= lives:
+                checked.append(kept.pop(0)[1])
+            parts = _kept_parts(b)
+            if j % 13 == 0 and len(kept) < 2 and picked < len(parts):
+                kept.append((j, *parts[picked]))
+                picked += 1
+            del b, parts
+            if picked == 8 and len(kept) == 1:
+                break
+        assert layer.epoch >= 4  # the long row, in a batch of its own slot, four times
+    assert len(checked) == 7
+    for born, name, part, want in kept:  # past the layer's end: its memory is the part's
+        np.testing.assert_array_equal(_host(part), want, err_msg=f"{name} of {born}")
+    no_helper_left()
