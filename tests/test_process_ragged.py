@@ -12,6 +12,7 @@ rows at all.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pickle
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -486,4 +487,82 @@ def test_a_part_kept_alone_keeps_its_slot_while_others_are_reused(tmp_path: Path
     assert len(checked) == 7
     for born, name, part, want in kept:  # past the layer's end: its memory is the part's
         np.testing.assert_array_equal(_host(part), want, err_msg=f"{name} of {born}")
+    no_helper_left()
+
+
+def _crossed(value: Any, rows: int, copy: bool) -> Any:
+    """``value`` as the layer's process gets it: taken apart into a slot by the helper, and
+    rebuilt over the slot (or, ``copy``, out of it)."""
+    from asynchdf5._process._wire import Segment, needed, parts_of, write_batch
+
+    data = {"top": parts_of("top", value)}
+    segment, fd = Segment.create(needed(data, rows))
+    os.close(fd)
+    layout = write_batch(segment, data, np.arange(rows, dtype=np.int64))
+    got, indices = segment.views(layout, None if copy else (lambda: None), copy=copy)
+    np.testing.assert_array_equal(indices, np.arange(rows))
+    return got["top"]
+
+
+def _arrays(value: Any) -> list[np.ndarray]:
+    if isinstance(value, Ragged):
+        return [value.values, value.offsets]
+    return [value.data, value.indices, value.indptr]
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_batch_crosses_the_slot_as_it_was(copy: bool) -> None:
+    """A Ragged (values of every kind of dtype, trailing shapes, rows all empty, one row) and a
+    scipy CSR matrix (csr_array or csr_matrix, int32 or int64 indices, unsorted and duplicate
+    columns, no non-zeros) arrive as they were sent: the same class, shape, and arrays of the
+    same dtypes, shapes and values (scipy's ``csr_matrix`` would narrow int64 indices)."""
+    rng = np.random.default_rng(5)
+    sent: list[Any] = []
+    dtypes: tuple[Any, ...] = (np.bool_, np.int8, np.float16, np.complex128, ">i4", np.uint64)
+    for dtype, trailing, lengths in itertools.product(
+        dtypes, [(), (3,), (2, 0)], [[0, 0, 0], [9], [0, 4, 0, 1]]
+    ):
+        values = rng.integers(0, 99, (sum(lengths), *trailing)).astype(dtype)
+        sent.append(Ragged(values, np.r_[0, np.cumsum(lengths)]))
+    dense = rng.integers(0, 2, (6, 7)) * rng.integers(1, 9, (6, 7))
+    for kind, index, dtype in itertools.product(
+        ("csr_array", "csr_matrix"), (np.int32, np.int64), (np.float32, np.bool_, np.int8)
+    ):
+        for d in (dense, np.zeros((3, 4))):
+            m = getattr(scipy.sparse, kind)(d.astype(dtype))
+            m.indices, m.indptr = m.indices.astype(index), m.indptr.astype(index)
+            sent.append(m)
+        columns = np.array([3, 1, 1, 0], index)  # unsorted, with a duplicate
+        arrays: tuple[Any, ...] = (np.arange(1, 5).astype(dtype), columns, np.r_[0, 3, 4])
+        m = getattr(scipy.sparse, kind)(arrays, shape=(2, 5))  # (indices of one dtype below)
+        m.indices, m.indptr = m.indices.astype(index), m.indptr.astype(index)
+        sent.append(m)
+    for value in sent:
+        got = _crossed(value, len(value) if isinstance(value, Ragged) else value.shape[0], copy)
+        assert type(got) is type(value)
+        if not isinstance(value, Ragged):
+            assert got.shape == value.shape
+        for g, w in zip(_arrays(got), _arrays(value), strict=True):
+            assert (g.dtype, g.shape) == (w.dtype, w.shape), (type(value).__name__, w.dtype)
+            np.testing.assert_array_equal(g, w)
+
+
+def test_a_csr_matrix_of_int64_indices_keeps_them(tmp_path: Path) -> None:
+    """A sparse top stored with int64 indices, made a ``csr_matrix`` by a transformer in the
+    helper: its batches keep int64 indices and offsets, as in-process (scipy's constructor
+    would narrow them to int32, copies of the slot's)."""
+    path = tmp_path / "wide.h5"
+    m = scipy.sparse.csr_array(dense_rows(np.arange(10)))
+    with h5py.File(path, "w") as f:
+        grp = f.create_group("X")
+        grp["data"], grp["indices"], grp["indptr"] = m.data, m.indices.astype(np.int64), m.indptr
+        grp.attrs["encoding-type"], grp.attrs["shape"] = "csr_matrix", m.shape
+    kw: dict[str, Any] = dict(tops=("X",), transformers=[("X", AsMatrix())], batch_size=4)
+    with HDF5DataLayer(path, **kw) as ref:
+        want = list(ref)
+    with HDF5DataLayer(path, process=True, **kw) as layer:
+        got = list(layer)
+    assert want and want[0]["X"].indices.dtype == np.int64
+    for b, w in zip(got, want, strict=True):
+        check_same(b, w)
     no_helper_left()
