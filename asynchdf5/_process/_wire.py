@@ -291,7 +291,12 @@ def value_of(form: str, arrays: Sequence[np.ndarray], matrix: tuple[int, int] | 
         return Ragged._trusted(arrays[0], arrays[1])
     assert matrix is not None
     data, indices, indptr = arrays
-    return csr_batch(data, indices, indptr, matrix[1], form)
+    m = csr_batch(data, indices, indptr, matrix[1], form)
+    if m.indices.dtype != indices.dtype or m.indptr.dtype != indptr.dtype:
+        # scipy's constructor chose other index dtypes (``csr_matrix`` narrows int64 ones
+        # that fit int32, into copies): the batch keeps those it was sent with, the slot's.
+        m.indices, m.indptr = indices, indptr
+    return m
 
 
 def needed(data: Mapping[str, Parts], rows: int) -> int:
