@@ -566,3 +566,28 @@ def test_a_csr_matrix_of_int64_indices_keeps_them(tmp_path: Path) -> None:
     for b, w in zip(got, want, strict=True):
         check_same(b, w)
     no_helper_left()
+
+
+def test_a_helper_killed_mid_epoch_is_a_read_error(tmp_path: Path) -> None:
+    """The helper killed (SIGKILL) mid-epoch while the consumer holds batches of ragged and
+    sparse tops in their slots: the next batch is a ReadError naming the helper, not a hang,
+    and the batches held stay right (their memory is this process's mapping)."""
+    from asynchdf5 import ReadError
+
+    from ._leaks import helper_processes
+
+    files = write_files(tmp_path)
+    held = []
+    with HDF5DataLayer(files, tops=TOPS, process=True, **KW) as layer:
+        with pytest.raises(ReadError, match="helper process"):
+            for b in layer:
+                held.append(b)
+                if len(held) == 2:
+                    (helper,) = helper_processes()
+                    helper.kill()
+                    helper.wait(10)
+        assert 2 <= len(held) < N // 4
+    assert not any(_copied(b) for b in held[:2])
+    for b in held:
+        check_batch(b)
+    no_helper_left()
