@@ -394,9 +394,10 @@ def _fd_count() -> int:
 
 
 def test_a_layer_of_many_ragged_tops(tmp_path: Path) -> None:
-    """So many ragged and fixed tops that the helper's messages (the tops it found at open,
-    each batch's layout) are longer than the socket carries as one: the in-process layer's
-    batches, not a helper gone for a message too long."""
+    """So many ragged tops that the helper's messages are long: the tops it found at open
+    (~270 KB, more than the socket carries as one) and each batch's layout (~70 KB, more than
+    :data:`MAX_MESSAGE`: through shared memory, beside a new slot's descriptor): the
+    in-process layer's batches, not a helper gone for a message too long."""
     n, tops = 6, 900
     names = [f"a_ragged_top_of_a_longish_name_{k:04d}" for k in range(tops)]
     path = tmp_path / "many.h5"
