@@ -621,12 +621,16 @@ def _vlen_form(where: str, top: str, dset: h5py.Dataset, base: Any) -> RaggedFor
         indptr[at + 1 : at + 1 + len(rows)] += indptr[at]
         at += len(rows)
         held = int(lengths.sum()) * dtype.itemsize
-        step = max(1, min(_VLEN_MOST_ROWS, step * _VLEN_BLOCK_BYTES // max(held, 1)))
+        # At most twice the rows: what the next rows hold is known only once read (after a
+        # block of empty rows, a block sized by its bytes alone would be every row at once).
+        grown = min(_VLEN_MOST_ROWS, 2 * len(rows))
+        step = max(1, min(grown, len(rows) * _VLEN_BLOCK_BYTES // max(held, 1)))
     return RaggedForm("ragged", indptr, dtype, (), vlen=dset)
 
 
 #: Reading a variable-length dataset's lengths at open: rows of the first block, then as many as
-#: hold about :data:`_VLEN_BLOCK_BYTES` of values (at most :data:`_VLEN_MOST_ROWS`).
+#: the block before held about :data:`_VLEN_BLOCK_BYTES` of values in, at most twice its rows
+#: (and at most :data:`_VLEN_MOST_ROWS`).
 _VLEN_FIRST_ROWS = 256
 _VLEN_BLOCK_BYTES = 4 << 20
 _VLEN_MOST_ROWS = 1 << 16

@@ -34,12 +34,14 @@ from ._process import (
     Segment,
     error_blob,
     needed,
+    pack,
     parts_of,
     ring_slots,
     stats_of,
     write_batch,
 )
 from ._process import recv as _recv
+from ._process import send as _send
 from ._ragged_tops import RaggedInfo
 
 __all__ = ["main"]
@@ -67,16 +69,20 @@ class Helper:
         self.buf = bytearray(MAX_MESSAGE)
 
     async def send(self, message: tuple[Any, ...], fd: int | None = None) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        while True:
-            try:
-                if fd is None:
-                    self.sock.send(data)
-                else:
-                    socket.send_fds(self.sock, [data], [fd])
-                return
-            except BlockingIOError:
-                await anyio.wait_writable(self.sock)
+        data, fds, held = pack(message, fd)  # a long message through shared memory
+        try:
+            while True:
+                try:
+                    if fds:
+                        socket.send_fds(self.sock, [data], fds)
+                    else:
+                        self.sock.send(data)
+                    return
+                except BlockingIOError:
+                    await anyio.wait_writable(self.sock)
+        finally:
+            if held is not None:
+                os.close(held)
 
     async def serve(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -222,7 +228,7 @@ async def _serve(
         if opened:
             raise
         sock.setblocking(True)
-        sock.send(pickle.dumps(("failed", error_blob(exc))))
+        _send(sock, ("failed", error_blob(exc)))  # of any length
 
 
 def main() -> None:
@@ -237,7 +243,7 @@ def main() -> None:
             IMPORTING_MAIN.clear()
         source, config, part, state = pickle.loads(blob)
     except Exception as exc:  # e.g. a transformer's class that the main module no longer has
-        sock.send(pickle.dumps(("failed", error_blob(exc))))
+        _send(sock, ("failed", error_blob(exc)))  # of any length
         sock.close()
         return
     sock.setblocking(False)

@@ -12,6 +12,8 @@ rows at all.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import pickle
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
@@ -357,3 +359,236 @@ def test_a_batch_no_shared_memory_carries_is_a_transform_error(tmp_path: Path) -
 class ToCsc:
     def __call__(self, m: Any) -> Any:
         return scipy.sparse.csc_array(m)
+
+
+def test_a_control_message_of_any_size_crosses() -> None:
+    """A control message longer than the socket carries as one (its send buffer: 208 KiB by
+    default on Linux; and longer than :data:`MAX_MESSAGE`, the receiver's buffer) arrives
+    whole, with the descriptor sent beside it; a short one as before; nothing left open."""
+    from asynchdf5._process._wire import MAX_MESSAGE, recv, send, socket_pair
+
+    ours, theirs = socket_pair()
+    r, w = os.pipe()
+    buf = bytearray(MAX_MESSAGE)
+    try:
+        fds = _fd_count()
+        long = ("open", "x" * (2 << 20), list(range(1000)))
+        send(ours, long, w)
+        got, fd = recv(theirs, buf, block=True)
+        assert got == long and fd is not None
+        os.write(fd, b"!")  # the pipe's own write end
+        os.close(fd)
+        assert os.read(r, 1) == b"!"
+        send(ours, ("free", (1, 2)))
+        assert recv(theirs, buf, block=True) == (("free", (1, 2)), None)
+        assert _fd_count() == fds
+    finally:
+        for s in (ours, theirs):
+            s.close()
+        os.close(r)
+        os.close(w)
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_layer_of_many_ragged_tops(tmp_path: Path) -> None:
+    """So many ragged tops that the helper's messages are long: the tops it found at open
+    (~270 KB, more than the socket carries as one) and each batch's layout (~70 KB, more than
+    :data:`MAX_MESSAGE`: through shared memory, beside a new slot's descriptor): the
+    in-process layer's batches, not a helper gone for a message too long."""
+    n, tops = 6, 900
+    names = [f"a_ragged_top_of_a_longish_name_{k:04d}" for k in range(tops)]
+    path = tmp_path / "many.h5"
+    with h5py.File(path, "w") as f:
+        f["label"] = np.arange(n)
+        for k, name in enumerate(names):
+            grp = f.create_group(name)
+            grp["data"] = np.arange(2 * n, dtype=np.int32) + k
+            grp["indptr"] = np.arange(0, 2 * n + 1, 2, dtype=np.int64)
+    kw: dict[str, Any] = dict(tops=(*names, "label"), batch_size=2, shuffle=True, seed=1)
+    with HDF5DataLayer(path, **kw) as ref:
+        want = list(ref)
+    with HDF5DataLayer(path, process=True, **kw) as layer:
+        got = list(layer)
+    assert len(got) == len(want) == n // 2
+    for b, w in zip(got, want, strict=True):
+        check_same(b, w)
+    no_helper_left()
+
+
+def _columns(g: np.ndarray) -> np.ndarray:
+    """The sparse tops' column indices of rows ``g``, concatenated."""
+    return np.concatenate([[0, 2, 4][: k % 4] for k in g.tolist()] + [[]]).astype(np.int32)
+
+
+def _kept_parts(b: Any) -> list[tuple[str, Any, np.ndarray]]:
+    """Parts of batch ``b`` a consumer may keep alone, each as a view of its slot (or a tensor
+    over one), with the values it must keep holding: a Ragged's values, a row of it, its
+    offsets, a CSR matrix's column indices and values, and torch tensors over them (from
+    ``torch.from_numpy`` and the torch adapter's jagged and CSR forms)."""
+    torch = pytest.importorskip("torch")
+    from asynchdf5.torch._dataset import as_torch
+
+    g = np.array(b.indices)
+    tok, x = b["tok"], b["X"]
+    lens = tok_lengths(g)
+    i = int(np.argmax(lens))  # the batch's longest row (the long one, where it is there)
+    values = np.repeat(g, lens)
+    assert values.size == 0 or np.shares_memory(tok.values, tok.values.base)  # a view
+    return [
+        ("values", tok.values, values),
+        ("row", tok[i], np.full(lens[i], g[i])),
+        ("offsets", tok.offsets, np.r_[0, np.cumsum(lens)]),
+        ("indices", x.indices, _columns(g)),
+        ("data", x.data, np.repeat(g + 1, g % 4).astype(np.float32)),
+        ("from_numpy", torch.from_numpy(tok.values), values),
+        ("nested", as_torch(tok, "nested"), values),
+        ("sparse_csr", as_torch(x), np.repeat(g + 1, g % 4).astype(np.float32)),
+    ]
+
+
+def _host(kept: Any) -> np.ndarray:
+    """A kept part's values, as NumPy (a jagged or CSR tensor's through its ``values()``)."""
+    if isinstance(kept, np.ndarray):
+        return kept
+    if kept.is_nested or kept.is_sparse_csr:
+        kept = kept.values()
+    return np.asarray(kept.numpy())
+
+
+def test_a_part_kept_alone_keeps_its_slot_while_others_are_reused(tmp_path: Path) -> None:
+    """A consumer keeps one part of a batch alone (see :func:`_kept_parts`) and lets go of the
+    rest: its slot stays the consumer's as long as the part lives, while the helper fills the
+    other slots over and over (every batch a view of a slot, none copied; the long row makes
+    slots grow meanwhile), so the part's values stay right; once it goes, its slot comes
+    back. Two parts are kept at a time, of batches far apart, and one past the layer's end."""
+    files = write_files(tmp_path)
+    kw = dict(KW, prefetch=5)  # 5 slots: two kept, the one handed over, two for the helper
+    lives = 25  # batches a part outlives its own by (the helper writes 5 slots over 5 times)
+    kept: list[tuple[int, str, Any, np.ndarray]] = []
+    picked, checked = 0, []
+    with HDF5DataLayer(files, tops=TOPS, process=True, **kw) as layer:
+        for j, b in enumerate(layer.stream()):
+            assert not _copied(b), j  # a view of a slot: the kept parts hold two at most
+            check_batch(b)
+            for born, name, part, want in kept:
+                np.testing.assert_array_equal(_host(part), want, err_msg=f"{name} of {born}")
+            if kept and j - kept[0][0] >= lives:
+                checked.append(kept.pop(0)[1])
+            parts = _kept_parts(b)
+            if j % 13 == 0 and len(kept) < 2 and picked < len(parts):
+                kept.append((j, *parts[picked]))
+                picked += 1
+            del b, parts
+            if picked == 8 and len(kept) == 1:
+                break
+        assert layer.epoch >= 4  # the long row, in a batch of its own slot, four times
+    assert len(checked) == 7
+    for born, name, part, want in kept:  # past the layer's end: its memory is the part's
+        np.testing.assert_array_equal(_host(part), want, err_msg=f"{name} of {born}")
+    no_helper_left()
+
+
+def _crossed(value: Any, rows: int, copy: bool) -> Any:
+    """``value`` as the layer's process gets it: taken apart into a slot by the helper, and
+    rebuilt over the slot (or, ``copy``, out of it)."""
+    from asynchdf5._process._wire import Segment, needed, parts_of, write_batch
+
+    data = {"top": parts_of("top", value)}
+    segment, fd = Segment.create(needed(data, rows))
+    os.close(fd)
+    layout = write_batch(segment, data, np.arange(rows, dtype=np.int64))
+    got, indices = segment.views(layout, None if copy else (lambda: None), copy=copy)
+    np.testing.assert_array_equal(indices, np.arange(rows))
+    return got["top"]
+
+
+def _arrays(value: Any) -> list[np.ndarray]:
+    if isinstance(value, Ragged):
+        return [value.values, value.offsets]
+    return [value.data, value.indices, value.indptr]
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_batch_crosses_the_slot_as_it_was(copy: bool) -> None:
+    """A Ragged (values of every kind of dtype, trailing shapes, rows all empty, one row) and a
+    scipy CSR matrix (csr_array or csr_matrix, int32 or int64 indices, unsorted and duplicate
+    columns, no non-zeros) arrive as they were sent: the same class, shape, and arrays of the
+    same dtypes, shapes and values (scipy's ``csr_matrix`` would narrow int64 indices)."""
+    rng = np.random.default_rng(5)
+    sent: list[Any] = []
+    dtypes: tuple[Any, ...] = (np.bool_, np.int8, np.float16, np.complex128, ">i4", np.uint64)
+    for dtype, trailing, lengths in itertools.product(
+        dtypes, [(), (3,), (2, 0)], [[0, 0, 0], [9], [0, 4, 0, 1]]
+    ):
+        values = rng.integers(0, 99, (sum(lengths), *trailing)).astype(dtype)
+        sent.append(Ragged(values, np.r_[0, np.cumsum(lengths)]))
+    dense = rng.integers(0, 2, (6, 7)) * rng.integers(1, 9, (6, 7))
+    for kind, index, dtype in itertools.product(
+        ("csr_array", "csr_matrix"), (np.int32, np.int64), (np.float32, np.bool_, np.int8)
+    ):
+        for d in (dense, np.zeros((3, 4))):
+            m = getattr(scipy.sparse, kind)(d.astype(dtype))
+            m.indices, m.indptr = m.indices.astype(index), m.indptr.astype(index)
+            sent.append(m)
+        columns = np.array([3, 1, 1, 0], index)  # unsorted, with a duplicate
+        arrays: tuple[Any, ...] = (np.arange(1, 5).astype(dtype), columns, np.r_[0, 3, 4])
+        m = getattr(scipy.sparse, kind)(arrays, shape=(2, 5))  # (indices of one dtype below)
+        m.indices, m.indptr = m.indices.astype(index), m.indptr.astype(index)
+        sent.append(m)
+    for value in sent:
+        got = _crossed(value, len(value) if isinstance(value, Ragged) else value.shape[0], copy)
+        assert type(got) is type(value)
+        if not isinstance(value, Ragged):
+            assert got.shape == value.shape
+        for g, w in zip(_arrays(got), _arrays(value), strict=True):
+            assert (g.dtype, g.shape) == (w.dtype, w.shape), (type(value).__name__, w.dtype)
+            np.testing.assert_array_equal(g, w)
+
+
+def test_a_csr_matrix_of_int64_indices_keeps_them(tmp_path: Path) -> None:
+    """A sparse top stored with int64 indices, made a ``csr_matrix`` by a transformer in the
+    helper: its batches keep int64 indices and offsets, as in-process (scipy's constructor
+    would narrow them to int32, copies of the slot's)."""
+    path = tmp_path / "wide.h5"
+    m = scipy.sparse.csr_array(dense_rows(np.arange(10)))
+    with h5py.File(path, "w") as f:
+        grp = f.create_group("X")
+        grp["data"], grp["indices"], grp["indptr"] = m.data, m.indices.astype(np.int64), m.indptr
+        grp.attrs["encoding-type"], grp.attrs["shape"] = "csr_matrix", m.shape
+    kw: dict[str, Any] = dict(tops=("X",), transformers=[("X", AsMatrix())], batch_size=4)
+    with HDF5DataLayer(path, **kw) as ref:
+        want = list(ref)
+    with HDF5DataLayer(path, process=True, **kw) as layer:
+        got = list(layer)
+    assert want and want[0]["X"].indices.dtype == np.int64
+    for b, w in zip(got, want, strict=True):
+        check_same(b, w)
+    no_helper_left()
+
+
+def test_a_helper_killed_mid_epoch_is_a_read_error(tmp_path: Path) -> None:
+    """The helper killed (SIGKILL) mid-epoch while the consumer holds batches of ragged and
+    sparse tops in their slots: the next batch is a ReadError naming the helper, not a hang,
+    and the batches held stay right (their memory is this process's mapping)."""
+    from asynchdf5 import ReadError
+
+    from ._leaks import helper_processes
+
+    files = write_files(tmp_path)
+    held = []
+    with HDF5DataLayer(files, tops=TOPS, process=True, **KW) as layer:
+        with pytest.raises(ReadError, match="helper process"):
+            for b in layer:
+                held.append(b)
+                if len(held) == 2:
+                    (helper,) = helper_processes()
+                    helper.kill()
+                    helper.wait(10)
+        assert 2 <= len(held) < N // 4
+    assert not any(_copied(b) for b in held[:2])
+    for b in held:
+        check_batch(b)
+    no_helper_left()

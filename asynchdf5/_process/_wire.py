@@ -1,7 +1,11 @@
 """What crosses between a layer and its helper process: control messages and batch slots.
 
-Control is a ``SOCK_SEQPACKET`` Unix socket pair: each message is one small pickled tuple (a
-few hundred bytes: never batch data), so message boundaries are the kernel's. Batch data goes
+Control is a ``SOCK_SEQPACKET`` Unix socket pair: each message is one pickled tuple (never batch
+data), so message boundaries are the kernel's. A message is small (a few hundred bytes) but
+grows with the tops (the layout of a batch of thousands of them, the tops found at open) and a
+saved state (an elastic resume's chain); one longer than :data:`MAX_MESSAGE` goes as a
+descriptor of shared memory that holds it (:func:`pack`), since a socket carries no message
+longer than its send buffer (208 KiB by default on Linux). Batch data goes
 through *slots*: anonymous shared memory (``memfd_create`` on Linux; elsewhere a file created
 and unlinked at once), created by the helper, mapped by both sides, and passed to the layer as
 a file descriptor with the message that first uses it. Nothing has a name in ``/dev/shm``, so a
@@ -44,6 +48,7 @@ __all__ = [
     "Parts",
     "Segment",
     "needed",
+    "pack",
     "parts_of",
     "recv",
     "refcounts_are_reliable",
@@ -57,9 +62,13 @@ __all__ = [
 
 #: Each array of a slot starts on a cache line.
 ALIGN = 64
-#: The largest control message (a saved state can hold an elastic resume's chain).
-MAX_MESSAGE = 1 << 20
-_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
+#: The longest control message sent as itself (well within any socket's send buffer); a longer
+#: one goes through shared memory (:func:`pack`). A receiver's buffer holds this many bytes.
+MAX_MESSAGE = 64 << 10
+#: What a message sent through shared memory is replaced by: ``(_LONG, its pickle's length)``.
+_LONG = "long"
+#: A message's descriptors: a long message's memory, and the one sent with it.
+_FD_SPACE = socket.CMSG_SPACE(2 * array.array("i").itemsize)
 #: A top's batch as it crosses (:func:`parts_of`): its form (``"array"``, ``"ragged"``, or
 #: the scipy CSR class's name), its arrays (C-contiguous), and a matrix's shape (else None).
 Parts = tuple[str, tuple[np.ndarray, ...], tuple[int, int] | None]
@@ -81,13 +90,39 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
-def send(sock: socket.socket, message: tuple[Any, ...], fd: int | None = None) -> None:
-    """Send ``message`` (with ``fd``, if given: the receiver gets its own copy)."""
+def pack(message: tuple[Any, ...], fd: int | None = None) -> tuple[bytes, list[int], int | None]:
+    """What carries ``message`` (and ``fd``, if given): the bytes to send, the descriptors to
+    send with them, and a descriptor for the sender to close once they are sent (or None).
+    A message whose pickle is longer than :data:`MAX_MESSAGE` is written into shared memory of
+    its own, sent first among the descriptors, and replaced by its length (:func:`recv`)."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    if fd is None:
-        sock.sendall(data)
-    else:
-        socket.send_fds(sock, [data], [fd])
+    fds = [] if fd is None else [fd]
+    if len(data) <= MAX_MESSAGE:
+        return data, fds, None
+    held = _anonymous(len(data))
+    try:
+        view = memoryview(data)
+        at = 0
+        while at < len(data):
+            at += os.pwrite(held, view[at:], at)
+    except BaseException:
+        os.close(held)
+        raise
+    return pickle.dumps((_LONG, len(data))), [held, *fds], held
+
+
+def send(sock: socket.socket, message: tuple[Any, ...], fd: int | None = None) -> None:
+    """Send ``message`` (with ``fd``, if given: the receiver gets its own copy), of any length
+    (:func:`pack`)."""
+    data, fds, held = pack(message, fd)
+    try:
+        if fds:
+            socket.send_fds(sock, [data], fds)
+        else:
+            sock.sendall(data)
+    finally:
+        if held is not None:
+            os.close(held)
 
 
 def recv(
@@ -112,9 +147,31 @@ def recv(
             os.close(fd)
         return None, None
     if msg_flags & socket.MSG_TRUNC:  # pragma: no cover - MAX_MESSAGE bounds every message
+        for fd in fds:
+            os.close(fd)
         raise RuntimeError(f"a control message over {len(buf)} bytes")
     message: tuple[Any, ...] = pickle.loads(memoryview(buf)[:n])
+    if message[0] == _LONG:  # sent through shared memory (:func:`pack`)
+        if not fds:  # pragma: no cover - only where this process ran out of descriptors
+            raise RuntimeError("a long control message came without its shared memory")
+        held = fds.pop(0)
+        try:
+            message = pickle.loads(_read(held, message[1]))
+        finally:
+            os.close(held)
     return message, fds[0] if fds else None
+
+
+def _read(fd: int, n: int) -> bytes:
+    """The first ``n`` bytes of ``fd`` (from its start, whatever its offset)."""
+    parts, at = [], 0
+    while at < n:
+        part = os.pread(fd, n - at, at)
+        if not part:  # pragma: no cover - the sender wrote them all
+            raise EOFError(f"a long control message of {n} bytes ended at {at}")
+        parts.append(part)
+        at += len(part)
+    return b"".join(parts)
 
 
 def _anonymous(size: int) -> int:
@@ -234,7 +291,12 @@ def value_of(form: str, arrays: Sequence[np.ndarray], matrix: tuple[int, int] | 
         return Ragged._trusted(arrays[0], arrays[1])
     assert matrix is not None
     data, indices, indptr = arrays
-    return csr_batch(data, indices, indptr, matrix[1], form)
+    m = csr_batch(data, indices, indptr, matrix[1], form)
+    if m.indices.dtype != indices.dtype or m.indptr.dtype != indptr.dtype:
+        # scipy's constructor chose other index dtypes (``csr_matrix`` narrows int64 ones
+        # that fit int32, into copies): the batch keeps those it was sent with, the slot's.
+        m.indices, m.indptr = indices, indptr
+    return m
 
 
 def needed(data: Mapping[str, Parts], rows: int) -> int:
