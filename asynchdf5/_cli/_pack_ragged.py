@@ -8,9 +8,13 @@ files with h5py variable-length datasets, and AnnData ``.h5ad`` files.
   dataset of rows; each string column a categorical group (``codes`` + ``categories``, as
   AnnData writes them; the categories of the whole table, so every file has the same). Rows
   are split (``--val``), shuffled (``--shuffle``) and cut into files as other inputs are.
-* HDF5 files whose ``--tops`` include an h5py variable-length numeric dataset: read into memory
-  as such a table (each variable-length top a list column, the others numbers or vectors), then
-  packed the same way.
+* HDF5 files whose ``--tops`` include an h5py variable-length numeric dataset: each such top
+  becomes a ragged group as above, the others (numbers or vectors) rows; split, shuffled and
+  cut into files as a table is, and written as the table would be. In bounded memory: every
+  top is streamed, a block of rows at a time, into scratch files in the output folder (the
+  values and int64 offsets of a ragged top, the rows of the others; removed at the end, also
+  on an error), and each output file is gathered from them a block at a time. Parquet tables
+  are still read whole into memory.
 * An ``.h5ad`` file is rewritten object by object, as AnnData reads it back: every numeric
   dataset contiguous and unfiltered (the layer's direct-read path; a sparse ``X`` stays a CSR
   group of contiguous ``data``, ``indices``, ``indptr``, where a chunk's rows are one range of
@@ -24,8 +28,11 @@ Every file is written under a temporary name and renamed when complete; ``train.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -268,30 +275,234 @@ def vlen_tops(paths: Sequence[Path], tops: Sequence[str]) -> bool:
     return False
 
 
-def _hdf5_column(pa: Any, entry: str, f: h5py.File, top: str) -> Any:
+#: Values (or rows) read, staged or gathered at a time: the packing process holds a few such
+#: blocks, whatever the size of the data set.
+_BLOCK_BYTES = 2 << 20
+#: Rows of a variable-length dataset read in its first block (then as many as hold about
+#: :data:`_BLOCK_BYTES` of values, at most :data:`_MOST_ROWS`).
+_FIRST_ROWS = 256
+_MOST_ROWS = 1 << 16
+
+
+@dataclass
+class _Staged:
+    """A top copied, in input order, into scratch files in the output folder: a ragged top's
+    values and int64 ``indptr`` (``n + 1`` offsets from 0), or a fixed top's rows."""
+
+    name: str
+    ragged: bool
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]  # of a row (fixed tops); () for ragged ones
+    values: Path
+    indptr: Path | None
+    n_values: int = 0
+    #: What the rows take as Arrow columns (how the in-memory path sized its files).
+    arrow_bytes: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
+
+
+def _vlen_top(entry: str, f: h5py.File, top: str) -> tuple[h5py.Dataset, bool, np.dtype[Any]]:
+    """Dataset ``top`` of ``f``, whether it is variable-length, and its (values') dtype in
+    native byte order; a PackError for what is packed neither as ragged nor as rows."""
     refuse_group_top(entry, f, top)
     d = f.get(top)
     if not isinstance(d, h5py.Dataset):
         raise PackError(f"{entry}: no dataset {top!r} (choose the tops with --tops)")
     base = h5py.check_vlen_dtype(d.dtype)
     if base is not None:
-        if h5py.check_string_dtype(d.dtype) is not None or base.kind not in "biuf":
+        if h5py.check_string_dtype(d.dtype) is not None or np.dtype(base).kind not in "biuf":
             raise PackError(f"{entry}: top {top!r} holds variable-length {base}, not numbers")
-        rows = d[()]
-        values = np.concatenate(rows) if len(rows) else np.empty(0, base)
-        offsets = np.zeros(len(rows) + 1, np.int32 if len(values) < 2**31 else np.int64)
-        np.cumsum([len(r) for r in rows], out=offsets[1:])
-        kind = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
-        return kind.from_arrays(pa.array(offsets), pa.array(values.astype(base)))
-    values = d[()]
-    if values.dtype.kind not in "biuf" or values.ndim > 2:
+        if d.ndim != 1:
+            raise PackError(
+                f"{entry}: top {top!r} is a variable-length dataset of shape {d.shape}; only "
+                "1-D ones (one row per sample) are packed"
+            )
+        return d, True, np.dtype(base).newbyteorder("=")
+    if d.dtype.kind not in "biuf" or d.ndim not in (1, 2):
         raise PackError(
-            f"{entry}: top {top!r} has rows of shape {values.shape[1:]} and dtype "
-            f"{values.dtype}; beside variable-length tops, numbers or vectors are packed"
+            f"{entry}: top {top!r} has rows of shape {d.shape[1:]} and dtype "
+            f"{d.dtype}; beside variable-length tops, numbers or vectors are packed"
         )
-    if values.ndim == 2:
-        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
-    return pa.array(values)
+    return d, False, d.dtype.newbyteorder("=")
+
+
+def _arrow_bytes(s: _Staged, rows: int, values: int) -> int:
+    """Bytes of one file's rows of ``s`` as the Arrow column the in-memory path made of them
+    (offsets of 32 bits below 2**31 values; booleans a bit each), so files are cut as before."""
+    if s.ragged:
+        width = 4 if values < 2**31 else 8
+        return width * (rows + 1) + values * s.dtype.itemsize
+    items = rows * int(np.prod(s.shape, dtype=np.int64))
+    return (items + 7) // 8 if s.dtype.kind == "b" else items * s.dtype.itemsize
+
+
+def _stage_file(
+    entry: str,
+    f: h5py.File,
+    tops: Sequence[str],
+    staged: dict[str, _Staged],
+    handles: dict[str, tuple[Any, Any]],
+) -> int:
+    """Append file ``f``'s rows of every top to its scratch files; its row count."""
+    found = {t: _vlen_top(entry, f, t) for t in tops}
+    counts = {t: len(d) for t, (d, _, _) in found.items()}
+    if len(set(counts.values())) > 1:
+        raise PackError(f"{entry}: the tops have different row counts ({counts})")
+    for t, (d, ragged, dtype) in found.items():
+        s = staged[t]
+        shape = () if ragged else tuple(int(k) for k in d.shape[1:])
+        if (ragged, dtype, shape) != (s.ragged, s.dtype, s.shape):
+            was = f"variable-length {s.dtype}" if s.ragged else f"{s.dtype} rows of {s.shape}"
+            now = f"variable-length {dtype}" if ragged else f"{dtype} rows of {shape}"
+            raise PackError(
+                f"the files' tops differ in type: {entry}: top {t!r} holds {now}, the first "
+                f"file's {was}"
+            )
+        values, indptr = handles[t]
+        n = len(d)
+        if not ragged:
+            step = max(1, _BLOCK_BYTES // max(1, s.row_bytes))
+            for a in range(0, n, step):
+                values.write(np.ascontiguousarray(d[a : a + step], dtype).data)
+            s.arrow_bytes += _arrow_bytes(s, n, 0)
+            continue
+        first = s.n_values
+        at, step = 0, _FIRST_ROWS
+        while at < n:
+            rows = d[at : at + step]
+            lengths = np.fromiter((len(r) for r in rows), np.int64, count=len(rows))
+            if lengths.sum():
+                block = np.concatenate([np.asarray(r, dtype) for r in rows if len(r)])
+                values.write(np.ascontiguousarray(block).data)
+            ends = s.n_values + np.cumsum(lengths)
+            indptr.write(ends.data)
+            s.n_values = int(ends[-1]) if len(ends) else s.n_values
+            at += len(rows)
+            held = int(lengths.sum()) * dtype.itemsize
+            step = max(1, min(_MOST_ROWS, step * _BLOCK_BYTES // max(held, 1)))
+        s.arrow_bytes += _arrow_bytes(s, n, s.n_values - first)
+    return next(iter(counts.values()), 0)
+
+
+class _Scratch:
+    """A scratch file read back by ranges of items (rows of ``shape``) with ``pread``, not
+    mapped: where the page cache holds large folios (ext4 now), a mapping makes each folio
+    touched resident in the process, the whole file after a few blocks of random rows."""
+
+    def __init__(self, path: Path, dtype: np.dtype[Any], shape: tuple[int, ...]) -> None:
+        self.dtype, self.shape = dtype, shape
+        self.item = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def take(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Items ``starts[i]`` to ``starts[i] + lengths[i]`` for each ``i``, concatenated in
+        that order: read in file order, ranges that follow each other in one read."""
+        ends = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=ends[1:])
+        buf = np.empty((int(ends[-1]), *self.shape), self.dtype)
+        if len(buf) == 0:
+            return buf
+        some = np.flatnonzero(lengths)
+        order = some[np.argsort(starts[some], kind="stable")]
+        first, count = starts[order], lengths[order]
+        at = np.zeros(len(order) + 1, np.int64)  # where each range lies in ``buf``
+        np.cumsum(count, out=at[1:])
+        cut = np.flatnonzero(first[1:] != first[:-1] + count[:-1]) + 1
+        raw = buf.reshape(-1).view(np.uint8).data
+        for a, b in zip(np.r_[0, cut], np.r_[cut, len(order)], strict=True):
+            self._read(raw[at[a] * self.item : at[b] * self.item], int(first[a]) * self.item)
+        where = np.zeros(len(lengths), np.int64)
+        where[order] = at[:-1]
+        pos = np.repeat(where - ends[:-1], lengths) + np.arange(len(buf), dtype=np.int64)
+        out: np.ndarray = buf[pos]
+        return out
+
+    def _read(self, view: memoryview, offset: int) -> None:
+        while len(view):
+            got = os.preadv(self._fd, [view], offset)
+            if got <= 0:
+                raise PackError(f"a scratch file of pack ended early (at byte {offset})")
+            view, offset = view[got:], offset + got
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _blocks(ends: np.ndarray, item_bytes: int) -> Iterator[tuple[int, int]]:
+    """Ranges ``[a, b)`` of rows holding about :data:`_BLOCK_BYTES` each (``ends``: the
+    rows' ``n + 1`` value offsets from 0), at least one row and at most :data:`_MOST_ROWS`."""
+    n, a = len(ends) - 1, 0
+    per = max(1, _BLOCK_BYTES // max(1, item_bytes))
+    while a < n:
+        b = int(np.searchsorted(ends, ends[a] + per, side="right")) - 1
+        b = min(max(b, a + 1), a + _MOST_ROWS, n)
+        yield a, b
+        a = b
+
+
+def _write_staged_file(
+    path: Path,
+    index: np.ndarray,
+    staged: Sequence[_Staged],
+    maps: dict[str, tuple[_Scratch, _Scratch | None]],
+    attrs: dict[str, Any],
+) -> None:
+    """Rows ``index`` (in that order) of the staged tops as one file, a block at a time: a
+    ragged top as a group of contiguous ``data`` and ``indptr``, a fixed top as rows."""
+    with h5py.File(path, "w") as f:
+        f.attrs.update(attrs)
+        for s in staged:
+            values, indptr = maps[s.name]
+            if indptr is None:
+                rows = f.create_dataset(s.name, shape=(len(index), *s.shape), dtype=s.dtype)
+                for a, b in _blocks(np.arange(len(index) + 1, dtype=np.int64), s.row_bytes):
+                    rows[a:b] = values.take(index[a:b], np.ones(b - a, np.int64))
+                continue
+            bounds = indptr.take(index, np.full(len(index), 2, np.int64)).reshape(-1, 2)
+            starts, lengths = bounds[:, 0], bounds[:, 1] - bounds[:, 0]
+            ends = np.zeros(len(index) + 1, np.int64)
+            np.cumsum(lengths, out=ends[1:])
+            g = f.create_group(s.name)
+            data = g.create_dataset("data", shape=(int(ends[-1]),), dtype=s.dtype)
+            for a, b in _blocks(ends, s.dtype.itemsize):
+                if ends[b] > ends[a]:
+                    data[ends[a] : ends[b]] = values.take(starts[a:b], lengths[a:b])
+            g.create_dataset("indptr", data=ends)
+
+
+def _stage(
+    entries: Sequence[str], tops: Sequence[str], out: Path, prefix: str
+) -> tuple[dict[str, _Staged], int]:
+    """Every file's rows of ``tops``, in order, appended to scratch files in ``out`` (named
+    from ``prefix``; the caller removes them); the tops as staged and the number of rows."""
+    staged: dict[str, _Staged] = {}
+    handles: dict[str, tuple[Any, Any]] = {}
+    n = 0
+    with contextlib.ExitStack() as files:
+        for entry in entries:
+            try:
+                f = files.enter_context(h5py.File(entry, "r"))
+            except OSError as exc:
+                raise PackError(f"{entry}: cannot read it as an HDF5 file: {exc}") from exc
+            for j, t in enumerate(tops if not staged else ()):
+                d, ragged, dtype = _vlen_top(entry, f, t)
+                shape = () if ragged else tuple(int(x) for x in d.shape[1:])
+                base = out / f"{prefix}stage-{j}"
+                indptr = base.with_suffix(".indptr") if ragged else None
+                staged[t] = _Staged(t, ragged, dtype, shape, base.with_suffix(".values"), indptr)
+                ptr = None
+                if indptr is not None:
+                    ptr = files.enter_context(open(indptr, "wb"))
+                    ptr.write(np.zeros(1, np.int64).data)
+                handles[t] = (files.enter_context(open(staged[t].values, "wb")), ptr)
+            n += _stage_file(entry, f, tops, staged, handles)
+            f.close()
+    return staged, n
 
 
 def pack_vlen(
@@ -299,27 +510,64 @@ def pack_vlen(
 ) -> int:
     """Pack HDF5 files whose ``--tops`` include h5py variable-length numeric datasets: those
     as ragged groups (``data`` + ``indptr``, read as contiguous ranges instead of one heap
-    object per row), the others as rows (read into memory)."""
-    pa = _pyarrow("variable-length datasets (as ragged groups)")
+    object per row), the others as rows. In bounded memory: every top is first streamed, a
+    block at a time, into scratch files in ``out`` (removed at the end, also on an error),
+    from which each output file's rows are gathered, a block at a time."""
     if args.compression != "none":
         raise PackError(
             "--compression does not apply to variable-length tops: ragged tops are written "
             "contiguous (the rows of a chunk are then one read)"
         )
     tops: list[str] = list(args.tops)
-    tables = []
-    for entry in entries:
-        with h5py.File(entry, "r") as f:
-            cols = {t: _hdf5_column(pa, entry, f, t) for t in tops}
-        counts = {t: len(c) for t, c in cols.items()}
-        if len(set(counts.values())) > 1:
-            raise PackError(f"{entry}: the tops have different row counts ({counts})")
-        tables.append(pa.table(cols))
+    prefix = temporary_prefix()
+    written: list[str] = []
+    maps: dict[str, tuple[_Scratch, _Scratch | None]] = {}
     try:
-        table = pa.concat_tables(tables)
-    except pa.ArrowException as exc:
-        raise PackError(f"the files' tops differ in type: {exc}") from exc
-    return _pack_table(args, out, split, file_bytes, table, tops, f"{len(entries)} HDF5 files")
+        staged, n = _stage(entries, tops, out, prefix)
+        for s in staged.values():
+            offsets = None if s.indptr is None else _Scratch(s.indptr, np.dtype(np.int64), ())
+            maps[s.name] = (_Scratch(s.values, s.dtype, s.shape), offsets)
+        rng = np.random.default_rng(args.seed)
+        train, val = split(n, None, args.val, rng)
+        if len(train) == 0:
+            raise PackError(f"{n} samples leave none for training with --val {args.val}")
+        if args.shuffle:
+            train, val = rng.permutation(train), rng.permutation(val)
+        total = sum(s.arrow_bytes for s in staged.values())
+        per_file = args.samples_per_file or max(1, n * file_bytes // max(1, total))
+        kinds = [f"{t} ragged" if staged[t].ragged else t for t in tops]
+        print(
+            f"packing {plural(n, 'sample')} ({mib(total)}) from {len(entries)} HDF5 files "
+            f"into {out}: {', '.join(kinds)}",
+            flush=True,
+        )
+        attrs: dict[str, Any] = {"packed_by": f"asynchdf5 {__version__} pack"}
+        if args.shuffle:
+            attrs[SHUFFLED_ATTR] = True
+        order_staged = [staged[t] for t in tops]
+        for name, order in (("train", train), ("val", val)):
+            if len(order) == 0:
+                continue
+            names = []
+            for k, a in enumerate(range(0, len(order), per_file)):
+                final = out / f"{name}-{k:05d}.h5"
+                tmp = out / f"{prefix}{final.name}"
+                index = np.asarray(order[a : a + per_file], np.int64)
+                _write_staged_file(tmp, index, order_staged, maps, attrs)
+                commit_file(tmp, final)
+                names.append(final.name)
+            commit_text(out / f"{name}.txt", "\n".join(names) + "\n")
+            written.append(f"{name} {plural(len(order), 'sample')} in {plural(len(names), 'file')}")
+    finally:
+        for pair in maps.values():
+            for m in pair:
+                if m is not None:
+                    m.close()
+        for tmp in out.glob(f"{prefix}*"):
+            tmp.unlink(missing_ok=True)
+    print(f"wrote {'; '.join(written)}")
+    print(f"next: asynchdf5 inspect {out / 'train.txt'} --tops {' '.join(tops)}")
+    return 0
 
 
 # --- .h5ad -------------------------------------------------------------------------------------
