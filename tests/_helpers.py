@@ -126,6 +126,25 @@ def run_python(args: Sequence[object], timeout: float, **env: str) -> str:
     return run.stdout
 
 
+_PEAK_FROM_NOW = """
+def _kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from the resident size now
+_before = _kib("VmRSS:")
+"""
+
+
+def peak_growth(setup: str, body: str, args: Sequence[object], timeout: float) -> int:
+    """Bytes by which the peak resident size of a fresh Python process grows while it runs
+    ``body`` (after ``setup``, its imports; ``sys.argv[1:]`` are ``args``). Linux only: the
+    peak is reset through ``/proc/self/clear_refs``; the figure is the last word printed."""
+    code = f"{setup}\n{_PEAK_FROM_NOW}\n{body}\nprint((_kib('VmHWM:') - _before) * 1024)\n"
+    return int(run_python(["-c", code, *args], timeout=timeout).split()[-1])
+
+
 def run_main(args: Sequence[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """``asynchdf5 ARGS`` in this process: its exit status, and what it wrote to stdout and
     stderr."""

@@ -15,7 +15,7 @@ import pytest
 from asynchdf5 import HDF5DataLayer
 from asynchdf5._cli._pack import split
 
-from ._helpers import run_main, run_python
+from ._helpers import peak_growth, run_main
 
 
 def _vlen_files(tmp_path: Path, sizes: tuple[int, ...]) -> tuple[list[Path], list[np.ndarray]]:
@@ -95,23 +95,6 @@ def test_pack_writes_every_variable_length_sample_once_in_the_seeded_order(
         np.testing.assert_array_equal(f["tokens/data"][()], np.concatenate(truth))
 
 
-_PACK_PEAK = """
-import sys
-from asynchdf5._cli import main
-
-def kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field))
-
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak (VmHWM) starts again from the resident size now
-before = kib("VmRSS:")
-status = main(["pack", sys.argv[1], sys.argv[2], "--tops", "tok", "label", "--shuffle"])
-assert status == 0, status
-print((kib("VmHWM:") - before) * 1024)
-"""
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_pack_of_variable_length_rows_runs_in_bounded_memory(tmp_path: Path) -> None:
@@ -125,7 +108,13 @@ def test_pack_of_variable_length_rows_runs_in_bounded_memory(tmp_path: Path) -> 
         d[...] = [np.full(4096, i, np.int32) for i in range(rows)]
         f["label"] = np.arange(rows, dtype=np.int64)
     out = tmp_path / "out"
-    grew = int(run_python(["-c", _PACK_PEAK, path, out], timeout=100).split()[-1])
+    grew = peak_growth(
+        "import sys\nfrom asynchdf5._cli import main",
+        "status = main(['pack', sys.argv[1], sys.argv[2], '--tops', 'tok', 'label', '--shuffle'])\n"
+        "assert status == 0, status",
+        [path, out],
+        timeout=100,
+    )
     assert grew < 32 << 20, f"packing grew the process by {grew >> 20} MiB"
     assert _scratch(out) == []
     with h5py.File(out / "train-00000.h5") as f:

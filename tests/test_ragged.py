@@ -39,7 +39,7 @@ from asynchdf5._ragged import _csr_kind, _pad_windows, csr_batch, pad_rows, padd
 from asynchdf5._ragged_tops import RaggedInfo, RowLengths
 
 from ._files import check_exactly_once, check_message
-from ._helpers import run_python
+from ._helpers import peak_growth, run_python
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -546,22 +546,6 @@ def test_vlen_lengths_span_blocks(tmp_path: Path) -> None:
         check_exactly_once([seen], 700)
 
 
-_VLEN_OPEN = """
-import sys
-from asynchdf5 import HDF5DataLayer
-
-def kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field))
-
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak (VmHWM) starts again from the resident size now
-before = kib("VmRSS:")
-with HDF5DataLayer(sys.argv[1], tops=("tok",), batch_size=4, cache_bytes=1 << 20):
-    print((kib("VmHWM:") - before) * 1024)
-"""
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_vlen_dataset_opens_in_bounded_memory(tmp_path: Path) -> None:
@@ -571,7 +555,13 @@ def test_vlen_dataset_opens_in_bounded_memory(tmp_path: Path) -> None:
     with h5py.File(path, "w") as f:
         d = f.create_dataset("tok", (3072,), dtype=h5py.vlen_dtype(np.int32))
         d[...] = [np.full(4096, i, np.int32) for i in range(3072)]
-    grew = int(run_python(["-c", _VLEN_OPEN, path], timeout=50))
+    grew = peak_growth(
+        "import sys\nfrom asynchdf5 import HDF5DataLayer",
+        "with HDF5DataLayer(sys.argv[1], tops=('tok',), batch_size=4, cache_bytes=1 << 20):\n"
+        "    pass",
+        [path],
+        timeout=50,
+    )
     assert grew < 32 << 20, f"opening grew the process by {grew >> 20} MiB"
 
 

@@ -31,7 +31,7 @@ import argparse
 import contextlib
 import importlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,22 +212,47 @@ def _pack_table(
     """Split, shuffle and write ``table``'s ``columns`` into files of ragged, categorical and
     row tops, and the source lists naming them."""
     pa = _pyarrow()
-    n = table.num_rows
     categories = _categories(pa, table, columns)
-    rng = np.random.default_rng(args.seed)
-    train, val = split(n, None, args.val, rng)
-    if len(train) == 0:
-        raise PackError(f"{n} samples leave none for training with --val {args.val}")
-    if args.shuffle:
-        train, val = rng.permutation(train), rng.permutation(val)
-    total = _table_bytes(pa, table)
-    per_file = args.samples_per_file or max(1, n * file_bytes // max(1, total))
     kinds = []
     for c in columns:
         t = table.schema.field(c).type
         kinds.append(
             f"{c} ragged" if _is_list(pa, t) else f"{c} categorical" if c in categories else c
         )
+
+    def write(tmp: Path, rows: np.ndarray, attrs: dict[str, Any]) -> None:
+        _write_table_file(pa, table.take(pa.array(rows)), columns, categories, tmp, attrs)
+
+    total = _table_bytes(pa, table)
+    _write_packed(
+        args, out, split, file_bytes, table.num_rows, total, described, columns, kinds, write
+    )
+    return 0
+
+
+def _write_packed(
+    args: argparse.Namespace,
+    out: Path,
+    split: Any,
+    file_bytes: int,
+    n: int,
+    total: int,
+    described: str,
+    tops: list[str],
+    kinds: list[str],
+    write: Callable[[Path, np.ndarray, dict[str, Any]], None],
+) -> None:
+    """Split ``n`` samples (``--val``), shuffle them (``--shuffle``), cut them into files of
+    about ``file_bytes`` (``total`` bytes in all), each written by ``write(tmp, rows, attrs)``
+    under a temporary name and renamed when complete, then the source lists naming them;
+    ``kinds`` says what each of the ``tops`` becomes."""
+    rng = np.random.default_rng(args.seed)
+    train, val = split(n, None, args.val, rng)
+    if len(train) == 0:
+        raise PackError(f"{n} samples leave none for training with --val {args.val}")
+    if args.shuffle:
+        train, val = rng.permutation(train), rng.permutation(val)
+    per_file = args.samples_per_file or max(1, n * file_bytes // max(1, total))
     print(
         f"packing {plural(n, 'sample')} ({mib(total)}) from {described} "
         f"into {out}: {', '.join(kinds)}",
@@ -245,8 +270,7 @@ def _pack_table(
             for k, a in enumerate(range(0, len(order), per_file)):
                 final = out / f"{name}-{k:05d}.h5"
                 tmp = out / f"{temporary_prefix()}{final.name}"
-                sub = table.take(pa.array(order[a : a + per_file]))
-                _write_table_file(pa, sub, columns, categories, tmp, attrs)
+                write(tmp, np.asarray(order[a : a + per_file], np.int64), attrs)
                 commit_file(tmp, final)
                 files.append(final.name)
             commit_text(out / f"{name}.txt", "\n".join(files) + "\n")
@@ -255,8 +279,7 @@ def _pack_table(
         for tmp in out.glob(f"{temporary_prefix()}*"):
             tmp.unlink(missing_ok=True)
     print(f"wrote {'; '.join(written)}")
-    print(f"next: asynchdf5 inspect {out / 'train.txt'} --tops {' '.join(columns)}")
-    return 0
+    print(f"next: asynchdf5 inspect {out / 'train.txt'} --tops {' '.join(tops)}")
 
 
 # --- HDF5 files with variable-length datasets ---------------------------------------------------
@@ -519,54 +542,29 @@ def pack_vlen(
             "contiguous (the rows of a chunk are then one read)"
         )
     tops: list[str] = list(args.tops)
-    prefix = temporary_prefix()
-    written: list[str] = []
     maps: dict[str, tuple[_Scratch, _Scratch | None]] = {}
     try:
-        staged, n = _stage(entries, tops, out, prefix)
+        staged, n = _stage(entries, tops, out, temporary_prefix())
         for s in staged.values():
             offsets = None if s.indptr is None else _Scratch(s.indptr, np.dtype(np.int64), ())
             maps[s.name] = (_Scratch(s.values, s.dtype, s.shape), offsets)
-        rng = np.random.default_rng(args.seed)
-        train, val = split(n, None, args.val, rng)
-        if len(train) == 0:
-            raise PackError(f"{n} samples leave none for training with --val {args.val}")
-        if args.shuffle:
-            train, val = rng.permutation(train), rng.permutation(val)
-        total = sum(s.arrow_bytes for s in staged.values())
-        per_file = args.samples_per_file or max(1, n * file_bytes // max(1, total))
-        kinds = [f"{t} ragged" if staged[t].ragged else t for t in tops]
-        print(
-            f"packing {plural(n, 'sample')} ({mib(total)}) from {len(entries)} HDF5 files "
-            f"into {out}: {', '.join(kinds)}",
-            flush=True,
-        )
-        attrs: dict[str, Any] = {"packed_by": f"asynchdf5 {__version__} pack"}
-        if args.shuffle:
-            attrs[SHUFFLED_ATTR] = True
         order_staged = [staged[t] for t in tops]
-        for name, order in (("train", train), ("val", val)):
-            if len(order) == 0:
-                continue
-            names = []
-            for k, a in enumerate(range(0, len(order), per_file)):
-                final = out / f"{name}-{k:05d}.h5"
-                tmp = out / f"{prefix}{final.name}"
-                index = np.asarray(order[a : a + per_file], np.int64)
-                _write_staged_file(tmp, index, order_staged, maps, attrs)
-                commit_file(tmp, final)
-                names.append(final.name)
-            commit_text(out / f"{name}.txt", "\n".join(names) + "\n")
-            written.append(f"{name} {plural(len(order), 'sample')} in {plural(len(names), 'file')}")
+
+        def write(tmp: Path, rows: np.ndarray, attrs: dict[str, Any]) -> None:
+            _write_staged_file(tmp, rows, order_staged, maps, attrs)
+
+        total = sum(s.arrow_bytes for s in staged.values())
+        kinds = [f"{t} ragged" if staged[t].ragged else t for t in tops]
+        _write_packed(
+            args, out, split, file_bytes, n, total, f"{len(entries)} HDF5 files", tops, kinds, write
+        )
     finally:
         for pair in maps.values():
             for m in pair:
                 if m is not None:
                     m.close()
-        for tmp in out.glob(f"{prefix}*"):
+        for tmp in out.glob(f"{temporary_prefix()}*"):
             tmp.unlink(missing_ok=True)
-    print(f"wrote {'; '.join(written)}")
-    print(f"next: asynchdf5 inspect {out / 'train.txt'} --tops {' '.join(tops)}")
     return 0
 
 
