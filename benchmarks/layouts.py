@@ -152,7 +152,9 @@ def _best(runs: list[dict[str, Any]], key: str = "rate") -> float | None:
 def bench(rec: Recorder) -> None:
     """Each layout, warm and cold in a memory cgroup: samples/s of the raw read of its stored
     bytes, h5py in order, the decode limit and the layer (epochs 1 and 2), the layer's ratios to
-    them, and its first batch."""
+    them, and its first batch; warm, also the layer's first epoch in memory the host backs and
+    what a first write to a page costs in memory idle and just freed (a VM's balloon may take
+    idle memory back)."""
     size = QUICK if rec.quick else FULL
     folder = rec.data_dir / f"layouts-{size['rows']}x{size['width']}"
     layouts: dict[str, Any] = {}
@@ -166,7 +168,8 @@ def bench(rec: Recorder) -> None:
             contiguous = contiguous or path
             paths, source = [path], path
         layouts[name] = {
-            "paths": [str(p) for p in paths], "source": str(source), "samples": size["rows"]
+            "paths": [str(p) for p in paths], "source": str(source), "samples": size["rows"],
+            "decoded_bytes": size["rows"] * (4 * size["width"] + 8),
         }  # fmt: skip
     rec.param(rows=size["rows"], width=size["width"], row_bytes=4 * size["width"] + 8,
               limit_mib=size["limit_mib"], rounds=size["rounds"], batch_size=256,
@@ -178,6 +181,11 @@ def bench(rec: Recorder) -> None:
                                     Path(tmp))  # fmt: skip
             rec.note(note)
             mode = "cold" if cold else "warm"
+            pages = result.get("pages")
+            if pages:
+                rec.figure("first write to a 4 KiB page, memory idle 4 s", pages["idle_us"], "us")
+                rec.figure("first write to a 4 KiB page, memory freed just before",
+                           pages["recent_us"], "us")  # fmt: skip
             for name, runs in result["layouts"].items():
                 what = f"{name}, {mode}"
                 raw, h5, dec = (
@@ -251,6 +259,16 @@ def bench(rec: Recorder) -> None:
                 rec.ratio(f"{what}: layer epoch 1 ÷ decode limit, one loop per core", epoch1, loop)
                 rec.ratio(f"{what}: layer epoch 1 ÷ decode into fresh memory", epoch1, dec_fresh)
                 rec.figure(f"{what}: layer first batch", first, "s")
+                # The same first epoch in memory the host backs (a machine without a balloon
+                # reclaiming freed pages: most of the machines people train on).
+                backed = _best(runs.get("layer_backed", []))
+                if backed is not None:
+                    rec.figure(f"{what}: layer epoch 1, memory backed", backed, "samples/s")
+                    for ref, label in (
+                        (raw, "raw read"), (h5, "h5py in order"), (dec, "decode limit"),
+                        (loop, "decode limit, one loop per core"),
+                    ):  # fmt: skip
+                        rec.ratio(f"{what}: layer epoch 1, memory backed ÷ {label}", backed, ref)
                 last = runs["layer"][-1]
                 rec.note(f"{what}: read paths {last['read_paths']}; {last['bottleneck']}")
     rec.note(f"load average {load0} at the start, {os.getloadavg()} at the end")
