@@ -10,7 +10,8 @@ through ``isal``, else the standard library's ``zlib``; all release the GIL), sh
 (the checksum is verified, as HDF5 does: a mismatch is a :class:`ChecksumError`), LZF
 (``imagecodecs``' liblzf, a dependency, a faster build than h5py's (docs/design-notes.md);
 else h5py's own ``lzf_decompress``, called through ctypes; else ``python-lzf`` when installed;
-all release the GIL), and Blosc and Zstandard through ``numcodecs`` when installed. A dataset
+all release the GIL), LZ4 (HDF5's filter 32004, ``imagecodecs``' liblz4), and Blosc and
+Zstandard through ``numcodecs`` when installed. A dataset
 using any other filter is read by h5py (the layer's ``stats.read_paths`` says which path each top
 takes).
 
@@ -43,7 +44,7 @@ __all__ = [
     "unsupported_filters",
 ]
 
-DEFLATE, SHUFFLE, FLETCHER32, LZF, BLOSC, ZSTD = 1, 2, 3, 32000, 32001, 32015
+DEFLATE, SHUFFLE, FLETCHER32, LZF, BLOSC, LZ4, ZSTD = 1, 2, 3, 32000, 32001, 32004, 32015
 FILTER_NAMES = {
     DEFLATE: "gzip",
     SHUFFLE: "shuffle",
@@ -51,11 +52,18 @@ FILTER_NAMES = {
     4: "szip",
     5: "nbit",
     6: "scaleoffset",
+    307: "bzip2",
     LZF: "lzf",
     BLOSC: "blosc",
-    32004: "lz4",
+    LZ4: "lz4",
     32008: "bitshuffle",
+    32013: "zfp",
     ZSTD: "zstd",
+    32017: "sz",
+    32018: "fcidecomp",
+    32024: "sz3",
+    32026: "blosc2",
+    32028: "sperr",
 }
 
 #: A filter's decoding: (stored bytes, the chunk's size) -> the bytes before that filter. A
@@ -220,6 +228,55 @@ def _h5py_lzf() -> DecodeInto | None:
     return into
 
 
+def _imagecodecs_lz4() -> DecodeInto | None:
+    """HDF5's LZ4 filter (32004, hdf5plugin's ``LZ4``) decoded by ``imagecodecs``' liblz4,
+    which releases the GIL; None where imagecodecs is not installed.
+
+    The filter's format (H5Zlz4.c): the decoded size (8 bytes, big-endian), the block size (4
+    bytes, big-endian; the last block holds what is left), then each block as its stored size
+    (4 bytes, big-endian) and its bytes: raw where that size is the block's, else one LZ4 block
+    (no frame). Anything else is an error, never a guess."""
+    try:
+        from imagecodecs import lz4_decode
+    except ImportError:
+        return None
+
+    def into(raw: Any, out: np.ndarray) -> None:
+        src: Any = memoryview(raw).cast("B")
+        n = out.size
+        if len(src) < 12:
+            raise ValueError(f"lz4: a chunk of {len(src)} bytes has no room for its header")
+        total = int.from_bytes(src[:8], "big")
+        block = min(int.from_bytes(src[8:12], "big"), total)
+        if total != n or (n and block == 0):
+            raise ValueError(f"lz4: the chunk says {total} bytes (block {block}), not {n}")
+        at, done = 12, 0
+        while done < n:
+            size = min(block, n - done)
+            if at + 4 > len(src):
+                raise ValueError(f"lz4: the chunk ends before its block at byte {done}")
+            stored = int.from_bytes(src[at : at + 4], "big")
+            at += 4
+            if at + stored > len(src):
+                raise ValueError(f"lz4: a block of {stored} bytes runs past the chunk's end")
+            dest = out[done : done + size]
+            if stored == size:  # stored raw: compressing it did not save a byte
+                dest[:] = np.frombuffer(src[at : at + stored], np.uint8)
+            else:
+                try:
+                    got = len(lz4_decode(src[at : at + stored], out=dest.data))
+                except RuntimeError as exc:  # imagecodecs.Lz4Error: bad data, or too long
+                    raise ValueError(f"lz4: {exc}") from exc
+                if got != size:
+                    raise ValueError(f"lz4: a block decoded to {got} bytes, not {size}")
+            at += stored
+            done += size
+        if at != len(src):
+            raise ValueError(f"lz4: {len(src) - at} bytes past the chunk's last block")
+
+    return into
+
+
 def _lzf_into() -> DecodeInto | None:
     """The fastest LZF decoder into a buffer that is installed (see the module's docstring)."""
     found = _imagecodecs_lzf()
@@ -236,6 +293,9 @@ def _optional_decoder(filter_id: int) -> Decode | None:
         except ImportError:
             return None
         return lambda raw, n: lzf.decompress(bytes(raw), n)
+    if filter_id == LZ4:
+        found = _imagecodecs_lz4()
+        return None if found is None else _scratched(found, "lz4")
     try:
         import numcodecs
     except ImportError:
@@ -322,6 +382,8 @@ def _decoder_into(filter_id: int) -> DecodeInto | None:
         return _inflate_into
     if filter_id == LZF:
         return _lzf_into()
+    if filter_id == LZ4:
+        return _imagecodecs_lz4()
     return None
 
 

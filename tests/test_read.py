@@ -23,6 +23,11 @@ def _plugin(name: str) -> dict[str, Any]:
     return dict(getattr(hdf5plugin, name)())
 
 
+def _lz4_blocks(nbytes: int) -> dict[str, Any]:
+    hdf5plugin = pytest.importorskip("hdf5plugin")
+    return dict(hdf5plugin.LZ4(nbytes=nbytes))
+
+
 LAYOUTS: dict[str, tuple[str, Any]] = {
     # name: (expected read path of "data", dataset keyword arguments or a factory)
     "contiguous": ("mmap", {}),  # the default, mmap="auto", maps a local contiguous file
@@ -39,6 +44,12 @@ LAYOUTS: dict[str, tuple[str, Any]] = {
     "lzf": ("chunks", {"chunks": (256, 3, 4), "compression": "lzf"}),
     "zstd": ("chunks", lambda: {"chunks": (256, 3, 4), **_plugin("Zstd")}),
     "blosc": ("chunks", lambda: {"chunks": (256, 3, 4), **_plugin("Blosc")}),
+    "lz4": ("chunks", lambda: {"chunks": (256, 3, 4), **_plugin("LZ4")}),
+    # Blocks of 1000 bytes in each 12 KiB chunk, the last one short.
+    "lz4, small blocks, shuffle": (
+        "chunks",
+        lambda: {"chunks": (256, 3, 4), "shuffle": True, **_lz4_blocks(1000)},
+    ),
     "bzip2 (no GIL-free decoder)": ("h5py", lambda: {"chunks": (256, 3, 4), **_plugin("BZip2")}),
     "chunks split samples": ("chunks", {"chunks": (256, 3, 2), "compression": "gzip"}),
     # Bands of chunks cut at every edge: rows (3000 % 313), and both sample axes.
@@ -342,6 +353,45 @@ def test_a_run_of_chunks_ends_where_a_band_starts(tmp_path: Path) -> None:
     assert len(ranges) > index.offsets.shape[0] // 3  # runs were cut by their size
     _serve(path, ranges)
     np.testing.assert_array_equal(dest, data)
+
+
+def test_lz4_chunks_decode_as_the_filter_wrote_them_and_nothing_else() -> None:
+    """HDF5's LZ4 filter (hdf5plugin's): a chunk of blocks, each compressed or, where that saved
+    nothing, stored raw, decodes to exactly what h5py reads; a chunk cut short, a block past the
+    chunk's end, bytes after the last block or a header naming another size are refused."""
+    from asynchdf5._codecs import _imagecodecs_lz4
+
+    into = _imagecodecs_lz4()
+    if into is None:
+        pytest.skip("imagecodecs is not installed")
+    rng = np.random.default_rng(0)
+    # Blocks of 4,000 bytes: noise (stored raw) then runs (compressed), the last block short.
+    data = np.concatenate([rng.integers(0, 255, 9_000), np.arange(21_500) // 97]).astype(np.uint8)
+    with h5py.File("mem.h5", "w", driver="core", backing_store=False) as f:
+        d = f.create_dataset("x", data=data, chunks=(data.size,), **_lz4_blocks(4_000))
+        _, raw = d.id.read_direct_chunk((0,))
+        reference = d[()]
+    blocks = []
+    at = 12
+    while at < len(raw):
+        size = int.from_bytes(raw[at : at + 4], "big")
+        blocks.append(size)
+        at += 4 + size
+    assert len(blocks) == 8 and blocks[:2] == [4_000, 4_000] and blocks[-1] < 1_500  # raw, packed
+    out = np.zeros(data.size, np.uint8)
+    into(raw, out)
+    np.testing.assert_array_equal(out, reference)
+    bad = {
+        "cut short": raw[:-10],
+        "block past the end": raw[: 12 + 4] + raw[12 + 4 : 12 + 4 + 100],
+        "bytes after the last block": raw + b"\0\0",
+        "another size": (data.size + 1).to_bytes(8, "big") + raw[8:],
+        "no header": raw[:7],
+    }
+    for what, chunk in bad.items():
+        with pytest.raises(ValueError, match="lz4"):
+            into(chunk, np.zeros(data.size, np.uint8))
+            pytest.fail(what)
 
 
 @pytest.mark.parametrize("which", ["imagecodecs", "h5py"])
