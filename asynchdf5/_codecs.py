@@ -10,8 +10,8 @@ through ``isal``, else the standard library's ``zlib``; all release the GIL), sh
 (the checksum is verified, as HDF5 does: a mismatch is a :class:`ChecksumError`), LZF
 (``imagecodecs``' liblzf, a dependency, a faster build than h5py's (docs/design-notes.md);
 else h5py's own ``lzf_decompress``, called through ctypes; else ``python-lzf`` when installed;
-all release the GIL), LZ4 (HDF5's filter 32004, ``imagecodecs``' liblz4), and Blosc and
-Zstandard through ``numcodecs`` when installed. A dataset
+all release the GIL), LZ4 (HDF5's filter 32004, ``imagecodecs``' liblz4), bzip2 (the standard
+library's), and Blosc and Zstandard through ``numcodecs`` when installed. A dataset
 using any other filter is read by h5py (the layer's ``stats.read_paths`` says which path each top
 takes).
 
@@ -22,6 +22,7 @@ over the bytes instead of a decode and a copy.
 
 from __future__ import annotations
 
+import bz2
 import ctypes
 import functools
 import importlib.util
@@ -44,7 +45,8 @@ __all__ = [
     "unsupported_filters",
 ]
 
-DEFLATE, SHUFFLE, FLETCHER32, LZF, BLOSC, LZ4, ZSTD = 1, 2, 3, 32000, 32001, 32004, 32015
+DEFLATE, SHUFFLE, FLETCHER32, BZIP2 = 1, 2, 3, 307
+LZF, BLOSC, LZ4, ZSTD = 32000, 32001, 32004, 32015
 FILTER_NAMES = {
     DEFLATE: "gzip",
     SHUFFLE: "shuffle",
@@ -52,7 +54,7 @@ FILTER_NAMES = {
     4: "szip",
     5: "nbit",
     6: "scaleoffset",
-    307: "bzip2",
+    BZIP2: "bzip2",
     LZF: "lzf",
     BLOSC: "blosc",
     LZ4: "lz4",
@@ -228,6 +230,15 @@ def _h5py_lzf() -> DecodeInto | None:
     return into
 
 
+def _bunzip2(raw: Any, n: int) -> bytes:
+    """HDF5's bzip2 filter (307, PyTables' and hdf5plugin's): one bzip2 stream per chunk, which
+    the standard library decodes without the GIL."""
+    try:
+        return bz2.decompress(raw)
+    except (OSError, ValueError, EOFError) as exc:  # not bzip2 data, or cut short
+        raise ValueError(f"bzip2: {exc}") from exc
+
+
 def _imagecodecs_lz4() -> DecodeInto | None:
     """HDF5's LZ4 filter (32004, hdf5plugin's ``LZ4``) decoded by ``imagecodecs``' liblz4,
     which releases the GIL; None where imagecodecs is not installed.
@@ -296,6 +307,8 @@ def _optional_decoder(filter_id: int) -> Decode | None:
     if filter_id == LZ4:
         found = _imagecodecs_lz4()
         return None if found is None else _scratched(found, "lz4")
+    if filter_id == BZIP2:
+        return _bunzip2
     try:
         import numcodecs
     except ImportError:

@@ -15,6 +15,7 @@ from typing import Any
 import h5py
 import numpy as np
 import numpy.typing as npt
+import pytest
 
 import asynchdf5._sizing
 from asynchdf5 import Batch
@@ -28,6 +29,8 @@ LAYOUTS = {
     "gzip-split": "chunks",  # chunks that split a sample: read in bands of chunks
     "fletcher32-split": "chunks",
     "scaleoffset": "h5py",  # a filter without a decoder here: only h5py reads it
+    "lz4": "chunks",  # hdf5plugin's filters, decoded here (the codecs extra writes them)
+    "bzip2": "chunks",
 }
 
 
@@ -69,6 +72,9 @@ def write_h5(
         kwargs = {"chunks": True, "fletcher32": True}
     elif layout == "scaleoffset":  # lossless here: the values are whole numbers
         kwargs = {"chunks": True, "scaleoffset": 0}
+    elif layout in ("lz4", "bzip2"):
+        hdf5plugin = pytest.importorskip("hdf5plugin")
+        kwargs = {"chunks": True, **(hdf5plugin.LZ4() if layout == "lz4" else hdf5plugin.BZip2())}
     with h5py.File(path, "w") as f:
         for name, arr in rows(start, n, shape).items():
             if name not in extra:

@@ -23,6 +23,11 @@ def _plugin(name: str) -> dict[str, Any]:
     return dict(getattr(hdf5plugin, name)())
 
 
+def _zfp() -> dict[str, Any]:
+    hdf5plugin = pytest.importorskip("hdf5plugin")
+    return dict(hdf5plugin.Zfp(reversible=True))
+
+
 def _lz4_blocks(nbytes: int) -> dict[str, Any]:
     hdf5plugin = pytest.importorskip("hdf5plugin")
     return dict(hdf5plugin.LZ4(nbytes=nbytes))
@@ -50,7 +55,8 @@ LAYOUTS: dict[str, tuple[str, Any]] = {
         "chunks",
         lambda: {"chunks": (256, 3, 4), "shuffle": True, **_lz4_blocks(1000)},
     ),
-    "bzip2 (no GIL-free decoder)": ("h5py", lambda: {"chunks": (256, 3, 4), **_plugin("BZip2")}),
+    "bzip2": ("chunks", lambda: {"chunks": (256, 3, 4), **_plugin("BZip2")}),
+    "zfp (no GIL-free decoder)": ("h5py", lambda: {"chunks": (256, 3, 4), **_zfp()}),
     "chunks split samples": ("chunks", {"chunks": (256, 3, 2), "compression": "gzip"}),
     # Bands of chunks cut at every edge: rows (3000 % 313), and both sample axes.
     "split, edge chunks": ("chunks", {"chunks": (313, 2, 3)}),
