@@ -385,3 +385,31 @@ def test_raw_buffers_hand_out_the_smallest_kept_buffer_that_fits() -> None:
     raws.give(kept[0])
     raws.clear()
     assert taken(1) is None
+
+
+def test_pread_into_fills_the_view_or_says_where_the_file_ended(tmp_path: Path) -> None:
+    """Every reader of whole ranges (local sources, the remote cache, the helper process's long
+    messages, pack's scratch files, bench's raw read) reads through ``pread_into``: the bytes at
+    the offset, the count short only where the file ends, an OSError of the read itself raised."""
+    from asynchdf5._fileio import pread_into
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(4096)
+        assert pread_into(fd, memoryview(buf), 1000) == 4096
+        assert buf == (bytes(range(256)) * 40)[1000:5096]
+        assert pread_into(fd, memoryview(buf), 8192) == 2048  # the file ends first
+        assert buf[:2048] == (bytes(range(256)) * 40)[8192:]
+        assert pread_into(fd, memoryview(buf), 20_000) == 0
+        assert pread_into(fd, memoryview(bytearray(0)), 0) == 0
+    finally:
+        os.close(fd)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(OSError):  # a pipe cannot be read at an offset
+            pread_into(r, memoryview(bytearray(8)), 0)
+    finally:
+        os.close(r)
+        os.close(w)

@@ -19,6 +19,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .._catalog import Catalog, FileInfo, build_catalog, categorical, compound_field
+from .._fileio import pread_into
 from .._layout import Layout
 from .._sources import LocalSource
 
@@ -144,9 +145,10 @@ def read_ranges(ranges: Iterable[tuple[str, int, int]], buffer: memoryview) -> t
                 fd = fds[name] = os.open(name, os.O_RDONLY)
             done = 0
             while done < size:
-                got = os.preadv(fd, [buffer[: min(len(buffer), size - done)]], offset + done)
-                if got <= 0:
-                    raise OSError(f"{name}: short read at byte {offset + done}")
+                piece = buffer[: min(len(buffer), size - done)]
+                got = pread_into(fd, piece, offset + done)
+                if got < len(piece):
+                    raise OSError(f"{name}: short read at byte {offset + done + got}")
                 done += got
                 first = first or time.perf_counter() - start
             total += size

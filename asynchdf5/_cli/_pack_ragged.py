@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import __version__
 from .._catalog import ENCODING_ATTR, SHUFFLED_ATTR
+from .._fileio import pread_into
 from ._pack_inputs import _pyarrow, _read_table, refuse_group_top
 from ._pack_write import PackError, commit_file, commit_text, temporary_prefix
 from ._util import mib, plural
@@ -444,11 +445,9 @@ class _Scratch:
         return out
 
     def _read(self, view: memoryview, offset: int) -> None:
-        while len(view):
-            got = os.preadv(self._fd, [view], offset)
-            if got <= 0:
-                raise PackError(f"a scratch file of pack ended early (at byte {offset})")
-            view, offset = view[got:], offset + got
+        got = pread_into(self._fd, view, offset)
+        if got < len(view):
+            raise PackError(f"a scratch file of pack ended early (at byte {offset + got})")
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import TransformError
+from .._fileio import pread_into
 from .._pages import MAP_FAILED, libc_mmap
 from .._ragged import CSR_KINDS, Ragged, csr_batch
 
@@ -164,14 +165,11 @@ def recv(
 
 def _read(fd: int, n: int) -> bytes:
     """The first ``n`` bytes of ``fd`` (from its start, whatever its offset)."""
-    parts, at = [], 0
-    while at < n:
-        part = os.pread(fd, n - at, at)
-        if not part:  # pragma: no cover - the sender wrote them all
-            raise EOFError(f"a long control message of {n} bytes ended at {at}")
-        parts.append(part)
-        at += len(part)
-    return b"".join(parts)
+    buf = bytearray(n)
+    got = pread_into(fd, memoryview(buf), 0)
+    if got < n:  # pragma: no cover - the sender wrote them all
+        raise EOFError(f"a long control message of {n} bytes ended at {got}")
+    return bytes(buf)
 
 
 def _anonymous(size: int) -> int:

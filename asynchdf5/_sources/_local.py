@@ -25,6 +25,7 @@ import anyio
 import anyio.to_thread
 
 from .._errors import DataLayerError, ReadError, SourceError
+from .._fileio import pread_into
 from .._pages import populate
 from .._priority import background
 from .._stats import ReadStats
@@ -412,18 +413,15 @@ def _preadv(f: LocalFile, r: ByteRange, into: memoryview | None = None) -> None:
     into = into if into is not None else r.into
     assert into is not None
     view = into.cast("B") if into.format != "B" else into
-    done = 0
-    while done < r.size:
-        try:
-            got = os.preadv(f.fd, [view[done:]], r.offset + done)
-        except OSError as exc:
-            raise name_entry(ReadError(f"{f.name}: {r.about}: read failed: {exc}"), f.name) from exc
-        if got == 0:
-            raise name_entry(
-                ReadError(
-                    f"{f.name}: {r.about}: unexpected end of file at byte {r.offset + done} "
-                    "(the file is truncated)"
-                ),
-                f.name,
-            )
-        done += got
+    try:
+        done = pread_into(f.fd, view[: r.size], r.offset)
+    except OSError as exc:
+        raise name_entry(ReadError(f"{f.name}: {r.about}: read failed: {exc}"), f.name) from exc
+    if done < r.size:
+        raise name_entry(
+            ReadError(
+                f"{f.name}: {r.about}: unexpected end of file at byte {r.offset + done} "
+                "(the file is truncated)"
+            ),
+            f.name,
+        )

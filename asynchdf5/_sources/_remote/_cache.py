@@ -12,6 +12,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from ..._errors import SourceError
+from ..._fileio import pread_into
 
 if TYPE_CHECKING:
     from ._files import RemoteFile
@@ -68,12 +69,8 @@ class DiskCache:
         try:
             if os.fstat(fd).st_size != len(view):
                 return False  # not what this block should be: fetched again, rewritten
-            done = 0
-            while done < len(view):
-                got = os.preadv(fd, [view[done:]], done)
-                if got <= 0:
-                    return False
-                done += got
+            if pread_into(fd, view, 0) < len(view):
+                return False
             os.utime(fd)  # recently used
         except OSError:
             return False
