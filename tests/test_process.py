@@ -291,7 +291,7 @@ def _tagged_helpers(tag: str) -> set[int]:
     return out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)  # a loaded machine starts each trial's helper slowly
 def test_double_ctrl_c_exits_and_the_helper_goes_too(
     source: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -314,7 +314,7 @@ def test_double_ctrl_c_exits_and_the_helper_goes_too(
             capture_output=True,
             text=True,
             env=env,
-            timeout=100,
+            timeout=280,
             check=False,
         )
         assert out.returncode == 0, out.stderr[-3000:]
