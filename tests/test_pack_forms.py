@@ -23,7 +23,7 @@ import pytest
 import asynchdf5
 from asynchdf5 import HDF5DataLayer, Windows
 
-from ._helpers import run_main
+from ._helpers import peak_growth, run_main
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -127,6 +127,44 @@ def test_the_layer_reads_packed_ragged_tops(
                 np.testing.assert_array_equal(np.asarray(r[i]), truth["tokens"][row])
                 seen.append(int(row))
     assert sorted(seen) == list(range(50))
+
+
+def _token_table(path: Path, rows: int, width: int) -> None:
+    """``rows`` rows of ``width`` int32 tokens (row ``i`` all ``i``) and a label, in row groups
+    of 256 rows."""
+    tokens = pa.FixedSizeListArray.from_arrays(
+        pa.array(np.repeat(np.arange(rows, dtype=np.int32), width)), width
+    ).cast(pa.list_(pa.int32()))
+    table = pa.table({"tok": tokens, "label": pa.array(np.arange(rows, dtype=np.int64))})
+    pq.write_table(table, path, row_group_size=256)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_pack_of_a_parquet_list_column_runs_in_bounded_memory(tmp_path: Path) -> None:
+    """Packing 64 MiB of token lists (shuffled) takes no more memory than packing 16 MiB, but
+    for a few MiB: each row group's column is staged and each output file gathered a block at
+    a time. Read whole, the table, its numpy copies and the shuffled take grew it by ~3 times
+    the data."""
+    width, grew = 4096, {}
+    for rows in (1024, 4096):
+        path, out = tmp_path / f"t{rows}.parquet", tmp_path / f"out{rows}"
+        _token_table(path, rows, width)
+        grew[rows] = peak_growth(
+            "import sys\nfrom asynchdf5._cli import main",
+            "status = main(['pack', sys.argv[1], sys.argv[2], '--shuffle'])\n"
+            "assert status == 0, status",
+            [path, out],
+            timeout=100,
+        )
+        assert not [p for p in out.iterdir() if p.name.startswith(".pack-")]  # no scratch left
+    assert grew[4096] - grew[1024] < 16 << 20, {k: v >> 20 for k, v in grew.items()}
+    with h5py.File(tmp_path / "out4096" / "train-00000.h5") as f:
+        labels, indptr = f["label"][()], f["tok/indptr"][()]
+        assert sorted(labels.tolist()) == list(range(4096)) and labels.tolist() != sorted(labels)
+        np.testing.assert_array_equal(indptr, np.arange(4096 + 1) * width)
+        for r in (0, 1, 2048, 4095):
+            np.testing.assert_array_equal(f["tok/data"][indptr[r] : indptr[r + 1]], labels[r])
 
 
 def test_pack_refuses_what_it_cannot_keep(

@@ -14,7 +14,7 @@ files with h5py variable-length datasets, and AnnData ``.h5ad`` files.
   top is streamed, a block of rows at a time, into scratch files in the output folder (the
   values and int64 offsets of a ragged top, the rows of the others; removed at the end, also
   on an error), and each output file is gathered from them a block at a time. Parquet tables
-  are still read whole into memory.
+  are packed the same way, read one row group's column at a time.
 * An ``.h5ad`` file is rewritten object by object, as AnnData reads it back: every numeric
   dataset contiguous and unfiltered (the layer's direct-read path; a sparse ``X`` stays a CSR
   group of contiguous ``data``, ``indices``, ``indptr``, where a chunk's rows are one range of
@@ -42,7 +42,7 @@ import numpy as np
 from .. import __version__
 from .._catalog import ENCODING_ATTR, SHUFFLED_ATTR
 from .._fileio import pread_into
-from ._pack_inputs import _pyarrow, _read_table, refuse_group_top
+from ._pack_inputs import _pyarrow, refuse_group_top
 from ._pack_write import PackError, commit_file, commit_text, temporary_prefix
 from ._util import mib, plural
 
@@ -82,7 +82,7 @@ def _is_list(pa: Any, t: Any) -> bool:
     return bool(pa.types.is_list(t) or pa.types.is_large_list(t))
 
 
-def _columns(pa: Any, table: Any, path: Path, args: argparse.Namespace) -> list[str]:
+def _columns(pa: Any, schema: Any, path: Path, args: argparse.Namespace) -> list[str]:
     """The columns to pack: those named (``--columns``, ``--label-column``), else every list
     and numeric column."""
     named = list(args.columns or [])
@@ -90,15 +90,11 @@ def _columns(pa: Any, table: Any, path: Path, args: argparse.Namespace) -> list[
         named.append(args.label_column)
     if named:
         for c in named:
-            if c not in table.column_names:
-                raise PackError(f"{path}: no column {c!r}; the table has {table.column_names}")
+            if c not in schema.names:
+                raise PackError(f"{path}: no column {c!r}; the table has {schema.names}")
         return named
     numeric = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean)
-    return [
-        f.name
-        for f in table.schema
-        if _is_list(pa, f.type) or any(test(f.type) for test in numeric)
-    ]
+    return [f.name for f in schema if _is_list(pa, f.type) or any(test(f.type) for test in numeric)]
 
 
 def _ragged(pa: Any, col: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -127,107 +123,154 @@ def _plain(pa: Any, col: Any) -> Any:
     return col.cast(col.type.value_type) if pa.types.is_dictionary(col.type) else col
 
 
-def _categories(pa: Any, table: Any, columns: Sequence[str]) -> dict[str, np.ndarray]:
-    """The sorted categories of each string column, over the whole table."""
-    out = {}
-    for c in columns:
-        col = _plain(pa, table.column(c))
-        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-            values = np.asarray(col.to_numpy(zero_copy_only=False)).astype(str)
-            out[c] = np.unique(values)
-    return out
+def _is_string(pa: Any, t: Any) -> bool:
+    t = t.value_type if pa.types.is_dictionary(t) else t
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
 
 
-def _write_table_file(
+def _column_pieces(
+    pa: Any, tables: Sequence[tuple[Path, Any]], columns: Sequence[str]
+) -> Iterator[tuple[int, int, Any]]:
+    """Every table's rows of ``columns``, in order, one row group's column at a time (what
+    pyarrow decodes at once, so what bounds the memory this takes): ``(j, at, array)``, a
+    piece of column ``columns[j]`` whose first row is row ``at`` of the tables."""
+    start = 0
+    for path, pf in tables:
+        for i in range(pf.metadata.num_row_groups):
+            for j, c in enumerate(columns):
+                try:
+                    col = pf.read_row_group(i, columns=[c], use_threads=False).column(0)
+                except (OSError, pa.ArrowException) as exc:
+                    raise PackError(f"{path}: cannot read the table: {exc}") from exc
+                at = start
+                for piece in col.chunks:
+                    yield j, at, piece
+                    at += len(piece)
+                del col
+            start += pf.metadata.row_group(i).num_rows
+
+
+def _categories(
+    pa: Any, tables: Sequence[tuple[Path, Any]], columns: Sequence[str], schema: Any
+) -> dict[str, np.ndarray]:
+    """The sorted categories of each string column, over every table (a pass over those
+    columns alone)."""
+    strings = [c for c in columns if _is_string(pa, schema.field(c).type)]
+    found: dict[str, np.ndarray] = {c: np.array([], dtype=str) for c in strings}
+    for j, _, piece in _column_pieces(pa, tables, strings):
+        values = np.asarray(_plain(pa, piece).to_numpy(zero_copy_only=False)).astype(str)
+        found[strings[j]] = np.union1d(found[strings[j]], np.unique(values))
+    return found
+
+
+def _stage_piece(
     pa: Any,
-    sub: Any,
-    columns: Sequence[str],
+    c: str,
+    j: int,
+    piece: Any,
     categories: dict[str, np.ndarray],
-    path: Path,
-    attrs: dict[str, Any],
+    staged: dict[str, _Staged],
+    handles: dict[str, tuple[Any, Any]],
+    out: Path,
+    files: contextlib.ExitStack,
+    at: int,
 ) -> None:
-    with h5py.File(path, "w") as f:
-        f.attrs.update(attrs)
-        for c in columns:
-            col = _plain(pa, sub.column(c).combine_chunks())
-            if col.null_count:
-                raise PackError(
-                    f"column {c!r} has {col.null_count} missing values; fill or drop them first"
-                )
-            if pa.types.is_fixed_size_list(col.type):  # rows of one shape
-                inner = np.asarray(col.flatten().to_numpy(zero_copy_only=False))
-                f.create_dataset(c, data=inner.reshape(len(col), col.type.list_size))
-            elif _is_list(pa, col.type):
-                data, indptr = _ragged(pa, col, c)
-                g = f.create_group(c)
-                g.create_dataset("data", data=np.ascontiguousarray(data))
-                g.create_dataset("indptr", data=indptr)
-            elif c in categories:
-                values = np.asarray(col.to_numpy(zero_copy_only=False)).astype(str)
-                names = categories[c]
-                g = f.create_group(c)
-                g.attrs.update(_CATEGORICAL_ATTRS)
-                g.create_dataset("codes", data=np.searchsorted(names, values).astype(np.int32))
-                g.create_dataset("categories", data=names.astype(object), dtype=h5py.string_dtype())
-            else:
-                values = np.asarray(col.to_numpy(zero_copy_only=False))
-                if values.dtype.kind not in "biuf":
-                    raise PackError(f"column {c!r} holds {col.type} values: not packed")
-                f.create_dataset(c, data=values)
-
-
-def _table_bytes(pa: Any, table: Any) -> int:
-    try:
-        return int(table.nbytes)
-    except (AttributeError, pa.ArrowException):
-        return 0
+    """Append a piece of column ``c`` (its ``j``-th; rows ``at`` on of the tables) to its
+    scratch files, making them at its first piece."""
+    col = _plain(pa, piece)
+    if col.null_count:
+        raise PackError(
+            f"column {c!r} has missing values ({col.null_count} in the {len(col)} rows from "
+            f"row {at}); fill or drop them first"
+        )
+    indptr = None
+    if pa.types.is_fixed_size_list(col.type):  # rows of one shape
+        inner = np.asarray(col.flatten().to_numpy(zero_copy_only=False))
+        values = inner.reshape(len(col), col.type.list_size)
+    elif _is_list(pa, col.type):
+        values, indptr = _ragged(pa, col, c)
+    elif c in categories:
+        text = np.asarray(col.to_numpy(zero_copy_only=False)).astype(str)
+        values = np.searchsorted(categories[c], text).astype(np.int32)
+    else:
+        values = np.asarray(col.to_numpy(zero_copy_only=False))
+        if values.dtype.kind not in "biuf":
+            raise PackError(f"column {c!r} holds {col.type} values: not packed")
+    s = staged.get(c)
+    if s is None:
+        shape = tuple(int(k) for k in values.shape[1:])
+        s = staged[c] = _Staged(
+            c, indptr is not None, values.dtype, shape, out / f"{temporary_prefix()}stage-{j}",
+            categories=categories.get(c),
+        )  # fmt: skip
+        handles[c] = s.open(files)
+    value_file, ptr_file = handles[c]
+    value_file.write(np.ascontiguousarray(values, s.dtype).data)
+    s.arrow_bytes += int(piece.nbytes)
+    if indptr is not None:
+        ptr_file.write((s.n_values + indptr[1:]).data)
+        s.n_values += int(indptr[-1])
 
 
 def pack_ragged_table(args: argparse.Namespace, out: Path, split: Any, file_bytes: int) -> int:
-    """Pack Parquet tables with list columns into ragged tops (see the module's docstring)."""
+    """Pack Parquet tables with list columns into ragged tops (see the module's docstring), in
+    memory bounded by a row group's column (what pyarrow decodes at once), not by the tables:
+    they are read one row group's column at a time into scratch files in ``out`` (removed at
+    the end, also on an error), from which each output file is gathered a block of rows at a
+    time, as :func:`pack_vlen` does."""
     pa = _pyarrow()
+    pq = importlib.import_module("pyarrow.parquet")
     inputs: list[Path] = args.inputs
     if args.compression != "none":
         raise PackError(
             "--compression does not apply to tables with list columns: ragged tops are written "
             "contiguous (the rows of a chunk are then one read)"
         )
-    tables = [_read_table(p) for p in inputs]
-    columns = _columns(pa, tables[0], inputs[0], args)
+    tables = []
+    for p in inputs:
+        try:
+            tables.append((p, pq.ParquetFile(p)))
+        except (OSError, pa.ArrowException) as exc:
+            raise PackError(f"{p}: cannot read the table: {exc}") from exc
+    schema = tables[0][1].schema_arrow
+    columns = _columns(pa, schema, inputs[0], args)
+    for p, pf in tables[1:]:
+        other = pf.schema_arrow
+        for c in columns:
+            if c not in other.names or not other.field(c).type.equals(schema.field(c).type):
+                have = other.field(c).type if c in other.names else "no such column"
+                raise PackError(
+                    f"the tables do not share the columns {columns}: {p}: column {c!r} is "
+                    f"{have}, {inputs[0]}'s {schema.field(c).type}"
+                )
+    maps: dict[str, tuple[_Scratch, _Scratch | None]] = {}
     try:
-        table = pa.concat_tables([t.select(columns) for t in tables])
-    except (KeyError, pa.ArrowException) as exc:
-        raise PackError(f"the tables do not share the columns {columns}: {exc}") from exc
-    return _pack_table(args, out, split, file_bytes, table, columns, ", ".join(map(str, inputs)))
+        categories = _categories(pa, tables, columns, schema)
+        staged: dict[str, _Staged] = {}
+        handles: dict[str, tuple[Any, Any]] = {}
+        with contextlib.ExitStack() as files:
+            for j, at, piece in _column_pieces(pa, tables, columns):
+                _stage_piece(pa, columns[j], j, piece, categories, staged, handles, out, files, at)
+        n = sum(pf.metadata.num_rows for _, pf in tables)
+        if not staged:
+            raise PackError(f"{', '.join(map(str, inputs))}: the tables have no rows")
+        for s in staged.values():
+            offsets = None if s.indptr is None else _Scratch(s.indptr, np.dtype(np.int64), ())
+            maps[s.name] = (_Scratch(s.values, s.dtype, s.shape), offsets)
+        order_staged = [staged[c] for c in columns]
 
+        def write(tmp: Path, rows: np.ndarray, attrs: dict[str, Any]) -> None:
+            _write_staged_file(tmp, rows, order_staged, maps, attrs)
 
-def _pack_table(
-    args: argparse.Namespace,
-    out: Path,
-    split: Any,
-    file_bytes: int,
-    table: Any,
-    columns: list[str],
-    described: str,
-) -> int:
-    """Split, shuffle and write ``table``'s ``columns`` into files of ragged, categorical and
-    row tops, and the source lists naming them."""
-    pa = _pyarrow()
-    categories = _categories(pa, table, columns)
-    kinds = []
-    for c in columns:
-        t = table.schema.field(c).type
-        kinds.append(
-            f"{c} ragged" if _is_list(pa, t) else f"{c} categorical" if c in categories else c
-        )
-
-    def write(tmp: Path, rows: np.ndarray, attrs: dict[str, Any]) -> None:
-        _write_table_file(pa, table.take(pa.array(rows)), columns, categories, tmp, attrs)
-
-    total = _table_bytes(pa, table)
-    _write_packed(
-        args, out, split, file_bytes, table.num_rows, total, described, columns, kinds, write
-    )
+        kinds = [
+            f"{c} ragged" if staged[c].ragged else f"{c} categorical" if c in categories else c
+            for c in columns
+        ]
+        total = sum(s.arrow_bytes for s in staged.values())
+        described = ", ".join(map(str, inputs))
+        _write_packed(args, out, split, file_bytes, n, total, described, columns, kinds, write)
+    finally:
+        _close_scratch(maps, out)
     return 0
 
 
@@ -316,16 +359,35 @@ class _Staged:
     name: str
     ragged: bool
     dtype: np.dtype[Any]
-    shape: tuple[int, ...]  # of a row (fixed tops); () for ragged ones
-    values: Path
-    indptr: Path | None
+    shape: tuple[int, ...]  # of a row (a fixed top), of each value (a ragged top)
+    base: Path  # the scratch files' path but their suffix
     n_values: int = 0
-    #: What the rows take as Arrow columns (how the in-memory path sized its files).
+    #: What the rows take as Arrow columns (how the files are sized).
     arrow_bytes: int = 0
+    #: A categorical top's names (its staged rows are int32 codes into them).
+    categories: np.ndarray | None = None
 
     @property
     def row_bytes(self) -> int:
         return self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def values(self) -> Path:
+        return self.base.with_suffix(".values")
+
+    @property
+    def indptr(self) -> Path | None:
+        return self.base.with_suffix(".indptr") if self.ragged else None
+
+    def open(self, files: contextlib.ExitStack) -> tuple[Any, Any]:
+        """The scratch files, created for appending (closed by ``files``): the values', and a
+        ragged top's offsets' (its first offset, 0, written)."""
+        values = files.enter_context(open(self.values, "wb"))  # noqa: SIM115 - ``files`` closes
+        ptr = None
+        if self.indptr is not None:
+            ptr = files.enter_context(open(self.indptr, "wb"))  # noqa: SIM115 - as above
+            ptr.write(np.zeros(1, np.int64).data)
+        return values, ptr
 
 
 def _vlen_top(entry: str, f: h5py.File, top: str) -> tuple[h5py.Dataset, bool, np.dtype[Any]]:
@@ -475,23 +537,32 @@ def _write_staged_file(
     attrs: dict[str, Any],
 ) -> None:
     """Rows ``index`` (in that order) of the staged tops as one file, a block at a time: a
-    ragged top as a group of contiguous ``data`` and ``indptr``, a fixed top as rows."""
+    ragged top as a group of contiguous ``data`` and ``indptr``, a categorical one as a group of
+    ``codes`` and ``categories`` (as AnnData writes them), a fixed top as rows."""
     with h5py.File(path, "w") as f:
         f.attrs.update(attrs)
         for s in staged:
             values, indptr = maps[s.name]
             if indptr is None:
-                rows = f.create_dataset(s.name, shape=(len(index), *s.shape), dtype=s.dtype)
+                where: h5py.Group = f
+                name = s.name
+                if s.categories is not None:
+                    where, name = f.create_group(s.name), "codes"
+                    where.attrs.update(_CATEGORICAL_ATTRS)
+                rows = where.create_dataset(name, shape=(len(index), *s.shape), dtype=s.dtype)
                 for a, b in _blocks(np.arange(len(index) + 1, dtype=np.int64), s.row_bytes):
                     rows[a:b] = values.take(index[a:b], np.ones(b - a, np.int64))
+                if s.categories is not None:
+                    names = s.categories.astype(object)
+                    where.create_dataset("categories", data=names, dtype=h5py.string_dtype())
                 continue
             bounds = indptr.take(index, np.full(len(index), 2, np.int64)).reshape(-1, 2)
             starts, lengths = bounds[:, 0], bounds[:, 1] - bounds[:, 0]
             ends = np.zeros(len(index) + 1, np.int64)
             np.cumsum(lengths, out=ends[1:])
             g = f.create_group(s.name)
-            data = g.create_dataset("data", shape=(int(ends[-1]),), dtype=s.dtype)
-            for a, b in _blocks(ends, s.dtype.itemsize):
+            data = g.create_dataset("data", shape=(int(ends[-1]), *s.shape), dtype=s.dtype)
+            for a, b in _blocks(ends, s.row_bytes):
                 if ends[b] > ends[a]:
                     data[ends[a] : ends[b]] = values.take(starts[a:b], lengths[a:b])
             g.create_dataset("indptr", data=ends)
@@ -514,14 +585,8 @@ def _stage(
             for j, t in enumerate(tops if not staged else ()):
                 d, ragged, dtype = _vlen_top(entry, f, t)
                 shape = () if ragged else tuple(int(x) for x in d.shape[1:])
-                base = out / f"{prefix}stage-{j}"
-                indptr = base.with_suffix(".indptr") if ragged else None
-                staged[t] = _Staged(t, ragged, dtype, shape, base.with_suffix(".values"), indptr)
-                ptr = None
-                if indptr is not None:
-                    ptr = files.enter_context(open(indptr, "wb"))
-                    ptr.write(np.zeros(1, np.int64).data)
-                handles[t] = (files.enter_context(open(staged[t].values, "wb")), ptr)
+                staged[t] = _Staged(t, ragged, dtype, shape, out / f"{prefix}stage-{j}")
+                handles[t] = staged[t].open(files)
             n += _stage_file(entry, f, tops, staged, handles)
             f.close()
     return staged, n
@@ -558,13 +623,18 @@ def pack_vlen(
             args, out, split, file_bytes, n, total, f"{len(entries)} HDF5 files", tops, kinds, write
         )
     finally:
-        for pair in maps.values():
-            for m in pair:
-                if m is not None:
-                    m.close()
-        for tmp in out.glob(f"{temporary_prefix()}*"):
-            tmp.unlink(missing_ok=True)
+        _close_scratch(maps, out)
     return 0
+
+
+def _close_scratch(maps: dict[str, tuple[_Scratch, _Scratch | None]], out: Path) -> None:
+    """Close the scratch files and remove them (and any other temporary file of ``out``)."""
+    for pair in maps.values():
+        for m in pair:
+            if m is not None:
+                m.close()
+    for tmp in out.glob(f"{temporary_prefix()}*"):
+        tmp.unlink(missing_ok=True)
 
 
 # --- .h5ad -------------------------------------------------------------------------------------
