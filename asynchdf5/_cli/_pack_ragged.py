@@ -254,21 +254,8 @@ def pack_ragged_table(args: argparse.Namespace, out: Path, split: Any, file_byte
         n = sum(pf.metadata.num_rows for _, pf in tables)
         if not staged:
             raise PackError(f"{', '.join(map(str, inputs))}: the tables have no rows")
-        for s in staged.values():
-            offsets = None if s.indptr is None else _Scratch(s.indptr, np.dtype(np.int64), ())
-            maps[s.name] = (_Scratch(s.values, s.dtype, s.shape), offsets)
-        order_staged = [staged[c] for c in columns]
-
-        def write(tmp: Path, rows: np.ndarray, attrs: dict[str, Any]) -> None:
-            _write_staged_file(tmp, rows, order_staged, maps, attrs)
-
-        kinds = [
-            f"{c} ragged" if staged[c].ragged else f"{c} categorical" if c in categories else c
-            for c in columns
-        ]
-        total = sum(s.arrow_bytes for s in staged.values())
         described = ", ".join(map(str, inputs))
-        _write_packed(args, out, split, file_bytes, n, total, described, columns, kinds, write)
+        _write_from_stage(args, out, split, file_bytes, staged, columns, n, described, maps)
     finally:
         _close_scratch(maps, out)
     return 0
@@ -609,22 +596,41 @@ def pack_vlen(
     maps: dict[str, tuple[_Scratch, _Scratch | None]] = {}
     try:
         staged, n = _stage(entries, tops, out, temporary_prefix())
-        for s in staged.values():
-            offsets = None if s.indptr is None else _Scratch(s.indptr, np.dtype(np.int64), ())
-            maps[s.name] = (_Scratch(s.values, s.dtype, s.shape), offsets)
-        order_staged = [staged[t] for t in tops]
-
-        def write(tmp: Path, rows: np.ndarray, attrs: dict[str, Any]) -> None:
-            _write_staged_file(tmp, rows, order_staged, maps, attrs)
-
-        total = sum(s.arrow_bytes for s in staged.values())
-        kinds = [f"{t} ragged" if staged[t].ragged else t for t in tops]
-        _write_packed(
-            args, out, split, file_bytes, n, total, f"{len(entries)} HDF5 files", tops, kinds, write
-        )
+        described = f"{len(entries)} HDF5 files"
+        _write_from_stage(args, out, split, file_bytes, staged, tops, n, described, maps)
     finally:
         _close_scratch(maps, out)
     return 0
+
+
+def _write_from_stage(
+    args: argparse.Namespace,
+    out: Path,
+    split: Any,
+    file_bytes: int,
+    staged: dict[str, _Staged],
+    tops: Sequence[str],
+    n: int,
+    described: str,
+    maps: dict[str, tuple[_Scratch, _Scratch | None]],
+) -> None:
+    """Write the output files and source lists from the staged ``tops`` (``n`` rows), each
+    file's rows gathered from the scratch files, opened into ``maps`` (the caller closes them
+    with :func:`_close_scratch`)."""
+    for s in staged.values():
+        offsets = None if s.indptr is None else _Scratch(s.indptr, np.dtype(np.int64), ())
+        maps[s.name] = (_Scratch(s.values, s.dtype, s.shape), offsets)
+    order = [staged[t] for t in tops]
+
+    def write(tmp: Path, rows: np.ndarray, attrs: dict[str, Any]) -> None:
+        _write_staged_file(tmp, rows, order, maps, attrs)
+
+    kinds = [
+        f"{t} ragged" if s.ragged else f"{t} categorical" if s.categories is not None else t
+        for t, s in zip(tops, order, strict=True)
+    ]
+    total = sum(s.arrow_bytes for s in staged.values())
+    _write_packed(args, out, split, file_bytes, n, total, described, list(tops), kinds, write)
 
 
 def _close_scratch(maps: dict[str, tuple[_Scratch, _Scratch | None]], out: Path) -> None:
