@@ -11,7 +11,7 @@ through ``isal``, else the standard library's ``zlib``; all release the GIL), sh
 (``imagecodecs``' liblzf, a dependency, a faster build than h5py's (docs/design-notes.md);
 else h5py's own ``lzf_decompress``, called through ctypes; else ``python-lzf`` when installed;
 all release the GIL), LZ4 (HDF5's filter 32004, ``imagecodecs``' liblz4), bzip2 (the standard
-library's), and Blosc and Zstandard through ``numcodecs`` when installed. A dataset
+library's), and Blosc and Zstandard (``imagecodecs``; else ``numcodecs`` where installed). A dataset
 using any other filter is read by h5py (the layer's ``stats.read_paths`` says which path each top
 takes).
 
@@ -288,6 +288,34 @@ def _imagecodecs_lz4() -> DecodeInto | None:
     return into
 
 
+def _imagecodecs_into(filter_id: int) -> DecodeInto | None:
+    """Blosc (32001: one Blosc buffer a chunk) or Zstandard (32015: one zstd frame a chunk),
+    hdf5plugin's filters, decoded by ``imagecodecs`` (a dependency), which releases the GIL,
+    straight into the caller's buffer; None where imagecodecs lacks the codec. Blosc decodes
+    on the calling thread alone (the reader's threads are the parallelism)."""
+    try:
+        import imagecodecs
+    except ImportError:
+        return None
+    name = FILTER_NAMES[filter_id]
+    if filter_id == BLOSC and imagecodecs.BLOSC.available:
+        fn: Any = functools.partial(imagecodecs.blosc_decode, numthreads=1)
+    elif filter_id == ZSTD and imagecodecs.ZSTD.available:
+        fn = imagecodecs.zstd_decode
+    else:
+        return None
+
+    def into(raw: Any, out: np.ndarray) -> None:
+        try:
+            got = len(fn(raw, out=out.data))
+        except RuntimeError as exc:  # imagecodecs' BloscError, ZstdError: bad data, too long
+            raise ValueError(f"{name}: {exc}") from exc
+        if got != out.size:
+            raise ValueError(f"{name}: the chunk decoded to {got} bytes, not {out.size}")
+
+    return into
+
+
 def _lzf_into() -> DecodeInto | None:
     """The fastest LZF decoder into a buffer that is installed (see the module's docstring)."""
     found = _imagecodecs_lzf()
@@ -309,6 +337,10 @@ def _optional_decoder(filter_id: int) -> Decode | None:
         return None if found is None else _scratched(found, "lz4")
     if filter_id == BZIP2:
         return _bunzip2
+    if filter_id in (BLOSC, ZSTD):
+        into = _imagecodecs_into(filter_id)
+        if into is not None:
+            return _scratched(into, FILTER_NAMES[filter_id])
     try:
         import numcodecs
     except ImportError:
@@ -397,6 +429,8 @@ def _decoder_into(filter_id: int) -> DecodeInto | None:
         return _lzf_into()
     if filter_id == LZ4:
         return _imagecodecs_lz4()
+    if filter_id in (BLOSC, ZSTD):
+        return _imagecodecs_into(filter_id)
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -398,6 +399,33 @@ def test_lz4_chunks_decode_as_the_filter_wrote_them_and_nothing_else() -> None:
         with pytest.raises(ValueError, match="lz4"):
             into(chunk, np.zeros(data.size, np.uint8))
             pytest.fail(what)
+
+
+@pytest.mark.parametrize("name", ["Blosc", "Zstd"])
+def test_blosc_and_zstd_decode_with_the_default_install(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hdf5plugin's Blosc and Zstd chunks decode outside h5py without numcodecs (the ``codecs``
+    extra): imagecodecs, a dependency, decodes them straight into the destination, exactly as
+    h5py reads them, and refuses a chunk cut short or one of another size."""
+    from asynchdf5._codecs import ChunkDecoder
+
+    hdf5plugin = pytest.importorskip("hdf5plugin")
+    monkeypatch.setitem(sys.modules, "numcodecs", None)  # import numcodecs: ImportError
+    data = (np.arange(64 * 50, dtype=np.float32) // 3).reshape(64, 50)
+    with h5py.File("mem.h5", "w", driver="core", backing_store=False) as f:
+        d = f.create_dataset("x", data=data, chunks=(64, 50), **getattr(hdf5plugin, name)())
+        filters = [int(d.id.get_create_plist().get_filter(i)[0]) for i in range(len(d._filters))]
+        mask, raw = d.id.read_direct_chunk((0, 0))
+    assert unsupported_filters(filters) == []
+    decoder = ChunkDecoder(filters, 4, data.nbytes, data.shape)
+    out = np.full(data.nbytes, 0xAB, np.uint8)
+    assert decoder.decode_into(raw, mask, out)
+    np.testing.assert_array_equal(out.view(np.float32).reshape(data.shape), data)
+    with pytest.raises(ValueError):
+        decoder.elements(raw[: len(raw) // 2], mask)
+    with pytest.raises(ValueError):  # a chunk of another size than the dataset's chunks
+        ChunkDecoder(filters, 4, data.nbytes + 8, (data.size + 2,)).elements(raw, mask)
 
 
 @pytest.mark.parametrize("which", ["imagecodecs", "h5py"])

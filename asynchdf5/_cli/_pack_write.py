@@ -101,8 +101,8 @@ class Compression:
         import hdf5plugin
 
         if self.name == "lz4":
-            # Blosc with its LZ4 codec, not the bare LZ4 filter: the layer decodes Blosc chunks
-            # outside h5py's lock (through numcodecs), and Blosc shuffles bytes itself.
+            # Blosc with its LZ4 codec, not the bare LZ4 filter: Blosc shuffles bytes itself
+            # (the layer decodes both outside h5py's lock).
             level = 5 if self.level is None else self.level
             mode = hdf5plugin.Blosc.SHUFFLE if shuffle else hdf5plugin.Blosc.NOSHUFFLE
             return dict(hdf5plugin.Blosc(cname="lz4", clevel=level, shuffle=mode))
