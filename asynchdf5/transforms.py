@@ -352,14 +352,6 @@ class Transpose:
 class Pad:
     """A ragged top's batch (:class:`~asynchdf5.Ragged`) as one dense padded array.
 
-    Parameters
-    ----------
-    pad
-        The value past each row's end.
-    length : int or None
-        The padded length: None pads to the batch's longest row (the shape then varies from
-        batch to batch), a number gives every batch that length (longer rows are cut).
-
     The batch's value becomes the dense array ``(rows, length, *trailing)`` only: a
     transformer gives one value per top, so the lengths do not come with it (no extra key is
     added to the batch). Where the lengths matter, leave the top ragged and call
@@ -369,6 +361,14 @@ class Pad:
     With a ``length``, first in its top's chain and on the host, the layer pads as it gathers:
     each row goes from the cache straight to its place, and the batch is the one this
     transformer would have made (the transformers after it run on it).
+
+    Parameters
+    ----------
+    pad
+        The value past each row's end.
+    length : int or None
+        The padded length: None pads to the batch's longest row (the shape then varies from
+        batch to batch), a number gives every batch that length (longer rows are cut).
 
     Examples
     --------

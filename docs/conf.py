@@ -36,7 +36,7 @@ autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented_params"
 autodoc_class_signature = "separated"
 # The PyTorch, Keras and JAX adapters are documented without installing them here.
-autodoc_mock_imports = ["torch", "keras", "jax"]
+autodoc_mock_imports = ["torch", "torchdata", "keras", "jax"]
 
 html_theme = "furo"
 html_title = f"asynchdf5 {release}"
