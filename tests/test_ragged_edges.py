@@ -287,17 +287,18 @@ def test_stream_with_a_sparse_top(tmp_path: Path) -> None:
 
 def _tamper_columns(path: Path, kind: str, row: int) -> None:
     """Make ``X`` of ``path`` out of range at its row ``row`` (which holds values): a column
-    index past the last column or negative, or a ``shape`` with fewer columns than stored."""
+    index past the last column, equal to the columns (the first out of range) or negative, or a
+    ``shape`` with fewer columns than stored."""
     with h5py.File(path, "a") as f:
         x = f["X"]
         if kind == "narrow":
             x.attrs["shape"] = (x.attrs["shape"][0], 1)
             return
         at = int(x["indptr"][row])
-        x["indices"][at] = COLS + 3 if kind == "past" else -1
+        x["indices"][at] = {"past": COLS + 3, "at columns": COLS}.get(kind, -1)
 
 
-@pytest.mark.parametrize("kind", ["past", "negative", "narrow"])
+@pytest.mark.parametrize("kind", ["past", "at columns", "negative", "narrow"])
 @pytest.mark.parametrize("where", ["mapped", "copied", "second file"])
 def test_a_column_index_out_of_range_is_a_read_error_before_its_batch(
     tmp_path: Path, kind: str, where: str
