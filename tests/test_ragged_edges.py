@@ -299,7 +299,7 @@ def _tamper_columns(path: Path, kind: str, row: int) -> None:
 
 
 @pytest.mark.parametrize("kind", ["past", "at columns", "negative", "narrow"])
-@pytest.mark.parametrize("where", ["mapped", "copied", "second file"])
+@pytest.mark.parametrize("where", ["mapped", "copied", "second file", "a batch's last row"])
 def test_a_column_index_out_of_range_is_a_read_error_before_its_batch(
     tmp_path: Path, kind: str, where: str
 ) -> None:
@@ -311,6 +311,9 @@ def test_a_column_index_out_of_range_is_a_read_error_before_its_batch(
     if where == "second file":
         files = write_all(tmp_path, [lens[:18], lens[18:]])
         bad, row, g = files[1], 4, 22
+    elif where == "a batch's last row":  # 12:16 is a batch of 4, in order
+        files = write_all(tmp_path, [lens])
+        bad, row, g = files[0], 15, 15
     else:
         files = write_all(tmp_path, [lens])
         bad, row, g = files[0], 13, 13
