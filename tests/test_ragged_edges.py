@@ -299,7 +299,9 @@ def _tamper_columns(path: Path, kind: str, row: int) -> None:
 
 
 @pytest.mark.parametrize("kind", ["past", "at columns", "negative", "narrow"])
-@pytest.mark.parametrize("where", ["mapped", "copied", "second file", "a batch's last row"])
+@pytest.mark.parametrize(
+    "where", ["mapped", "copied", "second file", "a batch's last row", "process"]
+)
 def test_a_column_index_out_of_range_is_a_read_error_before_its_batch(
     tmp_path: Path, kind: str, where: str
 ) -> None:
@@ -325,7 +327,14 @@ def test_a_column_index_out_of_range_is_a_read_error_before_its_batch(
         return
     if kind == "narrow":
         row, g = 0, g - row  # every row of the file is out of range: its first is named
-    layer = HDF5DataLayer(files, tops=TOPS, batch_size=4, chunk_size=8, mmap=where == "mapped")
+    layer = HDF5DataLayer(
+        files,
+        tops=TOPS,
+        batch_size=4,
+        chunk_size=8,
+        mmap=where == "mapped",
+        process=where == "process",
+    )
     good = []
     with layer, pytest.raises(ReadError) as err:
         for b in layer:
