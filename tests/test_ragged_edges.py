@@ -300,7 +300,7 @@ def _tamper_columns(path: Path, kind: str, row: int) -> None:
 
 @pytest.mark.parametrize("kind", ["past", "at columns", "negative", "narrow"])
 @pytest.mark.parametrize(
-    "where", ["mapped", "copied", "second file", "a batch's last row", "process"]
+    "where", ["mapped", "copied", "second file", "a batch's last row", "process", "gzip"]
 )
 def test_a_column_index_out_of_range_is_a_read_error_before_its_batch(
     tmp_path: Path, kind: str, where: str
@@ -316,6 +316,9 @@ def test_a_column_index_out_of_range_is_a_read_error_before_its_batch(
     elif where == "a batch's last row":  # 12:16 is a batch of 4, in order
         files = write_all(tmp_path, [lens])
         bad, row, g = files[0], 15, 15
+    elif where == "gzip":  # decoded a chunk at a time
+        files = write_all(tmp_path, [lens], compression="gzip", chunks=(8,))
+        bad, row, g = files[0], 13, 13
     else:
         files = write_all(tmp_path, [lens])
         bad, row, g = files[0], 13, 13
@@ -341,7 +344,7 @@ def test_a_column_index_out_of_range_is_a_read_error_before_its_batch(
             x = b["X"]
             assert int(x.indices.max()) < COLS and int(x.indices.min()) >= 0  # never given
             good += check_both(b)
-    path = "sparse-mmap" if where == "mapped" else "sparse-pread"
+    path = {"mapped": "sparse-mmap", "gzip": "sparse-chunks"}.get(where, "sparse-pread")
     assert layer.stats.read_paths["X"] == path
     check_message(err.value, bad.name, "top 'X'", f"row {row} ", f"global index {g})", "column")
     assert g not in good and len(good) >= 4 * (g // 4) - 8
