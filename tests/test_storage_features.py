@@ -1,0 +1,202 @@
+"""Storage features of HDF5 against the layer's read paths: the rows h5py reads, or a named error.
+
+Each case writes a small real file with h5py (a row top "data" and a "label"), then runs the
+whole pipeline (shuffled, two epochs, chunks smaller than the data set; copied and mapped; the
+async and the sync layer) and checks every epoch yields every sample exactly once with each
+top's rows equal to what h5py reads for those samples. Cases the fast paths already cover by
+name (tests/test_read.py LAYOUTS, tests/test_mmap.py) are not repeated here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import h5py
+import numpy as np
+import pytest
+
+from asynchdf5 import AsyncHDF5DataLayer, HDF5DataLayer, SchemaError
+
+pytestmark = pytest.mark.anyio
+
+N = 1_003
+SHAPE = (3,)
+
+
+def _data(n: int = N, dtype: Any = np.float32) -> np.ndarray:
+    base = np.arange(n * 3, dtype=np.int64).reshape(n, *SHAPE)
+    if np.dtype(dtype) == np.bool_:
+        return base % 3 == 0
+    if np.dtype(dtype).kind == "c":
+        return (base + 1j * base).astype(dtype)
+    if np.dtype(dtype).kind == "S":
+        return np.char.encode(base.astype("U8"), "ascii").astype(dtype)
+    return base.astype(dtype)
+
+
+def _plain(path: Path, **kw: Any) -> Path:
+    dtype = kw.pop("dtype", np.float32)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("data", data=_data(dtype=dtype), **kw)
+        f["label"] = np.arange(N)
+    return path
+
+
+def _virtual(path: Path, same_file: bool = False) -> Path:
+    half = N // 2
+    parts = [(0, half), (half, N)]
+    layout = h5py.VirtualLayout(shape=(N, *SHAPE), dtype=np.float32)
+    data = _data()
+    with h5py.File(path, "w") as f:
+        for i, (a, b) in enumerate(parts):
+            if same_file:
+                f.create_dataset(f"src{i}", data=data[a:b])
+                src = h5py.VirtualSource(".", f"src{i}", shape=(b - a, *SHAPE))
+            else:
+                other = path.with_name(f"{path.stem}_src{i}.h5")
+                with h5py.File(other, "w") as g:
+                    g["d"] = data[a:b]
+                src = h5py.VirtualSource(other.name, "d", shape=(b - a, *SHAPE))
+            layout[a:b] = src
+        f.create_virtual_dataset("data", layout)
+        f["label"] = np.arange(N)
+    return path
+
+
+def _external(path: Path) -> Path:
+    data = _data()
+    raw = path.with_suffix(".raw")
+    half = data[: N // 2].nbytes
+    data.tofile(raw)
+    with h5py.File(
+        path, "w"
+    ) as f:  # two segments, at absolute paths (relative ones are to the cwd)
+        ext = [(str(raw), 0, half), (str(raw), half, data.nbytes - half)]
+        f.create_dataset("data", data.shape, data.dtype, external=ext)
+        f["label"] = np.arange(N)
+    return path
+
+
+def _external_link(path: Path) -> Path:
+    other = path.with_name("target.h5")
+    with h5py.File(other, "w") as g:
+        g["real"] = _data()
+    with h5py.File(path, "w") as f:
+        f["data"] = h5py.ExternalLink(other.name, "real")
+        f["label"] = np.arange(N)
+    return path
+
+
+def _soft_link_nested(path: Path) -> Path:
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a/b/c/real", data=_data(), chunks=(100, 3), compression="gzip")
+        f["data"] = h5py.SoftLink("/a/b/c/real")
+        f["label"] = np.arange(N)
+    return path
+
+
+def _grown(path: Path) -> Path:
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("data", (10, 3), np.float32, maxshape=(None, 3), chunks=(64, 3))
+        d.resize((N, 3))
+        d[:300] = _data()[:300]
+        d[700:800] = _data()[700:800]
+        f["label"] = np.arange(N)
+    return path
+
+
+def _fill(path: Path) -> Path:
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("data", (N, 3), np.float32, chunks=(64, 3), fillvalue=-2.5)
+        d[100:200] = _data()[100:200]
+        f["label"] = np.arange(N)
+    return path
+
+
+def _latest(chunks: tuple[int, ...], maxshape: Any) -> Callable[[Path], Path]:
+    def write(path: Path) -> Path:
+        with h5py.File(path, "w", libver="latest") as f:
+            f.create_dataset("data", data=_data(), chunks=chunks, maxshape=maxshape)
+            f["label"] = np.arange(N)
+        return path
+
+    return write
+
+
+def _file_kw(**fkw: Any) -> Callable[[Path], Path]:
+    def write(path: Path) -> Path:
+        with h5py.File(path, "w", **fkw) as f:
+            f.create_dataset("data", data=_data(), chunks=(100, 3))
+            f.create_dataset("contig", data=_data())
+            f["label"] = np.arange(N)
+        return path
+
+    return write
+
+
+CASES: dict[str, Callable[[Path], Path]] = {
+    "virtual, two source files": _virtual,
+    "virtual, the same file": lambda p: _virtual(p, same_file=True),
+    "external raw storage": _external,
+    "external link": _external_link,
+    "soft link into nested groups": _soft_link_nested,
+    ">i8 contiguous": lambda p: _plain(p, dtype=">i8"),
+    ">i8 chunked gzip": lambda p: _plain(p, dtype=">i8", chunks=(100, 3), compression="gzip"),
+    "float16 chunked": lambda p: _plain(p, dtype=np.float16, chunks=(100, 3)),
+    "bool": lambda p: _plain(p, dtype=np.bool_, chunks=(100, 3)),
+    "complex64": lambda p: _plain(p, dtype=np.complex64),
+    "fletcher32 alone": lambda p: _plain(p, chunks=(100, 3), fletcher32=True),
+    "gzip, no shuffle": lambda p: _plain(p, chunks=(100, 3), compression="gzip", shuffle=False),
+    "shuffle alone": lambda p: _plain(p, chunks=(100, 3), shuffle=True),
+    "scaleoffset int": lambda p: _plain(p, dtype=np.int32, chunks=(100, 3), scaleoffset=0),
+    "chunk larger than the layer's chunk": lambda p: _plain(p, chunks=(1003, 3)),
+    "chunks split rows (2 dims)": lambda p: _plain(p, chunks=(100, 1), compression="gzip"),
+    "grown with resize, partly written": _grown,
+    "non-default fillvalue, unwritten chunks": _fill,
+    "latest: fixed array": _latest((100, 3), None),
+    "latest: extensible array": _latest((100, 3), (None, 3)),
+    "latest: v2 B-tree": _latest((100, 3), (None, None)),
+    "track_order": _file_kw(track_order=True),
+    "userblock": _file_kw(userblock_size=512),
+    "paged file space": _file_kw(fs_strategy="page", fs_page_size=4096),
+}
+
+
+def _expected(path: Path) -> dict[str, np.ndarray]:
+    with h5py.File(path, "r") as f:
+        return {"data": f["data"][()], "label": f["label"][()]}
+
+
+def _check(batches: list[Any], want: dict[str, np.ndarray]) -> None:
+    idx = np.concatenate([np.asarray(b.indices) for b in batches])
+    np.testing.assert_array_equal(np.sort(idx), np.arange(len(want["label"])))
+    for b in batches:
+        i = np.asarray(b.indices)
+        for top, rows in want.items():
+            np.testing.assert_array_equal(np.asarray(b[top]), rows[i], err_msg=top)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+@pytest.mark.parametrize("name", list(CASES))
+async def test_rows_are_what_h5py_reads(tmp_path: Path, name: str, mmap: bool) -> None:
+    path = CASES[name](tmp_path / "f.h5")
+    want = _expected(path)
+    kw: dict[str, Any] = dict(
+        tops=("data", "label"), batch_size=64, shuffle=True, seed=1, chunk_size=256
+    )
+    with anyio.fail_after(30):
+        async with AsyncHDF5DataLayer(path, mmap=mmap, **kw) as layer:
+            for _ in range(2):
+                _check([b async for b in layer], want)
+    with HDF5DataLayer(path, mmap=mmap, **kw) as sync:
+        _check(list(sync), want)
+
+
+async def test_fixed_length_strings_are_a_named_error_at_open(tmp_path: Path) -> None:
+    path = _plain(tmp_path / "f.h5", dtype="S8", chunks=(100, 3), compression="lzf")
+    with pytest.raises(SchemaError, match=r"f\.h5: top 'data' holds strings of fixed length"):
+        async with AsyncHDF5DataLayer(path, tops=("data", "label"), batch_size=64):
+            pass
