@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer, HDF5DataLayer, SchemaError
+from asynchdf5 import AsyncHDF5DataLayer, HDF5DataLayer, ReadError, SchemaError
 
 pytestmark = pytest.mark.anyio
 
@@ -200,3 +200,32 @@ async def test_fixed_length_strings_are_a_named_error_at_open(tmp_path: Path) ->
     with pytest.raises(SchemaError, match=r"f\.h5: top 'data' holds strings of fixed length"):
         async with AsyncHDF5DataLayer(path, tops=("data", "label"), batch_size=64):
             pass
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+async def test_a_corrupt_fletcher32_chunk_is_a_read_error_not_wrong_rows(
+    tmp_path: Path, mmap: bool
+) -> None:
+    path = _plain(tmp_path / "f.h5", chunks=(100, 3), fletcher32=True)
+    with h5py.File(path) as f:
+        offset = f["data"].id.get_chunk_info(3).byte_offset
+    with open(path, "r+b") as fh:  # flip one byte of chunk 3 (rows 300:400)
+        fh.seek(offset + 5)
+        byte = fh.read(1)[0]
+        fh.seek(offset + 5)
+        fh.write(bytes([byte ^ 0xFF]))
+    want = _expected_rows_but_chunk_3(path)
+    match = r"f\.h5: top 'data', rows 300:400: .*Fletcher-32 checksum mismatch"
+    with anyio.fail_after(30), pytest.raises(ReadError, match=match):
+        async with AsyncHDF5DataLayer(
+            path, tops=("data", "label"), batch_size=64, chunk_size=256, mmap=mmap
+        ) as layer:
+            async for b in layer:  # rows yielded before the error are right
+                i = np.asarray(b.indices)
+                assert not ((i >= 300) & (i < 400)).any()
+                np.testing.assert_array_equal(np.asarray(b["data"]), want[i])
+
+
+def _expected_rows_but_chunk_3(path: Path) -> np.ndarray:
+    with h5py.File(path) as f:
+        return np.concatenate([f["data"][:300], np.full((100, 3), np.nan), f["data"][400:]])
