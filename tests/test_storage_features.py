@@ -9,6 +9,8 @@ name (tests/test_read.py LAYOUTS, tests/test_mmap.py) are not repeated here.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import h5py
 import numpy as np
 import pytest
 
-from asynchdf5 import AsyncHDF5DataLayer, HDF5DataLayer, ReadError, SchemaError
+from asynchdf5 import AsyncHDF5DataLayer, HDF5DataLayer, ReadError, SchemaError, SourceError
 
 pytestmark = pytest.mark.anyio
 
@@ -229,3 +231,29 @@ async def test_a_corrupt_fletcher32_chunk_is_a_read_error_not_wrong_rows(
 def _expected_rows_but_chunk_3(path: Path) -> np.ndarray:
     with h5py.File(path) as f:
         return np.concatenate([f["data"][:300], np.full((100, 3), np.nan), f["data"][400:]])
+
+
+async def test_a_file_held_by_a_swmr_writer_is_a_named_error_at_open(tmp_path: Path) -> None:
+    path = tmp_path / "f.h5"
+    with h5py.File(path, "w", libver="latest") as f:
+        f.create_dataset("data", data=_data(200), maxshape=(None, 3), chunks=(50, 3))
+        f.create_dataset("label", data=np.arange(200), maxshape=(None,), chunks=(50,))
+    script = (
+        "import sys, h5py\n"
+        "f = h5py.File(sys.argv[1], 'a', libver='latest'); f.swmr_mode = True\n"
+        "d = f['data']; d.resize((300, 3)); d[200:] = 1; d.flush()\n"
+        "print('ready', flush=True); sys.stdin.read()\n"
+    )
+    writer = subprocess.Popen(
+        [sys.executable, "-c", script, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
+        with anyio.fail_after(30), pytest.raises(SourceError, match=r"f\.h5.*already open"):
+            async with AsyncHDF5DataLayer(path, tops=("data", "label"), batch_size=64):
+                pass
+    finally:
+        writer.communicate("", timeout=30)
