@@ -31,7 +31,7 @@ SHAPE = (3,)
 def _data(n: int = N, dtype: Any = np.float32) -> np.ndarray:
     base = np.arange(n * 3, dtype=np.int64).reshape(n, *SHAPE)
     if np.dtype(dtype) == np.bool_:
-        return base % 3 == 0
+        return np.asarray(base % 3 == 0)
     if np.dtype(dtype).kind == "c":
         return (base + 1j * base).astype(dtype)
     if np.dtype(dtype).kind == "S":
@@ -64,6 +64,27 @@ def _virtual(path: Path, same_file: bool = False) -> Path:
                 src = h5py.VirtualSource(other.name, "d", shape=(b - a, *SHAPE))
             layout[a:b] = src
         f.create_virtual_dataset("data", layout)
+        f["label"] = np.arange(N)
+    return path
+
+
+def _virtual_with_a_gap(path: Path) -> Path:
+    """Rows 500: are mapped to no source: HDF5 reads the virtual dataset's fill value there."""
+    other = path.with_name("source.h5")
+    with h5py.File(other, "w") as g:
+        g["d"] = _data(500)
+    layout = h5py.VirtualLayout(shape=(N, *SHAPE), dtype=np.float32)
+    layout[:500] = h5py.VirtualSource(other.name, "d", shape=(500, *SHAPE))
+    with h5py.File(path, "w") as f:
+        f.create_virtual_dataset("data", layout, fillvalue=-1)
+        f["label"] = np.arange(N)
+    return path
+
+
+def _split_3d(path: Path) -> Path:
+    with h5py.File(path, "w") as f:
+        data = np.arange(N * 12, dtype=np.float32).reshape(N, 3, 4)
+        f.create_dataset("data", data=data, chunks=(77, 2, 3), compression="gzip")
         f["label"] = np.arange(N)
     return path
 
@@ -153,6 +174,15 @@ CASES: dict[str, Callable[[Path], Path]] = {
     "fletcher32 alone": lambda p: _plain(p, chunks=(100, 3), fletcher32=True),
     "gzip, no shuffle": lambda p: _plain(p, chunks=(100, 3), compression="gzip", shuffle=False),
     "shuffle alone": lambda p: _plain(p, chunks=(100, 3), shuffle=True),
+    "scaleoffset float": lambda p: _plain(p, chunks=(100, 3), scaleoffset=2),
+    "gzip+fletcher32": lambda p: _plain(p, chunks=(100, 3), compression="gzip", fletcher32=True),
+    "lzf+shuffle+fletcher32": lambda p: _plain(
+        p, chunks=(100, 3), compression="lzf", shuffle=True, fletcher32=True
+    ),
+    "chunks split rows (3 dims)": _split_3d,
+    "chunks of one row": lambda p: _plain(p, chunks=(1, 3)),
+    "virtual, a region mapped to no source": _virtual_with_a_gap,
+    "szip (through h5py)": lambda p: _plain(p, chunks=(100, 3), compression="szip"),
     "scaleoffset int": lambda p: _plain(p, dtype=np.int32, chunks=(100, 3), scaleoffset=0),
     "chunk larger than the layer's chunk": lambda p: _plain(p, chunks=(1003, 3)),
     "chunks split rows (2 dims)": lambda p: _plain(p, chunks=(100, 1), compression="gzip"),
@@ -197,9 +227,63 @@ async def test_rows_are_what_h5py_reads(tmp_path: Path, name: str, mmap: bool) -
         _check(list(sync), want)
 
 
-async def test_fixed_length_strings_are_a_named_error_at_open(tmp_path: Path) -> None:
-    path = _plain(tmp_path / "f.h5", dtype="S8", chunks=(100, 3), compression="lzf")
-    with pytest.raises(SchemaError, match=r"f\.h5: top 'data' holds strings of fixed length"):
+def _whole(path: Path, data: Any, label: Any) -> Path:
+    with h5py.File(path, "w") as f:
+        f.create_dataset("data", data=data)
+        f["label"] = label
+    return path
+
+
+def _relative_external(path: Path) -> Path:
+    """The raw file beside the HDF5 file, named relative: HDF5 resolves it against the cwd."""
+    data = _data()
+    data.tofile(path.with_suffix(".raw"))
+    with h5py.File(path, "w") as f:
+        ext = [(path.with_suffix(".raw").name, 0, data.nbytes)]
+        f.create_dataset("data", data.shape, data.dtype, external=ext)
+        f["label"] = np.arange(N)
+    return path
+
+
+COMPOUND = np.zeros(N, dtype=[("a", "<f4"), ("b", "<i8")])
+
+REFUSED: dict[str, tuple[Callable[[Path], Path], type[Exception], str]] = {
+    "fixed-length strings": (
+        lambda p: _plain(p, dtype="S8", chunks=(100, 3), compression="lzf"),
+        SchemaError,
+        r"f\.h5: top 'data' holds strings of fixed length",
+    ),
+    "compound (its fields are tops)": (
+        lambda p: _whole(p, COMPOUND, np.arange(N)),
+        SchemaError,
+        r"f\.h5: top 'data' has a compound dtype .* 'data/a', 'data/b'",
+    ),
+    "scalar": (
+        lambda p: _whole(p, np.float32(1), np.int64(1)),
+        SchemaError,
+        r"f\.h5: top 'data' is a scalar",
+    ),
+    "0 rows": (
+        lambda p: _whole(p, np.zeros((0, 3), np.float32), np.zeros(0, np.int64)),
+        SourceError,
+        "hold no samples",
+    ),
+    "external raw file not found from the cwd": (
+        _relative_external,
+        SourceError,
+        r"f\.h5: top 'data' keeps its data in the external file .*f\.raw', which does not exist",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+async def test_what_the_layer_cannot_read_is_a_named_error_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    write, error, match = REFUSED[name]
+    path = write(tmp_path / "f.h5")
+    monkeypatch.chdir(tmp_path.parent)  # not where a relative external file is
+    with anyio.fail_after(30), pytest.raises(error, match=match):
         async with AsyncHDF5DataLayer(path, tops=("data", "label"), batch_size=64):
             pass
 
