@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,30 @@ def _split_3d(path: Path) -> Path:
         f.create_dataset("data", data=data, chunks=(77, 2, 3), compression="gzip")
         f["label"] = np.arange(N)
     return path
+
+
+def _filter_mask(shuffle: bool) -> Callable[[Path], Path]:
+    """Every other chunk stored with gzip skipped (its filter mask bit set), as HDF5 stores a
+    chunk an optional filter failed on: that chunk must not be inflated."""
+
+    def write(path: Path) -> Path:
+        data = _data()
+        with h5py.File(path, "w") as f:
+            d = f.create_dataset(
+                "data", (N, 3), np.float32, chunks=(100, 3), compression="gzip", shuffle=shuffle
+            )
+            for i, r in enumerate(range(0, N, 100)):
+                block = np.zeros((100, 3), np.float32)
+                block[: min(100, N - r)] = data[r : r + 100]
+                shuffled = block.view(np.uint8).reshape(-1, 4).T  # HDF5's shuffle of 4-byte items
+                raw = shuffled.tobytes() if shuffle else block.tobytes()
+                skipped = 0b10 if shuffle else 0b1  # gzip's bit: after shuffle, or alone
+                stored, mask = (raw, skipped) if i % 2 else (zlib.compress(raw), 0)
+                d.id.write_direct_chunk((r, 0), stored, filter_mask=mask)
+            f["label"] = np.arange(N)
+        return path
+
+    return write
 
 
 def _external(path: Path) -> Path:
@@ -183,6 +208,8 @@ CASES: dict[str, Callable[[Path], Path]] = {
     "chunks of one row": lambda p: _plain(p, chunks=(1, 3)),
     "virtual, a region mapped to no source": _virtual_with_a_gap,
     "szip (through h5py)": lambda p: _plain(p, chunks=(100, 3), compression="szip"),
+    "filter mask: gzip skipped in some chunks": _filter_mask(shuffle=False),
+    "filter mask: shuffle kept, gzip skipped": _filter_mask(shuffle=True),
     "scaleoffset int": lambda p: _plain(p, dtype=np.int32, chunks=(100, 3), scaleoffset=0),
     "chunk larger than the layer's chunk": lambda p: _plain(p, chunks=(1003, 3)),
     "chunks split rows (2 dims)": lambda p: _plain(p, chunks=(100, 1), compression="gzip"),
