@@ -50,14 +50,20 @@ def test_a_double_ctrl_c_always_exits(tmp_path: Path) -> None:
 
     def runner(i: int) -> tuple[list[str], str]:
         args = [source, TRIALS // RUNNERS, i]
-        out = subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "_double_sigint.py"), *map(str, args)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=170,
-            check=False,
-        )
+        try:
+            out = subprocess.run(
+                [sys.executable, str(ROOT / "tests" / "_double_sigint.py"), *map(str, args)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=170,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as e:  # what its trials said so far: the failure shown
+            trials, err = (
+                x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)
+            )
+            raise AssertionError(f"runner {i} ran out of time: {trials!r}\n{err[-3000:]}") from e
         assert out.returncode == 0, out.stderr[-3000:]
         return out.stdout.split(), out.stderr
 
