@@ -109,6 +109,29 @@ async def epochs(
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def double_sigint_trials(
+    args: Sequence[object], env: dict[str, str], timeout: float
+) -> tuple[list[str], str]:
+    """Run ``tests/_double_sigint.py ARGS`` (its trials of a double Ctrl-C): each trial's outcome
+    (``ok`` where the child exited as an uncaught ``KeyboardInterrupt`` ends a script) and its
+    stderr. The test fails with what the trials said so far where they outlast ``timeout``
+    (the exception carries it as bytes, which pytest would not show), or the script fails."""
+    try:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "_double_sigint.py"), *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        said, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        raise AssertionError(f"trials {args} ran out of time: {said!r}\n{err[-3000:]}") from e
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split(), out.stderr
+
+
 def run_python(args: Sequence[object], timeout: float, **env: str) -> str:
     """``python ARGS`` in a process of its own, from the repository root with it on the import
     path and ``env`` added to this environment; its stdout once it exited 0 (else the test

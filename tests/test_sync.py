@@ -12,8 +12,6 @@ import asyncio
 import functools
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -31,7 +29,7 @@ from asynchdf5._interrupts import interrupts_held
 from asynchdf5._sync import Bridge, EnteredOnLoop, call_or_cancel
 
 from ._files import N, check_epoch, write_source
-from ._helpers import examples
+from ._helpers import double_sigint_trials, examples
 from ._interrupts import sweep, traced
 from ._leaks import assert_released, no_helper_left, snapshot
 
@@ -49,23 +47,7 @@ def test_a_double_ctrl_c_always_exits(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def runner(i: int) -> tuple[list[str], str]:
-        args = [source, TRIALS // RUNNERS, i]
-        try:
-            out = subprocess.run(
-                [sys.executable, str(ROOT / "tests" / "_double_sigint.py"), *map(str, args)],
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=170,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as e:  # what its trials said so far: the failure shown
-            trials, err = (
-                x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)
-            )
-            raise AssertionError(f"runner {i} ran out of time: {trials!r}\n{err[-3000:]}") from e
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout.split(), out.stderr
+        return double_sigint_trials([source, TRIALS // RUNNERS, i], env, timeout=170)
 
     with ThreadPoolExecutor(RUNNERS) as pool:
         runs = list(pool.map(runner, range(RUNNERS)))
