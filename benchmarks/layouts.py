@@ -53,8 +53,11 @@ LAYOUTS: dict[str, dict[str, Any] | None] = {
     "split": {"chunks": (313, 63), "compression": "gzip", "compression_opts": 4},
     "packed shuffled": None,
 }  # fmt: skip
-QUICK = {"rows": 4_000, "width": 200, "limit_mib": 256, "rounds": 1, "decode_mib": 16}
-FULL = {"rows": 100_000, "width": 2_000, "limit_mib": 512, "rounds": 2, "decode_mib": 256}
+#: ``page_probe``: time a first write to a page, idle and just freed (a 4 s wait: not at toy size).
+QUICK = {"rows": 4_000, "width": 200, "limit_mib": 256, "rounds": 1, "decode_mib": 16,
+         "page_probe": False}  # fmt: skip
+FULL = {"rows": 100_000, "width": 2_000, "limit_mib": 512, "rounds": 2, "decode_mib": 256,
+        "page_probe": True}  # fmt: skip
 STEP = 8192
 
 
@@ -123,6 +126,7 @@ def run_mode(
         "rounds": size["rounds"],
         "decode_bytes": size["decode_mib"] * 2**20,
         "cgroup_procs": str(group.procs) if group else None,
+        "page_probe": size["page_probe"],
     }
     mode = "cold" if cold else "warm"
     job_file, result_file = work / f"{mode}.job.json", work / f"{mode}.result.json"
