@@ -128,13 +128,13 @@ def test_trainer_resumes_mid_epoch_exactly(tmp_path: Path, workers: int, saved: 
 
 
 @pytest.mark.slow  # two Lightning processes start, on gloo
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)  # a run PyTorch aborted at exit runs twice
 def test_ddp_ranks_train_on_disjoint_shares_of_equal_length(tmp_path: Path) -> None:
     """``Trainer(strategy="ddp", devices=2)`` on CPU, the DataModule of docs/lightning.md: each
     rank's dataset takes its shard from the process group Lightning set up; the two ranks
     trained on as many batches, on disjoint samples that together are the epoch."""
     source, _ = write_source(tmp_path / "data", SIZES)
-    run_python(["-m", "tests._lightning_ddp", source, tmp_path], 170)
+    run_python(["-m", "tests._lightning_ddp", source, tmp_path], 170, torch_ddp=True)
     ranks = [(tmp_path / f"rank{r}.txt").read_text().split("\n")[:-1] for r in range(2)]
     assert len(ranks[0]) == len(ranks[1]) == sum(SIZES) // BATCH // 2
     shares = [{int(v) for line in lines for v in line.split()} for lines in ranks]
