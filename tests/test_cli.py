@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import h5py
 import numpy as np
 import pytest
 
 from asynchdf5 import DataLayerError, HDF5DataLayer
 from asynchdf5._cli._hints import SEEK_BYTES
-from asynchdf5._cli._util import size_in_bytes
+from asynchdf5._cli._util import run_async, size_in_bytes
 
 from ._files import LAYOUTS, N, write_h5, write_source
 from ._helpers import run_main
@@ -390,6 +391,29 @@ def _demo(args: Sequence[str]) -> subprocess.Popen[str]:
         text=True,
         cwd=REPO,
     )
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_commands_take_ctrl_c_where_their_event_loop_can(backend: str) -> None:
+    """Ctrl-C inside an anyio cancel scope, in code the loop does not protect: the command's
+    loop raises it at the next checkpoint (trio would raise it at once, and a KeyboardInterrupt
+    there can leave trio's scope open: the demo's SIGTERM once ended in "Cancel scope stack
+    corrupted")."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default handler in this process")
+    reached = []
+
+    async def main() -> None:
+        with anyio.CancelScope():
+            signal.raise_signal(signal.SIGINT)
+            reached.append("after the signal")
+            await anyio.sleep(0)
+            reached.append("after the checkpoint")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_async(main, backend=backend)
+    assert reached == ["after the signal"]
 
 
 @pytest.mark.timeout(60)

@@ -25,8 +25,6 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-import anyio
-
 from .. import AsyncHDF5DataLayer, DataLayerError
 from .._catalog import Catalog, build_catalog
 from .._config import DEFAULT_TOPS
@@ -34,7 +32,16 @@ from .._machine import memory_bytes
 from .._sources import is_url, open_source
 from ._inspect import Report, add_windows_argument, named_tops, render, report_on
 from ._limits import Rate, in_ram, raw_read, stored_ranges
-from ._util import mib, plural, positive, progress_bar, size_in_bytes, table, write_json
+from ._util import (
+    mib,
+    plural,
+    positive,
+    progress_bar,
+    run_async,
+    size_in_bytes,
+    table,
+    write_json,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -138,7 +145,7 @@ def bench(args: argparse.Namespace, report: Report) -> dict[str, Any]:
             "ragged group, which a raw read measures"
         )
     doc["raw_read_skipped"] = skipped
-    rates, opened, stats = anyio.run(
+    rates, opened, stats = run_async(
         layer_epochs,
         report.entries,
         _properties(args, report.tops),

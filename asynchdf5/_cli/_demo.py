@@ -30,7 +30,7 @@ import numpy.typing as npt
 from .. import AsyncHDF5DataLayer, DataLayerError, HDF5DataLayer
 from .. import transforms as T
 from ._sample import SAMPLE_BYTES, label_of, marker_of, write_dataset
-from ._util import Bar, plural, positive, progress_bar
+from ._util import Bar, plural, positive, progress_bar, run_async
 
 # --- checking and timing one epoch -------------------------------------------------------------
 
@@ -342,7 +342,7 @@ def run_demo(args: argparse.Namespace, folder: Path) -> int:
         if args.sync:
             reports, opened, stats = stream_sync(settings)
         else:
-            reports, opened, stats = anyio.run(stream_async, settings, backend=args.backend)
+            reports, opened, stats = run_async(stream_async, settings, backend=args.backend)
     except DataLayerError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+import anyio
+
 try:  # the `cli` and `pack` extras; the command line runs without a bar when it is missing
     from tqdm import tqdm
 except ImportError:  # pragma: no cover - tqdm is installed where the tests run
@@ -25,6 +27,7 @@ __all__ = [
     "plural",
     "positive",
     "progress_bar",
+    "run_async",
     "size_in_bytes",
     "table",
     "write_json",
@@ -189,3 +192,18 @@ def checkpoints() -> Iterator[Callable[[], None]]:
         if ours:
             signal.signal(signal.SIGINT, previous)
             sys.unraisablehook = hook
+
+
+def run_async(fn: Callable[..., Any], *args: object, backend: str) -> Any:
+    """``anyio.run(fn, *args, backend=backend)``, with Ctrl-C (and the signals that stand for
+    it) raised only where the program can take it.
+
+    asyncio's runner turns SIGINT into a cancellation of the main task. trio raises
+    KeyboardInterrupt at once in code it does not protect, and anyio's cancel scopes (its
+    wrappers of trio's) are such code: one landing between a trio scope's ``__enter__`` and the
+    ``with`` block leaves the scope open, and the next scope to close finds trio's stack
+    corrupted (a RuntimeError instead of the command's clean end). With
+    ``restrict_keyboard_interrupt_to_checkpoints``, trio raises it in the main task at its next
+    checkpoint, as a cancellation."""
+    options = {"restrict_keyboard_interrupt_to_checkpoints": True} if backend == "trio" else {}
+    return anyio.run(fn, *args, backend=backend, backend_options=options)
