@@ -126,27 +126,26 @@ def finish_all(launches: Sequence[tuple[Launch, Path]]) -> list[Run]:
     A run that ended in PyTorch's abort at interpreter exit (:data:`TORCH_EXIT_ABORT`) runs
     once more, alone: that abort happens after the script's last statement, in torch's own
     threads, and says nothing of the layer. Its output stays in front of the rerun's."""
+    runs = _side_by_side(launches)
+    for k, ((launch, out), run) in enumerate(zip(launches, runs, strict=True)):
+        if run.returncode != 0 and TORCH_EXIT_ABORT in run.output:
+            (again,) = _side_by_side([(launch, out)])
+            note = "\n--- PyTorch aborted at exit (TORCH_EXIT_ABORT); run again ---\n"
+            runs[k] = Run(out, again.returncode, run.output + note + again.output)
+    return runs
+
+
+def _side_by_side(launches: Sequence[tuple[Launch, Path]]) -> list[Run]:
     started: list[tuple[subprocess.Popen[str], Path]] = []
     try:
-        started += [(launch.start(), out) for launch, out in launches]
-        runs = [finish(proc, out) for proc, out in started]
+        for launch, out in launches:
+            started.append((launch.start(), out))
+        return [finish(proc, out) for proc, out in started]
     finally:
         for proc, _ in started:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
-    for k, ((launch, out), run) in enumerate(zip(launches, runs, strict=True)):
-        if run.returncode != 0 and TORCH_EXIT_ABORT in run.output:
-            proc = launch.start()
-            try:
-                again = finish(proc, out)
-            finally:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.communicate()
-            note = "\n--- PyTorch aborted at exit (TORCH_EXIT_ABORT); run again ---\n"
-            runs[k] = Run(out, again.returncode, run.output + note + again.output)
-    return runs
 
 
 def write_images(folder: Path, sizes: Sequence[int] = (1024, 1024)) -> None:
