@@ -5,6 +5,7 @@ is bounded), the command line run in-process, and a layer that must fail to open
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -115,21 +116,28 @@ def double_sigint_trials(
     """Run ``tests/_double_sigint.py ARGS`` (its trials of a double Ctrl-C): each trial's outcome
     (``ok`` where the child exited as an uncaught ``KeyboardInterrupt`` ends a script) and its
     stderr. The test fails with what the trials said so far where they outlast ``timeout``
-    (the exception carries it as bytes, which pytest would not show), or the script fails."""
+    (the exception carries it as bytes, which pytest would not show), or the script fails. The
+    script runs in a session of its own, killed whole on a timeout: its trial children too."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "_double_sigint.py"), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
-        out = subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "_double_sigint.py"), *map(str, args)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as e:
-        said, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
-        raise AssertionError(f"trials {args} ran out of time: {said!r}\n{err[-3000:]}") from e
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.split(), out.stderr
+        said, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        said, err = proc.communicate()
+        raise AssertionError(f"trials {args} ran out of time: {said!r}\n{err[-3000:]}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    return said.split(), err
 
 
 #: What a process prints when PyTorch (2.13, the gloo backend) aborts it at interpreter exit,
