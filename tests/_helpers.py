@@ -146,9 +146,10 @@ def double_sigint_trials(
 #: ``torch.autograd`` stashes, and where the interpreter has begun to finalize by then, taking
 #: the GIL to release it ends the thread through a noexcept destructor (core dumps: in
 #: ``ProcessGroupGloo::runLoop``, ``~AsyncAllreduceWork``, ``SafePyObject``, ``take_gil``).
-#: A 20-line DDP script that never imports asynchdf5 does it too, a few runs in a few hundred
-#: on two loaded cores; no statement after the last step prevents it (the group's threads
-#: outlive ``destroy_process_group``). A run that ends so runs once more.
+#: A 20-line DDP script that never imports asynchdf5 did it in 2 of 16 runs on two loaded
+#: cores (docs/pytorch.md's example, whose last all-reduce is further from its exit, in 1 of
+#: about 300); no statement after the last step prevents it (the group's threads outlive
+#: ``destroy_process_group``). A run that ends so runs once more.
 TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 
