@@ -1,4 +1,5 @@
-"""Small helpers of the command line: argument types, sizes in words, tables, progress bars."""
+"""Small helpers of the command line: argument types, sizes in words, tables, progress bars,
+Ctrl-C at safe points, and the event loop run with it."""
 
 from __future__ import annotations
 
