@@ -1,5 +1,6 @@
 """torchdata's ``StatefulDataLoader``, checking at :meth:`~StatefulDataLoader.load_state_dict`
-that the state comes from a loader with as many worker processes.
+that the state comes from a loader with as many worker processes, and refusing at
+:meth:`~StatefulDataLoader.state_dict` a state that cannot resume exactly.
 
 torchdata keeps a loader's state in two shapes: without workers, the main process's iterator
 (``_num_yielded``, the dataset's state); with workers, a snapshot holding one state per worker,
@@ -8,6 +9,11 @@ other ends in torchdata's ``AssertionError`` at the next ``iter(loader)``, befor
 asked anything (and under Lightning in "Please call iter(combined_loader) first"); between two
 worker counts, in the workers. Here both are a :class:`~asynchdf5.ConfigurationError` when the
 state is loaded, naming the count to resume with.
+
+With ``in_order=False`` and several workers, torchdata hands batches over as they come and its
+state does not say which were handed over (it warns that it gives no guarantee): a run resumed
+from it repeats batches and loses others. Its :meth:`~StatefulDataLoader.state_dict` is a
+:class:`~asynchdf5.ConfigurationError` here, at the first checkpoint instead of a wrong epoch.
 """
 
 from __future__ import annotations
@@ -67,7 +73,23 @@ class StatefulDataLoader(_TorchdataLoader):  # type: ignore[misc]
     """torchdata's ``StatefulDataLoader`` (use it as that one: ``batch_size=None`` for the
     datasets of :mod:`asynchdf5.torch`), whose :meth:`load_state_dict` refuses a state saved
     with another ``num_workers`` with a :class:`~asynchdf5.ConfigurationError` naming the count
-    to resume with, where torchdata's ends in an ``AssertionError`` at the next iteration."""
+    to resume with, where torchdata's ends in an ``AssertionError`` at the next iteration, and
+    whose :meth:`state_dict` refuses ``in_order=False`` with several workers (torchdata's state
+    then repeats and loses batches)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchdata's state of this loader; a :class:`~asynchdf5.ConfigurationError` where it
+        could not resume exactly (``in_order=False`` with several workers: see the module)."""
+        workers = int(self.num_workers)
+        if workers > 1 and not getattr(self, "in_order", True):
+            raise ConfigurationError(
+                f"a StatefulDataLoader with in_order=False and num_workers={workers} cannot "
+                "save a state that resumes exactly: it hands batches over as they come, and its "
+                "state does not say which ones it handed over (a resumed run repeats batches and "
+                "loses others); make the loader with in_order=True (the default) to save states"
+            )
+        state: dict[str, Any] = super().state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict`` (from :meth:`state_dict`), checked first (see the class)."""
