@@ -417,7 +417,7 @@ def main(argv: list[str]) -> int:
         join(job["cgroup_procs"])
     cold = bool(job["cold"])
     results: dict[str, Any] = {}
-    pages = page_costs() if job.get("page_probe") and not cold else None
+    pages = page_costs() if job["page_probe"] and not cold else None
     for name, lay in job["layouts"].items():
         paths, source, n = lay["paths"], lay["source"], lay["samples"]
         runs: dict[str, list[dict[str, Any]]] = {

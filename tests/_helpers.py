@@ -129,15 +129,21 @@ def double_sigint_trials(
     try:
         said, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        said, err = proc.communicate()
+        said, err = kill_session(proc)
         raise AssertionError(f"trials {args} ran out of time: {said!r}\n{err[-3000:]}") from None
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            kill_session(proc)
     assert proc.returncode == 0, err[-3000:]
     return said.split(), err
+
+
+def kill_session(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """Kill ``proc`` (started with ``start_new_session=True``) with every process of its
+    session, its children included; what it printed (stdout, stderr: "" where not piped)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, err = proc.communicate()
+    return out or "", err or ""
 
 
 #: What a process prints when PyTorch (2.13, the gloo backend) aborts it at interpreter exit,

@@ -40,7 +40,7 @@ import pytest
 from asynchdf5 import HDF5DataLayer
 
 from ._files import check_exactly_once, write_source
-from ._helpers import TORCH_EXIT_ABORT
+from ._helpers import TORCH_EXIT_ABORT, kill_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -114,8 +114,7 @@ def finish(proc: subprocess.Popen[str], out: Path) -> Run:
     try:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+        output, _ = kill_session(proc)
         pytest.fail(f"torchrun hung for {RUN_TIMEOUT} s; its output:\n{output[-4000:]}")
     return Run(out, proc.returncode, output)
 
@@ -144,8 +143,7 @@ def _side_by_side(launches: Sequence[tuple[Launch, Path]]) -> list[Run]:
     finally:
         for proc, _ in started:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+                kill_session(proc)
 
 
 def write_images(folder: Path, sizes: Sequence[int] = (1024, 1024)) -> None:
