@@ -159,6 +159,11 @@ def kill_session(proc: subprocess.Popen[str]) -> tuple[str, str]:
 TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 
+def pytorch_aborted_at_exit(returncode: int, output: str) -> bool:
+    """Whether a run failed with :data:`TORCH_EXIT_ABORT` in ``output``, its stdout and stderr."""
+    return returncode != 0 and TORCH_EXIT_ABORT in output
+
+
 def run_python(
     args: Sequence[object], timeout: float, *, torch_ddp: bool = False, **env: str
 ) -> str:
@@ -176,7 +181,7 @@ def run_python(
             text=True,
             timeout=timeout,
         )
-        if run.returncode == 0 or TORCH_EXIT_ABORT not in run.stdout + run.stderr:
+        if not pytorch_aborted_at_exit(run.returncode, run.stdout + run.stderr):
             break
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout

@@ -40,7 +40,7 @@ import pytest
 from asynchdf5 import HDF5DataLayer
 
 from ._files import check_exactly_once, write_source
-from ._helpers import TORCH_EXIT_ABORT, kill_session
+from ._helpers import TORCH_EXIT_ABORT, kill_session, pytorch_aborted_at_exit
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -127,7 +127,7 @@ def finish_all(launches: Sequence[tuple[Launch, Path]]) -> list[Run]:
     threads, and says nothing of the layer. Its output stays in front of the rerun's."""
     runs = _side_by_side(launches)
     for k, ((launch, out), run) in enumerate(zip(launches, runs, strict=True)):
-        if run.returncode != 0 and TORCH_EXIT_ABORT in run.output:
+        if pytorch_aborted_at_exit(run.returncode, run.output):
             (again,) = _side_by_side([(launch, out)])
             note = "\n--- PyTorch aborted at exit (TORCH_EXIT_ABORT); run again ---\n"
             runs[k] = Run(out, again.returncode, run.output + note + again.output)
